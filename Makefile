@@ -1,0 +1,31 @@
+# `make demo` and `make test` set themselves up: a venv in .venv, torch first (pinned), then the package.
+PYTHON ?= python3
+VENV   := .venv
+PY     := $(VENV)/bin/python
+STAMP  := $(VENV)/.installed
+TORCH  ?= torch==2.13.0
+NPROC  ?= 2
+
+.PHONY: setup test test-fast demo bench clean
+
+$(STAMP): pyproject.toml constraints.txt
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q "$(TORCH)"
+	$(PY) -m pip install -q -c constraints.txt -e ".[test]"
+	$(PY) -m pip list 2>/dev/null | grep -E "^(torch|onnx|onnxruntime) "
+	touch $(STAMP)
+
+setup: $(STAMP)
+
+test: setup
+	$(PY) -m pytest -q -p no:cacheprovider
+
+demo: setup
+	OMP_NUM_THREADS=$(or $(OMP_NUM_THREADS),2) $(PY) examples/train_char_gpt.py
+
+bench: setup
+	$(PY) bench/step.py
+
+clean:
+	rm -rf $(VENV) build *.egg-info

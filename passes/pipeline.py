@@ -1,0 +1,22 @@
+"""The ordered pass pipelines.  This is the one place that says what runs when."""
+
+from __future__ import annotations
+
+from .cleanup import remove_redundant_copies_pass
+from .reinplace import reinplace_optimizer_pass
+from .runner import GraphPass, PassContext
+
+
+def capture_cleanup_passes(ctx: PassContext) -> list[GraphPass]:
+    """Right after capture, before parallel expansion."""
+    return [remove_redundant_copies_pass]
+
+
+def parallel_passes(ctx: PassContext) -> list[GraphPass]:
+    """Distributed expansion for ``ctx.parallel_mode`` (empty on one rank)."""
+    return []
+
+
+def fx_executor_passes(ctx: PassContext) -> list[GraphPass]:
+    """Last passes before the graph runs on the fx executor."""
+    return [reinplace_optimizer_pass]

@@ -1,0 +1,11 @@
+"""spmd_ort: compile a whole PyTorch train step into one graph, distribute it, run it on ONNX Runtime."""
+
+from . import optim as _optim  # noqa: F401 - registers the spmd_ort:: ops
+from .api import CompiledStep, Override, compile
+from .errors import CompileError
+from .options import DebugOptions, LogLevel
+from .program import CompiledProgram
+
+__version__ = "0.1.0"
+
+__all__ = ["CompileError", "CompiledProgram", "CompiledStep", "DebugOptions", "LogLevel", "Override", "compile"]

@@ -1,0 +1,240 @@
+"""``spmd_ort.compile``: the decorator users put on their train step.
+
+Pipeline per compiled variant (one place, in :meth:`CompiledStep._compile`):
+
+    trace (spmd_ort.trace) -> capture clean-up passes -> parallel passes
+    -> Override.transform -> gm_transformation -> backend (fx executor / ORT)
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import time
+from abc import ABC, abstractmethod
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.utils._pytree as pytree
+from torch import fx, nn
+
+from spmd_ort import passes as P
+
+from .errors import CompileError
+from .optim import rule_for
+from .options import DebugOptions, configure_logging, env_str
+from .program import CompiledProgram
+from .runtime_fx import FxExecutor
+from .state import Slot, StateLayout
+from .trace import trace_step
+from .transition import StepKey, TransitionManager
+
+logger = logging.getLogger("spmd_ort")
+
+BACKENDS = ("fx",)
+
+
+class Override(ABC):
+    """Replace a submodule for tracing, then transform the traced graph.
+
+    ``replacement(fqn, orig_submodule)`` is called for every submodule before
+    tracing (children of a submodule that is kept are visited too); return the
+    module itself to keep it, or a traceable stand-in.  ``transform(gm,
+    flat_state)`` runs on the traced graph after the parallel passes and before
+    the backend: ``flat_state`` holds the state tensors of the first
+    ``len(flat_state)`` placeholders; a transform may append state (and
+    placeholders) but must keep both in the same order.
+    """
+
+    @abstractmethod
+    def replacement(self, fqn: str, orig_submodule: nn.Module) -> nn.Module: ...
+
+    @abstractmethod
+    def transform(self, gm: fx.GraphModule, flat_state: list[torch.Tensor]) -> fx.GraphModule: ...
+
+
+def _find_module_and_optimizer(args: tuple, kwargs: dict) -> tuple[nn.Module, torch.optim.Optimizer | None]:
+    modules, optimizers = [], []
+    for leaf in pytree.tree_leaves((args, kwargs)):
+        if isinstance(leaf, nn.Module) and not any(leaf is m for m in modules):
+            modules.append(leaf)
+        elif isinstance(leaf, torch.optim.Optimizer) and not any(leaf is o for o in optimizers):
+            optimizers.append(leaf)
+    if len(modules) != 1:
+        what = "no nn.Module" if not modules else f"{len(modules)} nn.Modules ({', '.join(type(m).__name__ for m in modules)})"
+        raise TypeError(f"spmd_ort.compile: the train step must receive exactly one nn.Module among its "
+                        f"arguments; got {what}")
+    if len(optimizers) > 1:
+        raise TypeError(f"spmd_ort.compile: the train step may receive at most one optimizer; got "
+                        f"{len(optimizers)} ({', '.join(type(o).__name__ for o in optimizers)})")
+    return modules[0], optimizers[0] if optimizers else None
+
+
+class _Swaps:
+    """Submodule replacements made for Overrides, undone if the compile fails."""
+
+    def __init__(self):
+        self.done: list[tuple[nn.Module, str, nn.Module]] = []
+
+    def apply(self, root: nn.Module, overrides: list[Override]) -> None:
+        def visit(prefix: str, module: nn.Module) -> None:
+            for name, child in list(module.named_children()):
+                fqn = f"{prefix}.{name}" if prefix else name
+                new = child
+                for override in overrides:
+                    new = override.replacement(fqn, new)
+                if new is child:
+                    visit(fqn, child)
+                else:
+                    setattr(module, name, new)
+                    self.done.append((module, name, child))
+
+        visit("", root)
+
+    def undo(self) -> None:
+        for parent, name, orig in reversed(self.done):
+            setattr(parent, name, orig)
+        self.done.clear()
+
+
+class CompiledStep:
+    """The callable that ``@spmd_ort.compile()`` returns.
+
+    ``compiled`` is the variant used by the last call (a :class:`CompiledProgram`:
+    ``.gm``, ``.input_slots``, ``.output_slots``, ``.passes_applied``,
+    ``.describe()``); ``variants`` lists all kept variants.
+    """
+
+    def __init__(self, fn: Callable, *, module_override, gm_transformation, parallel_mode, backend, debug):
+        functools.update_wrapper(self, fn)
+        self.fn = fn
+        self.module_override = list(module_override or [])
+        self.gm_transformation = gm_transformation
+        self.parallel_mode = parallel_mode
+        self.backend = backend
+        self.debug = debug
+        self.transitions: TransitionManager[CompiledProgram] = TransitionManager(getattr(fn, "__name__", "step"))
+        self.compiled: CompiledProgram | None = None
+        self._overridden: set[int] = set()
+
+    @property
+    def variants(self) -> list[CompiledProgram]:
+        return list(self.transitions.variants.values())
+
+    def __call__(self, *args: Any, last_train_step: bool = False, **kwargs: Any) -> Any:
+        module, opt = _find_module_and_optimizer(args, kwargs)
+        swaps = _Swaps()
+        if self.module_override and id(module) not in self._overridden:
+            swaps.apply(module, self.module_override)
+        try:
+            rule = rule_for(opt) if opt is not None else None
+            key = StepKey.of(module, opt, args, kwargs, lifted=rule.lifted if rule else ())
+            program = self.transitions.lookup(key)
+            if program is None:
+                program = self._compile(key, module, opt, rule, args, kwargs)
+                self.transitions.insert(key, program)
+            self.compiled = program
+            out = program.run(args, kwargs)
+        except BaseException:
+            swaps.undo()
+            raise
+        if swaps.done:
+            self._overridden.add(id(module))
+        if last_train_step:
+            # The last step of a run: nothing may be left in flight afterwards.
+            finish = getattr(program.executor, "finish", None)
+            if finish is not None:
+                finish()
+        return out
+
+    # ------------------------------------------------------------------ compile
+    def _compile(self, key: StepKey, module: nn.Module, opt, rule, args: tuple, kwargs: dict) -> CompiledProgram:
+        t0 = time.perf_counter()
+        layout = StateLayout.capture(module, opt, rule)
+        traced = trace_step(self.fn, args, kwargs, layout)
+        ctx = P.PassContext(input_slots=list(traced.input_slots), output_slots=list(traced.output_slots),
+                            parallel_mode=self.parallel_mode, disabled=P.disabled_from_env())
+        gm = P.run_passes(traced.gm, ctx, P.capture_cleanup_passes(ctx) + P.parallel_passes(ctx))
+        gm = self._user_transforms(gm, ctx, layout)
+        traced_gm = fx.GraphModule(traced.gm, traced.gm.graph)
+        executor, gm = self._backend(gm, ctx)
+        program = CompiledProgram(
+            key=key, gm=gm, traced_gm=traced_gm, layout=layout, input_slots=ctx.input_slots,
+            output_slots=ctx.output_slots, batch_positions=traced.batch_positions, user_spec=traced.user_spec,
+            user_leaves=traced.user_leaves, passes_applied=ctx.applied, executor=executor, backend=self.backend,
+            trace_seconds=traced.seconds, compile_seconds=time.perf_counter() - t0)
+        logger.info("compiled %s: %d graph nodes, trace %.2fs, total %.2fs", self.transitions.name,
+                    len(gm.graph.nodes), traced.seconds, program.compile_seconds)
+        return program
+
+    def _user_transforms(self, gm: fx.GraphModule, ctx: P.PassContext, layout: StateLayout) -> fx.GraphModule:
+        n_state = sum(1 for s in ctx.input_slots if s.kind != "batch")
+        for override in self.module_override:
+            flat_state = layout.gather()
+            gm = override.transform(gm, flat_state)
+            added = flat_state[n_state:]
+            if len(flat_state) < n_state:
+                raise CompileError(f"{type(override).__name__}.transform removed state entries; "
+                                   "it may only append state")
+            if added:
+                layout.extra_state.extend(added)
+                new_slots = [Slot("extra", f"extra[{len(layout.extra_state) - len(added) + i}]",
+                                  len(layout.extra_state) - len(added) + i) for i in range(len(added))]
+                ctx.input_slots[n_state:n_state] = new_slots
+                n_state += len(added)
+            self._check_placeholders(gm, ctx, type(override).__name__)
+        if self.gm_transformation is not None:
+            gm = self.gm_transformation(gm)
+            if not isinstance(gm, fx.GraphModule):
+                raise CompileError(f"gm_transformation returned {type(gm).__name__}, not a torch.fx.GraphModule")
+            self._check_placeholders(gm, ctx, "gm_transformation")
+        return gm
+
+    @staticmethod
+    def _check_placeholders(gm: fx.GraphModule, ctx: P.PassContext, who: str) -> None:
+        n = sum(1 for node in gm.graph.nodes if node.op == "placeholder")
+        if n != len(ctx.input_slots):
+            raise CompileError(f"{who} left the graph with {n} placeholders but the compiled step has "
+                               f"{len(ctx.input_slots)} inputs; keep placeholders and flat_state in step")
+
+    def _backend(self, gm: fx.GraphModule, ctx: P.PassContext):
+        if self.backend == "fx":
+            gm = P.run_passes(gm, ctx, P.fx_executor_passes(ctx))
+            return FxExecutor(gm), gm
+        raise CompileError(f"unknown backend {self.backend!r}; choose one of {', '.join(BACKENDS)}")
+
+
+def compile(  # noqa: A001 - the reference API's name
+    module_override: list[Override] | None = None,
+    gm_transformation: Callable[[fx.GraphModule], fx.GraphModule] | None = None,
+    parallel_mode: Any = None,
+    backend: str | None = None,
+    debug: DebugOptions | None = None,
+) -> Callable[[Callable], CompiledStep]:
+    """Compile a whole train step (forward, backward, optimizer step) into one graph.
+
+    The decorated function receives one ``nn.Module``, at most one optimizer and
+    the batch.  Parameters, buffers, gradients, optimizer state and each param
+    group's ``lr`` become graph inputs; after each call the module and optimizer
+    hold what an eager step would have produced.  The wrapper accepts
+    ``last_train_step=True`` (the last step of a run: pending work is finished).
+
+    Args:
+        module_override: :class:`Override` objects for submodules that cannot be traced.
+        gm_transformation: ``GraphModule -> GraphModule`` applied once per compiled variant.
+        parallel_mode: how to distribute the step (``None``: single process).
+        backend: ``"fx"`` (PyTorch executor); default from ``SPMD_ORT_BACKEND``.
+        debug: :class:`DebugOptions`.
+    """
+    debug = debug or DebugOptions()
+    configure_logging(debug)
+    chosen = backend or env_str("SPMD_ORT_BACKEND", BACKENDS[0])
+    if chosen not in BACKENDS:
+        raise ValueError(f"backend={chosen!r} is not one of {', '.join(BACKENDS)}")
+
+    def decorate(fn: Callable) -> CompiledStep:
+        return CompiledStep(fn, module_override=module_override, gm_transformation=gm_transformation,
+                            parallel_mode=parallel_mode, backend=chosen, debug=debug)
+
+    return decorate

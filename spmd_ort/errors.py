@@ -1,0 +1,18 @@
+"""Errors raised to users of spmd_ort."""
+
+from __future__ import annotations
+
+
+class CompileError(RuntimeError):
+    """The train step could not be compiled.
+
+    Raised before any state is touched: the module's parameters, buffers and
+    gradients and the optimizer's state are exactly as they were.  The message
+    names what failed (module FQN, op, rank where known) and how to fix it.
+    """
+
+    def __init__(self, message: str, *, fqn: str | None = None, op: str | None = None, rank: int | None = None):
+        super().__init__(message)
+        self.fqn = fqn
+        self.op = op
+        self.rank = rank

@@ -1,0 +1,224 @@
+"""Functional optimizer updates traced in place of ``optimizer.step()``.
+
+Tracing torch's own ``step()`` bakes every hyper-parameter into the graph as a
+Python float (so an LR schedule would re-trace each step) and, outside
+``torch.compile``, reads the step count with ``.item()``.  Instead, while the
+train step is traced, ``optimizer.step`` is replaced by the rule registered for
+its class in :data:`OPTIMIZER_RULES`.  A rule emits one functional multi-tensor
+op per param group (``spmd_ort::adam`` / ``spmd_ort::sgd``) whose learning rate
+is a graph input, and copies the results back into the traced state so the
+graph returns the new parameters and optimizer state.
+
+The ops run torch's fused multi-tensor kernels, so compiled numbers equal eager
+``fused=True`` exactly and ``foreach``/for-loop eager within fp32 rounding.
+Each op has an in-place twin (``adam_``/``sgd_``) that the
+``reinplace_optimizer_pass`` uses when the old state is not read afterwards.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from .errors import CompileError
+
+# --------------------------------------------------------------------------
+# Ops.  Output layouts are flat lists:
+#   adam: params, exp_avgs, exp_avg_sqs, max_exp_avg_sqs (amsgrad only), steps
+#   sgd:  params, momentum_buffers (momentum != 0 only)
+# --------------------------------------------------------------------------
+
+
+def _adam_kernel(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, steps, lr, beta1, beta2,
+                 weight_decay, eps, amsgrad, maximize, decoupled):
+    torch._foreach_add_(steps, 1)
+    kernel = torch._fused_adamw_ if decoupled else torch._fused_adam_
+    kernel(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs if amsgrad else [], steps,
+           lr=lr, beta1=beta1, beta2=beta2, weight_decay=weight_decay, eps=eps,
+           amsgrad=amsgrad, maximize=maximize)
+
+
+@torch.library.custom_op("spmd_ort::adam", mutates_args=())
+def adam(params: list[Tensor], grads: list[Tensor], exp_avgs: list[Tensor], exp_avg_sqs: list[Tensor],
+         max_exp_avg_sqs: list[Tensor], steps: list[Tensor], lr: Tensor, beta1: float, beta2: float,
+         weight_decay: float, eps: float, amsgrad: bool, maximize: bool, decoupled: bool) -> list[Tensor]:
+    """Functional Adam/AdamW over one param group; returns the new state (see layout)."""
+    out = [[t.clone() for t in ts] for ts in (params, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, steps)]
+    _adam_kernel(out[0], grads, out[1], out[2], out[3], out[4], lr, beta1, beta2, weight_decay, eps,
+                 amsgrad, maximize, decoupled)
+    return [t for ts in out for t in ts]
+
+
+@adam.register_fake
+def _(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, steps, lr, beta1, beta2, weight_decay,
+      eps, amsgrad, maximize, decoupled):
+    return [torch.empty_like(t) for ts in (params, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, steps) for t in ts]
+
+
+@torch.library.custom_op(
+    "spmd_ort::adam_", mutates_args=("params", "exp_avgs", "exp_avg_sqs", "max_exp_avg_sqs", "steps"))
+def adam_(params: list[Tensor], grads: list[Tensor], exp_avgs: list[Tensor], exp_avg_sqs: list[Tensor],
+          max_exp_avg_sqs: list[Tensor], steps: list[Tensor], lr: Tensor, beta1: float, beta2: float,
+          weight_decay: float, eps: float, amsgrad: bool, maximize: bool, decoupled: bool) -> None:
+    """In-place twin of :func:`adam`: updates the state tensors it is given."""
+    _adam_kernel(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, steps, lr, beta1, beta2,
+                 weight_decay, eps, amsgrad, maximize, decoupled)
+
+
+def _sgd_kernel(params, grads, bufs, lr, weight_decay, momentum, dampening, nesterov, maximize, first_step):
+    torch._fused_sgd_(params, grads, bufs if momentum != 0 else [], weight_decay=weight_decay,
+                      momentum=momentum, lr=lr, dampening=dampening, nesterov=nesterov,
+                      maximize=maximize, is_first_step=first_step)
+
+
+@torch.library.custom_op("spmd_ort::sgd", mutates_args=())
+def sgd(params: list[Tensor], grads: list[Tensor], momentum_buffers: list[Tensor], lr: Tensor,
+        weight_decay: float, momentum: float, dampening: float, nesterov: bool, maximize: bool) -> list[Tensor]:
+    """Functional SGD over one param group.  An empty ``momentum_buffers`` with
+    ``momentum != 0`` is the first step: buffers start as the gradient (as torch does)."""
+    new_params = [p.clone() for p in params]
+    first = momentum != 0 and not momentum_buffers
+    bufs = [torch.empty_like(g) for g in grads] if first else [b.clone() for b in momentum_buffers]
+    _sgd_kernel(new_params, grads, bufs, lr, weight_decay, momentum, dampening, nesterov, maximize, first)
+    return new_params + (bufs if momentum != 0 else [])
+
+
+@sgd.register_fake
+def _(params, grads, momentum_buffers, lr, weight_decay, momentum, dampening, nesterov, maximize):
+    bufs = [torch.empty_like(g) for g in grads] if momentum != 0 else []
+    return [torch.empty_like(p) for p in params] + bufs
+
+
+@torch.library.custom_op("spmd_ort::sgd_", mutates_args=("params", "momentum_buffers"))
+def sgd_(params: list[Tensor], grads: list[Tensor], momentum_buffers: list[Tensor], lr: Tensor,
+         weight_decay: float, momentum: float, dampening: float, nesterov: bool, maximize: bool) -> None:
+    """In-place twin of :func:`sgd` (never the first momentum step: buffers must exist)."""
+    _sgd_kernel(params, grads, momentum_buffers, lr, weight_decay, momentum, dampening, nesterov, maximize, False)
+
+
+# functional op -> (in-place twin, names of the mutated list arguments in output order)
+INPLACE_TWINS: dict = {
+    torch.ops.spmd_ort.adam.default: (torch.ops.spmd_ort.adam_.default,
+                                      ("params", "exp_avgs", "exp_avg_sqs", "max_exp_avg_sqs", "steps")),
+    torch.ops.spmd_ort.sgd.default: (torch.ops.spmd_ort.sgd_.default, ("params", "momentum_buffers")),
+}
+
+# --------------------------------------------------------------------------
+# Rules: run at trace time on the traced (proxy) param groups and state.
+# --------------------------------------------------------------------------
+
+
+def _check_group(opt: torch.optim.Optimizer, gi: int, group: dict, unsupported: tuple[str, ...]) -> None:
+    for key in unsupported:
+        if group.get(key):
+            raise CompileError(
+                f"{type(opt).__name__} param group {gi}: option {key}=True is not supported by the "
+                "compiled step; remove it or step this optimizer outside the compiled function",
+                op=f"{type(opt).__name__}.step")
+
+
+def _with_grad(group: dict) -> list[Tensor]:
+    return [p for p in group["params"] if p.grad is not None]
+
+
+def _copy_back(dst: list[Tensor], src: list[Tensor]) -> None:
+    for d, s in zip(dst, src, strict=True):
+        d.copy_(s)
+
+
+def adam_rule(opt: torch.optim.Optimizer) -> None:
+    """Adam and AdamW (``decoupled_weight_decay``)."""
+    for gi, group in enumerate(opt.param_groups):
+        _check_group(opt, gi, group, ("differentiable",))
+        params = _with_grad(group)
+        if not params:
+            continue
+        beta1, beta2 = group["betas"]
+        amsgrad = group["amsgrad"]
+        for p in params:
+            if p.grad.is_sparse:
+                raise CompileError("Adam does not support sparse gradients", op="Adam.step")
+            state = opt.state[p]
+            if len(state) == 0:
+                # Same initial state as torch.optim.Adam._init_group.
+                on_param = group.get("fused") or group.get("capturable")
+                state["step"] = torch.zeros((), dtype=torch.float32, device=p.device if on_param else "cpu")
+                state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+                state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+                if amsgrad:
+                    state["max_exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+        states = [opt.state[p] for p in params]
+        lists = dict(
+            params=params,
+            exp_avgs=[s["exp_avg"] for s in states],
+            exp_avg_sqs=[s["exp_avg_sq"] for s in states],
+            max_exp_avg_sqs=[s["max_exp_avg_sq"] for s in states] if amsgrad else [],
+            steps=[s["step"] for s in states],
+        )
+        out = torch.ops.spmd_ort.adam(
+            params, [p.grad for p in params], lists["exp_avgs"], lists["exp_avg_sqs"],
+            lists["max_exp_avg_sqs"], lists["steps"], group["lr"], float(beta1), float(beta2),
+            float(group["weight_decay"]), float(group["eps"]), bool(amsgrad), bool(group["maximize"]),
+            bool(group.get("decoupled_weight_decay", False)))
+        i = 0
+        for name in ("params", "exp_avgs", "exp_avg_sqs", "max_exp_avg_sqs", "steps"):
+            n = len(lists[name])
+            _copy_back(lists[name], out[i:i + n])
+            i += n
+
+
+def sgd_rule(opt: torch.optim.Optimizer) -> None:
+    """SGD with momentum, dampening, nesterov, weight decay, maximize."""
+    for gi, group in enumerate(opt.param_groups):
+        _check_group(opt, gi, group, ("differentiable",))
+        params = _with_grad(group)
+        if not params:
+            continue
+        momentum = float(group["momentum"])
+        bufs = [opt.state[p].get("momentum_buffer") for p in params]
+        have = [b is not None for b in bufs]
+        if momentum != 0 and any(have) and not all(have):
+            raise CompileError(
+                f"SGD param group {gi}: some parameters have a momentum buffer and some do not; "
+                "the compiled step needs all or none", op="SGD.step")
+        bufs = [b for b in bufs if b is not None]
+        out = torch.ops.spmd_ort.sgd(
+            params, [p.grad for p in params], bufs, group["lr"], float(group["weight_decay"]), momentum,
+            float(group["dampening"]), bool(group["nesterov"]), bool(group["maximize"]))
+        _copy_back(params, out[:len(params)])
+        if momentum != 0:
+            new_bufs = out[len(params):]
+            if bufs:
+                _copy_back(bufs, new_bufs)
+            else:
+                for p, b in zip(params, new_bufs):
+                    opt.state[p]["momentum_buffer"] = b
+
+
+@dataclass(frozen=True)
+class OptimizerRule:
+    step: Callable[[torch.optim.Optimizer], None]
+    # param-group keys that are lifted as graph inputs (tensors); all other
+    # group values are baked into the graph and belong to the re-trace key.
+    lifted: tuple[str, ...] = ("lr",)
+
+
+OPTIMIZER_RULES: dict[type, OptimizerRule] = {
+    torch.optim.Adam: OptimizerRule(adam_rule),
+    torch.optim.AdamW: OptimizerRule(adam_rule),
+    torch.optim.SGD: OptimizerRule(sgd_rule),
+}
+
+
+def rule_for(opt: torch.optim.Optimizer) -> OptimizerRule:
+    rule = OPTIMIZER_RULES.get(type(opt))
+    if rule is None:
+        names = ", ".join(sorted(t.__name__ for t in OPTIMIZER_RULES))
+        raise CompileError(
+            f"optimizer {type(opt).__module__}.{type(opt).__qualname__} has no functional rule "
+            f"(supported: {names}); register one in spmd_ort.optim.OPTIMIZER_RULES or step this "
+            "optimizer outside the compiled function", op=f"{type(opt).__name__}.step")
+    return rule

@@ -1,0 +1,82 @@
+"""A compiled variant of the train step: graph, IO map, passes applied, executor."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.utils._pytree as pytree
+from torch import fx
+
+from spmd_ort.passes import PassRecord, op_counts
+
+from .state import Slot, StateLayout
+from .transition import StepKey
+
+
+@dataclass
+class CompiledProgram:
+    """What the compiler produced for one input signature.
+
+    ``gm`` is the final graph (placeholders ``input_slots``, outputs
+    ``output_slots``); ``traced_gm`` the graph as captured, before any pass.
+    """
+
+    key: StepKey
+    gm: fx.GraphModule
+    traced_gm: fx.GraphModule
+    layout: StateLayout
+    input_slots: list[Slot]
+    output_slots: list[Slot]
+    batch_positions: list[int]
+    user_spec: pytree.TreeSpec
+    user_leaves: list[Any]
+    passes_applied: list[PassRecord]
+    executor: Any
+    backend: str
+    trace_seconds: float
+    compile_seconds: float
+    steps_run: int = 0
+    stats: dict = field(default_factory=dict)
+
+    @property
+    def graph(self) -> fx.Graph:
+        return self.gm.graph
+
+    def run(self, args: tuple, kwargs: dict) -> Any:
+        leaves = pytree.tree_leaves((args, kwargs))
+        inputs = self.layout.gather() + [leaves[i] for i in self.batch_positions]
+        outs = self.executor.run(inputs)
+        state_slots, state_vals, user_vals = [], [], []
+        for slot, value in zip(self.output_slots, outs, strict=True):
+            if slot.kind == "user":
+                user_vals.append(value)
+            elif slot.kind == "batch":
+                with torch.no_grad():
+                    leaves[self.batch_positions[slot.index]].copy_(value)
+            else:
+                state_slots.append(slot)
+                state_vals.append(value)
+        self.layout.write_back(state_slots, state_vals)
+        self.steps_run += 1
+        it = iter(user_vals)
+        return pytree.tree_unflatten([next(it) if x is None else x for x in self.user_leaves], self.user_spec)
+
+    def describe(self) -> str:
+        """A human-readable summary: IO map, op counts, passes."""
+        lines = [f"compiled train step ({self.backend} backend): {len(self.gm.graph.nodes)} nodes, "
+                 f"traced in {self.trace_seconds:.2f}s, compiled in {self.compile_seconds:.2f}s"]
+        kinds: dict[str, int] = {}
+        for s in self.input_slots:
+            kinds[s.kind] = kinds.get(s.kind, 0) + 1
+        lines.append("inputs: " + ", ".join(f"{n} {k}" for k, n in kinds.items()))
+        kinds = {}
+        for s in self.output_slots:
+            kinds[s.kind] = kinds.get(s.kind, 0) + 1
+        lines.append("outputs: " + ", ".join(f"{n} {k}" for k, n in kinds.items()))
+        lines.append("passes:")
+        lines += [f"  {r}" for r in self.passes_applied]
+        lines.append("ops:")
+        lines += [f"  {n:5d}  {op}" for op, n in op_counts(self.gm).most_common()]
+        return "\n".join(lines)

@@ -1,0 +1,21 @@
+"""The "fx" executor: runs the compiled graph with PyTorch, op by op, without autograd.
+
+It is the reference executor (every other backend is checked against it) and
+the fallback for graph segments another backend cannot run.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import fx
+
+
+class FxExecutor:
+    name = "fx"
+
+    def __init__(self, gm: fx.GraphModule):
+        self.gm = gm
+
+    def run(self, inputs: list[torch.Tensor]) -> list[torch.Tensor]:
+        with torch.no_grad():
+            return list(self.gm(*inputs))

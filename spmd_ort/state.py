@@ -1,0 +1,265 @@
+"""Lifted training state: what the compiled graph takes as inputs and returns.
+
+A :class:`StateLayout` fixes, for one compiled variant, the order of the state
+placeholders of the graph:
+
+    params | buffers | grads (params that have one) | optimizer state | hyper-parameters
+
+followed by the tensor leaves of the user's arguments.  It binds traced
+tensors into the module and optimizer while tracing (:meth:`StateLayout.bind`),
+gathers the real tensors before each run (:meth:`gather`) and writes the new
+state back after it (:meth:`write_back`), so that ``model.state_dict()`` and
+``opt.state_dict()`` hold what an eager step would have produced.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections import defaultdict
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+
+import torch
+from torch import Tensor, nn
+from torch.nn.utils import stateless
+
+from .optim import OptimizerRule
+
+
+@dataclass(frozen=True)
+class Slot:
+    """One graph input or output and the state it belongs to.
+
+    ``kind`` is one of ``param``, ``buffer``, ``grad``, ``opt_state``, ``hparam``,
+    ``extra`` (state added by an Override transform), ``batch`` (a tensor leaf of
+    the user's arguments) or ``user`` (a leaf of the step's return value).
+    ``index`` points into the layout's list for that kind; ``key`` is the
+    optimizer-state key or hyper-parameter name.
+    """
+
+    kind: str
+    name: str
+    index: int
+    key: str | None = None
+
+
+@dataclass
+class StateLayout:
+    module: nn.Module
+    opt: torch.optim.Optimizer | None
+    rule: OptimizerRule | None
+    params: list[nn.Parameter]
+    param_names: list[list[str]]  # every FQN of each unique parameter (tied weights share one)
+    buffers: list[Tensor]
+    buffer_names: list[list[str]]
+    grad_params: list[int]  # params whose .grad is lifted
+    opt_entries: list[tuple[int, str]]  # (param index, state key) of tensor-valued optimizer state
+    hparam_entries: list[tuple[int, str]]  # (param group, key) lifted as 0-dim float64 tensors
+    hparam_tensors: list[Tensor] = field(default_factory=list)
+    extra_state: list[Tensor] = field(default_factory=list)
+
+    # ------------------------------------------------------------------ capture
+    @classmethod
+    def capture(cls, module: nn.Module, opt: torch.optim.Optimizer | None,
+                rule: OptimizerRule | None) -> StateLayout:
+        params, param_names, index = [], [], {}
+        for name, p in module.named_parameters(remove_duplicate=False):
+            if id(p) in index:
+                param_names[index[id(p)]].append(name)
+            else:
+                index[id(p)] = len(params)
+                params.append(p)
+                param_names.append([name])
+        buffers, buffer_names, bindex = [], [], {}
+        for name, b in module.named_buffers(remove_duplicate=False):
+            if id(b) in bindex:
+                buffer_names[bindex[id(b)]].append(name)
+            else:
+                bindex[id(b)] = len(buffers)
+                buffers.append(b)
+                buffer_names.append([name])
+        grad_params = [i for i, p in enumerate(params) if p.grad is not None]
+        opt_entries, hparams = [], []
+        if opt is not None:
+            from .errors import CompileError
+
+            for gi, group in enumerate(opt.param_groups):
+                for p in group["params"]:
+                    if id(p) not in index:
+                        raise CompileError(
+                            f"optimizer param group {gi} holds a tensor of shape {tuple(p.shape)} that is not "
+                            f"a parameter of {type(module).__name__}; give the optimizer module.parameters()")
+                    for key, value in opt.state.get(p, {}).items():
+                        if isinstance(value, Tensor):
+                            opt_entries.append((index[id(p)], key))
+                hparams += [(gi, key) for key in rule.lifted if key in group]
+        layout = cls(module, opt, rule, params, param_names, buffers, buffer_names, grad_params,
+                     opt_entries, hparams)
+        layout.hparam_tensors = [torch.zeros((), dtype=torch.float64) for _ in hparams]
+        return layout
+
+    # ------------------------------------------------------------------ slots
+    def input_slots(self) -> list[Slot]:
+        slots = [Slot("param", n[0], i) for i, n in enumerate(self.param_names)]
+        slots += [Slot("buffer", n[0], i) for i, n in enumerate(self.buffer_names)]
+        slots += [Slot("grad", self.param_names[i][0] + ".grad", i) for i in self.grad_params]
+        slots += [Slot("opt_state", f"{self.param_names[i][0]}.{k}", i, k) for i, k in self.opt_entries]
+        slots += [Slot("hparam", f"param_groups[{g}].{k}", g, k) for g, k in self.hparam_entries]
+        slots += [Slot("extra", f"extra[{i}]", i) for i in range(len(self.extra_state))]
+        return slots
+
+    def gather(self) -> list[Tensor]:
+        """The real state tensors, in placeholder order, for this step."""
+        flat: list[Tensor] = list(self.params) + list(self.buffers)
+        flat += [self.params[i].grad for i in self.grad_params]
+        if self.opt is not None:
+            flat += [self.opt.state[self.params[i]][k] for i, k in self.opt_entries]
+            groups = self.opt.param_groups
+            for t, (g, k) in zip(self.hparam_tensors, self.hparam_entries):
+                t.fill_(groups[g][k])
+                flat.append(t)
+        return flat + self.extra_state
+
+    # ------------------------------------------------------------------ tracing
+    @contextlib.contextmanager
+    def bind(self, state: list[Tensor]) -> Iterator[BoundState]:
+        """Put traced tensors where the module and optimizer look for state."""
+        it = iter(state)
+        params = [next(it) for _ in self.params]
+        buffers = [next(it) for _ in self.buffers]
+        for i in self.grad_params:
+            params[i].grad = next(it)
+        opt_vals = [next(it) for _ in self.opt_entries]
+        hparams = [next(it) for _ in self.hparam_entries]
+        mapping = {n: t for names, t in zip(self.param_names, params) for n in names}
+        mapping.update({n: t for names, t in zip(self.buffer_names, buffers) for n in names})
+        with stateless._reparametrize_module(self.module, mapping), \
+                self._bind_optimizer(params, opt_vals, hparams) as opt_state:
+            yield BoundState(self, params, opt_state)
+
+    @contextlib.contextmanager
+    def _bind_optimizer(self, params: list[Tensor], opt_vals: list[Tensor], hparams: list[Tensor]):
+        opt = self.opt
+        if opt is None:
+            yield {}
+            return
+        index = {id(p): i for i, p in enumerate(self.params)}
+        saved_groups = [dict(g) for g in opt.param_groups]
+        saved_state, saved_attrs = opt.state, {k: opt.__dict__[k] for k in ("step", "zero_grad") if k in opt.__dict__}
+        traced_state: defaultdict = defaultdict(dict)
+        for p, st in saved_state.items():
+            if id(p) in index:  # non-tensor state (if any) is carried as is
+                traced_state[params[index[id(p)]]] = {k: v for k, v in st.items() if not isinstance(v, Tensor)}
+        for (i, k), v in zip(self.opt_entries, opt_vals):
+            traced_state[params[i]][k] = v
+        for g in opt.param_groups:
+            g["params"] = [params[index[id(p)]] for p in g["params"]]
+        for (g, k), v in zip(self.hparam_entries, hparams):
+            opt.param_groups[g][k] = v
+        rule = self.rule
+
+        def traced_step(closure=None):
+            if closure is not None:
+                raise TypeError("optimizer.step(closure) is not supported inside a compiled train step")
+            with torch.no_grad():
+                rule.step(opt)
+
+        def traced_zero_grad(set_to_none: bool = True):
+            for g in opt.param_groups:
+                for p in g["params"]:
+                    _zero_grad(p, set_to_none)
+
+        try:
+            opt.state = traced_state
+            opt.step = traced_step
+            opt.zero_grad = traced_zero_grad
+            yield traced_state
+        finally:
+            opt.state = saved_state
+            for g, saved in zip(opt.param_groups, saved_groups):
+                g.clear()
+                g.update(saved)
+            for k in ("step", "zero_grad"):
+                opt.__dict__.pop(k, None)
+            opt.__dict__.update(saved_attrs)
+
+    # ------------------------------------------------------------------ write back
+    def write_back(self, slots: list[Slot], values: list[Tensor]) -> None:
+        """Store a step's new state into the module and optimizer.
+
+        A value that *is* the state tensor (updated in place by the graph) is
+        left alone; others are copied into the existing tensor, so that
+        references users hold (``model.parameters()``, optimizer state) stay valid.
+        """
+        new_grads: dict[int, Tensor] = {}
+        with torch.no_grad():
+            for slot, v in zip(slots, values):
+                kind = slot.kind
+                if kind == "param":
+                    _store(self.params[slot.index], v)
+                elif kind == "buffer":
+                    _store(self.buffers[slot.index], v)
+                elif kind == "grad":
+                    new_grads[slot.index] = v
+                elif kind == "opt_state":
+                    st = self.opt.state[self.params[slot.index]]
+                    if slot.key in st:
+                        _store(st[slot.key], v)
+                    else:
+                        st[slot.key] = v
+                else:
+                    raise AssertionError(f"no write-back for {slot}")
+            for i, p in enumerate(self.params):
+                g = new_grads.get(i)
+                if g is None:
+                    p.grad = None
+                elif p.grad is not None and p.grad.shape == g.shape and p.grad.dtype == g.dtype:
+                    _store(p.grad, g)
+                else:
+                    p.grad = g
+        if self.opt is not None:
+            # torch's LR schedulers check that optimizer.step() ran before them.
+            self.opt._opt_called = True
+
+
+@dataclass
+class BoundState:
+    """The traced state while the user's step runs; read at the end of it."""
+
+    layout: StateLayout
+    params: list[Tensor]
+    opt_state: dict
+
+    def final(self) -> list[tuple[Slot, Tensor]]:
+        """Every piece of state as it stands now, as (slot, traced tensor)."""
+        layout = self.layout
+        out = [(Slot("param", n[0], i), p) for i, (n, p) in enumerate(zip(layout.param_names, self.params))]
+        for i, names in enumerate(layout.buffer_names):
+            # Read through the module: a step may re-assign a buffer attribute.
+            out.append((Slot("buffer", names[0], i), layout.module.get_buffer(names[0])))
+        for i, p in enumerate(self.params):
+            if p.grad is not None:
+                out.append((Slot("grad", layout.param_names[i][0] + ".grad", i), p.grad))
+        for i, p in enumerate(self.params):
+            for k, v in self.opt_state.get(p, {}).items():
+                if isinstance(v, Tensor):
+                    out.append((Slot("opt_state", f"{layout.param_names[i][0]}.{k}", i, k), v))
+        return out
+
+
+def _zero_grad(p: Tensor, set_to_none: bool) -> None:
+    if p.grad is None:
+        return
+    if set_to_none:
+        p.grad = None
+    else:
+        if p.grad.grad_fn is not None:
+            p.grad.detach_()
+        else:
+            p.grad.requires_grad_(False)
+        p.grad.zero_()
+
+
+def _store(dst: Tensor, src: Tensor) -> None:
+    if src is not dst:
+        dst.copy_(src)

@@ -1,0 +1,160 @@
+"""The one place that decides whether a call can reuse a compiled variant.
+
+A :class:`StepKey` describes everything the traced graph was specialised on:
+the structure, shapes, dtypes, devices and ``requires_grad`` of the inputs and
+their non-tensor values, the module's training modes, its parameters and
+buffers (identity, shape, dtype, whether a gradient is present), and the
+optimizer's param groups (parameters, baked hyper-parameters) and state layout.
+Values that are graph inputs (tensor contents, lifted hyper-parameters such as
+``lr``) are not part of it, so changing them never re-traces.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import OrderedDict
+from dataclasses import dataclass
+from typing import Any, Generic, TypeVar
+
+import torch
+import torch.utils._pytree as pytree
+from torch import nn
+
+logger = logging.getLogger("spmd_ort")
+
+MAX_VARIANTS = 8
+T = TypeVar("T")
+
+
+def _tensor_desc(t: torch.Tensor) -> tuple:
+    return ("tensor", tuple(t.shape), str(t.dtype), str(t.device), bool(t.requires_grad))
+
+
+def _leaf_desc(x: Any) -> Any:
+    if isinstance(x, torch.Tensor):
+        return _tensor_desc(x)
+    if isinstance(x, nn.Module):
+        return ("module", type(x).__qualname__, id(x))
+    if isinstance(x, torch.optim.Optimizer):
+        return ("optimizer", type(x).__qualname__, id(x))
+    try:
+        hash(x)
+        return ("value", type(x).__qualname__, x)
+    except TypeError:
+        return ("value", type(x).__qualname__, repr(x))
+
+
+def _group_desc(group: dict, lifted: tuple[str, ...]) -> tuple:
+    items = []
+    for k, v in sorted(group.items()):
+        if k == "params":
+            items.append((k, tuple(id(p) for p in v)))
+        elif k in lifted:
+            items.append((k, "lifted"))
+        elif isinstance(v, torch.Tensor):
+            items.append((k, _tensor_desc(v), float(v) if v.numel() == 1 else None))
+        else:
+            items.append((k, _leaf_desc(v)))
+    return tuple(items)
+
+
+@dataclass(frozen=True)
+class StepKey:
+    inputs: tuple
+    training: tuple
+    params: tuple
+    buffers: tuple
+    optimizer: tuple
+    world: tuple
+
+    @classmethod
+    def of(cls, module: nn.Module, opt: torch.optim.Optimizer | None, args: tuple, kwargs: dict,
+           lifted: tuple[str, ...] = ("lr",), world: tuple = ()) -> StepKey:
+        # Every component is a tuple of (label, value) pairs so that diff() can say what changed.
+        leaves, spec = pytree.tree_flatten((args, kwargs))
+        inputs = (("structure", str(spec)),) + tuple((f"leaf[{i}]", _leaf_desc(x)) for i, x in enumerate(leaves))
+        training = tuple((fqn or "<root>", m.training) for fqn, m in module.named_modules())
+        params = tuple(
+            (name, (id(p), tuple(p.shape), str(p.dtype), str(p.device), p.requires_grad,
+                    None if p.grad is None else ("grad", tuple(p.grad.shape), str(p.grad.dtype))))
+            for name, p in module.named_parameters(remove_duplicate=False))
+        buffers = tuple((name, (id(b), tuple(b.shape), str(b.dtype), str(b.device)))
+                        for name, b in module.named_buffers(remove_duplicate=False))
+        optimizer: tuple = ()
+        if opt is not None:
+            names = {id(p): n for n, p in module.named_parameters()}
+            state = tuple(
+                (f"state[{names.get(id(p), '?')}]",
+                 tuple((k, _tensor_desc(v) if isinstance(v, torch.Tensor) else _leaf_desc(v))
+                       for k, v in sorted(opt.state[p].items())) if p in opt.state else ())
+                for g in opt.param_groups for p in g["params"])
+            optimizer = (("class", type(opt).__qualname__),) + tuple(
+                (f"param_groups[{i}]", _group_desc(g, lifted)) for i, g in enumerate(opt.param_groups)) + state
+        return cls(inputs, training, params, buffers, optimizer, world)
+
+    def diff(self, other: StepKey) -> str:
+        """A short account of what differs from ``other`` (for the re-trace log)."""
+        parts = []
+        for name in ("inputs", "training", "params", "buffers", "optimizer", "world"):
+            mine, theirs = getattr(self, name), getattr(other, name)
+            if mine != theirs:
+                parts.append(f"{name} changed{_first_difference(theirs, mine)}")
+        return "; ".join(parts) or "nothing"
+
+
+def _first_difference(old: Any, new: Any) -> str:
+    """Follow two labelled key components to the first differing entry."""
+    path = []
+    while isinstance(old, tuple) and isinstance(new, tuple):
+        if len(old) != len(new):
+            break
+        idx = next((i for i, (a, b) in enumerate(zip(old, new)) if a != b), None)
+        if idx is None:
+            return ""
+        a, b = old[idx], new[idx]
+        if _labelled(a) and _labelled(b) and a[0] == b[0]:
+            path.append(a[0])
+            old, new = a[1], b[1]
+        else:
+            old, new = a, b
+            break
+    where = f" ({' / '.join(path)})" if path else ""
+    return f"{where}: {_short(old)} -> {_short(new)}"
+
+
+def _labelled(x: Any) -> bool:
+    return isinstance(x, tuple) and len(x) == 2 and isinstance(x[0], str)
+
+
+def _short(x: Any, limit: int = 160) -> str:
+    text = repr(x)
+    return text if len(text) <= limit else text[:limit] + "..."
+
+
+class TransitionManager(Generic[T]):
+    """Compiled variants keyed by :class:`StepKey`, most recently used last (LRU, 8)."""
+
+    def __init__(self, name: str, max_variants: int = MAX_VARIANTS):
+        self.name = name
+        self.max_variants = max_variants
+        self.variants: OrderedDict[StepKey, T] = OrderedDict()
+        self.last_key: StepKey | None = None
+        self.traces = 0
+
+    def lookup(self, key: StepKey) -> T | None:
+        found = self.variants.get(key)
+        if found is not None:
+            self.variants.move_to_end(key)
+        elif self.last_key is not None:
+            logger.info("re-tracing %s: %s", self.name, key.diff(self.last_key))
+        self.last_key = key
+        return found
+
+    def insert(self, key: StepKey, value: T) -> None:
+        self.traces += 1
+        self.variants[key] = value
+        self.variants.move_to_end(key)
+        while len(self.variants) > self.max_variants:
+            evicted, _ = self.variants.popitem(last=False)
+            logger.info("%s: dropping least recently used compiled variant (%d kept)", self.name,
+                        self.max_variants)
