@@ -71,6 +71,14 @@ def _find_module_and_optimizer(args: tuple, kwargs: dict) -> tuple[nn.Module, to
     return modules[0], optimizers[0] if optimizers else None
 
 
+def _snapshot(gm: fx.GraphModule) -> fx.GraphModule:
+    """A copy of ``gm`` whose graph later passes cannot touch."""
+    graph = fx.Graph()
+    out = graph.graph_copy(gm.graph, {})
+    graph.output(out)
+    return fx.GraphModule(gm, graph)
+
+
 class _Swaps:
     """Submodule replacements made for Overrides, undone if the compile fails."""
 
@@ -153,11 +161,11 @@ class CompiledStep:
         t0 = time.perf_counter()
         layout = StateLayout.capture(module, opt, rule)
         traced = trace_step(self.fn, args, kwargs, layout)
+        traced_gm = _snapshot(traced.gm)
         ctx = P.PassContext(input_slots=list(traced.input_slots), output_slots=list(traced.output_slots),
                             parallel_mode=self.parallel_mode, disabled=P.disabled_from_env())
         gm = P.run_passes(traced.gm, ctx, P.capture_cleanup_passes(ctx) + P.parallel_passes(ctx))
         gm = self._user_transforms(gm, ctx, layout)
-        traced_gm = fx.GraphModule(traced.gm, traced.gm.graph)
         executor, gm = self._backend(gm, ctx)
         program = CompiledProgram(
             key=key, gm=gm, traced_gm=traced_gm, layout=layout, input_slots=ctx.input_slots,

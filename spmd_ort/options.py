@@ -61,8 +61,8 @@ def configure_logging(debug: DebugOptions) -> None:
     else:
         level = debug.log_level
     logger.setLevel(int(level))
-    if not logger.handlers:
+    # Print on our own only where the application has not configured logging.
+    if not logger.handlers and not logging.getLogger().handlers:
         handler = logging.StreamHandler()
         handler.setFormatter(logging.Formatter("[spmd_ort %(levelname)s] %(message)s"))
         logger.addHandler(handler)
-        logger.propagate = False

@@ -12,6 +12,7 @@ from torch import fx
 from spmd_ort.passes import PassRecord, op_counts
 
 from .state import Slot, StateLayout
+from .trace import TENSOR
 from .transition import StepKey
 
 
@@ -61,7 +62,7 @@ class CompiledProgram:
         self.layout.write_back(state_slots, state_vals)
         self.steps_run += 1
         it = iter(user_vals)
-        return pytree.tree_unflatten([next(it) if x is None else x for x in self.user_leaves], self.user_spec)
+        return pytree.tree_unflatten([next(it) if x is TENSOR else x for x in self.user_leaves], self.user_spec)
 
     def describe(self) -> str:
         """A human-readable summary: IO map, op counts, passes."""

@@ -28,7 +28,7 @@ import torch
 import torch.utils._pytree as pytree
 from torch import fx, nn
 from torch._decomp import get_decompositions
-from torch.fx.experimental.proxy_tensor import make_fx
+from torch.fx.experimental.proxy_tensor import get_proxy_mode, make_fx
 
 from .errors import CompileError
 from .state import Slot, StateLayout
@@ -36,6 +36,8 @@ from .state import Slot, StateLayout
 logger = logging.getLogger("spmd_ort")
 aten = torch.ops.aten
 
+
+TENSOR = object()  # marks where a graph output goes in the step's return value
 
 # Ops that mutate their arguments but have no functionalization rule of their
 # own; their decompositions reach ops that do (e.g. _native_batch_norm_legit).
@@ -51,25 +53,36 @@ class TracedStep:
     output_slots: list[Slot]  # one per graph output
     batch_positions: list[int]  # positions of tensor leaves in the flattened (args, kwargs)
     user_spec: pytree.TreeSpec  # structure of the step's return value
-    user_leaves: list[Any]  # non-tensor leaves of the return value (None where a tensor goes)
+    user_leaves: list[Any]  # non-tensor leaves of the return value (TENSOR where a tensor goes)
     seconds: float
 
 
 class _ModuleStack:
-    """Which submodule is running: names the FQN in trace errors."""
+    """Which submodule is running: names the FQN in trace errors.
+
+    Besides the live stack, it logs (graph size, stack) at each module entry
+    and exit, so that a node of the captured graph maps back to its module.
+    """
 
     def __init__(self, module: nn.Module):
         self.names = {id(m): (fqn or "<root>") for fqn, m in module.named_modules(remove_duplicate=False)}
         self.stack: list[str] = []
+        self.events: list[tuple[int, str | None]] = []
+
+    def _graph_size(self) -> int:
+        mode = get_proxy_mode()
+        return len(mode.tracer.graph.nodes) if mode is not None else -1
 
     @contextlib.contextmanager
     def installed(self):
         def pre(mod, args):
             self.stack.append(self.names.get(id(mod), type(mod).__name__))
+            self.events.append((self._graph_size(), self.stack[-1]))
 
         def post(mod, args, out):
             if self.stack:
                 self.stack.pop()
+            self.events.append((self._graph_size(), self.innermost()))
 
         h1 = nn.modules.module.register_module_forward_pre_hook(pre)
         h2 = nn.modules.module.register_module_forward_hook(post)
@@ -81,6 +94,16 @@ class _ModuleStack:
 
     def innermost(self) -> str | None:
         return self.stack[-1] if self.stack else None
+
+    def fqn_of(self, gm: fx.GraphModule, node: fx.Node) -> str | None:
+        """The module that was running when ``node`` was recorded (forward ops only)."""
+        index = list(gm.graph.nodes).index(node)
+        fqn = None
+        for size, name in self.events:
+            if size > index:
+                break
+            fqn = name
+        return fqn
 
 
 def _describe_failure(exc: BaseException) -> tuple[str, str | None]:
@@ -121,7 +144,7 @@ def trace_step(fn, args: tuple, kwargs: dict, layout: StateLayout) -> TracedStep
             final = bound.final()
         out_leaves, out_spec = pytree.tree_flatten(out)
         captured["user_spec"] = out_spec
-        captured["user_leaves"] = [None if isinstance(x, torch.Tensor) else x for x in out_leaves]
+        captured["user_leaves"] = [TENSOR if isinstance(x, torch.Tensor) else x for x in out_leaves]
         captured["final_slots"] = [s for s, _ in final]
         return tuple(x for x in out_leaves if isinstance(x, torch.Tensor)) + tuple(t for _, t in final)
 
@@ -133,17 +156,12 @@ def trace_step(fn, args: tuple, kwargs: dict, layout: StateLayout) -> TracedStep
         with stack.installed(), torch.enable_grad():
             gm1 = make_fx(step, decomposition_table=FUNCTIONAL_DECOMPS, tracing_mode="fake",
                           _allow_non_fake_inputs=True)(*trace_inputs)
+            _check_no_data_dependence(gm1, captured, stack)
     except CompileError:
         raise
     except Exception as exc:  # noqa: BLE001 - every trace failure becomes a CompileError
         what, op = _describe_failure(exc)
-        fqn = stack.innermost()
-        where = f"in module `{fqn}`" if fqn else "outside any submodule (in the step function or backward)"
-        fix = (f"supply an Override for `{fqn}` (spmd_ort.Override.replacement) or make it traceable"
-               if fqn and fqn != "<root>" else "make the step function traceable")
-        raise CompileError(
-            f"could not trace the train step {where}{f' at op {op}' if op else ''}: {what}. Fix: {fix}. "
-            "The model and optimizer are unchanged.", fqn=fqn, op=op) from exc
+        raise _trace_error(what, op, stack.innermost()) from exc
 
     plain_inputs = [t.detach() for t in trace_inputs]
     gm2 = make_fx(torch.func.functionalize(gm1, remove="mutations_and_views"),
@@ -151,11 +169,34 @@ def trace_step(fn, args: tuple, kwargs: dict, layout: StateLayout) -> TracedStep
     _check_functional(gm2)
 
     input_slots = layout.input_slots() + [Slot("batch", f"input[{k}]", k) for k in range(len(batch_positions))]
-    n_user = sum(1 for x in captured["user_leaves"] if x is None)
+    n_user = sum(1 for x in captured["user_leaves"] if x is TENSOR)
     output_slots = [Slot("user", f"output[{k}]", k) for k in range(n_user)] + captured["final_slots"]
     _outputs_from_mutations(gm2, input_slots, output_slots)
     return TracedStep(gm2, layout, input_slots, output_slots, batch_positions, captured["user_spec"],
                       captured["user_leaves"], time.perf_counter() - t0)
+
+
+def _trace_error(what: str, op: str | None, fqn: str | None) -> CompileError:
+    where = f"in module `{fqn}`" if fqn else "outside any submodule (in the step function or backward)"
+    fix = (f"supply an Override for `{fqn}` (spmd_ort.Override.replacement) or make it traceable"
+           if fqn and fqn != "<root>" else "make the step function traceable")
+    return CompileError(
+        f"could not trace the train step {where}{f' at op {op}' if op else ''}: {what}. Fix: {fix}. "
+        "The model and optimizer are unchanged.", fqn=fqn, op=op)
+
+
+def _check_no_data_dependence(gm: fx.GraphModule, captured: dict, stack: _ModuleStack) -> None:
+    """``.item()`` traces to an unbacked symbol instead of failing: refuse it here."""
+    for node in gm.graph.nodes:
+        if node.op == "call_function" and node.target is aten._local_scalar_dense.default:
+            fqn = stack.fqn_of(gm, node)
+            raise _trace_error("the step reads a tensor's value in Python (.item(), float(tensor), "
+                               "int(tensor)); the compiled graph cannot depend on tensor values; return the "
+                               "tensor instead and convert it after the step", str(node.target), fqn)
+    for leaf in captured.get("user_leaves", []):
+        if isinstance(leaf, (torch.SymInt, torch.SymFloat, torch.SymBool)):
+            raise _trace_error("the step returns a Python number computed from a tensor; return the tensor",
+                               None, None)
 
 
 def _check_functional(gm: fx.GraphModule) -> None:

@@ -1,0 +1,126 @@
+"""The public API: Override, gm_transformation, inspection, last_train_step."""
+
+from __future__ import annotations
+
+import copy
+
+import torch
+import torch.nn.functional as F
+from torch import fx, nn
+
+import spmd_ort
+from helpers import assert_same_state, classification_step
+from models import MLP
+
+
+class Gate(nn.Module):
+    """Stands for a submodule that cannot be traced."""
+
+    def __init__(self):
+        super().__init__()
+        self.scale = nn.Parameter(torch.ones(64))
+
+    def forward(self, x):
+        if x.sum() > 0:  # data-dependent: untraceable
+            return x * self.scale
+        return x * self.scale
+
+
+class TracedGate(nn.Module):
+    """Traceable stand-in with the same parameter and the same maths."""
+
+    def __init__(self, orig: Gate):
+        super().__init__()
+        self.scale = orig.scale
+
+    def forward(self, x):
+        return x * self.scale
+
+
+class GatedMLP(MLP):
+    def __init__(self):
+        super().__init__()
+        self.gate = Gate()
+
+    def forward(self, x):
+        return self.head(self.gate(F.gelu(self.fc2(torch.relu(self.fc1(x))))))
+
+
+class ReplaceGates(spmd_ort.Override):
+    def __init__(self):
+        self.seen: list[str] = []
+        self.transforms = 0
+
+    def replacement(self, fqn, orig):
+        self.seen.append(fqn)
+        return TracedGate(orig) if isinstance(orig, Gate) else orig
+
+    def transform(self, gm, flat_state):
+        self.transforms += 1
+        assert all(isinstance(t, torch.Tensor) for t in flat_state)
+        return gm
+
+
+def test_override_replacement_makes_untraceable_module_compile():
+    torch.manual_seed(0)
+    eager = GatedMLP()
+    model = copy.deepcopy(eager)
+    opt_e = torch.optim.Adam(eager.parameters(), lr=1e-2)
+    opt_c = torch.optim.Adam(model.parameters(), lr=1e-2)
+    override = ReplaceGates()
+    step = spmd_ort.compile(module_override=[override], backend="fx")(classification_step)
+    x, y = torch.randn(8, 32), torch.randint(0, 10, (8,))
+    for _ in range(4):
+        torch.testing.assert_close(step(model, opt_c, x, y), classification_step(eager, opt_e, x, y).detach())
+    assert_same_state(eager, model, opt_e, opt_c)
+    assert {"fc1", "fc2", "head", "gate"} <= set(override.seen)
+    assert override.seen.count("gate") == 1  # replacements are applied once per module
+    assert override.transforms == step.transitions.traces == 2
+    assert isinstance(model.gate, TracedGate) and model.gate.scale is opt_c.param_groups[0]["params"][-1]
+
+
+def test_failed_compile_undoes_replacements():
+    class Broken(ReplaceGates):
+        def transform(self, gm, flat_state):
+            raise RuntimeError("transform failed")
+
+    model = GatedMLP()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    step = spmd_ort.compile(module_override=[Broken()], backend="fx")(classification_step)
+    try:
+        step(model, opt, torch.randn(4, 32), torch.randint(0, 10, (4,)))
+    except RuntimeError as exc:
+        assert "transform failed" in str(exc)
+    assert isinstance(model.gate, Gate)
+
+
+def test_gm_transformation_once_per_variant_and_runs():
+    calls = []
+
+    def scale_loss(gm: fx.GraphModule) -> fx.GraphModule:
+        calls.append(gm)
+        return gm
+
+    model = MLP()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    step = spmd_ort.compile(gm_transformation=scale_loss, backend="fx")(classification_step)
+    for batch in (8, 8, 8, 4, 4, 8):
+        step(model, opt, torch.randn(batch, 32), torch.randint(0, 10, (batch,)))
+    assert len(calls) == 3 == step.transitions.traces
+
+
+def test_inspection():
+    model = MLP()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    step = spmd_ort.compile(backend="fx")(classification_step)
+    step(model, opt, torch.randn(4, 32), torch.randint(0, 10, (4,)), last_train_step=True)
+    prog = step.compiled
+    assert isinstance(prog, spmd_ort.CompiledProgram)
+    kinds = [s.kind for s in prog.input_slots]
+    assert kinds.count("param") == 6 and kinds.count("hparam") == 1 and kinds.count("batch") == 2
+    assert [s.name for s in prog.output_slots if s.kind == "opt_state"] == [
+        f"{n}.momentum_buffer" for n, _ in model.named_parameters()]
+    text = prog.describe()
+    assert "remove_redundant_copies_pass" in text and "spmd_ort.sgd" in text and "aten.mm.default" in text
+    assert sum(1 for n in prog.graph.nodes if n.op == "placeholder") == len(prog.input_slots)
+    assert prog.steps_run == 1

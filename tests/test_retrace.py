@@ -1,0 +1,110 @@
+"""The transition manager: what re-traces and what does not."""
+
+from __future__ import annotations
+
+import copy
+import logging
+
+import torch
+import torch.nn.functional as F
+
+import spmd_ort
+from helpers import assert_same_state, classification_step
+from models import MLP
+
+
+def _data(batch: int, seed: int = 0):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(batch, 32, generator=g), torch.randint(0, 10, (batch,), generator=g)
+
+
+def _setup(opt_cls=torch.optim.Adam, **opt_kwargs):
+    torch.manual_seed(0)
+    model = MLP()
+    opt = opt_cls(model.parameters(), **(opt_kwargs or {"lr": 1e-3}))
+    return model, opt, spmd_ort.compile(backend="fx")(classification_step)
+
+
+def test_new_batch_size_retraces_once_and_old_variant_is_reused(caplog):
+    model, opt, step = _setup()
+    step(model, opt, *_data(8))
+    step(model, opt, *_data(8))  # optimizer state now exists: second variant
+    assert step.transitions.traces == 2
+    with caplog.at_level(logging.INFO, logger="spmd_ort"):
+        step(model, opt, *_data(4))
+    assert step.transitions.traces == 3
+    assert "re-tracing" in caplog.text and "(8, 32)" in caplog.text and "(4, 32)" in caplog.text
+    step(model, opt, *_data(4))
+    step(model, opt, *_data(8))  # back to the first shape: reused
+    step(model, opt, *_data(4))
+    assert step.transitions.traces == 3
+    assert len(step.variants) == 3
+
+
+def test_lr_change_never_retraces_and_takes_effect():
+    model, opt, step = _setup(torch.optim.SGD, lr=0.1, momentum=0.9)
+    eager_model, eager_opt = copy.deepcopy(model), torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    eager_opt = torch.optim.SGD(eager_model.parameters(), lr=0.1, momentum=0.9)
+    for i, lr in enumerate([0.1, 0.05, 0.2, 0.0, 1e-3, 0.3]):
+        for o in (opt, eager_opt):
+            o.param_groups[0]["lr"] = lr
+        x, y = _data(8, seed=i)
+        torch.testing.assert_close(step(model, opt, x, y), classification_step(eager_model, eager_opt, x, y).detach())
+    assert step.transitions.traces == 2
+    assert_same_state(eager_model, model, eager_opt, opt)
+
+
+def test_training_mode_change_retraces():
+    model, opt, step = _setup()
+    step(model, opt, *_data(8))
+    step(model, opt, *_data(8))
+    model.eval()
+    step(model, opt, *_data(8))
+    assert step.transitions.traces == 3
+    model.train()
+    step(model, opt, *_data(8))
+    assert step.transitions.traces == 3
+
+
+def test_baked_hyperparameter_change_retraces(caplog):
+    """weight_decay, betas, momentum are baked into the graph: a change re-traces and is named."""
+    model, opt, step = _setup(torch.optim.AdamW, lr=1e-3, weight_decay=0.1)
+    step(model, opt, *_data(8))
+    step(model, opt, *_data(8))
+    opt.param_groups[0]["weight_decay"] = 0.2
+    with caplog.at_level(logging.INFO, logger="spmd_ort"):
+        step(model, opt, *_data(8))
+    assert step.transitions.traces == 3
+    assert "weight_decay" in caplog.text
+
+
+def test_at_most_eight_variants_are_kept():
+    model, opt, step = _setup(torch.optim.SGD, lr=0.1)  # plain SGD: no state, one variant per shape
+    for batch in range(1, 11):
+        step(model, opt, *_data(batch))
+    assert step.transitions.traces == 10
+    assert len(step.variants) == 8
+    step(model, opt, *_data(10))  # most recent: kept
+    assert step.transitions.traces == 10
+    step(model, opt, *_data(1))  # evicted: traced again
+    assert step.transitions.traces == 11
+
+
+def test_non_tensor_argument_change_retraces():
+    model, opt, _ = _setup(torch.optim.SGD, lr=0.1)
+
+    def step_fn(model, opt, x, y, scale):
+        loss = F.cross_entropy(model(x), y) * scale
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        return loss
+
+    step = spmd_ort.compile(backend="fx")(step_fn)
+    x, y = _data(8)
+    a = step(model, opt, x, y, 1.0)
+    step(model, opt, x, y, 1.0)
+    assert step.transitions.traces == 1
+    b = step(model, opt, x, y, 2.0)
+    assert step.transitions.traces == 2
+    assert float(b) > float(a)  # the new constant is used
