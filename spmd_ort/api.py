@@ -137,7 +137,7 @@ class CompiledStep:
             swaps.apply(module, self.module_override)
         try:
             rule = rule_for(opt) if opt is not None else None
-            key = StepKey.of(module, opt, args, kwargs, lifted=rule.lifted if rule else ())
+            key = StepKey.of(module, opt, args, kwargs, rule=rule)
             program = self.transitions.lookup(key)
             if program is None:
                 program = self._compile(key, module, opt, rule, args, kwargs)

@@ -5,13 +5,14 @@ Python float (so an LR schedule would re-trace each step) and, outside
 ``torch.compile``, reads the step count with ``.item()``.  Instead, while the
 train step is traced, ``optimizer.step`` is replaced by the rule registered for
 its class in :data:`OPTIMIZER_RULES`.  A rule emits one functional multi-tensor
-op per param group (``spmd_ort::adam`` / ``spmd_ort::sgd``) whose learning rate
-is a graph input, and copies the results back into the traced state so the
+op per param group (``spmd_ort::adam`` / ``spmd_ort::sgd``) whose
+hyper-parameters are a graph input, and copies the results back into the traced state so the
 graph returns the new parameters and optimizer state.
 
 The ops run torch's fused multi-tensor kernels, so compiled numbers equal eager
 ``fused=True`` exactly and ``foreach``/for-loop eager within fp32 rounding.
-Each op has an in-place twin (``adam_``/``sgd_``) that the
+All scalar hyper-parameters of a group travel in one float64 host tensor
+(``hparams``) that the op reads when it runs.  Each op has an in-place twin (``adam_``/``sgd_``) that the
 ``reinplace_optimizer_pass`` uses when the old state is not read afterwards.
 """
 
@@ -32,8 +33,10 @@ from .errors import CompileError
 # --------------------------------------------------------------------------
 
 
-def _adam_kernel(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, steps, lr, beta1, beta2,
-                 weight_decay, eps, amsgrad, maximize, decoupled):
+def _adam_kernel(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, steps, hparams, amsgrad, maximize,
+                 decoupled):
+    # hparams is a host tensor read here, at run time: changing it never re-traces.
+    lr, beta1, beta2, weight_decay, eps = hparams.tolist()
     torch._foreach_add_(steps, 1)
     kernel = torch._fused_adamw_ if decoupled else torch._fused_adam_
     kernel(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs if amsgrad else [], steps,
@@ -43,60 +46,68 @@ def _adam_kernel(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, steps, l
 
 @torch.library.custom_op("spmd_ort::adam", mutates_args=())
 def adam(params: list[Tensor], grads: list[Tensor], exp_avgs: list[Tensor], exp_avg_sqs: list[Tensor],
-         max_exp_avg_sqs: list[Tensor], steps: list[Tensor], lr: Tensor, beta1: float, beta2: float,
-         weight_decay: float, eps: float, amsgrad: bool, maximize: bool, decoupled: bool) -> list[Tensor]:
-    """Functional Adam/AdamW over one param group; returns the new state (see layout)."""
+         max_exp_avg_sqs: list[Tensor], steps: list[Tensor], hparams: Tensor, amsgrad: bool, maximize: bool,
+         decoupled: bool) -> list[Tensor]:
+    """Functional Adam/AdamW over one param group; returns the new state (see layout).
+
+    ``hparams`` is a float64 host tensor ``[lr, beta1, beta2, weight_decay, eps]``.
+    """
     out = [[t.clone() for t in ts] for ts in (params, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, steps)]
-    _adam_kernel(out[0], grads, out[1], out[2], out[3], out[4], lr, beta1, beta2, weight_decay, eps,
-                 amsgrad, maximize, decoupled)
+    _adam_kernel(out[0], grads, out[1], out[2], out[3], out[4], hparams, amsgrad, maximize, decoupled)
     return [t for ts in out for t in ts]
 
 
 @adam.register_fake
-def _(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, steps, lr, beta1, beta2, weight_decay,
-      eps, amsgrad, maximize, decoupled):
+def _(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, steps, hparams, amsgrad, maximize, decoupled):
     return [torch.empty_like(t) for ts in (params, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, steps) for t in ts]
 
 
 @torch.library.custom_op(
     "spmd_ort::adam_", mutates_args=("params", "exp_avgs", "exp_avg_sqs", "max_exp_avg_sqs", "steps"))
 def adam_(params: list[Tensor], grads: list[Tensor], exp_avgs: list[Tensor], exp_avg_sqs: list[Tensor],
-          max_exp_avg_sqs: list[Tensor], steps: list[Tensor], lr: Tensor, beta1: float, beta2: float,
-          weight_decay: float, eps: float, amsgrad: bool, maximize: bool, decoupled: bool) -> None:
+          max_exp_avg_sqs: list[Tensor], steps: list[Tensor], hparams: Tensor, amsgrad: bool, maximize: bool,
+          decoupled: bool) -> None:
     """In-place twin of :func:`adam`: updates the state tensors it is given."""
-    _adam_kernel(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, steps, lr, beta1, beta2,
-                 weight_decay, eps, amsgrad, maximize, decoupled)
+    _adam_kernel(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, steps, hparams, amsgrad, maximize,
+                 decoupled)
 
 
-def _sgd_kernel(params, grads, bufs, lr, weight_decay, momentum, dampening, nesterov, maximize, first_step):
-    torch._fused_sgd_(params, grads, bufs if momentum != 0 else [], weight_decay=weight_decay,
+def _sgd_kernel(params, grads, bufs, hparams, nesterov, maximize, first_step):
+    lr, momentum, dampening, weight_decay = hparams.tolist()
+    torch._fused_sgd_(params, grads, bufs if bufs else [], weight_decay=weight_decay,
                       momentum=momentum, lr=lr, dampening=dampening, nesterov=nesterov,
                       maximize=maximize, is_first_step=first_step)
 
 
 @torch.library.custom_op("spmd_ort::sgd", mutates_args=())
-def sgd(params: list[Tensor], grads: list[Tensor], momentum_buffers: list[Tensor], lr: Tensor,
-        weight_decay: float, momentum: float, dampening: float, nesterov: bool, maximize: bool) -> list[Tensor]:
-    """Functional SGD over one param group.  An empty ``momentum_buffers`` with
-    ``momentum != 0`` is the first step: buffers start as the gradient (as torch does)."""
+def sgd(params: list[Tensor], grads: list[Tensor], momentum_buffers: list[Tensor], hparams: Tensor,
+        has_momentum: bool, nesterov: bool, maximize: bool) -> list[Tensor]:
+    """Functional SGD over one param group; ``hparams`` is ``[lr, momentum, dampening, weight_decay]``.
+
+    An empty ``momentum_buffers`` with ``has_momentum`` is the first step:
+    buffers start as the gradient (as torch does).
+    """
     new_params = [p.clone() for p in params]
-    first = momentum != 0 and not momentum_buffers
-    bufs = [torch.empty_like(g) for g in grads] if first else [b.clone() for b in momentum_buffers]
-    _sgd_kernel(new_params, grads, bufs, lr, weight_decay, momentum, dampening, nesterov, maximize, first)
-    return new_params + (bufs if momentum != 0 else [])
+    first = has_momentum and not momentum_buffers
+    if not has_momentum:
+        bufs = []
+    else:
+        bufs = [torch.empty_like(g) for g in grads] if first else [b.clone() for b in momentum_buffers]
+    _sgd_kernel(new_params, grads, bufs, hparams, nesterov, maximize, first)
+    return new_params + bufs
 
 
 @sgd.register_fake
-def _(params, grads, momentum_buffers, lr, weight_decay, momentum, dampening, nesterov, maximize):
-    bufs = [torch.empty_like(g) for g in grads] if momentum != 0 else []
+def _(params, grads, momentum_buffers, hparams, has_momentum, nesterov, maximize):
+    bufs = [torch.empty_like(g) for g in grads] if has_momentum else []
     return [torch.empty_like(p) for p in params] + bufs
 
 
 @torch.library.custom_op("spmd_ort::sgd_", mutates_args=("params", "momentum_buffers"))
-def sgd_(params: list[Tensor], grads: list[Tensor], momentum_buffers: list[Tensor], lr: Tensor,
-         weight_decay: float, momentum: float, dampening: float, nesterov: bool, maximize: bool) -> None:
+def sgd_(params: list[Tensor], grads: list[Tensor], momentum_buffers: list[Tensor], hparams: Tensor,
+         has_momentum: bool, nesterov: bool, maximize: bool) -> None:
     """In-place twin of :func:`sgd` (never the first momentum step: buffers must exist)."""
-    _sgd_kernel(params, grads, momentum_buffers, lr, weight_decay, momentum, dampening, nesterov, maximize, False)
+    _sgd_kernel(params, grads, momentum_buffers, hparams, nesterov, maximize, False)
 
 
 # functional op -> (in-place twin, names of the mutated list arguments in output order)
@@ -136,7 +147,6 @@ def adam_rule(opt: torch.optim.Optimizer) -> None:
         params = _with_grad(group)
         if not params:
             continue
-        beta1, beta2 = group["betas"]
         amsgrad = group["amsgrad"]
         for p in params:
             if p.grad.is_sparse:
@@ -160,8 +170,7 @@ def adam_rule(opt: torch.optim.Optimizer) -> None:
         )
         out = torch.ops.spmd_ort.adam(
             params, [p.grad for p in params], lists["exp_avgs"], lists["exp_avg_sqs"],
-            lists["max_exp_avg_sqs"], lists["steps"], group["lr"], float(beta1), float(beta2),
-            float(group["weight_decay"]), float(group["eps"]), bool(amsgrad), bool(group["maximize"]),
+            lists["max_exp_avg_sqs"], lists["steps"], group[HPARAMS_KEY], bool(amsgrad), bool(group["maximize"]),
             bool(group.get("decoupled_weight_decay", False)))
         i = 0
         for name in ("params", "exp_avgs", "exp_avg_sqs", "max_exp_avg_sqs", "steps"):
@@ -186,8 +195,8 @@ def sgd_rule(opt: torch.optim.Optimizer) -> None:
                 "the compiled step needs all or none", op="SGD.step")
         bufs = [b for b in bufs if b is not None]
         out = torch.ops.spmd_ort.sgd(
-            params, [p.grad for p in params], bufs, group["lr"], float(group["weight_decay"]), momentum,
-            float(group["dampening"]), bool(group["nesterov"]), bool(group["maximize"]))
+            params, [p.grad for p in params], bufs, group[HPARAMS_KEY], momentum != 0, bool(group["nesterov"]),
+            bool(group["maximize"]))
         _copy_back(params, out[:len(params)])
         if momentum != 0:
             new_bufs = out[len(params):]
@@ -198,18 +207,42 @@ def sgd_rule(opt: torch.optim.Optimizer) -> None:
                     opt.state[p]["momentum_buffer"] = b
 
 
+# Trace-time only: the param-group key under which a rule finds its hparams tensor.
+HPARAMS_KEY = "__spmd_ort_hparams__"
+
+
+def _adam_hparams(group: dict) -> list[float]:
+    beta1, beta2 = group["betas"]
+    return [float(group["lr"]), float(beta1), float(beta2), float(group["weight_decay"]), float(group["eps"])]
+
+
+def _sgd_hparams(group: dict) -> list[float]:
+    return [float(group["lr"]), float(group["momentum"]), float(group["dampening"]),
+            float(group["weight_decay"])]
+
+
 @dataclass(frozen=True)
 class OptimizerRule:
+    """How to trace one optimizer class.
+
+    ``hparams(group)`` lists the group's scalar hyper-parameters, fed to the
+    graph as one float64 tensor per group each step (so schedulers of lr,
+    betas, momentum or weight decay never re-trace); ``lifted`` names the group
+    keys they come from.  ``structure(group)`` is what else the graph is
+    specialised on (e.g. whether SGD has momentum buffers at all).
+    """
+
     step: Callable[[torch.optim.Optimizer], None]
-    # param-group keys that are lifted as graph inputs (tensors); all other
-    # group values are baked into the graph and belong to the re-trace key.
-    lifted: tuple[str, ...] = ("lr",)
+    hparams: Callable[[dict], list[float]]
+    lifted: tuple[str, ...]
+    structure: Callable[[dict], tuple] = lambda group: ()
 
 
 OPTIMIZER_RULES: dict[type, OptimizerRule] = {
-    torch.optim.Adam: OptimizerRule(adam_rule),
-    torch.optim.AdamW: OptimizerRule(adam_rule),
-    torch.optim.SGD: OptimizerRule(sgd_rule),
+    torch.optim.Adam: OptimizerRule(adam_rule, _adam_hparams, ("lr", "betas", "weight_decay", "eps")),
+    torch.optim.AdamW: OptimizerRule(adam_rule, _adam_hparams, ("lr", "betas", "weight_decay", "eps")),
+    torch.optim.SGD: OptimizerRule(sgd_rule, _sgd_hparams, ("lr", "momentum", "dampening", "weight_decay"),
+                                   structure=lambda group: (group["momentum"] != 0,)),
 }
 
 

@@ -23,7 +23,7 @@ import torch
 from torch import Tensor, nn
 from torch.nn.utils import stateless
 
-from .optim import OptimizerRule
+from .optim import HPARAMS_KEY, OptimizerRule
 
 
 @dataclass(frozen=True)
@@ -54,7 +54,7 @@ class StateLayout:
     buffer_names: list[list[str]]
     grad_params: list[int]  # params whose .grad is lifted
     opt_entries: list[tuple[int, str]]  # (param index, state key) of tensor-valued optimizer state
-    hparam_entries: list[tuple[int, str]]  # (param group, key) lifted as 0-dim float64 tensors
+    hparam_groups: list[int]  # param groups whose scalar hyper-parameters are one float64 input each
     hparam_tensors: list[Tensor] = field(default_factory=list)
     extra_state: list[Tensor] = field(default_factory=list)
 
@@ -79,7 +79,7 @@ class StateLayout:
                 buffers.append(b)
                 buffer_names.append([name])
         grad_params = [i for i, p in enumerate(params) if p.grad is not None]
-        opt_entries, hparams = [], []
+        opt_entries = []
         if opt is not None:
             from .errors import CompileError
 
@@ -92,10 +92,11 @@ class StateLayout:
                     for key, value in opt.state.get(p, {}).items():
                         if isinstance(value, Tensor):
                             opt_entries.append((index[id(p)], key))
-                hparams += [(gi, key) for key in rule.lifted if key in group]
+        hparam_groups = list(range(len(opt.param_groups))) if opt is not None else []
         layout = cls(module, opt, rule, params, param_names, buffers, buffer_names, grad_params,
-                     opt_entries, hparams)
-        layout.hparam_tensors = [torch.zeros((), dtype=torch.float64) for _ in hparams]
+                     opt_entries, hparam_groups)
+        layout.hparam_tensors = [torch.tensor(rule.hparams(opt.param_groups[g]), dtype=torch.float64)
+                                 for g in hparam_groups]
         return layout
 
     # ------------------------------------------------------------------ slots
@@ -104,7 +105,7 @@ class StateLayout:
         slots += [Slot("buffer", n[0], i) for i, n in enumerate(self.buffer_names)]
         slots += [Slot("grad", self.param_names[i][0] + ".grad", i) for i in self.grad_params]
         slots += [Slot("opt_state", f"{self.param_names[i][0]}.{k}", i, k) for i, k in self.opt_entries]
-        slots += [Slot("hparam", f"param_groups[{g}].{k}", g, k) for g, k in self.hparam_entries]
+        slots += [Slot("hparam", f"param_groups[{g}].hparams", g) for g in self.hparam_groups]
         slots += [Slot("extra", f"extra[{i}]", i) for i in range(len(self.extra_state))]
         return slots
 
@@ -115,8 +116,8 @@ class StateLayout:
         if self.opt is not None:
             flat += [self.opt.state[self.params[i]][k] for i, k in self.opt_entries]
             groups = self.opt.param_groups
-            for t, (g, k) in zip(self.hparam_tensors, self.hparam_entries):
-                t.fill_(groups[g][k])
+            for t, g in zip(self.hparam_tensors, self.hparam_groups):
+                t.copy_(torch.tensor(self.rule.hparams(groups[g]), dtype=torch.float64))
                 flat.append(t)
         return flat + self.extra_state
 
@@ -130,7 +131,7 @@ class StateLayout:
         for i in self.grad_params:
             params[i].grad = next(it)
         opt_vals = [next(it) for _ in self.opt_entries]
-        hparams = [next(it) for _ in self.hparam_entries]
+        hparams = [next(it) for _ in self.hparam_groups]
         mapping = {n: t for names, t in zip(self.param_names, params) for n in names}
         mapping.update({n: t for names, t in zip(self.buffer_names, buffers) for n in names})
         with stateless._reparametrize_module(self.module, mapping), \
@@ -154,8 +155,8 @@ class StateLayout:
             traced_state[params[i]][k] = v
         for g in opt.param_groups:
             g["params"] = [params[index[id(p)]] for p in g["params"]]
-        for (g, k), v in zip(self.hparam_entries, hparams):
-            opt.param_groups[g][k] = v
+        for g, v in zip(self.hparam_groups, hparams):
+            opt.param_groups[g][HPARAMS_KEY] = v
         rule = self.rule
 
         def traced_step(closure=None):

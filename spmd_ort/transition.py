@@ -4,9 +4,10 @@ A :class:`StepKey` describes everything the traced graph was specialised on:
 the structure, shapes, dtypes, devices and ``requires_grad`` of the inputs and
 their non-tensor values, the module's training modes, its parameters and
 buffers (identity, shape, dtype, whether a gradient is present), and the
-optimizer's param groups (parameters, baked hyper-parameters) and state layout.
-Values that are graph inputs (tensor contents, lifted hyper-parameters such as
-``lr``) are not part of it, so changing them never re-traces.
+optimizer's param groups (parameters, options baked into the graph) and state
+layout.  Values that are graph inputs (tensor contents, the scalar
+hyper-parameters an optimizer rule lifts: lr, betas, weight decay, eps,
+momentum, dampening) are not part of it, so changing them never re-traces.
 """
 
 from __future__ import annotations
@@ -69,7 +70,7 @@ class StepKey:
 
     @classmethod
     def of(cls, module: nn.Module, opt: torch.optim.Optimizer | None, args: tuple, kwargs: dict,
-           lifted: tuple[str, ...] = ("lr",), world: tuple = ()) -> StepKey:
+           rule=None, world: tuple = ()) -> StepKey:
         # Every component is a tuple of (label, value) pairs so that diff() can say what changed.
         leaves, spec = pytree.tree_flatten((args, kwargs))
         inputs = (("structure", str(spec)),) + tuple((f"leaf[{i}]", _leaf_desc(x)) for i, x in enumerate(leaves))
@@ -88,8 +89,10 @@ class StepKey:
                  tuple((k, _tensor_desc(v) if isinstance(v, torch.Tensor) else _leaf_desc(v))
                        for k, v in sorted(opt.state[p].items())) if p in opt.state else ())
                 for g in opt.param_groups for p in g["params"])
+            lifted = rule.lifted if rule is not None else ()
             optimizer = (("class", type(opt).__qualname__),) + tuple(
-                (f"param_groups[{i}]", _group_desc(g, lifted)) for i, g in enumerate(opt.param_groups)) + state
+                (f"param_groups[{i}]", _group_desc(g, lifted) + (("structure", rule.structure(g) if rule else ()),))
+                for i, g in enumerate(opt.param_groups)) + state
         return cls(inputs, training, params, buffers, optimizer, world)
 
     def diff(self, other: StepKey) -> str:

@@ -1,0 +1,105 @@
+"""Train a character-level GPT with the compiled train step on this repository's own text.
+
+Run:  make demo           (sets up .venv, then runs this file)
+  or: python examples/train_char_gpt.py --steps 300 --backend fx
+
+The corpus is the repository's Python sources and docs, so nothing is
+downloaded.  It prints loss and steps/s as it goes and a sample at the end; the
+loss falls from ln(vocab) ~ 4.5 to about 2 in 300 steps (~20 s on 2 cores).
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import os
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+import spmd_ort  # noqa: E402
+from examples.gpt import GPT, GPTConfig  # noqa: E402
+
+
+def load_corpus() -> str:
+    files = sorted(p for ext in ("*.py", "*.md") for p in ROOT.rglob(ext)
+                   if ".venv" not in p.parts and ".git" not in p.parts)
+    return "\n".join(p.read_text(errors="ignore") for p in files)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--steps", type=int, default=300)
+    ap.add_argument("--batch", type=int, default=16)
+    ap.add_argument("--seq", type=int, default=64)
+    ap.add_argument("--backend", default=None, help="fx (default from SPMD_ORT_BACKEND)")
+    ap.add_argument("--seed", type=int, default=0)
+    args = ap.parse_args()
+    torch.manual_seed(args.seed)
+    torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", os.cpu_count() or 1)))
+
+    text = load_corpus()
+    chars = sorted(set(text))
+    stoi = {c: i for i, c in enumerate(chars)}
+    data = torch.tensor([stoi[c] for c in text], dtype=torch.long)
+    split = int(0.95 * len(data))
+    train, val = data[:split], data[split:]
+    print(f"corpus: {len(text):,} characters of this repository, vocabulary {len(chars)}")
+
+    cfg = GPTConfig(vocab=len(chars), seq=args.seq, d=128, heads=4, layers=3)
+    model = GPT(cfg)
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.1, betas=(0.9, 0.95))
+    sched = torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=3e-3, total_steps=args.steps, pct_start=0.1)
+    print(f"model: {sum(p.numel() for p in model.parameters()):,} parameters")
+
+    @spmd_ort.compile(backend=args.backend)
+    def train_step(model, opt, x, y):
+        loss = F.cross_entropy(model(x).flatten(0, 1), y.flatten())
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        return loss
+
+    g = torch.Generator().manual_seed(args.seed)
+
+    def batch(source: torch.Tensor):
+        ix = torch.randint(len(source) - args.seq - 1, (args.batch,), generator=g)
+        x = torch.stack([source[i:i + args.seq] for i in ix])
+        y = torch.stack([source[i + 1:i + args.seq + 1] for i in ix])
+        return x, y
+
+    print(f"initial loss should be about ln({len(chars)}) = {math.log(len(chars)):.2f}")
+    t0, t_last = time.perf_counter(), time.perf_counter()
+    for step in range(1, args.steps + 1):
+        x, y = batch(train)
+        loss = train_step(model, opt, x, y, last_train_step=step == args.steps)
+        sched.step()
+        if step == 1:
+            print(f"step    1  loss {loss.item():.3f}  (compiled in {train_step.compiled.compile_seconds:.1f}s)")
+            t_last = time.perf_counter()
+        elif step % 50 == 0 or step == args.steps:
+            now = time.perf_counter()
+            rate = (50 if step % 50 == 0 else step % 50) / (now - t_last)
+            print(f"step {step:4d}  loss {loss.item():.3f}  {rate:6.1f} steps/s  lr {sched.get_last_lr()[0]:.2e}")
+            t_last = now
+
+    model.eval()
+    with torch.no_grad():
+        vx, vy = batch(val)
+        val_loss = F.cross_entropy(model(vx).flatten(0, 1), vy.flatten()).item()
+    print(f"validation loss {val_loss:.3f}; {args.steps} steps in {time.perf_counter() - t0:.1f}s "
+          f"({train_step.transitions.traces} traces)")
+    prompt = torch.tensor([[stoi[c] for c in "def "]], dtype=torch.long)
+    out = model.generate(prompt, 240, generator=torch.Generator().manual_seed(1))
+    print("sample:\n" + "".join(chars[i] for i in out[0].tolist()))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,60 @@
+"""HF transformers models built from small configs with random weights (never downloaded)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from helpers import train_side_by_side
+
+transformers = pytest.importorskip("transformers")
+STEPS = 6
+
+
+def _sgd(m):
+    # SGD: GPT-2 and BERT carry a key bias whose gradient is analytically zero;
+    # Adam would normalise its rounding noise into +-lr steps (see tests/models.py).
+    return torch.optim.SGD(m.parameters(), lr=0.05, momentum=0.9)
+
+
+def lm_step(model, opt, x):
+    loss = model(input_ids=x, labels=x).loss
+    loss.backward()
+    torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+    opt.step()
+    opt.zero_grad(set_to_none=True)
+    return loss
+
+
+def cls_step(model, opt, x, mask, y):
+    loss = model(input_ids=x, attention_mask=mask, labels=y).loss
+    loss.backward()
+    opt.step()
+    opt.zero_grad(set_to_none=True)
+    return loss
+
+
+def test_hf_gpt2_lm():
+    cfg = transformers.GPT2Config(vocab_size=128, n_positions=32, n_embd=32, n_layer=2, n_head=4,
+                                  resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=0, eos_token_id=0)
+    g = torch.Generator().manual_seed(0)
+    batches = [(torch.randint(0, 128, (2, 16), generator=g),) for _ in range(2)] * (STEPS // 2)
+    torch.manual_seed(0)
+    _, le, _ = train_side_by_side(lambda: transformers.GPT2LMHeadModel(cfg), _sgd, lm_step, batches)
+    assert le[-1] < le[0]
+
+
+def test_hf_bert_classification_with_padding_mask():
+    cfg = transformers.BertConfig(vocab_size=128, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+                                  intermediate_size=64, max_position_embeddings=32, num_labels=3,
+                                  hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)
+    g = torch.Generator().manual_seed(0)
+    x = torch.randint(0, 128, (4, 12), generator=g)
+    mask = torch.ones(4, 12, dtype=torch.long)
+    mask[1, 8:] = 0
+    mask[3, 5:] = 0
+    y = torch.randint(0, 3, (4,), generator=g)
+    torch.manual_seed(0)
+    _, le, _ = train_side_by_side(lambda: transformers.BertForSequenceClassification(cfg), _sgd, cls_step,
+                                  [(x, mask, y)] * STEPS)
+    assert le[-1] < le[0]
