@@ -32,3 +32,20 @@ def remove_redundant_copies_pass(gm: fx.GraphModule, ctx) -> fx.GraphModule:
                 gm.graph.erase_node(node)
     gm.graph.eliminate_dead_code()
     return gm
+
+
+IDENTITY_OPS = (aten.detach.default, aten.alias.default, aten.lift_fresh.default)
+
+
+def remove_identity_views_pass(gm: fx.GraphModule, ctx) -> fx.GraphModule:
+    """Drop ``detach``/``alias``/``lift_fresh`` nodes: the graph runs without autograd, so they are identities.
+
+    Capture keeps views (only mutations are functionalized), and autograd
+    leaves a ``detach`` for every saved tensor.
+    ensures: no identity view remains; numbers unchanged.
+    """
+    for node in list(gm.graph.nodes):
+        if node.op == "call_function" and node.target in IDENTITY_OPS:
+            node.replace_all_uses_with(node.args[0])
+            gm.graph.erase_node(node)
+    return gm

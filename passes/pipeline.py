@@ -2,14 +2,14 @@
 
 from __future__ import annotations
 
-from .cleanup import remove_redundant_copies_pass
+from .cleanup import remove_identity_views_pass, remove_redundant_copies_pass
 from .reinplace import reinplace_optimizer_pass
 from .runner import GraphPass, PassContext
 
 
 def capture_cleanup_passes(ctx: PassContext) -> list[GraphPass]:
     """Right after capture, before parallel expansion."""
-    return [remove_redundant_copies_pass]
+    return [remove_redundant_copies_pass, remove_identity_views_pass]
 
 
 def parallel_passes(ctx: PassContext) -> list[GraphPass]:

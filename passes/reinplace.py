@@ -9,6 +9,24 @@ from torch import fx
 from spmd_ort.optim import INPLACE_TWINS
 
 
+def _is_view(node: fx.Node) -> bool:
+    schema = getattr(node.target, "_schema", None)
+    if node.op != "call_function" or schema is None or not schema.returns:
+        return False
+    alias = schema.returns[0].alias_info
+    return alias is not None and not alias.is_write
+
+
+def _aliases(node: fx.Node) -> list[fx.Node]:
+    """``node`` and every view derived from it (they share its storage)."""
+    out, todo = [], [node]
+    while todo:
+        n = todo.pop()
+        out.append(n)
+        todo += [u for u in n.users if _is_view(u) and u.args and u.args[0] is n]
+    return out
+
+
 def reinplace_optimizer_pass(gm: fx.GraphModule, ctx) -> fx.GraphModule:
     """Swap a functional optimizer op (``spmd_ort::adam``/``sgd``) for its in-place twin.
 
@@ -51,8 +69,8 @@ def reinplace_optimizer_pass(gm: fx.GraphModule, ctx) -> fx.GraphModule:
                     out_slot_of_pos[p] != in_slot[inp] for p in positions):
                 ok = False
                 break
-            # nothing may read the old value after the update
-            if any(order[u] > order[node] for u in inp.users if u is not node):
+            # nothing may read the old value (or a view of it) after the update
+            if any(order[u] > order[node] for a in _aliases(inp) for u in a.users if u is not node):
                 ok = False
                 break
         if not ok:

@@ -164,7 +164,7 @@ def trace_step(fn, args: tuple, kwargs: dict, layout: StateLayout) -> TracedStep
         raise _trace_error(what, op, stack.innermost()) from exc
 
     plain_inputs = [t.detach() for t in trace_inputs]
-    gm2 = make_fx(torch.func.functionalize(gm1, remove="mutations_and_views"),
+    gm2 = make_fx(torch.func.functionalize(gm1, remove="mutations"),
                   tracing_mode="fake", _allow_non_fake_inputs=True)(*plain_inputs)
     _check_functional(gm2)
 
