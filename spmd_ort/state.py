@@ -62,22 +62,8 @@ class StateLayout:
     @classmethod
     def capture(cls, module: nn.Module, opt: torch.optim.Optimizer | None,
                 rule: OptimizerRule | None) -> StateLayout:
-        params, param_names, index = [], [], {}
-        for name, p in module.named_parameters(remove_duplicate=False):
-            if id(p) in index:
-                param_names[index[id(p)]].append(name)
-            else:
-                index[id(p)] = len(params)
-                params.append(p)
-                param_names.append([name])
-        buffers, buffer_names, bindex = [], [], {}
-        for name, b in module.named_buffers(remove_duplicate=False):
-            if id(b) in bindex:
-                buffer_names[bindex[id(b)]].append(name)
-            else:
-                bindex[id(b)] = len(buffers)
-                buffers.append(b)
-                buffer_names.append([name])
+        params, param_names, index = _unique(module.named_parameters(remove_duplicate=False))
+        buffers, buffer_names, _ = _unique(module.named_buffers(remove_duplicate=False))
         grad_params = [i for i, p in enumerate(params) if p.grad is not None]
         opt_entries = []
         if opt is not None:
@@ -246,6 +232,19 @@ class BoundState:
                 if isinstance(v, Tensor):
                     out.append((Slot("opt_state", f"{layout.param_names[i][0]}.{k}", i, k), v))
         return out
+
+
+def _unique(named) -> tuple[list[Tensor], list[list[str]], dict[int, int]]:
+    """Distinct tensors, all the names of each, and id -> position (tied weights are one entry)."""
+    tensors, names, index = [], [], {}
+    for name, t in named:
+        if id(t) in index:
+            names[index[id(t)]].append(name)
+        else:
+            index[id(t)] = len(tensors)
+            tensors.append(t)
+            names.append([name])
+    return tensors, names, index
 
 
 def _zero_grad(p: Tensor, set_to_none: bool) -> None:
