@@ -71,7 +71,7 @@ def train_side_by_side(make_model: Callable[[], nn.Module], make_opt: Callable, 
     for i, batch in enumerate(batches):
         le = step_fn(model_e, opt_e, *batch)
         lc = compiled(model_c, opt_c, *batch)
-        losses_e.append(float(le))
+        losses_e.append(float(le.detach()))
         losses_c.append(float(lc))
         torch.testing.assert_close(lc, le.detach(), rtol=RTOL, atol=ATOL, msg=lambda m: f"step {i} loss: {m}")
         if compare_state:
