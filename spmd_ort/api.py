@@ -32,7 +32,7 @@ from .transition import StepKey, TransitionManager
 
 logger = logging.getLogger("spmd_ort")
 
-BACKENDS = ("fx",)
+BACKENDS = ("ort", "fx")
 
 
 class Override(ABC):
@@ -160,7 +160,8 @@ class CompiledStep:
     def _compile(self, key: StepKey, module: nn.Module, opt, rule, args: tuple, kwargs: dict) -> CompiledProgram:
         t0 = time.perf_counter()
         layout = StateLayout.capture(module, opt, rule)
-        traced = trace_step(self.fn, args, kwargs, layout)
+        # ORT has no translation of the fused CPU attention kernels' backward: trace the math form.
+        traced = trace_step(self.fn, args, kwargs, layout, sdpa_math=self.backend == "ort")
         traced_gm = _snapshot(traced.gm)
         ctx = P.PassContext(input_slots=list(traced.input_slots), output_slots=list(traced.output_slots),
                             parallel_mode=self.parallel_mode, disabled=P.disabled_from_env())
@@ -210,6 +211,10 @@ class CompiledStep:
         if self.backend == "fx":
             gm = P.run_passes(gm, ctx, P.fx_executor_passes(ctx))
             return FxExecutor(gm), gm
+        if self.backend == "ort":
+            from .runtime_ort import build_ort_executor
+
+            return build_ort_executor(gm, ctx, self.debug)
         raise CompileError(f"unknown backend {self.backend!r}; choose one of {', '.join(BACKENDS)}")
 
 
@@ -232,7 +237,8 @@ def compile(  # noqa: A001 - the reference API's name
         module_override: :class:`Override` objects for submodules that cannot be traced.
         gm_transformation: ``GraphModule -> GraphModule`` applied once per compiled variant.
         parallel_mode: how to distribute the step (``None``: single process).
-        backend: ``"fx"`` (PyTorch executor); default from ``SPMD_ORT_BACKEND``.
+        backend: ``"ort"`` (ONNX Runtime segments + torch host nodes, the default) or ``"fx"``
+            (PyTorch op by op); default from ``SPMD_ORT_BACKEND``.
         debug: :class:`DebugOptions`.
     """
     debug = debug or DebugOptions()

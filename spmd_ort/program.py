@@ -49,6 +49,11 @@ class CompiledProgram:
         leaves = pytree.tree_leaves((args, kwargs))
         inputs = self.layout.gather() + [leaves[i] for i in self.batch_positions]
         outs = self.executor.run(inputs)
+        # An executor that reuses its output buffers overwrites them next step:
+        # what escapes the step (user outputs, newly assigned state) is copied.
+        owned = not getattr(self.executor, "reuses_buffers", False)
+        if not owned:
+            outs = [o.clone() if slot.kind == "user" else o for slot, o in zip(self.output_slots, outs)]
         state_slots, state_vals, user_vals = [], [], []
         for slot, value in zip(self.output_slots, outs, strict=True):
             if slot.kind == "user":
@@ -59,7 +64,7 @@ class CompiledProgram:
             else:
                 state_slots.append(slot)
                 state_vals.append(value)
-        self.layout.write_back(state_slots, state_vals)
+        self.layout.write_back(state_slots, state_vals, owned=owned)
         self.steps_run += 1
         it = iter(user_vals)
         return pytree.tree_unflatten([next(it) if x is TENSOR else x for x in self.user_leaves], self.user_spec)

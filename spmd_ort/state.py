@@ -171,13 +171,19 @@ class StateLayout:
             opt.__dict__.update(saved_attrs)
 
     # ------------------------------------------------------------------ write back
-    def write_back(self, slots: list[Slot], values: list[Tensor]) -> None:
+    def write_back(self, slots: list[Slot], values: list[Tensor], *, owned: bool = True) -> None:
         """Store a step's new state into the module and optimizer.
 
         A value that *is* the state tensor (updated in place by the graph) is
         left alone; others are copied into the existing tensor, so that
         references users hold (``model.parameters()``, optimizer state) stay valid.
+        State that did not exist before (a first ``.grad``, new optimizer state)
+        takes the value itself, or a copy of it when the executor does not
+        ``own`` it (it will reuse the buffer next step).
         """
+        def take(v: Tensor) -> Tensor:
+            return v if owned else v.clone()
+
         new_grads: dict[int, Tensor] = {}
         with torch.no_grad():
             for slot, v in zip(slots, values):
@@ -193,7 +199,7 @@ class StateLayout:
                     if slot.key in st:
                         _store(st[slot.key], v)
                     else:
-                        st[slot.key] = v
+                        st[slot.key] = take(v)
                 else:
                     raise AssertionError(f"no write-back for {slot}")
             for i, p in enumerate(self.params):
@@ -203,7 +209,7 @@ class StateLayout:
                 elif p.grad is not None and p.grad.shape == g.shape and p.grad.dtype == g.dtype:
                     _store(p.grad, g)
                 else:
-                    p.grad = g
+                    p.grad = take(g)
         if self.opt is not None:
             # torch's LR schedulers check that optimizer.step() ran before them.
             self.opt._opt_called = True

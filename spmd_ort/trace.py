@@ -29,6 +29,7 @@ import torch.utils._pytree as pytree
 from torch import fx, nn
 from torch._decomp import get_decompositions
 from torch.fx.experimental.proxy_tensor import get_proxy_mode, make_fx
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from .errors import CompileError
 from .state import Slot, StateLayout
@@ -124,8 +125,12 @@ def _describe_failure(exc: BaseException) -> tuple[str, str | None]:
     return text, op
 
 
-def trace_step(fn, args: tuple, kwargs: dict, layout: StateLayout) -> TracedStep:
-    """Trace ``fn(*args, **kwargs)`` into a functional graph over ``layout``'s state."""
+def trace_step(fn, args: tuple, kwargs: dict, layout: StateLayout, *, sdpa_math: bool = False) -> TracedStep:
+    """Trace ``fn(*args, **kwargs)`` into a functional graph over ``layout``'s state.
+
+    ``sdpa_math`` traces ``scaled_dot_product_attention`` as its math form
+    (matmuls and softmax) instead of a fused kernel whose backward ONNX lacks.
+    """
     t0 = time.perf_counter()
     leaves, spec = pytree.tree_flatten((args, kwargs))
     batch_positions = [i for i, leaf in enumerate(leaves) if isinstance(leaf, torch.Tensor)]
@@ -153,7 +158,8 @@ def trace_step(fn, args: tuple, kwargs: dict, layout: StateLayout) -> TracedStep
     trace_inputs += [leaves[i] for i in batch_positions]
     stack = _ModuleStack(layout.module)
     try:
-        with stack.installed(), torch.enable_grad():
+        attention = sdpa_kernel([SDPBackend.MATH]) if sdpa_math else contextlib.nullcontext()
+        with stack.installed(), torch.enable_grad(), attention:
             gm1 = make_fx(step, decomposition_table=FUNCTIONAL_DECOMPS, tracing_mode="fake",
                           _allow_non_fake_inputs=True)(*trace_inputs)
             _check_no_data_dependence(gm1, captured, stack)

@@ -30,16 +30,42 @@ def train_step(model, opt, x, y, clip: float | None = None):
 classification_step = lm_step = train_step
 
 
-def assert_same_state(eager: nn.Module, compiled: nn.Module, eager_opt=None, compiled_opt=None, where=""):
+def assert_close_normwise(actual: torch.Tensor, expected: torch.Tensor, *, rtol: float = RTOL, atol: float = ATOL,
+                          msg: str = "") -> None:
+    """||actual - expected|| <= rtol * ||expected|| + atol * sqrt(n).
+
+    For backends whose kernels round differently from eager's (ORT): Adam
+    normalises each gradient element, so one element whose gradient suffers
+    cancellation can move by up to lr times its relative rounding error while
+    the tensor as a whole agrees to 1e-6.
+    """
+    assert actual.shape == expected.shape and actual.dtype == expected.dtype, msg
+    if not actual.dtype.is_floating_point:
+        assert torch.equal(actual, expected), msg
+        return
+    diff = (actual.double() - expected.double()).norm().item()
+    bound = rtol * expected.double().norm().item() + atol * expected.numel() ** 0.5
+    assert diff <= bound, f"{msg}: ||diff|| = {diff:.3g} > {bound:.3g} (max |diff| " \
+                          f"{(actual.double() - expected.double()).abs().max().item():.3g})"
+
+
+def _close(actual, expected, normwise: bool, msg: str) -> None:
+    if normwise:
+        assert_close_normwise(actual, expected, msg=msg)
+    else:
+        torch.testing.assert_close(actual, expected, rtol=RTOL, atol=ATOL, msg=lambda m: f"{msg}: {m}")
+
+
+def assert_same_state(eager: nn.Module, compiled: nn.Module, eager_opt=None, compiled_opt=None, where="",
+                      normwise: bool = False):
     for (name, a), (_, b) in zip(eager.named_parameters(), compiled.named_parameters(), strict=True):
-        torch.testing.assert_close(b, a, rtol=RTOL, atol=ATOL, msg=lambda m: f"{where} param {name}: {m}")
+        _close(b, a, normwise, f"{where} param {name}")
         if a.grad is None:
             assert b.grad is None, f"{where} {name}: compiled has a grad, eager has none"
         else:
-            torch.testing.assert_close(b.grad, a.grad, rtol=RTOL, atol=ATOL,
-                                       msg=lambda m: f"{where} grad {name}: {m}")
+            _close(b.grad, a.grad, normwise, f"{where} grad {name}")
     for (name, a), (_, b) in zip(eager.named_buffers(), compiled.named_buffers(), strict=True):
-        torch.testing.assert_close(b, a, rtol=RTOL, atol=ATOL, msg=lambda m: f"{where} buffer {name}: {m}")
+        _close(b, a, normwise, f"{where} buffer {name}")
     if eager_opt is not None:
         sa, sb = eager_opt.state_dict(), compiled_opt.state_dict()
         assert sa["param_groups"] == sb["param_groups"], where
@@ -48,8 +74,7 @@ def assert_same_state(eager: nn.Module, compiled: nn.Module, eager_opt=None, com
             for key, va in sa["state"][k].items():
                 vb = sb["state"][k][key]
                 if isinstance(va, torch.Tensor):
-                    torch.testing.assert_close(vb, va, rtol=RTOL, atol=ATOL,
-                                               msg=lambda m: f"{where} opt state {k}.{key}: {m}")
+                    _close(vb, va, normwise, f"{where} opt state {k}.{key}")
                 else:
                     assert va == vb, (where, k, key)
 
@@ -75,8 +100,20 @@ def train_side_by_side(make_model: Callable[[], nn.Module], make_opt: Callable, 
         losses_c.append(float(lc))
         torch.testing.assert_close(lc, le.detach(), rtol=RTOL, atol=ATOL, msg=lambda m: f"step {i} loss: {m}")
         if compare_state:
-            assert_same_state(model_e, model_c, opt_e, opt_c, where=f"step {i}")
+            # fx runs eager's own kernels: elementwise; ORT's round differently: per tensor (see above)
+            assert_same_state(model_e, model_c, opt_e, opt_c, where=f"step {i}", normwise=backend == "ort")
         if sched_e is not None:
             sched_e.step()
             sched_c.step()
+    if backend == "ort":
+        assert_ran_on_ort(compiled)
     return compiled, losses_e, losses_c
+
+
+def assert_ran_on_ort(compiled) -> None:
+    """Every variant ran its segments on ONNX Runtime, verified, with no fallback."""
+    for program in compiled.variants:
+        stats = program.executor.stats
+        assert stats.segments >= 1
+        assert stats.fallbacks == [] and stats.mismatches == [], (stats.fallbacks, stats.mismatches)
+        assert stats.verified == stats.segments

@@ -13,7 +13,7 @@ from helpers import assert_same_state, classification_step, lm_step, train_side_
 from models import CNN, GPT, MLP, GPTConfig, gpt_batch
 
 STEPS = 20
-BACKENDS = ["fx"]
+BACKENDS = ["ort", "fx"]
 
 
 def _sgd(m):

@@ -1,0 +1,108 @@
+"""Split the compiled graph into segments ONNX Runtime runs and host nodes torch runs.
+
+Two pieces, as torch.fx's ``CapabilityBasedPartitioner``:
+
+* :class:`OrtSupport`, the operator-support predicate: can ORT run this node?
+  Host nodes are collectives, our own ``spmd_ort::`` ops (the fused optimizer
+  update runs in torch, in place), random ops (they keep torch's RNG, so runs
+  are reproducible and verifiable), ops on float64 host scalars, and aten ops
+  neither torchlib nor a torch decomposition covers.
+* the grouping, torch.fx's partitioner: deterministic, largest possible
+  segments of connected supported nodes, no cycles through host nodes.
+"""
+
+from __future__ import annotations
+
+import operator
+from functools import lru_cache
+
+import torch
+from torch import fx
+from torch.fx.passes.infra.partitioner import CapabilityBasedPartitioner
+from torch.fx.passes.operator_support import OperatorSupport
+
+from .export import EXPORT_DECOMPOSITIONS
+
+aten = torch.ops.aten
+
+HOST_NAMESPACES = ("spmd_ort", "_c10d_functional", "c10d_functional", "_dtensor")
+RANDOM_OPS = {
+    aten.native_dropout.default, aten.bernoulli.default, aten.bernoulli.p, aten.rand.default,
+    aten.randn.default, aten.rand_like.default, aten.randn_like.default, aten.randint.low,
+    aten.randint.default, aten.randperm.default, aten.multinomial.default, aten.normal.Tensor_float,
+    aten.uniform.default, aten.exponential.default,
+}
+ONNX_DTYPES = {torch.float32, torch.float16, torch.bfloat16, torch.int64, torch.int32, torch.int8,
+               torch.uint8, torch.bool}
+
+
+@lru_cache(maxsize=1)
+def _registry():
+    from torch.onnx._internal.exporter import _registration
+
+    return _registration.ONNXRegistry.from_torchlib()
+
+
+@lru_cache(maxsize=1)
+def _torch_decomps():
+    return torch.export.default_decompositions()
+
+
+def why_host(node: fx.Node) -> str | None:
+    """None if ORT can run ``node``; otherwise the reason it stays on the host."""
+    if node.op != "call_function":
+        return "not an op"
+    target = node.target
+    if target is operator.getitem:
+        return why_host(node.args[0]) if isinstance(node.args[0], fx.Node) else "getitem of a Python value"
+    if not isinstance(target, torch._ops.OpOverload):
+        return f"Python callable {getattr(target, '__name__', target)}"
+    namespace = target.namespace
+    if namespace in HOST_NAMESPACES:
+        return f"{namespace} op (runs in torch)"
+    if target in RANDOM_OPS:
+        return "random op (keeps torch's RNG)"
+    for val in _vals(node):
+        if val.dtype not in ONNX_DTYPES:
+            return f"dtype {val.dtype}"
+        if val.device.type not in ("cpu", "cuda"):
+            return f"device {val.device}"
+    if namespace != "aten":
+        return f"{namespace} op has no ONNX translation"
+    if target in EXPORT_DECOMPOSITIONS or _registry().is_registered(target) or target in _torch_decomps():
+        return None
+    return f"{target} has no ONNX translation"
+
+
+def _vals(node: fx.Node):
+    val = node.meta.get("val")
+    vals = val if isinstance(val, (list, tuple)) else [val]
+    for arg in node.all_input_nodes:
+        v = arg.meta.get("val")
+        vals = [*vals, *(v if isinstance(v, (list, tuple)) else [v])]
+    return [v for v in vals if isinstance(v, torch.Tensor)]
+
+
+class OrtSupport(OperatorSupport):
+    def is_node_supported(self, submodules, node: fx.Node) -> bool:
+        return why_host(node) is None
+
+
+def partition_for_ort(gm: fx.GraphModule) -> tuple[fx.GraphModule, list[str]]:
+    """Fuse ORT-supported regions into submodules ``fused_<i>``; returns (graph, their names)."""
+    partitioner = CapabilityBasedPartitioner(gm, OrtSupport(), allows_single_node_partition=False)
+    partitions = partitioner.propose_partitions()
+    # a segment made only of views/getitems is not worth an ORT call
+    partitions = [p for p in partitions if any(_is_compute(n) for n in p.nodes)]
+    fused = partitioner.fuse_partitions(partitions)
+    names = [n.target for n in fused.graph.nodes if n.op == "call_module"]
+    return fused, names
+
+
+def _is_compute(node: fx.Node) -> bool:
+    if node.target is operator.getitem:
+        return False
+    schema = getattr(node.target, "_schema", None)
+    if schema is not None and schema.returns and schema.returns[0].alias_info is not None:
+        return False  # a view
+    return True

@@ -1,0 +1,270 @@
+"""The "ort" executor: graph segments run in ONNX Runtime, host nodes in torch.
+
+The compiled graph is partitioned (:mod:`.partition`); each segment becomes an
+:class:`OrtSegment`, a module that runs an ``InferenceSession`` through IO
+binding: inputs are bound to the torch tensors' own memory and outputs are
+written into tensors allocated once, so a step copies and allocates nothing
+for them.  The top-level graph, with host nodes (the fused optimizer update,
+collectives, random ops) between segments, runs as an fx GraphModule.
+
+The first run of each compiled variant goes through :class:`_FirstRun`: every
+segment also runs its fx graph; with verification on (``DebugOptions(verify=True)``
+or ``SPMD_ORT_VERIFY=1``) the outputs are compared and a mismatch names the
+segment and the first differing output.  A segment that fails to export, to
+load, to run or to verify falls back to its fx graph (``SPMD_ORT_FALLBACK_POLICY``
+= ``FALLBACK_TO_FX``, the default, with one WARNING) or raises
+(``FALLBACK_DISABLE``).
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+
+import numpy as np
+import onnxruntime as ort
+import torch
+from torch import fx, nn
+
+from spmd_ort import passes as P
+
+from .errors import CompileError
+from .export import export_segment, save_model
+from .options import DebugOptions, env_flag, env_str
+from .partition import partition_for_ort, why_host
+
+logger = logging.getLogger("spmd_ort")
+
+NUMPY_DTYPES = {
+    torch.float32: np.float32, torch.float16: np.float16, torch.float64: np.float64, torch.int64: np.int64,
+    torch.int32: np.int32, torch.int8: np.int8, torch.uint8: np.uint8, torch.bool: np.bool_,
+}
+POLICIES = ("FALLBACK_TO_FX", "FALLBACK_DISABLE")
+VERIFY_TOLERANCE = 1e-4  # max |ort - fx| relative to max |fx|, per output
+
+
+def fallback_policy() -> str:
+    policy = (env_str("SPMD_ORT_FALLBACK_POLICY") or POLICIES[0]).upper()
+    if policy not in POLICIES:
+        raise ValueError(f"SPMD_ORT_FALLBACK_POLICY={policy!r} is not one of {', '.join(POLICIES)}")
+    return policy
+
+
+def verify_enabled(debug: DebugOptions) -> bool:
+    return debug.verify or env_flag("SPMD_ORT_VERIFY")
+
+
+def _outputs_meta(gm: fx.GraphModule) -> tuple[list[torch.Tensor], bool]:
+    out = next(n for n in reversed(gm.graph.nodes) if n.op == "output").args[0]
+    is_tuple = isinstance(out, (tuple, list))
+    nodes = list(out) if is_tuple else [out]
+    return [n.meta["val"] for n in nodes], is_tuple
+
+
+class OrtSegment(nn.Module):
+    """One ORT session standing in for the fx segment ``fallback`` (same inputs, same outputs)."""
+
+    def __init__(self, name: str, fallback: fx.GraphModule, model: bytes, *, threads: int):
+        super().__init__()
+        self.name = name
+        self.fallback = fallback
+        self.use_fallback = False
+        metas, self.returns_tuple = _outputs_meta(fallback)
+        device = metas[0].device if metas else torch.device("cpu")
+        self.device_type = "cuda" if device.type == "cuda" else "cpu"
+        self.device_id = device.index or 0
+        options = ort.SessionOptions()
+        options.intra_op_num_threads = threads
+        options.inter_op_num_threads = 1
+        options.execution_mode = ort.ExecutionMode.ORT_SEQUENTIAL
+        options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
+        options.log_severity_level = 3
+        # torch runs host nodes between segments on the same cores: do not spin
+        options.add_session_config_entry("session.intra_op.allow_spinning", "0")
+        providers = ["CPUExecutionProvider"]
+        if self.device_type == "cuda":
+            if "CUDAExecutionProvider" not in ort.get_available_providers():
+                raise RuntimeError("tensors are on CUDA but onnxruntime has no CUDAExecutionProvider; "
+                                   "install onnxruntime-gpu")
+            providers = [("CUDAExecutionProvider", {"device_id": self.device_id}), "CPUExecutionProvider"]
+        self.session = ort.InferenceSession(model, options, providers=providers)
+        placeholders = [n.name for n in fallback.graph.nodes if n.op == "placeholder"]
+        self.input_names = [i.name for i in self.session.get_inputs()]
+        missing = [n for n in self.input_names if n not in placeholders]
+        if missing:
+            raise RuntimeError(f"ONNX inputs {missing} are not inputs of the segment")
+        self.input_index = [placeholders.index(n) for n in self.input_names]
+        self.output_names = [o.name for o in self.session.get_outputs()]
+        if len(self.output_names) != len(metas):
+            raise RuntimeError(f"ONNX model has {len(self.output_names)} outputs, the segment {len(metas)}")
+        self.outputs = [torch.empty(m.shape, dtype=m.dtype, device=m.device) for m in metas]
+        self.binding = self.session.io_binding()
+        for name, t in zip(self.output_names, self.outputs):
+            self.binding.bind_output(name, self.device_type, self.device_id, NUMPY_DTYPES[t.dtype],
+                                     tuple(t.shape), t.data_ptr())
+
+    def run_ort(self, *args: torch.Tensor):
+        keep = []  # contiguous copies must outlive the run
+        for name, idx in zip(self.input_names, self.input_index):
+            t = args[idx]
+            if not t.is_contiguous():
+                t = t.contiguous()
+                keep.append(t)
+            self.binding.bind_input(name, self.device_type, self.device_id, NUMPY_DTYPES[t.dtype],
+                                    tuple(t.shape), t.data_ptr())
+        if self.device_type == "cuda":
+            torch.cuda.current_stream().synchronize()  # inputs written by torch kernels
+        self.session.run_with_iobinding(self.binding)
+        out = tuple(self.outputs)
+        return out if self.returns_tuple else out[0]
+
+    def forward(self, *args: torch.Tensor):
+        if self.use_fallback:
+            return self.fallback(*args)
+        return self.run_ort(*args)
+
+
+def _first_difference(ort_out, fx_out) -> str | None:
+    """Describe the first output that differs beyond tolerance, or None."""
+    ort_vals = ort_out if isinstance(ort_out, tuple) else (ort_out,)
+    fx_vals = fx_out if isinstance(fx_out, (tuple, list)) else (fx_out,)
+    for i, (a, b) in enumerate(zip(ort_vals, fx_vals)):
+        if a.shape != b.shape or a.dtype != b.dtype:
+            return f"output {i}: shape/dtype {tuple(a.shape)}/{a.dtype} vs {tuple(b.shape)}/{b.dtype}"
+        if not a.dtype.is_floating_point:
+            if not torch.equal(a, b):
+                return f"output {i}: integer values differ"
+            continue
+        if not torch.equal(torch.isnan(a), torch.isnan(b)):
+            return f"output {i}: NaN in one and not the other"
+        a, b = torch.nan_to_num(a.double()), torch.nan_to_num(b.double())
+        scale = b.abs().max().item() if b.numel() else 0.0
+        err = (a - b).abs().max().item() if b.numel() else 0.0
+        if err > VERIFY_TOLERANCE * max(scale, 1e-30) and err > 1e-30:
+            return (f"output {i} (shape {tuple(b.shape)}): max |ort - fx| = {err:.3g}, "
+                    f"{err / max(scale, 1e-30):.3g} of max |fx| = {scale:.3g}")
+    return None
+
+
+def _failure(segment: str, what: str, policy: str, ops: str = "") -> None:
+    where = f"ORT segment `{segment}`{f' ({ops})' if ops else ''}"
+    if policy == "FALLBACK_DISABLE":
+        raise CompileError(f"{where}: {what}. SPMD_ORT_FALLBACK_POLICY=FALLBACK_DISABLE, so this is an error; "
+                           "unset it to run such segments on the fx executor", op=ops or None)
+    logger.warning("%s: %s; it runs on the fx executor instead (SPMD_ORT_FALLBACK_POLICY=FALLBACK_TO_FX)",
+                   where, what)
+
+
+def _op_summary(gm: fx.GraphModule, limit: int = 6) -> str:
+    ops = sorted({str(n.target) for n in gm.graph.nodes if n.op == "call_function"})
+    return ", ".join(ops[:limit]) + (f", ... {len(ops) - limit} more" if len(ops) > limit else "")
+
+
+class _FirstRun(fx.Interpreter):
+    """Runs every ORT segment and its fx graph; downstream uses the fx result."""
+
+    def __init__(self, executor: OrtExecutor):
+        super().__init__(executor.gm)
+        self.executor = executor
+
+    def call_module(self, target, args, kwargs):
+        seg = self.module.get_submodule(target)
+        if not isinstance(seg, OrtSegment) or seg.use_fallback:
+            return super().call_module(target, args, kwargs)
+        reference = seg.fallback(*args)
+        try:
+            got = seg.run_ort(*args)
+        except Exception as exc:  # noqa: BLE001 - any ORT failure falls back per policy
+            _failure(seg.name, f"ONNX Runtime failed to run it: {exc}", self.executor.policy, _op_summary(seg.fallback))
+            seg.use_fallback = True
+            self.executor.stats.fallbacks.append(seg.name)
+            return reference
+        if self.executor.verify:
+            diff = _first_difference(got, reference)
+            self.executor.stats.verified += 1
+            if diff is not None:
+                self.executor.stats.mismatches.append(f"{seg.name}: {diff}")
+                _failure(seg.name, f"verification failed: {diff}", self.executor.policy, _op_summary(seg.fallback))
+                seg.use_fallback = True
+                self.executor.stats.fallbacks.append(seg.name)
+        return reference
+
+
+@dataclass
+class OrtStats:
+    segments: int = 0
+    host_ops: dict = field(default_factory=dict)  # op -> why it stays on the host
+    export_seconds: float = 0.0
+    cache_hits: int = 0
+    fallbacks: list = field(default_factory=list)
+    verified: int = 0
+    mismatches: list = field(default_factory=list)
+
+
+class OrtExecutor:
+    name = "ort"
+    reuses_buffers = True  # segment outputs live in tensors that the next step overwrites
+
+    def __init__(self, gm: fx.GraphModule, *, verify: bool, policy: str, stats: OrtStats):
+        self.gm = gm
+        self.verify = verify
+        self.policy = policy
+        self.stats = stats
+        self.first_run_done = False
+
+    @property
+    def segments(self) -> list[OrtSegment]:
+        return [m for m in self.gm.modules() if isinstance(m, OrtSegment)]
+
+    def run(self, inputs: list[torch.Tensor]) -> list[torch.Tensor]:
+        with torch.no_grad():
+            if not self.first_run_done:
+                out = _FirstRun(self).run(*inputs)
+                self.first_run_done = True
+                return list(out)
+            return list(self.gm(*inputs))
+
+
+def build_ort_executor(gm: fx.GraphModule, ctx: P.PassContext, debug: DebugOptions) -> tuple[OrtExecutor, fx.GraphModule]:
+    """Partition ``gm``, export and load each segment; the result runs with :class:`OrtExecutor`."""
+    gm = P.run_passes(gm, ctx, P.fx_executor_passes(ctx))
+    policy = fallback_policy()
+    stats = OrtStats()
+    for node in gm.graph.nodes:
+        reason = why_host(node) if node.op == "call_function" else None
+        if reason is not None:
+            stats.host_ops[str(node.target)] = reason
+    fused, names = partition_for_ort(gm)
+    stats.segments = len(names)
+    threads = torch.get_num_threads()
+    for name in names:
+        sub = fused.get_submodule(name)
+        try:
+            result = export_segment(sub, name=name)
+            stats.export_seconds += result.seconds
+            stats.cache_hits += int(result.cache_hit)
+            if debug.save_onnx:
+                path = save_model(result.model, name, debug.onnx_prefix)
+                logger.info("saved %s to %s", name, path)
+            try:
+                segment = OrtSegment(name, sub, result.model, threads=threads)
+            except Exception:
+                if not result.cache_hit:
+                    raise
+                logger.info("cached model of %s does not load; exporting it again", name)
+                result = export_segment(sub, name=name, use_cache=True, refresh=True)
+                segment = OrtSegment(name, sub, result.model, threads=threads)
+        except CompileError:
+            raise
+        except Exception as exc:  # noqa: BLE001 - export/load failures fall back per policy
+            _failure(name, f"export failed: {type(exc).__name__}: {_short(exc)}", policy, _op_summary(sub))
+            stats.fallbacks.append(name)
+            continue
+        setattr(fused, name, segment)
+    fused.recompile()
+    return OrtExecutor(fused, verify=verify_enabled(debug), policy=policy, stats=stats), fused
+
+
+def _short(exc: BaseException, limit: int = 400) -> str:
+    text = " ".join(str(exc).split())
+    return text if len(text) <= limit else text[:limit] + " ..."
