@@ -141,9 +141,11 @@ class CompiledStep:
             program = self.transitions.lookup(key)
             if program is None:
                 program = self._compile(key, module, opt, rule, args, kwargs)
+                out = program.run(args, kwargs)  # the first run may still fail (ORT checks)
                 self.transitions.insert(key, program)
+            else:
+                out = program.run(args, kwargs)
             self.compiled = program
-            out = program.run(args, kwargs)
         except BaseException:
             swaps.undo()
             raise

@@ -81,6 +81,11 @@ class CompiledProgram:
         for s in self.output_slots:
             kinds[s.kind] = kinds.get(s.kind, 0) + 1
         lines.append("outputs: " + ", ".join(f"{n} {k}" for k, n in kinds.items()))
+        stats = getattr(self.executor, "stats", None)
+        if stats is not None:
+            lines.append(f"ORT segments: {stats.segments} (fell back to fx: {', '.join(stats.fallbacks) or 'none'}; "
+                         f"export {stats.export_seconds:.2f}s, {stats.cache_hits} from cache)")
+            lines += [f"  host: {op} ({why})" for op, why in stats.host_ops.items()]
         lines.append("passes:")
         lines += [f"  {r}" for r in self.passes_applied]
         lines.append("ops:")

@@ -29,7 +29,7 @@ from torch import fx, nn
 from spmd_ort import passes as P
 
 from .errors import CompileError
-from .export import export_segment, save_model
+from .export import export_segment, opset_version, save_model
 from .options import DebugOptions, env_flag, env_str
 from .partition import partition_for_ort, why_host
 
@@ -219,7 +219,9 @@ class OrtExecutor:
     def run(self, inputs: list[torch.Tensor]) -> list[torch.Tensor]:
         with torch.no_grad():
             if not self.first_run_done:
-                out = _FirstRun(self).run(*inputs)
+                # On copies: host nodes update state in place, and a segment failing after
+                # them (FALLBACK_DISABLE) must leave the real state untouched.
+                out = _FirstRun(self).run(*[t.clone() for t in inputs])
                 self.first_run_done = True
                 return list(out)
             return list(self.gm(*inputs))
@@ -229,6 +231,7 @@ def build_ort_executor(gm: fx.GraphModule, ctx: P.PassContext, debug: DebugOptio
     """Partition ``gm``, export and load each segment; the result runs with :class:`OrtExecutor`."""
     gm = P.run_passes(gm, ctx, P.fx_executor_passes(ctx))
     policy = fallback_policy()
+    opset = opset_version()  # configuration errors are raised, never "fallen back" from
     stats = OrtStats()
     for node in gm.graph.nodes:
         reason = why_host(node) if node.op == "call_function" else None
@@ -240,7 +243,7 @@ def build_ort_executor(gm: fx.GraphModule, ctx: P.PassContext, debug: DebugOptio
     for name in names:
         sub = fused.get_submodule(name)
         try:
-            result = export_segment(sub, name=name)
+            result = export_segment(sub, name=name, opset=opset)
             stats.export_seconds += result.seconds
             stats.cache_hits += int(result.cache_hit)
             if debug.save_onnx:
@@ -252,7 +255,7 @@ def build_ort_executor(gm: fx.GraphModule, ctx: P.PassContext, debug: DebugOptio
                 if not result.cache_hit:
                     raise
                 logger.info("cached model of %s does not load; exporting it again", name)
-                result = export_segment(sub, name=name, use_cache=True, refresh=True)
+                result = export_segment(sub, name=name, opset=opset, refresh=True)
                 segment = OrtSegment(name, sub, result.model, threads=threads)
         except CompileError:
             raise

@@ -1,0 +1,234 @@
+"""The ONNX Runtime backend: op coverage against eager, verification, fallback policy, cache, debug output."""
+
+from __future__ import annotations
+
+import copy
+import json
+import logging
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import onnx
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import spmd_ort
+from spmd_ort import export as ort_export
+from helpers import assert_ran_on_ort, assert_same_state, train_side_by_side, train_step
+from models import MLP
+
+aten = torch.ops.aten
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def _grads_match(make_model, loss_fn, inputs, steps: int = 3):
+    """Eager vs ort: loss and every gradient elementwise at rtol 1e-5 (SGD, so no Adam amplification)."""
+    torch.manual_seed(0)
+    eager = make_model()
+    model = copy.deepcopy(eager)
+
+    def step(model, opt, *batch):
+        loss = loss_fn(model, *batch)
+        loss.backward()
+        grads = {n: p.grad.clone() for n, p in model.named_parameters()}
+        opt.step()
+        opt.zero_grad()
+        return loss, grads
+
+    opt_e = torch.optim.SGD(eager.parameters(), lr=0.1)
+    opt_c = torch.optim.SGD(model.parameters(), lr=0.1)
+    compiled = spmd_ort.compile(backend="ort")(step)
+    for _ in range(steps):
+        le, ge = step(eager, opt_e, *inputs)
+        lc, gc = compiled(model, opt_c, *inputs)
+        torch.testing.assert_close(lc, le.detach(), rtol=1e-5, atol=1e-6)
+        for name in ge:
+            torch.testing.assert_close(gc[name], ge[name], rtol=1e-5, atol=1e-6, msg=lambda m: f"grad {name}: {m}")
+    assert_ran_on_ort(compiled)
+    assert_same_state(eager, model, opt_e, opt_c)
+
+
+class Classifier(nn.Module):
+    def __init__(self, vocab=50, d=16, classes=7):
+        super().__init__()
+        self.emb = nn.Embedding(vocab, d)
+        self.ln = nn.LayerNorm(d)
+        self.fc = nn.Linear(d, classes)
+
+    def forward(self, idx):  # (B, T) -> (B, T, classes)
+        return self.fc(F.gelu(self.ln(self.emb(idx)), approximate="tanh"))
+
+
+def _tokens(B=4, T=6, vocab=50, classes=7):
+    g = torch.Generator().manual_seed(0)
+    x = torch.randint(0, vocab, (B, T), generator=g)
+    y = torch.randint(0, classes, (B, T), generator=g)
+    return x, y
+
+
+@pytest.mark.parametrize("variant", ["mean", "sum", "ignore_index", "label_smoothing", "class_weights", "all"])
+def test_cross_entropy_variants(variant):
+    x, y = _tokens()
+    y[0, :3] = -100
+    y[2, 5] = -100
+    weight = torch.linspace(0.5, 2.0, 7)
+    kwargs = {"mean": {}, "sum": {"reduction": "sum"}, "ignore_index": {"ignore_index": -100},
+              "label_smoothing": {"label_smoothing": 0.1}, "class_weights": {"weight": weight},
+              "all": {"ignore_index": -100, "label_smoothing": 0.1, "weight": weight}}[variant]
+    if variant in ("mean", "sum", "label_smoothing"):
+        y = y.clamp(min=0)
+
+    def loss_fn(model, x, y):
+        return F.cross_entropy(model(x).flatten(0, 1), y.flatten(), **kwargs)
+
+    _grads_match(Classifier, loss_fn, (x, y))
+
+
+def test_layer_norm_gelu_embedding_attention():
+    class Attn(nn.Module):
+        def __init__(self, d=16, heads=2):
+            super().__init__()
+            self.emb = nn.Embedding(50, d)
+            self.ln = nn.LayerNorm(d)
+            self.qkv = nn.Linear(d, 3 * d, bias=False)
+            self.out = nn.Linear(d, 50)
+            self.heads = heads
+
+        def forward(self, idx):
+            x = self.ln(self.emb(idx))
+            B, T, C = x.shape
+            q, k, v = (t.view(B, T, self.heads, -1).transpose(1, 2) for t in self.qkv(x).split(C, 2))
+            y = F.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2).reshape(B, T, C)
+            return self.out(F.gelu(x + y))
+
+    x, y = _tokens(classes=50)
+    _grads_match(Attn, lambda m, x, y: F.cross_entropy(m(x).flatten(0, 1), y.flatten()), (x, y))
+
+
+@pytest.fixture
+def fresh_cache(tmp_path, monkeypatch):
+    monkeypatch.setenv("SPMD_ORT_CACHE_DIR", str(tmp_path / "cache"))
+    return tmp_path / "cache"
+
+
+def _wrong_gelu(monkeypatch):
+    """Inject a wrong translation: GELU exported as 2x (as a buggy torchlib function would be)."""
+    monkeypatch.setitem(ort_export.EXPORT_DECOMPOSITIONS, aten.gelu.default, lambda x, approximate="none": x * 2.0)
+    monkeypatch.setitem(ort_export.EXPORT_FIXES, aten.gelu.default, "injected by a test")
+
+
+def test_verification_catches_wrong_translation_and_fallback_keeps_training_correct(
+        fresh_cache, monkeypatch, caplog):
+    _wrong_gelu(monkeypatch)
+    g = torch.Generator().manual_seed(0)
+    batches = [(torch.randn(8, 32, generator=g), torch.randint(0, 10, (8,), generator=g)) for _ in range(4)]
+    with caplog.at_level(logging.WARNING, logger="spmd_ort"):
+        compiled, _, _ = train_side_by_side(MLP, lambda m: torch.optim.SGD(m.parameters(), lr=0.1), train_step,
+                                            batches, backend="ort", expect_clean_ort=False)
+    assert "verification failed" in caplog.text and "fused_0" in caplog.text and "output" in caplog.text
+    stats = compiled.compiled.executor.stats
+    assert stats.fallbacks == ["fused_0"] and stats.mismatches
+
+
+def test_fallback_disable_raises_and_changes_nothing(fresh_cache, monkeypatch):
+    _wrong_gelu(monkeypatch)
+    monkeypatch.setenv("SPMD_ORT_FALLBACK_POLICY", "FALLBACK_DISABLE")
+    model = MLP()
+    opt = torch.optim.Adam(model.parameters(), lr=0.1)
+    before = [p.detach().clone() for p in model.parameters()]
+    step = spmd_ort.compile(backend="ort")(train_step)
+    with pytest.raises(spmd_ort.CompileError, match=r"ORT segment `fused_0`.*verification failed: output \d+"):
+        step(model, opt, torch.randn(8, 32), torch.randint(0, 10, (8,)))
+    assert all(torch.equal(a, b) for a, b in zip(before, model.parameters()))
+    assert all(p.grad is None for p in model.parameters()) and not opt.state
+    assert step.transitions.traces == 0
+
+
+def test_export_failure_falls_back_or_raises(fresh_cache, monkeypatch, caplog):
+    def broken(*args, **kwargs):
+        raise RuntimeError("no translation for aten.gelu (injected)")
+
+    monkeypatch.setitem(ort_export.EXPORT_DECOMPOSITIONS, aten.gelu.default, broken)
+    monkeypatch.setitem(ort_export.EXPORT_FIXES, aten.gelu.default, "injected by a test")
+    x, y = torch.randn(8, 32), torch.randint(0, 10, (8,))
+    with caplog.at_level(logging.WARNING, logger="spmd_ort"):
+        model = MLP()
+        out = spmd_ort.compile(backend="ort")(train_step)(model, torch.optim.SGD(model.parameters(), lr=0.1), x, y)
+    assert torch.isfinite(out)
+    assert "export failed" in caplog.text and "aten.gelu.default" in caplog.text and "fx executor" in caplog.text
+    monkeypatch.setenv("SPMD_ORT_FALLBACK_POLICY", "FALLBACK_DISABLE")
+    model = MLP()
+    with pytest.raises(spmd_ort.CompileError, match="export failed.*injected"):
+        spmd_ort.compile(backend="ort")(train_step)(model, torch.optim.SGD(model.parameters(), lr=0.1), x, y)
+    monkeypatch.setenv("SPMD_ORT_FALLBACK_POLICY", "SOMETIMES")
+    with pytest.raises(ValueError, match="SPMD_ORT_FALLBACK_POLICY='SOMETIMES'"):
+        spmd_ort.compile(backend="ort")(train_step)(model, torch.optim.SGD(model.parameters(), lr=0.1), x, y)
+
+
+CACHE_SCRIPT = r"""
+import json, sys, time, torch
+sys.path.insert(0, {tests!r}); sys.path.insert(0, {root!r})
+import spmd_ort
+from models import MLP
+from helpers import train_step
+torch.manual_seed(0)
+model = MLP(); opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+step = spmd_ort.compile(backend="ort")(train_step)
+t0 = time.perf_counter()
+step(model, opt, torch.randn(8, 32), torch.randint(0, 10, (8,)))
+step(model, opt, torch.randn(8, 32), torch.randint(0, 10, (8,)))
+stats = [v.executor.stats for v in step.variants]
+print(json.dumps({{"seconds": time.perf_counter() - t0, "segments": sum(s.segments for s in stats),
+                  "hits": sum(s.cache_hits for s in stats), "export_s": sum(s.export_seconds for s in stats)}}))
+"""
+
+
+def test_second_process_loads_from_cache(fresh_cache):
+    script = CACHE_SCRIPT.format(tests=str(ROOT / "tests"), root=str(ROOT))
+    env = {**os.environ, "SPMD_ORT_CACHE_DIR": str(fresh_cache)}
+    runs = []
+    for _ in range(2):
+        out = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=300)
+        assert out.returncode == 0, out.stderr[-3000:]
+        runs.append(json.loads(out.stdout.strip().splitlines()[-1]))
+    cold, warm = runs
+    assert cold["hits"] == 0 and cold["segments"] == 2
+    assert warm["hits"] == warm["segments"] == 2
+    assert warm["export_s"] < cold["export_s"]
+    print(f"cold compile {cold['seconds']:.2f}s (export {cold['export_s']:.2f}s), "
+          f"warm {warm['seconds']:.2f}s (export {warm['export_s']:.3f}s)")
+    assert len(list(fresh_cache.glob("*.onnx"))) == 2
+
+
+def test_save_onnx_and_opset(tmp_path, monkeypatch, fresh_cache):
+    monkeypatch.setenv("SPMD_ORT_SAVE_ONNX_PATH", str(tmp_path / "onnx"))
+    monkeypatch.setenv("SPMD_ORT_ONNX_OPSET_VERSION", "18")
+    model = MLP()
+    step = spmd_ort.compile(backend="ort", debug=spmd_ort.DebugOptions(save_onnx=True, onnx_prefix="mlp"))(train_step)
+    step(model, torch.optim.SGD(model.parameters(), lr=0.1), torch.randn(4, 32), torch.randint(0, 10, (4,)))
+    saved = sorted((tmp_path / "onnx").glob("mlp_fused_*.onnx"))
+    assert len(saved) == 1
+    proto = onnx.load(str(saved[0]))
+    onnx.checker.check_model(proto)
+    assert {o.domain: o.version for o in proto.opset_import}[""] == 18
+    monkeypatch.setenv("SPMD_ORT_ONNX_OPSET_VERSION", "eighteen")
+    with pytest.raises(ValueError, match="SPMD_ORT_ONNX_OPSET_VERSION"):
+        step(model, torch.optim.SGD(model.parameters(), lr=0.1), torch.randn(5, 32), torch.randint(0, 10, (5,)))
+
+
+def test_host_nodes_are_named():
+    """The optimizer update stays on the host, in place; describe() shows segments and host ops."""
+    model = MLP()
+    step = spmd_ort.compile(backend="ort")(train_step)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    for _ in range(2):
+        step(model, opt, torch.randn(4, 32), torch.randint(0, 10, (4,)))
+    stats = step.compiled.executor.stats
+    assert stats.segments == 1
+    assert stats.host_ops == {"spmd_ort.adam_.default": "spmd_ort op (runs in torch)"}
+    text = step.compiled.describe()
+    assert "ORT segments: 1" in text and "spmd_ort.adam_.default" in text
