@@ -62,7 +62,17 @@ def mlp():
     return BenchMLP(), batch
 
 
-MODELS = {"gpt-mini": gpt_mini, "mlp": mlp}
+def cnn():
+    g = torch.Generator().manual_seed(0)
+    model = nn.Sequential(
+        nn.Conv2d(3, 32, 3, padding=1, bias=False), nn.BatchNorm2d(32), nn.ReLU(), nn.MaxPool2d(2),
+        nn.Conv2d(32, 64, 3, padding=1, bias=False), nn.BatchNorm2d(64), nn.ReLU(), nn.MaxPool2d(2),
+        nn.Flatten(), nn.Linear(64 * 8 * 8, 10))
+    batch = lambda: (torch.randn(64, 3, 32, 32, generator=g), torch.randint(0, 10, (64,), generator=g))  # noqa: E731
+    return model, batch
+
+
+MODELS = {"gpt-mini": gpt_mini, "mlp": mlp, "cnn": cnn}
 
 
 def bench_model(name: str, steps: int, backends: list[str]) -> dict:
@@ -72,13 +82,19 @@ def bench_model(name: str, steps: int, backends: list[str]) -> dict:
     compile_s = {}
     for backend in backends:
         m = copy.deepcopy(model)
-        runners[backend] = (m, spmd_ort.compile(backend=backend)(train_step))
+        if backend == "inductor":
+            # torch.compile's default (inductor) on the model; backward via AOT autograd, optimizer eager
+            compiled_model = torch.compile(m)
+            runners[backend] = (m, lambda _m, opt, x, y, cm=compiled_model: train_step(cm, opt, x, y))
+        else:
+            runners[backend] = (m, spmd_ort.compile(backend=backend)(train_step))
     opts = {k: torch.optim.AdamW(m.parameters(), lr=1e-3, weight_decay=0.1) for k, (m, _) in runners.items()}
     times: dict[str, list[float]] = {k: [] for k in runners}
-    warmup = 2  # first two compiled calls trace (before / after optimizer state exists)
+    warmup = 3  # compiled calls 1-2 trace (before / after optimizer state exists); 3 warms caches
     for i in range(warmup + steps):
         x, y = batch()
         for k, (m, fn) in runners.items():  # alternate, so drift affects all alike
+            time.sleep(0.05)  # let any runtime's worker threads go idle: each is timed on quiet cores
             t0 = time.perf_counter()
             fn(m, opts[k], x, y)
             dt = time.perf_counter() - t0
@@ -94,8 +110,8 @@ def bench_model(name: str, steps: int, backends: list[str]) -> dict:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--steps", type=int, default=5, help="measured steps per model (median reported)")
-    ap.add_argument("--models", default="gpt-mini,mlp")
-    ap.add_argument("--backends", default="fx")
+    ap.add_argument("--models", default="gpt-mini,mlp,cnn")
+    ap.add_argument("--backends", default="fx,ort,inductor")
     args = ap.parse_args()
     threads = int(os.environ.get("OMP_NUM_THREADS", os.cpu_count() or 1))
     torch.set_num_threads(threads)

@@ -44,8 +44,11 @@ def env_str(name: str, default: str | None = None) -> str | None:
     return default if value is None or value == "" else value
 
 
-def env_flag(name: str) -> bool:
-    return (env_str(name, "0") or "0").lower() in ("1", "true", "yes", "on")
+def env_flag(name: str, default: bool = False) -> bool:
+    value = env_str(name)
+    if value is None:
+        return default
+    return value.lower() in ("1", "true", "yes", "on")
 
 
 def configure_logging(debug: DebugOptions) -> None:

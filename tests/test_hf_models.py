@@ -34,17 +34,19 @@ def cls_step(model, opt, x, mask, y):
     return loss
 
 
-def test_hf_gpt2_lm():
+@pytest.mark.parametrize("backend", ["ort", "fx"])
+def test_hf_gpt2_lm(backend):
     cfg = transformers.GPT2Config(vocab_size=128, n_positions=32, n_embd=32, n_layer=2, n_head=4,
                                   resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=0, eos_token_id=0)
     g = torch.Generator().manual_seed(0)
     batches = [(torch.randint(0, 128, (2, 16), generator=g),) for _ in range(2)] * (STEPS // 2)
     torch.manual_seed(0)
-    _, le, _ = train_side_by_side(lambda: transformers.GPT2LMHeadModel(cfg), _sgd, lm_step, batches)
+    _, le, _ = train_side_by_side(lambda: transformers.GPT2LMHeadModel(cfg), _sgd, lm_step, batches, backend=backend)
     assert le[-1] < le[0]
 
 
-def test_hf_bert_classification_with_padding_mask():
+@pytest.mark.parametrize("backend", ["ort", "fx"])
+def test_hf_bert_classification_with_padding_mask(backend):
     cfg = transformers.BertConfig(vocab_size=128, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
                                   intermediate_size=64, max_position_embeddings=32, num_labels=3,
                                   hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)
@@ -56,5 +58,5 @@ def test_hf_bert_classification_with_padding_mask():
     y = torch.randint(0, 3, (4,), generator=g)
     torch.manual_seed(0)
     _, le, _ = train_side_by_side(lambda: transformers.BertForSequenceClassification(cfg), _sgd, cls_step,
-                                  [(x, mask, y)] * STEPS)
+                                  [(x, mask, y)] * STEPS, backend=backend)
     assert le[-1] < le[0]
