@@ -26,6 +26,7 @@ demo: setup
 
 bench: setup
 	$(PY) bench/step.py
+	$(PY) bench/optim.py
 
 clean:
 	rm -rf $(VENV) build *.egg-info

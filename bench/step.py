@@ -107,6 +107,34 @@ def bench_model(name: str, steps: int, backends: list[str]) -> dict:
     return {"model": name, "params": params, "ms": med, "compile_s": compile_s}
 
 
+def compile_times(name: str) -> str:
+    """Cold (empty ONNX cache) and warm (cache filled by the cold run) compile of the ort backend."""
+    import tempfile
+
+    saved = os.environ.get("SPMD_ORT_CACHE_DIR")
+    os.environ["SPMD_ORT_CACHE_DIR"] = tempfile.mkdtemp(prefix="spmd_ort_bench_cache_")
+    try:
+        torch.manual_seed(0)
+        model, batch = MODELS[name]()
+        cells = []
+        for _ in ("cold", "warm"):
+            m = copy.deepcopy(model)
+            opt = torch.optim.AdamW(m.parameters(), lr=1e-3)
+            step = spmd_ort.compile(backend="ort")(train_step)
+            t0 = time.perf_counter()
+            for _ in range(2):  # both variants: before and after the optimizer state exists
+                step(m, opt, *batch())
+            stats = [v.executor.stats for v in step.variants]
+            cells.append(f"{time.perf_counter() - t0:.1f} s (export {sum(s.export_seconds for s in stats):.1f} s, "
+                         f"{sum(s.cache_hits for s in stats)}/{sum(s.segments for s in stats)} segments cached)")
+        return f"| {name} | " + " | ".join(cells) + " |"
+    finally:
+        if saved is None:
+            os.environ.pop("SPMD_ORT_CACHE_DIR", None)
+        else:
+            os.environ["SPMD_ORT_CACHE_DIR"] = saved
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--steps", type=int, default=5, help="measured steps per model (median reported)")
@@ -127,6 +155,12 @@ def main() -> None:
         for b in backends:
             cells += [f"{r['ms'][b]:.1f}", f"{r['ms'][b] / r['ms']['eager']:.2f}", f"{r['compile_s'][b]:.1f}"]
         print("| " + " | ".join(cells) + " |", flush=True)
+    if "ort" in backends:
+        print("\nort backend, first two calls (two traces, export or cache load, session creation, checked first run):")
+        print("| model | cold (empty cache) | warm (second process / new step) |")
+        print("|---|---|---|")
+        for name in args.models.split(","):
+            print(compile_times(name), flush=True)
 
 
 if __name__ == "__main__":
