@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from .data_parallel import (bucket_collectives_pass, dedup_collectives_pass, expand_data_parallel_pass,
+                            schedule_overlap_pass)
 from .cleanup import remove_identity_views_pass, remove_redundant_copies_pass
 from .reinplace import reinplace_optimizer_pass
 from .runner import GraphPass, PassContext
@@ -14,7 +16,9 @@ def capture_cleanup_passes(ctx: PassContext) -> list[GraphPass]:
 
 def parallel_passes(ctx: PassContext) -> list[GraphPass]:
     """Distributed expansion for ``ctx.parallel_mode`` (empty on one rank)."""
-    return []
+    if ctx.parallel_mode is None:
+        return []
+    return [expand_data_parallel_pass, bucket_collectives_pass, dedup_collectives_pass, schedule_overlap_pass]
 
 
 def fx_executor_passes(ctx: PassContext) -> list[GraphPass]:

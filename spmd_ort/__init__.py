@@ -4,8 +4,9 @@ from . import optim as _optim  # noqa: F401 - registers the spmd_ort:: ops
 from .api import CompiledStep, Override, compile
 from .errors import CompileError
 from .options import DebugOptions, LogLevel
+from .parallel import DataParallel
 from .program import CompiledProgram
 
 __version__ = "0.1.0"
 
-__all__ = ["CompileError", "CompiledProgram", "CompiledStep", "DebugOptions", "LogLevel", "Override", "compile"]
+__all__ = ["DataParallel", "CompileError", "CompiledProgram", "CompiledStep", "DebugOptions", "LogLevel", "Override", "compile"]

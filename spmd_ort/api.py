@@ -21,6 +21,8 @@ from torch import fx, nn
 
 from spmd_ort import passes as P
 
+from . import parallel
+from .collectives import COMM, StepComm
 from .errors import CompileError
 from .optim import rule_for
 from .options import DebugOptions, configure_logging, env_str
@@ -124,7 +126,9 @@ class CompiledStep:
         self.debug = debug
         self.transitions: TransitionManager[CompiledProgram] = TransitionManager(getattr(fn, "__name__", "step"))
         self.compiled: CompiledProgram | None = None
+        self.comm: StepComm | None = None  # collectives of the last step
         self._overridden: set[int] = set()
+        self._synced: set[int] = set()
 
     @property
     def variants(self) -> list[CompiledProgram]:
@@ -132,19 +136,27 @@ class CompiledStep:
 
     def __call__(self, *args: Any, last_train_step: bool = False, **kwargs: Any) -> Any:
         module, opt = _find_module_and_optimizer(args, kwargs)
+        mode = parallel.resolve(self.parallel_mode)
+        rank, world_size = parallel.world()
         swaps = _Swaps()
         if self.module_override and id(module) not in self._overridden:
             swaps.apply(module, self.module_override)
         try:
             rule = rule_for(opt) if opt is not None else None
-            key = StepKey.of(module, opt, args, kwargs, rule=rule)
+            key = StepKey.of(module, opt, args, kwargs, rule=rule, world=(world_size, repr(mode)))
+            if mode is not None:
+                # every step: ranks that would run different graphs stop here, all of them
+                parallel.check_agreement("this step's inputs, module and optimizer", key.portable())
             program = self.transitions.lookup(key)
             if program is None:
-                program = self._compile(key, module, opt, rule, args, kwargs)
-                out = program.run(args, kwargs)  # the first run may still fail (ORT checks)
+                program = self._compile_everywhere(key, module, opt, rule, mode, args, kwargs)
+                if mode is not None and id(module) not in self._synced:
+                    parallel.broadcast_state(module)  # rank 0's weights everywhere, as DDP does
+                    self._synced.add(id(module))
+                out = self._run(program, args, kwargs)  # the first run may still fail (ORT checks)
                 self.transitions.insert(key, program)
             else:
-                out = program.run(args, kwargs)
+                out = self._run(program, args, kwargs)
             self.compiled = program
         except BaseException:
             swaps.undo()
@@ -153,25 +165,52 @@ class CompiledStep:
             self._overridden.add(id(module))
         if last_train_step:
             # The last step of a run: nothing may be left in flight afterwards.
-            finish = getattr(program.executor, "finish", None)
-            if finish is not None:
-                finish()
+            COMM.finish()
         return out
 
+    def _run(self, program: CompiledProgram, args: tuple, kwargs: dict) -> Any:
+        COMM.start_step()
+        try:
+            return program.run(args, kwargs)
+        finally:
+            self.comm = COMM.end_step()
+
+    def _compile_everywhere(self, key, module, opt, rule, mode, args, kwargs) -> CompiledProgram:
+        """Compile; on several ranks, also agree that every rank compiled the same graph.
+
+        A rank whose compile failed still takes part in the agreement, so the
+        others fail with it instead of waiting for it in a collective.
+        """
+        if mode is None:
+            return self._compile(key, module, opt, rule, mode, args, kwargs)
+        rank, _ = parallel.world()
+        try:
+            program, error = self._compile(key, module, opt, rule, mode, args, kwargs), None
+            description = program.signature()
+        except Exception as exc:  # noqa: BLE001 - re-raised below, after the agreement
+            program, error = None, exc
+            description = f"compile failed: {type(exc).__name__}: {exc}"
+        parallel.check_agreement("the compiled train step", description)
+        if error is not None:
+            raise error
+        return program
+
     # ------------------------------------------------------------------ compile
-    def _compile(self, key: StepKey, module: nn.Module, opt, rule, args: tuple, kwargs: dict) -> CompiledProgram:
+    def _compile(self, key: StepKey, module: nn.Module, opt, rule, mode, args: tuple, kwargs: dict) -> CompiledProgram:
         t0 = time.perf_counter()
         layout = StateLayout.capture(module, opt, rule)
         # ORT has no translation of the fused CPU attention kernels' backward: trace the math form.
-        traced = trace_step(self.fn, args, kwargs, layout, sdpa_math=self.backend == "ort")
+        traced = trace_step(self.fn, args, kwargs, layout, sdpa_math=self.backend == "ort",
+                            tag_grads=mode is not None)
         traced_gm = _snapshot(traced.gm)
+        rank, world_size = parallel.world()
         ctx = P.PassContext(input_slots=list(traced.input_slots), output_slots=list(traced.output_slots),
-                            parallel_mode=self.parallel_mode, disabled=P.disabled_from_env())
+                            parallel_mode=mode, world_size=world_size, rank=rank, disabled=P.disabled_from_env())
         gm = P.run_passes(traced.gm, ctx, P.capture_cleanup_passes(ctx) + P.parallel_passes(ctx))
         gm = self._user_transforms(gm, ctx, layout)
         executor, gm = self._backend(gm, ctx)
         program = CompiledProgram(
-            key=key, gm=gm, traced_gm=traced_gm, layout=layout, input_slots=ctx.input_slots,
+            key=key, gm=gm, traced_gm=traced_gm, layout=layout, input_slots=ctx.input_slots, pass_info=ctx.extra,
             output_slots=ctx.output_slots, batch_positions=traced.batch_positions, user_spec=traced.user_spec,
             user_leaves=traced.user_leaves, passes_applied=ctx.applied, executor=executor, backend=self.backend,
             trace_seconds=traced.seconds, compile_seconds=time.perf_counter() - t0)
@@ -238,7 +277,8 @@ def compile(  # noqa: A001 - the reference API's name
     Args:
         module_override: :class:`Override` objects for submodules that cannot be traced.
         gm_transformation: ``GraphModule -> GraphModule`` applied once per compiled variant.
-        parallel_mode: how to distribute the step (``None``: single process).
+        parallel_mode: a :class:`spmd_ort.DataParallel`; ``None`` means DataParallel() when
+            torch.distributed is initialized with more than one rank, else a single process.
         backend: ``"ort"`` (ONNX Runtime segments + torch host nodes, the default) or ``"fx"``
             (PyTorch op by op); default from ``SPMD_ORT_BACKEND``.
         debug: :class:`DebugOptions`.

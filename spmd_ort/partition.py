@@ -91,12 +91,40 @@ class OrtSupport(OperatorSupport):
 def partition_for_ort(gm: fx.GraphModule) -> tuple[fx.GraphModule, list[str]]:
     """Fuse ORT-supported regions into submodules ``fused_<i>``; returns (graph, their names)."""
     partitioner = CapabilityBasedPartitioner(gm, OrtSupport(), allows_single_node_partition=False)
-    partitions = partitioner.propose_partitions()
+    partitions = _split_at_collectives(gm, partitioner.propose_partitions())
     # a segment made only of views/getitems is not worth an ORT call
     partitions = [p for p in partitions if any(_is_compute(n) for n in p.nodes)]
     fused = partitioner.fuse_partitions(partitions)
     names = [n.target for n in fused.graph.nodes if n.op == "call_module"]
     return fused, names
+
+
+def _split_at_collectives(gm: fx.GraphModule, partitions: list) -> list:
+    """No segment spans a collective's issue point, so what follows it runs while it is in flight.
+
+    Without this, all of backward would be one segment and every all-reduce would
+    start after it.  Parts are contiguous in graph order, so splitting keeps the
+    partitions acyclic.
+    """
+    from torch.fx.passes.infra.partitioner import Partition
+
+    stage, stages = 0, {}
+    for node in gm.graph.nodes:
+        if node.op == "call_function" and getattr(node.target, "namespace", None) == "spmd_ort" \
+                and "all_reduce" in str(node.target):
+            stage += 1
+        stages[node] = stage
+    if stage == 0:
+        return partitions
+    out, next_id = [], 0
+    for p in partitions:
+        by_stage: dict = {}
+        for n in p.nodes:
+            by_stage.setdefault(stages[n], []).append(n)
+        for nodes in by_stage.values():
+            out.append(Partition(id=next_id, nodes=nodes))
+            next_id += 1
+    return out
 
 
 def _is_compute(node: fx.Node) -> bool:

@@ -34,6 +34,7 @@ class CompiledProgram:
     user_spec: pytree.TreeSpec
     user_leaves: list[Any]
     passes_applied: list[PassRecord]
+    pass_info: dict  # what passes recorded (e.g. "buckets": gradient names per bucket)
     executor: Any
     backend: str
     trace_seconds: float
@@ -69,6 +70,11 @@ class CompiledProgram:
         it = iter(user_vals)
         return pytree.tree_unflatten([next(it) if x is TENSOR else x for x in self.user_leaves], self.user_spec)
 
+    def signature(self) -> str:
+        """What every rank must agree on: the final graph and its IO (no values, no object ids)."""
+        io = [f"{s.kind} {s.name}" for s in self.input_slots + self.output_slots]
+        return self.gm.code + "\n" + "\n".join(io)
+
     def describe(self) -> str:
         """A human-readable summary: IO map, op counts, passes."""
         lines = [f"compiled train step ({self.backend} backend): {len(self.gm.graph.nodes)} nodes, "
@@ -86,6 +92,9 @@ class CompiledProgram:
             lines.append(f"ORT segments: {stats.segments} (fell back to fx: {', '.join(stats.fallbacks) or 'none'}; "
                          f"export {stats.export_seconds:.2f}s, {stats.cache_hits} from cache)")
             lines += [f"  host: {op} ({why})" for op, why in stats.host_ops.items()]
+        if "buckets" in self.pass_info:
+            sizes = self.pass_info["bucket_bytes"]
+            lines.append(f"gradient buckets: {len(sizes)} ({', '.join(f'{b / 2**20:.2f} MiB' for b in sizes)})")
         lines.append("passes:")
         lines += [f"  {r}" for r in self.passes_applied]
         lines.append("ops:")

@@ -15,6 +15,7 @@ state back after it (:meth:`write_back`), so that ``model.state_dict()`` and
 from __future__ import annotations
 
 import contextlib
+import functools
 from collections import defaultdict
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -23,6 +24,7 @@ import torch
 from torch import Tensor, nn
 from torch.nn.utils import stateless
 
+from . import parallel as _parallel  # noqa: F401 - registers spmd_ort::tag_grad
 from .optim import HPARAMS_KEY, OptimizerRule
 
 
@@ -109,10 +111,18 @@ class StateLayout:
 
     # ------------------------------------------------------------------ tracing
     @contextlib.contextmanager
-    def bind(self, state: list[Tensor]) -> Iterator[BoundState]:
-        """Put traced tensors where the module and optimizer look for state."""
+    def bind(self, state: list[Tensor], *, tag_grads: bool = False) -> Iterator[BoundState]:
+        """Put traced tensors where the module and optimizer look for state.
+
+        ``tag_grads`` marks each parameter's new gradient with ``spmd_ort::tag_grad``
+        (a hook on the leaf, so a tied weight is tagged once, after summation).
+        """
         it = iter(state)
         params = [next(it) for _ in self.params]
+        if tag_grads:
+            for i, p in enumerate(params):
+                if p.requires_grad:
+                    p.register_hook(functools.partial(torch.ops.spmd_ort.tag_grad, index=i))
         buffers = [next(it) for _ in self.buffers]
         for i in self.grad_params:
             params[i].grad = next(it)

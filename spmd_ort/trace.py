@@ -125,7 +125,8 @@ def _describe_failure(exc: BaseException) -> tuple[str, str | None]:
     return text, op
 
 
-def trace_step(fn, args: tuple, kwargs: dict, layout: StateLayout, *, sdpa_math: bool = False) -> TracedStep:
+def trace_step(fn, args: tuple, kwargs: dict, layout: StateLayout, *, sdpa_math: bool = False,
+               tag_grads: bool = False) -> TracedStep:
     """Trace ``fn(*args, **kwargs)`` into a functional graph over ``layout``'s state.
 
     ``sdpa_math`` traces ``scaled_dot_product_attention`` as its math form
@@ -144,7 +145,7 @@ def trace_step(fn, args: tuple, kwargs: dict, layout: StateLayout, *, sdpa_math:
         for pos, t in zip(batch_positions, batch):
             new_leaves[pos] = t
         a, kw = pytree.tree_unflatten(new_leaves, spec)
-        with layout.bind(state) as bound:
+        with layout.bind(state, tag_grads=tag_grads) as bound:
             out = fn(*a, **kw)
             final = bound.final()
         out_leaves, out_spec = pytree.tree_flatten(out)

@@ -35,9 +35,9 @@ def _leaf_desc(x: Any) -> Any:
     if isinstance(x, torch.Tensor):
         return _tensor_desc(x)
     if isinstance(x, nn.Module):
-        return ("module", type(x).__qualname__, id(x))
+        return ("module", type(x).__qualname__)
     if isinstance(x, torch.optim.Optimizer):
-        return ("optimizer", type(x).__qualname__, id(x))
+        return ("optimizer", type(x).__qualname__)
     try:
         hash(x)
         return ("value", type(x).__qualname__, x)
@@ -49,7 +49,7 @@ def _group_desc(group: dict, lifted: tuple[str, ...]) -> tuple:
     items = []
     for k, v in sorted(group.items()):
         if k == "params":
-            items.append((k, tuple(id(p) for p in v)))
+            items.append((k, len(v)))  # which parameters: StepKey.identity
         elif k in lifted:
             items.append((k, "lifted"))
         elif isinstance(v, torch.Tensor):
@@ -68,6 +68,23 @@ class StepKey:
     optimizer: tuple
     world: tuple
 
+    identity: tuple = ()  # id() of module, optimizer, parameters, buffers: differs between processes
+
+    COMPONENTS = ("inputs", "training", "params", "buffers", "optimizer", "world", "identity")
+
+    def portable(self) -> str:
+        """The key without object identities, one line per entry: equal on every rank running the same step."""
+        lines = []
+        for name in self.COMPONENTS:
+            if name == "identity":
+                continue
+            for entry in getattr(self, name):
+                if _labelled(entry):
+                    lines.append(f"{name} {entry[0]}: {entry[1]!r}")
+                else:
+                    lines.append(f"{name}: {entry!r}")
+        return "\n".join(lines)
+
     @classmethod
     def of(cls, module: nn.Module, opt: torch.optim.Optimizer | None, args: tuple, kwargs: dict,
            rule=None, world: tuple = ()) -> StepKey:
@@ -76,11 +93,17 @@ class StepKey:
         inputs = (("structure", str(spec)),) + tuple((f"leaf[{i}]", _leaf_desc(x)) for i, x in enumerate(leaves))
         training = tuple((fqn or "<root>", m.training) for fqn, m in module.named_modules())
         params = tuple(
-            (name, (id(p), tuple(p.shape), str(p.dtype), str(p.device), p.requires_grad,
+            (name, (tuple(p.shape), str(p.dtype), str(p.device), p.requires_grad,
                     None if p.grad is None else ("grad", tuple(p.grad.shape), str(p.grad.dtype))))
             for name, p in module.named_parameters(remove_duplicate=False))
-        buffers = tuple((name, (id(b), tuple(b.shape), str(b.dtype), str(b.device)))
+        buffers = tuple((name, (tuple(b.shape), str(b.dtype), str(b.device)))
                         for name, b in module.named_buffers(remove_duplicate=False))
+        identity = (
+            ("objects", tuple(id(x) for x in leaves if isinstance(x, (nn.Module, torch.optim.Optimizer)))),
+            ("parameters", tuple(id(p) for _, p in module.named_parameters(remove_duplicate=False))),
+            ("buffers", tuple(id(b) for _, b in module.named_buffers(remove_duplicate=False))),
+            ("param_groups", tuple(tuple(id(p) for p in g["params"]) for g in opt.param_groups) if opt else ()),
+        )
         optimizer: tuple = ()
         if opt is not None:
             names = {id(p): n for n, p in module.named_parameters()}
@@ -93,12 +116,12 @@ class StepKey:
             optimizer = (("class", type(opt).__qualname__),) + tuple(
                 (f"param_groups[{i}]", _group_desc(g, lifted) + (("structure", rule.structure(g) if rule else ()),))
                 for i, g in enumerate(opt.param_groups)) + state
-        return cls(inputs, training, params, buffers, optimizer, world)
+        return cls(inputs, training, params, buffers, optimizer, world, identity)
 
     def diff(self, other: StepKey) -> str:
         """A short account of what differs from ``other`` (for the re-trace log)."""
         parts = []
-        for name in ("inputs", "training", "params", "buffers", "optimizer", "world"):
+        for name in self.COMPONENTS:
             mine, theirs = getattr(self, name), getattr(other, name)
             if mine != theirs:
                 parts.append(f"{name} changed{_first_difference(theirs, mine)}")

@@ -1,0 +1,129 @@
+"""Parallel modes and what every rank must agree on.
+
+``DataParallel(parallel_style="replicate")`` is DDP as graph passes: each rank
+passes its own local batch, every parameter's gradient is tagged while tracing
+(``spmd_ort::tag_grad``), and the passes of ``passes/data_parallel.py`` turn the
+tags into bucketed, overlapped all-reduces that average gradients over ranks.
+It is the default when ``torch.distributed`` is initialized with more than one
+rank.  Launch with ``torchrun --nproc_per_node=N train.py`` (multi-node:
+torchrun's ``--nnodes``/``--rdzv-endpoint``; nothing here is node-specific).
+"""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch import Tensor, nn
+
+from .errors import CompileError
+
+STYLES = ("replicate",)
+
+
+@torch.library.custom_op("spmd_ort::tag_grad", mutates_args=())
+def tag_grad(grad: Tensor, index: int) -> Tensor:
+    """Marks the gradient of parameter ``index`` (identity); data-parallel passes replace it."""
+    return grad.clone()
+
+
+@tag_grad.register_fake
+def _(grad, index):
+    return torch.empty_like(grad)
+
+
+@dataclass(frozen=True, kw_only=True)
+class DataParallel:
+    """Replicated data parallelism with DDP semantics.
+
+    ``input_batch_dim``: the batch dimension of the inputs (each rank passes its
+    own shard of the global batch, as with DDP).  ``bucket_cap_mb``: gradients
+    are all-reduced in buckets of at most this size, in the order backward
+    produces them; the first bucket is at most ``first_bucket_cap_mb`` so that
+    communication starts early.  ``broadcast_buffers``: buffers are broadcast
+    from rank 0 at the start of every step (DDP's default).
+    """
+
+    parallel_style: str = "replicate"
+    input_batch_dim: int = 0
+    bucket_cap_mb: float = 25.0
+    first_bucket_cap_mb: float = 1.0
+    broadcast_buffers: bool = True
+
+    def __post_init__(self):
+        if self.parallel_style not in STYLES:
+            raise ValueError(f"DataParallel(parallel_style={self.parallel_style!r}): supported styles are "
+                             f"{', '.join(STYLES)}")
+        if self.bucket_cap_mb <= 0 or self.first_bucket_cap_mb <= 0:
+            raise ValueError("DataParallel: bucket caps must be positive")
+
+
+def world() -> tuple[int, int]:
+    """(rank, world size); (0, 1) without torch.distributed."""
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size()
+    return 0, 1
+
+
+def resolve(mode):
+    """The parallel mode a compile uses: the user's, else DataParallel() on several ranks."""
+    rank, size = world()
+    if mode is None:
+        return DataParallel() if size > 1 else None
+    if isinstance(mode, DataParallel) and size == 1:
+        return None  # one rank: nothing to reduce
+    if not isinstance(mode, DataParallel):
+        raise TypeError(f"parallel_mode={mode!r} is not a spmd_ort.DataParallel")
+    return mode
+
+
+def digest(text: str) -> int:
+    """A 62-bit hash that is the same in every process (unlike hash())."""
+    return int.from_bytes(hashlib.sha256(text.encode()).digest()[:8], "little") >> 2
+
+
+def check_agreement(what: str, description: str) -> None:
+    """All ranks must hold the same ``description``; otherwise every rank raises.
+
+    One small all-reduce (max of the digest and of its negation) when all agree;
+    on disagreement an all-gather of the descriptions names the ranks and the
+    first difference.  Every rank takes the same path, so nobody hangs.
+    """
+    rank, size = world()
+    if size == 1:
+        return
+    d = digest(description)
+    t = torch.tensor([d, -d], dtype=torch.int64)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    if int(t[0]) == -int(t[1]):
+        return
+    descriptions: list = [None] * size
+    dist.all_gather_object(descriptions, description)
+    groups: dict = {}
+    for r, desc in enumerate(descriptions):
+        groups.setdefault(desc, []).append(r)
+    (first, ranks_a), (second, ranks_b) = list(groups.items())[:2]
+    raise CompileError(
+        f"ranks disagree on {what}: ranks {ranks_a} vs ranks {ranks_b}: {_first_diff(first, second)}. "
+        "Every rank must compile the same step (same shapes, code path and world); "
+        f"this rank is {rank}", rank=rank)
+
+
+def _first_diff(a: str, b: str) -> str:
+    la, lb = a.splitlines(), b.splitlines()
+    for x, y in zip(la, lb):
+        if x != y:
+            return f"`{x.strip()[:200]}` vs `{y.strip()[:200]}`"
+    return f"{len(la)} vs {len(lb)} lines"
+
+
+def broadcast_state(module: nn.Module) -> None:
+    """Rank 0's parameters and buffers on every rank (as DDP does at construction)."""
+    with torch.no_grad():
+        seen: set[int] = set()
+        for t in list(module.parameters()) + list(module.buffers()):
+            if id(t) not in seen:
+                seen.add(id(t))
+                dist.broadcast(t.data, src=0)
