@@ -9,6 +9,7 @@ import operator
 
 import torch
 from torch import fx
+from torch.fx.passes.tools_common import stable_topological_sort
 
 from spmd_ort.collectives import all_reduce_, broadcast_, wait_
 from spmd_ort.parallel import tag_grad
@@ -134,6 +135,9 @@ def bucket_collectives_pass(gm: fx.GraphModule, ctx) -> fx.GraphModule:
             graph.erase_node(wait)
             graph.erase_node(ar)
             graph.erase_node(clone)
+    # A gradient read before its bucket is complete (e.g. returned by the step) now reads
+    # the unpacked view, defined after the bucket's last gradient: restore topological order.
+    stable_topological_sort(gm)
     return gm
 
 

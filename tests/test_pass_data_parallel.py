@@ -1,0 +1,137 @@
+"""The data-parallel passes on small traced graphs: counts, placement, numbers."""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+import pytest
+from torch import fx
+
+import spmd_ort
+from spmd_ort.collectives import all_reduce_, broadcast_, wait_
+from spmd_ort.passes import (PassContext, bucket_collectives_pass, capture_cleanup_passes, dedup_collectives_pass,
+                             expand_data_parallel_pass, op_counts, run_passes, schedule_overlap_pass)
+from spmd_ort.state import StateLayout
+from spmd_ort.optim import rule_for
+from spmd_ort.trace import trace_step
+from helpers import train_step
+from models import CNN, MLP
+
+AR, WAIT, BCAST = "spmd_ort.all_reduce_.default", "spmd_ort.wait_.default", "spmd_ort.broadcast_.default"
+
+
+@pytest.fixture(scope="module")
+def one_rank():
+    """A real one-rank gloo group: collectives run, and an all-reduce over one rank is the identity."""
+    if dist.is_initialized():
+        yield
+        return
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    yield
+    dist.destroy_process_group()
+
+
+def _traced(model, x, y, opt_cls=torch.optim.SGD):
+    opt = opt_cls(model.parameters(), lr=0.1)
+    layout = StateLayout.capture(model, opt, rule_for(opt))
+    traced = trace_step(train_step, (model, opt, x, y), {}, layout, tag_grads=True)
+    # as in the pipeline: capture clean-up first (drops autograd's detach of each gradient)
+    traced.gm = run_passes(traced.gm, _ctx(traced), capture_cleanup_passes(None))
+    inputs = layout.gather() + [x, y]
+    return traced, inputs
+
+
+def _ctx(traced, world_size=1, **mode):
+    return PassContext(input_slots=list(traced.input_slots), output_slots=list(traced.output_slots),
+                       world_size=world_size, parallel_mode=spmd_ort.DataParallel(**mode))
+
+
+def _run(gm, inputs):
+    with torch.no_grad():
+        return [o.clone() for o in gm(*[t.detach().clone() for t in inputs])]
+
+
+def test_expand_replaces_every_tag_and_keeps_numbers(one_rank):
+    model = MLP()
+    traced, inputs = _traced(model, torch.randn(8, 32), torch.randint(0, 10, (8,)))
+    gm = traced.gm
+    assert op_counts(gm)["spmd_ort.tag_grad.default"] == 6
+    expected = _run(gm, inputs)
+    gm = run_passes(gm, _ctx(traced), [expand_data_parallel_pass])
+    gm.graph.lint()
+    counts = op_counts(gm)
+    assert counts["spmd_ort.tag_grad.default"] == 0 and counts[AR] == 6 and counts[WAIT] == 6
+    for a, b in zip(_run(gm, inputs), expected, strict=True):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("cap_mb,first_mb,buckets", [(25.0, 1.0, 1), (0.01, 0.01, 3), (0.01, 0.002, 4)])
+def test_bucket_count_for_cap(one_rank, cap_mb, first_mb, buckets):
+    # MLP grads in backward order: head (640+10), fc2 (4096+64), fc1 (2048+64) floats
+    model = MLP()
+    traced, inputs = _traced(model, torch.randn(8, 32), torch.randint(0, 10, (8,)))
+    expected = _run(traced.gm, inputs)
+    ctx = _ctx(traced, bucket_cap_mb=cap_mb, first_bucket_cap_mb=first_mb)
+    gm = run_passes(traced.gm, ctx, [expand_data_parallel_pass, bucket_collectives_pass])
+    gm.graph.lint()
+    assert op_counts(gm)[AR] == buckets == len(ctx.extra["buckets"])
+    assert sum(ctx.extra["bucket_bytes"]) == sum(p.numel() * 4 for p in model.parameters())
+    first = ctx.extra["bucket_bytes"][0]
+    assert first <= first_mb * 2**20 or len(ctx.extra["buckets"][0]) == 1  # one oversized grad may stand alone
+    for a, b in zip(_run(gm, inputs), expected, strict=True):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+
+
+def test_overlap_issues_early_and_waits_late(one_rank):
+    model = MLP()
+    traced, inputs = _traced(model, torch.randn(8, 32), torch.randint(0, 10, (8,)))
+    expected = _run(traced.gm, inputs)
+    ctx = _ctx(traced, bucket_cap_mb=0.01, first_bucket_cap_mb=0.01)
+    gm = run_passes(traced.gm, ctx, [expand_data_parallel_pass, bucket_collectives_pass, schedule_overlap_pass])
+    gm.graph.lint()
+    nodes = list(gm.graph.nodes)
+    pos = {n: i for i, n in enumerate(nodes)}
+    reduces = [n for n in nodes if n.target is all_reduce_]
+    waits = [n for n in nodes if n.target is wait_]
+    for ar in reduces:
+        # issued right after its input is built
+        assert pos[ar] == pos[ar.args[0]] + 1
+    first_ar, last_wait = min(pos[n] for n in reduces), min(pos[n] for n in waits)
+    # compute happens between the first issue and the first wait (backward of earlier layers)
+    between = [n for n in nodes[first_ar:last_wait] if n.op == "call_function" and
+               str(n.target).startswith("aten.mm")]
+    assert between, "no compute overlaps the first all-reduce"
+    # waits sit after every all-reduce: the optimizer is the first consumer
+    assert min(pos[w] for w in waits) > max(pos[a] for a in reduces)
+    for a, b in zip(_run(gm, inputs), expected, strict=True):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+
+
+def test_dedup_merges_identical_collectives(one_rank):
+    graph = fx.Graph()
+    x = graph.placeholder("x")
+    x.meta["val"] = torch.empty(4)
+    c1 = graph.call_function(all_reduce_, (x, 0.5))
+    c2 = graph.call_function(all_reduce_, (x, 0.5))  # same op, same input
+    c3 = graph.call_function(all_reduce_, (x, 0.25))  # different prescale: kept
+    w1, w2, w3 = (graph.call_function(wait_, (c,)) for c in (c1, c2, c3))
+    graph.output((w1, w2, w3))
+    gm = fx.GraphModule(torch.nn.Module(), graph)
+    assert op_counts(gm)[AR] == 3
+    gm = run_passes(gm, PassContext(input_slots=[], output_slots=[]), [dedup_collectives_pass])
+    gm.graph.lint()
+    assert op_counts(gm)[AR] == 2 and op_counts(gm)[WAIT] == 2
+
+
+def test_buffers_are_broadcast_before_use(one_rank):
+    model = CNN()
+    traced, inputs = _traced(model, torch.randn(4, 3, 16, 16), torch.randint(0, 10, (4,)))
+    expected = _run(traced.gm, inputs)
+    gm = run_passes(traced.gm, _ctx(traced), [expand_data_parallel_pass])
+    gm.graph.lint()
+    assert op_counts(gm)[BCAST] == 6
+    for node in gm.graph.nodes:
+        if node.target is broadcast_:
+            assert [u for u in node.args[0].users if u is not node] == []  # only the broadcast reads it
+    for a, b in zip(_run(gm, inputs), expected, strict=True):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
