@@ -22,7 +22,7 @@ test: setup
 	$(PY) -m pytest -q -p no:cacheprovider
 
 demo: setup
-	OMP_NUM_THREADS=$(or $(OMP_NUM_THREADS),2) $(PY) examples/train_char_gpt.py
+	$(VENV)/bin/torchrun --standalone --nproc_per_node=$(NPROC) examples/train_char_gpt.py
 
 bench: setup
 	$(PY) bench/step.py

@@ -1,7 +1,12 @@
 """Train a character-level GPT with the compiled train step on this repository's own text.
 
-Run:  make demo           (sets up .venv, then runs this file)
-  or: python examples/train_char_gpt.py --steps 300 --backend fx
+Run:  make demo           (sets up .venv, then runs this file on 2 ranks)
+  or: torchrun --standalone --nproc_per_node=2 examples/train_char_gpt.py [--steps 300] [--backend fx]
+  or: python examples/train_char_gpt.py      (one process)
+
+Under torchrun every rank trains on its own batches; the compiled step averages
+gradients over ranks (spmd_ort.DataParallel, the default with several ranks), so
+the model stays identical everywhere.  Rank 0 prints.
 
 The corpus is the repository's Python sources and docs, so nothing is
 downloaded.  It prints loss and steps/s as it goes and a sample at the end; the
@@ -18,6 +23,7 @@ import time
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -41,6 +47,11 @@ def main() -> None:
     ap.add_argument("--backend", default=None, help="fx (default from SPMD_ORT_BACKEND)")
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args()
+    if "WORLD_SIZE" in os.environ:  # launched by torchrun
+        dist.init_process_group("gloo")
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    world = dist.get_world_size() if dist.is_initialized() else 1
+    log = print if rank == 0 else (lambda *a, **k: None)
     torch.manual_seed(args.seed)
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", os.cpu_count() or 1)))
 
@@ -50,13 +61,13 @@ def main() -> None:
     data = torch.tensor([stoi[c] for c in text], dtype=torch.long)
     split = int(0.95 * len(data))
     train, val = data[:split], data[split:]
-    print(f"corpus: {len(text):,} characters of this repository, vocabulary {len(chars)}")
+    log(f"corpus: {len(text):,} characters of this repository, vocabulary {len(chars)}; {world} rank(s)")
 
     cfg = GPTConfig(vocab=len(chars), seq=args.seq, d=128, heads=4, layers=3)
     model = GPT(cfg)
     opt = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.1, betas=(0.9, 0.95))
     sched = torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=3e-3, total_steps=args.steps, pct_start=0.1)
-    print(f"model: {sum(p.numel() for p in model.parameters()):,} parameters")
+    log(f"model: {sum(p.numel() for p in model.parameters()):,} parameters")
 
     @spmd_ort.compile(backend=args.backend)
     def train_step(model, opt, x, y):
@@ -67,7 +78,7 @@ def main() -> None:
         opt.zero_grad(set_to_none=True)
         return loss
 
-    g = torch.Generator().manual_seed(args.seed)
+    g = torch.Generator().manual_seed(args.seed + rank)  # every rank draws its own batches
 
     def batch(source: torch.Tensor):
         ix = torch.randint(len(source) - args.seq - 1, (args.batch,), generator=g)
@@ -75,30 +86,41 @@ def main() -> None:
         y = torch.stack([source[i + 1:i + args.seq + 1] for i in ix])
         return x, y
 
-    print(f"initial loss should be about ln({len(chars)}) = {math.log(len(chars)):.2f}")
+    log(f"initial loss should be about ln({len(chars)}) = {math.log(len(chars)):.2f}")
     t0, t_last = time.perf_counter(), time.perf_counter()
     for step in range(1, args.steps + 1):
         x, y = batch(train)
         loss = train_step(model, opt, x, y, last_train_step=step == args.steps)
         sched.step()
         if step == 1:
-            print(f"step    1  loss {loss.item():.3f}  (compiled in {train_step.compiled.compile_seconds:.1f}s)")
+            log(f"step    1  loss {loss.item():.3f}  (compiled in {train_step.compiled.compile_seconds:.1f}s)")
             t_last = time.perf_counter()
         elif step % 50 == 0 or step == args.steps:
             now = time.perf_counter()
             rate = (50 if step % 50 == 0 else step % 50) / (now - t_last)
-            print(f"step {step:4d}  loss {loss.item():.3f}  {rate:6.1f} steps/s  lr {sched.get_last_lr()[0]:.2e}")
+            comm = train_step.comm
+            extra = (f"  {comm.all_reduce_calls} all-reduce/step, {comm.all_reduce_bytes / 2**20:.2f} MiB, "
+                     f"{comm.overlap:.0%} overlapped") if world > 1 else ""
+            log(f"step {step:4d}  loss {loss.item():.3f}  {rate:6.1f} steps/s  lr {sched.get_last_lr()[0]:.2e}{extra}")
             t_last = now
 
     model.eval()
     with torch.no_grad():
         vx, vy = batch(val)
         val_loss = F.cross_entropy(model(vx).flatten(0, 1), vy.flatten()).item()
-    print(f"validation loss {val_loss:.3f}; {args.steps} steps in {time.perf_counter() - t0:.1f}s "
-          f"({train_step.transitions.traces} traces)")
+    log(f"validation loss {val_loss:.3f}; {args.steps} steps in {time.perf_counter() - t0:.1f}s "
+        f"({train_step.transitions.traces} traces)")
+    if world > 1:
+        flat = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+        copies = [torch.empty_like(flat) for _ in range(world)]
+        dist.all_gather(copies, flat)
+        log("parameters identical on all ranks:", all(torch.equal(copies[0], c) for c in copies))
     prompt = torch.tensor([[stoi[c] for c in "def "]], dtype=torch.long)
     out = model.generate(prompt, 240, generator=torch.Generator().manual_seed(1))
-    print("sample:\n" + "".join(chars[i] for i in out[0].tolist()))
+    log("sample:\n" + "".join(chars[i] for i in out[0].tolist()))
+    if dist.is_initialized():
+        dist.barrier()
+        dist.destroy_process_group()
 
 
 if __name__ == "__main__":

@@ -11,7 +11,8 @@ Graph passes insert these ops; the executors run them as host nodes:
 Each returns its input (an alias, as the schemas say), so graph order follows data
 dependencies and no copy is made.  :data:`COMM` counts, per step, collectives,
 payload bytes, time in flight and time blocked in ``wait_``: the overlap fraction
-is the share of in-flight time the host did not spend waiting.
+is the share of the collectives' own duration (issue to completion, taken from
+the work's future) that the host did not spend waiting for them.
 """
 
 from __future__ import annotations
@@ -37,8 +38,8 @@ class StepComm:
     all_reduce_bytes: int = 0
     broadcast_calls: int = 0
     broadcast_bytes: int = 0
-    in_flight_s: float = 0.0  # issue -> wait returned, summed over collectives
-    blocked_s: float = 0.0  # time the host sat in wait_
+    comm_s: float = 0.0  # issue -> completion (the collective's own duration), summed
+    blocked_s: float = 0.0  # time the host sat in wait_ (or in a synchronous broadcast)
 
     @property
     def calls(self) -> int:
@@ -50,15 +51,15 @@ class StepComm:
 
     @property
     def overlap(self) -> float:
-        """Share of collective time hidden behind compute (1.0: never waited)."""
-        return 1.0 - self.blocked_s / self.in_flight_s if self.in_flight_s > 0 else 1.0
+        """Share of the collectives' duration hidden behind compute (1.0: never waited)."""
+        return max(0.0, 1.0 - self.blocked_s / self.comm_s) if self.comm_s > 0 else 1.0
 
 
 @dataclass
 class Communicator:
     """Outstanding work and per-step accounting for this process."""
 
-    pending: dict = field(default_factory=dict)  # data_ptr -> (work, issued at, bytes)
+    pending: dict = field(default_factory=dict)  # data_ptr -> (work, issued at, [completed at])
     step: StepComm = field(default_factory=StepComm)
     history: list = field(default_factory=list)
 
@@ -75,9 +76,12 @@ class Communicator:
     def all_reduce(self, t: Tensor, prescale: float) -> Tensor:
         if prescale != 1.0:
             t.mul_(prescale)
+        issued = time.perf_counter()
         work = dist.all_reduce(t, op=dist.ReduceOp.SUM, async_op=True)
         nbytes = t.numel() * t.element_size()
-        self.pending[t.data_ptr()] = (work, time.perf_counter(), nbytes)
+        done: list[float] = []
+        work.get_future().then(lambda fut: done.append(time.perf_counter()))
+        self.pending[t.data_ptr()] = (work, issued, done)
         self.step.all_reduce_calls += 1
         self.step.all_reduce_bytes += nbytes
         return t
@@ -86,13 +90,16 @@ class Communicator:
         entry = self.pending.pop(t.data_ptr(), None)
         if entry is None:
             return t  # already finished (e.g. a duplicate wait)
-        work, issued, _ = entry
+        self._wait(*entry)
+        return t
+
+    def _wait(self, work, issued: float, done: list) -> None:
         t0 = time.perf_counter()
         work.wait()
         t1 = time.perf_counter()
         self.step.blocked_s += t1 - t0
-        self.step.in_flight_s += t1 - issued
-        return t
+        # the completion callback may not have run yet when wait() returns
+        self.step.comm_s += (done[0] if done else t1) - issued
 
     def broadcast(self, t: Tensor, src: int) -> Tensor:
         t0 = time.perf_counter()
@@ -100,18 +107,14 @@ class Communicator:
         elapsed = time.perf_counter() - t0
         self.step.broadcast_calls += 1
         self.step.broadcast_bytes += t.numel() * t.element_size()
-        self.step.in_flight_s += elapsed
+        self.step.comm_s += elapsed
         self.step.blocked_s += elapsed
         return t
 
     def finish(self) -> None:
         """Wait for everything still in flight (end of a step, ``last_train_step``)."""
         for ptr in list(self.pending):
-            work, issued, _ = self.pending.pop(ptr)
-            t0 = time.perf_counter()
-            work.wait()
-            self.step.blocked_s += time.perf_counter() - t0
-            self.step.in_flight_s += time.perf_counter() - issued
+            self._wait(*self.pending.pop(ptr))
 
 
 COMM = Communicator()

@@ -1,0 +1,97 @@
+"""Data-parallel step time on 2 ranks (gloo, CPU): compiled DP (ort, fx) vs DDP vs DDP + torch.compile.
+
+Run:  .venv/bin/torchrun --standalone --nproc_per_node=2 bench/dp.py [--steps 7]
+
+gpt-mini (4 layers, d=256, seq 128, vocab 8192), batch 8 per rank, AdamW with
+clipping.  The runners alternate step by step in one run, with a barrier and a
+short pause before each timed step; rank 0 prints the median ms/step, the ratio
+to DDP, and for the compiled runners the collectives, payload bytes and overlap
+fraction per step (share of the collectives' time in flight not spent waiting).
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import gc
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+import spmd_ort  # noqa: E402
+from step import gpt_mini, train_step  # noqa: E402
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--steps", type=int, default=7)
+    ap.add_argument("--runners", default="ddp,ddp+compile,spmd-fx,spmd-ort")
+    ap.add_argument("--bucket-mb", type=float, default=25.0, help="bucket cap for DDP and spmd_ort alike")
+    args = ap.parse_args()
+    dist.init_process_group("gloo")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    torch.manual_seed(0)
+    model, batch = gpt_mini()
+    runners = {}
+    for name in args.runners.split(","):
+        m = copy.deepcopy(model)
+        if name == "ddp":
+            runners[name] = (DDP(m, bucket_cap_mb=args.bucket_mb), train_step, None)
+        elif name == "ddp+compile":
+            runners[name] = (torch.compile(DDP(m, bucket_cap_mb=args.bucket_mb)), train_step, None)
+        else:
+            backend = name.split("-")[1]
+            mode = spmd_ort.DataParallel(bucket_cap_mb=args.bucket_mb)
+            runners[name] = (m, spmd_ort.compile(backend=backend, parallel_mode=mode)(train_step), backend)
+    opts = {k: torch.optim.AdamW(m.parameters(), lr=1e-3, weight_decay=0.1) for k, (m, _, _) in runners.items()}
+    times: dict[str, list[float]] = {k: [] for k in runners}
+    comm: dict[str, list] = {k: [] for k in runners}
+    warmup = 3
+    g = torch.Generator().manual_seed(rank)
+    for i in range(warmup + args.steps):
+        x, y = batch()
+        for k, (m, fn, backend) in runners.items():
+            dist.barrier()
+            time.sleep(0.05)
+            t0 = time.perf_counter()
+            fn(m, opts[k], x, y)
+            dt = time.perf_counter() - t0
+            if i >= warmup:
+                times[k].append(dt)
+                if backend is not None:
+                    comm[k].append(fn.comm)
+    if rank == 0:
+        ddp = statistics.median(times["ddp"]) if "ddp" in times else None
+        params = sum(p.numel() for p in model.parameters())
+        print(f"# bench/dp.py — gpt-mini ({params / 1e6:.2f} M params, {params * 4 / 2**20:.1f} MiB of fp32 "
+              f"gradients), {world} ranks, gloo, {torch.get_num_threads()} thread(s)/rank, buckets <= "
+              f"{args.bucket_mb:g} MiB, median of {args.steps}")
+        print("| runner | ms/step | x DDP | all-reduce/step | MiB/step | overlap |")
+        print("|---|---|---|---|---|---|")
+        for k in runners:
+            ms = statistics.median(times[k]) * 1e3
+            ratio = f"{ms / (ddp * 1e3):.2f}" if ddp else "-"
+            if comm[k]:
+                c = comm[k][-1]
+                overlap = statistics.median(s.overlap for s in comm[k])
+                extra = f"{c.all_reduce_calls} | {c.all_reduce_bytes / 2**20:.2f} | {overlap:.0%}"
+            else:
+                extra = "- | - | -"
+            print(f"| {k} | {ms:.1f} | {ratio} | {extra} |", flush=True)
+    runners.clear()
+    gc.collect()
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
