@@ -67,3 +67,15 @@ def test_mismatched_batch_shapes_fail_on_every_rank_quickly(tmp_path):
         assert "ranks disagree" in msg and "(8, 32)" in msg and "(4, 32)" in msg, msg
         assert f"this rank is {r['rank']}" in msg
     assert elapsed < 60, f"took {elapsed:.0f}s"
+
+
+def test_a_rank_that_stops_stepping_makes_the_others_raise_within_the_timeout(tmp_path):
+    out = tmp_path / "out"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+           str(ROOT / "tests" / "dist" / "dp_timeout.py"), "--out", str(out)]
+    proc = subprocess.run(cmd, env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True, text=True,
+                          timeout=120)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    r0 = json.loads((out / "rank0.json").read_text())
+    assert r0["error"] is not None, "rank 0 should not complete a step without rank 1"
+    assert r0["seconds"] < 5 * 2 + 5, r0  # the process group's 5 s timeout, not forever
