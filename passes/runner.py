@@ -12,6 +12,8 @@ from typing import Any
 
 from torch import fx
 
+from spmd_ort.errors import CompileError
+
 logger = logging.getLogger("spmd_ort")
 
 
@@ -51,8 +53,8 @@ class PassContext:
 GraphPass = Callable[[fx.GraphModule, PassContext], fx.GraphModule]
 
 
-class PassError(RuntimeError):
-    pass
+class PassError(CompileError):
+    """A graph pass failed: a compile error (nothing has touched the model yet) naming the pass."""
 
 
 def disabled_from_env() -> frozenset[str]:

@@ -137,7 +137,7 @@ class CompiledStep:
     def __call__(self, *args: Any, last_train_step: bool = False, **kwargs: Any) -> Any:
         module, opt = _find_module_and_optimizer(args, kwargs)
         mode = parallel.resolve(self.parallel_mode)
-        rank, world_size = parallel.world()
+        _, world_size = parallel.world()
         swaps = _Swaps()
         if self.module_override and id(module) not in self._overridden:
             swaps.apply(module, self.module_override)

@@ -124,3 +124,22 @@ def test_inspection():
     assert "remove_redundant_copies_pass" in text and "spmd_ort.sgd" in text and "aten.mm.default" in text
     assert sum(1 for n in prog.graph.nodes if n.op == "placeholder") == len(prog.input_slots)
     assert prog.steps_run == 1
+
+
+def test_failing_pass_is_a_compile_error_naming_it(monkeypatch):
+    from spmd_ort import passes as P
+
+    def broken_pass(gm, ctx):
+        raise ValueError("boom")
+
+    monkeypatch.setattr(P, "capture_cleanup_passes", lambda ctx: [broken_pass])
+    model = MLP()
+    before = [p.detach().clone() for p in model.parameters()]
+    step = spmd_ort.compile(backend="fx")(classification_step)
+    try:
+        step(model, torch.optim.SGD(model.parameters(), lr=0.1), torch.randn(4, 32), torch.randint(0, 10, (4,)))
+    except spmd_ort.CompileError as exc:
+        assert "`broken_pass`" in str(exc) and "boom" in str(exc)
+    else:
+        raise AssertionError("no error")
+    assert all(torch.equal(a, b) for a, b in zip(before, model.parameters()))
