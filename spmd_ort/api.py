@@ -183,7 +183,6 @@ class CompiledStep:
         """
         if mode is None:
             return self._compile(key, module, opt, rule, mode, args, kwargs)
-        rank, _ = parallel.world()
         try:
             program, error = self._compile(key, module, opt, rule, mode, args, kwargs), None
             description = program.signature()
@@ -228,10 +227,10 @@ class CompiledStep:
                 raise CompileError(f"{type(override).__name__}.transform removed state entries; "
                                    "it may only append state")
             if added:
+                start = len(layout.extra_state)
                 layout.extra_state.extend(added)
-                new_slots = [Slot("extra", f"extra[{len(layout.extra_state) - len(added) + i}]",
-                                  len(layout.extra_state) - len(added) + i) for i in range(len(added))]
-                ctx.input_slots[n_state:n_state] = new_slots
+                ctx.input_slots[n_state:n_state] = [Slot("extra", f"extra[{start + i}]", start + i)
+                                                    for i in range(len(added))]
                 n_state += len(added)
             self._check_placeholders(gm, ctx, type(override).__name__)
         if self.gm_transformation is not None:

@@ -249,6 +249,7 @@ def build_ort_executor(gm: fx.GraphModule, ctx: P.PassContext, debug: DebugOptio
     threads = torch.get_num_threads()
     for name in names:
         sub = fused.get_submodule(name)
+        stage = "export"
         try:
             result = export_segment(sub, name=name, opset=opset)
             stats.export_seconds += result.seconds
@@ -256,6 +257,7 @@ def build_ort_executor(gm: fx.GraphModule, ctx: P.PassContext, debug: DebugOptio
             if debug.save_onnx:
                 path = save_model(result.model, name, debug.onnx_prefix)
                 logger.info("saved %s to %s", name, path)
+            stage = "loading the exported model into ONNX Runtime"
             try:
                 segment = OrtSegment(name, sub, result.model, threads=threads)
             except Exception:
@@ -267,7 +269,7 @@ def build_ort_executor(gm: fx.GraphModule, ctx: P.PassContext, debug: DebugOptio
         except CompileError:
             raise
         except Exception as exc:  # noqa: BLE001 - export/load failures fall back per policy
-            _failure(name, f"export failed: {type(exc).__name__}: {_short(exc)}", policy, _op_summary(sub))
+            _failure(name, f"{stage} failed: {type(exc).__name__}: {_short(exc)}", policy, _op_summary(sub))
             stats.fallbacks.append(name)
             continue
         setattr(fused, name, segment)
