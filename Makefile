@@ -8,11 +8,13 @@ NPROC  ?= 2
 
 .PHONY: setup test test-fast demo bench clean
 
-$(STAMP): pyproject.toml constraints.txt
+$(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q "$(TORCH)"
-	$(PY) -m pip install -q -c constraints.txt -e ".[test]"
+	# pin the torch just installed, so that no dependency swaps it for a (multi-GB CUDA) other build
+	$(PY) -c "import torch; print('torch==' + torch.__version__.split('+')[0])" > $(VENV)/constraints.txt
+	$(PY) -m pip install -q -c $(VENV)/constraints.txt -e ".[test]"
 	$(PY) -m pip list 2>/dev/null | grep -E "^(torch|onnx|onnxruntime) "
 	touch $(STAMP)
 
