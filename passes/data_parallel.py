@@ -12,11 +12,10 @@ from torch import fx
 from torch.fx.passes.tools_common import stable_topological_sort
 
 from spmd_ort.collectives import all_reduce_, broadcast_, wait_
-from spmd_ort.parallel import tag_grad
+from spmd_ort import parallel  # noqa: F401 - registers spmd_ort::tag_grad
 
 aten = torch.ops.aten
 TAG = torch.ops.spmd_ort.tag_grad.default
-assert tag_grad is not None  # the op must be registered before graphs use it
 
 
 def _val(node: fx.Node) -> torch.Tensor:

@@ -43,7 +43,7 @@ def reinplace_optimizer_pass(gm: fx.GraphModule, ctx) -> fx.GraphModule:
     order = {n: i for i, n in enumerate(graph.nodes)}
     placeholders = [n for n in graph.nodes if n.op == "placeholder"]
     in_slot = dict(zip(placeholders, ctx.input_slots))
-    out_node = next(n for n in reversed(graph.nodes) if n.op == "output")
+    out_node = graph.output_node()
     outs = list(out_node.args[0])
     out_slot_of_pos = dict(enumerate(ctx.output_slots))
 

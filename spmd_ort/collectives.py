@@ -42,14 +42,6 @@ class StepComm:
     blocked_s: float = 0.0  # time the host sat in wait_ (or in a synchronous broadcast)
 
     @property
-    def calls(self) -> int:
-        return self.all_reduce_calls + self.broadcast_calls
-
-    @property
-    def bytes(self) -> int:
-        return self.all_reduce_bytes + self.broadcast_bytes
-
-    @property
     def overlap(self) -> float:
         """Share of the collectives' duration hidden behind compute (1.0: never waited)."""
         return max(0.0, 1.0 - self.blocked_s / self.comm_s) if self.comm_s > 0 else 1.0
@@ -61,7 +53,6 @@ class Communicator:
 
     pending: dict = field(default_factory=dict)  # data_ptr -> (work, issued at, [completed at])
     step: StepComm = field(default_factory=StepComm)
-    history: list = field(default_factory=list)
 
     def start_step(self) -> None:
         self.step = StepComm()
@@ -69,8 +60,6 @@ class Communicator:
     def end_step(self) -> StepComm:
         if self.pending:
             self.finish()
-        self.history.append(self.step)
-        del self.history[:-100]
         return self.step
 
     def all_reduce(self, t: Tensor, prescale: float) -> Tensor:
@@ -143,4 +132,3 @@ _lib.impl("broadcast_", lambda t, src: t, "Meta")
 all_reduce_ = torch.ops.spmd_ort.all_reduce_.default
 wait_ = torch.ops.spmd_ort.wait_.default
 broadcast_ = torch.ops.spmd_ort.broadcast_.default
-COLLECTIVES = (all_reduce_, broadcast_)

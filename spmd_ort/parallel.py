@@ -38,8 +38,9 @@ def _(grad, index):
 class DataParallel:
     """Replicated data parallelism with DDP semantics.
 
-    ``input_batch_dim``: the batch dimension of the inputs (each rank passes its
-    own shard of the global batch, as with DDP).  ``bucket_cap_mb``: gradients
+    ``input_batch_dim``: the batch dimension of the inputs.  Each rank passes its
+    own shard of the global batch, as with DDP, so nothing is split or gathered
+    along it today; it is part of the API for modes that will need it.  ``bucket_cap_mb``: gradients
     are all-reduced in buckets of at most this size, in the order backward
     produces them; the first bucket is at most ``first_bucket_cap_mb`` so that
     communication starts early.  ``broadcast_buffers``: buffers are broadcast

@@ -21,6 +21,7 @@ from torch import fx
 from torch.fx.passes.infra.partitioner import CapabilityBasedPartitioner
 from torch.fx.passes.operator_support import OperatorSupport
 
+from .collectives import all_reduce_
 from .export import EXPORT_DECOMPOSITIONS
 
 aten = torch.ops.aten
@@ -110,8 +111,7 @@ def _split_at_collectives(gm: fx.GraphModule, partitions: list) -> list:
 
     stage, stages = 0, {}
     for node in gm.graph.nodes:
-        if node.op == "call_function" and getattr(node.target, "namespace", None) == "spmd_ort" \
-                and "all_reduce" in str(node.target):
+        if node.op == "call_function" and node.target is all_reduce_:
             stage += 1
         stages[node] = stage
     if stage == 0:

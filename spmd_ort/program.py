@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -40,7 +40,6 @@ class CompiledProgram:
     trace_seconds: float
     compile_seconds: float
     steps_run: int = 0
-    stats: dict = field(default_factory=dict)
 
     @property
     def graph(self) -> fx.Graph:

@@ -58,7 +58,7 @@ def verify_enabled(debug: DebugOptions) -> bool:
 
 
 def _outputs_meta(gm: fx.GraphModule) -> tuple[list[torch.Tensor], bool]:
-    out = next(n for n in reversed(gm.graph.nodes) if n.op == "output").args[0]
+    out = gm.graph.output_node().args[0]
     is_tuple = isinstance(out, (tuple, list))
     nodes = list(out) if is_tuple else [out]
     return [n.meta["val"] for n in nodes], is_tuple

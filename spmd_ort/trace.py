@@ -228,7 +228,7 @@ def _outputs_from_mutations(gm: fx.GraphModule, input_slots: list[Slot], output_
     placeholders = [n for n in graph.nodes if n.op == "placeholder"]
     assert len(placeholders) == len(input_slots), (len(placeholders), len(input_slots))
     slot_of = dict(zip(placeholders, input_slots))
-    out_node = next(n for n in reversed(graph.nodes) if n.op == "output")
+    out_node = graph.output_node()
     outs = list(pytree.tree_leaves(out_node.args[0]))
     assert len(outs) == len(output_slots), (len(outs), len(output_slots))
     for node in list(graph.nodes):

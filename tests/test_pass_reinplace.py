@@ -51,8 +51,7 @@ def test_adam_is_reinplaced_and_numbers_unchanged():
         torch.testing.assert_close(a, b, rtol=0, atol=0)
     # every updated param / state output is now the placeholder itself
     placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
-    outs = list(gm.graph.output_node().args[0]) if hasattr(gm.graph, "output_node") else None
-    outs = outs or list(next(n for n in gm.graph.nodes if n.op == "output").args[0])
+    outs = list(gm.graph.output_node().args[0])
     for node, slot in zip(outs, ctx.output_slots):
         if slot.kind in ("param", "opt_state"):
             assert node in placeholders
