@@ -11,8 +11,9 @@ import torch
 from torch import fx
 from torch.fx.passes.tools_common import stable_topological_sort
 
-from spmd_ort.collectives import all_reduce_, broadcast_, wait_
+from spmd_ort.collectives import all_gather, all_reduce_, broadcast_, reduce_scatter, wait_
 from spmd_ort import parallel  # noqa: F401 - registers spmd_ort::tag_grad
+from spmd_ort.trace import phase
 
 aten = torch.ops.aten
 TAG = torch.ops.spmd_ort.tag_grad.default
@@ -53,18 +54,25 @@ def expand_data_parallel_pass(gm: fx.GraphModule, ctx) -> fx.GraphModule:
                 done = _call(graph, wait_, (reduced,), _val(node))
             node.replace_all_uses_with(done)
             graph.erase_node(node)
-    mode = ctx.parallel_mode
-    if mode is not None and mode.broadcast_buffers:
-        placeholders = [n for n in graph.nodes if n.op == "placeholder"]
-        last = placeholders[-1]
-        for node, slot in zip(placeholders, ctx.input_slots):
-            if slot.kind != "buffer" or not node.users:
-                continue
-            with graph.inserting_after(last):
-                synced = _call(graph, broadcast_, (node, 0), _val(node))
-            node.replace_all_uses_with(synced, delete_user_cb=lambda u: u is not synced)
-            last = synced
+    broadcast_buffers(gm, ctx)
     return gm
+
+
+def broadcast_buffers(gm: fx.GraphModule, ctx) -> None:
+    """With ``broadcast_buffers``, every used buffer placeholder is broadcast from rank 0 first."""
+    mode = ctx.parallel_mode
+    if mode is None or not mode.broadcast_buffers:
+        return
+    graph = gm.graph
+    placeholders = [n for n in graph.nodes if n.op == "placeholder"]
+    last = placeholders[-1]
+    for node, slot in zip(placeholders, ctx.input_slots):
+        if slot.kind != "buffer" or not node.users:
+            continue
+        with graph.inserting_after(last):
+            synced = _call(graph, broadcast_, (node, 0), _val(node))
+        node.replace_all_uses_with(synced, delete_user_cb=lambda u: u is not synced)
+        last = synced
 
 
 def _chains(graph: fx.Graph) -> list[tuple[fx.Node, fx.Node, fx.Node]]:
@@ -145,21 +153,25 @@ def _same_kind(a: fx.Node, b: fx.Node) -> bool:
     return va.dtype == vb.dtype and va.device == vb.device
 
 
-DEDUP_TARGETS = (all_reduce_, broadcast_)
+DEDUP_TARGETS = (all_reduce_, broadcast_, all_gather)
 
 
 def dedup_collectives_pass(gm: fx.GraphModule, ctx) -> fx.GraphModule:
     """Identical collectives on identical inputs run once (as the reference's ``_dedup_collectives``).
 
     ensures: no two collective nodes share (target, args); the duplicate's
-    ``wait_`` users read the first one's result.
+    ``wait_`` users read the first one's result.  Under ``fully_shard`` a
+    parameter used several times is gathered once; with
+    ``reshard_after_forward`` once for forward and once for backward.
     """
     seen: dict = {}
     graph = gm.graph
+    mode = ctx.parallel_mode
+    per_phase = mode is not None and mode.sharded and mode.reshard_after_forward
     for node in list(graph.nodes):
         if node.op != "call_function" or node.target not in DEDUP_TARGETS:
             continue
-        key = (node.target, tuple(node.args))
+        key = (node.target, tuple(node.args), phase(node) if per_phase and node.target is all_gather else None)
         first = seen.get(key)
         if first is None:
             seen[key] = node
@@ -177,16 +189,23 @@ def dedup_collectives_pass(gm: fx.GraphModule, ctx) -> fx.GraphModule:
 
 
 def schedule_overlap_pass(gm: fx.GraphModule, ctx) -> fx.GraphModule:
-    """Issue each all-reduce as soon as its input exists; wait only just before the result is needed.
+    """Issue each collective early; wait only just before the result is needed.
 
-    requires: bucketed collectives.  ensures: between an ``all_reduce_`` and its
-    ``wait_`` lies all the compute that does not need the result (the rest of
-    backward), which runs while the collective is in flight.  The ``wait_`` moves
-    down together with the split/view nodes that unpack its bucket.
+    requires: bucketed collectives.  ensures:
+
+    * gradient all-reduces and reduce-scatters are issued as soon as their
+      input exists, so between issue and ``wait_`` lies all the compute that
+      does not need the result (the rest of backward);
+    * parameter all-gathers (``fully_shard``) are issued ``prefetch`` buckets
+      ahead: bucket k starts just before the wait of bucket k - prefetch of the
+      same phase (forward or backward), so its transfer overlaps that
+      bucket's compute while at most prefetch + 1 buckets are in flight;
+    * every ``wait_`` moves down together with the split/slice/view nodes that
+      unpack its bucket, each to just before its first user.
     """
     graph = gm.graph
     for node in list(graph.nodes):
-        if node.op == "call_function" and node.target is all_reduce_:
+        if node.op == "call_function" and node.target in (all_reduce_, reduce_scatter):
             for producer in _producers(node.args[0]):
                 _move_after_inputs(producer)
             _move_after_inputs(node)
@@ -200,14 +219,34 @@ def schedule_overlap_pass(gm: fx.GraphModule, ctx) -> fx.GraphModule:
             first = min(node.users, key=lambda u: order[u])
             if order[first] != order[node] + 1:
                 first.prepend(node)
+    mode = ctx.parallel_mode
+    if mode is not None and mode.sharded:
+        _prefetch_gathers(graph, mode.prefetch)
     return gm
 
 
-UNPACK_OPS = (aten.split_with_sizes.default, aten.view.default, aten.reshape.default, operator.getitem)
+def _prefetch_gathers(graph: fx.Graph, prefetch: int) -> None:
+    by_phase: dict[str, list] = {}
+    for node in graph.nodes:
+        if node.op == "call_function" and node.target is wait_ and node.args[0].target is all_gather:
+            by_phase.setdefault(phase(node), []).append(node)
+    for waits in by_phase.values():
+        for k, wait in enumerate(waits):
+            start = wait.args[0]
+            anchor = waits[max(0, k - prefetch)]
+            for producer in _producers(start.args[0]):
+                anchor.prepend(producer)
+            anchor.prepend(start)
+
+
+UNPACK_OPS = (aten.split_with_sizes.default, aten.view.default, aten.reshape.default, aten.slice.Tensor,
+              operator.getitem)
+PACK_OPS = (aten.cat.default, aten.clone.default, aten.reshape.default, aten.view.default,
+            aten.constant_pad_nd.default, aten._to_copy.default)
 
 
 def _unpack_chain(wait: fx.Node) -> set[fx.Node]:
-    """``wait`` and the split/getitem/view nodes downstream of it that only unpack the bucket."""
+    """``wait`` and the split/getitem/slice/view nodes downstream of it that only unpack the bucket."""
     chain, todo = {wait}, [wait]
     while todo:
         for user in todo.pop().users:
@@ -218,13 +257,17 @@ def _unpack_chain(wait: fx.Node) -> set[fx.Node]:
 
 
 def _producers(node: fx.Node) -> list[fx.Node]:
-    """The reshape/cat/clone nodes that build a collective's input, innermost first."""
-    out = []
-    if node.target in (aten.cat.default, aten.clone.default):
-        for arg in node.all_input_nodes:
-            if arg.target is aten.reshape.default and len(arg.users) == 1:
-                out.append(arg)
-        out.append(node)
+    """The nodes that only pack a collective's input (cat/reshape/pad/copy of single-use values), innermost first."""
+    out: list[fx.Node] = []
+
+    def visit(n: fx.Node) -> None:
+        if n.op != "call_function" or n.target not in PACK_OPS or len(n.users) != 1 or n in out:
+            return
+        for arg in n.all_input_nodes:
+            visit(arg)
+        out.append(n)
+
+    visit(node)
     return out
 
 

@@ -45,6 +45,7 @@ class PassContext:
     world_size: int = 1
     rank: int = 0
     parallel_mode: Any = None
+    shard_specs: dict = field(default_factory=dict)  # fully_shard: param index -> spmd_ort.sharding.ShardSpec
     disabled: frozenset[str] = frozenset()
     applied: list[PassRecord] = field(default_factory=list)
     extra: dict = field(default_factory=dict)

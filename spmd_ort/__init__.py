@@ -6,7 +6,9 @@ from .errors import CompileError
 from .options import DebugOptions, LogLevel
 from .parallel import DataParallel
 from .program import CompiledProgram
+from .sharding import full_state_dict, gathered_parameters
 
 __version__ = "0.1.0"
 
-__all__ = ["DataParallel", "CompileError", "CompiledProgram", "CompiledStep", "DebugOptions", "LogLevel", "Override", "compile"]
+__all__ = ["DataParallel", "CompileError", "CompiledProgram", "CompiledStep", "DebugOptions", "LogLevel", "Override",
+           "compile", "full_state_dict", "gathered_parameters"]

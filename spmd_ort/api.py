@@ -27,6 +27,8 @@ from .errors import CompileError
 from .optim import rule_for
 from .options import DebugOptions, configure_logging, env_str
 from .program import CompiledProgram
+from .memory import max_rss_bytes, planned_peak_bytes
+from .sharding import ShardedModule, is_sharded, persistent_bytes, spec_of
 from .runtime_fx import FxExecutor
 from .state import Slot, StateLayout
 from .trace import trace_step
@@ -129,6 +131,24 @@ class CompiledStep:
         self.comm: StepComm | None = None  # collectives of the last step
         self._overridden: set[int] = set()
         self._synced: set[int] = set()
+        self._last: tuple | None = None  # (module, optimizer) of the last call
+
+    def memory(self) -> dict:
+        """Per-rank memory of the last compiled step, in bytes.
+
+        ``persistent``: parameters, gradients and optimizer state held between
+        steps (``params``, ``grads``, ``opt_state``, ``total``; ``buffers``
+        apart); ``peak``: persistent total + buffers + the planned peak of the
+        values the step creates (:func:`spmd_ort.memory.planned_peak_bytes`);
+        ``max_rss``: the process's peak resident set so far.
+        """
+        if self.compiled is None or self._last is None:
+            raise RuntimeError("memory(): the step has not run yet")
+        module, opt = self._last
+        persistent = persistent_bytes(module, opt)
+        planned = planned_peak_bytes(self.compiled.gm)
+        return {"persistent": persistent, "planned_activation_peak": planned,
+                "peak": persistent["total"] + persistent["buffers"] + planned, "max_rss": max_rss_bytes()}
 
     @property
     def variants(self) -> list[CompiledProgram]:
@@ -137,12 +157,14 @@ class CompiledStep:
     def __call__(self, *args: Any, last_train_step: bool = False, **kwargs: Any) -> Any:
         module, opt = _find_module_and_optimizer(args, kwargs)
         mode = parallel.resolve(self.parallel_mode)
-        _, world_size = parallel.world()
+        rank, world_size = parallel.world()
         swaps = _Swaps()
         if self.module_override and id(module) not in self._overridden:
             swaps.apply(module, self.module_override)
+        sharding = None
         try:
             rule = rule_for(opt) if opt is not None else None
+            sharding = self._shard_if_needed(module, opt, mode, rank, world_size)
             key = StepKey.of(module, opt, args, kwargs, rule=rule, world=(world_size, repr(mode)))
             if mode is not None:
                 # every step: ranks that would run different graphs stop here, all of them
@@ -150,7 +172,7 @@ class CompiledStep:
             program = self.transitions.lookup(key)
             if program is None:
                 program = self._compile_everywhere(key, module, opt, rule, mode, args, kwargs)
-                if mode is not None and id(module) not in self._synced:
+                if mode is not None and not mode.sharded and id(module) not in self._synced:
                     parallel.broadcast_state(module)  # rank 0's weights everywhere, as DDP does
                     self._synced.add(id(module))
                 out = self._run(program, args, kwargs)  # the first run may still fail (ORT checks)
@@ -159,14 +181,41 @@ class CompiledStep:
                 out = self._run(program, args, kwargs)
             self.compiled = program
         except BaseException:
+            if sharding is not None:
+                sharding.undo()
             swaps.undo()
             raise
+        if sharding is not None:
+            sharding.commit()
+        self._last = (module, opt)
         if swaps.done:
             self._overridden.add(id(module))
         if last_train_step:
             # The last step of a run: nothing may be left in flight afterwards.
             COMM.finish()
         return out
+
+    def _shard_if_needed(self, module, opt, mode, rank: int, world_size: int) -> ShardedModule | None:
+        """fully_shard: shard the module (once) before its key is taken; returns the undo handle."""
+        sharded = is_sharded(module)
+        if mode is None or not mode.sharded:
+            if sharded:
+                raise CompileError(
+                    f"{type(module).__name__}'s parameters are sharded (fully_shard), but this step compiles "
+                    f"for {'one process' if mode is None else mode.parallel_style!r}; keep "
+                    "parallel_style='fully_shard' on every rank, or load a full state dict into a fresh model",
+                    rank=rank)
+            return None
+        if sharded:
+            spec = next(spec_of(p) for p in module.parameters() if spec_of(p) is not None)
+            if spec.world != world_size:
+                raise CompileError(f"the module was sharded over {spec.world} ranks but the world is now "
+                                   f"{world_size}; save a checkpoint (spmd_ort.state_dict) and load it into a "
+                                   "model built for the new world", rank=rank)
+            return None
+        sharding = ShardedModule(module, opt, rank, world_size, offload_param=mode.offload_param)
+        sharding.shard()
+        return sharding
 
     def _run(self, program: CompiledProgram, args: tuple, kwargs: dict) -> Any:
         COMM.start_step()
@@ -204,7 +253,8 @@ class CompiledStep:
         traced_gm = _snapshot(traced.gm)
         rank, world_size = parallel.world()
         ctx = P.PassContext(input_slots=list(traced.input_slots), output_slots=list(traced.output_slots),
-                            parallel_mode=mode, world_size=world_size, rank=rank, disabled=P.disabled_from_env())
+                            parallel_mode=mode, world_size=world_size, rank=rank, shard_specs=layout.shard_specs,
+                            disabled=P.disabled_from_env())
         gm = P.run_passes(traced.gm, ctx, P.capture_cleanup_passes(ctx) + P.parallel_passes(ctx))
         gm = self._user_transforms(gm, ctx, layout)
         executor, gm = self._backend(gm, ctx)

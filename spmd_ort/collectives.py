@@ -6,10 +6,16 @@ Graph passes insert these ops; the executors run them as host nodes:
   asynchronous SUM all-reduce of it (DDP's arithmetic: divide by the world size,
   then sum; gloo has no AVG);
 * ``spmd_ort::wait_(t)`` waits for the collective on ``t`` to finish;
-* ``spmd_ort::broadcast_(t, src)`` broadcasts ``t`` from rank ``src`` (synchronous).
+* ``spmd_ort::broadcast_(t, src)`` broadcasts ``t`` from rank ``src`` (synchronous);
+* ``spmd_ort::all_gather(shard, world)`` starts gathering every rank's ``shard``
+  into a new tensor of ``world`` times its size (rank-major), for ``fully_shard``;
+* ``spmd_ort::reduce_scatter(t, world)`` starts averaging ``t`` over ranks and
+  returns this rank's 1/``world`` slice of the result (a new tensor).
 
-Each returns its input (an alias, as the schemas say), so graph order follows data
-dependencies and no copy is made.  :data:`COMM` counts, per step, collectives,
+The last two return a tensor that ``wait_`` must complete before anything reads it.
+
+The in-place ones return their input (an alias, as the schemas say), so graph order
+follows data dependencies and no copy is made.  :data:`COMM` counts, per step, collectives,
 payload bytes, time in flight and time blocked in ``wait_``: the overlap fraction
 is the share of the collectives' own duration (issue to completion, taken from
 the work's future) that the host did not spend waiting for them.
@@ -28,18 +34,28 @@ _lib = torch.library.Library("spmd_ort", "FRAGMENT")
 _lib.define("all_reduce_(Tensor(a!) t, float prescale) -> Tensor(a!)")
 _lib.define("wait_(Tensor(a!) t) -> Tensor(a!)")
 _lib.define("broadcast_(Tensor(a!) t, int src) -> Tensor(a!)")
+_lib.define("all_gather(Tensor shard, int world) -> Tensor")
+_lib.define("reduce_scatter(Tensor t, int world) -> Tensor")
 
 
 @dataclass
 class StepComm:
-    """One step's collectives: all-reduces (gradients) and broadcasts (buffers) counted apart."""
+    """One step's collectives, counted per kind (payload bytes: the full, unsharded size)."""
 
     all_reduce_calls: int = 0
     all_reduce_bytes: int = 0
     broadcast_calls: int = 0
     broadcast_bytes: int = 0
+    all_gather_calls: int = 0
+    all_gather_bytes: int = 0  # gathered (output) bytes
+    reduce_scatter_calls: int = 0
+    reduce_scatter_bytes: int = 0  # input bytes
     comm_s: float = 0.0  # issue -> completion (the collective's own duration), summed
     blocked_s: float = 0.0  # time the host sat in wait_ (or in a synchronous broadcast)
+
+    @property
+    def total_bytes(self) -> int:
+        return self.all_reduce_bytes + self.broadcast_bytes + self.all_gather_bytes + self.reduce_scatter_bytes
 
     @property
     def overlap(self) -> float:
@@ -65,15 +81,37 @@ class Communicator:
     def all_reduce(self, t: Tensor, prescale: float) -> Tensor:
         if prescale != 1.0:
             t.mul_(prescale)
-        issued = time.perf_counter()
-        work = dist.all_reduce(t, op=dist.ReduceOp.SUM, async_op=True)
-        nbytes = t.numel() * t.element_size()
-        done: list[float] = []
-        work.get_future().then(lambda fut: done.append(time.perf_counter()))
-        self.pending[t.data_ptr()] = (work, issued, done)
+        self._track(t, time.perf_counter(), dist.all_reduce(t, op=dist.ReduceOp.SUM, async_op=True))
         self.step.all_reduce_calls += 1
-        self.step.all_reduce_bytes += nbytes
+        self.step.all_reduce_bytes += t.numel() * t.element_size()
         return t
+
+    def all_gather(self, shard: Tensor, world: int) -> Tensor:
+        out = shard.new_empty(shard.numel() * world)
+        issued = time.perf_counter()
+        self._track(out, issued, dist.all_gather_into_tensor(out, shard.contiguous(), async_op=True))
+        self.step.all_gather_calls += 1
+        self.step.all_gather_bytes += out.numel() * out.element_size()
+        return out
+
+    def reduce_scatter(self, t: Tensor, world: int) -> Tensor:
+        if t.numel() % world:
+            raise ValueError(f"reduce_scatter: {t.numel()} elements do not split into {world} shards")
+        out = t.new_empty(t.numel() // world)
+        issued = time.perf_counter()
+        work = dist.reduce_scatter_tensor(out, t.contiguous(), op=dist.ReduceOp.AVG, async_op=True)
+        self._track(out, issued, work)
+        self.step.reduce_scatter_calls += 1
+        self.step.reduce_scatter_bytes += t.numel() * t.element_size()
+        return out
+
+    def _track(self, t: Tensor, issued: float, work) -> None:
+        done: list[float] = []
+        try:
+            work.get_future().then(lambda fut: done.append(time.perf_counter()))
+        except RuntimeError:
+            pass  # gloo's all-gather/reduce-scatter work has no future: completion counts at wait
+        self.pending[t.data_ptr()] = (work, issued, done)
 
     def wait(self, t: Tensor) -> Tensor:
         entry = self.pending.pop(t.data_ptr(), None)
@@ -121,14 +159,30 @@ def _broadcast_impl(t: Tensor, src: int) -> Tensor:
     return COMM.broadcast(t, src)
 
 
+def _all_gather_impl(shard: Tensor, world: int) -> Tensor:
+    return COMM.all_gather(shard, world)
+
+
+def _reduce_scatter_impl(t: Tensor, world: int) -> Tensor:
+    return COMM.reduce_scatter(t, world)
+
+
 for _key in ("CPU", "CUDA"):
     _lib.impl("all_reduce_", _all_reduce_impl, _key)
     _lib.impl("wait_", _wait_impl, _key)
     _lib.impl("broadcast_", _broadcast_impl, _key)
+    _lib.impl("all_gather", _all_gather_impl, _key)
+    _lib.impl("reduce_scatter", _reduce_scatter_impl, _key)
 _lib.impl("all_reduce_", lambda t, prescale: t, "Meta")
 _lib.impl("wait_", lambda t: t, "Meta")
 _lib.impl("broadcast_", lambda t, src: t, "Meta")
+_lib.impl("all_gather", lambda shard, world: shard.new_empty(shard.numel() * world), "Meta")
+_lib.impl("reduce_scatter", lambda t, world: t.new_empty(t.numel() // world), "Meta")
 
 all_reduce_ = torch.ops.spmd_ort.all_reduce_.default
 wait_ = torch.ops.spmd_ort.wait_.default
 broadcast_ = torch.ops.spmd_ort.broadcast_.default
+all_gather = torch.ops.spmd_ort.all_gather.default
+reduce_scatter = torch.ops.spmd_ort.reduce_scatter.default
+# ops that start a collective whose result ``wait_`` completes
+STARTS = (all_reduce_, all_gather, reduce_scatter)

@@ -110,11 +110,115 @@ def sgd_(params: list[Tensor], grads: list[Tensor], momentum_buffers: list[Tenso
     _sgd_kernel(params, grads, momentum_buffers, hparams, nesterov, maximize, False)
 
 
+# --------------------------------------------------------------------------
+# Host twins (offload_optimizer="cpu"): the same updates on the host with the
+# native kernel of csrc/ (spmd_ort.native).  Gradients and parameters on a
+# device are copied to the host and the new parameters back; optimizer state
+# stays in host memory.  On a CPU-only machine host == device: nothing moves.
+# --------------------------------------------------------------------------
+
+
+def _on_host(ts: list[Tensor]) -> list[Tensor]:
+    return [t if t.device.type == "cpu" else t.to("cpu") for t in ts]
+
+
+def _back(dst: list[Tensor], host: list[Tensor]) -> None:
+    for d, h in zip(dst, host):
+        if d is not h:
+            d.copy_(h, non_blocking=True)
+
+
+def _host_adam_kernel(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, steps, hparams, amsgrad, maximize,
+                      decoupled):
+    from . import native
+
+    lr, beta1, beta2, weight_decay, eps = hparams.tolist()
+    torch._foreach_add_(steps, 1)
+    hp, hm, hv, hmax, hs = (_on_host(ts) for ts in (params, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, steps))
+    native.adam_(hp, _on_host(grads), hm, hv, hmax, hs, lr=lr, beta1=beta1, beta2=beta2,
+                 weight_decay=weight_decay, eps=eps, amsgrad=amsgrad, maximize=maximize, decoupled=decoupled)
+    for dst, host in ((params, hp), (exp_avgs, hm), (exp_avg_sqs, hv), (max_exp_avg_sqs, hmax), (steps, hs)):
+        _back(dst, host)
+
+
+@torch.library.custom_op("spmd_ort::host_adam", mutates_args=())
+def host_adam(params: list[Tensor], grads: list[Tensor], exp_avgs: list[Tensor], exp_avg_sqs: list[Tensor],
+              max_exp_avg_sqs: list[Tensor], steps: list[Tensor], hparams: Tensor, amsgrad: bool, maximize: bool,
+              decoupled: bool) -> list[Tensor]:
+    """:func:`adam` with the update on the host (native kernel)."""
+    out = [[t.clone() for t in ts] for ts in (params, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, steps)]
+    _host_adam_kernel(out[0], grads, out[1], out[2], out[3], out[4], hparams, amsgrad, maximize, decoupled)
+    return [t for ts in out for t in ts]
+
+
+@host_adam.register_fake
+def _(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, steps, hparams, amsgrad, maximize, decoupled):
+    return [torch.empty_like(t) for ts in (params, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, steps) for t in ts]
+
+
+@torch.library.custom_op(
+    "spmd_ort::host_adam_", mutates_args=("params", "exp_avgs", "exp_avg_sqs", "max_exp_avg_sqs", "steps"))
+def host_adam_(params: list[Tensor], grads: list[Tensor], exp_avgs: list[Tensor], exp_avg_sqs: list[Tensor],
+               max_exp_avg_sqs: list[Tensor], steps: list[Tensor], hparams: Tensor, amsgrad: bool, maximize: bool,
+               decoupled: bool) -> None:
+    """In-place twin of :func:`host_adam`."""
+    _host_adam_kernel(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, steps, hparams, amsgrad, maximize,
+                      decoupled)
+
+
+def _host_sgd_kernel(params, grads, bufs, hparams, nesterov, maximize, first_step):
+    from . import native
+
+    lr, momentum, dampening, weight_decay = hparams.tolist()
+    hp, hb = _on_host(params), _on_host(bufs)
+    native.sgd_(hp, _on_host(grads), hb, lr=lr, momentum=momentum, dampening=dampening, weight_decay=weight_decay,
+                nesterov=nesterov, maximize=maximize, is_first_step=first_step)
+    _back(params, hp)
+    _back(bufs, hb)
+
+
+@torch.library.custom_op("spmd_ort::host_sgd", mutates_args=())
+def host_sgd(params: list[Tensor], grads: list[Tensor], momentum_buffers: list[Tensor], hparams: Tensor,
+             has_momentum: bool, nesterov: bool, maximize: bool) -> list[Tensor]:
+    """:func:`sgd` with the update on the host (native kernel); momentum buffers live on the host."""
+    new_params = [p.clone() for p in params]
+    first = has_momentum and not momentum_buffers
+    if not has_momentum:
+        bufs = []
+    else:
+        bufs = [torch.empty_like(g, device="cpu") for g in grads] if first else [b.clone() for b in momentum_buffers]
+    _host_sgd_kernel(new_params, grads, bufs, hparams, nesterov, maximize, first)
+    return new_params + bufs
+
+
+@host_sgd.register_fake
+def _(params, grads, momentum_buffers, hparams, has_momentum, nesterov, maximize):
+    bufs = [torch.empty_like(g, device="cpu") for g in grads] if has_momentum else []
+    return [torch.empty_like(p) for p in params] + bufs
+
+
+@torch.library.custom_op("spmd_ort::host_sgd_", mutates_args=("params", "momentum_buffers"))
+def host_sgd_(params: list[Tensor], grads: list[Tensor], momentum_buffers: list[Tensor], hparams: Tensor,
+              has_momentum: bool, nesterov: bool, maximize: bool) -> None:
+    """In-place twin of :func:`host_sgd`."""
+    _host_sgd_kernel(params, grads, momentum_buffers, hparams, nesterov, maximize, False)
+
+
+ADAM_OUTPUTS = ("params", "exp_avgs", "exp_avg_sqs", "max_exp_avg_sqs", "steps")
+SGD_OUTPUTS = ("params", "momentum_buffers")
 # functional op -> (in-place twin, names of the mutated list arguments in output order)
 INPLACE_TWINS: dict = {
-    torch.ops.spmd_ort.adam.default: (torch.ops.spmd_ort.adam_.default,
-                                      ("params", "exp_avgs", "exp_avg_sqs", "max_exp_avg_sqs", "steps")),
-    torch.ops.spmd_ort.sgd.default: (torch.ops.spmd_ort.sgd_.default, ("params", "momentum_buffers")),
+    torch.ops.spmd_ort.adam.default: (torch.ops.spmd_ort.adam_.default, ADAM_OUTPUTS),
+    torch.ops.spmd_ort.sgd.default: (torch.ops.spmd_ort.sgd_.default, SGD_OUTPUTS),
+    torch.ops.spmd_ort.host_adam.default: (torch.ops.spmd_ort.host_adam_.default, ADAM_OUTPUTS),
+    torch.ops.spmd_ort.host_sgd.default: (torch.ops.spmd_ort.host_sgd_.default, SGD_OUTPUTS),
+}
+# device op -> its host twin (offload_optimizer)
+HOST_TWINS: dict = {
+    torch.ops.spmd_ort.adam.default: torch.ops.spmd_ort.host_adam.default,
+    torch.ops.spmd_ort.adam_.default: torch.ops.spmd_ort.host_adam_.default,
+    torch.ops.spmd_ort.sgd.default: torch.ops.spmd_ort.host_sgd.default,
+    torch.ops.spmd_ort.sgd_.default: torch.ops.spmd_ort.host_sgd_.default,
 }
 
 # --------------------------------------------------------------------------
@@ -156,10 +260,12 @@ def adam_rule(opt: torch.optim.Optimizer) -> None:
                 # Same initial state as torch.optim.Adam._init_group.
                 on_param = group.get("fused") or group.get("capturable")
                 state["step"] = torch.zeros((), dtype=torch.float32, device=p.device if on_param else "cpu")
-                state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
-                state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+                # Shaped like the gradient (= the parameter): under fully_shard both are
+                # the local shard once the passes have run, so new state is sharded too.
+                state["exp_avg"] = torch.zeros_like(p.grad, memory_format=torch.preserve_format)
+                state["exp_avg_sq"] = torch.zeros_like(p.grad, memory_format=torch.preserve_format)
                 if amsgrad:
-                    state["max_exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+                    state["max_exp_avg_sq"] = torch.zeros_like(p.grad, memory_format=torch.preserve_format)
         states = [opt.state[p] for p in params]
         lists = dict(
             params=params,

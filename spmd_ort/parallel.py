@@ -7,6 +7,11 @@ tags into bucketed, overlapped all-reduces that average gradients over ranks.
 It is the default when ``torch.distributed`` is initialized with more than one
 rank.  Launch with ``torchrun --nproc_per_node=N train.py`` (multi-node:
 torchrun's ``--nnodes``/``--rdzv-endpoint``; nothing here is node-specific).
+
+``DataParallel(parallel_style="fully_shard")`` is ZeRO stage 3 as graph passes
+(``passes/fully_shard.py``): every parameter is split into N equal padded
+shards (:mod:`spmd_ort.sharding`), and the compiled step all-gathers parameters
+before use, reduce-scatters gradients and runs the optimizer on shards.
 """
 
 from __future__ import annotations
@@ -20,7 +25,8 @@ from torch import Tensor, nn
 
 from .errors import CompileError
 
-STYLES = ("replicate",)
+STYLES = ("replicate", "fully_shard")
+OFFLOAD_DEVICES = (None, "cpu")
 
 
 @torch.library.custom_op("spmd_ort::tag_grad", mutates_args=())
@@ -36,7 +42,7 @@ def _(grad, index):
 
 @dataclass(frozen=True, kw_only=True)
 class DataParallel:
-    """Replicated data parallelism with DDP semantics.
+    """Data parallelism: replicated (DDP semantics) or fully sharded (ZeRO-3 / FSDP semantics).
 
     ``input_batch_dim``: the batch dimension of the inputs.  Each rank passes its
     own shard of the global batch, as with DDP, so nothing is split or gathered
@@ -45,6 +51,21 @@ class DataParallel:
     produces them; the first bucket is at most ``first_bucket_cap_mb`` so that
     communication starts early.  ``broadcast_buffers``: buffers are broadcast
     from rank 0 at the start of every step (DDP's default).
+
+    ``fully_shard`` only (see :mod:`spmd_ort.sharding`):
+
+    * ``reshard_after_forward``: free gathered parameters after their last
+      forward use and gather them again for backward (ZeRO-3); ``False`` keeps
+      them from the forward gather until their last backward use (ZeRO-2
+      memory, one all-gather fewer per step).
+    * ``prefetch``: how many all-gather buckets are issued ahead of the one
+      being waited for (0: gather just before use).
+    * ``bucket_cap_mb``: also caps the (unsharded) size of all-gather and
+      reduce-scatter buckets.
+    * ``offload_optimizer="cpu"``: optimizer state lives in host memory and the
+      update runs there with the native fused kernel (``csrc/``).
+    * ``offload_param="cpu"``: parameter shards live in host memory and are
+      copied to the device before each all-gather.
     """
 
     parallel_style: str = "replicate"
@@ -52,6 +73,10 @@ class DataParallel:
     bucket_cap_mb: float = 25.0
     first_bucket_cap_mb: float = 1.0
     broadcast_buffers: bool = True
+    reshard_after_forward: bool = True
+    prefetch: int = 1
+    offload_optimizer: str | None = None
+    offload_param: str | None = None
 
     def __post_init__(self):
         if self.parallel_style not in STYLES:
@@ -59,6 +84,25 @@ class DataParallel:
                              f"{', '.join(STYLES)}")
         if self.bucket_cap_mb <= 0 or self.first_bucket_cap_mb <= 0:
             raise ValueError("DataParallel: bucket caps must be positive")
+        if self.prefetch < 0:
+            raise ValueError(f"DataParallel: prefetch={self.prefetch} must be >= 0")
+        for name in ("offload_optimizer", "offload_param"):
+            value = getattr(self, name)
+            if value not in OFFLOAD_DEVICES:
+                raise ValueError(f"DataParallel({name}={value!r}): choose None or 'cpu'")
+            if value is not None and self.parallel_style != "fully_shard":
+                raise ValueError(f"DataParallel({name}={value!r}) needs parallel_style='fully_shard'")
+
+    @property
+    def sharded(self) -> bool:
+        return self.parallel_style == "fully_shard"
+
+    @classmethod
+    def from_deepspeed_config(cls, config) -> DataParallel:
+        """The mode a DeepSpeed JSON config (path or dict) asks for; see :mod:`spmd_ort.ds_config`."""
+        from .ds_config import from_deepspeed_config
+
+        return from_deepspeed_config(config)
 
 
 def world() -> tuple[int, int]:

@@ -21,7 +21,7 @@ from torch import fx
 from torch.fx.passes.infra.partitioner import CapabilityBasedPartitioner
 from torch.fx.passes.operator_support import OperatorSupport
 
-from .collectives import all_reduce_
+from .collectives import STARTS, wait_
 from .export import EXPORT_DECOMPOSITIONS
 
 aten = torch.ops.aten
@@ -101,17 +101,18 @@ def partition_for_ort(gm: fx.GraphModule) -> tuple[fx.GraphModule, list[str]]:
 
 
 def _split_at_collectives(gm: fx.GraphModule, partitions: list) -> list:
-    """No segment spans a collective's issue point, so what follows it runs while it is in flight.
+    """No segment spans a collective's issue or wait point, so compute overlaps the collective.
 
     Without this, all of backward would be one segment and every all-reduce would
-    start after it.  Parts are contiguous in graph order, so splitting keeps the
+    start after it (and a parameter all-gather's wait would hold back compute
+    that does not need the parameter).  Parts are contiguous in graph order, so splitting keeps the
     partitions acyclic.
     """
     from torch.fx.passes.infra.partitioner import Partition
 
     stage, stages = 0, {}
     for node in gm.graph.nodes:
-        if node.op == "call_function" and node.target is all_reduce_:
+        if node.op == "call_function" and (node.target in STARTS or node.target is wait_):
             stage += 1
         stages[node] = stage
     if stage == 0:

@@ -26,6 +26,7 @@ from torch.nn.utils import stateless
 
 from . import parallel as _parallel  # noqa: F401 - registers spmd_ort::tag_grad
 from .optim import HPARAMS_KEY, OptimizerRule
+from .sharding import ShardSpec, spec_of
 
 
 @dataclass(frozen=True)
@@ -59,6 +60,7 @@ class StateLayout:
     hparam_groups: list[int]  # param groups whose scalar hyper-parameters are one float64 input each
     hparam_tensors: list[Tensor] = field(default_factory=list)
     extra_state: list[Tensor] = field(default_factory=list)
+    shard_specs: dict[int, ShardSpec] = field(default_factory=dict)  # fully_shard: param index -> spec
 
     # ------------------------------------------------------------------ capture
     @classmethod
@@ -85,7 +87,13 @@ class StateLayout:
                      opt_entries, hparam_groups)
         layout.hparam_tensors = [torch.tensor(rule.hparams(opt.param_groups[g]), dtype=torch.float64)
                                  for g in hparam_groups]
+        layout.shard_specs = {i: spec_of(p) for i, p in enumerate(params) if spec_of(p) is not None}
         return layout
+
+    def is_sharded(self, slot: Slot, value: Tensor) -> bool:
+        """Whether a state input holds a shard (of a parameter, its gradient or non-scalar optimizer state)."""
+        return (slot.kind in ("param", "grad", "opt_state") and slot.index in self.shard_specs
+                and (slot.kind != "opt_state" or value.dim() > 0))
 
     # ------------------------------------------------------------------ slots
     def input_slots(self) -> list[Slot]:

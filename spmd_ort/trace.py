@@ -25,6 +25,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+import torch.fx.traceback as fx_traceback
 import torch.utils._pytree as pytree
 from torch import fx, nn
 from torch._decomp import get_decompositions
@@ -107,6 +108,43 @@ class _ModuleStack:
         return fqn
 
 
+class _Phases(torch.overrides.TorchFunctionMode):
+    """Records which stretches of the capture graph ``Tensor.backward`` / ``autograd.grad`` produced.
+
+    Nodes recorded while backward runs get ``node.meta["custom"]["phase"] =
+    "backward"``; the functionalizing re-trace copies the tag to the nodes it
+    creates, so passes (e.g. re-gathering sharded parameters for backward) can
+    tell forward from backward uses.
+    """
+
+    BACKWARD = (torch.Tensor.backward, torch.autograd.backward, torch.autograd.grad)
+
+    def __init__(self):
+        super().__init__()
+        self.ranges: list[tuple[int, int]] = []
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func not in self.BACKWARD:
+            return func(*args, **kwargs)
+        mode = get_proxy_mode()
+        start = len(mode.tracer.graph.nodes) if mode is not None else -1
+        out = func(*args, **kwargs)
+        if mode is not None:
+            self.ranges.append((start, len(mode.tracer.graph.nodes)))
+        return out
+
+    def tag(self, gm: fx.GraphModule) -> None:
+        for i, node in enumerate(gm.graph.nodes):
+            if any(a <= i < b for a, b in self.ranges):
+                node.meta.setdefault("custom", {})["phase"] = "backward"
+
+
+def phase(node: fx.Node) -> str:
+    """``"backward"`` for nodes autograd recorded, else ``"forward"`` (optimizer and epilogue included)."""
+    return node.meta.get("custom", {}).get("phase", "forward")
+
+
 def _describe_failure(exc: BaseException) -> tuple[str, str | None]:
     """(what went wrong, op name) for the common ways tracing fails."""
     from torch._subclasses import fake_tensor as ft
@@ -154,13 +192,12 @@ def trace_step(fn, args: tuple, kwargs: dict, layout: StateLayout, *, sdpa_math:
         captured["final_slots"] = [s for s, _ in final]
         return tuple(x for x in out_leaves if isinstance(x, torch.Tensor)) + tuple(t for _, t in final)
 
-    # Leaf copies: tracing sets .grad on them, never on the user's tensors.
-    trace_inputs = [t.detach().requires_grad_(t.requires_grad) for t in state_in]
-    trace_inputs += [leaves[i] for i in batch_positions]
+    trace_inputs = _state_for_tracing(layout, state_in) + [leaves[i] for i in batch_positions]
     stack = _ModuleStack(layout.module)
+    phases = _Phases()
     try:
         attention = sdpa_kernel([SDPBackend.MATH]) if sdpa_math else contextlib.nullcontext()
-        with stack.installed(), torch.enable_grad(), attention:
+        with stack.installed(), torch.enable_grad(), attention, phases:
             gm1 = make_fx(step, decomposition_table=FUNCTIONAL_DECOMPS, tracing_mode="fake",
                           _allow_non_fake_inputs=True)(*trace_inputs)
             _check_no_data_dependence(gm1, captured, stack)
@@ -170,8 +207,15 @@ def trace_step(fn, args: tuple, kwargs: dict, layout: StateLayout, *, sdpa_math:
         what, op = _describe_failure(exc)
         raise _trace_error(what, op, stack.innermost()) from exc
 
+    phases.tag(gm1)
+
+    def run_capture(*flat):
+        # An interpreter with node meta preserved: new nodes inherit the phase tags.
+        with fx_traceback.preserve_node_meta():
+            return fx.Interpreter(gm1).run(*flat)
+
     plain_inputs = [t.detach() for t in trace_inputs]
-    gm2 = make_fx(torch.func.functionalize(gm1, remove="mutations"),
+    gm2 = make_fx(torch.func.functionalize(run_capture, remove="mutations"),
                   tracing_mode="fake", _allow_non_fake_inputs=True)(*plain_inputs)
     _check_functional(gm2)
 
@@ -181,6 +225,29 @@ def trace_step(fn, args: tuple, kwargs: dict, layout: StateLayout, *, sdpa_math:
     _outputs_from_mutations(gm2, input_slots, output_slots)
     return TracedStep(gm2, layout, input_slots, output_slots, batch_positions, captured["user_spec"],
                       captured["user_leaves"], time.perf_counter() - t0)
+
+
+def _state_for_tracing(layout: StateLayout, state_in: list[torch.Tensor]) -> list[torch.Tensor]:
+    """Leaf copies of the state (tracing sets .grad on them, never on the user's tensors).
+
+    Under ``fully_shard`` the step is traced on the full shapes: each shard is
+    stood in for by a fake tensor of the parameter's shape (nothing allocated),
+    and the sharding passes turn the graph into one over shards.
+    """
+    if not layout.shard_specs:
+        return [t.detach().requires_grad_(t.requires_grad) for t in state_in]
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    fake_mode = FakeTensorMode(allow_non_fake_inputs=True)
+    out = []
+    for slot, t in zip(layout.input_slots(), state_in):
+        if layout.is_sharded(slot, t):
+            with fake_mode:
+                full = torch.empty(layout.shard_specs[slot.index].shape, dtype=t.dtype, device=t.device)
+        else:
+            full = fake_mode.from_tensor(t.detach())
+        out.append(full.requires_grad_(t.requires_grad))
+    return out
 
 
 def _trace_error(what: str, op: str | None, fqn: str | None) -> CompileError:
