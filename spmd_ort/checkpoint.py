@@ -1,0 +1,206 @@
+"""Checkpoints of a compiled train step through ``torch.distributed.checkpoint`` (DCP).
+
+Under ``fully_shard`` each rank saves only its shards: every sharded parameter
+and optimizer-state tensor goes into the state dict as a DTensor (``Shard(0)``
+of the flattened tensor, the layout of :mod:`spmd_ort.sharding`), so DCP writes
+each rank's piece once and can load into another world size.  Scalars (Adam's
+``step``), buffers and replicated tensors are plain tensors; hyper-parameters
+travel in ``param_groups``.  Keys are module FQNs, as in ``model.state_dict()``::
+
+    sd = spmd_ort.state_dict(step, model, opt)      # views of the live shards
+    dcp.save(sd, checkpoint_id=path)                # or spmd_ort.save_checkpoint(path, step, model, opt)
+    ...
+    sd = spmd_ort.state_dict(step, model, opt)      # a fresh model is sharded here
+    dcp.load(sd, checkpoint_id=path)                # reads straight into the shards
+    spmd_ort.load_state_dict(step, sd, model, opt)  # hyper-parameters, anything not loaded in place
+
+(:func:`save_checkpoint` / :func:`load_checkpoint` do exactly this.)  For export, :func:`spmd_ort.full_state_dict`
+gathers unsharded tensors on rank 0.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from torch import Tensor, nn
+
+from . import parallel
+from .sharding import ShardedModule, ShardSpec, is_sharded, spec_of
+
+_MESHES: dict = {}
+
+
+def _mesh(world: int):
+    from torch.distributed.device_mesh import init_device_mesh
+
+    if world not in _MESHES:
+        _MESHES[world] = init_device_mesh("cpu", (world,))
+    return _MESHES[world]
+
+
+def _dtensor(local: Tensor, spec: ShardSpec):
+    from torch.distributed.tensor import DTensor, Shard
+
+    flat = local.detach().reshape(-1)[:spec.valid()]
+    return DTensor.from_local(flat, _mesh(spec.world), [Shard(0)], run_check=False,
+                              shape=torch.Size([spec.numel]), stride=(1,))
+
+
+def _resolve(train_step, model, optimizer):
+    if model is None:
+        last = getattr(train_step, "_last", None)
+        if last is None:
+            raise ValueError("pass model= (and optimizer=): this compiled step has not run yet")
+        model, optimizer = last
+    return model, optimizer
+
+
+def _prepare(train_step, model: nn.Module, optimizer) -> None:
+    """A model that the step would shard but has not run yet is sharded now (so it can be loaded into)."""
+    mode = parallel.resolve(getattr(train_step, "parallel_mode", None))
+    if mode is not None and mode.sharded and not is_sharded(model):
+        rank, world = parallel.world()
+        sharding = ShardedModule(model, optimizer, rank, world, offload_param=mode.offload_param)
+        sharding.shard()
+        sharding.commit()
+
+
+def _names(model: nn.Module) -> dict[int, str]:
+    names: dict[int, str] = {}
+    for name, p in model.named_parameters():
+        names.setdefault(id(p), name)
+    return names
+
+
+def state_dict(train_step, model: nn.Module | None = None, optimizer: torch.optim.Optimizer | None = None) -> dict:
+    """``{"model": ..., "optim": ...}`` for DCP: sharded tensors as DTensors over the live shards."""
+    model, optimizer = _resolve(train_step, model, optimizer)
+    _prepare(train_step, model, optimizer)
+    model_sd = {}
+    for name, t in model.state_dict(keep_vars=True).items():
+        spec = spec_of(t)
+        model_sd[name] = _dtensor(t, spec) if spec is not None else t.detach()
+    out = {"model": model_sd}
+    if optimizer is not None:
+        names = _names(model)
+        state = {}
+        for p, st in optimizer.state.items():
+            spec = spec_of(p)
+            state[names[id(p)]] = {k: (_dtensor(v, spec) if isinstance(v, Tensor) and spec is not None and v.dim() > 0
+                                       else v) for k, v in st.items()}
+        groups = []
+        for g in optimizer.param_groups:
+            entry = {k: v for k, v in g.items() if k != "params"}
+            entry["params"] = [names[id(p)] for p in g["params"]]
+            groups.append(entry)
+        out["optim"] = {"state": state, "param_groups": groups}
+    return out
+
+
+def load_state_dict(train_step, sd: dict, model: nn.Module | None = None,
+                    optimizer: torch.optim.Optimizer | None = None) -> None:
+    """Put ``sd`` (from :func:`state_dict`, after ``dcp.load``) into the model and optimizer.
+
+    Tensors DCP loaded in place are left alone; others are copied (a full,
+    unsharded tensor for a sharded parameter is cut to this rank's shard).
+    """
+    model, optimizer = _resolve(train_step, model, optimizer)
+    _prepare(train_step, model, optimizer)
+    with torch.no_grad():
+        live = model.state_dict(keep_vars=True)
+        for name, value in sd.get("model", {}).items():
+            if name not in live:
+                raise KeyError(f"checkpoint entry {name!r} is not in {type(model).__name__}'s state dict")
+            _store(live[name], value, spec_of(live[name]))
+        if optimizer is None or "optim" not in sd:
+            return
+        by_name = {n: p for n, p in model.named_parameters()}
+        for name, st in sd["optim"]["state"].items():
+            p = by_name[name]
+            mine = optimizer.state[p]
+            for k, v in st.items():
+                if not isinstance(v, Tensor):
+                    mine[k] = v
+                elif k in mine:
+                    _store(mine[k], v, spec_of(p) if mine[k].dim() > 0 else None)
+                else:
+                    mine[k] = _local(v, spec_of(p) if v.dim() > 0 else None).clone()
+        for group, saved in zip(optimizer.param_groups, sd["optim"]["param_groups"]):
+            for k, v in saved.items():
+                if k != "params":
+                    group[k] = v
+
+
+def _local(value, spec: ShardSpec | None) -> Tensor:
+    from torch.distributed.tensor import DTensor
+
+    if isinstance(value, DTensor):
+        value = value.full_tensor() if spec is None else value.to_local()
+        if spec is not None:
+            out = value.new_zeros(spec.shard_numel)
+            out[:value.numel()].copy_(value.reshape(-1))
+            return out
+        return value
+    if spec is not None and value.numel() == spec.numel and value.shape != (spec.shard_numel,):
+        return spec.shard_of(value)  # a full tensor
+    return value
+
+
+def _store(dst: Tensor, value, spec: ShardSpec | None) -> None:
+    from torch.distributed.tensor import DTensor
+
+    if isinstance(value, DTensor) and spec is not None:
+        local = value.to_local()
+        if local.numel() and local.data_ptr() == dst.data_ptr():
+            return  # DCP loaded into the shard itself
+    elif isinstance(value, Tensor) and value.data_ptr() == dst.data_ptr():
+        return
+    src = _local(value, spec)
+    dst.detach().reshape(-1)[:src.numel()].copy_(src.reshape(-1)) if spec is not None else dst.copy_(src)
+
+
+def _init_missing_optimizer_state(model: nn.Module, optimizer, names_in_checkpoint: list[str]) -> None:
+    """Zero state where the checkpoint has some and the optimizer has none yet (a fresh optimizer).
+
+    Entries are created in the checkpoint's order, the same on every rank (the
+    order fixes the compiled step's inputs).
+    """
+    names = _names(model)
+    for group in optimizer.param_groups:
+        for p in group["params"]:
+            prefix = f"optim.state.{names[id(p)]}."
+            st = optimizer.state[p]
+            keys = [n[len(prefix):] for n in names_in_checkpoint if n.startswith(prefix)]
+            for key in [k for k in keys if k not in st and "." not in k]:
+                if key == "step":
+                    on_param = group.get("fused") or group.get("capturable")
+                    st[key] = torch.zeros((), dtype=torch.float32, device=p.device if on_param else "cpu")
+                else:
+                    st[key] = torch.zeros_like(p, memory_format=torch.preserve_format)
+
+
+def save_checkpoint(path: str | Path, train_step, model: nn.Module | None = None,
+         optimizer: torch.optim.Optimizer | None = None) -> None:
+    """Sharded checkpoint of the step's model and optimizer (collective: every rank calls it)."""
+    import torch.distributed.checkpoint as dcp
+
+    dcp.save(state_dict(train_step, model, optimizer), checkpoint_id=str(path))
+
+
+def load_checkpoint(path: str | Path, train_step, model: nn.Module | None = None,
+         optimizer: torch.optim.Optimizer | None = None) -> None:
+    """Load a :func:`save_checkpoint` checkpoint into ``model`` / ``optimizer`` (collective), resharding as needed."""
+    import torch.distributed.checkpoint as dcp
+
+    model, optimizer = _resolve(train_step, model, optimizer)
+    _prepare(train_step, model, optimizer)
+    if optimizer is not None:
+        meta = dcp.FileSystemReader(str(path)).read_metadata()
+        _init_missing_optimizer_state(model, optimizer, list(meta.state_dict_metadata))
+    sd = state_dict(train_step, model, optimizer)
+    dcp.load(sd, checkpoint_id=str(path))
+    load_state_dict(train_step, sd, model, optimizer)
+    if dist.is_initialized():
+        dist.barrier()
