@@ -89,7 +89,7 @@ class Communicator:
     def all_gather(self, shard: Tensor, world: int) -> Tensor:
         out = shard.new_empty(shard.numel() * world)
         issued = time.perf_counter()
-        self._track(out, issued, dist.all_gather_into_tensor(out, shard.contiguous(), async_op=True))
+        self._track(out, issued, dist.all_gather_single(out, shard.contiguous(), async_op=True))
         self.step.all_gather_calls += 1
         self.step.all_gather_bytes += out.numel() * out.element_size()
         return out
@@ -99,7 +99,7 @@ class Communicator:
             raise ValueError(f"reduce_scatter: {t.numel()} elements do not split into {world} shards")
         out = t.new_empty(t.numel() // world)
         issued = time.perf_counter()
-        work = dist.reduce_scatter_tensor(out, t.contiguous(), op=dist.ReduceOp.AVG, async_op=True)
+        work = dist.reduce_scatter_single(out, t.contiguous(), op=dist.ReduceOp.AVG, async_op=True)
         self._track(out, issued, work)
         self.step.reduce_scatter_calls += 1
         self.step.reduce_scatter_bytes += t.numel() * t.element_size()

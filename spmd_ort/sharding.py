@@ -166,7 +166,7 @@ def gather_full(p: Tensor) -> Tensor:
 
 def gather_tensor(shard: Tensor, spec: ShardSpec) -> Tensor:
     out = shard.new_empty(spec.padded_numel)
-    dist.all_gather_into_tensor(out, shard.contiguous())
+    dist.all_gather_single(out, shard.contiguous())
     return spec.unshard(out)
 
 

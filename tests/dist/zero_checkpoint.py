@@ -24,8 +24,8 @@ sys.path.insert(0, str(ROOT))
 
 import spmd_ort  # noqa: E402
 from helpers import train_step  # noqa: E402
-from models import GPT, GPTConfig  # noqa: E402
-from zero_parity import batches  # noqa: E402
+from models import GPT  # noqa: E402
+from zero_parity import CFG, batches  # noqa: E402
 
 
 def main() -> None:
@@ -37,7 +37,7 @@ def main() -> None:
     args = ap.parse_args()
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
-    cfg = GPTConfig()
+    cfg = CFG
     torch.manual_seed(0 if args.phase == "save" else 99)
     model = GPT(cfg)
     opt = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.1, fused=True)

@@ -1,0 +1,95 @@
+"""The native host optimizer kernels (csrc/fused_optim.cpp) against torch's fused kernels."""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+
+from spmd_ort import native
+
+SHAPES = [(1000,), (333, 77), (256, 1024), (5,), (1,)]
+
+
+def _tensors(seed, dtype=torch.float32):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randn(s, generator=g).to(dtype) for s in SHAPES]
+
+
+def _state(seed, scale):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randn(s, generator=g).abs() * scale for s in SHAPES]
+
+
+def test_native_kernel_builds():
+    assert native.load(), "the C++ extension should build on this machine (g++ and ninja are present)"
+
+
+@pytest.mark.parametrize("decoupled,amsgrad,maximize,wd", [(True, False, False, 0.1), (False, False, False, 0.01),
+                                                           (True, True, False, 0.0), (False, False, True, 0.0)])
+def test_adam_matches_torch_fused(decoupled, amsgrad, maximize, wd):
+    params, grads = _tensors(0), _tensors(1)
+    m, v, vmax = _state(2, 0.1), _state(3, 0.01), _state(4, 0.02)
+    ref = [[t.clone() for t in ts] for ts in (params, m, v, vmax)]
+    for step in (1.0, 2.0, 10.0):
+        steps = [torch.tensor(step) for _ in SHAPES]
+        kw = dict(lr=1e-2, beta1=0.9, beta2=0.999, weight_decay=wd, eps=1e-8, amsgrad=amsgrad, maximize=maximize)
+        native.adam_(params, grads, m, v, vmax, steps, decoupled=decoupled, **kw)
+        (torch._fused_adamw_ if decoupled else torch._fused_adam_)(ref[0], grads, ref[1], ref[2],
+                                                                    ref[3] if amsgrad else [], steps, **kw)
+    for a, b in zip(params + m + v, ref[0] + ref[1] + ref[2]):
+        # equal except torch's scalar tail loop, which differs by at most an ulp
+        torch.testing.assert_close(a, b, rtol=2e-7, atol=1e-9)
+    big = params[2]  # 256 x 1024: no tail in torch's split across threads
+    assert torch.equal(big, ref[0][2]) or torch.get_num_threads() > 2
+
+
+def test_adam_bf16_params_with_fp32_state():
+    params32, grads = _tensors(0), _tensors(1)
+    params = [p.to(torch.bfloat16) for p in params32]
+    m, v = _state(2, 0.1), _state(3, 0.01)
+    ref_p, ref_m, ref_v = [p.float() for p in params], [t.clone() for t in m], [t.clone() for t in v]
+    steps = [torch.tensor(1.0) for _ in SHAPES]
+    native.adam_(params, [g.to(torch.bfloat16) for g in grads], m, v, [], steps, lr=1e-2, beta1=0.9, beta2=0.999,
+                 weight_decay=0.1, eps=1e-8, amsgrad=False, maximize=False, decoupled=True)
+    torch._fused_adamw_(ref_p, [g.to(torch.bfloat16).float() for g in grads], ref_m, ref_v, [], steps, lr=1e-2,
+                        beta1=0.9, beta2=0.999, weight_decay=0.1, eps=1e-8, amsgrad=False, maximize=False)
+    for a, b in zip(params, ref_p):
+        assert a.dtype == torch.bfloat16
+        torch.testing.assert_close(a, b.to(torch.bfloat16))  # the fp32 update, rounded once
+    for a, b in zip(m + v, ref_m + ref_v):
+        torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-9)
+
+
+@pytest.mark.parametrize("momentum,nesterov,dampening,wd,first", [(0.9, False, 0.0, 0.0, True),
+                                                                   (0.9, True, 0.0, 1e-4, False),
+                                                                   (0.5, False, 0.1, 0.01, False),
+                                                                   (0.0, False, 0.0, 0.01, False)])
+def test_sgd_matches_torch_fused(momentum, nesterov, dampening, wd, first):
+    params, grads, bufs = _tensors(0), _tensors(1), _state(2, 0.1)
+    ref_p, ref_b = [p.clone() for p in params], [b.clone() for b in bufs]
+    kw = dict(lr=0.05, momentum=momentum, dampening=dampening, weight_decay=wd, nesterov=nesterov, maximize=False,
+              is_first_step=first)
+    native.sgd_(params, grads, bufs if momentum else [], **kw)
+    torch._fused_sgd_(ref_p, grads, ref_b if momentum else [], **kw)
+    for a, b in zip(params + (bufs if momentum else []), ref_p + (ref_b if momentum else [])):
+        torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7)
+
+
+def test_without_a_compiler_the_torch_kernel_runs_after_one_warning(monkeypatch, tmp_path):
+    monkeypatch.setattr(native, "SOURCE", tmp_path / "missing.cpp")
+    monkeypatch.setattr(native, "_state", {})
+    params, grads = _tensors(0), _tensors(1)
+    m, v = _state(2, 0.1), _state(3, 0.01)
+    ref = [[t.clone() for t in ts] for ts in (params, m, v)]
+    steps = [torch.tensor(1.0) for _ in SHAPES]
+    kw = dict(lr=1e-2, beta1=0.9, beta2=0.999, weight_decay=0.1, eps=1e-8, amsgrad=False, maximize=False)
+    with pytest.warns(RuntimeWarning, match="could not be built"):
+        native.adam_(params, grads, m, v, [], steps, decoupled=True, **kw)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # only one warning per process
+        native.adam_([t.clone() for t in params], grads, [t.clone() for t in m], [t.clone() for t in v], [], steps,
+                     decoupled=True, **kw)
+    torch._fused_adamw_(ref[0], grads, ref[1], ref[2], [], steps, **kw)
+    assert all(torch.equal(a, b) for a, b in zip(params, ref[0]))

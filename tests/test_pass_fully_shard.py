@@ -1,0 +1,216 @@
+"""The fully_shard passes on small traced graphs: structure at N = 2, numbers on a one-rank group."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import spmd_ort
+from spmd_ort.collectives import all_gather, all_reduce_, reduce_scatter, wait_
+from spmd_ort.optim import rule_for
+from spmd_ort.passes import (PassContext, bucket_shard_collectives_pass, capture_cleanup_passes,
+                             dedup_collectives_pass, offload_optimizer_pass, parallel_passes, run_passes,
+                             schedule_overlap_pass, shard_parameters_pass)
+from spmd_ort.sharding import SHARD_ATTR, ShardSpec
+from spmd_ort.state import StateLayout
+from spmd_ort.trace import phase, trace_step
+from helpers import train_step
+from models import GPT, MLP, GPTConfig
+
+
+@pytest.fixture(scope="module")
+def one_rank():
+    if dist.is_initialized():
+        yield
+        return
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    yield
+    dist.destroy_process_group()
+
+
+def _shard(model, opt, world, rank=0):
+    """What ShardedModule does, without collectives: rank ``rank``'s shards of every parameter and state."""
+    for p in model.parameters():
+        spec = ShardSpec(tuple(p.shape), p.numel(), world, rank)
+        st = opt.state.get(p, {})
+        for k, v in list(st.items()):
+            if v.dim() > 0:
+                st[k] = spec.shard_of(v)
+        p.data = spec.shard_of(p.data)
+        setattr(p, SHARD_ATTR, spec)
+
+
+def _traced(model, opt, x, y, world, clip=None, step=None):
+    _shard(model, opt, world)
+    layout = StateLayout.capture(model, opt, rule_for(opt))
+    fn = step or (lambda m, o, a, b: train_step(m, o, a, b, clip=clip))
+    traced = trace_step(fn, (model, opt, x, y), {}, layout, tag_grads=True)
+    return traced, layout
+
+
+def _ctx(traced, layout, world, **mode):
+    mode = spmd_ort.DataParallel(parallel_style="fully_shard", **mode)
+    return PassContext(input_slots=list(traced.input_slots), output_slots=list(traced.output_slots),
+                       world_size=world, parallel_mode=mode, shard_specs=layout.shard_specs)
+
+
+def _nodes(gm, target):
+    return [n for n in gm.graph.nodes if n.op == "call_function" and n.target is target]
+
+
+def _gpt_batch(cfg, n=2):
+    g = torch.Generator().manual_seed(0)
+    return (torch.randint(0, cfg.vocab, (n, cfg.seq), generator=g),
+            torch.randint(0, cfg.vocab, (n, cfg.seq), generator=g))
+
+
+def test_shard_pass_gathers_before_use_and_reduce_scatters_every_gradient():
+    cfg = GPTConfig(vocab=67, d=27, heads=3, layers=1)
+    model = GPT(cfg)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    traced, layout = _traced(model, opt, *_gpt_batch(cfg), world=2, clip=1.0)
+    ctx = _ctx(traced, layout, 2)
+    gm = run_passes(traced.gm, ctx, capture_cleanup_passes(ctx) + [shard_parameters_pass])
+    n_params = len(layout.params)
+    assert not [n for n in gm.graph.nodes if "tag_grad" in str(n.target)]
+    # every gradient: reshape -> (pad) -> reduce_scatter -> wait
+    assert len(_nodes(gm, reduce_scatter)) == n_params
+    # parameter placeholders hold shards; optimizer reads shards
+    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    for node, slot in zip(placeholders, ctx.input_slots):
+        if slot.kind == "param":
+            assert node.meta["val"].shape == (layout.shard_specs[slot.index].shard_numel,)
+    # one gather per use before dedup; each use reads a gather of its own phase
+    gathers = _nodes(gm, all_gather)
+    assert len(gathers) >= n_params
+    gm = run_passes(gm, ctx, [dedup_collectives_pass])
+    per_phase = {}
+    for g in _nodes(gm, all_gather):
+        per_phase.setdefault(phase(g), []).append(g.args[0])
+    assert len(per_phase["forward"]) == len(set(per_phase["forward"])) == n_params - 0  # each parameter once
+    assert len(per_phase["backward"]) == len(set(per_phase["backward"]))
+    assert 0 < len(per_phase["backward"]) < n_params  # biases and LayerNorm biases need no re-gather
+    # clip_grad_norm_: the shard norms are completed by one all-reduce of their squares
+    assert len(_nodes(gm, all_reduce_)) == 1
+
+
+def test_reshard_after_forward_false_gathers_once_and_backward_reads_forward_views():
+    cfg = GPTConfig(layers=1)
+    model = GPT(cfg)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    traced, layout = _traced(model, opt, *_gpt_batch(cfg), world=2)
+    ctx = _ctx(traced, layout, 2, reshard_after_forward=False)
+    gm = run_passes(traced.gm, ctx, capture_cleanup_passes(ctx) + [shard_parameters_pass, dedup_collectives_pass])
+    assert len(_nodes(gm, all_gather)) == len(layout.params)
+
+
+def test_reshard_recomputes_parameter_views_for_backward():
+    """With resharding no backward node reads a forward view of a gathered parameter (it would keep
+    the forward gather alive through backward)."""
+    model = MLP()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    traced, layout = _traced(model, opt, torch.randn(4, 32), torch.randint(0, 10, (4,)), world=2)
+    ctx = _ctx(traced, layout, 2)
+    gm = run_passes(traced.gm, ctx, capture_cleanup_passes(ctx) + [shard_parameters_pass, dedup_collectives_pass])
+    forward_gathers = {w for g in _nodes(gm, all_gather) if phase(g) == "forward" for w in g.users}
+
+    def from_forward_gather(node, seen=()):
+        if node in forward_gathers:
+            return True
+        return node.target in (torch.ops.aten.slice.Tensor, torch.ops.aten.view.default, torch.ops.aten.t.default) \
+            and from_forward_gather(node.args[0])
+
+    for node in gm.graph.nodes:
+        if node.op == "call_function" and phase(node) == "backward":
+            assert not any(from_forward_gather(a) for a in node.all_input_nodes), node
+
+
+def test_buckets_and_prefetch_order():
+    cfg = GPTConfig(layers=2)
+    model = GPT(cfg)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    traced, layout = _traced(model, opt, *_gpt_batch(cfg), world=2)
+    ctx = _ctx(traced, layout, 2, bucket_cap_mb=0.03, prefetch=1)
+    gm = run_passes(traced.gm, ctx, capture_cleanup_passes(ctx) + parallel_passes(ctx))
+    info = ctx.extra["shard_buckets"]
+    assert len(_nodes(gm, all_gather)) == len(info["all_gather"]) >= 4
+    assert len(_nodes(gm, reduce_scatter)) == len(info["reduce_scatter"]) >= 2
+    cap = 0.03 * 2**20
+    assert all(b <= cap for b in info["reduce_scatter"] + info["all_gather"])
+    order = {n: i for i, n in enumerate(gm.graph.nodes)}
+    for ph in ("forward", "backward"):
+        waits = [w for w in _nodes(gm, wait_) if w.args[0].target is all_gather and phase(w) == ph]
+        for k in range(1, len(waits)):
+            # bucket k is issued before the wait of bucket k - 1: its transfer overlaps that bucket's compute
+            assert order[waits[k].args[0]] < order[waits[k - 1]]
+            if k >= 2:  # and not earlier than prefetch=1 asks
+                assert order[waits[k].args[0]] > order[waits[k - 2]]
+    # reduce-scatters are issued before backward ends, not after it
+    last_backward = max(order[n] for n in gm.graph.nodes if phase(n) == "backward" and n.target
+                        is torch.ops.aten.mm.default)
+    assert min(order[n] for n in _nodes(gm, reduce_scatter)) < last_backward
+
+
+def test_unsupported_gradient_use_names_the_op_and_parameter():
+    model = MLP()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    x, y = torch.randn(4, 32), torch.randint(0, 10, (4,))
+    traced, layout = _traced(model, opt, x, y, world=2, clip=None,
+                             step=lambda m, o, a, b: _inf_clip_step(m, o, a, b))
+    ctx = _ctx(traced, layout, 2)
+    with pytest.raises(spmd_ort.CompileError) as err:
+        run_passes(traced.gm, ctx, capture_cleanup_passes(ctx) + [shard_parameters_pass])
+    msg = str(err.value)
+    assert "fully_shard" in msg and "linalg_vector_norm" in msg and "replicate" in msg, msg
+    assert any(f"`{name}`" in msg for name in ("fc1.weight", "fc1.bias", "fc2.weight", "fc2.bias", "head.weight",
+                                                 "head.bias")), msg
+
+
+def _inf_clip_step(model, opt, x, y):
+    loss = torch.nn.functional.cross_entropy(model(x), y)
+    loss.backward()
+    torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0, norm_type=float("inf"))
+    opt.step()
+    opt.zero_grad()
+    return loss
+
+
+def test_offload_optimizer_pass_swaps_in_the_host_twin():
+    model = MLP()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    traced, layout = _traced(model, opt, torch.randn(4, 32), torch.randint(0, 10, (4,)), world=2)
+    ctx = _ctx(traced, layout, 2, offload_optimizer="cpu")
+    gm = run_passes(traced.gm, ctx, capture_cleanup_passes(ctx) + [shard_parameters_pass, offload_optimizer_pass])
+    targets = {str(n.target) for n in gm.graph.nodes if n.op == "call_function"}
+    assert "spmd_ort.host_adam.default" in targets and "spmd_ort.adam.default" not in targets
+    assert ctx.extra["offloaded_optimizer_ops"] == 1
+
+
+@pytest.mark.parametrize("reshard", [True, False])
+def test_sharded_graph_on_one_rank_computes_the_unsharded_step(one_rank, reshard):
+    """N = 1: every collective is the identity, so the fully sharded graph (all passes) must produce
+    exactly what the traced full-shape graph produces."""
+    cfg = GPTConfig(layers=1)
+    torch.manual_seed(0)
+    model = GPT(cfg)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.1)
+    x, y = _gpt_batch(cfg)
+    train_step(model, opt, x, y)  # optimizer state exists
+    ref_model, ref_opt = copy.deepcopy(model), None
+    ref_opt = torch.optim.AdamW(ref_model.parameters(), lr=1e-3, weight_decay=0.1)
+    ref_opt.load_state_dict(copy.deepcopy(opt.state_dict()))
+    ref_loss = train_step(ref_model, ref_opt, x, y, clip=1.0)
+    traced, layout = _traced(model, opt, x, y, world=1, clip=1.0)
+    ctx = _ctx(traced, layout, 1, reshard_after_forward=reshard, bucket_cap_mb=0.01)
+    gm = run_passes(traced.gm, ctx, capture_cleanup_passes(ctx) + parallel_passes(ctx))
+    with torch.no_grad():
+        outs = gm(*layout.gather(), x, y)
+    from spmd_ort.collectives import COMM
+    COMM.finish()
+    torch.testing.assert_close(outs[0], ref_loss.detach(), rtol=1e-6, atol=1e-7)
+    new = {s.index: v for s, v in zip(ctx.output_slots, outs) if s.kind == "param"}
+    for i, p in enumerate(ref_model.parameters()):
+        torch.testing.assert_close(new[i], p.detach().reshape(-1), rtol=1e-6, atol=1e-7)
