@@ -2,9 +2,13 @@
 
 Run:  .venv/bin/python bench/optim.py [--numel 5300000] [--reps 20]
 
-Columns: torch fused AdamW in place (what the compiled step runs as a host
-node, ``spmd_ort::adam_``), torch foreach AdamW, the same update exported as
-elementwise ONNX and run by ONNX Runtime with IO binding, and the memory floor:
+Rows: the native kernel of ``csrc/fused_optim.cpp`` (``spmd_ort.native``, what
+``offload_optimizer="cpu"`` runs), torch fused AdamW in place (what the compiled
+step runs as a device node, ``spmd_ort::adam_``), torch foreach AdamW, DeepSpeed's
+``DeepSpeedCPUAdam`` (when deepspeed is installed: ``pip install deepspeed``;
+``DS_ACCELERATOR=cpu`` is set here; its op compiles on first use, minutes), the
+same update exported as elementwise ONNX and run by ONNX Runtime with IO
+binding, and the memory floor:
 AdamW reads param, grad, exp_avg, exp_avg_sq and writes param, exp_avg,
 exp_avg_sq (28 bytes per element) at this machine's measured bandwidth (best of a copy and a parallel add).
 """
@@ -99,13 +103,53 @@ def main() -> None:
     onnx_ms = timed(run_onnx, args.reps)
     floor = 28 * n / bandwidth * 1e3
 
+    from spmd_ort import native
+
+    rows = []
+    if native.load():
+        p2, g2, m2, v2 = (t.clone() for t in (p, g, m, v))
+        native_ms = timed(lambda: native.adam_([p2], [g2], [m2], [v2], [], [step], lr=1e-3, beta1=0.9, beta2=0.999,
+                                               weight_decay=0.1, eps=1e-8, amsgrad=False, maximize=False,
+                                               decoupled=True), args.reps)
+        rows.append(("spmd_ort native kernel (csrc/, offload_optimizer host step)", native_ms))
+        # the same update over many tensors (gpt-mini has 50): one parallel region for all of them
+        chunks = [t.split(n // 50) for t in (p2, g2, m2, v2)]
+        steps = [torch.tensor(10.0) for _ in chunks[0]]
+        native_many = timed(lambda: native.adam_(list(chunks[0]), list(chunks[1]), list(chunks[2]), list(chunks[3]),
+                                                 [], steps, lr=1e-3, beta1=0.9, beta2=0.999, weight_decay=0.1,
+                                                 eps=1e-8, amsgrad=False, maximize=False, decoupled=True), args.reps)
+        fused_many = timed(lambda: torch._fused_adamw_(list(chunks[0]), list(chunks[1]), list(chunks[2]),
+                                                       list(chunks[3]), [], steps, lr=1e-3, beta1=0.9, beta2=0.999,
+                                                       weight_decay=0.1, eps=1e-8, amsgrad=False, maximize=False),
+                           args.reps)
+    rows.append(("torch fused AdamW, in place (spmd_ort device node)", fused))
+    rows.append(("torch foreach AdamW", foreach))
+    ds = deepspeed_cpu_adam(n, args.reps)
+    if ds is not None:
+        rows.append(("DeepSpeedCPUAdam (AdamW mode)", ds))
+    rows += [(f"ONNX elementwise in ORT ({ops} ops)", onnx_ms), ("memory floor (28 B/element)", floor)]
+
     print(f"# bench/optim.py — AdamW over {n / 1e6:.2f} M fp32 parameters, {threads} threads, "
           f"median of {args.reps}; memory bandwidth {bandwidth / 1e9:.1f} GB/s (read + write)")
     print("| update | ms | x floor |")
     print("|---|---|---|")
-    for name, ms in [("torch fused AdamW, in place (spmd_ort host node)", fused), ("torch foreach AdamW", foreach),
-                     (f"ONNX elementwise in ORT ({ops} ops)", onnx_ms), ("memory floor (28 B/element)", floor)]:
+    for name, ms in rows:
         print(f"| {name} | {ms:.2f} | {ms / floor:.2f} |")
+    if native.load():
+        print(f"\nthe same {n / 1e6:.2f} M elements as 50 tensors: native {native_many:.2f} ms, "
+              f"torch fused {fused_many:.2f} ms")
+
+
+def deepspeed_cpu_adam(n: int, reps: int) -> float | None:
+    os.environ.setdefault("DS_ACCELERATOR", "cpu")
+    try:
+        from deepspeed.ops.adam import DeepSpeedCPUAdam
+    except Exception:  # noqa: BLE001 - deepspeed not installed, or its op cannot build here
+        return None
+    param = torch.nn.Parameter(torch.randn(n))
+    param.grad = torch.randn(n)
+    opt = DeepSpeedCPUAdam([param], lr=1e-3, weight_decay=0.1, adamw_mode=True)
+    return timed(opt.step, reps)
 
 
 if __name__ == "__main__":

@@ -24,6 +24,7 @@
 #include <torch/library.h>
 
 #include <algorithm>
+#include <type_traits>
 #include <cmath>
 #include <vector>
 
@@ -75,47 +76,52 @@ void check_lists(const at::TensorList& params, const at::TensorList& grads, cons
 }
 
 struct AdamConsts {
-  float step_size, beta2, lerp_w, b2c, bc2_sqrt, eps, wd, wd_mul;
-  bool small_w, decoupled, maximize, amsgrad;
+  float step_size, beta2, lerp_w, b2c, bc2_sqrt, eps, sign, wd_l2, wd_mul;
+  bool small_w, amsgrad;
 };
 
-template <typename P, typename G>
+// Branch-free body (loop-invariant choices are folded into constants: sign = -1
+// for maximize; AdamW scales p by wd_mul, Adam adds wd_l2 * p to the gradient;
+// the unused one is 1 / 0, which changes nothing), so the loop vectorizes.
+template <typename P, typename G, bool AMSGRAD>
 void adam_range(P* __restrict p, const G* __restrict g, float* __restrict m, float* __restrict v,
                 float* __restrict vmax, int64_t n, const AdamConsts& c) {
-  const float w = c.lerp_w, w1 = c.lerp_w - 1.0f;
+  const float sign = c.sign, wd_l2 = c.wd_l2, wd_mul = c.wd_mul, beta2 = c.beta2, b2c = c.b2c;
+  const float bc2_sqrt = c.bc2_sqrt, eps = c.eps, neg_step = -c.step_size;
+  // exp_avg.lerp_(grad, 1 - beta1) from the nearer end: m + w (g - m), or g + (w - 1)(g - m)
+  const float coeff = c.small_w ? c.lerp_w : c.lerp_w - 1.0f;
+  const bool from_m = c.small_w;
 #pragma omp simd
   for (int64_t i = 0; i < n; ++i) {
-    float gi = static_cast<float>(g[i]);
-    float pi = static_cast<float>(p[i]);
-    if (c.maximize) gi = -gi;
-    if (c.wd != 0.0f) {
-      if (c.decoupled) {
-        pi = pi * c.wd_mul;
-      } else {
-        gi = std::fma(pi, c.wd, gi);
-      }
-    }
-    // exp_avg.lerp_(grad, 1 - beta1): one fused multiply-add, from the nearer end
-    const float mi = c.small_w ? std::fma(w, gi - m[i], m[i]) : std::fma(w1, gi - m[i], gi);
-    const float vi = std::fma(c.b2c * gi, gi, v[i] * c.beta2);
+    const float p0 = static_cast<float>(p[i]);
+    const float gi = std::fma(p0, wd_l2, static_cast<float>(g[i]) * sign);
+    const float pi = p0 * wd_mul;
+    const float mi = std::fma(coeff, gi - m[i], from_m ? m[i] : gi);
+    const float vi = std::fma(b2c * gi, gi, v[i] * beta2);
     m[i] = mi;
     v[i] = vi;
     float vd = vi;
-    if (c.amsgrad) {
+    if constexpr (AMSGRAD) {
       vd = std::max(vmax[i], vi);
       vmax[i] = vd;
     }
-    const float denom = std::sqrt(vd) / c.bc2_sqrt + c.eps;
-    p[i] = static_cast<P>(pi + (-c.step_size) * mi / denom);
+    const float denom = std::sqrt(vd) / bc2_sqrt + eps;
+    p[i] = static_cast<P>(pi + neg_step * mi / denom);
   }
 }
 
 template <typename P, typename G>
 void adam_task(const at::Tensor& p, const at::Tensor& g, const at::Tensor& m, const at::Tensor& v,
                const at::Tensor* vmax, const Task& t, const AdamConsts& c) {
-  float* vm = vmax ? vmax->data_ptr<float>() + t.begin : nullptr;
-  adam_range<P, G>(p.data_ptr<P>() + t.begin, g.data_ptr<G>() + t.begin, m.data_ptr<float>() + t.begin,
-                   v.data_ptr<float>() + t.begin, vm, t.end - t.begin, c);
+  P* pp = p.data_ptr<P>() + t.begin;
+  const G* gp = g.data_ptr<G>() + t.begin;
+  float* mp = m.data_ptr<float>() + t.begin;
+  float* vp = v.data_ptr<float>() + t.begin;
+  if (vmax) {
+    adam_range<P, G, true>(pp, gp, mp, vp, vmax->data_ptr<float>() + t.begin, t.end - t.begin, c);
+  } else {
+    adam_range<P, G, false>(pp, gp, mp, vp, nullptr, t.end - t.begin, c);
+  }
 }
 
 void adam_(at::TensorList params, at::TensorList grads, at::TensorList exp_avgs, at::TensorList exp_avg_sqs,
@@ -138,10 +144,9 @@ void adam_(at::TensorList params, at::TensorList grads, at::TensorList exp_avgs,
     c.b2c = static_cast<float>(1 - beta2);
     c.bc2_sqrt = static_cast<float>(std::sqrt(bc2));
     c.eps = static_cast<float>(eps);
-    c.wd = static_cast<float>(weight_decay);
-    c.wd_mul = static_cast<float>(1 - lr * weight_decay);
-    c.decoupled = decoupled;
-    c.maximize = maximize;
+    c.sign = maximize ? -1.0f : 1.0f;
+    c.wd_l2 = decoupled ? 0.0f : static_cast<float>(weight_decay);
+    c.wd_mul = decoupled ? static_cast<float>(1 - lr * weight_decay) : 1.0f;
     c.amsgrad = amsgrad;
   }
   run_tasks(split(params), [&](const Task& t) {
@@ -166,20 +171,22 @@ struct SgdConsts {
   bool nesterov, maximize, first, has_momentum;
 };
 
-template <typename P, typename G>
+template <typename P, typename G, bool MOMENTUM>
 void sgd_range(P* __restrict p, const G* __restrict g, float* __restrict buf, int64_t n, const SgdConsts& c) {
+  const float sign = c.maximize ? -1.0f : 1.0f, wd = c.wd, momentum = c.momentum, damp1 = c.damp1;
+  const float neg_lr = -c.lr, nesterov = c.nesterov ? 1.0f : 0.0f, keep = c.first ? 0.0f : 1.0f;
+  const float take = c.first ? 1.0f : damp1;
 #pragma omp simd
   for (int64_t i = 0; i < n; ++i) {
-    float gi = static_cast<float>(g[i]);
     const float pi = static_cast<float>(p[i]);
-    if (c.maximize) gi = -gi;
-    if (c.wd != 0.0f) gi = gi + pi * c.wd;
-    if (c.has_momentum) {
-      const float b = c.first ? gi : buf[i] * c.momentum + gi * c.damp1;
+    float gi = std::fma(pi, wd, static_cast<float>(g[i]) * sign);
+    if constexpr (MOMENTUM) {
+      // first step: buf = g; then buf = momentum * buf + (1 - dampening) * g
+      const float b = std::fma(buf[i] * keep, momentum, gi * take);
       buf[i] = b;
-      gi = c.nesterov ? gi + b * c.momentum : b;
+      gi = nesterov != 0.0f ? std::fma(b, momentum, gi) : b;
     }
-    p[i] = static_cast<P>(pi + gi * (-c.lr));
+    p[i] = static_cast<P>(std::fma(gi, neg_lr, pi));
   }
 }
 
@@ -194,14 +201,21 @@ void sgd_(at::TensorList params, at::TensorList grads, at::TensorList momentum_b
     const at::Tensor& g = grads[t.tensor];
     float* buf = has_momentum ? momentum_buffers[t.tensor].data_ptr<float>() + t.begin : nullptr;
     const int64_t n = t.end - t.begin;
+    auto run = [&](auto p_ptr, auto g_ptr) {
+      using P = std::remove_pointer_t<decltype(p_ptr)>;
+      using G = std::remove_const_t<std::remove_pointer_t<decltype(g_ptr)>>;
+      if (has_momentum) {
+        sgd_range<P, G, true>(p_ptr, g_ptr, buf, n, c);
+      } else {
+        sgd_range<P, G, false>(p_ptr, g_ptr, buf, n, c);
+      }
+    };
     if (p.scalar_type() == at::kFloat) {
-      sgd_range<float, float>(p.data_ptr<float>() + t.begin, g.data_ptr<float>() + t.begin, buf, n, c);
+      run(p.data_ptr<float>() + t.begin, g.data_ptr<float>() + t.begin);
     } else if (g.scalar_type() == at::kFloat) {
-      sgd_range<c10::BFloat16, float>(p.data_ptr<c10::BFloat16>() + t.begin, g.data_ptr<float>() + t.begin, buf,
-                                      n, c);
+      run(p.data_ptr<c10::BFloat16>() + t.begin, g.data_ptr<float>() + t.begin);
     } else {
-      sgd_range<c10::BFloat16, c10::BFloat16>(p.data_ptr<c10::BFloat16>() + t.begin,
-                                              g.data_ptr<c10::BFloat16>() + t.begin, buf, n, c);
+      run(p.data_ptr<c10::BFloat16>() + t.begin, g.data_ptr<c10::BFloat16>() + t.begin);
     }
   });
 }

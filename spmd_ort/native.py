@@ -43,7 +43,7 @@ def load() -> bool:
             if not SOURCE.exists():
                 raise FileNotFoundError(f"{SOURCE} is missing (install spmd_ort from a source checkout)")
             build(name="spmd_ort_native", sources=[str(SOURCE)], is_python_module=False, verbose=False,
-                  extra_cflags=["-O3", "-march=native", "-fopenmp", "-ffp-contract=off"],
+                  extra_cflags=["-O3", "-march=native", "-fopenmp", "-ffp-contract=off", "-fno-math-errno"],
                   extra_ldflags=["-fopenmp"])
             _state["ok"] = True
         except Exception as exc:  # noqa: BLE001 - any build failure means: use the fallback

@@ -1,0 +1,283 @@
+"""ZeRO-3 on 2 ranks (gloo, CPU): compiled fully_shard vs DeepSpeed ZeRO-3 vs FSDP2 (+ torch.compile).
+
+Run:  .venv/bin/python bench/zero3.py [--steps 5] [--runners spmd-fx,deepspeed,fsdp2,fsdp2+compile]
+
+gpt-mini (4 layers, d=256, seq 128, vocab 8192, 5.3 M params), batch 8 per rank,
+AdamW (lr 1e-3, weight decay 0.1), ZeRO-3 settings from ``configs/zero3.json``
+for DeepSpeed and spmd_ort alike (``--offload`` uses ``configs/zero3_offload.json``).
+Each runner is its own ``torchrun`` (so peak RSS is its own); this script starts
+them one after the other in one invocation and prints one table:
+
+Runners: ``spmd-fx`` / ``spmd-ort`` (compiled fully_shard, fx or ORT backend;
+``+keep``: ``reshard_after_forward=False``), ``deepspeed`` (ZeRO-3 engine, torch
+AdamW, clipping from its config), ``fsdp2`` (``fully_shard`` per block and root),
+``fsdp2+compile`` (the same with ``torch.compile(model)``).
+
+* ms/step: median over ``--steps`` after 3 warm-up steps (compilation excluded);
+* peak RSS per rank (``ru_maxrss``, max over ranks), which includes the Python
+  process, torch and the framework itself;
+* persistent MiB per rank: parameters + gradients + optimizer state held between
+  steps (counted from the live tensors; DeepSpeed: its fp32 partitions, partitioned
+  parameters and optimizer state);
+* collective payload per step, counted the same way for every runner by wrapping
+  ``torch.distributed``'s collectives (gathers: bytes gathered; reduce-scatter:
+  bytes in; all-reduce / broadcast: tensor bytes), vs the ZeRO-3 floor of 3x the
+  parameter bytes (two all-gathers of every parameter, one reduce-scatter of
+  every gradient).
+
+Environment: ``DS_ACCELERATOR=cpu`` is set for DeepSpeed; ``OMP_NUM_THREADS=1``
+per rank (2 ranks on 2 cores).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+RUNNERS = ("spmd-fx", "spmd-ort", "spmd-fx+keep", "deepspeed", "fsdp2", "fsdp2+compile")
+
+
+# ------------------------------------------------------------------ orchestrator
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--steps", type=int, default=5)
+    ap.add_argument("--runners", default="spmd-fx,deepspeed,fsdp2,fsdp2+compile")
+    ap.add_argument("--offload", action="store_true", help="configs/zero3_offload.json (optimizer and params)")
+    ap.add_argument("--nproc", type=int, default=2)
+    ap.add_argument("--worker", help=argparse.SUPPRESS)
+    ap.add_argument("--out", help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    if args.worker:
+        worker(args)
+        return
+    config = ROOT / "configs" / ("zero3_offload.json" if args.offload else "zero3.json")
+    results = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        for name in args.runners.split(","):
+            out = Path(tmp) / f"{name}.json"
+            cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={args.nproc}",
+                   __file__, "--worker", name, "--steps", str(args.steps), "--out", str(out)]
+            if args.offload:
+                cmd.append("--offload")
+            env = {**os.environ, "OMP_NUM_THREADS": "1", "DS_ACCELERATOR": "cpu", "SPMD_ORT_LOG_LEVEL": "WARNING"}
+            t0 = time.perf_counter()
+            proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
+            wall = time.perf_counter() - t0
+            if proc.returncode != 0 or not out.exists():
+                tail = (proc.stderr or proc.stdout).strip().splitlines()[-3:]
+                results[name] = {"error": " / ".join(tail)[-300:]}
+            else:
+                results[name] = json.loads(out.read_text())
+            results[name]["wall_s"] = wall
+            print(f"{name}: done in {wall:.0f}s", file=sys.stderr, flush=True)
+    report(results, args, config)
+
+
+def report(results: dict, args, config: Path) -> None:
+    ok = [r for r in results.values() if "error" not in r]
+    params = ok[0]["params"] if ok else 0
+    floor = 3 * params * 4
+    ds = results.get("deepspeed", {}).get("ms")
+    print(f"# bench/zero3.py — gpt-mini ({params / 1e6:.2f} M params), {args.nproc} ranks, gloo, 1 thread/rank, "
+          f"{config.relative_to(ROOT)}, median of {args.steps} steps after 3 warm-up")
+    print("| runner | ms/step | x DeepSpeed | peak RSS MiB/rank | persistent MiB/rank | collective MiB/step "
+          "| x 3*params |")
+    print("|---|---|---|---|---|---|---|")
+    for name, r in results.items():
+        if "error" in r:
+            print(f"| {name} | failed: {r['error']} | | | | | |")
+            continue
+        ratio = f"{r['ms'] / ds:.2f}" if ds else "-"
+        print(f"| {name} | {r['ms']:.0f} | {ratio} | {r['rss'] / 2**20:.0f} | {r['persistent'] / 2**20:.1f} | "
+              f"{r['comm_bytes'] / 2**20:.1f} | {r['comm_bytes'] / floor:.2f} |")
+    print(f"\nparameter bytes {params * 4 / 2**20:.1f} MiB; ZeRO-3 floor 3 x params = {floor / 2**20:.1f} MiB/step; "
+          f"unsharded params + AdamW state = {3 * params * 4 / 2**20:.1f} MiB, / {args.nproc} ranks = "
+          f"{3 * params * 4 / args.nproc / 2**20:.1f} MiB")
+    for name, r in results.items():
+        if "note" in r:
+            print(f"- {name}: {r['note']}")
+
+
+# ------------------------------------------------------------------ workers (under torchrun)
+class CommCounter:
+    """Counts the payload of torch.distributed collectives, whoever calls them."""
+
+    GATHER = ("all_gather_into_tensor", "all_gather_single", "_all_gather_base")
+    SCATTER = ("reduce_scatter_tensor", "reduce_scatter_single", "_reduce_scatter_base")
+    WHOLE = ("all_reduce", "broadcast")
+
+    def __init__(self):
+        import torch.distributed as dist
+
+        self.bytes = 0
+        self.enabled = False
+        from torch.distributed import distributed_c10d as c10d
+
+        for name in self.GATHER + self.SCATTER + self.WHOLE + ("all_gather", "reduce_scatter"):
+            fn = getattr(c10d, name, None)
+            if fn is not None:
+                wrapped = self._wrap(name, fn)
+                for module in (dist, c10d):  # callers reach them through either module
+                    if getattr(module, name, None) is fn:
+                        setattr(module, name, wrapped)
+
+    def _wrap(self, name, fn):
+        def counted(*args, **kwargs):
+            if self.enabled:
+                self.bytes += self._payload(name, args, kwargs)
+            return fn(*args, **kwargs)
+
+        return counted
+
+    def _payload(self, name, args, kwargs) -> int:
+        import torch
+
+        def size(t):
+            if isinstance(t, torch.Tensor):
+                return t.numel() * t.element_size()
+            if isinstance(t, (list, tuple)):
+                return sum(size(x) for x in t)
+            return 0
+
+        if name in self.GATHER or name == "all_gather":
+            return size(args[0] if args else kwargs.get("output_tensor", kwargs.get("tensor_list")))
+        if name in self.SCATTER or name == "reduce_scatter":
+            return size(args[1] if len(args) > 1 else kwargs.get("input", kwargs.get("input_list")))
+        return size(args[0] if args else kwargs.get("tensor"))
+
+
+def worker(args) -> None:
+    import resource
+
+    import torch
+    import torch.distributed as dist
+
+    sys.path.insert(0, str(ROOT / "bench"))
+    sys.path.insert(0, str(ROOT))
+    counter = CommCounter()  # before any framework binds the functions
+    name = args.worker
+    config = ROOT / "configs" / ("zero3_offload.json" if args.offload else "zero3.json")
+    if name.startswith("deepspeed"):
+        import deepspeed
+
+        deepspeed.init_distributed(dist_backend="gloo")
+    else:
+        dist.init_process_group("gloo")
+    rank = dist.get_rank()
+    from step import gpt_mini, train_step
+
+    torch.manual_seed(0)
+    model, batch = gpt_mini()
+    params = sum(p.numel() for p in model.parameters())
+    step, persistent, note = build(name, model, config, args)
+    times, comm = [], []
+    for i in range(3 + args.steps):
+        x, y = batch()
+        dist.barrier()
+        counter.bytes, counter.enabled = 0, True
+        t0 = time.perf_counter()
+        step(x, y)
+        dt = time.perf_counter() - t0
+        counter.enabled = False
+        if i >= 3:
+            times.append(dt)
+            comm.append(counter.bytes)
+    stats = torch.tensor([statistics.median(times), resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
+                          persistent(), statistics.median(comm)], dtype=torch.float64)
+    dist.all_reduce(stats, op=dist.ReduceOp.MAX)
+    if rank == 0:
+        Path(args.out).write_text(json.dumps({"ms": stats[0].item() * 1e3, "rss": stats[1].item(),
+                                              "persistent": stats[2].item(), "comm_bytes": stats[3].item(),
+                                              "params": params, **({"note": note} if note else {})}))
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def _tensor_bytes(ts) -> int:
+    return sum(t.numel() * t.element_size() for t in ts)
+
+
+def build(name: str, model, config: Path, args):
+    """(step(x, y), persistent-bytes function, note) for one runner."""
+    import torch
+
+    from step import train_step
+
+    if name.startswith("spmd"):
+        import spmd_ort
+
+        backend = name.split("-")[1].split("+")[0]
+        mode = spmd_ort.DataParallel.from_deepspeed_config(config)
+        if name.endswith("+keep"):  # parameters stay gathered from forward to backward
+            mode = dataclasses.replace(mode, reshard_after_forward=False)
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.1)
+        compiled = spmd_ort.compile(parallel_mode=mode, backend=backend)(train_step)
+
+        def persistent():
+            return spmd_ort.sharding.persistent_bytes(model, opt)["total"]
+
+        return (lambda x, y: compiled(model, opt, x, y)), persistent, f"{mode}"
+    if name.startswith("deepspeed"):
+        import deepspeed
+
+        cfg = json.loads(config.read_text())
+        cfg["gradient_clipping"] = 1.0  # the other runners clip in the step (bench/step.py train_step)
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.1)
+        engine, optimizer, _, _ = deepspeed.initialize(model=model, optimizer=opt, config=cfg)
+
+        def ds_step(x, y):
+            out = engine(x)
+            loss = torch.nn.functional.cross_entropy(out.flatten(0, -2), y.flatten())
+            engine.backward(loss)
+            engine.step()
+
+        def persistent():
+            inner = engine.optimizer
+            ts = [p.ds_tensor for p in engine.module.parameters() if hasattr(p, "ds_tensor")]
+            ts += list(getattr(inner, "fp32_partitioned_groups_flat", []))
+            for st in inner.optimizer.state.values():
+                ts += [v for v in st.values() if isinstance(v, torch.Tensor)]
+            ts += [g for g in getattr(inner, "averaged_gradients", {}).values() if isinstance(g, torch.Tensor)]
+            return _tensor_bytes(ts)
+
+        return ds_step, persistent, "clips through its config (gradient_clipping 1.0); fp32 partitions counted"
+    if name.startswith("fsdp2"):
+        from torch.distributed.fsdp import fully_shard
+
+        for block in model.blocks:
+            fully_shard(block)
+        fully_shard(model)
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.1)
+        fwd = torch.compile(model) if name.endswith("+compile") else model
+
+        def fsdp_step(x, y):
+            out = fwd(x)
+            loss = torch.nn.functional.cross_entropy(out.flatten(0, -2), y.flatten())
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+
+        def persistent():
+            ts = [p.to_local() for p in model.parameters()]
+            for st in opt.state.values():
+                ts += [v.to_local() if hasattr(v, "to_local") else v for v in st.values()
+                       if isinstance(v, torch.Tensor)]
+            return _tensor_bytes(ts)
+
+        return fsdp_step, persistent, "fully_shard per block + root" + (", torch.compile(model)"
+                                                                        if name.endswith("+compile") else "")
+    raise SystemExit(f"unknown runner {name}; choose from {', '.join(RUNNERS)}")
+
+
+if __name__ == "__main__":
+    main()
