@@ -89,7 +89,9 @@ def run_passes(gm: fx.GraphModule, ctx: PassContext, passes: Sequence[GraphPass]
             out.recompile()
         except Exception as exc:
             ran = ", ".join(done) or "none"
-            raise PassError(f"graph pass `{name}` failed (passes already applied: {ran}): {exc}") from exc
+            where = {k: getattr(exc, k, None) for k in ("fqn", "op", "rank")}
+            detail = getattr(exc, "detail", exc)
+            raise PassError(f"graph pass `{name}` failed (passes already applied: {ran}): {detail}", **where) from exc
         gm = out
         record = PassRecord(name=name, seconds=time.perf_counter() - t0, nodes_before=before,
                             nodes_after=len(gm.graph.nodes))

@@ -237,7 +237,7 @@ class CompiledStep:
             description = program.signature()
         except Exception as exc:  # noqa: BLE001 - re-raised below, after the agreement
             program, error = None, exc
-            description = f"compile failed: {type(exc).__name__}: {exc}"
+            description = f"compile failed: {type(exc).__name__}: {getattr(exc, 'detail', exc)}"
         parallel.check_agreement("the compiled train step", description)
         if error is not None:
             raise error

@@ -12,6 +12,9 @@ class CompileError(RuntimeError):
     """
 
     def __init__(self, message: str, *, fqn: str | None = None, op: str | None = None, rank: int | None = None):
+        self.detail = message  # the same on every rank (what ranks compare when all fail)
+        if rank is not None and f"rank {rank}" not in message and f"rank is {rank}" not in message:
+            message = f"{message} (rank {rank})"
         super().__init__(message)
         self.fqn = fqn
         self.op = op

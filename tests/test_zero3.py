@@ -97,3 +97,16 @@ def test_checkpoint_round_trip_resumes_the_exact_trajectory(tmp_path):
     a, b = torch.load(out / "save-full.pt"), torch.load(out / "load-full.pt")
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
     assert a["wte.weight"].shape == (67, 27)  # the full, unsharded state dict on rank 0
+
+
+def test_failed_compile_leaves_every_rank_unchanged_and_full_weights_are_reachable(tmp_path):
+    out = tmp_path / "out"
+    torchrun("zero_errors.py", 2, "--out", str(out))
+    for r in range(2):
+        res = json.loads((out / f"rank{r}.json").read_text())
+        msg = res["error"] or ""
+        assert "fully_shard" in msg and "linalg_vector_norm" in msg and f"(rank {r})" in msg, msg
+        assert "`wte.weight`" in msg and "replicate" in msg, msg
+        assert res["unchanged"] and res["unsharded"] and res["no_opt_state"], res
+        assert "sharded" in (res["mode_error"] or ""), res["mode_error"]
+        assert res["full_inside"] and res["eval_shape"] == [4, 16, 67] and res["sharded_after"], res
