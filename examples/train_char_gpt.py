@@ -3,10 +3,13 @@
 Run:  make demo           (sets up .venv, then runs this file on 2 ranks)
   or: torchrun --standalone --nproc_per_node=2 examples/train_char_gpt.py [--steps 300] [--backend fx]
   or: python examples/train_char_gpt.py      (one process)
+  or: make demo-zero3   (2 ranks, ZeRO-3: --parallel fully_shard [--offload])
 
 Under torchrun every rank trains on its own batches; the compiled step averages
 gradients over ranks (spmd_ort.DataParallel, the default with several ranks), so
-the model stays identical everywhere.  Rank 0 prints.
+the model stays identical everywhere.  With ``--parallel fully_shard`` each rank
+holds 1/N of the parameters and optimizer state (ZeRO-3); evaluation and
+sampling then run inside ``spmd_ort.gathered_parameters``.  Rank 0 prints.
 
 The corpus is the repository's Python sources and docs, so nothing is
 downloaded.  It prints loss and steps/s as it goes and a sample at the end; the
@@ -16,6 +19,7 @@ loss falls from ln(vocab) ~ 4.5 to about 2 in 300 steps (~20 s on 2 cores).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import math
 import os
 import sys
@@ -46,6 +50,8 @@ def main() -> None:
     ap.add_argument("--seq", type=int, default=64)
     ap.add_argument("--backend", default=None, help="fx (default from SPMD_ORT_BACKEND)")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--parallel", default="replicate", choices=["replicate", "fully_shard"])
+    ap.add_argument("--offload", action="store_true", help="fully_shard: optimizer and parameters on the host")
     args = ap.parse_args()
     if "WORLD_SIZE" in os.environ:  # launched by torchrun
         dist.init_process_group("gloo")
@@ -69,7 +75,11 @@ def main() -> None:
     sched = torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=3e-3, total_steps=args.steps, pct_start=0.1)
     log(f"model: {sum(p.numel() for p in model.parameters()):,} parameters")
 
-    @spmd_ort.compile(backend=args.backend)
+    mode = spmd_ort.DataParallel(parallel_style=args.parallel, bucket_cap_mb=1.0,
+                                 offload_optimizer="cpu" if args.offload else None,
+                                 offload_param="cpu" if args.offload else None) if world > 1 else None
+
+    @spmd_ort.compile(backend=args.backend, parallel_mode=mode)
     def train_step(model, opt, x, y):
         loss = F.cross_entropy(model(x).flatten(0, 1), y.flatten())
         loss.backward()
@@ -99,25 +109,38 @@ def main() -> None:
             now = time.perf_counter()
             rate = (50 if step % 50 == 0 else step % 50) / (now - t_last)
             comm = train_step.comm
-            extra = (f"  {comm.all_reduce_calls} all-reduce/step, {comm.all_reduce_bytes / 2**20:.2f} MiB, "
-                     f"{comm.overlap:.0%} overlapped") if world > 1 else ""
+            if world > 1 and args.parallel == "fully_shard":
+                extra = (f"  {comm.all_gather_calls} all-gather + {comm.reduce_scatter_calls} reduce-scatter/step, "
+                         f"{comm.total_bytes / 2**20:.2f} MiB, {comm.overlap:.0%} overlapped")
+            elif world > 1:
+                extra = (f"  {comm.all_reduce_calls} all-reduce/step, {comm.all_reduce_bytes / 2**20:.2f} MiB, "
+                         f"{comm.overlap:.0%} overlapped")
+            else:
+                extra = ""
             log(f"step {step:4d}  loss {loss.item():.3f}  {rate:6.1f} steps/s  lr {sched.get_last_lr()[0]:.2e}{extra}")
             t_last = now
 
-    model.eval()
-    with torch.no_grad():
-        vx, vy = batch(val)
-        val_loss = F.cross_entropy(model(vx).flatten(0, 1), vy.flatten()).item()
-    log(f"validation loss {val_loss:.3f}; {args.steps} steps in {time.perf_counter() - t0:.1f}s "
-        f"({train_step.transitions.traces} traces)")
-    if world > 1:
-        flat = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
-        copies = [torch.empty_like(flat) for _ in range(world)]
-        dist.all_gather(copies, flat)
-        log("parameters identical on all ranks:", all(torch.equal(copies[0], c) for c in copies))
-    prompt = torch.tensor([[stoi[c] for c in "def "]], dtype=torch.long)
-    out = model.generate(prompt, 240, generator=torch.Generator().manual_seed(1))
-    log("sample:\n" + "".join(chars[i] for i in out[0].tolist()))
+    if world > 1 and args.parallel == "fully_shard":
+        memory = train_step.memory()
+        log(f"fully_shard: {memory['persistent']['total'] / 2**20:.2f} MiB of parameters + optimizer state per rank "
+            f"(unsharded: {memory['persistent']['total'] * world / 2**20:.2f} MiB)")
+    sharded = world > 1 and args.parallel == "fully_shard"
+    full = spmd_ort.gathered_parameters(model) if sharded else contextlib.nullcontext()
+    with full:  # fully_shard: the full weights, for evaluation and sampling
+        model.eval()
+        with torch.no_grad():
+            vx, vy = batch(val)
+            val_loss = F.cross_entropy(model(vx).flatten(0, 1), vy.flatten()).item()
+        log(f"validation loss {val_loss:.3f}; {args.steps} steps in {time.perf_counter() - t0:.1f}s "
+            f"({train_step.transitions.traces} traces)")
+        if world > 1:
+            flat = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+            copies = [torch.empty_like(flat) for _ in range(world)]
+            dist.all_gather(copies, flat)
+            log("parameters identical on all ranks:", all(torch.equal(copies[0], c) for c in copies))
+        prompt = torch.tensor([[stoi[c] for c in "def "]], dtype=torch.long)
+        out = model.generate(prompt, 240, generator=torch.Generator().manual_seed(1))
+        log("sample:\n" + "".join(chars[i] for i in out[0].tolist()))
     if dist.is_initialized():
         dist.barrier()
         dist.destroy_process_group()
