@@ -94,6 +94,18 @@ class CompiledProgram:
         if "buckets" in self.pass_info:
             sizes = self.pass_info["bucket_bytes"]
             lines.append(f"gradient buckets: {len(sizes)} ({', '.join(f'{b / 2**20:.2f} MiB' for b in sizes)})")
+        if "shard_buckets" in self.pass_info:
+            b = self.pass_info["shard_buckets"]
+            for kind in ("all_gather", "reduce_scatter"):
+                sizes = b[kind]
+                lines.append(f"{kind} buckets: {len(sizes)} ({', '.join(f'{x / 2**20:.2f} MiB' for x in sizes)})")
+        if self.layout.shard_specs:
+            specs = self.layout.shard_specs.values()
+            world = next(iter(specs)).world
+            numel = sum(s.numel for s in specs)
+            pad = sum(s.pad for s in specs)
+            lines.append(f"fully_shard: {len(self.layout.shard_specs)} parameters in {world} shards each "
+                         f"({numel / world / 1e6:.3f} M elements per rank, {pad} padding elements in all)")
         lines.append("passes:")
         lines += [f"  {r}" for r in self.passes_applied]
         lines.append("ops:")

@@ -29,7 +29,6 @@ CASES = [
     (2, 1, "none", "fx", "adamw", "1.0"),
     (2, 0, "none", "fx", "adamw", "1.0"),
     (2, 1, "both", "fx", "adamw", "1.0"),
-    (2, 0, "both", "fx", "adamw", "none"),
     (4, 1, "none", "fx", "adamw", "1.0"),
     (4, 0, "both", "fx", "adamw", "1.0"),
     (4, 1, "both", "fx", "sgd", "0.5"),
