@@ -53,6 +53,8 @@ def main() -> None:
     ap.add_argument("--runners", default="spmd-fx,deepspeed,fsdp2,fsdp2+compile")
     ap.add_argument("--offload", action="store_true", help="configs/zero3_offload.json (optimizer and params)")
     ap.add_argument("--nproc", type=int, default=2)
+    ap.add_argument("--repeat", type=int, default=1,
+                    help="run the whole list this many times, interleaved; ms/step is the median over all runs")
     ap.add_argument("--worker", help=argparse.SUPPRESS)
     ap.add_argument("--out", help=argparse.SUPPRESS)
     args = ap.parse_args()
@@ -60,10 +62,10 @@ def main() -> None:
         worker(args)
         return
     config = ROOT / "configs" / ("zero3_offload.json" if args.offload else "zero3.json")
-    results = {}
+    runs: dict[str, list] = {}
     with tempfile.TemporaryDirectory() as tmp:
-        for name in args.runners.split(","):
-            out = Path(tmp) / f"{name}.json"
+        for rep, name in [(r, n) for r in range(args.repeat) for n in args.runners.split(",")]:
+            out = Path(tmp) / f"{name}-{rep}.json"
             cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={args.nproc}",
                    __file__, "--worker", name, "--steps", str(args.steps), "--out", str(out)]
             if args.offload:
@@ -74,11 +76,19 @@ def main() -> None:
             wall = time.perf_counter() - t0
             if proc.returncode != 0 or not out.exists():
                 tail = (proc.stderr or proc.stdout).strip().splitlines()[-3:]
-                results[name] = {"error": " / ".join(tail)[-300:]}
+                result = {"error": " / ".join(tail)[-300:]}
             else:
-                results[name] = json.loads(out.read_text())
-            results[name]["wall_s"] = wall
+                result = json.loads(out.read_text())
+            runs.setdefault(name, []).append(result)
             print(f"{name}: done in {wall:.0f}s", file=sys.stderr, flush=True)
+    results = {}
+    for name, rs in runs.items():
+        good = [r for r in rs if "error" not in r]
+        if not good:
+            results[name] = rs[0]
+            continue
+        results[name] = {**good[0], "ms": statistics.median(r["ms"] for r in good),
+                         "rss": max(r["rss"] for r in good), "runs_ms": [round(r["ms"]) for r in good]}
     report(results, args, config)
 
 
@@ -88,7 +98,7 @@ def report(results: dict, args, config: Path) -> None:
     floor = 3 * params * 4
     ds = results.get("deepspeed", {}).get("ms")
     print(f"# bench/zero3.py — gpt-mini ({params / 1e6:.2f} M params), {args.nproc} ranks, gloo, 1 thread/rank, "
-          f"{config.relative_to(ROOT)}, median of {args.steps} steps after 3 warm-up")
+          f"{config.relative_to(ROOT)}, median of {args.steps} steps after 3 warm-up, {args.repeat} interleaved run(s)")
     print("| runner | ms/step | x DeepSpeed | peak RSS MiB/rank | persistent MiB/rank | collective MiB/step "
           "| x 3*params |")
     print("|---|---|---|---|---|---|---|")
@@ -103,8 +113,8 @@ def report(results: dict, args, config: Path) -> None:
           f"unsharded params + AdamW state = {3 * params * 4 / 2**20:.1f} MiB, / {args.nproc} ranks = "
           f"{3 * params * 4 / args.nproc / 2**20:.1f} MiB")
     for name, r in results.items():
-        if "note" in r:
-            print(f"- {name}: {r['note']}")
+        if "note" in r or "runs_ms" in r:
+            print(f"- {name}: {r.get('note', '')}; ms/step per run {r.get('runs_ms')}")
 
 
 # ------------------------------------------------------------------ workers (under torchrun)

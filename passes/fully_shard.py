@@ -294,6 +294,59 @@ def _check_outputs(graph: fx.Graph, ctx, local: set, names: dict) -> None:
                 fqn=fqn, op=str(value.target), rank=ctx.rank)
 
 
+def keep_tail_gathers_pass(gm: fx.GraphModule, ctx) -> fx.GraphModule:
+    """With resharding, parameters still gathered when forward ends are not gathered again for backward.
+
+    A parameter whose last forward use comes after the last forward gather has
+    been waited for (the final block, the LM head, a tied embedding) holds its
+    gathered copy until the end of forward anyway; backward starts with exactly
+    these parameters, so freeing and re-gathering them would only add a
+    blocking all-gather at the turn (FSDP2 keeps its root module unsharded for
+    the same reason).  requires: one gather per parameter and phase (dedup).
+    ensures: such parameters' backward uses read the forward gather.
+    """
+    mode = ctx.parallel_mode
+    if not mode.reshard_after_forward:
+        return gm
+    graph = gm.graph
+    order = {n: i for i, n in enumerate(graph.nodes)}
+    gathers: dict[tuple, fx.Node] = {}
+    for node in graph.nodes:
+        if node.op == "call_function" and node.target is all_gather:
+            gathers[(node.args, phase(node))] = node
+    forward_waits = [order[w] for (args, ph), g in gathers.items() if ph == "forward" for w in g.users]
+    if not forward_waits:
+        return gm
+    last_wait = max(forward_waits)
+    kept = []
+    for (args, ph), forward in gathers.items():
+        backward = gathers.get((args, "backward"))
+        if ph != "forward" or backward is None:
+            continue
+        last_use = max((order[u] for u in _uses(forward) if phase(u) == "forward"), default=-1)
+        if last_use <= last_wait:
+            continue
+        (fwd_wait,), (bwd_wait,) = list(forward.users), list(backward.users)
+        bwd_wait.replace_all_uses_with(fwd_wait)
+        graph.erase_node(bwd_wait)
+        graph.erase_node(backward)
+        kept.append(args[0].name)
+    ctx.extra["kept_for_backward"] = kept
+    return gm
+
+
+def _uses(gather: fx.Node) -> list[fx.Node]:
+    """The nodes that read a gathered parameter, through its wait/slice/view unpacking."""
+    out, todo = [], list(gather.users)
+    while todo:
+        node = todo.pop()
+        if node.target in (wait_, aten.slice.Tensor, aten.view.default):
+            todo.extend(node.users)
+        else:
+            out.append(node)
+    return out
+
+
 def _bytes(val: torch.Tensor) -> int:
     return val.numel() * val.element_size()
 

@@ -5,8 +5,8 @@ from __future__ import annotations
 from .data_parallel import (bucket_collectives_pass, dedup_collectives_pass, expand_data_parallel_pass,
                             schedule_overlap_pass)
 from .cleanup import remove_identity_views_pass, remove_redundant_copies_pass
-from .fully_shard import (bucket_shard_collectives_pass, offload_optimizer_pass, offload_params_pass,
-                          shard_parameters_pass)
+from .fully_shard import (bucket_shard_collectives_pass, keep_tail_gathers_pass, offload_optimizer_pass,
+                          offload_params_pass, shard_parameters_pass)
 from .reinplace import reinplace_optimizer_pass
 from .runner import GraphPass, PassContext
 
@@ -22,8 +22,8 @@ def parallel_passes(ctx: PassContext) -> list[GraphPass]:
     if mode is None:
         return []
     if mode.sharded:
-        passes = [shard_parameters_pass, dedup_collectives_pass, bucket_shard_collectives_pass,
-                  schedule_overlap_pass]
+        passes = [shard_parameters_pass, dedup_collectives_pass, keep_tail_gathers_pass,
+                  bucket_shard_collectives_pass, schedule_overlap_pass]
         if mode.offload_param:
             passes.append(offload_params_pass)
         if mode.offload_optimizer:

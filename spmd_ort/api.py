@@ -146,7 +146,7 @@ class CompiledStep:
             raise RuntimeError("memory(): the step has not run yet")
         module, opt = self._last
         persistent = persistent_bytes(module, opt)
-        planned = planned_peak_bytes(self.compiled.gm)
+        planned = self.compiled.pass_info["planned_peak_bytes"]
         return {"persistent": persistent, "planned_activation_peak": planned,
                 "peak": persistent["total"] + persistent["buffers"] + planned, "max_rss": max_rss_bytes()}
 
@@ -257,6 +257,8 @@ class CompiledStep:
                             disabled=P.disabled_from_env())
         gm = P.run_passes(traced.gm, ctx, P.capture_cleanup_passes(ctx) + P.parallel_passes(ctx))
         gm = self._user_transforms(gm, ctx, layout)
+        # planned on the whole graph, before the backend fuses parts of it into segments
+        ctx.extra["planned_peak_bytes"] = planned_peak_bytes(gm)
         executor, gm = self._backend(gm, ctx)
         program = CompiledProgram(
             key=key, gm=gm, traced_gm=traced_gm, layout=layout, input_slots=ctx.input_slots, pass_info=ctx.extra,
