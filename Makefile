@@ -6,7 +6,7 @@ STAMP  := $(VENV)/.installed
 TORCH  ?= torch==2.13.0
 NPROC  ?= 2
 
-.PHONY: setup test test-fast demo demo-zero3 bench clean
+.PHONY: setup test test-fast demo demo-zero3 bench bench-zero3 clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -32,6 +32,10 @@ demo-zero3: setup
 bench: setup
 	$(PY) bench/step.py
 	$(PY) bench/optim.py
+
+bench-zero3: setup
+	$(PY) -m pip install -q -c $(VENV)/constraints.txt "deepspeed>=0.16"
+	DS_ACCELERATOR=cpu $(PY) bench/zero3.py --repeat 3
 
 clean:
 	rm -rf $(VENV) build *.egg-info
