@@ -96,6 +96,10 @@ def test_checkpoint_round_trip_resumes_the_exact_trajectory(tmp_path):
     a, b = torch.load(out / "save-full.pt"), torch.load(out / "load-full.pt")
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
     assert a["wte.weight"].shape == (67, 27)  # the full, unsharded state dict on rank 0
+    # the 2-rank checkpoint loads into 4 ranks (DCP reshards): the state is the saved one
+    torchrun("zero_checkpoint.py", 4, "--phase", "reshard", "--ckpt", str(ckpt), "--out", str(out))
+    res = json.loads((out / "reshard.json").read_text())
+    assert res == {"world": 4, "params_equal": True, "state_equal": True}, res
 
 
 def test_failed_compile_leaves_every_rank_unchanged_and_full_weights_are_reachable(tmp_path):

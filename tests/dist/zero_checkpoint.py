@@ -2,6 +2,7 @@
 
     torchrun ... tests/dist/zero_checkpoint.py --phase save --ckpt DIR --out OUT   # 10 steps, saves after 5
     torchrun ... tests/dist/zero_checkpoint.py --phase load --ckpt DIR --out OUT   # fresh processes: steps 6-10
+    torchrun --nproc_per_node=4 ... --phase reshard ...   # another world size: loaded state == saved state
 
 Both phases write OUT/<phase>-rank<r>.json with the losses of steps 6-10 and the
 final full parameters' checksum; the test compares them.  The load phase builds its
@@ -30,7 +31,7 @@ from zero_parity import CFG, batches  # noqa: E402
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--phase", choices=["save", "load"], required=True)
+    ap.add_argument("--phase", choices=["save", "load", "reshard"], required=True)
     ap.add_argument("--ckpt", required=True)
     ap.add_argument("--out", required=True)
     ap.add_argument("--batch", type=int, default=4)
@@ -38,15 +39,29 @@ def main() -> None:
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
     cfg = CFG
-    torch.manual_seed(0 if args.phase == "save" else 99)
+    torch.manual_seed(0 if args.phase == "save" else 99 + rank)
     model = GPT(cfg)
     opt = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.1, fused=True)
     mode = spmd_ort.DataParallel(parallel_style="fully_shard", bucket_cap_mb=0.02)
     step = spmd_ort.compile(parallel_mode=mode, backend="fx")(lambda m, o, x, y: train_step(m, o, x, y, clip=1.0))
     first = 0
-    if args.phase == "load":
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    if args.phase in ("load", "reshard"):
         spmd_ort.load_checkpoint(args.ckpt, step, model, opt)
         first = 5
+    if args.phase == "reshard":  # another world size: the loaded state, gathered, is the saved one
+        full = spmd_ort.full_state_dict(model, opt)
+        if rank == 0:
+            saved = torch.load(out / "step5-full.pt")
+            same = all(torch.equal(full["model"][k], saved["model"][k]) for k in saved["model"])
+            same_state = all(torch.equal(full["optim"]["state"][i][key], v)
+                             for i, st in saved["optim"]["state"].items() for key, v in st.items())
+            (out / "reshard.json").write_text(json.dumps({"world": world, "params_equal": same,
+                                                          "state_equal": same_state}))
+        dist.barrier()
+        dist.destroy_process_group()
+        return
     losses = []
     for i in range(first, 10):
         x, y = batches(cfg, i, args.batch * world)
@@ -56,9 +71,10 @@ def main() -> None:
             losses.append(float(loss))
         if args.phase == "save" and i == 4:
             spmd_ort.save_checkpoint(args.ckpt, step, model, opt)
+            full5 = spmd_ort.full_state_dict(model, opt)
+            if rank == 0:
+                torch.save(full5, out / "step5-full.pt")
     full = spmd_ort.full_state_dict(model, opt)
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
     result = {"losses": losses, "traces": step.transitions.traces}
     if rank == 0:
         result["params"] = {k: v.double().sum().item() for k, v in full["model"].items()}
