@@ -35,9 +35,10 @@ from torch.fx.passes.tools_common import stable_topological_sort
 from spmd_ort.collectives import all_gather, all_reduce_, reduce_scatter, wait_
 from spmd_ort.errors import CompileError
 from spmd_ort.optim import HOST_TWINS, INPLACE_TWINS
+from spmd_ort.sharding import is_sharded_state
 from spmd_ort.trace import phase
 
-from .data_parallel import TAG, _call, _val, broadcast_buffers
+from .data_parallel import TAG, _call, _unpack_chain, _val, broadcast_buffers
 
 aten = torch.ops.aten
 OPTIMIZER_OPS = frozenset(INPLACE_TWINS) | frozenset(twin for twin, _ in INPLACE_TWINS.values())
@@ -95,20 +96,19 @@ def shard_parameters_pass(gm: fx.GraphModule, ctx) -> fx.GraphModule:
     placeholders = [n for n in graph.nodes if n.op == "placeholder"]
     names = {s.index: s.name for s in ctx.input_slots if s.kind == "param"}
     params: dict[fx.Node, int] = {}
-    local: set[fx.Node] = set()  # values that are shards
+    local: dict[fx.Node, int] = {}  # values that are shards -> index of the parameter they belong to
     for node, slot in zip(placeholders, ctx.input_slots):
         if slot.kind not in ("param", "grad", "opt_state") or slot.index not in specs:
             continue
         val = _val(node)
-        if slot.kind == "opt_state" and val.dim() == 0:
+        if slot.kind == "opt_state" and not is_sharded_state(val):
             continue  # scalars (Adam's step) are replicated
         with fake_mode:
             node.meta["val"] = torch.empty(specs[slot.index].shard_numel, dtype=val.dtype, device=val.device)
         if slot.kind == "param":
             params[node] = slot.index
         else:
-            local.add(node)
-    owner: dict[fx.Node, int] = {}  # gradient shard -> param index (for error messages)
+            local[node] = slot.index
     for node in list(graph.nodes):
         if node.op == "call_function" and node.target is TAG:
             grad, index = node.args
@@ -126,8 +126,7 @@ def shard_parameters_pass(gm: fx.GraphModule, ctx) -> fx.GraphModule:
                 _set_phase(n, "backward")
             node.replace_all_uses_with(done)
             graph.erase_node(node)
-            local.add(done)
-            owner[done] = index
+            local[done] = index
     if mode.reshard_after_forward:
         _rematerialize_param_views(graph, params)
     norms: list[fx.Node] = []
@@ -139,12 +138,9 @@ def shard_parameters_pass(gm: fx.GraphModule, ctx) -> fx.GraphModule:
         elif node.target is FOREACH_NORM and _ord(node) == 2:
             norms += [u for u in node.users if u.target is operator.getitem]
         elif _shard_safe(node, local, params):
-            local.add(node)
+            local[node] = next(local[a] for a in node.all_input_nodes if a in local)
         else:
-            source = next((a for a in node.all_input_nodes if a in local), None)
-            index = owner.get(source, next((s.index for p, s in zip(placeholders, ctx.input_slots)
-                                            if p is source), None))
-            fqn = names.get(index, "?")
+            fqn = names[next(local[a] for a in node.all_input_nodes if a in local)]
             raise CompileError(
                 f"fully_shard: `{node.target}` reads the gradient or optimizer state of `{fqn}` as a whole "
                 "tensor, but each rank holds only a 1/N shard of it.  Under fully_shard only elementwise "
@@ -195,7 +191,7 @@ def _is_partial_norm(node: fx.Node) -> bool:
     return _ord(node) == 2 and dim is None and not keepdim
 
 
-def _shard_safe(node: fx.Node, local: set, params: dict) -> bool:
+def _shard_safe(node: fx.Node, local: dict, params: dict) -> bool:
     """Whether ``node`` computes the same thing on shards as on whole tensors (elementwise)."""
     target = node.target
     if target in OPTIMIZER_OPS or target is operator.getitem or target in SHAPE_PRESERVING:
@@ -275,7 +271,7 @@ def _complete_norms(graph: fx.Graph, norms: list[fx.Node], fake_mode) -> None:
         anchor = full
 
 
-def _check_outputs(graph: fx.Graph, ctx, local: set, names: dict) -> None:
+def _check_outputs(graph: fx.Graph, ctx, local: dict, names: dict) -> None:
     out = graph.output_node()
     values = list(out.args[0])
     for value, slot in zip(values, ctx.output_slots):
@@ -286,7 +282,7 @@ def _check_outputs(graph: fx.Graph, ctx, local: set, names: dict) -> None:
                 "sharded; return a value computed in forward, or read it after the step through "
                 "spmd_ort.full_state_dict", rank=ctx.rank)
         if sharded_state and isinstance(value, fx.Node) and value not in local \
-                and (slot.kind != "opt_state" or _val(value).dim() > 0):
+                and (slot.kind != "opt_state" or is_sharded_state(_val(value))):
             fqn = names.get(slot.index, "?")
             raise CompileError(
                 f"fully_shard: the step writes the whole {slot.kind} of `{fqn}` ({value.target}), but between "
@@ -336,15 +332,9 @@ def keep_tail_gathers_pass(gm: fx.GraphModule, ctx) -> fx.GraphModule:
 
 
 def _uses(gather: fx.Node) -> list[fx.Node]:
-    """The nodes that read a gathered parameter, through its wait/slice/view unpacking."""
-    out, todo = [], list(gather.users)
-    while todo:
-        node = todo.pop()
-        if node.target in (wait_, aten.slice.Tensor, aten.view.default):
-            todo.extend(node.users)
-        else:
-            out.append(node)
-    return out
+    """The nodes that read a gathered parameter, past the wait/slice/view nodes that unpack it."""
+    chain = set().union(*(_unpack_chain(wait) for wait in gather.users))
+    return [u for n in chain for u in n.users if u not in chain]
 
 
 def _bytes(val: torch.Tensor) -> int:

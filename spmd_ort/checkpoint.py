@@ -27,7 +27,8 @@ import torch.distributed as dist
 from torch import Tensor, nn
 
 from . import parallel
-from .sharding import ShardedModule, ShardSpec, is_sharded, spec_of
+from .optim import initial_step
+from .sharding import ShardedModule, ShardSpec, is_sharded, is_sharded_state, spec_of
 
 _MESHES: dict = {}
 
@@ -68,10 +69,8 @@ def _prepare(train_step, model: nn.Module, optimizer) -> None:
 
 
 def _names(model: nn.Module) -> dict[int, str]:
-    names: dict[int, str] = {}
-    for name, p in model.named_parameters():
-        names.setdefault(id(p), name)
-    return names
+    """id -> FQN (a tied parameter under its first name, as named_parameters() lists it once)."""
+    return {id(p): name for name, p in model.named_parameters()}
 
 
 def state_dict(train_step, model: nn.Module | None = None, optimizer: torch.optim.Optimizer | None = None) -> dict:
@@ -88,8 +87,8 @@ def state_dict(train_step, model: nn.Module | None = None, optimizer: torch.opti
         state = {}
         for p, st in optimizer.state.items():
             spec = spec_of(p)
-            state[names[id(p)]] = {k: (_dtensor(v, spec) if isinstance(v, Tensor) and spec is not None and v.dim() > 0
-                                       else v) for k, v in st.items()}
+            state[names[id(p)]] = {k: (_dtensor(v, spec) if spec is not None and is_sharded_state(v) else v)
+                                   for k, v in st.items()}
         groups = []
         for g in optimizer.param_groups:
             entry = {k: v for k, v in g.items() if k != "params"}
@@ -124,9 +123,9 @@ def load_state_dict(train_step, sd: dict, model: nn.Module | None = None,
                 if not isinstance(v, Tensor):
                     mine[k] = v
                 elif k in mine:
-                    _store(mine[k], v, spec_of(p) if mine[k].dim() > 0 else None)
+                    _store(mine[k], v, spec_of(p) if is_sharded_state(mine[k]) else None)
                 else:
-                    mine[k] = _local(v, spec_of(p) if v.dim() > 0 else None).clone()
+                    mine[k] = _local(v, spec_of(p) if is_sharded_state(v) else None).clone()
         for group, saved in zip(optimizer.param_groups, sd["optim"]["param_groups"]):
             for k, v in saved.items():
                 if k != "params":
@@ -158,7 +157,10 @@ def _store(dst: Tensor, value, spec: ShardSpec | None) -> None:
     elif isinstance(value, Tensor) and value.data_ptr() == dst.data_ptr():
         return
     src = _local(value, spec)
-    dst.detach().reshape(-1)[:src.numel()].copy_(src.reshape(-1)) if spec is not None else dst.copy_(src)
+    if spec is not None:
+        dst.detach().reshape(-1)[:src.numel()].copy_(src.reshape(-1))
+    else:
+        dst.copy_(src)
 
 
 def _init_missing_optimizer_state(model: nn.Module, optimizer, names_in_checkpoint: list[str]) -> None:
@@ -175,8 +177,7 @@ def _init_missing_optimizer_state(model: nn.Module, optimizer, names_in_checkpoi
             keys = [n[len(prefix):] for n in names_in_checkpoint if n.startswith(prefix)]
             for key in [k for k in keys if k not in st and "." not in k]:
                 if key == "step":
-                    on_param = group.get("fused") or group.get("capturable")
-                    st[key] = torch.zeros((), dtype=torch.float32, device=p.device if on_param else "cpu")
+                    st[key] = initial_step(group, p)
                 else:
                     st[key] = torch.zeros_like(p, memory_format=torch.preserve_format)
 

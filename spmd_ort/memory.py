@@ -12,6 +12,7 @@
 
 from __future__ import annotations
 
+import operator
 import resource
 import sys
 
@@ -21,8 +22,6 @@ from torch import fx
 
 def _aliases(node: fx.Node) -> bool:
     """Whether the node's output shares storage with its first input (views, in-place ops, getitem)."""
-    import operator
-
     if node.target is operator.getitem:
         return True
     schema = getattr(node.target, "_schema", None)

@@ -54,10 +54,6 @@ def load() -> bool:
         return _state["ok"]
 
 
-def available() -> bool:
-    return load()
-
-
 def adam_(params: list[Tensor], grads: list[Tensor], exp_avgs: list[Tensor], exp_avg_sqs: list[Tensor],
           max_exp_avg_sqs: list[Tensor], steps: list[Tensor], *, lr: float, beta1: float, beta2: float,
           weight_decay: float, eps: float, amsgrad: bool, maximize: bool, decoupled: bool) -> None:

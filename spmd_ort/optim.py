@@ -44,6 +44,18 @@ def _adam_kernel(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, steps, h
            amsgrad=amsgrad, maximize=maximize)
 
 
+def _functional_adam(kernel, params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, steps, hparams, amsgrad,
+                     maximize, decoupled) -> list[Tensor]:
+    """Run an in-place Adam ``kernel`` on copies of the state; the copies, flat, in output layout."""
+    out = [[t.clone() for t in ts] for ts in (params, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, steps)]
+    kernel(out[0], grads, out[1], out[2], out[3], out[4], hparams, amsgrad, maximize, decoupled)
+    return [t for ts in out for t in ts]
+
+
+def _adam_fake(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, steps, hparams, amsgrad, maximize, decoupled):
+    return [torch.empty_like(t) for ts in (params, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, steps) for t in ts]
+
+
 @torch.library.custom_op("spmd_ort::adam", mutates_args=())
 def adam(params: list[Tensor], grads: list[Tensor], exp_avgs: list[Tensor], exp_avg_sqs: list[Tensor],
          max_exp_avg_sqs: list[Tensor], steps: list[Tensor], hparams: Tensor, amsgrad: bool, maximize: bool,
@@ -52,14 +64,11 @@ def adam(params: list[Tensor], grads: list[Tensor], exp_avgs: list[Tensor], exp_
 
     ``hparams`` is a float64 host tensor ``[lr, beta1, beta2, weight_decay, eps]``.
     """
-    out = [[t.clone() for t in ts] for ts in (params, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, steps)]
-    _adam_kernel(out[0], grads, out[1], out[2], out[3], out[4], hparams, amsgrad, maximize, decoupled)
-    return [t for ts in out for t in ts]
+    return _functional_adam(_adam_kernel, params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, steps, hparams,
+                            amsgrad, maximize, decoupled)
 
 
-@adam.register_fake
-def _(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, steps, hparams, amsgrad, maximize, decoupled):
-    return [torch.empty_like(t) for ts in (params, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, steps) for t in ts]
+adam.register_fake(_adam_fake)
 
 
 @torch.library.custom_op(
@@ -79,6 +88,26 @@ def _sgd_kernel(params, grads, bufs, hparams, nesterov, maximize, first_step):
                       maximize=maximize, is_first_step=first_step)
 
 
+def _functional_sgd(kernel, params, grads, momentum_buffers, hparams, has_momentum, nesterov, maximize,
+                    buffer_device=None) -> list[Tensor]:
+    """Run an in-place SGD ``kernel`` on copies; new params + momentum buffers (first step: new buffers)."""
+    new_params = [p.clone() for p in params]
+    first = has_momentum and not momentum_buffers
+    if not has_momentum:
+        bufs = []
+    elif first:
+        bufs = [torch.empty_like(g, device=buffer_device) for g in grads]
+    else:
+        bufs = [b.clone() for b in momentum_buffers]
+    kernel(new_params, grads, bufs, hparams, nesterov, maximize, first)
+    return new_params + bufs
+
+
+def _sgd_fake(params, grads, momentum_buffers, hparams, has_momentum, nesterov, maximize, buffer_device=None):
+    bufs = [torch.empty_like(g, device=buffer_device) for g in grads] if has_momentum else []
+    return [torch.empty_like(p) for p in params] + bufs
+
+
 @torch.library.custom_op("spmd_ort::sgd", mutates_args=())
 def sgd(params: list[Tensor], grads: list[Tensor], momentum_buffers: list[Tensor], hparams: Tensor,
         has_momentum: bool, nesterov: bool, maximize: bool) -> list[Tensor]:
@@ -87,20 +116,10 @@ def sgd(params: list[Tensor], grads: list[Tensor], momentum_buffers: list[Tensor
     An empty ``momentum_buffers`` with ``has_momentum`` is the first step:
     buffers start as the gradient (as torch does).
     """
-    new_params = [p.clone() for p in params]
-    first = has_momentum and not momentum_buffers
-    if not has_momentum:
-        bufs = []
-    else:
-        bufs = [torch.empty_like(g) for g in grads] if first else [b.clone() for b in momentum_buffers]
-    _sgd_kernel(new_params, grads, bufs, hparams, nesterov, maximize, first)
-    return new_params + bufs
+    return _functional_sgd(_sgd_kernel, params, grads, momentum_buffers, hparams, has_momentum, nesterov, maximize)
 
 
-@sgd.register_fake
-def _(params, grads, momentum_buffers, hparams, has_momentum, nesterov, maximize):
-    bufs = [torch.empty_like(g) for g in grads] if has_momentum else []
-    return [torch.empty_like(p) for p in params] + bufs
+sgd.register_fake(_sgd_fake)
 
 
 @torch.library.custom_op("spmd_ort::sgd_", mutates_args=("params", "momentum_buffers"))
@@ -146,14 +165,11 @@ def host_adam(params: list[Tensor], grads: list[Tensor], exp_avgs: list[Tensor],
               max_exp_avg_sqs: list[Tensor], steps: list[Tensor], hparams: Tensor, amsgrad: bool, maximize: bool,
               decoupled: bool) -> list[Tensor]:
     """:func:`adam` with the update on the host (native kernel)."""
-    out = [[t.clone() for t in ts] for ts in (params, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, steps)]
-    _host_adam_kernel(out[0], grads, out[1], out[2], out[3], out[4], hparams, amsgrad, maximize, decoupled)
-    return [t for ts in out for t in ts]
+    return _functional_adam(_host_adam_kernel, params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, steps, hparams,
+                            amsgrad, maximize, decoupled)
 
 
-@host_adam.register_fake
-def _(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, steps, hparams, amsgrad, maximize, decoupled):
-    return [torch.empty_like(t) for ts in (params, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, steps) for t in ts]
+host_adam.register_fake(_adam_fake)
 
 
 @torch.library.custom_op(
@@ -181,20 +197,13 @@ def _host_sgd_kernel(params, grads, bufs, hparams, nesterov, maximize, first_ste
 def host_sgd(params: list[Tensor], grads: list[Tensor], momentum_buffers: list[Tensor], hparams: Tensor,
              has_momentum: bool, nesterov: bool, maximize: bool) -> list[Tensor]:
     """:func:`sgd` with the update on the host (native kernel); momentum buffers live on the host."""
-    new_params = [p.clone() for p in params]
-    first = has_momentum and not momentum_buffers
-    if not has_momentum:
-        bufs = []
-    else:
-        bufs = [torch.empty_like(g, device="cpu") for g in grads] if first else [b.clone() for b in momentum_buffers]
-    _host_sgd_kernel(new_params, grads, bufs, hparams, nesterov, maximize, first)
-    return new_params + bufs
+    return _functional_sgd(_host_sgd_kernel, params, grads, momentum_buffers, hparams, has_momentum, nesterov,
+                           maximize, buffer_device="cpu")
 
 
 @host_sgd.register_fake
 def _(params, grads, momentum_buffers, hparams, has_momentum, nesterov, maximize):
-    bufs = [torch.empty_like(g, device="cpu") for g in grads] if has_momentum else []
-    return [torch.empty_like(p) for p in params] + bufs
+    return _sgd_fake(params, grads, momentum_buffers, hparams, has_momentum, nesterov, maximize, buffer_device="cpu")
 
 
 @torch.library.custom_op("spmd_ort::host_sgd_", mutates_args=("params", "momentum_buffers"))
@@ -244,6 +253,12 @@ def _copy_back(dst: list[Tensor], src: list[Tensor]) -> None:
         d.copy_(s)
 
 
+def initial_step(group: dict, p: Tensor) -> Tensor:
+    """Adam's step counter as torch creates it: a float32 scalar, on the parameter's device only when fused/capturable."""
+    on_param = group.get("fused") or group.get("capturable")
+    return torch.zeros((), dtype=torch.float32, device=p.device if on_param else "cpu")
+
+
 def adam_rule(opt: torch.optim.Optimizer) -> None:
     """Adam and AdamW (``decoupled_weight_decay``)."""
     for gi, group in enumerate(opt.param_groups):
@@ -258,8 +273,7 @@ def adam_rule(opt: torch.optim.Optimizer) -> None:
             state = opt.state[p]
             if len(state) == 0:
                 # Same initial state as torch.optim.Adam._init_group.
-                on_param = group.get("fused") or group.get("capturable")
-                state["step"] = torch.zeros((), dtype=torch.float32, device=p.device if on_param else "cpu")
+                state["step"] = initial_step(group, p)
                 # Shaped like the gradient (= the parameter): under fully_shard both are
                 # the local shard once the passes have run, so new state is sharded too.
                 state["exp_avg"] = torch.zeros_like(p.grad, memory_format=torch.preserve_format)

@@ -78,6 +78,11 @@ def spec_of(p: Tensor) -> ShardSpec | None:
     return getattr(p, SHARD_ATTR, None)
 
 
+def is_sharded_state(value) -> bool:
+    """Whether an optimizer-state entry of a sharded parameter is sharded: every non-scalar one is."""
+    return isinstance(value, Tensor) and value.dim() > 0
+
+
 def is_sharded(module: nn.Module) -> bool:
     return any(spec_of(p) is not None for p in module.parameters())
 
@@ -97,12 +102,8 @@ class ShardedModule:
         The module's own tensors are not written: each parameter gets new data
         (``p.data = shard``), so :meth:`undo` can restore the originals exactly.
         """
-        seen: set[int] = set()
         with torch.no_grad():
-            for p in self.module.parameters():
-                if id(p) in seen:
-                    continue
-                seen.add(id(p))
+            for p in self.module.parameters():  # each tied parameter once
                 if spec_of(p) is not None:
                     raise RuntimeError("parameter is already sharded")
                 full = p.detach().clone()
@@ -119,15 +120,13 @@ class ShardedModule:
                     st = self.opt.state[p]
                     saved = dict(st)
                     for k, v in st.items():
-                        if isinstance(v, Tensor) and v.dim() > 0:
+                        if is_sharded_state(v):
                             st[k] = spec.shard_of(v)
                     self._undo.append(("opt", p, saved, None))
             for b in self.module.buffers():
-                if id(b) not in seen:
-                    seen.add(id(b))
-                    saved = b.detach().clone()
-                    dist.broadcast(b.data, src=0)
-                    self._undo.append(("buffer", b, saved, None))
+                saved = b.detach().clone()
+                dist.broadcast(b.data, src=0)
+                self._undo.append(("buffer", b, saved, None))
 
     def undo(self) -> None:
         with torch.no_grad():
@@ -145,15 +144,6 @@ class ShardedModule:
 
     def commit(self) -> None:
         self._undo.clear()
-
-
-def _unique_params(module: nn.Module) -> list[tuple[str, nn.Parameter]]:
-    seen, out = set(), []
-    for name, p in module.named_parameters():
-        if id(p) not in seen:
-            seen.add(id(p))
-            out.append((name, p))
-    return out
 
 
 def gather_full(p: Tensor) -> Tensor:
@@ -179,7 +169,7 @@ def full_state_dict(module: nn.Module, optimizer: torch.optim.Optimizer | None =
     """
     rank = dist.get_rank() if dist.is_initialized() else 0
     keep = not rank0_only or rank == 0
-    full = {id(p): gather_full(p) for _, p in _unique_params(module)}
+    full = {id(p): gather_full(p) for p in module.parameters()}
     model_sd = {}
     for name, t in module.state_dict(keep_vars=True).items():
         model_sd[name] = full.get(id(t), t.detach()).clone() if keep else None
@@ -192,7 +182,7 @@ def full_state_dict(module: nn.Module, optimizer: torch.optim.Optimizer | None =
             spec = spec_of(p)
             st = {}
             for k, v in optimizer.state.get(p, {}).items():
-                if isinstance(v, Tensor) and spec is not None and v.dim() > 0:
+                if spec is not None and is_sharded_state(v):
                     v = gather_tensor(v.detach(), spec)
                 st[k] = v.clone() if isinstance(v, Tensor) else v
             if st:
@@ -208,17 +198,17 @@ def gathered_parameters(module: nn.Module, *, writeback: bool = False):
     With ``writeback=True`` each rank keeps its shard of whatever the block
     left in the full parameters (every rank must make the same change).
     """
-    params = [(n, p) for n, p in _unique_params(module) if spec_of(p) is not None]
+    params = [p for p in module.parameters() if spec_of(p) is not None]
     shards = {}
     with torch.no_grad():
-        for _, p in params:
+        for p in params:
             shards[id(p)] = p.data
             p.data = gather_full(p).clone()
     try:
         yield module
     finally:
         with torch.no_grad():
-            for _, p in params:
+            for p in params:
                 full = p.data
                 p.data = shards[id(p)]
                 if writeback:
@@ -228,7 +218,7 @@ def gathered_parameters(module: nn.Module, *, writeback: bool = False):
 def persistent_bytes(module: nn.Module, optimizer: torch.optim.Optimizer | None = None) -> dict[str, int]:
     """Bytes this rank holds between steps: parameters, gradients, optimizer state (and buffers)."""
     out = {"params": 0, "grads": 0, "opt_state": 0, "buffers": 0}
-    for _, p in _unique_params(module):
+    for p in module.parameters():
         out["params"] += p.numel() * p.element_size()
         if p.grad is not None:
             out["grads"] += p.grad.numel() * p.grad.element_size()
@@ -236,10 +226,7 @@ def persistent_bytes(module: nn.Module, optimizer: torch.optim.Optimizer | None 
             for v in optimizer.state.get(p, {}).values():
                 if isinstance(v, Tensor):
                     out["opt_state"] += v.numel() * v.element_size()
-    seen: set[int] = set()
     for b in module.buffers():
-        if id(b) not in seen:
-            seen.add(id(b))
-            out["buffers"] += b.numel() * b.element_size()
+        out["buffers"] += b.numel() * b.element_size()
     out["total"] = out["params"] + out["grads"] + out["opt_state"]
     return out

@@ -26,7 +26,7 @@ from torch.nn.utils import stateless
 
 from . import parallel as _parallel  # noqa: F401 - registers spmd_ort::tag_grad
 from .optim import HPARAMS_KEY, OptimizerRule
-from .sharding import ShardSpec, spec_of
+from .sharding import ShardSpec, is_sharded_state, spec_of
 
 
 @dataclass(frozen=True)
@@ -93,7 +93,7 @@ class StateLayout:
     def is_sharded(self, slot: Slot, value: Tensor) -> bool:
         """Whether a state input holds a shard (of a parameter, its gradient or non-scalar optimizer state)."""
         return (slot.kind in ("param", "grad", "opt_state") and slot.index in self.shard_specs
-                and (slot.kind != "opt_state" or value.dim() > 0))
+                and (slot.kind != "opt_state" or is_sharded_state(value)))
 
     # ------------------------------------------------------------------ slots
     def input_slots(self) -> list[Slot]:

@@ -10,3 +10,17 @@ import tempfile
 # the ONNX cache is private to the run (the cache test makes its own).
 os.environ.setdefault("SPMD_ORT_VERIFY", "1")
 os.environ.setdefault("SPMD_ORT_CACHE_DIR", tempfile.mkdtemp(prefix="spmd_ort_cache_"))
+
+import pytest  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def one_rank():
+    """A real one-rank gloo group: collectives run, and an all-reduce over one rank is the identity."""
+    if dist.is_initialized():
+        yield
+        return
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    yield
+    dist.destroy_process_group()

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import torch
-import torch.distributed as dist
 import pytest
 from torch import fx
 
@@ -18,17 +17,6 @@ from helpers import train_step
 from models import CNN, MLP
 
 AR, WAIT, BCAST = "spmd_ort.all_reduce_.default", "spmd_ort.wait_.default", "spmd_ort.broadcast_.default"
-
-
-@pytest.fixture(scope="module")
-def one_rank():
-    """A real one-rank gloo group: collectives run, and an all-reduce over one rank is the identity."""
-    if dist.is_initialized():
-        yield
-        return
-    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-    yield
-    dist.destroy_process_group()
 
 
 def _traced(model, x, y, opt_cls=torch.optim.SGD):

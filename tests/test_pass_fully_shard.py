@@ -6,29 +6,17 @@ import copy
 
 import pytest
 import torch
-import torch.distributed as dist
 
 import spmd_ort
 from spmd_ort.collectives import all_gather, all_reduce_, reduce_scatter, wait_
 from spmd_ort.optim import rule_for
-from spmd_ort.passes import (PassContext, bucket_shard_collectives_pass, capture_cleanup_passes,
-                             dedup_collectives_pass, offload_optimizer_pass, parallel_passes, run_passes,
-                             schedule_overlap_pass, shard_parameters_pass)
+from spmd_ort.passes import (PassContext, capture_cleanup_passes, dedup_collectives_pass, offload_optimizer_pass,
+                             parallel_passes, run_passes, shard_parameters_pass)
 from spmd_ort.sharding import SHARD_ATTR, ShardSpec
 from spmd_ort.state import StateLayout
 from spmd_ort.trace import phase, trace_step
 from helpers import train_step
 from models import GPT, MLP, GPTConfig
-
-
-@pytest.fixture(scope="module")
-def one_rank():
-    if dist.is_initialized():
-        yield
-        return
-    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-    yield
-    dist.destroy_process_group()
 
 
 def _shard(model, opt, world, rank=0):
