@@ -171,18 +171,23 @@ struct SgdConsts {
   bool nesterov, maximize, first, has_momentum;
 };
 
-template <typename P, typename G, bool MOMENTUM>
+template <typename P, typename G, bool MOMENTUM, bool FIRST>
 void sgd_range(P* __restrict p, const G* __restrict g, float* __restrict buf, int64_t n, const SgdConsts& c) {
   const float sign = c.maximize ? -1.0f : 1.0f, wd = c.wd, momentum = c.momentum, damp1 = c.damp1;
-  const float neg_lr = -c.lr, nesterov = c.nesterov ? 1.0f : 0.0f, keep = c.first ? 0.0f : 1.0f;
-  const float take = c.first ? 1.0f : damp1;
+  const float neg_lr = -c.lr, nesterov = c.nesterov ? 1.0f : 0.0f;
 #pragma omp simd
   for (int64_t i = 0; i < n; ++i) {
     const float pi = static_cast<float>(p[i]);
     float gi = std::fma(pi, wd, static_cast<float>(g[i]) * sign);
     if constexpr (MOMENTUM) {
-      // first step: buf = g; then buf = momentum * buf + (1 - dampening) * g
-      const float b = std::fma(buf[i] * keep, momentum, gi * take);
+      // first step: buf = g, never reading buf (a fresh buffer is uninitialised memory, and
+      // NaN * 0 is NaN); then buf = momentum * buf + (1 - dampening) * g
+      float b;
+      if constexpr (FIRST) {
+        b = gi;
+      } else {
+        b = std::fma(buf[i], momentum, gi * damp1);
+      }
       buf[i] = b;
       gi = nesterov != 0.0f ? std::fma(b, momentum, gi) : b;
     }
@@ -204,10 +209,12 @@ void sgd_(at::TensorList params, at::TensorList grads, at::TensorList momentum_b
     auto run = [&](auto p_ptr, auto g_ptr) {
       using P = std::remove_pointer_t<decltype(p_ptr)>;
       using G = std::remove_const_t<std::remove_pointer_t<decltype(g_ptr)>>;
-      if (has_momentum) {
-        sgd_range<P, G, true>(p_ptr, g_ptr, buf, n, c);
+      if (!has_momentum) {
+        sgd_range<P, G, false, false>(p_ptr, g_ptr, buf, n, c);
+      } else if (c.first) {
+        sgd_range<P, G, true, true>(p_ptr, g_ptr, buf, n, c);
       } else {
-        sgd_range<P, G, false>(p_ptr, g_ptr, buf, n, c);
+        sgd_range<P, G, true, false>(p_ptr, g_ptr, buf, n, c);
       }
     };
     if (p.scalar_type() == at::kFloat) {

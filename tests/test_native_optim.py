@@ -77,6 +77,23 @@ def test_sgd_matches_torch_fused(momentum, nesterov, dampening, wd, first):
         torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7)
 
 
+@pytest.mark.parametrize("nesterov", [False, True])
+def test_sgd_first_step_never_reads_the_fresh_buffer(nesterov):
+    """The first momentum step gets buffers from ``torch.empty_like``: whatever they hold (NaN, inf)
+    must not reach the result (buf * 0 is NaN when buf is NaN)."""
+    params, grads = _tensors(0), _tensors(1)
+    bufs = [torch.full(s, float("nan")) for s in SHAPES]
+    bufs[1].fill_(float("inf"))
+    ref_p, ref_b = [p.clone() for p in params], [torch.zeros(s) for s in SHAPES]
+    kw = dict(lr=0.05, momentum=0.9, dampening=0.0, weight_decay=0.01, nesterov=nesterov, maximize=False,
+              is_first_step=True)
+    native.sgd_(params, grads, bufs, **kw)
+    torch._fused_sgd_(ref_p, grads, ref_b, **kw)
+    for a, b in zip(params + bufs, ref_p + ref_b):
+        assert torch.isfinite(a).all()
+        torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7)
+
+
 def test_without_a_compiler_the_torch_kernel_runs_after_one_warning(monkeypatch, tmp_path):
     monkeypatch.setattr(native, "SOURCE", tmp_path / "missing.cpp")
     monkeypatch.setattr(native, "_state", {})
