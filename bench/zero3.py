@@ -13,6 +13,13 @@ Runners: ``spmd-fx`` / ``spmd-ort`` (compiled fully_shard, fx or ORT backend;
 AdamW, clipping from its config), ``fsdp2`` (``fully_shard`` per block and root),
 ``fsdp2+compile`` (the same with ``torch.compile(model)``).
 
+Host allocator: spmd_ort's compiled step keeps freed host memory for reuse
+(``spmd_ort.memory.retain_host_memory``: glibc mmap threshold 1 GiB, no trimming).
+To show what that setting is worth on its own, any runner takes a suffix:
+``@retain`` runs it with the same glibc setting (``MALLOC_MMAP_THRESHOLD_`` /
+``MALLOC_TRIM_THRESHOLD_``), ``@system`` with glibc's default (for spmd runners,
+``SPMD_ORT_RETAIN_HOST_MEMORY=0``).
+
 * ms/step: median over ``--steps`` after 3 warm-up steps (compilation excluded);
 * peak RSS per rank (``ru_maxrss``, max over ranks), which includes the Python
   process, torch and the framework itself;
@@ -44,6 +51,10 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 RUNNERS = ("spmd-fx", "spmd-ort", "spmd-fx+keep", "deepspeed", "fsdp2", "fsdp2+compile")
+# glibc's own names for what spmd_ort.memory.retain_host_memory sets with mallopt
+RETAIN_ENV = {"MALLOC_MMAP_THRESHOLD_": str(1 << 30), "MALLOC_TRIM_THRESHOLD_": str((1 << 31) - 1)}
+ALLOCATOR_ENV = {"": {}, "retain": {**RETAIN_ENV, "SPMD_ORT_RETAIN_HOST_MEMORY": "1"},
+                 "system": {"SPMD_ORT_RETAIN_HOST_MEMORY": "0"}}
 
 
 # ------------------------------------------------------------------ orchestrator
@@ -65,12 +76,17 @@ def main() -> None:
     runs: dict[str, list] = {}
     with tempfile.TemporaryDirectory() as tmp:
         for rep, name in [(r, n) for r in range(args.repeat) for n in args.runners.split(",")]:
+            base, _, allocator = name.partition("@")
+            if allocator not in ALLOCATOR_ENV:
+                raise SystemExit(f"{name}: the allocator suffix is @retain or @system")
             out = Path(tmp) / f"{name}-{rep}.json"
             cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={args.nproc}",
-                   __file__, "--worker", name, "--steps", str(args.steps), "--out", str(out)]
+                   __file__, "--worker", base, "--steps", str(args.steps), "--out", str(out)]
             if args.offload:
                 cmd.append("--offload")
-            env = {**os.environ, "OMP_NUM_THREADS": "1", "DS_ACCELERATOR": "cpu", "SPMD_ORT_LOG_LEVEL": "WARNING"}
+            env = {k: v for k, v in os.environ.items() if not k.startswith("MALLOC_")}
+            env.update({"OMP_NUM_THREADS": "1", "DS_ACCELERATOR": "cpu", "SPMD_ORT_LOG_LEVEL": "WARNING",
+                        **ALLOCATOR_ENV[allocator]})
             t0 = time.perf_counter()
             proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
             wall = time.perf_counter() - t0

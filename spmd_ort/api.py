@@ -27,7 +27,7 @@ from .errors import CompileError
 from .optim import rule_for
 from .options import DebugOptions, configure_logging, env_str
 from .program import CompiledProgram
-from .memory import max_rss_bytes, planned_peak_bytes
+from .memory import max_rss_bytes, planned_peak_bytes, retain_host_memory
 from .sharding import ShardedModule, is_sharded, persistent_bytes, spec_of
 from .runtime_fx import FxExecutor
 from .state import Slot, StateLayout
@@ -140,7 +140,9 @@ class CompiledStep:
         steps (``params``, ``grads``, ``opt_state``, ``total``; ``buffers``
         apart); ``peak``: persistent total + buffers + the planned peak of the
         values the step creates (:func:`spmd_ort.memory.planned_peak_bytes`);
-        ``max_rss``: the process's peak resident set so far.
+        ``max_rss``: the process's peak resident set so far;
+        ``host_memory_retained``: whether freed host memory stays in the process
+        for reuse (:func:`spmd_ort.memory.retain_host_memory`).
         """
         if self.compiled is None or self._last is None:
             raise RuntimeError("memory(): the step has not run yet")
@@ -148,7 +150,8 @@ class CompiledStep:
         persistent = persistent_bytes(module, opt)
         planned = self.compiled.pass_info["planned_peak_bytes"]
         return {"persistent": persistent, "planned_activation_peak": planned,
-                "peak": persistent["total"] + persistent["buffers"] + planned, "max_rss": max_rss_bytes()}
+                "peak": persistent["total"] + persistent["buffers"] + planned, "max_rss": max_rss_bytes(),
+                "host_memory_retained": retain_host_memory()}
 
     @property
     def variants(self) -> list[CompiledProgram]:
@@ -156,6 +159,7 @@ class CompiledStep:
 
     def __call__(self, *args: Any, last_train_step: bool = False, **kwargs: Any) -> Any:
         module, opt = _find_module_and_optimizer(args, kwargs)
+        retain_host_memory()  # once per process: steady-state steps reuse host memory instead of page-faulting
         mode = parallel.resolve(self.parallel_mode)
         rank, world_size = parallel.world()
         swaps = _Swaps()

@@ -8,16 +8,29 @@
   fx executor frees them) added to the persistent bytes;
 * the process's peak resident set (``ru_maxrss``), which also counts the Python
   interpreter, torch and ONNX Runtime themselves.
+
+Host memory is also where a step's time can go: glibc hands every allocation
+above its mmap threshold (at most 32 MiB by default) to a fresh ``mmap`` and
+returns freed heap tops to the system, so a CPU step that allocates the same
+large tensors every step page-faults through all of them again (zeroing each
+4 KiB page).  :func:`retain_host_memory` makes the process keep freed memory for
+reuse, as CUDA's caching allocator does on a GPU; the compiled step calls it
+once (``SPMD_ORT_RETAIN_HOST_MEMORY=0`` opts out).
 """
 
 from __future__ import annotations
 
+import ctypes
+import ctypes.util
+import logging
 import operator
 import resource
 import sys
 
 import torch
 from torch import fx
+
+from .options import env_flag
 
 
 def _aliases(node: fx.Node) -> bool:
@@ -69,3 +82,44 @@ def planned_peak_bytes(gm: fx.GraphModule) -> int:
 def max_rss_bytes() -> int:
     rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     return rss if sys.platform == "darwin" else rss * 1024
+
+
+# glibc mallopt parameters (malloc.h)
+_M_TRIM_THRESHOLD = -1
+_M_MMAP_THRESHOLD = -3
+_RETAIN_MMAP_THRESHOLD = 1 << 30  # allocations up to 1 GiB come from the heap and are reused
+_RETAIN_TRIM_THRESHOLD = (1 << 31) - 1  # never give freed heap tops back to the system
+_retained: bool | None = None
+
+
+def retain_host_memory() -> bool:
+    """Keep freed host memory in this process for reuse instead of returning it to the system.
+
+    Sets glibc's mmap threshold to 1 GiB and its trim threshold to the maximum,
+    once per process.  The process's resident memory then stays at its peak
+    (which ``max_rss`` already reports) and steady-state steps stop
+    page-faulting: on gpt-mini's ZeRO-3 step, about 15% of the step time here.
+    Returns whether the setting is in force: False where the C library is not
+    glibc, or with ``SPMD_ORT_RETAIN_HOST_MEMORY=0``.  Affects the whole process
+    (eager code in it too), like an ``LD_PRELOAD``-ed jemalloc or tcmalloc would.
+    """
+    global _retained
+    if _retained is not None:
+        return _retained
+    _retained = False
+    if not env_flag("SPMD_ORT_RETAIN_HOST_MEMORY", True):
+        return False
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+        mallopt = libc.mallopt
+        gnu_get_libc_version = libc.gnu_get_libc_version  # glibc only
+    except (OSError, AttributeError):
+        return False
+    del gnu_get_libc_version
+    mallopt.argtypes, mallopt.restype = [ctypes.c_int, ctypes.c_int], ctypes.c_int
+    ok = mallopt(_M_MMAP_THRESHOLD, _RETAIN_MMAP_THRESHOLD) == 1
+    ok = mallopt(_M_TRIM_THRESHOLD, _RETAIN_TRIM_THRESHOLD) == 1 and ok
+    _retained = ok
+    logging.getLogger("spmd_ort").info("host memory: freed memory is %s", "retained for reuse" if ok else
+                                        "returned to the system (mallopt refused)")
+    return ok

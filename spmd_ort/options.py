@@ -4,6 +4,8 @@ Environment variables (all optional):
 
 ``SPMD_ORT_LOG_LEVEL``        VERBOSE | INFO | WARNING | ERROR | FATAL (default WARNING)
 ``SPMD_ORT_BACKEND``          default executor when ``compile(backend=None)``: ``ort`` or ``fx``
+``SPMD_ORT_RETAIN_HOST_MEMORY`` 0 keeps glibc's default of returning freed memory to the system
+                              (see :func:`spmd_ort.memory.retain_host_memory`; default 1)
 """
 
 from __future__ import annotations
