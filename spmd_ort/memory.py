@@ -111,11 +111,11 @@ def retain_host_memory() -> bool:
         return False
     try:
         libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
-        mallopt = libc.mallopt
-        gnu_get_libc_version = libc.gnu_get_libc_version  # glibc only
-    except (OSError, AttributeError):
+    except OSError:
         return False
-    del gnu_get_libc_version
+    if not hasattr(libc, "gnu_get_libc_version"):  # mallopt's parameter numbers are glibc's
+        return False
+    mallopt = libc.mallopt
     mallopt.argtypes, mallopt.restype = [ctypes.c_int, ctypes.c_int], ctypes.c_int
     ok = mallopt(_M_MMAP_THRESHOLD, _RETAIN_MMAP_THRESHOLD) == 1
     ok = mallopt(_M_TRIM_THRESHOLD, _RETAIN_TRIM_THRESHOLD) == 1 and ok

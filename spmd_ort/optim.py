@@ -56,29 +56,42 @@ def _adam_fake(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, steps, hpa
     return [torch.empty_like(t) for ts in (params, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, steps) for t in ts]
 
 
-@torch.library.custom_op("spmd_ort::adam", mutates_args=())
-def adam(params: list[Tensor], grads: list[Tensor], exp_avgs: list[Tensor], exp_avg_sqs: list[Tensor],
-         max_exp_avg_sqs: list[Tensor], steps: list[Tensor], hparams: Tensor, amsgrad: bool, maximize: bool,
-         decoupled: bool) -> list[Tensor]:
-    """Functional Adam/AdamW over one param group; returns the new state (see layout).
+ADAM_OUTPUTS = ("params", "exp_avgs", "exp_avg_sqs", "max_exp_avg_sqs", "steps")
+SGD_OUTPUTS = ("params", "momentum_buffers")
+# functional op -> (in-place twin, names of the mutated list arguments in output order)
+INPLACE_TWINS: dict = {}
+
+
+def _register_twin(name: str, outputs: tuple[str, ...]) -> None:
+    ops = torch.ops.spmd_ort
+    INPLACE_TWINS[getattr(ops, name).default] = (getattr(ops, f"{name}_").default, outputs)
+
+
+def _define_adam(name: str, kernel, doc: str) -> None:
+    """``spmd_ort::<name>`` (functional, returns the new state; see layout) and ``<name>_`` (in place)."""
+
+    def functional(params: list[Tensor], grads: list[Tensor], exp_avgs: list[Tensor], exp_avg_sqs: list[Tensor],
+                   max_exp_avg_sqs: list[Tensor], steps: list[Tensor], hparams: Tensor, amsgrad: bool,
+                   maximize: bool, decoupled: bool) -> list[Tensor]:
+        return _functional_adam(kernel, params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, steps, hparams,
+                                amsgrad, maximize, decoupled)
+
+    def in_place(params: list[Tensor], grads: list[Tensor], exp_avgs: list[Tensor], exp_avg_sqs: list[Tensor],
+                 max_exp_avg_sqs: list[Tensor], steps: list[Tensor], hparams: Tensor, amsgrad: bool,
+                 maximize: bool, decoupled: bool) -> None:
+        kernel(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, steps, hparams, amsgrad, maximize, decoupled)
+
+    functional.__doc__, in_place.__doc__ = doc, f"In-place twin of spmd_ort::{name}: updates the state it is given."
+    op = torch.library.custom_op(f"spmd_ort::{name}", functional, mutates_args=())
+    op.register_fake(_adam_fake)
+    torch.library.custom_op(f"spmd_ort::{name}_", in_place, mutates_args=ADAM_OUTPUTS)
+    _register_twin(name, ADAM_OUTPUTS)
+
+
+_define_adam("adam", _adam_kernel, """Functional Adam/AdamW over one param group; returns the new state (see layout).
 
     ``hparams`` is a float64 host tensor ``[lr, beta1, beta2, weight_decay, eps]``.
-    """
-    return _functional_adam(_adam_kernel, params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, steps, hparams,
-                            amsgrad, maximize, decoupled)
-
-
-adam.register_fake(_adam_fake)
-
-
-@torch.library.custom_op(
-    "spmd_ort::adam_", mutates_args=("params", "exp_avgs", "exp_avg_sqs", "max_exp_avg_sqs", "steps"))
-def adam_(params: list[Tensor], grads: list[Tensor], exp_avgs: list[Tensor], exp_avg_sqs: list[Tensor],
-          max_exp_avg_sqs: list[Tensor], steps: list[Tensor], hparams: Tensor, amsgrad: bool, maximize: bool,
-          decoupled: bool) -> None:
-    """In-place twin of :func:`adam`: updates the state tensors it is given."""
-    _adam_kernel(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, steps, hparams, amsgrad, maximize,
-                 decoupled)
+    """)
 
 
 def _sgd_kernel(params, grads, bufs, hparams, nesterov, maximize, first_step):
@@ -108,25 +121,36 @@ def _sgd_fake(params, grads, momentum_buffers, hparams, has_momentum, nesterov, 
     return [torch.empty_like(p) for p in params] + bufs
 
 
-@torch.library.custom_op("spmd_ort::sgd", mutates_args=())
-def sgd(params: list[Tensor], grads: list[Tensor], momentum_buffers: list[Tensor], hparams: Tensor,
-        has_momentum: bool, nesterov: bool, maximize: bool) -> list[Tensor]:
-    """Functional SGD over one param group; ``hparams`` is ``[lr, momentum, dampening, weight_decay]``.
+def _define_sgd(name: str, kernel, doc: str, buffer_device: str | None = None) -> None:
+    """``spmd_ort::<name>`` (functional: new params + momentum buffers) and ``<name>_`` (in place, never the
+    first momentum step: buffers must exist); first-step buffers are made on ``buffer_device``."""
+
+    def functional(params: list[Tensor], grads: list[Tensor], momentum_buffers: list[Tensor], hparams: Tensor,
+                   has_momentum: bool, nesterov: bool, maximize: bool) -> list[Tensor]:
+        return _functional_sgd(kernel, params, grads, momentum_buffers, hparams, has_momentum, nesterov, maximize,
+                               buffer_device)
+
+    def fake(params, grads, momentum_buffers, hparams, has_momentum, nesterov, maximize):
+        return _sgd_fake(params, grads, momentum_buffers, hparams, has_momentum, nesterov, maximize, buffer_device)
+
+    def in_place(params: list[Tensor], grads: list[Tensor], momentum_buffers: list[Tensor], hparams: Tensor,
+                 has_momentum: bool, nesterov: bool, maximize: bool) -> None:
+        kernel(params, grads, momentum_buffers, hparams, nesterov, maximize, False)
+
+    functional.__doc__, in_place.__doc__ = doc, f"In-place twin of spmd_ort::{name}."
+    op = torch.library.custom_op(f"spmd_ort::{name}", functional, mutates_args=())
+    op.register_fake(fake)
+    torch.library.custom_op(f"spmd_ort::{name}_", in_place, mutates_args=SGD_OUTPUTS)
+    _register_twin(name, SGD_OUTPUTS)
+
+
+_define_sgd("sgd", _sgd_kernel, """Functional SGD over one param group.
+
+    ``hparams`` is ``[lr, momentum, dampening, weight_decay]``.
 
     An empty ``momentum_buffers`` with ``has_momentum`` is the first step:
     buffers start as the gradient (as torch does).
-    """
-    return _functional_sgd(_sgd_kernel, params, grads, momentum_buffers, hparams, has_momentum, nesterov, maximize)
-
-
-sgd.register_fake(_sgd_fake)
-
-
-@torch.library.custom_op("spmd_ort::sgd_", mutates_args=("params", "momentum_buffers"))
-def sgd_(params: list[Tensor], grads: list[Tensor], momentum_buffers: list[Tensor], hparams: Tensor,
-         has_momentum: bool, nesterov: bool, maximize: bool) -> None:
-    """In-place twin of :func:`sgd` (never the first momentum step: buffers must exist)."""
-    _sgd_kernel(params, grads, momentum_buffers, hparams, nesterov, maximize, False)
+    """)
 
 
 # --------------------------------------------------------------------------
@@ -160,26 +184,7 @@ def _host_adam_kernel(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, ste
         _back(dst, host)
 
 
-@torch.library.custom_op("spmd_ort::host_adam", mutates_args=())
-def host_adam(params: list[Tensor], grads: list[Tensor], exp_avgs: list[Tensor], exp_avg_sqs: list[Tensor],
-              max_exp_avg_sqs: list[Tensor], steps: list[Tensor], hparams: Tensor, amsgrad: bool, maximize: bool,
-              decoupled: bool) -> list[Tensor]:
-    """:func:`adam` with the update on the host (native kernel)."""
-    return _functional_adam(_host_adam_kernel, params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, steps, hparams,
-                            amsgrad, maximize, decoupled)
-
-
-host_adam.register_fake(_adam_fake)
-
-
-@torch.library.custom_op(
-    "spmd_ort::host_adam_", mutates_args=("params", "exp_avgs", "exp_avg_sqs", "max_exp_avg_sqs", "steps"))
-def host_adam_(params: list[Tensor], grads: list[Tensor], exp_avgs: list[Tensor], exp_avg_sqs: list[Tensor],
-               max_exp_avg_sqs: list[Tensor], steps: list[Tensor], hparams: Tensor, amsgrad: bool, maximize: bool,
-               decoupled: bool) -> None:
-    """In-place twin of :func:`host_adam`."""
-    _host_adam_kernel(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, steps, hparams, amsgrad, maximize,
-                      decoupled)
+_define_adam("host_adam", _host_adam_kernel, ":func:`adam` with the update on the host (native kernel).")
 
 
 def _host_sgd_kernel(params, grads, bufs, hparams, nesterov, maximize, first_step):
@@ -193,35 +198,10 @@ def _host_sgd_kernel(params, grads, bufs, hparams, nesterov, maximize, first_ste
     _back(bufs, hb)
 
 
-@torch.library.custom_op("spmd_ort::host_sgd", mutates_args=())
-def host_sgd(params: list[Tensor], grads: list[Tensor], momentum_buffers: list[Tensor], hparams: Tensor,
-             has_momentum: bool, nesterov: bool, maximize: bool) -> list[Tensor]:
-    """:func:`sgd` with the update on the host (native kernel); momentum buffers live on the host."""
-    return _functional_sgd(_host_sgd_kernel, params, grads, momentum_buffers, hparams, has_momentum, nesterov,
-                           maximize, buffer_device="cpu")
+_define_sgd("host_sgd", _host_sgd_kernel,
+            ":func:`sgd` with the update on the host (native kernel); momentum buffers live on the host.",
+            buffer_device="cpu")
 
-
-@host_sgd.register_fake
-def _(params, grads, momentum_buffers, hparams, has_momentum, nesterov, maximize):
-    return _sgd_fake(params, grads, momentum_buffers, hparams, has_momentum, nesterov, maximize, buffer_device="cpu")
-
-
-@torch.library.custom_op("spmd_ort::host_sgd_", mutates_args=("params", "momentum_buffers"))
-def host_sgd_(params: list[Tensor], grads: list[Tensor], momentum_buffers: list[Tensor], hparams: Tensor,
-              has_momentum: bool, nesterov: bool, maximize: bool) -> None:
-    """In-place twin of :func:`host_sgd`."""
-    _host_sgd_kernel(params, grads, momentum_buffers, hparams, nesterov, maximize, False)
-
-
-ADAM_OUTPUTS = ("params", "exp_avgs", "exp_avg_sqs", "max_exp_avg_sqs", "steps")
-SGD_OUTPUTS = ("params", "momentum_buffers")
-# functional op -> (in-place twin, names of the mutated list arguments in output order)
-INPLACE_TWINS: dict = {
-    torch.ops.spmd_ort.adam.default: (torch.ops.spmd_ort.adam_.default, ADAM_OUTPUTS),
-    torch.ops.spmd_ort.sgd.default: (torch.ops.spmd_ort.sgd_.default, SGD_OUTPUTS),
-    torch.ops.spmd_ort.host_adam.default: (torch.ops.spmd_ort.host_adam_.default, ADAM_OUTPUTS),
-    torch.ops.spmd_ort.host_sgd.default: (torch.ops.spmd_ort.host_sgd_.default, SGD_OUTPUTS),
-}
 # device op -> its host twin (offload_optimizer)
 HOST_TWINS: dict = {
     torch.ops.spmd_ort.adam.default: torch.ops.spmd_ort.host_adam.default,
