@@ -1,23 +1,34 @@
 """Graph passes of spmd_ort (importable as ``spmd_ort.passes``).
 
 Every transformation of the captured train step is a function
-``<verb>_<object>_pass(gm, ctx) -> gm``; :mod:`.pipeline` orders them and
-:func:`run_passes` applies them.
+``<verb>_<object>_pass(gm, ctx) -> gm``; :mod:`.pipeline` orders them all and
+:func:`run_passes` applies them, checking the contracts each declares.
 """
 
-from .data_parallel import (bucket_collectives_pass, dedup_collectives_pass, expand_data_parallel_pass,
-                            schedule_overlap_pass)
-from .fully_shard import (bucket_shard_collectives_pass, keep_tail_gathers_pass, offload_optimizer_pass,
-                          offload_params_pass, shard_parameters_pass)
+from .analysis import plan_memory_pass
 from .cleanup import remove_identity_views_pass, remove_redundant_copies_pass
-from .pipeline import capture_cleanup_passes, fx_executor_passes, parallel_passes
+from .context import (GradientBuckets, MemoryPlan, OffloadPlan, PassContext, PassRecord, PassResults,
+                      ShardBuckets)
+from .contracts import Invariant
+from .data_parallel import (broadcast_buffers_pass, bucket_collectives_pass, dedup_collectives_pass,
+                            expand_data_parallel_pass, schedule_overlap_pass)
+from .fully_shard import (complete_grad_norms_pass, gather_parameters_pass, propagate_shards_pass,
+                          reduce_scatter_gradients_pass, rematerialize_param_views_pass, shard_placeholders_pass)
+from .offload import offload_optimizer_pass, offload_params_pass
+from .pipeline import PARALLEL_STAGES, STAGES, build_pipeline, check_disabled, pass_names, pipeline_markdown
 from .reinplace import reinplace_optimizer_pass
-from .runner import GraphPass, PassContext, PassError, PassRecord, disabled_from_env, op_counts, run_passes
+from .runner import GraphPass, PassError, graph_pass, op_counts, run_passes
+from .shard_schedule import bucket_shard_collectives_pass, keep_tail_gathers_pass, prefetch_gathers_pass
+from .user import gm_transformation_pass, override_transform_pass
 
 __all__ = [
-    "bucket_shard_collectives_pass", "keep_tail_gathers_pass", "offload_optimizer_pass", "offload_params_pass", "shard_parameters_pass",
-    "bucket_collectives_pass", "dedup_collectives_pass", "expand_data_parallel_pass", "schedule_overlap_pass",
-    "GraphPass", "PassContext", "PassError", "PassRecord", "capture_cleanup_passes", "disabled_from_env",
-    "fx_executor_passes", "op_counts", "parallel_passes", "reinplace_optimizer_pass", "remove_identity_views_pass",
-    "remove_redundant_copies_pass", "run_passes",
+    "PARALLEL_STAGES", "STAGES", "GradientBuckets", "GraphPass", "Invariant", "MemoryPlan", "OffloadPlan", "PassContext", "PassError",
+    "PassRecord", "PassResults", "ShardBuckets", "broadcast_buffers_pass", "bucket_collectives_pass",
+    "bucket_shard_collectives_pass", "build_pipeline", "check_disabled", "complete_grad_norms_pass",
+    "dedup_collectives_pass", "expand_data_parallel_pass", "gather_parameters_pass", "gm_transformation_pass",
+    "graph_pass", "keep_tail_gathers_pass", "offload_optimizer_pass", "offload_params_pass", "op_counts",
+    "override_transform_pass", "pass_names", "pipeline_markdown", "plan_memory_pass", "prefetch_gathers_pass",
+    "propagate_shards_pass", "reduce_scatter_gradients_pass", "reinplace_optimizer_pass",
+    "rematerialize_param_views_pass", "remove_identity_views_pass", "remove_redundant_copies_pass", "run_passes",
+    "schedule_overlap_pass", "shard_placeholders_pass",
 ]

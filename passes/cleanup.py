@@ -5,6 +5,9 @@ from __future__ import annotations
 import torch
 from torch import fx
 
+from .contracts import VALUES_KNOWN
+from .runner import graph_pass
+
 aten = torch.ops.aten
 
 
@@ -16,6 +19,7 @@ def _same_layout(a: fx.Node, b: fx.Node) -> bool:
             and va.stride() == vb.stride())
 
 
+@graph_pass(requires=[VALUES_KNOWN])
 def remove_redundant_copies_pass(gm: fx.GraphModule, ctx) -> fx.GraphModule:
     """Replace ``aten.copy(dst, src)`` by ``src`` where both have the same shape, dtype, device and strides.
 
@@ -37,6 +41,7 @@ def remove_redundant_copies_pass(gm: fx.GraphModule, ctx) -> fx.GraphModule:
 IDENTITY_OPS = (aten.detach.default, aten.alias.default, aten.lift_fresh.default)
 
 
+@graph_pass()
 def remove_identity_views_pass(gm: fx.GraphModule, ctx) -> fx.GraphModule:
     """Drop ``detach``/``alias``/``lift_fresh`` nodes: the graph runs without autograd, so they are identities.
 

@@ -6,15 +6,14 @@ import operator
 
 from torch import fx
 
-from spmd_ort.optim import INPLACE_TWINS
+from spmd_ort.ops import INPLACE_TWINS
+
+from .helpers import is_view_op
+from .runner import graph_pass
 
 
 def _is_view(node: fx.Node) -> bool:
-    schema = getattr(node.target, "_schema", None)
-    if node.op != "call_function" or schema is None or not schema.returns:
-        return False
-    alias = schema.returns[0].alias_info
-    return alias is not None and not alias.is_write
+    return node.op == "call_function" and is_view_op(node.target)
 
 
 def _aliases(node: fx.Node) -> list[fx.Node]:
@@ -27,6 +26,7 @@ def _aliases(node: fx.Node) -> list[fx.Node]:
     return out
 
 
+@graph_pass()
 def reinplace_optimizer_pass(gm: fx.GraphModule, ctx) -> fx.GraphModule:
     """Swap a functional optimizer op (``spmd_ort::adam``/``sgd``) for its in-place twin.
 
@@ -40,7 +40,6 @@ def reinplace_optimizer_pass(gm: fx.GraphModule, ctx) -> fx.GraphModule:
     ensures: every rewritten op's outputs are its inputs; numbers unchanged.
     """
     graph = gm.graph
-    order = {n: i for i, n in enumerate(graph.nodes)}
     placeholders = [n for n in graph.nodes if n.op == "placeholder"]
     in_slot = dict(zip(placeholders, ctx.input_slots))
     out_node = graph.output_node()
@@ -70,13 +69,13 @@ def reinplace_optimizer_pass(gm: fx.GraphModule, ctx) -> fx.GraphModule:
                 ok = False
                 break
             # nothing may read the old value (or a view of it) after the update
-            if any(order[u] > order[node] for a in _aliases(inp) for u in a.users if u is not node):
+            if any(u > node for a in _aliases(inp) for u in a.users if u is not node):
                 ok = False
                 break
         if not ok:
             continue
         with graph.inserting_before(node):
-            graph.call_function(twin, node.args, node.kwargs)
+            graph.call_function(twin, node.args, node.kwargs).meta["val"] = None  # returns nothing
         for k, inp in enumerate(inputs):
             outs = [inp if o is getitems[k] else o for o in outs]
         out_node.args = (tuple(outs),)

@@ -1,9 +1,10 @@
 """``spmd_ort.compile``: the decorator users put on their train step.
 
-Pipeline per compiled variant (one place, in :meth:`CompiledStep._compile`):
+Per compiled variant (:meth:`CompiledStep._compile`):
 
-    trace (spmd_ort.trace) -> capture clean-up passes -> parallel passes
-    -> Override.transform -> gm_transformation -> backend (fx executor / ORT)
+    trace (spmd_ort.trace) -> passes (spmd_ort.passes.build_pipeline: clean-up, parallel
+    expansion, user transforms, analyses, backend preparation) -> executor (fx, or ORT:
+    partition -> export -> execute)
 """
 
 from __future__ import annotations
@@ -22,21 +23,20 @@ from torch import fx, nn
 from spmd_ort import passes as P
 
 from . import parallel
-from .collectives import COMM, StepComm
+from .collectives import StepComm
 from .errors import CompileError
+from .executor import build_executor
+from .memory import host_memory_retained, max_rss_bytes, retain_host_memory
 from .optim import rule_for
-from .options import DebugOptions, configure_logging, env_str
+from .options import DebugOptions, Options, configure_logging
 from .program import CompiledProgram
-from .memory import max_rss_bytes, planned_peak_bytes, retain_host_memory
+from .runtime import StepRuntime
 from .sharding import ShardedModule, is_sharded, persistent_bytes, spec_of
-from .runtime_fx import FxExecutor
-from .state import Slot, StateLayout
+from .state import StateLayout
 from .trace import trace_step
 from .transition import StepKey, TransitionManager
 
 logger = logging.getLogger("spmd_ort")
-
-BACKENDS = ("ort", "fx")
 
 
 class Override(ABC):
@@ -118,20 +118,25 @@ class CompiledStep:
     ``.describe()``); ``variants`` lists all kept variants.
     """
 
-    def __init__(self, fn: Callable, *, module_override, gm_transformation, parallel_mode, backend, debug):
+    def __init__(self, fn: Callable, *, module_override, gm_transformation, parallel_mode, options: Options):
         functools.update_wrapper(self, fn)
         self.fn = fn
         self.module_override = list(module_override or [])
         self.gm_transformation = gm_transformation
         self.parallel_mode = parallel_mode
-        self.backend = backend
-        self.debug = debug
+        self.options = options
+        self.runtime = StepRuntime(options)  # this step's communicator and options, active while it runs
         self.transitions: TransitionManager[CompiledProgram] = TransitionManager(getattr(fn, "__name__", "step"))
         self.compiled: CompiledProgram | None = None
         self.comm: StepComm | None = None  # collectives of the last step
         self._overridden: set[int] = set()
         self._synced: set[int] = set()
+        self._started = False
         self._last: tuple | None = None  # (module, optimizer) of the last call
+
+    @property
+    def backend(self) -> str:
+        return self.options.backend
 
     def memory(self) -> dict:
         """Per-rank memory of the last compiled step, in bytes.
@@ -148,10 +153,23 @@ class CompiledStep:
             raise RuntimeError("memory(): the step has not run yet")
         module, opt = self._last
         persistent = persistent_bytes(module, opt)
-        planned = self.compiled.pass_info["planned_peak_bytes"]
+        planned = self.compiled.results.memory.planned_peak_bytes
         return {"persistent": persistent, "planned_activation_peak": planned,
                 "peak": persistent["total"] + persistent["buffers"] + planned, "max_rss": max_rss_bytes(),
-                "host_memory_retained": retain_host_memory()}
+                "host_memory_retained": host_memory_retained()}
+
+    def prepare(self, module: nn.Module, opt: torch.optim.Optimizer | None = None) -> None:
+        """Put ``module`` (and ``opt``'s state) in the layout this step trains it in, as its first call would.
+
+        Under ``fully_shard`` an unsharded module is sharded now (collective:
+        every rank calls it), e.g. to load a checkpoint into it before the
+        first step; otherwise nothing changes.
+        """
+        mode = parallel.resolve(self.parallel_mode)
+        rank, world_size = parallel.world()
+        sharding = self._shard_if_needed(module, opt, mode, rank, world_size)
+        if sharding is not None:
+            sharding.commit()
 
     @property
     def variants(self) -> list[CompiledProgram]:
@@ -159,7 +177,10 @@ class CompiledStep:
 
     def __call__(self, *args: Any, last_train_step: bool = False, **kwargs: Any) -> Any:
         module, opt = _find_module_and_optimizer(args, kwargs)
-        retain_host_memory()  # once per process: steady-state steps reuse host memory instead of page-faulting
+        if not self._started:
+            self._started = True
+            if self.options.retain_host_memory:
+                retain_host_memory()  # steady-state steps reuse host memory instead of page-faulting
         mode = parallel.resolve(self.parallel_mode)
         rank, world_size = parallel.world()
         swaps = _Swaps()
@@ -196,7 +217,7 @@ class CompiledStep:
             self._overridden.add(id(module))
         if last_train_step:
             # The last step of a run: nothing may be left in flight afterwards.
-            COMM.finish()
+            self.runtime.comm.finish()
         return out
 
     def _shard_if_needed(self, module, opt, mode, rank: int, world_size: int) -> ShardedModule | None:
@@ -222,11 +243,13 @@ class CompiledStep:
         return sharding
 
     def _run(self, program: CompiledProgram, args: tuple, kwargs: dict) -> Any:
-        COMM.start_step()
+        comm = self.runtime.comm
+        comm.start_step()
         try:
-            return program.run(args, kwargs)
+            with self.runtime.active():
+                return program.run(args, kwargs)
         finally:
-            self.comm = COMM.end_step()
+            self.comm = comm.end_step()
 
     def _compile_everywhere(self, key, module, opt, rule, mode, args, kwargs) -> CompiledProgram:
         """Compile; on several ranks, also agree that every rank compiled the same graph.
@@ -249,6 +272,7 @@ class CompiledStep:
 
     # ------------------------------------------------------------------ compile
     def _compile(self, key: StepKey, module: nn.Module, opt, rule, mode, args: tuple, kwargs: dict) -> CompiledProgram:
+        """trace -> passes (the one pipeline) -> executor."""
         t0 = time.perf_counter()
         layout = StateLayout.capture(module, opt, rule)
         # ORT has no translation of the fused CPU attention kernels' backward: trace the math form.
@@ -257,61 +281,21 @@ class CompiledStep:
         traced_gm = _snapshot(traced.gm)
         rank, world_size = parallel.world()
         ctx = P.PassContext(input_slots=list(traced.input_slots), output_slots=list(traced.output_slots),
-                            parallel_mode=mode, world_size=world_size, rank=rank, shard_specs=layout.shard_specs,
-                            disabled=P.disabled_from_env())
-        gm = P.run_passes(traced.gm, ctx, P.capture_cleanup_passes(ctx) + P.parallel_passes(ctx))
-        gm = self._user_transforms(gm, ctx, layout)
-        # planned on the whole graph, before the backend fuses parts of it into segments
-        ctx.extra["planned_peak_bytes"] = planned_peak_bytes(gm)
-        executor, gm = self._backend(gm, ctx)
+                            mode=mode, world_size=world_size, rank=rank, shard_specs=layout.shard_specs,
+                            layout=layout, disabled=self.options.disabled_passes,
+                            check_contracts=self.options.check_passes)
+        pipeline = P.build_pipeline(mode, self.backend, overrides=self.module_override,
+                                    gm_transformation=self.gm_transformation)
+        gm = P.run_passes(traced.gm, ctx, pipeline)
+        executor = build_executor(gm, self.options)
         program = CompiledProgram(
-            key=key, gm=gm, traced_gm=traced_gm, layout=layout, input_slots=ctx.input_slots, pass_info=ctx.extra,
+            key=key, gm=executor.gm, traced_gm=traced_gm, layout=layout, input_slots=ctx.input_slots,
             output_slots=ctx.output_slots, batch_positions=traced.batch_positions, user_spec=traced.user_spec,
-            user_leaves=traced.user_leaves, passes_applied=ctx.applied, executor=executor, backend=self.backend,
-            trace_seconds=traced.seconds, compile_seconds=time.perf_counter() - t0)
+            user_leaves=traced.user_leaves, passes_applied=ctx.applied, results=ctx.results, executor=executor,
+            options=self.options, trace_seconds=traced.seconds, compile_seconds=time.perf_counter() - t0)
         logger.info("compiled %s: %d graph nodes, trace %.2fs, total %.2fs", self.transitions.name,
                     len(gm.graph.nodes), traced.seconds, program.compile_seconds)
         return program
-
-    def _user_transforms(self, gm: fx.GraphModule, ctx: P.PassContext, layout: StateLayout) -> fx.GraphModule:
-        n_state = sum(1 for s in ctx.input_slots if s.kind != "batch")
-        for override in self.module_override:
-            flat_state = layout.gather()
-            gm = override.transform(gm, flat_state)
-            added = flat_state[n_state:]
-            if len(flat_state) < n_state:
-                raise CompileError(f"{type(override).__name__}.transform removed state entries; "
-                                   "it may only append state")
-            if added:
-                start = len(layout.extra_state)
-                layout.extra_state.extend(added)
-                ctx.input_slots[n_state:n_state] = [Slot("extra", f"extra[{start + i}]", start + i)
-                                                    for i in range(len(added))]
-                n_state += len(added)
-            self._check_placeholders(gm, ctx, type(override).__name__)
-        if self.gm_transformation is not None:
-            gm = self.gm_transformation(gm)
-            if not isinstance(gm, fx.GraphModule):
-                raise CompileError(f"gm_transformation returned {type(gm).__name__}, not a torch.fx.GraphModule")
-            self._check_placeholders(gm, ctx, "gm_transformation")
-        return gm
-
-    @staticmethod
-    def _check_placeholders(gm: fx.GraphModule, ctx: P.PassContext, who: str) -> None:
-        n = sum(1 for node in gm.graph.nodes if node.op == "placeholder")
-        if n != len(ctx.input_slots):
-            raise CompileError(f"{who} left the graph with {n} placeholders but the compiled step has "
-                               f"{len(ctx.input_slots)} inputs; keep placeholders and flat_state in step")
-
-    def _backend(self, gm: fx.GraphModule, ctx: P.PassContext):
-        if self.backend == "fx":
-            gm = P.run_passes(gm, ctx, P.fx_executor_passes(ctx))
-            return FxExecutor(gm), gm
-        if self.backend == "ort":
-            from .runtime_ort import build_ort_executor
-
-            return build_ort_executor(gm, ctx, self.debug)
-        raise CompileError(f"unknown backend {self.backend!r}; choose one of {', '.join(BACKENDS)}")
 
 
 def compile(  # noqa: A001 - the reference API's name
@@ -337,15 +321,17 @@ def compile(  # noqa: A001 - the reference API's name
         backend: ``"ort"`` (ONNX Runtime segments + torch host nodes, the default) or ``"fx"``
             (PyTorch op by op); default from ``SPMD_ORT_BACKEND``.
         debug: :class:`DebugOptions`.
+
+    The configuration (these arguments and every ``SPMD_ORT_*`` environment variable,
+    :data:`spmd_ort.options.ENV_VARS`) is read here, once; a bad value is a
+    :class:`~spmd_ort.errors.ConfigError` naming it.
     """
-    debug = debug or DebugOptions()
-    configure_logging(debug)
-    chosen = backend or env_str("SPMD_ORT_BACKEND", BACKENDS[0])
-    if chosen not in BACKENDS:
-        raise ValueError(f"backend={chosen!r} is not one of {', '.join(BACKENDS)}")
+    options = Options.resolve(debug=debug, backend=backend)
+    configure_logging(options.log_level)
+    P.check_disabled(options.disabled_passes)
 
     def decorate(fn: Callable) -> CompiledStep:
         return CompiledStep(fn, module_override=module_override, gm_transformation=gm_transformation,
-                            parallel_mode=parallel_mode, backend=chosen, debug=debug)
+                            parallel_mode=parallel_mode, options=options)
 
     return decorate

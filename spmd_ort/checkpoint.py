@@ -15,7 +15,9 @@ travel in ``param_groups``.  Keys are module FQNs, as in ``model.state_dict()``:
     spmd_ort.load_state_dict(step, sd, model, opt)  # hyper-parameters, anything not loaded in place
 
 (:func:`save_checkpoint` / :func:`load_checkpoint` do exactly this.)  For export, :func:`spmd_ort.full_state_dict`
-gathers unsharded tensors on rank 0.
+gathers unsharded tensors on rank 0.  Every function takes the compiled step, the
+model and the optimizer it works on; a model the step would shard but has not
+run yet is sharded first, by the step itself (``CompiledStep.prepare``).
 """
 
 from __future__ import annotations
@@ -26,46 +28,22 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
-from . import parallel
 from .optim import initial_step
-from .sharding import ShardedModule, ShardSpec, is_sharded, is_sharded_state, spec_of
-
-_MESHES: dict = {}
+from .sharding import ShardSpec, is_sharded_state, spec_of
 
 
 def _mesh(world: int):
-    from torch.distributed.device_mesh import init_device_mesh
+    """The 1-D mesh over every rank (it uses the default process group: nothing is created or cached)."""
+    from torch.distributed.device_mesh import DeviceMesh
 
-    if world not in _MESHES:
-        _MESHES[world] = init_device_mesh("cpu", (world,))
-    return _MESHES[world]
+    return DeviceMesh("cpu", torch.arange(world))
 
 
-def _dtensor(local: Tensor, spec: ShardSpec):
+def _dtensor(local: Tensor, spec: ShardSpec, mesh):
     from torch.distributed.tensor import DTensor, Shard
 
     flat = local.detach().reshape(-1)[:spec.valid()]
-    return DTensor.from_local(flat, _mesh(spec.world), [Shard(0)], run_check=False,
-                              shape=torch.Size([spec.numel]), stride=(1,))
-
-
-def _resolve(train_step, model, optimizer):
-    if model is None:
-        last = getattr(train_step, "_last", None)
-        if last is None:
-            raise ValueError("pass model= (and optimizer=): this compiled step has not run yet")
-        model, optimizer = last
-    return model, optimizer
-
-
-def _prepare(train_step, model: nn.Module, optimizer) -> None:
-    """A model that the step would shard but has not run yet is sharded now (so it can be loaded into)."""
-    mode = parallel.resolve(getattr(train_step, "parallel_mode", None))
-    if mode is not None and mode.sharded and not is_sharded(model):
-        rank, world = parallel.world()
-        sharding = ShardedModule(model, optimizer, rank, world, offload_param=mode.offload_param)
-        sharding.shard()
-        sharding.commit()
+    return DTensor.from_local(flat, mesh, [Shard(0)], run_check=False, shape=torch.Size([spec.numel]), stride=(1,))
 
 
 def _names(model: nn.Module) -> dict[int, str]:
@@ -73,21 +51,22 @@ def _names(model: nn.Module) -> dict[int, str]:
     return {id(p): name for name, p in model.named_parameters()}
 
 
-def state_dict(train_step, model: nn.Module | None = None, optimizer: torch.optim.Optimizer | None = None) -> dict:
+def state_dict(train_step, model: nn.Module, optimizer: torch.optim.Optimizer | None = None) -> dict:
     """``{"model": ..., "optim": ...}`` for DCP: sharded tensors as DTensors over the live shards."""
-    model, optimizer = _resolve(train_step, model, optimizer)
-    _prepare(train_step, model, optimizer)
+    train_step.prepare(model, optimizer)
+    specs = [spec_of(p) for p in model.parameters() if spec_of(p) is not None]
+    mesh = _mesh(specs[0].world) if specs else None
     model_sd = {}
     for name, t in model.state_dict(keep_vars=True).items():
         spec = spec_of(t)
-        model_sd[name] = _dtensor(t, spec) if spec is not None else t.detach()
+        model_sd[name] = _dtensor(t, spec, mesh) if spec is not None else t.detach()
     out = {"model": model_sd}
     if optimizer is not None:
         names = _names(model)
         state = {}
         for p, st in optimizer.state.items():
             spec = spec_of(p)
-            state[names[id(p)]] = {k: (_dtensor(v, spec) if spec is not None and is_sharded_state(v) else v)
+            state[names[id(p)]] = {k: (_dtensor(v, spec, mesh) if spec is not None and is_sharded_state(v) else v)
                                    for k, v in st.items()}
         groups = []
         for g in optimizer.param_groups:
@@ -98,15 +77,13 @@ def state_dict(train_step, model: nn.Module | None = None, optimizer: torch.opti
     return out
 
 
-def load_state_dict(train_step, sd: dict, model: nn.Module | None = None,
-                    optimizer: torch.optim.Optimizer | None = None) -> None:
+def load_state_dict(train_step, sd: dict, model: nn.Module, optimizer: torch.optim.Optimizer | None = None) -> None:
     """Put ``sd`` (from :func:`state_dict`, after ``dcp.load``) into the model and optimizer.
 
     Tensors DCP loaded in place are left alone; others are copied (a full,
     unsharded tensor for a sharded parameter is cut to this rank's shard).
     """
-    model, optimizer = _resolve(train_step, model, optimizer)
-    _prepare(train_step, model, optimizer)
+    train_step.prepare(model, optimizer)
     with torch.no_grad():
         live = model.state_dict(keep_vars=True)
         for name, value in sd.get("model", {}).items():
@@ -182,21 +159,20 @@ def _init_missing_optimizer_state(model: nn.Module, optimizer, names_in_checkpoi
                     st[key] = torch.zeros_like(p, memory_format=torch.preserve_format)
 
 
-def save_checkpoint(path: str | Path, train_step, model: nn.Module | None = None,
-         optimizer: torch.optim.Optimizer | None = None) -> None:
+def save_checkpoint(path: str | Path, train_step, model: nn.Module,
+                    optimizer: torch.optim.Optimizer | None = None) -> None:
     """Sharded checkpoint of the step's model and optimizer (collective: every rank calls it)."""
     import torch.distributed.checkpoint as dcp
 
     dcp.save(state_dict(train_step, model, optimizer), checkpoint_id=str(path))
 
 
-def load_checkpoint(path: str | Path, train_step, model: nn.Module | None = None,
-         optimizer: torch.optim.Optimizer | None = None) -> None:
+def load_checkpoint(path: str | Path, train_step, model: nn.Module,
+                    optimizer: torch.optim.Optimizer | None = None) -> None:
     """Load a :func:`save_checkpoint` checkpoint into ``model`` / ``optimizer`` (collective), resharding as needed."""
     import torch.distributed.checkpoint as dcp
 
-    model, optimizer = _resolve(train_step, model, optimizer)
-    _prepare(train_step, model, optimizer)
+    train_step.prepare(model, optimizer)
     if optimizer is not None:
         meta = dcp.FileSystemReader(str(path)).read_metadata()
         _init_missing_optimizer_state(model, optimizer, list(meta.state_dict_metadata))

@@ -1,24 +1,23 @@
-"""Collectives of the compiled graph: ops over torch.distributed, counted in one place.
+"""Collectives of the compiled graph: the work behind the ``spmd_ort::`` collective ops, counted per step.
 
-Graph passes insert these ops; the executors run them as host nodes:
+Graph passes insert the ops (defined in :mod:`spmd_ort.ops`); the executors run
+them as host nodes, and each op calls the :class:`Communicator` of the step that
+is running (:mod:`spmd_ort.runtime`):
 
-* ``spmd_ort::all_reduce_(t, prescale)`` scales ``t`` in place and starts an
-  asynchronous SUM all-reduce of it (DDP's arithmetic: divide by the world size,
-  then sum; gloo has no AVG);
-* ``spmd_ort::wait_(t)`` waits for the collective on ``t`` to finish;
-* ``spmd_ort::broadcast_(t, src)`` broadcasts ``t`` from rank ``src`` (synchronous);
-* ``spmd_ort::all_gather(shard, world)`` starts gathering every rank's ``shard``
-  into a new tensor of ``world`` times its size (rank-major), for ``fully_shard``;
-* ``spmd_ort::reduce_scatter(t, world)`` starts averaging ``t`` over ranks and
-  returns this rank's 1/``world`` slice of the result (a new tensor).
+* ``all_reduce_(t, prescale)`` scales ``t`` in place and starts an asynchronous
+  SUM all-reduce of it (DDP's arithmetic: divide by the world size, then sum;
+  gloo has no AVG);
+* ``wait_(t)`` waits for the collective on ``t`` to finish;
+* ``broadcast_(t, src)`` broadcasts ``t`` from rank ``src`` (synchronous);
+* ``all_gather(shard, world)`` starts gathering every rank's ``shard`` into a new
+  tensor of ``world`` times its size (rank-major), for ``fully_shard``;
+* ``reduce_scatter(t, world)`` starts averaging ``t`` over ranks and returns this
+  rank's 1/``world`` slice of the result (a new tensor).
 
-The last two return a tensor that ``wait_`` must complete before anything reads it.
-
-The in-place ones return their input (an alias, as the schemas say), so graph order
-follows data dependencies and no copy is made.  :data:`COMM` counts, per step, collectives,
-payload bytes, time in flight and time blocked in ``wait_``: the overlap fraction
-is the share of the collectives' own duration (issue to completion, taken from
-the work's future) that the host did not spend waiting for them.
+A :class:`Communicator` counts, per step, collectives, payload bytes, time in
+flight and time blocked in ``wait_``: the overlap fraction is the share of the
+collectives' own duration (issue to completion, taken from the work's future)
+that the host did not spend waiting for them.
 """
 
 from __future__ import annotations
@@ -26,16 +25,8 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 
-import torch
 import torch.distributed as dist
 from torch import Tensor
-
-_lib = torch.library.Library("spmd_ort", "FRAGMENT")
-_lib.define("all_reduce_(Tensor(a!) t, float prescale) -> Tensor(a!)")
-_lib.define("wait_(Tensor(a!) t) -> Tensor(a!)")
-_lib.define("broadcast_(Tensor(a!) t, int src) -> Tensor(a!)")
-_lib.define("all_gather(Tensor shard, int world) -> Tensor")
-_lib.define("reduce_scatter(Tensor t, int world) -> Tensor")
 
 
 @dataclass
@@ -65,7 +56,7 @@ class StepComm:
 
 @dataclass
 class Communicator:
-    """Outstanding work and per-step accounting for this process."""
+    """Outstanding collectives and per-step accounting of one compiled step."""
 
     pending: dict = field(default_factory=dict)  # data_ptr -> (work, issued at, [completed at])
     step: StepComm = field(default_factory=StepComm)
@@ -142,47 +133,3 @@ class Communicator:
         """Wait for everything still in flight (end of a step, ``last_train_step``)."""
         for ptr in list(self.pending):
             self._wait(*self.pending.pop(ptr))
-
-
-COMM = Communicator()
-
-
-def _all_reduce_impl(t: Tensor, prescale: float) -> Tensor:
-    return COMM.all_reduce(t, prescale)
-
-
-def _wait_impl(t: Tensor) -> Tensor:
-    return COMM.wait(t)
-
-
-def _broadcast_impl(t: Tensor, src: int) -> Tensor:
-    return COMM.broadcast(t, src)
-
-
-def _all_gather_impl(shard: Tensor, world: int) -> Tensor:
-    return COMM.all_gather(shard, world)
-
-
-def _reduce_scatter_impl(t: Tensor, world: int) -> Tensor:
-    return COMM.reduce_scatter(t, world)
-
-
-for _key in ("CPU", "CUDA"):
-    _lib.impl("all_reduce_", _all_reduce_impl, _key)
-    _lib.impl("wait_", _wait_impl, _key)
-    _lib.impl("broadcast_", _broadcast_impl, _key)
-    _lib.impl("all_gather", _all_gather_impl, _key)
-    _lib.impl("reduce_scatter", _reduce_scatter_impl, _key)
-_lib.impl("all_reduce_", lambda t, prescale: t, "Meta")
-_lib.impl("wait_", lambda t: t, "Meta")
-_lib.impl("broadcast_", lambda t, src: t, "Meta")
-_lib.impl("all_gather", lambda shard, world: shard.new_empty(shard.numel() * world), "Meta")
-_lib.impl("reduce_scatter", lambda t, world: t.new_empty(t.numel() // world), "Meta")
-
-all_reduce_ = torch.ops.spmd_ort.all_reduce_.default
-wait_ = torch.ops.spmd_ort.wait_.default
-broadcast_ = torch.ops.spmd_ort.broadcast_.default
-all_gather = torch.ops.spmd_ort.all_gather.default
-reduce_scatter = torch.ops.spmd_ort.reduce_scatter.default
-# ops that start a collective whose result ``wait_`` completes
-STARTS = (all_reduce_, all_gather, reduce_scatter)

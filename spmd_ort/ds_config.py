@@ -1,7 +1,8 @@
-"""DeepSpeed JSON configs -> :class:`spmd_ort.DataParallel`.
+"""DeepSpeed JSON configs -> the settings of a :class:`spmd_ort.DataParallel`.
 
-``DataParallel.from_deepspeed_config(path_or_dict)`` reads ``zero_optimization``
-and maps what has a meaning here:
+``DataParallel.from_deepspeed_config(path_or_dict)`` builds its mode from
+:func:`data_parallel_settings`, which reads ``zero_optimization`` and maps what
+has a meaning here:
 
 ==========================================  ==============================================
 DeepSpeed                                   spmd_ort
@@ -34,8 +35,6 @@ from __future__ import annotations
 import json
 from pathlib import Path
 from typing import Any
-
-from .parallel import DataParallel
 
 ZERO_KEYS = {"stage", "offload_optimizer", "offload_param", "reduce_bucket_size", "allgather_bucket_size",
              "stage3_prefetch_bucket_size", "overlap_comm", "reduce_scatter", "contiguous_gradients",
@@ -85,7 +84,8 @@ def _offload(section: Any, name: str, unsupported: list[str]) -> str | None:
     return "cpu"
 
 
-def from_deepspeed_config(config: str | Path | dict) -> DataParallel:
+def data_parallel_settings(config: str | Path | dict) -> dict[str, Any]:
+    """Keyword arguments of ``DataParallel`` for a DeepSpeed config (path or dict); unsupported keys raise."""
     cfg = _load(config)
     if not isinstance(cfg, dict):
         raise DeepSpeedConfigError("a DeepSpeed config is a JSON object")
@@ -123,11 +123,11 @@ def from_deepspeed_config(config: str | Path | dict) -> DataParallel:
     if bucket is not None:
         kwargs["bucket_cap_mb"] = float(bucket) * BYTES_PER_ELEMENT / 2**20
     if stage == 0:
-        return DataParallel(parallel_style="replicate", **kwargs)
+        return {"parallel_style": "replicate", **kwargs}
     prefetch = 1
     if "stage3_prefetch_bucket_size" in zero and bucket:
         prefetch = max(1, int(float(zero["stage3_prefetch_bucket_size"]) // float(bucket)))
     if zero.get("overlap_comm", True) is False:
         prefetch = 0
-    return DataParallel(parallel_style="fully_shard", reshard_after_forward=stage == 3, prefetch=prefetch,
-                        offload_optimizer=offload_optimizer, offload_param=offload_param, **kwargs)
+    return {"parallel_style": "fully_shard", "reshard_after_forward": stage == 3, "prefetch": prefetch,
+            "offload_optimizer": offload_optimizer, "offload_param": offload_param, **kwargs}

@@ -19,3 +19,11 @@ class CompileError(RuntimeError):
         self.fqn = fqn
         self.op = op
         self.rank = rank
+
+
+class ConfigError(CompileError, ValueError):
+    """An option or environment variable has a value spmd_ort does not accept.
+
+    Raised when ``spmd_ort.compile`` reads its configuration, before anything is
+    traced; the message names the setting, the value and what is allowed.
+    """

@@ -8,9 +8,9 @@ are replaced by torch's own decompositions into ops torchlib translates
 correctly.  Each entry names the fault it fixes and has a test; verification
 (:mod:`spmd_ort.runtime_ort`) catches the ones nobody has found yet.
 
-Environment: ``SPMD_ORT_ONNX_OPSET_VERSION`` (default 20), ``SPMD_ORT_CACHE_DIR``
-(default ``~/.cache/spmd_ort``), ``SPMD_ORT_SAVE_ONNX_PATH`` (where
-``DebugOptions(save_onnx=True)`` writes models; default the working directory).
+The opset, the cache directory and where debug copies go come from the
+step's :class:`~spmd_ort.options.Options` (``SPMD_ORT_ONNX_OPSET_VERSION``,
+``SPMD_ORT_CACHE_DIR``, ``SPMD_ORT_SAVE_ONNX_PATH``).
 """
 
 from __future__ import annotations
@@ -32,12 +32,10 @@ from torch import fx
 from torch._decomp import get_decompositions
 from torch.fx.experimental.proxy_tensor import make_fx
 
-from .options import env_str
+from .options import DEFAULT_OPSET
 
 logger = logging.getLogger("spmd_ort")
 aten = torch.ops.aten
-
-DEFAULT_OPSET = 20
 
 # op -> why the stock translation cannot be used.  Values are looked up in
 # torch's decomposition registry; the reasons are documentation and test ids.
@@ -50,20 +48,6 @@ EXPORT_FIXES: dict = {
 EXPORT_DECOMPOSITIONS = get_decompositions(list(EXPORT_FIXES))
 
 FORMAT_VERSION = 2  # bump when what we export for the same graph changes
-
-
-def opset_version() -> int:
-    raw = env_str("SPMD_ORT_ONNX_OPSET_VERSION")
-    if raw is None:
-        return DEFAULT_OPSET
-    try:
-        return int(raw)
-    except ValueError:
-        raise ValueError(f"SPMD_ORT_ONNX_OPSET_VERSION={raw!r} is not an integer") from None
-
-
-def cache_dir() -> Path:
-    return Path(env_str("SPMD_ORT_CACHE_DIR") or Path.home() / ".cache" / "spmd_ort")
 
 
 @dataclass
@@ -119,16 +103,16 @@ def apply_export_fixes(gm: fx.GraphModule) -> fx.GraphModule:
     return make_fx(gm, decomposition_table=EXPORT_DECOMPOSITIONS, tracing_mode="fake")(*inputs)
 
 
-def export_segment(gm: fx.GraphModule, *, name: str, opset: int | None = None,
-                   use_cache: bool = True, refresh: bool = False) -> ExportResult:
-    """ONNX bytes for ``gm`` (placeholders -> tuple of outputs), from the cache when possible.
+def export_segment(gm: fx.GraphModule, *, name: str, opset: int = DEFAULT_OPSET, cache_dir: Path | None = None,
+                   refresh: bool = False) -> ExportResult:
+    """ONNX bytes for ``gm`` (placeholders -> tuple of outputs), from the cache in ``cache_dir`` when possible.
 
-    ``refresh`` exports again and overwrites the cached model.
+    ``cache_dir=None`` exports without a cache; ``refresh`` exports again and overwrites the cached model.
     """
-    opset = opset or opset_version()
     t0 = time.perf_counter()
     key = segment_key(gm, opset)
-    path = cache_dir() / f"{key}.onnx"
+    use_cache = cache_dir is not None
+    path = Path(cache_dir or ".") / f"{key}.onnx"
     if use_cache and not refresh and path.exists():
         data = path.read_bytes()
         return ExportResult(data, time.perf_counter() - t0, True, key)
@@ -152,9 +136,9 @@ def export_segment(gm: fx.GraphModule, *, name: str, opset: int | None = None,
     return ExportResult(data, time.perf_counter() - t0, False, key)
 
 
-def save_model(data: bytes, name: str, prefix: str) -> Path:
-    """Write a segment for inspection (opens in Netron)."""
-    out_dir = Path(env_str("SPMD_ORT_SAVE_ONNX_PATH") or os.getcwd())
+def save_model(data: bytes, name: str, prefix: str, directory: Path | None = None) -> Path:
+    """Write a segment for inspection (opens in Netron); ``directory`` defaults to the working directory."""
+    out_dir = Path(directory or os.getcwd())
     out_dir.mkdir(parents=True, exist_ok=True)
     path = out_dir / f"{prefix}_{name}.onnx"
     path.write_bytes(data)

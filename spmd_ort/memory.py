@@ -14,8 +14,10 @@ above its mmap threshold (at most 32 MiB by default) to a fresh ``mmap`` and
 returns freed heap tops to the system, so a CPU step that allocates the same
 large tensors every step page-faults through all of them again (zeroing each
 4 KiB page).  :func:`retain_host_memory` makes the process keep freed memory for
-reuse, as CUDA's caching allocator does on a GPU; the compiled step calls it
-once (``SPMD_ORT_RETAIN_HOST_MEMORY=0`` opts out).
+reuse, as CUDA's caching allocator does on a GPU; a compiled step calls it on its
+first call unless its options say not to (``SPMD_ORT_RETAIN_HOST_MEMORY=0``).
+The allocator belongs to the process, so whether it was set is remembered here,
+once; :func:`host_memory_retained` reads it without setting anything.
 """
 
 from __future__ import annotations
@@ -29,8 +31,6 @@ import sys
 
 import torch
 from torch import fx
-
-from .options import env_flag
 
 
 def _aliases(node: fx.Node) -> bool:
@@ -89,7 +89,12 @@ _M_TRIM_THRESHOLD = -1
 _M_MMAP_THRESHOLD = -3
 _RETAIN_MMAP_THRESHOLD = 1 << 30  # allocations up to 1 GiB come from the heap and are reused
 _RETAIN_TRIM_THRESHOLD = (1 << 31) - 1  # never give freed heap tops back to the system
-_retained: bool | None = None
+_retained: bool | None = None  # None: never asked in this process
+
+
+def host_memory_retained() -> bool:
+    """Whether this process keeps freed host memory for reuse (see :func:`retain_host_memory`)."""
+    return bool(_retained)
 
 
 def retain_host_memory() -> bool:
@@ -100,15 +105,13 @@ def retain_host_memory() -> bool:
     (which ``max_rss`` already reports) and steady-state steps stop
     page-faulting: on gpt-mini's ZeRO-3 step, about 15% of the step time here.
     Returns whether the setting is in force: False where the C library is not
-    glibc, or with ``SPMD_ORT_RETAIN_HOST_MEMORY=0``.  Affects the whole process
+    glibc or mallopt refuses.  Affects the whole process
     (eager code in it too), like an ``LD_PRELOAD``-ed jemalloc or tcmalloc would.
     """
     global _retained
     if _retained is not None:
         return _retained
     _retained = False
-    if not env_flag("SPMD_ORT_RETAIN_HOST_MEMORY", True):
-        return False
     try:
         libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
     except OSError:

@@ -7,7 +7,11 @@ it is needed and cached in ``TORCH_EXTENSIONS_DIR`` (default
 ``~/.cache/torch_extensions``), so later processes load it in well under a
 second.  Without a working C++ compiler the same updates run with torch's own
 fused CPU kernels (the results are the same for fp32), after one warning.
-``SPMD_ORT_NATIVE=0`` forces that fallback.
+``use_native=False`` (a compiled step passes its ``Options.native``, set by
+``SPMD_ORT_NATIVE``) forces that fallback.
+
+Whether the library is loaded is a fact about the process (a shared library
+loads once), so it is remembered here, once.
 """
 
 from __future__ import annotations
@@ -20,23 +24,18 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
-from .options import env_flag
-
 logger = logging.getLogger("spmd_ort")
 
 SOURCE = Path(__file__).resolve().parent.parent / "csrc" / "fused_optim.cpp"
 _lock = threading.Lock()
-_state: dict = {}
+_loaded: dict = {}  # "ok": whether this process has the extension (built or loaded once)
 
 
 def load() -> bool:
     """Build or load the extension once per process; False (after one warning) if it cannot be built."""
     with _lock:
-        if "ok" in _state:
-            return _state["ok"]
-        if not env_flag("SPMD_ORT_NATIVE", True):
-            _state["ok"] = False
-            return False
+        if "ok" in _loaded:
+            return _loaded["ok"]
         try:
             from torch.utils.cpp_extension import load as build
 
@@ -45,20 +44,21 @@ def load() -> bool:
             build(name="spmd_ort_native", sources=[str(SOURCE)], is_python_module=False, verbose=False,
                   extra_cflags=["-O3", "-march=native", "-fopenmp", "-ffp-contract=off", "-fno-math-errno"],
                   extra_ldflags=["-fopenmp"])
-            _state["ok"] = True
+            _loaded["ok"] = True
         except Exception as exc:  # noqa: BLE001 - any build failure means: use the fallback
             warnings.warn(f"spmd_ort: the native optimizer kernel (csrc/fused_optim.cpp) could not be built "
                           f"({type(exc).__name__}: {str(exc).strip().splitlines()[-1] if str(exc).strip() else ''}); "
                           "host optimizer steps use torch's fused CPU kernels instead", RuntimeWarning, stacklevel=2)
-            _state["ok"] = False
-        return _state["ok"]
+            _loaded["ok"] = False
+        return _loaded["ok"]
 
 
 def adam_(params: list[Tensor], grads: list[Tensor], exp_avgs: list[Tensor], exp_avg_sqs: list[Tensor],
           max_exp_avg_sqs: list[Tensor], steps: list[Tensor], *, lr: float, beta1: float, beta2: float,
-          weight_decay: float, eps: float, amsgrad: bool, maximize: bool, decoupled: bool) -> None:
+          weight_decay: float, eps: float, amsgrad: bool, maximize: bool, decoupled: bool,
+          use_native: bool = True) -> None:
     """One Adam/AdamW update in place (``steps`` already incremented), on CPU tensors."""
-    if params and _native_ok(params, grads):
+    if use_native and params and _native_ok(params, grads):
         torch.ops.spmd_ort_native.adam_(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs if amsgrad else [],
                                         steps, lr, beta1, beta2, weight_decay, eps, amsgrad, maximize, decoupled)
         return
@@ -68,9 +68,10 @@ def adam_(params: list[Tensor], grads: list[Tensor], exp_avgs: list[Tensor], exp
 
 
 def sgd_(params: list[Tensor], grads: list[Tensor], momentum_buffers: list[Tensor], *, lr: float, momentum: float,
-         dampening: float, weight_decay: float, nesterov: bool, maximize: bool, is_first_step: bool) -> None:
+         dampening: float, weight_decay: float, nesterov: bool, maximize: bool, is_first_step: bool,
+         use_native: bool = True) -> None:
     """One SGD update in place, on CPU tensors."""
-    if params and _native_ok(params, grads):
+    if use_native and params and _native_ok(params, grads):
         torch.ops.spmd_ort_native.sgd_(params, grads, momentum_buffers, lr, momentum, dampening, weight_decay,
                                        nesterov, maximize, is_first_step)
         return

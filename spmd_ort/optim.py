@@ -9,11 +9,12 @@ op per param group (``spmd_ort::adam`` / ``spmd_ort::sgd``) whose
 hyper-parameters are a graph input, and copies the results back into the traced state so the
 graph returns the new parameters and optimizer state.
 
-The ops run torch's fused multi-tensor kernels, so compiled numbers equal eager
-``fused=True`` exactly and ``foreach``/for-loop eager within fp32 rounding.
-All scalar hyper-parameters of a group travel in one float64 host tensor
-(``hparams``) that the op reads when it runs.  Each op has an in-place twin (``adam_``/``sgd_``) that the
-``reinplace_optimizer_pass`` uses when the old state is not read afterwards.
+The ops (:mod:`spmd_ort.ops`, bodies in :mod:`spmd_ort.kernels`) run torch's
+fused multi-tensor kernels, so compiled numbers equal eager ``fused=True``
+exactly and ``foreach``/for-loop eager within fp32 rounding.  All scalar
+hyper-parameters of a group travel in one float64 host tensor (``hparams``)
+that the op reads when it runs.  Each op has an in-place twin (``adam_``/``sgd_``)
+that the ``reinplace_optimizer_pass`` uses when the old state is not read afterwards.
 """
 
 from __future__ import annotations
@@ -24,191 +25,8 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from . import ops
 from .errors import CompileError
-
-# --------------------------------------------------------------------------
-# Ops.  Output layouts are flat lists:
-#   adam: params, exp_avgs, exp_avg_sqs, max_exp_avg_sqs (amsgrad only), steps
-#   sgd:  params, momentum_buffers (momentum != 0 only)
-# --------------------------------------------------------------------------
-
-
-def _adam_kernel(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, steps, hparams, amsgrad, maximize,
-                 decoupled):
-    # hparams is a host tensor read here, at run time: changing it never re-traces.
-    lr, beta1, beta2, weight_decay, eps = hparams.tolist()
-    torch._foreach_add_(steps, 1)
-    kernel = torch._fused_adamw_ if decoupled else torch._fused_adam_
-    kernel(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs if amsgrad else [], steps,
-           lr=lr, beta1=beta1, beta2=beta2, weight_decay=weight_decay, eps=eps,
-           amsgrad=amsgrad, maximize=maximize)
-
-
-def _functional_adam(kernel, params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, steps, hparams, amsgrad,
-                     maximize, decoupled) -> list[Tensor]:
-    """Run an in-place Adam ``kernel`` on copies of the state; the copies, flat, in output layout."""
-    out = [[t.clone() for t in ts] for ts in (params, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, steps)]
-    kernel(out[0], grads, out[1], out[2], out[3], out[4], hparams, amsgrad, maximize, decoupled)
-    return [t for ts in out for t in ts]
-
-
-def _adam_fake(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, steps, hparams, amsgrad, maximize, decoupled):
-    return [torch.empty_like(t) for ts in (params, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, steps) for t in ts]
-
-
-ADAM_OUTPUTS = ("params", "exp_avgs", "exp_avg_sqs", "max_exp_avg_sqs", "steps")
-SGD_OUTPUTS = ("params", "momentum_buffers")
-# functional op -> (in-place twin, names of the mutated list arguments in output order)
-INPLACE_TWINS: dict = {}
-
-
-def _register_twin(name: str, outputs: tuple[str, ...]) -> None:
-    ops = torch.ops.spmd_ort
-    INPLACE_TWINS[getattr(ops, name).default] = (getattr(ops, f"{name}_").default, outputs)
-
-
-def _define_adam(name: str, kernel, doc: str) -> None:
-    """``spmd_ort::<name>`` (functional, returns the new state; see layout) and ``<name>_`` (in place)."""
-
-    def functional(params: list[Tensor], grads: list[Tensor], exp_avgs: list[Tensor], exp_avg_sqs: list[Tensor],
-                   max_exp_avg_sqs: list[Tensor], steps: list[Tensor], hparams: Tensor, amsgrad: bool,
-                   maximize: bool, decoupled: bool) -> list[Tensor]:
-        return _functional_adam(kernel, params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, steps, hparams,
-                                amsgrad, maximize, decoupled)
-
-    def in_place(params: list[Tensor], grads: list[Tensor], exp_avgs: list[Tensor], exp_avg_sqs: list[Tensor],
-                 max_exp_avg_sqs: list[Tensor], steps: list[Tensor], hparams: Tensor, amsgrad: bool,
-                 maximize: bool, decoupled: bool) -> None:
-        kernel(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, steps, hparams, amsgrad, maximize, decoupled)
-
-    functional.__doc__, in_place.__doc__ = doc, f"In-place twin of spmd_ort::{name}: updates the state it is given."
-    op = torch.library.custom_op(f"spmd_ort::{name}", functional, mutates_args=())
-    op.register_fake(_adam_fake)
-    torch.library.custom_op(f"spmd_ort::{name}_", in_place, mutates_args=ADAM_OUTPUTS)
-    _register_twin(name, ADAM_OUTPUTS)
-
-
-_define_adam("adam", _adam_kernel, """Functional Adam/AdamW over one param group; returns the new state (see layout).
-
-    ``hparams`` is a float64 host tensor ``[lr, beta1, beta2, weight_decay, eps]``.
-    """)
-
-
-def _sgd_kernel(params, grads, bufs, hparams, nesterov, maximize, first_step):
-    lr, momentum, dampening, weight_decay = hparams.tolist()
-    torch._fused_sgd_(params, grads, bufs if bufs else [], weight_decay=weight_decay,
-                      momentum=momentum, lr=lr, dampening=dampening, nesterov=nesterov,
-                      maximize=maximize, is_first_step=first_step)
-
-
-def _functional_sgd(kernel, params, grads, momentum_buffers, hparams, has_momentum, nesterov, maximize,
-                    buffer_device=None) -> list[Tensor]:
-    """Run an in-place SGD ``kernel`` on copies; new params + momentum buffers (first step: new buffers)."""
-    new_params = [p.clone() for p in params]
-    first = has_momentum and not momentum_buffers
-    if not has_momentum:
-        bufs = []
-    elif first:
-        bufs = [torch.empty_like(g, device=buffer_device) for g in grads]
-    else:
-        bufs = [b.clone() for b in momentum_buffers]
-    kernel(new_params, grads, bufs, hparams, nesterov, maximize, first)
-    return new_params + bufs
-
-
-def _sgd_fake(params, grads, momentum_buffers, hparams, has_momentum, nesterov, maximize, buffer_device=None):
-    bufs = [torch.empty_like(g, device=buffer_device) for g in grads] if has_momentum else []
-    return [torch.empty_like(p) for p in params] + bufs
-
-
-def _define_sgd(name: str, kernel, doc: str, buffer_device: str | None = None) -> None:
-    """``spmd_ort::<name>`` (functional: new params + momentum buffers) and ``<name>_`` (in place, never the
-    first momentum step: buffers must exist); first-step buffers are made on ``buffer_device``."""
-
-    def functional(params: list[Tensor], grads: list[Tensor], momentum_buffers: list[Tensor], hparams: Tensor,
-                   has_momentum: bool, nesterov: bool, maximize: bool) -> list[Tensor]:
-        return _functional_sgd(kernel, params, grads, momentum_buffers, hparams, has_momentum, nesterov, maximize,
-                               buffer_device)
-
-    def fake(params, grads, momentum_buffers, hparams, has_momentum, nesterov, maximize):
-        return _sgd_fake(params, grads, momentum_buffers, hparams, has_momentum, nesterov, maximize, buffer_device)
-
-    def in_place(params: list[Tensor], grads: list[Tensor], momentum_buffers: list[Tensor], hparams: Tensor,
-                 has_momentum: bool, nesterov: bool, maximize: bool) -> None:
-        kernel(params, grads, momentum_buffers, hparams, nesterov, maximize, False)
-
-    functional.__doc__, in_place.__doc__ = doc, f"In-place twin of spmd_ort::{name}."
-    op = torch.library.custom_op(f"spmd_ort::{name}", functional, mutates_args=())
-    op.register_fake(fake)
-    torch.library.custom_op(f"spmd_ort::{name}_", in_place, mutates_args=SGD_OUTPUTS)
-    _register_twin(name, SGD_OUTPUTS)
-
-
-_define_sgd("sgd", _sgd_kernel, """Functional SGD over one param group.
-
-    ``hparams`` is ``[lr, momentum, dampening, weight_decay]``.
-
-    An empty ``momentum_buffers`` with ``has_momentum`` is the first step:
-    buffers start as the gradient (as torch does).
-    """)
-
-
-# --------------------------------------------------------------------------
-# Host twins (offload_optimizer="cpu"): the same updates on the host with the
-# native kernel of csrc/ (spmd_ort.native).  Gradients and parameters on a
-# device are copied to the host and the new parameters back; optimizer state
-# stays in host memory.  On a CPU-only machine host == device: nothing moves.
-# --------------------------------------------------------------------------
-
-
-def _on_host(ts: list[Tensor]) -> list[Tensor]:
-    return [t if t.device.type == "cpu" else t.to("cpu") for t in ts]
-
-
-def _back(dst: list[Tensor], host: list[Tensor]) -> None:
-    for d, h in zip(dst, host):
-        if d is not h:
-            d.copy_(h, non_blocking=True)
-
-
-def _host_adam_kernel(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, steps, hparams, amsgrad, maximize,
-                      decoupled):
-    from . import native
-
-    lr, beta1, beta2, weight_decay, eps = hparams.tolist()
-    torch._foreach_add_(steps, 1)
-    hp, hm, hv, hmax, hs = (_on_host(ts) for ts in (params, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, steps))
-    native.adam_(hp, _on_host(grads), hm, hv, hmax, hs, lr=lr, beta1=beta1, beta2=beta2,
-                 weight_decay=weight_decay, eps=eps, amsgrad=amsgrad, maximize=maximize, decoupled=decoupled)
-    for dst, host in ((params, hp), (exp_avgs, hm), (exp_avg_sqs, hv), (max_exp_avg_sqs, hmax), (steps, hs)):
-        _back(dst, host)
-
-
-_define_adam("host_adam", _host_adam_kernel, ":func:`adam` with the update on the host (native kernel).")
-
-
-def _host_sgd_kernel(params, grads, bufs, hparams, nesterov, maximize, first_step):
-    from . import native
-
-    lr, momentum, dampening, weight_decay = hparams.tolist()
-    hp, hb = _on_host(params), _on_host(bufs)
-    native.sgd_(hp, _on_host(grads), hb, lr=lr, momentum=momentum, dampening=dampening, weight_decay=weight_decay,
-                nesterov=nesterov, maximize=maximize, is_first_step=first_step)
-    _back(params, hp)
-    _back(bufs, hb)
-
-
-_define_sgd("host_sgd", _host_sgd_kernel,
-            ":func:`sgd` with the update on the host (native kernel); momentum buffers live on the host.",
-            buffer_device="cpu")
-
-# device op -> its host twin (offload_optimizer)
-HOST_TWINS: dict = {
-    torch.ops.spmd_ort.adam.default: torch.ops.spmd_ort.host_adam.default,
-    torch.ops.spmd_ort.adam_.default: torch.ops.spmd_ort.host_adam_.default,
-    torch.ops.spmd_ort.sgd.default: torch.ops.spmd_ort.host_sgd.default,
-    torch.ops.spmd_ort.sgd_.default: torch.ops.spmd_ort.host_sgd_.default,
-}
 
 # --------------------------------------------------------------------------
 # Rules: run at trace time on the traced (proxy) param groups and state.
@@ -268,7 +86,7 @@ def adam_rule(opt: torch.optim.Optimizer) -> None:
             max_exp_avg_sqs=[s["max_exp_avg_sq"] for s in states] if amsgrad else [],
             steps=[s["step"] for s in states],
         )
-        out = torch.ops.spmd_ort.adam(
+        out = ops.adam(
             params, [p.grad for p in params], lists["exp_avgs"], lists["exp_avg_sqs"],
             lists["max_exp_avg_sqs"], lists["steps"], group[HPARAMS_KEY], bool(amsgrad), bool(group["maximize"]),
             bool(group.get("decoupled_weight_decay", False)))
@@ -294,7 +112,7 @@ def sgd_rule(opt: torch.optim.Optimizer) -> None:
                 f"SGD param group {gi}: some parameters have a momentum buffer and some do not; "
                 "the compiled step needs all or none", op="SGD.step")
         bufs = [b for b in bufs if b is not None]
-        out = torch.ops.spmd_ort.sgd(
+        out = ops.sgd(
             params, [p.grad for p in params], bufs, group[HPARAMS_KEY], momentum != 0, bool(group["nesterov"]),
             bool(group["maximize"]))
         _copy_back(params, out[:len(params)])

@@ -1,21 +1,34 @@
-"""User-facing options and the environment variables that override them.
+"""User-facing options, and every ``SPMD_ORT_*`` environment variable in one table.
 
-Environment variables (all optional):
-
-``SPMD_ORT_LOG_LEVEL``        VERBOSE | INFO | WARNING | ERROR | FATAL (default WARNING)
-``SPMD_ORT_BACKEND``          default executor when ``compile(backend=None)``: ``ort`` or ``fx``
-``SPMD_ORT_RETAIN_HOST_MEMORY`` 0 keeps glibc's default of returning freed memory to the system
-                              (see :func:`spmd_ort.memory.retain_host_memory`; default 1)
+:class:`Options` is what one compiled step runs with.  ``spmd_ort.compile``
+builds it once, from its arguments, :class:`DebugOptions` and the environment
+(:data:`ENV_VARS`), and hands it down to every stage; nothing else reads the
+environment.  A value that is not allowed is a :class:`~spmd_ort.errors.ConfigError`
+naming the variable and what it accepts.  The README's table of environment
+variables is :func:`env_table_markdown` (a test keeps them equal).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import enum
 import logging
 import os
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from .errors import ConfigError
 
 logger = logging.getLogger("spmd_ort")
+
+BACKENDS = ("ort", "fx")
+FALLBACK_POLICIES = ("FALLBACK_TO_FX", "FALLBACK_DISABLE")
+# torch.onnx's exporter implements opset 18 and later (below it, it silently stays at 18);
+# its version converter and onnxruntime 1.2x-1.3x handle up to 25 (26+ gives invalid models).
+OPSET_RANGE = (18, 25)
+DEFAULT_OPSET = 20
 
 
 class LogLevel(enum.IntEnum):
@@ -33,38 +46,170 @@ class DebugOptions:
     ``log_level`` sets the ``spmd_ort`` logger (``SPMD_ORT_LOG_LEVEL`` wins over it).
     ``save_onnx``/``onnx_prefix`` write exported segments (ORT backend).
     ``verify`` checks every exported segment numerically against the FX graph.
+    ``check_passes`` checks every graph pass's declared requires/ensures contracts.
     """
 
     log_level: LogLevel = LogLevel.WARNING
     save_onnx: bool = False
     onnx_prefix: str = "spmd_ort"
     verify: bool = False
+    check_passes: bool = False
 
 
-def env_str(name: str, default: str | None = None) -> str | None:
-    value = os.environ.get(name)
-    return default if value is None or value == "" else value
+@dataclass(frozen=True, kw_only=True)
+class Options:
+    """Everything one compiled step is configured with (resolved once, at ``spmd_ort.compile``)."""
+
+    backend: str = BACKENDS[0]
+    log_level: LogLevel = LogLevel.WARNING
+    disabled_passes: frozenset[str] = frozenset()
+    check_passes: bool = False
+    onnx_opset: int = DEFAULT_OPSET
+    verify: bool = False
+    fallback_policy: str = FALLBACK_POLICIES[0]
+    cache_dir: Path = Path.home() / ".cache" / "spmd_ort"
+    save_onnx: bool = False
+    onnx_prefix: str = "spmd_ort"
+    save_onnx_path: Path | None = None  # None: the working directory
+    native: bool = True
+    retain_host_memory: bool = True
+    allow_spinning: bool = True
+
+    @classmethod
+    def resolve(cls, *, debug: DebugOptions | None = None, backend: str | None = None,
+                environ: Mapping[str, str] | None = None) -> Options:
+        """Options from ``compile``'s arguments and the environment (which wins over ``DebugOptions``).
+
+        ``backend`` wins over ``SPMD_ORT_BACKEND``; ``verify`` and ``check_passes`` are on when
+        either ``DebugOptions`` or the environment turns them on.
+        """
+        debug = debug or DebugOptions()
+        env = from_environment(os.environ if environ is None else environ)
+        values: dict[str, Any] = {"log_level": debug.log_level, "save_onnx": debug.save_onnx,
+                                  "onnx_prefix": debug.onnx_prefix}
+        values.update(env)
+        values["verify"] = debug.verify or env.get("verify", False)
+        values["check_passes"] = debug.check_passes or env.get("check_passes", False)
+        if backend is not None:
+            if backend not in BACKENDS:
+                raise ConfigError(f"backend={backend!r} is not one of {', '.join(BACKENDS)}")
+            values["backend"] = backend
+        return cls(**values)
+
+    def replace(self, **changes: Any) -> Options:
+        return dataclasses.replace(self, **changes)
 
 
-def env_flag(name: str, default: bool = False) -> bool:
-    value = env_str(name)
-    if value is None:
-        return default
-    return value.lower() in ("1", "true", "yes", "on")
+# ---------------------------------------------------------------------- parsers
+def _bool(value: str) -> bool:
+    v = value.strip().lower()
+    if v in ("1", "true", "yes", "on"):
+        return True
+    if v in ("0", "false", "no", "off"):
+        return False
+    raise ValueError("1/0, true/false, yes/no or on/off")
 
 
-def configure_logging(debug: DebugOptions) -> None:
-    """Apply the log level: the environment variable takes precedence."""
-    name = env_str("SPMD_ORT_LOG_LEVEL")
-    if name is not None:
+def _choice(what: str, allowed: tuple[str, ...], upper: bool = False) -> Callable[[str], str]:
+    def parse(value: str) -> str:
+        v = value.strip().upper() if upper else value.strip()
+        if v not in allowed:
+            raise ValueError(" or ".join(allowed))
+        return v
+
+    return parse
+
+
+def _log_level(value: str) -> LogLevel:
+    try:
+        return LogLevel[value.strip().upper()]
+    except KeyError:
+        raise ValueError(", ".join(LogLevel.__members__)) from None
+
+
+def _opset(value: str) -> int:
+    lo, hi = OPSET_RANGE
+    try:
+        v = int(value)
+    except ValueError:
+        raise ValueError(f"an integer from {lo} to {hi}") from None
+    if not lo <= v <= hi:
+        raise ValueError(f"an integer from {lo} to {hi} (the ONNX exporter implements {lo}+, "
+                         f"onnxruntime loads up to {hi})")
+    return v
+
+
+def _names(value: str) -> frozenset[str]:
+    return frozenset(name.strip() for name in value.split(",") if name.strip())
+
+
+@dataclass(frozen=True)
+class EnvVar:
+    name: str
+    field: str  # the Options field it sets
+    parse: Callable[[str], Any]
+    default: str  # as the README shows it
+    doc: str
+
+
+ENV_VARS: tuple[EnvVar, ...] = (
+    EnvVar("SPMD_ORT_LOG_LEVEL", "log_level", _log_level, "`WARNING`",
+           "`VERBOSE`, `INFO`, `WARNING`, `ERROR` or `FATAL`; wins over `DebugOptions.log_level`"),
+    EnvVar("SPMD_ORT_BACKEND", "backend", _choice("backend", BACKENDS), "`ort`",
+           "`ort` or `fx`: the backend when `compile(backend=None)`"),
+    EnvVar("SPMD_ORT_DISABLE_PASSES", "disabled_passes", _names, "none",
+           "comma-separated graph pass names to skip (e.g. `reinplace_optimizer_pass`); an unknown name is an error"),
+    EnvVar("SPMD_ORT_CHECK_PASSES", "check_passes", _bool, "`0`",
+           "`1`: check every pass's requires/ensures contracts on the graph (always on in the test suite)"),
+    EnvVar("SPMD_ORT_ONNX_OPSET_VERSION", "onnx_opset", _opset, f"`{DEFAULT_OPSET}`",
+           f"ONNX opset of exported segments, {OPSET_RANGE[0]} to {OPSET_RANGE[1]}"),
+    EnvVar("SPMD_ORT_VERIFY", "verify", _bool, "`0`",
+           "`1`: check every exported segment against its fx graph on the first run"),
+    EnvVar("SPMD_ORT_FALLBACK_POLICY", "fallback_policy", _choice("policy", FALLBACK_POLICIES, upper=True),
+           "`FALLBACK_TO_FX`", "`FALLBACK_TO_FX` or `FALLBACK_DISABLE` (a segment ORT cannot run is an error)"),
+    EnvVar("SPMD_ORT_CACHE_DIR", "cache_dir", Path, "`~/.cache/spmd_ort`", "exported-model cache"),
+    EnvVar("SPMD_ORT_SAVE_ONNX_PATH", "save_onnx_path", Path, "working directory",
+           "where `DebugOptions(save_onnx=True)` writes `<onnx_prefix>_<segment>.onnx` (open them in Netron)"),
+    EnvVar("SPMD_ORT_NATIVE", "native", _bool, "`1`",
+           "`0`: host optimizer steps use torch's fused kernels instead of building `csrc/`"),
+    EnvVar("SPMD_ORT_RETAIN_HOST_MEMORY", "retain_host_memory", _bool, "`1`",
+           "`0`: leave glibc's allocator as it is (`1`: freed host memory is kept for reuse, see `memory()`)"),
+    EnvVar("SPMD_ORT_ALLOW_SPINNING", "allow_spinning", _bool, "`1`",
+           "`0` stops ORT's worker threads from spinning during a run (they stop when a run returns either way)"),
+)
+# read by other programs, not by spmd_ort: documented beside ours
+OTHER_ENV = (("TORCH_EXTENSIONS_DIR", "torch's `~/.cache/torch_extensions`",
+              "where the native kernel is built and cached"),)
+
+
+def from_environment(environ: Mapping[str, str]) -> dict[str, Any]:
+    """Options fields set by the environment; a bad value raises ConfigError naming the variable."""
+    out: dict[str, Any] = {}
+    known = {v.name for v in ENV_VARS}
+    for var in ENV_VARS:
+        raw = environ.get(var.name)
+        if raw is None or raw == "":
+            continue
         try:
-            level = LogLevel[name.upper()]
-        except KeyError:
-            raise ValueError(
-                f"SPMD_ORT_LOG_LEVEL={name!r} is not one of {', '.join(LogLevel.__members__)}"
-            ) from None
-    else:
-        level = debug.log_level
+            out[var.field] = var.parse(raw)
+        except ValueError as exc:
+            raise ConfigError(f"{var.name}={raw!r} is not valid: expected {exc}") from None
+    unknown = sorted(k for k in environ if k.startswith("SPMD_ORT_") and k not in known)
+    if unknown:
+        logger.warning("ignoring unknown environment variable(s) %s; spmd_ort reads %s", ", ".join(unknown),
+                       ", ".join(sorted(known)))
+    return out
+
+
+def env_table_markdown() -> str:
+    """The README's table of environment variables."""
+    rows = ["| variable | default | meaning |", "| --- | --- | --- |"]
+    rows += [f"| `{v.name}` | {v.default} | {v.doc} |" for v in ENV_VARS]
+    rows += [f"| `{name}` | {default} | {doc} |" for name, default, doc in OTHER_ENV]
+    return "\n".join(rows)
+
+
+def configure_logging(level: LogLevel) -> None:
     logger.setLevel(int(level))
     # Print on our own only where the application has not configured logging.
     if not logger.handlers and not logging.getLogger().handlers:

@@ -2,7 +2,7 @@
 
 ``DataParallel(parallel_style="replicate")`` is DDP as graph passes: each rank
 passes its own local batch, every parameter's gradient is tagged while tracing
-(``spmd_ort::tag_grad``), and the passes of ``passes/data_parallel.py`` turn the
+(``spmd_ort::tag_grad``, :mod:`spmd_ort.ops`), and the passes of ``passes/data_parallel.py`` turn the
 tags into bucketed, overlapped all-reduces that average gradients over ranks.
 It is the default when ``torch.distributed`` is initialized with more than one
 rank.  Launch with ``torchrun --nproc_per_node=N train.py`` (multi-node:
@@ -21,23 +21,13 @@ from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
-from torch import Tensor, nn
+from torch import nn
 
+from .ds_config import data_parallel_settings
 from .errors import CompileError
 
 STYLES = ("replicate", "fully_shard")
 OFFLOAD_DEVICES = (None, "cpu")
-
-
-@torch.library.custom_op("spmd_ort::tag_grad", mutates_args=())
-def tag_grad(grad: Tensor, index: int) -> Tensor:
-    """Marks the gradient of parameter ``index`` (identity); data-parallel passes replace it."""
-    return grad.clone()
-
-
-@tag_grad.register_fake
-def _(grad, index):
-    return torch.empty_like(grad)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -100,9 +90,7 @@ class DataParallel:
     @classmethod
     def from_deepspeed_config(cls, config) -> DataParallel:
         """The mode a DeepSpeed JSON config (path or dict) asks for; see :mod:`spmd_ort.ds_config`."""
-        from .ds_config import from_deepspeed_config
-
-        return from_deepspeed_config(config)
+        return cls(**data_parallel_settings(config))
 
 
 def world() -> tuple[int, int]:

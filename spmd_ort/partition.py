@@ -21,7 +21,7 @@ from torch import fx
 from torch.fx.passes.infra.partitioner import CapabilityBasedPartitioner
 from torch.fx.passes.operator_support import OperatorSupport
 
-from .collectives import STARTS, wait_
+from .ops import STARTS, wait_
 from .export import EXPORT_DECOMPOSITIONS
 
 aten = torch.ops.aten

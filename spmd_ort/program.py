@@ -9,8 +9,10 @@ import torch
 import torch.utils._pytree as pytree
 from torch import fx
 
-from spmd_ort.passes import PassRecord, op_counts
+from spmd_ort.passes import PassRecord, PassResults, op_counts
 
+from .executor import Executor
+from .options import Options
 from .state import Slot, StateLayout
 from .trace import TENSOR
 from .transition import StepKey
@@ -21,7 +23,9 @@ class CompiledProgram:
     """What the compiler produced for one input signature.
 
     ``gm`` is the final graph (placeholders ``input_slots``, outputs
-    ``output_slots``); ``traced_gm`` the graph as captured, before any pass.
+    ``output_slots``); ``traced_gm`` the graph as captured, before any pass;
+    ``passes_applied`` every pass of the pipeline in order; ``results`` what the
+    passes recorded (buckets, shard buckets, memory plan, ...).
     """
 
     key: StepKey
@@ -34,9 +38,9 @@ class CompiledProgram:
     user_spec: pytree.TreeSpec
     user_leaves: list[Any]
     passes_applied: list[PassRecord]
-    pass_info: dict  # what passes recorded (e.g. "buckets": gradient names per bucket)
-    executor: Any
-    backend: str
+    results: PassResults
+    executor: Executor
+    options: Options
     trace_seconds: float
     compile_seconds: float
     steps_run: int = 0
@@ -45,13 +49,17 @@ class CompiledProgram:
     def graph(self) -> fx.Graph:
         return self.gm.graph
 
+    @property
+    def backend(self) -> str:
+        return self.options.backend
+
     def run(self, args: tuple, kwargs: dict) -> Any:
         leaves = pytree.tree_leaves((args, kwargs))
         inputs = self.layout.gather() + [leaves[i] for i in self.batch_positions]
         outs = self.executor.run(inputs)
         # An executor that reuses its output buffers overwrites them next step:
         # what escapes the step (user outputs, newly assigned state) is copied.
-        owned = not getattr(self.executor, "reuses_buffers", False)
+        owned = not self.executor.reuses_buffers
         if not owned:
             outs = [o.clone() if slot.kind == "user" else o for slot, o in zip(self.output_slots, outs)]
         state_slots, state_vals, user_vals = [], [], []
@@ -86,19 +94,17 @@ class CompiledProgram:
         for s in self.output_slots:
             kinds[s.kind] = kinds.get(s.kind, 0) + 1
         lines.append("outputs: " + ", ".join(f"{n} {k}" for k, n in kinds.items()))
-        stats = getattr(self.executor, "stats", None)
-        if stats is not None:
-            lines.append(f"ORT segments: {stats.segments} (fell back to fx: {', '.join(stats.fallbacks) or 'none'}; "
-                         f"export {stats.export_seconds:.2f}s, {stats.cache_hits} from cache)")
-            lines += [f"  host: {op} ({why})" for op, why in stats.host_ops.items()]
-        if "buckets" in self.pass_info:
-            sizes = self.pass_info["bucket_bytes"]
+        lines += self.executor.describe()
+        results = self.results
+        if results.gradient_buckets is not None:
+            sizes = results.gradient_buckets.nbytes
             lines.append(f"gradient buckets: {len(sizes)} ({', '.join(f'{b / 2**20:.2f} MiB' for b in sizes)})")
-        if "shard_buckets" in self.pass_info:
-            b = self.pass_info["shard_buckets"]
+        if results.shard_buckets is not None:
             for kind in ("all_gather", "reduce_scatter"):
-                sizes = b[kind]
+                sizes = getattr(results.shard_buckets, kind)
                 lines.append(f"{kind} buckets: {len(sizes)} ({', '.join(f'{x / 2**20:.2f} MiB' for x in sizes)})")
+        if results.memory is not None:
+            lines.append(f"planned peak of values the step creates: {results.memory.planned_peak_bytes / 2**20:.2f} MiB")
         if self.layout.shard_specs:
             specs = self.layout.shard_specs.values()
             world = next(iter(specs)).world

@@ -12,6 +12,7 @@ from torch import fx
 
 class FxExecutor:
     name = "fx"
+    reuses_buffers = False  # every run allocates its outputs
 
     def __init__(self, gm: fx.GraphModule):
         self.gm = gm
@@ -19,3 +20,6 @@ class FxExecutor:
     def run(self, inputs: list[torch.Tensor]) -> list[torch.Tensor]:
         with torch.no_grad():
             return list(self.gm(*inputs))
+
+    def describe(self) -> list[str]:
+        return ["fx executor: every op runs in PyTorch"]

@@ -8,12 +8,12 @@ for them.  The top-level graph, with host nodes (the fused optimizer update,
 collectives, random ops) between segments, runs as an fx GraphModule.
 
 The first run of each compiled variant goes through :class:`_FirstRun`: every
-segment also runs its fx graph; with verification on (``DebugOptions(verify=True)``
-or ``SPMD_ORT_VERIFY=1``) the outputs are compared and a mismatch names the
-segment and the first differing output.  A segment that fails to export, to
-load, to run or to verify falls back to its fx graph (``SPMD_ORT_FALLBACK_POLICY``
-= ``FALLBACK_TO_FX``, the default, with one WARNING) or raises
-(``FALLBACK_DISABLE``).
+segment also runs its fx graph; with verification on (``Options.verify``) the
+outputs are compared and a mismatch names the segment and the first differing
+output.  A segment that fails to export, to load, to run or to verify falls
+back to its fx graph (``Options.fallback_policy`` = ``FALLBACK_TO_FX``, the
+default, with one WARNING) or raises (``FALLBACK_DISABLE``).  The graph it gets
+is finished: this module partitions, exports and runs, and runs no pass.
 """
 
 from __future__ import annotations
@@ -26,11 +26,9 @@ import onnxruntime as ort
 import torch
 from torch import fx, nn
 
-from spmd_ort import passes as P
-
 from .errors import CompileError
-from .export import export_segment, opset_version, save_model
-from .options import DebugOptions, env_flag, env_str
+from .export import export_segment, save_model
+from .options import Options
 from .partition import partition_for_ort, why_host
 
 logger = logging.getLogger("spmd_ort")
@@ -39,22 +37,10 @@ NUMPY_DTYPES = {
     torch.float32: np.float32, torch.float16: np.float16, torch.float64: np.float64, torch.int64: np.int64,
     torch.int32: np.int32, torch.int8: np.int8, torch.uint8: np.uint8, torch.bool: np.bool_,
 }
-POLICIES = ("FALLBACK_TO_FX", "FALLBACK_DISABLE")
 VERIFY_TOLERANCE = 1e-4  # max |ort - fx| relative to max |fx|, per output
 # Below this, differences are rounding noise of sums that cancel (e.g. the
 # analytically zero gradient of an attention key bias, ~1e-13): not a fault.
 VERIFY_ABS_FLOOR = {torch.float32: 1e-9, torch.float64: 1e-12, torch.float16: 1e-4, torch.bfloat16: 1e-3}
-
-
-def fallback_policy() -> str:
-    policy = (env_str("SPMD_ORT_FALLBACK_POLICY") or POLICIES[0]).upper()
-    if policy not in POLICIES:
-        raise ValueError(f"SPMD_ORT_FALLBACK_POLICY={policy!r} is not one of {', '.join(POLICIES)}")
-    return policy
-
-
-def verify_enabled(debug: DebugOptions) -> bool:
-    return debug.verify or env_flag("SPMD_ORT_VERIFY")
 
 
 def _outputs_meta(gm: fx.GraphModule) -> tuple[list[torch.Tensor], bool]:
@@ -67,7 +53,7 @@ def _outputs_meta(gm: fx.GraphModule) -> tuple[list[torch.Tensor], bool]:
 class OrtSegment(nn.Module):
     """One ORT session standing in for the fx segment ``fallback`` (same inputs, same outputs)."""
 
-    def __init__(self, name: str, fallback: fx.GraphModule, model: bytes, *, threads: int):
+    def __init__(self, name: str, fallback: fx.GraphModule, model: bytes, *, threads: int, allow_spinning: bool):
         super().__init__()
         self.name = name
         self.fallback = fallback
@@ -84,8 +70,7 @@ class OrtSegment(nn.Module):
         options.log_severity_level = 3
         # Spinning workers cut ORT's per-op latency (GEMMs up to 1.7x here) but keep
         # the cores busy after a run, while torch runs host nodes; measured, not assumed.
-        options.add_session_config_entry("session.intra_op.allow_spinning",
-                                         "1" if env_flag("SPMD_ORT_ALLOW_SPINNING", default=True) else "0")
+        options.add_session_config_entry("session.intra_op.allow_spinning", "1" if allow_spinning else "0")
         options.add_session_config_entry("session.force_spinning_stop", "1")  # ...and stop when Run returns
         providers = ["CPUExecutionProvider"]
         if self.device_type == "cuda":
@@ -233,12 +218,17 @@ class OrtExecutor:
                 return list(out)
             return list(self.gm(*inputs))
 
+    def describe(self) -> list[str]:
+        stats = self.stats
+        lines = [f"ORT segments: {stats.segments} (fell back to fx: {', '.join(stats.fallbacks) or 'none'}; "
+                 f"export {stats.export_seconds:.2f}s, {stats.cache_hits} from cache)"]
+        lines += [f"  host: {op} ({why})" for op, why in stats.host_ops.items()]
+        return lines
 
-def build_ort_executor(gm: fx.GraphModule, ctx: P.PassContext, debug: DebugOptions) -> tuple[OrtExecutor, fx.GraphModule]:
-    """Partition ``gm``, export and load each segment; the result runs with :class:`OrtExecutor`."""
-    gm = P.run_passes(gm, ctx, P.fx_executor_passes(ctx))
-    policy = fallback_policy()
-    opset = opset_version()  # configuration errors are raised, never "fallen back" from
+
+def build_ort_executor(gm: fx.GraphModule, options: Options) -> OrtExecutor:
+    """Partition the finished graph ``gm``, export and load each segment into an :class:`OrtExecutor`."""
+    policy, opset = options.fallback_policy, options.onnx_opset
     stats = OrtStats()
     for node in gm.graph.nodes:
         reason = why_host(node) if node.op == "call_function" else None
@@ -251,21 +241,21 @@ def build_ort_executor(gm: fx.GraphModule, ctx: P.PassContext, debug: DebugOptio
         sub = fused.get_submodule(name)
         stage = "export"
         try:
-            result = export_segment(sub, name=name, opset=opset)
+            result = export_segment(sub, name=name, opset=opset, cache_dir=options.cache_dir)
             stats.export_seconds += result.seconds
             stats.cache_hits += int(result.cache_hit)
-            if debug.save_onnx:
-                path = save_model(result.model, name, debug.onnx_prefix)
+            if options.save_onnx:
+                path = save_model(result.model, name, options.onnx_prefix, options.save_onnx_path)
                 logger.info("saved %s to %s", name, path)
             stage = "loading the exported model into ONNX Runtime"
             try:
-                segment = OrtSegment(name, sub, result.model, threads=threads)
+                segment = OrtSegment(name, sub, result.model, threads=threads, allow_spinning=options.allow_spinning)
             except Exception:
                 if not result.cache_hit:
                     raise
                 logger.info("cached model of %s does not load; exporting it again", name)
-                result = export_segment(sub, name=name, opset=opset, refresh=True)
-                segment = OrtSegment(name, sub, result.model, threads=threads)
+                result = export_segment(sub, name=name, opset=opset, cache_dir=options.cache_dir, refresh=True)
+                segment = OrtSegment(name, sub, result.model, threads=threads, allow_spinning=options.allow_spinning)
         except CompileError:
             raise
         except Exception as exc:  # noqa: BLE001 - export/load failures fall back per policy
@@ -274,7 +264,7 @@ def build_ort_executor(gm: fx.GraphModule, ctx: P.PassContext, debug: DebugOptio
             continue
         setattr(fused, name, segment)
     fused.recompile()
-    return OrtExecutor(fused, verify=verify_enabled(debug), policy=policy, stats=stats), fused
+    return OrtExecutor(fused, verify=options.verify, policy=policy, stats=stats)
 
 
 def _short(exc: BaseException, limit: int = 400) -> str:

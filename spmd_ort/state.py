@@ -24,7 +24,7 @@ import torch
 from torch import Tensor, nn
 from torch.nn.utils import stateless
 
-from . import parallel as _parallel  # noqa: F401 - registers spmd_ort::tag_grad
+from .ops import tag_grad
 from .optim import HPARAMS_KEY, OptimizerRule
 from .sharding import ShardSpec, is_sharded_state, spec_of
 
@@ -130,7 +130,7 @@ class StateLayout:
         if tag_grads:
             for i, p in enumerate(params):
                 if p.requires_grad:
-                    p.register_hook(functools.partial(torch.ops.spmd_ort.tag_grad, index=i))
+                    p.register_hook(functools.partial(tag_grad, index=i))
         buffers = [next(it) for _ in self.buffers]
         for i in self.grad_params:
             params[i].grad = next(it)

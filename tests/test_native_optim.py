@@ -96,7 +96,7 @@ def test_sgd_first_step_never_reads_the_fresh_buffer(nesterov):
 
 def test_without_a_compiler_the_torch_kernel_runs_after_one_warning(monkeypatch, tmp_path):
     monkeypatch.setattr(native, "SOURCE", tmp_path / "missing.cpp")
-    monkeypatch.setattr(native, "_state", {})
+    monkeypatch.setattr(native, "_loaded", {})
     params, grads = _tensors(0), _tensors(1)
     m, v = _state(2, 0.1), _state(3, 0.01)
     ref = [[t.clone() for t in ts] for ts in (params, m, v)]

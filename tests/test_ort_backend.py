@@ -215,9 +215,10 @@ def test_save_onnx_and_opset(tmp_path, monkeypatch, fresh_cache):
     proto = onnx.load(str(saved[0]))
     onnx.checker.check_model(proto)
     assert {o.domain: o.version for o in proto.opset_import}[""] == 18
-    monkeypatch.setenv("SPMD_ORT_ONNX_OPSET_VERSION", "eighteen")
-    with pytest.raises(ValueError, match="SPMD_ORT_ONNX_OPSET_VERSION"):
-        step(model, torch.optim.SGD(model.parameters(), lr=0.1), torch.randn(5, 32), torch.randint(0, 10, (5,)))
+    for bad in ("eighteen", "7", "99"):  # read once, when compile() is called: a bad value fails there
+        monkeypatch.setenv("SPMD_ORT_ONNX_OPSET_VERSION", bad)
+        with pytest.raises(spmd_ort.ConfigError, match=f"SPMD_ORT_ONNX_OPSET_VERSION='{bad}'.*from 18 to 25"):
+            spmd_ort.compile(backend="ort")
 
 
 def test_host_nodes_are_named():

@@ -7,9 +7,11 @@ import pytest
 from torch import fx
 
 import spmd_ort
-from spmd_ort.collectives import all_reduce_, broadcast_, wait_
-from spmd_ort.passes import (PassContext, bucket_collectives_pass, capture_cleanup_passes, dedup_collectives_pass,
-                             expand_data_parallel_pass, op_counts, run_passes, schedule_overlap_pass)
+from spmd_ort.ops import all_reduce_, broadcast_, wait_
+from spmd_ort.passes import (PassContext, broadcast_buffers_pass, bucket_collectives_pass, build_pipeline,
+                             dedup_collectives_pass, expand_data_parallel_pass, op_counts, run_passes,
+                             schedule_overlap_pass)
+from spmd_ort.runtime import StepRuntime
 from spmd_ort.state import StateLayout
 from spmd_ort.optim import rule_for
 from spmd_ort.trace import trace_step
@@ -24,19 +26,22 @@ def _traced(model, x, y, opt_cls=torch.optim.SGD):
     layout = StateLayout.capture(model, opt, rule_for(opt))
     traced = trace_step(train_step, (model, opt, x, y), {}, layout, tag_grads=True)
     # as in the pipeline: capture clean-up first (drops autograd's detach of each gradient)
-    traced.gm = run_passes(traced.gm, _ctx(traced), capture_cleanup_passes(None))
+    traced.gm = run_passes(traced.gm, _ctx(traced), build_pipeline(None, "fx", stages=("cleanup",)))
     inputs = layout.gather() + [x, y]
     return traced, inputs
 
 
 def _ctx(traced, world_size=1, **mode):
     return PassContext(input_slots=list(traced.input_slots), output_slots=list(traced.output_slots),
-                       world_size=world_size, parallel_mode=spmd_ort.DataParallel(**mode))
+                       world_size=world_size, mode=spmd_ort.DataParallel(**mode), check_contracts=True)
 
 
 def _run(gm, inputs):
-    with torch.no_grad():
-        return [o.clone() for o in gm(*[t.detach().clone() for t in inputs])]
+    runtime = StepRuntime()  # collectives run on this runtime's communicator
+    with torch.no_grad(), runtime.active():
+        out = [o.clone() for o in gm(*[t.detach().clone() for t in inputs])]
+    runtime.comm.finish()
+    return out
 
 
 def test_expand_replaces_every_tag_and_keeps_numbers(one_rank):
@@ -62,10 +67,11 @@ def test_bucket_count_for_cap(one_rank, cap_mb, first_mb, buckets):
     ctx = _ctx(traced, bucket_cap_mb=cap_mb, first_bucket_cap_mb=first_mb)
     gm = run_passes(traced.gm, ctx, [expand_data_parallel_pass, bucket_collectives_pass])
     gm.graph.lint()
-    assert op_counts(gm)[AR] == buckets == len(ctx.extra["buckets"])
-    assert sum(ctx.extra["bucket_bytes"]) == sum(p.numel() * 4 for p in model.parameters())
-    first = ctx.extra["bucket_bytes"][0]
-    assert first <= first_mb * 2**20 or len(ctx.extra["buckets"][0]) == 1  # one oversized grad may stand alone
+    buckets_made = ctx.results.gradient_buckets
+    assert op_counts(gm)[AR] == buckets == len(buckets_made.names)
+    assert sum(buckets_made.nbytes) == sum(p.numel() * 4 for p in model.parameters())
+    first = buckets_made.nbytes[0]
+    assert first <= first_mb * 2**20 or len(buckets_made.names[0]) == 1  # one oversized grad may stand alone
     for a, b in zip(_run(gm, inputs), expected, strict=True):
         torch.testing.assert_close(a, b, rtol=0, atol=0)
 
@@ -115,7 +121,7 @@ def test_buffers_are_broadcast_before_use(one_rank):
     model = CNN()
     traced, inputs = _traced(model, torch.randn(4, 3, 16, 16), torch.randint(0, 10, (4,)))
     expected = _run(traced.gm, inputs)
-    gm = run_passes(traced.gm, _ctx(traced), [expand_data_parallel_pass])
+    gm = run_passes(traced.gm, _ctx(traced), [expand_data_parallel_pass, broadcast_buffers_pass])
     gm.graph.lint()
     assert op_counts(gm)[BCAST] == 6
     for node in gm.graph.nodes:
@@ -123,3 +129,34 @@ def test_buffers_are_broadcast_before_use(one_rank):
             assert [u for u in node.args[0].users if u is not node] == []  # only the broadcast reads it
     for a, b in zip(_run(gm, inputs), expected, strict=True):
         torch.testing.assert_close(a, b, rtol=0, atol=0)
+
+
+def test_each_runtime_counts_only_its_own_collectives(one_rank):
+    """Host ops report to the communicator of the step whose graph is running (a context variable), so two
+    graphs run at once from two threads each count their own all-reduces; one process-wide counter
+    would give both the sum."""
+    import threading
+
+    runs = {}
+    for name, hidden in (("small", 16), ("large", 128)):
+        model = MLP(hidden=hidden)
+        traced, inputs = _traced(model, torch.randn(8, 32), torch.randint(0, 10, (8,)))
+        ctx = _ctx(traced, bucket_cap_mb=0.001, first_bucket_cap_mb=0.001)
+        gm = run_passes(traced.gm, ctx, [expand_data_parallel_pass, bucket_collectives_pass])
+        runs[name] = (gm, inputs, StepRuntime(), sum(p.numel() * 4 for p in model.parameters()))
+    start = threading.Barrier(2)
+
+    def work(gm, inputs, runtime, _):
+        start.wait()
+        with torch.no_grad(), runtime.active():
+            for _ in range(20):
+                gm(*inputs)
+                runtime.comm.finish()
+
+    threads = [threading.Thread(target=work, args=run) for run in runs.values()]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    for name, (_, _, runtime, grad_bytes) in runs.items():
+        assert runtime.comm.step.all_reduce_bytes == 20 * grad_bytes, name

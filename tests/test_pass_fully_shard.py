@@ -8,10 +8,13 @@ import pytest
 import torch
 
 import spmd_ort
-from spmd_ort.collectives import all_gather, all_reduce_, reduce_scatter, wait_
+from spmd_ort.ops import all_gather, all_reduce_, reduce_scatter, wait_
 from spmd_ort.optim import rule_for
-from spmd_ort.passes import (PassContext, capture_cleanup_passes, dedup_collectives_pass, offload_optimizer_pass,
-                             parallel_passes, run_passes, shard_parameters_pass)
+from spmd_ort.passes import (PARALLEL_STAGES, PassContext, build_pipeline, complete_grad_norms_pass,
+                             dedup_collectives_pass, gather_parameters_pass, offload_optimizer_pass,
+                             propagate_shards_pass, reduce_scatter_gradients_pass, rematerialize_param_views_pass,
+                             run_passes, shard_placeholders_pass)
+from spmd_ort.runtime import StepRuntime
 from spmd_ort.sharding import SHARD_ATTR, ShardSpec
 from spmd_ort.state import StateLayout
 from spmd_ort.trace import phase, trace_step
@@ -19,7 +22,7 @@ from helpers import train_step
 from models import GPT, MLP, GPTConfig
 
 
-def _shard(model, opt, world, rank=0):
+def _shard_model(model, opt, world, rank=0):
     """What ShardedModule does, without collectives: rank ``rank``'s shards of every parameter and state."""
     for p in model.parameters():
         spec = ShardSpec(tuple(p.shape), p.numel(), world, rank)
@@ -32,7 +35,7 @@ def _shard(model, opt, world, rank=0):
 
 
 def _traced(model, opt, x, y, world, clip=None, step=None):
-    _shard(model, opt, world)
+    _shard_model(model, opt, world)
     layout = StateLayout.capture(model, opt, rule_for(opt))
     fn = step or (lambda m, o, a, b: train_step(m, o, a, b, clip=clip))
     traced = trace_step(fn, (model, opt, x, y), {}, layout, tag_grads=True)
@@ -42,7 +45,24 @@ def _traced(model, opt, x, y, world, clip=None, step=None):
 def _ctx(traced, layout, world, **mode):
     mode = spmd_ort.DataParallel(parallel_style="fully_shard", **mode)
     return PassContext(input_slots=list(traced.input_slots), output_slots=list(traced.output_slots),
-                       world_size=world, parallel_mode=mode, shard_specs=layout.shard_specs)
+                       world_size=world, mode=mode, shard_specs=layout.shard_specs, layout=layout,
+                       check_contracts=True)
+
+
+def _cleanup(ctx):
+    return build_pipeline(ctx.mode, "fx", stages=("cleanup",))
+
+
+def _shard(ctx):
+    """The sharding rewrite (placeholders, reduce-scatters, views, propagation, gathers, norms)."""
+    passes = [shard_placeholders_pass, reduce_scatter_gradients_pass]
+    if ctx.mode.reshard_after_forward:
+        passes.append(rematerialize_param_views_pass)
+    return passes + [propagate_shards_pass, gather_parameters_pass, complete_grad_norms_pass]
+
+
+def _parallel(ctx):
+    return build_pipeline(ctx.mode, "fx", stages=("cleanup", *PARALLEL_STAGES))
 
 
 def _nodes(gm, target):
@@ -61,7 +81,7 @@ def test_shard_pass_gathers_before_use_and_reduce_scatters_every_gradient():
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     traced, layout = _traced(model, opt, *_gpt_batch(cfg), world=2, clip=1.0)
     ctx = _ctx(traced, layout, 2)
-    gm = run_passes(traced.gm, ctx, capture_cleanup_passes(ctx) + [shard_parameters_pass])
+    gm = run_passes(traced.gm, ctx, _cleanup(ctx) + _shard(ctx))
     n_params = len(layout.params)
     assert not [n for n in gm.graph.nodes if "tag_grad" in str(n.target)]
     # every gradient: reshape -> (pad) -> reduce_scatter -> wait
@@ -91,7 +111,7 @@ def test_reshard_after_forward_false_gathers_once_and_backward_reads_forward_vie
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     traced, layout = _traced(model, opt, *_gpt_batch(cfg), world=2)
     ctx = _ctx(traced, layout, 2, reshard_after_forward=False)
-    gm = run_passes(traced.gm, ctx, capture_cleanup_passes(ctx) + [shard_parameters_pass, dedup_collectives_pass])
+    gm = run_passes(traced.gm, ctx, _cleanup(ctx) + _shard(ctx) + [dedup_collectives_pass])
     assert len(_nodes(gm, all_gather)) == len(layout.params)
 
 
@@ -102,7 +122,7 @@ def test_reshard_recomputes_parameter_views_for_backward():
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     traced, layout = _traced(model, opt, torch.randn(4, 32), torch.randint(0, 10, (4,)), world=2)
     ctx = _ctx(traced, layout, 2)
-    gm = run_passes(traced.gm, ctx, capture_cleanup_passes(ctx) + [shard_parameters_pass, dedup_collectives_pass])
+    gm = run_passes(traced.gm, ctx, _cleanup(ctx) + _shard(ctx) + [dedup_collectives_pass])
     forward_gathers = {w for g in _nodes(gm, all_gather) if phase(g) == "forward" for w in g.users}
 
     def from_forward_gather(node, seen=()):
@@ -122,17 +142,17 @@ def test_buckets_and_prefetch_order():
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     traced, layout = _traced(model, opt, *_gpt_batch(cfg), world=2)
     ctx = _ctx(traced, layout, 2, bucket_cap_mb=0.03, prefetch=1)
-    gm = run_passes(traced.gm, ctx, capture_cleanup_passes(ctx) + parallel_passes(ctx))
+    gm = run_passes(traced.gm, ctx, _parallel(ctx))
     # the tied embedding / LM head and the last block are still gathered when forward ends: kept for backward
-    kept = ctx.extra["kept_for_backward"]
+    kept = ctx.results.kept_for_backward
     wte = next(n.name for n, s in zip([n for n in gm.graph.nodes if n.op == "placeholder"], ctx.input_slots)
                if s.name == "wte.weight")
     assert wte in kept and len(kept) < len(layout.params) // 2, kept
-    info = ctx.extra["shard_buckets"]
-    assert len(_nodes(gm, all_gather)) == len(info["all_gather"]) >= 4
-    assert len(_nodes(gm, reduce_scatter)) == len(info["reduce_scatter"]) >= 2
+    info = ctx.results.shard_buckets
+    assert len(_nodes(gm, all_gather)) == len(info.all_gather) >= 4
+    assert len(_nodes(gm, reduce_scatter)) == len(info.reduce_scatter) >= 2
     cap = 0.03 * 2**20
-    assert all(b <= cap for b in info["reduce_scatter"] + info["all_gather"])
+    assert all(b <= cap for b in info.reduce_scatter + info.all_gather)
     order = {n: i for i, n in enumerate(gm.graph.nodes)}
     for ph in ("forward", "backward"):
         waits = [w for w in _nodes(gm, wait_) if w.args[0].target is all_gather and phase(w) == ph]
@@ -155,7 +175,7 @@ def test_unsupported_gradient_use_names_the_op_and_parameter():
                              step=lambda m, o, a, b: _inf_clip_step(m, o, a, b))
     ctx = _ctx(traced, layout, 2)
     with pytest.raises(spmd_ort.CompileError) as err:
-        run_passes(traced.gm, ctx, capture_cleanup_passes(ctx) + [shard_parameters_pass])
+        run_passes(traced.gm, ctx, _cleanup(ctx) + _shard(ctx))
     msg = str(err.value)
     assert "fully_shard" in msg and "linalg_vector_norm" in msg and "replicate" in msg, msg
     assert any(f"`{name}`" in msg for name in ("fc1.weight", "fc1.bias", "fc2.weight", "fc2.bias", "head.weight",
@@ -176,10 +196,10 @@ def test_offload_optimizer_pass_swaps_in_the_host_twin():
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     traced, layout = _traced(model, opt, torch.randn(4, 32), torch.randint(0, 10, (4,)), world=2)
     ctx = _ctx(traced, layout, 2, offload_optimizer="cpu")
-    gm = run_passes(traced.gm, ctx, capture_cleanup_passes(ctx) + [shard_parameters_pass, offload_optimizer_pass])
+    gm = run_passes(traced.gm, ctx, _cleanup(ctx) + _shard(ctx) + [offload_optimizer_pass])
     targets = {str(n.target) for n in gm.graph.nodes if n.op == "call_function"}
     assert "spmd_ort.host_adam.default" in targets and "spmd_ort.adam.default" not in targets
-    assert ctx.extra["offloaded_optimizer_ops"] == 1
+    assert ctx.results.offload.optimizer_ops == 1
 
 
 @pytest.mark.parametrize("reshard", [True, False])
@@ -198,11 +218,11 @@ def test_sharded_graph_on_one_rank_computes_the_unsharded_step(one_rank, reshard
     ref_loss = train_step(ref_model, ref_opt, x, y, clip=1.0)
     traced, layout = _traced(model, opt, x, y, world=1, clip=1.0)
     ctx = _ctx(traced, layout, 1, reshard_after_forward=reshard, bucket_cap_mb=0.01)
-    gm = run_passes(traced.gm, ctx, capture_cleanup_passes(ctx) + parallel_passes(ctx))
-    with torch.no_grad():
+    gm = run_passes(traced.gm, ctx, _parallel(ctx))
+    runtime = StepRuntime()
+    with torch.no_grad(), runtime.active():
         outs = gm(*layout.gather(), x, y)
-    from spmd_ort.collectives import COMM
-    COMM.finish()
+    runtime.comm.finish()
     torch.testing.assert_close(outs[0], ref_loss.detach(), rtol=1e-6, atol=1e-7)
     new = {s.index: v for s, v in zip(ctx.output_slots, outs) if s.kind == "param"}
     for i, p in enumerate(ref_model.parameters()):
@@ -213,8 +233,6 @@ def test_planned_peak_falls_with_resharding_and_sharding():
     """The liveness plan sees what resharding buys: gathered weights die after their last forward use."""
     from spmd_ort.memory import planned_peak_bytes
 
-    from spmd_ort.passes import fx_executor_passes
-
     cfg = GPTConfig(layers=4, d=64, vocab=512)
     peaks = {}
     for reshard in (True, False):
@@ -224,7 +242,7 @@ def test_planned_peak_falls_with_resharding_and_sharding():
         train_step(model, opt, *_gpt_batch(cfg))  # optimizer state exists: the update runs in place
         traced, layout = _traced(model, opt, *_gpt_batch(cfg), world=2)
         ctx = _ctx(traced, layout, 2, reshard_after_forward=reshard, bucket_cap_mb=0.05)
-        gm = run_passes(traced.gm, ctx, capture_cleanup_passes(ctx) + parallel_passes(ctx) + fx_executor_passes(ctx))
+        gm = run_passes(traced.gm, ctx, build_pipeline(ctx.mode, "fx"))
         peaks[reshard] = planned_peak_bytes(gm)
     params = sum(p.numel() * 4 for p in GPT(cfg).parameters())
     assert peaks[True] < peaks[False]

@@ -110,7 +110,7 @@ def run(args, rank: int, world: int) -> dict:
         result.update(
             losses=losses, comm=comm, traces=step.transitions.traces,
             grad_bytes=sum(p.numel() * p.element_size() for p in model.parameters()),
-            buckets=len(prog.pass_info.get("bucket_bytes", [])), bucket_bytes=prog.pass_info.get("bucket_bytes"),
+            buckets=len(prog.results.gradient_buckets.nbytes), bucket_bytes=list(prog.results.gradient_buckets.nbytes),
             describe=prog.describe())
     except spmd_ort.CompileError as exc:
         result["compile_error"] = str(exc)

@@ -1,0 +1,123 @@
+"""Node builders and predicates shared by the pass files (each imports them from here)."""
+
+from __future__ import annotations
+
+import operator
+
+import torch
+from torch import fx
+
+from spmd_ort import ops
+from spmd_ort.trace import phase
+
+aten = torch.ops.aten
+TAG = ops.tag_grad
+
+# node.meta keys written by analyses and read by later passes
+SHARD_OF = "shard_of"  # fully_shard: index of the parameter this value is a shard of (grads, state, updates)
+SHARDED_PARAM = "sharded_param"  # fully_shard: a parameter placeholder that holds a shard
+PARTIAL_NORM = "partial_norm"  # fully_shard: a 2-norm of a shard (its position among the step's norms)
+DEDUP_KEY = "dedup_key"  # what else two identical collectives must share to be merged (e.g. the phase)
+
+
+def val(node: fx.Node) -> torch.Tensor:
+    return node.meta["val"]
+
+
+def tensor_bytes(v: torch.Tensor) -> int:
+    return v.numel() * v.element_size()
+
+
+def nbytes(node: fx.Node) -> int:
+    return tensor_bytes(val(node))
+
+
+def call(graph: fx.Graph, target, args: tuple, value) -> fx.Node:
+    """A ``call_function`` node with its ``meta["val"]`` set."""
+    node = graph.call_function(target, args)
+    node.meta["val"] = value
+    return node
+
+
+def calls(gm: fx.GraphModule, *targets) -> list[fx.Node]:
+    return [n for n in gm.graph.nodes if n.op == "call_function" and n.target in targets]
+
+
+def placeholders(gm: fx.GraphModule) -> list[fx.Node]:
+    return [n for n in gm.graph.nodes if n.op == "placeholder"]
+
+
+def set_phase(node: fx.Node, ph: str) -> fx.Node:
+    if ph == "backward":
+        node.meta.setdefault("custom", {})["phase"] = "backward"
+    return node
+
+
+def is_view_op(target) -> bool:
+    """Whether an op returns a view of its first input (a non-writing alias in its schema)."""
+    schema = getattr(target, "_schema", None)
+    if schema is None or not schema.returns:
+        return False
+    alias = schema.returns[0].alias_info
+    return alias is not None and not alias.is_write
+
+
+def fake_mode_of(gm: fx.GraphModule):
+    from torch._guards import detect_fake_mode
+
+    return detect_fake_mode([n.meta.get("val") for n in gm.graph.nodes if n.op == "placeholder"])
+
+
+def refake(node: fx.Node, fake_mode) -> None:
+    """Recompute ``node.meta["val"]`` from its inputs' (possibly changed) values."""
+    args = fx.map_arg(node.args, lambda n: n.meta["val"])
+    kwargs = fx.map_arg(node.kwargs, lambda n: n.meta["val"])
+    with fake_mode:
+        node.meta["val"] = node.target(*args, **kwargs)
+
+
+UNPACK_OPS = (aten.split_with_sizes.default, aten.view.default, aten.reshape.default, aten.slice.Tensor,
+              operator.getitem)
+PACK_OPS = (aten.cat.default, aten.clone.default, aten.reshape.default, aten.view.default,
+            aten.constant_pad_nd.default, aten._to_copy.default)
+
+
+def unpack_chain(wait: fx.Node) -> set[fx.Node]:
+    """``wait`` and the split/getitem/slice/view nodes downstream of it that only unpack the bucket."""
+    chain, todo = {wait}, [wait]
+    while todo:
+        for user in todo.pop().users:
+            if user.op == "call_function" and user.target in UNPACK_OPS and user not in chain:
+                chain.add(user)
+                todo.append(user)
+    return chain
+
+
+def producers(node: fx.Node) -> list[fx.Node]:
+    """The nodes that only pack a collective's input (cat/reshape/pad/copy of single-use values), innermost first."""
+    out: list[fx.Node] = []
+
+    def visit(n: fx.Node) -> None:
+        if n.op != "call_function" or n.target not in PACK_OPS or len(n.users) != 1 or n in out:
+            return
+        for arg in n.all_input_nodes:
+            visit(arg)
+        out.append(n)
+
+    visit(node)
+    return out
+
+
+def move_after_inputs(node: fx.Node) -> None:
+    """Move ``node`` up to just after the last of its inputs (fx nodes compare by graph position)."""
+    inputs = node.all_input_nodes
+    if not inputs:
+        return
+    last = max(inputs)
+    if last.next is not node:
+        last.append(node)
+
+
+__all__ = ["DEDUP_KEY", "PACK_OPS", "PARTIAL_NORM", "SHARDED_PARAM", "SHARD_OF", "TAG", "UNPACK_OPS", "aten", "call",
+           "calls", "fake_mode_of", "is_view_op", "move_after_inputs", "nbytes", "phase", "placeholders",
+           "producers", "refake", "set_phase", "tensor_bytes", "unpack_chain", "val"]

@@ -1,0 +1,55 @@
+"""CPU offload under ``fully_shard``: the optimizer update and the parameter shards in host memory."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+from torch import fx
+
+from spmd_ort.ops import HOST_TWINS, all_gather
+
+from .contracts import GATHERS_ON_COMPUTE_DEVICE, NO_DEVICE_OPTIMIZER_OPS
+from .helpers import aten, call, calls, fake_mode_of, placeholders, refake, val
+from .runner import graph_pass
+
+
+@graph_pass(ensures=[NO_DEVICE_OPTIMIZER_OPS])
+def offload_optimizer_pass(gm: fx.GraphModule, ctx) -> fx.GraphModule:
+    """``offload_optimizer="cpu"``: every optimizer op becomes its host twin.
+
+    The host twin (``spmd_ort::host_adam`` / ``host_sgd``) runs the native fused
+    kernel of ``csrc/`` on host tensors, copying device gradients in and new
+    parameters out; optimizer state stays in host memory.
+    """
+    count = 0
+    for node in calls(gm, *HOST_TWINS):
+        node.target = HOST_TWINS[node.target]
+        count += 1
+    ctx.results.offload = dataclasses.replace(ctx.results.offload, optimizer_ops=count)
+    return gm
+
+
+@graph_pass(ensures=[GATHERS_ON_COMPUTE_DEVICE])
+def offload_params_pass(gm: fx.GraphModule, ctx) -> fx.GraphModule:
+    """``offload_param="cpu"``: parameter shards live in host memory; each is copied to the device before its gather.
+
+    The compute device is the device of the batch inputs.  When it is the
+    host (a CPU-only run) the shards already are where the gathers read them
+    and nothing is inserted.
+    """
+    batch = [val(n) for n, s in zip(placeholders(gm), ctx.input_slots) if s.kind == "batch"]
+    device = batch[0].device if batch else torch.device("cpu")
+    moved = 0
+    for node in calls(gm, all_gather):
+        src = node.args[0]
+        if val(src).device == device:
+            continue
+        with gm.graph.inserting_before(node):
+            copy = call(gm.graph, aten._to_copy.default, (src,), val(src).to("meta"))
+            copy.kwargs = {"device": device, "non_blocking": True}
+            refake(copy, fake_mode_of(gm))
+        node.replace_input_with(src, copy)
+        moved += 1
+    ctx.results.offload = dataclasses.replace(ctx.results.offload, param_device=str(device), param_copies=moved)
+    return gm

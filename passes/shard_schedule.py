@@ -1,0 +1,188 @@
+"""Scheduling ``fully_shard``'s collectives: tail gathers kept for backward, buckets, prefetch."""
+
+from __future__ import annotations
+
+import operator
+
+from torch import fx
+from torch.fx.passes.tools_common import stable_topological_sort
+
+from spmd_ort.ops import all_gather, reduce_scatter, wait_
+
+from .context import ShardBuckets
+from .contracts import COLLECTIVES_WAITED, NO_DUPLICATE_COLLECTIVES, ONE_SHARD_COLLECTIVE_PER_BUCKET
+from .helpers import aten, call, calls, phase, producers, set_phase, tensor_bytes, unpack_chain, val
+from .runner import graph_pass
+
+
+def _uses(gather: fx.Node) -> list[fx.Node]:
+    """The nodes that read a gathered parameter, past the wait/slice/view nodes that unpack it."""
+    chain = set().union(*(unpack_chain(wait) for wait in gather.users))
+    return [u for n in chain for u in n.users if u not in chain]
+
+
+@graph_pass(requires=[NO_DUPLICATE_COLLECTIVES])
+def keep_tail_gathers_pass(gm: fx.GraphModule, ctx) -> fx.GraphModule:
+    """With resharding, parameters still gathered when forward ends are not gathered again for backward.
+
+    A parameter whose last forward use comes after the last forward gather has
+    been waited for (the final block, the LM head, a tied embedding) holds its
+    gathered copy until the end of forward anyway; backward starts with exactly
+    these parameters, so freeing and re-gathering them would only add a
+    blocking all-gather at the turn (FSDP2 keeps its root module unsharded for
+    the same reason).  requires: one gather per parameter and phase (dedup).
+    ensures: such parameters' backward uses read the forward gather.
+    """
+    graph = gm.graph
+    gathers: dict[tuple, fx.Node] = {(n.args, phase(n)): n for n in calls(gm, all_gather)}
+    forward_waits = [w for (args, ph), g in gathers.items() if ph == "forward" for w in g.users]
+    if not forward_waits:
+        return gm
+    last_wait = max(forward_waits)
+    kept = []
+    for (args, ph), forward in gathers.items():
+        backward = gathers.get((args, "backward"))
+        if ph != "forward" or backward is None:
+            continue
+        forward_uses = [u for u in _uses(forward) if phase(u) == "forward"]
+        if not forward_uses or max(forward_uses) < last_wait:
+            continue
+        (fwd_wait,), (bwd_wait,) = list(forward.users), list(backward.users)
+        bwd_wait.replace_all_uses_with(fwd_wait)
+        graph.erase_node(bwd_wait)
+        graph.erase_node(backward)
+        kept.append(args[0].name)
+    ctx.results.kept_for_backward = tuple(kept)
+    return gm
+
+
+def _buckets(pairs: list, cap: float) -> list[list]:
+    buckets: list[list] = []
+    size = 0
+    for start, wait in pairs:
+        v = val(wait) if start.target is all_gather else val(start.args[0])
+        head = buckets[-1][0][1] if buckets else None
+        same = head is not None and val(head).dtype == val(wait).dtype and val(head).device == val(wait).device
+        if not buckets or not same or size + tensor_bytes(v) > cap:
+            buckets.append([])
+            size = 0
+        buckets[-1].append((start, wait))
+        size += tensor_bytes(v)
+    return buckets
+
+
+def _merge_gathers(graph: fx.Graph, bucket: list, world: int) -> None:
+    if len(bucket) == 1:
+        return
+    shards = [start.args[0] for start, _ in bucket]
+    sizes = [val(s).numel() for s in shards]
+    total = sum(sizes)
+    v = val(shards[0])
+    ph = phase(bucket[0][0])
+    with graph.inserting_before(bucket[0][0]):
+        cat = call(graph, aten.cat.default, (shards,), v.new_empty(total))
+        start = call(graph, all_gather, (cat, world), v.new_empty(total * world))
+        done = call(graph, wait_, (start,), v.new_empty(total * world))
+        table = call(graph, aten.view.default, (done, [world, total]), v.new_empty(world, total))
+        new = [cat, start, done, table]
+        offset = 0
+        for (old_start, old_wait), size in zip(bucket, sizes):
+            cols = call(graph, aten.slice.Tensor, (table, 1, offset, offset + size), v.new_empty(world, size))
+            flat = call(graph, aten.reshape.default, (cols, [-1]), v.new_empty(world * size))
+            old_wait.replace_all_uses_with(flat)
+            new += [cols, flat]
+            offset += size
+    for n in new:
+        set_phase(n, ph)
+    for old_start, old_wait in bucket:
+        graph.erase_node(old_wait)
+        graph.erase_node(old_start)
+
+
+def _merge_scatters(graph: fx.Graph, bucket: list, world: int) -> None:
+    if len(bucket) == 1:
+        return
+    inputs = [start.args[0] for start, _ in bucket]
+    last = max(inputs)
+    sizes = [val(w).numel() for _, w in bucket]
+    total = sum(sizes)
+    v = val(inputs[0])
+    with graph.inserting_before(last.next):
+        tables = [call(graph, aten.view.default, (x, [world, s]), v.new_empty(world, s))
+                  for x, s in zip(inputs, sizes)]
+        cat = call(graph, aten.cat.default, (tables, 1), v.new_empty(world, total))
+        flat = call(graph, aten.view.default, (cat, [-1]), v.new_empty(world * total))
+        start = call(graph, reduce_scatter, (flat, world), v.new_empty(total))
+        done = call(graph, wait_, (start,), v.new_empty(total))
+        parts = call(graph, aten.split_with_sizes.default, (done, sizes), list(v.new_empty(total).split(sizes)))
+        new = tables + [cat, flat, start, done, parts]
+        for i, ((old_start, old_wait), size) in enumerate(zip(bucket, sizes)):
+            piece = call(graph, operator.getitem, (parts, i), v.new_empty(size))
+            old_wait.replace_all_uses_with(piece)
+            new.append(piece)
+    for n in new:
+        set_phase(n, "backward")
+    for old_start, old_wait in bucket:
+        graph.erase_node(old_wait)
+        graph.erase_node(old_start)
+
+
+@graph_pass(requires=[COLLECTIVES_WAITED], ensures=[ONE_SHARD_COLLECTIVE_PER_BUCKET, COLLECTIVES_WAITED])
+def bucket_shard_collectives_pass(gm: fx.GraphModule, ctx) -> fx.GraphModule:
+    """All-gathers of one phase, in order of use, and reduce-scatters, in order of production, share buckets.
+
+    A gather bucket is ``cat(shards) -> all_gather -> wait_ -> view(N, total)``
+    and per parameter ``slice`` of its columns ``-> reshape`` (rank-major back
+    to the parameter's flat layout).  A reduce-scatter bucket is each padded
+    gradient ``view(N, shard)``, ``cat`` along columns ``-> reduce_scatter ->
+    wait_ -> split``.  Buckets hold one dtype and device, at most
+    ``bucket_cap_mb`` of unsharded bytes.  requires: ``gather_parameters_pass``
+    and ``reduce_scatter_gradients_pass`` (and dedup).
+    """
+    cap = ctx.mode.bucket_cap_mb * 2**20
+    graph = gm.graph
+    world = ctx.world_size
+    gathers: dict[str, list] = {}
+    scatters = []
+    for node in calls(gm, all_gather, reduce_scatter):
+        waits = [u for u in node.users if u.target is wait_]
+        if len(waits) == 1 and len(node.users) == 1:
+            if node.target is all_gather:
+                gathers.setdefault(phase(node), []).append((node, waits[0]))
+            else:
+                scatters.append((node, waits[0]))
+    gather_bytes, scatter_bytes = [], []
+    for pairs in gathers.values():
+        for bucket in _buckets(pairs, cap):
+            gather_bytes.append(sum(tensor_bytes(val(w)) for _, w in bucket))
+            _merge_gathers(graph, bucket, world)
+    scatters.sort(key=lambda pair: pair[0].args[0])
+    for bucket in _buckets(scatters, cap):
+        scatter_bytes.append(sum(tensor_bytes(val(start.args[0])) for start, _ in bucket))
+        _merge_scatters(graph, bucket, world)
+    ctx.results.shard_buckets = ShardBuckets(all_gather=tuple(gather_bytes), reduce_scatter=tuple(scatter_bytes))
+    stable_topological_sort(gm)
+    return gm
+
+
+@graph_pass(requires=[COLLECTIVES_WAITED], ensures=[COLLECTIVES_WAITED])
+def prefetch_gathers_pass(gm: fx.GraphModule, ctx) -> fx.GraphModule:
+    """Parameter all-gathers are issued ``prefetch`` buckets ahead.
+
+    Bucket k starts just before the wait of bucket k - prefetch of the same
+    phase (forward or backward), so its transfer overlaps that bucket's compute
+    while at most prefetch + 1 buckets are in flight.  requires: bucketed
+    gathers, waits already sunk to their first use (``schedule_overlap_pass``).
+    """
+    by_phase: dict[str, list] = {}
+    for node in calls(gm, wait_):
+        if node.args[0].target is all_gather:
+            by_phase.setdefault(phase(node), []).append(node)
+    for waits in by_phase.values():
+        for k, wait in enumerate(waits):
+            start = wait.args[0]
+            anchor = waits[max(0, k - ctx.mode.prefetch)]
+            for producer in producers(start.args[0]):
+                anchor.prepend(producer)
+            anchor.prepend(start)
+    return gm

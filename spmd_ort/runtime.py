@@ -1,0 +1,43 @@
+"""What a running compiled step provides to the host ops of its graph.
+
+Host ops (collectives, the offloaded optimizer update) run inside the graph and
+cannot take Python objects as arguments, so the step that runs them activates
+its :class:`StepRuntime` for the duration of the run: its own
+:class:`~spmd_ort.collectives.Communicator` (two compiled steps in one process
+never mix their collectives' figures) and its :class:`~spmd_ort.options.Options`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+
+from .collectives import Communicator
+from .options import Options
+
+_ACTIVE: contextvars.ContextVar[StepRuntime | None] = contextvars.ContextVar("spmd_ort_step_runtime", default=None)
+
+
+@dataclass
+class StepRuntime:
+    options: Options = field(default_factory=Options)
+    comm: Communicator = field(default_factory=Communicator)
+
+    @contextlib.contextmanager
+    def active(self) -> Iterator[StepRuntime]:
+        token = _ACTIVE.set(self)
+        try:
+            yield self
+        finally:
+            _ACTIVE.reset(token)
+
+
+def active() -> StepRuntime:
+    """The runtime of the step whose graph is running; host ops call this."""
+    rt = _ACTIVE.get()
+    if rt is None:
+        raise RuntimeError("spmd_ort host ops (collectives, offloaded optimizer steps) run inside a compiled "
+                           "step; to run a graph by hand, wrap the call in `with StepRuntime().active():`")
+    return rt

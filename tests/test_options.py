@@ -1,0 +1,86 @@
+"""Configuration: every SPMD_ORT_* variable is read once, at compile(), and a bad value is a clear error."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+
+import spmd_ort
+from spmd_ort.options import ENV_VARS, Options
+from helpers import train_step
+from models import MLP
+
+BAD = [
+    ("SPMD_ORT_VERIFY", "maybe", "1/0, true/false"),
+    ("SPMD_ORT_NATIVE", "banana", "1/0, true/false"),
+    ("SPMD_ORT_RETAIN_HOST_MEMORY", "2", "1/0, true/false"),
+    ("SPMD_ORT_ALLOW_SPINNING", "sometimes", "1/0, true/false"),
+    ("SPMD_ORT_CHECK_PASSES", "x", "1/0, true/false"),
+    ("SPMD_ORT_ONNX_OPSET_VERSION", "7", "from 18 to 25"),
+    ("SPMD_ORT_ONNX_OPSET_VERSION", "99", "from 18 to 25"),
+    ("SPMD_ORT_ONNX_OPSET_VERSION", "eighteen", "from 18 to 25"),
+    ("SPMD_ORT_FALLBACK_POLICY", "SOMETIMES", "FALLBACK_TO_FX or FALLBACK_DISABLE"),
+    ("SPMD_ORT_BACKEND", "tvm", "ort or fx"),
+    ("SPMD_ORT_LOG_LEVEL", "LOUD", "VERBOSE, INFO, WARNING"),
+]
+
+
+@pytest.mark.parametrize("name,value,allowed", BAD, ids=[f"{n}={v}" for n, v, _ in BAD])
+def test_bad_value_is_a_config_error_naming_variable_and_allowed_values(monkeypatch, name, value, allowed):
+    monkeypatch.setenv(name, value)
+    with pytest.raises(spmd_ort.ConfigError) as err:
+        spmd_ort.compile()
+    msg = str(err.value)
+    assert f"{name}={value!r}" in msg and allowed in msg, msg
+    assert isinstance(err.value, ValueError) and isinstance(err.value, spmd_ort.CompileError)
+
+
+def test_a_typo_in_disabled_passes_is_an_error_listing_the_passes(monkeypatch):
+    monkeypatch.setenv("SPMD_ORT_DISABLE_PASSES", "reinplace_optimiser_pass")
+    with pytest.raises(spmd_ort.ConfigError, match="unknown pass.*reinplace_optimiser_pass.*reinplace_optimizer_pass"):
+        spmd_ort.compile()
+
+
+def test_disabling_a_pass_by_name_skips_it_and_shows_it(monkeypatch):
+    monkeypatch.setenv("SPMD_ORT_DISABLE_PASSES", "reinplace_optimizer_pass")
+    model = MLP()
+    step = spmd_ort.compile(backend="fx")(train_step)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    for _ in range(2):
+        step(model, opt, torch.randn(4, 32), torch.randint(0, 10, (4,)))
+    assert "reinplace_optimizer_pass: disabled" in step.compiled.describe()
+    assert "spmd_ort.adam.default" in step.compiled.describe()  # the functional op stayed
+
+
+def test_environment_is_read_once_at_compile(monkeypatch):
+    monkeypatch.setenv("SPMD_ORT_BACKEND", "fx")
+    step = spmd_ort.compile()(train_step)
+    monkeypatch.setenv("SPMD_ORT_BACKEND", "ort")  # too late for this step
+    monkeypatch.setenv("SPMD_ORT_VERIFY", "maybe")  # ... and so is a bad value
+    model = MLP()
+    step(model, torch.optim.SGD(model.parameters(), lr=0.1), torch.randn(4, 32), torch.randint(0, 10, (4,)))
+    assert step.compiled.backend == "fx" and step.options.backend == "fx"
+
+
+def test_precedence_arguments_environment_debug_options():
+    env = {"SPMD_ORT_BACKEND": "fx", "SPMD_ORT_LOG_LEVEL": "INFO", "SPMD_ORT_ONNX_OPSET_VERSION": "18"}
+    opts = Options.resolve(debug=spmd_ort.DebugOptions(log_level=spmd_ort.LogLevel.ERROR, verify=True),
+                           backend="ort", environ=env)
+    assert opts.backend == "ort"  # the argument wins over SPMD_ORT_BACKEND
+    assert opts.log_level == spmd_ort.LogLevel.INFO  # the environment wins over DebugOptions
+    assert opts.verify and opts.onnx_opset == 18
+    assert Options.resolve(environ={}) == Options()
+
+
+def test_unknown_variable_is_warned_about(caplog):
+    with caplog.at_level(logging.WARNING, logger="spmd_ort"):
+        Options.resolve(environ={"SPMD_ORT_VERFY": "1"})
+    assert "SPMD_ORT_VERFY" in caplog.text and "SPMD_ORT_VERIFY" in caplog.text
+
+
+def test_every_variable_sets_an_options_field():
+    fields = set(Options.__dataclass_fields__)
+    assert all(v.field in fields for v in ENV_VARS)
+    assert len({v.name for v in ENV_VARS}) == len(ENV_VARS)
