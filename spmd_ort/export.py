@@ -47,7 +47,22 @@ EXPORT_FIXES: dict = {
 }
 EXPORT_DECOMPOSITIONS = get_decompositions(list(EXPORT_FIXES))
 
-FORMAT_VERSION = 2  # bump when what we export for the same graph changes
+FORMAT_VERSION = 3  # bump when what we export for the same graph changes
+# ONNX inputs are named by position: a segment's placeholders carry the names of the parent
+# graph's nodes (div, add, view, ...), which the exporter also gives the segment's own values,
+# and ONNX Runtime rejects a model where an input and a value share a name.
+INPUT_PREFIX = "spmd_in_"
+
+
+def input_name(position: int) -> str:
+    return f"{INPUT_PREFIX}{position}"
+
+
+def input_position(name: str) -> int:
+    """The segment placeholder an ONNX input stands for (``input_name``'s inverse)."""
+    if not name.startswith(INPUT_PREFIX) or not name[len(INPUT_PREFIX):].isdigit():
+        raise ValueError(f"ONNX input {name!r} is not one of spmd_ort's positional inputs")
+    return int(name[len(INPUT_PREFIX):])
 
 
 @dataclass
@@ -118,8 +133,7 @@ def export_segment(gm: fx.GraphModule, *, name: str, opset: int = DEFAULT_OPSET,
         return ExportResult(data, time.perf_counter() - t0, True, key)
     fixed = apply_export_fixes(gm)
     inputs = tuple(_example(n) for n in fixed.graph.nodes if n.op == "placeholder")
-    # ONNX inputs are named after the segment's own placeholders (re-tracing renamed them, in order)
-    names = [n.name for n in gm.graph.nodes if n.op == "placeholder"]
+    names = [input_name(i) for i in range(len(inputs))]
     with _quiet():
         program = torch.onnx.export(fixed, inputs, dynamo=True, opset_version=opset, input_names=names,
                                     optimize=True, verbose=False)

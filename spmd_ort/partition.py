@@ -5,8 +5,10 @@ Two pieces, as torch.fx's ``CapabilityBasedPartitioner``:
 * :class:`OrtSupport`, the operator-support predicate: can ORT run this node?
   Host nodes are collectives, our own ``spmd_ort::`` ops (the fused optimizer
   update runs in torch, in place), random ops (they keep torch's RNG, so runs
-  are reproducible and verifiable), ops on float64 host scalars, and aten ops
-  neither torchlib nor a torch decomposition covers.
+  are reproducible and verifiable), allocations whose value is undefined (the
+  buffer a random op fills: exported, it would be a segment output of garbage),
+  ops on float64 host scalars, and aten ops neither torchlib nor a torch
+  decomposition covers.
 * the grouping, torch.fx's partitioner: deterministic, largest possible
   segments of connected supported nodes, no cycles through host nodes.
 """
@@ -32,6 +34,10 @@ RANDOM_OPS = {
     aten.randn.default, aten.rand_like.default, aten.randn_like.default, aten.randint.low,
     aten.randint.default, aten.randperm.default, aten.multinomial.default, aten.normal.Tensor_float,
     aten.uniform.default, aten.exponential.default,
+}
+UNINITIALIZED_OPS = {
+    aten.empty_like.default, aten.empty.memory_format, aten.empty_strided.default, aten.new_empty.default,
+    aten.new_empty_strided.default,
 }
 ONNX_DTYPES = {torch.float32, torch.float16, torch.bfloat16, torch.int64, torch.int32, torch.int8,
                torch.uint8, torch.bool}
@@ -63,6 +69,8 @@ def why_host(node: fx.Node) -> str | None:
         return f"{namespace} op (runs in torch)"
     if target in RANDOM_OPS:
         return "random op (keeps torch's RNG)"
+    if target in UNINITIALIZED_OPS:
+        return "allocation with an undefined value (the host op that fills it runs in torch)"
     for val in _vals(node):
         if val.dtype not in ONNX_DTYPES:
             return f"dtype {val.dtype}"

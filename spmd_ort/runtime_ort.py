@@ -27,7 +27,7 @@ import torch
 from torch import fx, nn
 
 from .errors import CompileError
-from .export import export_segment, save_model
+from .export import export_segment, input_position, save_model
 from .options import Options
 from .partition import partition_for_ort, why_host
 
@@ -58,6 +58,7 @@ class OrtSegment(nn.Module):
         self.name = name
         self.fallback = fallback
         self.use_fallback = False
+        self.runs = 0  # how often ONNX Runtime ran this segment
         metas, self.returns_tuple = _outputs_meta(fallback)
         device = metas[0].device if metas else torch.device("cpu")
         self.device_type = "cuda" if device.type == "cuda" else "cpu"
@@ -79,12 +80,11 @@ class OrtSegment(nn.Module):
                                    "install onnxruntime-gpu")
             providers = [("CUDAExecutionProvider", {"device_id": self.device_id}), "CPUExecutionProvider"]
         self.session = ort.InferenceSession(model, options, providers=providers)
-        placeholders = [n.name for n in fallback.graph.nodes if n.op == "placeholder"]
+        n_inputs = sum(1 for n in fallback.graph.nodes if n.op == "placeholder")
         self.input_names = [i.name for i in self.session.get_inputs()]
-        missing = [n for n in self.input_names if n not in placeholders]
-        if missing:
-            raise RuntimeError(f"ONNX inputs {missing} are not inputs of the segment")
-        self.input_index = [placeholders.index(n) for n in self.input_names]
+        self.input_index = [input_position(n) for n in self.input_names]
+        if any(i >= n_inputs for i in self.input_index):
+            raise RuntimeError(f"ONNX inputs {self.input_names} are not inputs of the segment")
         self.output_names = [o.name for o in self.session.get_outputs()]
         if len(self.output_names) != len(metas):
             raise RuntimeError(f"ONNX model has {len(self.output_names)} outputs, the segment {len(metas)}")
@@ -106,6 +106,7 @@ class OrtSegment(nn.Module):
         if self.device_type == "cuda":
             torch.cuda.current_stream().synchronize()  # inputs written by torch kernels
         self.session.run_with_iobinding(self.binding)
+        self.runs += 1
         out = tuple(self.outputs)
         return out if self.returns_tuple else out[0]
 
