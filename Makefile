@@ -30,7 +30,7 @@ demo-zero3: setup
 	$(VENV)/bin/torchrun --standalone --nproc_per_node=$(NPROC) examples/train_char_gpt.py --parallel fully_shard
 
 bench: setup
-	$(PY) bench/step.py
+	$(PY) bench/step.py --compile
 	$(PY) bench/optim.py
 
 bench-zero3: setup

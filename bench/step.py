@@ -1,20 +1,39 @@
-"""Step time of eager PyTorch vs the compiled train step, measured side by side in one run.
+"""Step time of eager PyTorch vs the compiled train step vs torch.compile, measured side by side in one run.
 
-Run:  make bench            (or: .venv/bin/python bench/step.py [--steps 5] [--models gpt-mini,mlp])
+Run:  make bench            (or: .venv/bin/python bench/step.py [--steps 7] [--models gpt-mini,mlp,cnn])
 
-For each model it trains an eager copy and a compiled copy on the same batches,
-alternating, and prints the median ms/step of each, the ratio to eager and the
-compile time.  AdamW with clipping, fp32, all cores of this machine.
+Like for like: every runner trains with the same optimizer, AdamW(lr 1e-3,
+weight_decay 0.1, ``fused=True``) - the multi-tensor kernel the compiled step
+always runs - and clipping at 1.0, in one process with the same threads and
+the same host allocator (freed memory retained for reuse from the first step,
+``spmd_ort.memory.retain_host_memory``, as the compiled step does).  Ratios are
+to that eager step.
+
+Runners: ``eager`` (the baseline above); ``eager-default`` (``AdamW()`` as most
+scripts write it: on CPU torch 2.13 picks the for-loop implementation, ~5x
+slower; shown so the gap a kernel choice makes is visible, never used as the
+baseline); ``fx`` / ``ort`` (``spmd_ort.compile``); ``inductor``
+(``torch.compile(model)`` with the fused optimizer).  The runners alternate step
+by step with a pause between them, median of ``--steps`` after 3 warm-up calls.
+
+Compile time: ``--compile`` also runs the ORT backend's first two calls (two
+traces, export or cache load, sessions, first checked run) in a fresh process
+with an empty ONNX cache (cold) and then in a second fresh process sharing that
+cache (warm), and reports each process's peak RSS.
 """
 
 from __future__ import annotations
 
 import argparse
 import copy
+import json
 import os
 import platform
+import resource
 import statistics
+import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -38,6 +57,11 @@ def train_step(model, opt, x, y):
     return loss
 
 
+def make_adamw(params, fused: bool | None = True) -> torch.optim.Optimizer:
+    """The optimizer of every bench: fused (the compiled step's kernel) unless asked for torch's default."""
+    return torch.optim.AdamW(params, lr=1e-3, weight_decay=0.1, fused=fused)
+
+
 class BenchMLP(nn.Module):
     def __init__(self, d: int = 1024, depth: int = 4, classes: int = 1000):
         super().__init__()
@@ -48,22 +72,22 @@ class BenchMLP(nn.Module):
         return self.head(self.layers(x))
 
 
-def gpt_mini():
+def gpt_mini(seed: int = 0):
     cfg = GPTConfig(vocab=8192, seq=128, d=256, heads=4, layers=4)
-    g = torch.Generator().manual_seed(0)
+    g = torch.Generator().manual_seed(seed)
     batch = lambda: (torch.randint(0, cfg.vocab, (8, cfg.seq), generator=g),  # noqa: E731
                      torch.randint(0, cfg.vocab, (8, cfg.seq), generator=g))
     return GPT(cfg), batch
 
 
-def mlp():
-    g = torch.Generator().manual_seed(0)
+def mlp(seed: int = 0):
+    g = torch.Generator().manual_seed(seed)
     batch = lambda: (torch.randn(256, 1024, generator=g), torch.randint(0, 1000, (256,), generator=g))  # noqa: E731
     return BenchMLP(), batch
 
 
-def cnn():
-    g = torch.Generator().manual_seed(0)
+def cnn(seed: int = 0):
+    g = torch.Generator().manual_seed(seed)
     model = nn.Sequential(
         nn.Conv2d(3, 32, 3, padding=1, bias=False), nn.BatchNorm2d(32), nn.ReLU(), nn.MaxPool2d(2),
         nn.Conv2d(32, 64, 3, padding=1, bias=False), nn.BatchNorm2d(64), nn.ReLU(), nn.MaxPool2d(2),
@@ -75,89 +99,110 @@ def cnn():
 MODELS = {"gpt-mini": gpt_mini, "mlp": mlp, "cnn": cnn}
 
 
+def build_runners(model: nn.Module, backends: list[str]) -> dict:
+    """name -> (model copy, optimizer, step function)."""
+    runners = {}
+    for name in ["eager", "eager-default", *backends]:
+        m = copy.deepcopy(model)
+        opt = make_adamw(m.parameters(), fused=None if name == "eager-default" else True)
+        if name in ("eager", "eager-default"):
+            fn = train_step
+        elif name == "inductor":
+            compiled_model = torch.compile(m)  # backward through AOT autograd; the fused optimizer
+            fn = lambda _m, o, x, y, cm=compiled_model: train_step(cm, o, x, y)  # noqa: E731
+        else:
+            fn = spmd_ort.compile(backend=name)(train_step)
+        runners[name] = (m, opt, fn)
+    return runners
+
+
 def bench_model(name: str, steps: int, backends: list[str]) -> dict:
     torch.manual_seed(0)
     model, batch = MODELS[name]()
-    runners = {"eager": (model, train_step)}
-    compile_s = {}
-    for backend in backends:
-        m = copy.deepcopy(model)
-        if backend == "inductor":
-            # torch.compile's default (inductor) on the model; backward via AOT autograd, optimizer eager
-            compiled_model = torch.compile(m)
-            runners[backend] = (m, lambda _m, opt, x, y, cm=compiled_model: train_step(cm, opt, x, y))
-        else:
-            runners[backend] = (m, spmd_ort.compile(backend=backend)(train_step))
-    opts = {k: torch.optim.AdamW(m.parameters(), lr=1e-3, weight_decay=0.1) for k, (m, _) in runners.items()}
+    runners = build_runners(model, backends)
     times: dict[str, list[float]] = {k: [] for k in runners}
+    compile_s: dict[str, float] = {}
     warmup = 3  # compiled calls 1-2 trace (before / after optimizer state exists); 3 warms caches
     for i in range(warmup + steps):
         x, y = batch()
-        for k, (m, fn) in runners.items():  # alternate, so drift affects all alike
+        for k, (m, opt, fn) in runners.items():  # alternate, so drift affects all alike
             time.sleep(0.05)  # let any runtime's worker threads go idle: each is timed on quiet cores
             t0 = time.perf_counter()
-            fn(m, opts[k], x, y)
+            fn(m, opt, x, y)
             dt = time.perf_counter() - t0
             if i >= warmup:
                 times[k].append(dt)
-            elif k != "eager":
+            elif k not in ("eager", "eager-default"):
                 compile_s[k] = compile_s.get(k, 0.0) + dt
     params = sum(p.numel() for p in model.parameters())
-    med = {k: statistics.median(v) * 1e3 for k, v in times.items()}
-    return {"model": name, "params": params, "ms": med, "compile_s": compile_s}
+    return {"model": name, "params": params, "ms": {k: statistics.median(v) * 1e3 for k, v in times.items()},
+            "compile_s": compile_s}
+
+
+def compile_probe(name: str, backend: str) -> None:
+    """In this (fresh) process: the first two calls of a compiled step; prints one JSON line."""
+    torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", os.cpu_count() or 1)))
+    torch.manual_seed(0)
+    model, batch = MODELS[name]()
+    opt = make_adamw(model.parameters())
+    step = spmd_ort.compile(backend=backend)(train_step)
+    t0 = time.perf_counter()
+    for _ in range(2):  # both variants: before and after the optimizer state exists
+        step(model, opt, *batch())
+    seconds = time.perf_counter() - t0
+    stats = [v.executor.stats for v in step.variants] if backend == "ort" else []
+    print(json.dumps({"seconds": seconds, "export_s": sum(s.export_seconds for s in stats),
+                      "hits": sum(s.cache_hits for s in stats), "segments": sum(s.segments for s in stats),
+                      "rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}))
 
 
 def compile_times(name: str) -> str:
-    """Cold (empty ONNX cache) and warm (cache filled by the cold run) compile of the ort backend."""
-    import tempfile
-
-    saved = os.environ.get("SPMD_ORT_CACHE_DIR")
-    os.environ["SPMD_ORT_CACHE_DIR"] = tempfile.mkdtemp(prefix="spmd_ort_bench_cache_")
-    try:
-        torch.manual_seed(0)
-        model, batch = MODELS[name]()
-        cells = []
-        for _ in ("cold", "warm"):
-            m = copy.deepcopy(model)
-            opt = torch.optim.AdamW(m.parameters(), lr=1e-3)
-            step = spmd_ort.compile(backend="ort")(train_step)
-            t0 = time.perf_counter()
-            for _ in range(2):  # both variants: before and after the optimizer state exists
-                step(m, opt, *batch())
-            stats = [v.executor.stats for v in step.variants]
-            cells.append(f"{time.perf_counter() - t0:.1f} s (export {sum(s.export_seconds for s in stats):.1f} s, "
-                         f"{sum(s.cache_hits for s in stats)}/{sum(s.segments for s in stats)} segments cached)")
-        return f"| {name} | " + " | ".join(cells) + " |"
-    finally:
-        if saved is None:
-            os.environ.pop("SPMD_ORT_CACHE_DIR", None)
-        else:
-            os.environ["SPMD_ORT_CACHE_DIR"] = saved
+    """Cold (empty ONNX cache) and warm (a second process, same cache) first calls of the ORT backend."""
+    cache = tempfile.mkdtemp(prefix="spmd_ort_bench_cache_")
+    env = {**os.environ, "SPMD_ORT_CACHE_DIR": cache}
+    cells = []
+    for _ in ("cold", "warm"):
+        out = subprocess.run([sys.executable, __file__, "--compile-probe", name], env=env, capture_output=True,
+                             text=True, check=True)
+        r = json.loads(out.stdout.strip().splitlines()[-1])
+        cells.append(f"{r['seconds']:.1f} s (export {r['export_s']:.1f} s, {r['hits']}/{r['segments']} segments "
+                     f"cached; peak RSS {r['rss_mib']:.0f} MiB)")
+    return f"| {name} | " + " | ".join(cells) + " |"
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--steps", type=int, default=5, help="measured steps per model (median reported)")
+    ap.add_argument("--steps", type=int, default=7, help="measured steps per model (median reported)")
     ap.add_argument("--models", default="gpt-mini,mlp,cnn")
     ap.add_argument("--backends", default="fx,ort,inductor")
+    ap.add_argument("--compile", action="store_true", help="also measure cold/warm ORT compile in fresh processes")
+    ap.add_argument("--compile-probe", help=argparse.SUPPRESS)
     args = ap.parse_args()
+    if args.compile_probe:
+        compile_probe(args.compile_probe, "ort")
+        return
     threads = int(os.environ.get("OMP_NUM_THREADS", os.cpu_count() or 1))
     torch.set_num_threads(threads)
+    retained = spmd_ort.memory.retain_host_memory()  # every runner, from its first step
     backends = args.backends.split(",")
-    print(f"# bench/step.py — torch {torch.__version__}, {platform.machine()}, {threads} threads, "
-          f"median of {args.steps} steps")
-    header = "| model | params | eager ms | " + " | ".join(f"{b} ms | {b}/eager | {b} compile s" for b in backends) + " |"
-    print(header)
-    print("|" + "---|" * (3 + 3 * len(backends)))
+    print(f"# bench/step.py — torch {torch.__version__}, {platform.machine()}, {threads} threads, host memory "
+          f"{'retained' if retained else 'glibc default'} for all runners, AdamW(fused=True) for all but "
+          f"eager-default, median of {args.steps} steps")
+    cols = ["eager-default", *backends]
+    print("| model | params | eager ms | " + " | ".join(f"{b} ms | {b}/eager" for b in cols)
+          + " | " + " | ".join(f"{b} compile s" for b in backends) + " |")
+    print("|" + "---|" * (3 + 2 * len(cols) + len(backends)))
     for name in args.models.split(","):
         r = bench_model(name, args.steps, backends)
         cells = [name, f"{r['params'] / 1e6:.2f} M", f"{r['ms']['eager']:.1f}"]
-        for b in backends:
-            cells += [f"{r['ms'][b]:.1f}", f"{r['ms'][b] / r['ms']['eager']:.2f}", f"{r['compile_s'][b]:.1f}"]
+        for b in cols:
+            cells += [f"{r['ms'][b]:.1f}", f"{r['ms'][b] / r['ms']['eager']:.2f}"]
+        cells += [f"{r['compile_s'][b]:.1f}" for b in backends]
         print("| " + " | ".join(cells) + " |", flush=True)
-    if "ort" in backends:
-        print("\nort backend, first two calls (two traces, export or cache load, session creation, checked first run):")
-        print("| model | cold (empty cache) | warm (second process / new step) |")
+    if args.compile:
+        print("\nort backend, first two calls in a fresh process (two traces, export or cache load, sessions, "
+              "checked first run):")
+        print("| model | cold (empty cache) | warm (second process, same cache) |")
         print("|---|---|---|")
         for name in args.models.split(","):
             print(compile_times(name), flush=True)

@@ -2,8 +2,10 @@
 
 Run:  .venv/bin/python bench/zero3.py [--steps 5] [--runners spmd-fx,deepspeed,fsdp2,fsdp2+compile]
 
-gpt-mini (4 layers, d=256, seq 128, vocab 8192, 5.3 M params), batch 8 per rank,
-AdamW (lr 1e-3, weight decay 0.1), ZeRO-3 settings from ``configs/zero3.json``
+gpt-mini (4 layers, d=256, seq 128, vocab 8192, 5.3 M params), batch 8 per rank
+(each rank its own), torch AdamW (lr 1e-3, weight decay 0.1) with ``fused=True`` for
+every runner: the kernel the compiled step runs, so no runner is credited with a
+kernel choice; clipping at 1.0 everywhere.  ZeRO-3 settings from ``configs/zero3.json``
 for DeepSpeed and spmd_ort alike (``--offload`` uses ``configs/zero3_offload.json``).
 Each runner is its own ``torchrun`` (so peak RSS is its own); this script starts
 them one after the other in one invocation and prints one table:
@@ -27,10 +29,10 @@ To show what that setting is worth on its own, any runner takes a suffix:
   steps (counted from the live tensors; DeepSpeed: its fp32 partitions, partitioned
   parameters and optimizer state);
 * collective payload per step, counted the same way for every runner by wrapping
-  ``torch.distributed``'s collectives (gathers: bytes gathered; reduce-scatter:
-  bytes in; all-reduce / broadcast: tensor bytes), vs the ZeRO-3 floor of 3x the
-  parameter bytes (two all-gathers of every parameter, one reduce-scatter of
-  every gradient).
+  ``torch.distributed``'s collectives, each call once at its outermost entry point
+  (``bench/commcount.py``; gathers: bytes gathered; reduce-scatter: bytes in;
+  all-reduce / broadcast: tensor bytes), vs the ZeRO-3 floor of 3x the parameter
+  bytes (two all-gathers of every parameter, one reduce-scatter of every gradient).
 
 Environment: ``DS_ACCELERATOR=cpu`` is set for DeepSpeed; ``OMP_NUM_THREADS=1``
 per rank (2 ranks on 2 cores).
@@ -134,53 +136,6 @@ def report(results: dict, args, config: Path) -> None:
 
 
 # ------------------------------------------------------------------ workers (under torchrun)
-class CommCounter:
-    """Counts the payload of torch.distributed collectives, whoever calls them."""
-
-    GATHER = ("all_gather_into_tensor", "all_gather_single", "_all_gather_base")
-    SCATTER = ("reduce_scatter_tensor", "reduce_scatter_single", "_reduce_scatter_base")
-    WHOLE = ("all_reduce", "broadcast")
-
-    def __init__(self):
-        import torch.distributed as dist
-
-        self.bytes = 0
-        self.enabled = False
-        from torch.distributed import distributed_c10d as c10d
-
-        for name in self.GATHER + self.SCATTER + self.WHOLE + ("all_gather", "reduce_scatter"):
-            fn = getattr(c10d, name, None)
-            if fn is not None:
-                wrapped = self._wrap(name, fn)
-                for module in (dist, c10d):  # callers reach them through either module
-                    if getattr(module, name, None) is fn:
-                        setattr(module, name, wrapped)
-
-    def _wrap(self, name, fn):
-        def counted(*args, **kwargs):
-            if self.enabled:
-                self.bytes += self._payload(name, args, kwargs)
-            return fn(*args, **kwargs)
-
-        return counted
-
-    def _payload(self, name, args, kwargs) -> int:
-        import torch
-
-        def size(t):
-            if isinstance(t, torch.Tensor):
-                return t.numel() * t.element_size()
-            if isinstance(t, (list, tuple)):
-                return sum(size(x) for x in t)
-            return 0
-
-        if name in self.GATHER or name == "all_gather":
-            return size(args[0] if args else kwargs.get("output_tensor", kwargs.get("tensor_list")))
-        if name in self.SCATTER or name == "reduce_scatter":
-            return size(args[1] if len(args) > 1 else kwargs.get("input", kwargs.get("input_list")))
-        return size(args[0] if args else kwargs.get("tensor"))
-
-
 def worker(args) -> None:
     import resource
 
@@ -189,7 +144,9 @@ def worker(args) -> None:
 
     sys.path.insert(0, str(ROOT / "bench"))
     sys.path.insert(0, str(ROOT))
-    counter = CommCounter()  # before any framework binds the functions
+    from commcount import CommCounter
+
+    counter = CommCounter().install()  # before any framework binds the functions
     name = args.worker
     config = ROOT / "configs" / ("zero3_offload.json" if args.offload else "zero3.json")
     if name.startswith("deepspeed"):
@@ -202,7 +159,7 @@ def worker(args) -> None:
     from step import gpt_mini, train_step
 
     torch.manual_seed(0)
-    model, batch = gpt_mini()
+    model, batch = gpt_mini(seed=rank)  # every rank trains on its own batches
     params = sum(p.numel() for p in model.parameters())
     step, persistent, note = build(name, model, config, args)
     times, comm = [], []
@@ -236,7 +193,7 @@ def build(name: str, model, config: Path, args):
     """(step(x, y), persistent-bytes function, note) for one runner."""
     import torch
 
-    from step import train_step
+    from step import make_adamw, train_step
 
     if name.startswith("spmd"):
         import spmd_ort
@@ -245,7 +202,7 @@ def build(name: str, model, config: Path, args):
         mode = spmd_ort.DataParallel.from_deepspeed_config(config)
         if name.endswith("+keep"):  # parameters stay gathered from forward to backward
             mode = dataclasses.replace(mode, reshard_after_forward=False)
-        opt = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.1)
+        opt = make_adamw(model.parameters())
         compiled = spmd_ort.compile(parallel_mode=mode, backend=backend)(train_step)
 
         def persistent():
@@ -257,7 +214,7 @@ def build(name: str, model, config: Path, args):
 
         cfg = json.loads(config.read_text())
         cfg["gradient_clipping"] = 1.0  # the other runners clip in the step (bench/step.py train_step)
-        opt = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.1)
+        opt = make_adamw(model.parameters())
         engine, optimizer, _, _ = deepspeed.initialize(model=model, optimizer=opt, config=cfg)
 
         def ds_step(x, y):
@@ -282,7 +239,7 @@ def build(name: str, model, config: Path, args):
         for block in model.blocks:
             fully_shard(block)
         fully_shard(model)
-        opt = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.1)
+        opt = make_adamw(model.parameters())
         fwd = torch.compile(model) if name.endswith("+compile") else model
 
         def fsdp_step(x, y):

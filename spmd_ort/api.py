@@ -216,7 +216,8 @@ class CompiledStep:
         if swaps.done:
             self._overridden.add(id(module))
         if last_train_step:
-            # The last step of a run: nothing may be left in flight afterwards.
+            # The reference API's drain of deferred work; every call already completes its collectives
+            # (CompiledStep._run), so this finds nothing to wait for.
             self.runtime.comm.finish()
         return out
 
@@ -311,7 +312,7 @@ def compile(  # noqa: A001 - the reference API's name
     the batch.  Parameters, buffers, gradients, optimizer state and each param
     group's ``lr`` become graph inputs; after each call the module and optimizer
     hold what an eager step would have produced.  The wrapper accepts
-    ``last_train_step=True`` (the last step of a run: pending work is finished).
+    ``last_train_step=True`` (the reference API's flag; every call already completes its work).
 
     Args:
         module_override: :class:`Override` objects for submodules that cannot be traced.

@@ -28,6 +28,8 @@ from dataclasses import dataclass, field
 import torch.distributed as dist
 from torch import Tensor
 
+from .errors import CollectiveTimeout, is_timeout
+
 
 @dataclass
 class StepComm:
@@ -113,7 +115,12 @@ class Communicator:
 
     def _wait(self, work, issued: float, done: list) -> None:
         t0 = time.perf_counter()
-        work.wait()
+        try:
+            work.wait()
+        except RuntimeError as exc:
+            if is_timeout(exc):
+                raise CollectiveTimeout("a collective of the compiled step", rank=dist.get_rank(), cause=exc) from exc
+            raise
         t1 = time.perf_counter()
         self.step.blocked_s += t1 - t0
         # the completion callback may not have run yet when wait() returns
@@ -121,7 +128,13 @@ class Communicator:
 
     def broadcast(self, t: Tensor, src: int) -> Tensor:
         t0 = time.perf_counter()
-        dist.broadcast(t, src=src)
+        try:
+            dist.broadcast(t, src=src)
+        except RuntimeError as exc:
+            if is_timeout(exc):
+                raise CollectiveTimeout("a buffer broadcast of the compiled step", rank=dist.get_rank(),
+                                        cause=exc) from exc
+            raise
         elapsed = time.perf_counter() - t0
         self.step.broadcast_calls += 1
         self.step.broadcast_bytes += t.numel() * t.element_size()

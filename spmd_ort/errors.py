@@ -27,3 +27,24 @@ class ConfigError(CompileError, ValueError):
     Raised when ``spmd_ort.compile`` reads its configuration, before anything is
     traced; the message names the setting, the value and what is allowed.
     """
+
+
+class CollectiveTimeout(RuntimeError):
+    """A collective of the compiled step did not complete within the process group's timeout.
+
+    Another rank stopped stepping (it crashed, stalled or left its loop early);
+    every rank must call the compiled step the same number of times.
+    """
+
+    def __init__(self, what: str, *, rank: int, cause: BaseException):
+        super().__init__(
+            f"rank {rank}: {what} did not complete within the process group's timeout: another rank stopped "
+            "stepping (it crashed, stalled, or left its training loop early); every rank must call the compiled "
+            f"step the same number of times ({type(cause).__name__}: {str(cause).strip()[:300]})")
+        self.rank = rank
+
+
+def is_timeout(exc: BaseException) -> bool:
+    """Whether a torch.distributed error is a timeout (gloo and NCCL word it differently)."""
+    text = str(exc).lower()
+    return isinstance(exc, RuntimeError) and ("timed out" in text or "timeout" in text)

@@ -79,6 +79,11 @@ def adam_rule(opt: torch.optim.Optimizer) -> None:
                 if amsgrad:
                     state["max_exp_avg_sq"] = torch.zeros_like(p.grad, memory_format=torch.preserve_format)
         states = [opt.state[p] for p in params]
+        if amsgrad and any("max_exp_avg_sq" not in st for st in states):
+            raise CompileError(
+                f"{type(opt).__name__} param group {gi}: amsgrad was switched on after the optimizer state was "
+                "created, so there is no max_exp_avg_sq to update (eager Adam fails here too, with a KeyError); "
+                "set amsgrad when the optimizer is built", op=f"{type(opt).__name__}.step")
         lists = dict(
             params=params,
             exp_avgs=[s["exp_avg"] for s in states],

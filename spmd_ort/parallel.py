@@ -24,7 +24,7 @@ import torch.distributed as dist
 from torch import nn
 
 from .ds_config import data_parallel_settings
-from .errors import CompileError
+from .errors import CollectiveTimeout, CompileError, is_timeout
 
 STYLES = ("replicate", "fully_shard")
 OFFLOAD_DEVICES = (None, "cpu")
@@ -34,9 +34,8 @@ OFFLOAD_DEVICES = (None, "cpu")
 class DataParallel:
     """Data parallelism: replicated (DDP semantics) or fully sharded (ZeRO-3 / FSDP semantics).
 
-    ``input_batch_dim``: the batch dimension of the inputs.  Each rank passes its
-    own shard of the global batch, as with DDP, so nothing is split or gathered
-    along it today; it is part of the API for modes that will need it.  ``bucket_cap_mb``: gradients
+    Each rank passes its own local batch, as with DDP (nothing is split or
+    gathered along a batch dimension).  ``bucket_cap_mb``: gradients
     are all-reduced in buckets of at most this size, in the order backward
     produces them; the first bucket is at most ``first_bucket_cap_mb`` so that
     communication starts early.  ``broadcast_buffers``: buffers are broadcast
@@ -59,7 +58,6 @@ class DataParallel:
     """
 
     parallel_style: str = "replicate"
-    input_batch_dim: int = 0
     bucket_cap_mb: float = 25.0
     first_bucket_cap_mb: float = 1.0
     broadcast_buffers: bool = True
@@ -129,7 +127,12 @@ def check_agreement(what: str, description: str) -> None:
         return
     d = digest(description)
     t = torch.tensor([d, -d], dtype=torch.int64)
-    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    try:
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    except RuntimeError as exc:
+        if is_timeout(exc):
+            raise CollectiveTimeout(f"the ranks' agreement on {what}", rank=rank, cause=exc) from exc
+        raise
     if int(t[0]) == -int(t[1]):
         return
     descriptions: list = [None] * size

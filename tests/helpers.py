@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import copy
-from collections.abc import Callable
+import fnmatch
+from collections.abc import Callable, Collection
 
 import torch
 import torch.nn.functional as F
@@ -11,7 +12,19 @@ from torch import nn
 
 import spmd_ort
 
-# fp32, rtol 1e-5 as the issue asks; atol for parameters that cross zero.
+# Tolerances per quantity (fp32):
+# * parameters and buffers (O(1e-2..1)): elementwise, rtol 1e-5, with an absolute floor of 1e-6
+#   for the elements that cross zero;
+# * gradients and optimizer moments, whose elements span decades (Adam's exp_avg_sq has a
+#   median of ~5e-8): relative to the tensor's largest element, max|a - b| <= 1e-5 * max|b|;
+#   an absolute floor there would let any value of the small elements pass;
+# * integers (step counts, num_batches_tracked) exactly; bitwise where a test claims it.
+# On backends whose kernels round differently (ORT), comparisons are per tensor (normwise):
+# Adam normalises each gradient element, so an element whose gradient is rounding noise moves by
+# up to lr in either implementation and later gradients are taken at slightly different
+# weights (20 GPT steps: parameters 2.8e-5, moments 7e-6 apart, normwise).  Parameters:
+# ||a - b|| <= 1e-5 ||b|| + 1e-6 sqrt(n); gradients and moments: ||a - b|| <= 1e-5 ||b||, no
+# absolute term.
 RTOL, ATOL = 1e-5, 1e-6
 
 
@@ -49,39 +62,82 @@ def assert_close_normwise(actual: torch.Tensor, expected: torch.Tensor, *, rtol:
                           f"{(actual.double() - expected.double()).abs().max().item():.3g})"
 
 
-def _close(actual, expected, normwise: bool, msg: str) -> None:
-    if normwise:
-        assert_close_normwise(actual, expected, msg=msg)
+def assert_close_relmax(actual: torch.Tensor, expected: torch.Tensor, *, rtol: float = RTOL, msg: str = "") -> None:
+    """max |actual - expected| <= rtol * max |expected| (elementwise, scaled by the tensor's largest element)."""
+    assert actual.shape == expected.shape and actual.dtype == expected.dtype, msg
+    if not actual.dtype.is_floating_point:
+        assert torch.equal(actual, expected), msg
+        return
+    a, b = actual.double(), expected.double()
+    err = (a - b).abs().max().item() if b.numel() else 0.0
+    scale = b.abs().max().item() if b.numel() else 0.0
+    assert err <= rtol * scale or err == 0.0, f"{msg}: max |diff| = {err:.3g} > {rtol:g} x max |expected| = {scale:.3g}"
+
+
+def _close(actual, expected, kind: str, normwise: bool, msg: str) -> None:
+    """``kind``: "param"/"buffer" (elementwise) or "grad"/"state" (relative to the tensor's max);
+    ``normwise`` on backends that round differently (see the tolerances above)."""
+    if not actual.dtype.is_floating_point:
+        assert actual.shape == expected.shape and torch.equal(actual, expected), f"{msg}: {actual} vs {expected}"
+    elif normwise:
+        assert_close_normwise(actual, expected, atol=0.0 if kind in ("grad", "state") else ATOL, msg=msg)
+    elif kind in ("grad", "state"):
+        assert_close_relmax(actual, expected, msg=msg)
     else:
         torch.testing.assert_close(actual, expected, rtol=RTOL, atol=ATOL, msg=lambda m: f"{msg}: {m}")
 
 
+# A gradient analytically zero (e.g. an attention key bias: softmax is shift-invariant) is rounding
+# noise in any implementation, many orders below the real gradients.
+NOISE_GRAD = 1e-9
+
+
 def assert_same_state(eager: nn.Module, compiled: nn.Module, eager_opt=None, compiled_opt=None, where="",
-                      normwise: bool = False):
+                      normwise: bool = False, zero_grad_params: Collection[str] = ()):
+    """Parameters, gradients, buffers and optimizer state agree (tolerances above).
+
+    ``zero_grad_params``: FQN patterns of parameters whose gradient is analytically zero; their
+    gradients (and the optimizer state made from them) are checked to be noise-level in both runs
+    instead of compared with each other - noise agrees in no two implementations.
+    """
+    noise = {n for n, _ in eager.named_parameters() if any(fnmatch.fnmatch(n, pat) for pat in zero_grad_params)}
+    assert len(noise) >= len(zero_grad_params), f"{zero_grad_params} match no parameter"
     for (name, a), (_, b) in zip(eager.named_parameters(), compiled.named_parameters(), strict=True):
-        _close(b, a, normwise, f"{where} param {name}")
+        _close(b, a, "param", normwise, f"{where} param {name}")
         if a.grad is None:
             assert b.grad is None, f"{where} {name}: compiled has a grad, eager has none"
+        elif name in noise:
+            assert max(a.grad.abs().max().item(), b.grad.abs().max().item()) < NOISE_GRAD, f"{where} {name}"
         else:
-            _close(b.grad, a.grad, normwise, f"{where} grad {name}")
+            _close(b.grad, a.grad, "grad", normwise, f"{where} grad {name}")
     for (name, a), (_, b) in zip(eager.named_buffers(), compiled.named_buffers(), strict=True):
-        _close(b, a, normwise, f"{where} buffer {name}")
+        _close(b, a, "buffer", normwise, f"{where} buffer {name}")
     if eager_opt is not None:
         sa, sb = eager_opt.state_dict(), compiled_opt.state_dict()
         assert sa["param_groups"] == sb["param_groups"], where
         assert sa["state"].keys() == sb["state"].keys(), where
+        index_names = dict(enumerate(_names_in_optimizer_order(eager, eager_opt)))
         for k in sa["state"]:
             for key, va in sa["state"][k].items():
                 vb = sb["state"][k][key]
-                if isinstance(va, torch.Tensor):
-                    _close(vb, va, normwise, f"{where} opt state {k}.{key}")
+                if isinstance(va, torch.Tensor) and index_names.get(k) in noise and va.dtype.is_floating_point \
+                        and va.dim() > 0:
+                    assert max(va.abs().max().item(), vb.abs().max().item()) < NOISE_GRAD, (where, k, key)
+                elif isinstance(va, torch.Tensor):
+                    _close(vb, va, "state", normwise, f"{where} opt state {index_names.get(k, k)}.{key}")
                 else:
                     assert va == vb, (where, k, key)
 
 
+def _names_in_optimizer_order(model: nn.Module, opt) -> list[str]:
+    names = {id(p): n for n, p in model.named_parameters()}
+    return [names.get(id(p), "?") for g in opt.param_groups for p in g["params"]]
+
+
 def train_side_by_side(make_model: Callable[[], nn.Module], make_opt: Callable, step_fn: Callable,
                        batches: list, *, backend: str = "fx", make_sched: Callable | None = None,
-                       compare_state: bool = True, expect_clean_ort: bool = True, **compile_kwargs):
+                       compare_state: bool = True, expect_clean_ort: bool = True, expect_verified: bool = True,
+                       zero_grad_params: Collection[str] = (), **compile_kwargs):
     """Train an eager and a compiled copy on the same batches; assert equal loss and state each step.
 
     Returns (compiled step, eager losses, compiled losses).
@@ -101,19 +157,42 @@ def train_side_by_side(make_model: Callable[[], nn.Module], make_opt: Callable, 
         torch.testing.assert_close(lc, le.detach(), rtol=RTOL, atol=ATOL, msg=lambda m: f"step {i} loss: {m}")
         if compare_state:
             # fx runs eager's own kernels: elementwise; ORT's round differently: per tensor (see above)
-            assert_same_state(model_e, model_c, opt_e, opt_c, where=f"step {i}", normwise=backend == "ort")
+            assert_same_state(model_e, model_c, opt_e, opt_c, where=f"step {i}", normwise=backend == "ort",
+                              zero_grad_params=zero_grad_params)
         if sched_e is not None:
             sched_e.step()
             sched_c.step()
     if backend == "ort" and expect_clean_ort:
-        assert_ran_on_ort(compiled)
+        assert_ran_on_ort(compiled, verified=expect_verified)
     return compiled, losses_e, losses_c
 
 
-def assert_ran_on_ort(compiled) -> None:
-    """Every variant ran its segments on ONNX Runtime, verified, with no fallback."""
+def ort_report(compiled) -> list[dict]:
+    """Per variant: segments, fallbacks, mismatches, segments verified, and how often ORT ran each segment."""
+    out = []
     for program in compiled.variants:
-        stats = program.executor.stats
-        assert stats.segments >= 1
-        assert stats.fallbacks == [] and stats.mismatches == [], (stats.fallbacks, stats.mismatches)
-        assert stats.verified == stats.segments
+        ex = program.executor
+        if ex.name != "ort":
+            out.append({"executor": ex.name})
+            continue
+        stats = ex.stats
+        out.append({"executor": "ort", "segments": stats.segments, "fallbacks": list(stats.fallbacks),
+                    "mismatches": list(stats.mismatches), "verified": stats.verified,
+                    "ort_runs": [seg.runs for seg in ex.segments], "steps_run": program.steps_run})
+    return out
+
+
+def assert_ort_report_clean(report: list[dict], *, verified: bool = True) -> None:
+    """Every segment of every variant was exported, loaded and run by ONNX Runtime on every step it served
+    (no fallback, no mismatch); with ``verified``, each was checked against its fx graph on the first run."""
+    assert report, "no compiled variant"
+    for r in report:
+        assert r["executor"] == "ort", r
+        assert r["segments"] >= 1, r
+        assert r["fallbacks"] == [] and r["mismatches"] == [], r
+        assert r["verified"] == (r["segments"] if verified else 0), r
+        assert len(r["ort_runs"]) == r["segments"] and all(n == r["steps_run"] for n in r["ort_runs"]), r
+
+
+def assert_ran_on_ort(compiled, *, verified: bool = True) -> None:
+    assert_ort_report_clean(ort_report(compiled), verified=verified)

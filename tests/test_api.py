@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 
+import pytest
 import torch
 import torch.nn.functional as F
 from torch import fx, nn
@@ -86,34 +87,64 @@ def test_failed_compile_undoes_replacements():
 
     model = GatedMLP()
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    gate = model.gate
     step = spmd_ort.compile(module_override=[Broken()], backend="fx")(classification_step)
-    try:
+    with pytest.raises(spmd_ort.CompileError, match=r"override_transform_pass\[Broken\].*transform failed"):
         step(model, opt, torch.randn(4, 32), torch.randint(0, 10, (4,)))
-    except RuntimeError as exc:
-        assert "transform failed" in str(exc)
-    assert isinstance(model.gate, Gate)
+    assert model.gate is gate  # the replacement was undone
 
 
-def test_gm_transformation_once_per_variant_and_runs():
+def test_gm_transformation_once_per_variant_and_its_graph_is_what_runs():
+    """The transformation doubles the returned loss (after backward has used it): the step returns twice
+    eager's loss while the training itself is untouched, on every variant."""
     calls = []
 
-    def scale_loss(gm: fx.GraphModule) -> fx.GraphModule:
+    def double_returned_loss(gm: fx.GraphModule) -> fx.GraphModule:
         calls.append(gm)
+        out = gm.graph.output_node()
+        loss = out.args[0][0]
+        with gm.graph.inserting_before(out):
+            doubled = gm.graph.call_function(torch.ops.aten.mul.Tensor, (loss, 2.0))
+            doubled.meta["val"] = loss.meta["val"]
+        out.args = ((doubled, *out.args[0][1:]),)
         return gm
 
+    torch.manual_seed(0)
     model = MLP()
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    step = spmd_ort.compile(gm_transformation=scale_loss, backend="fx")(classification_step)
+    eager = copy.deepcopy(model)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3, fused=True)
+    opt_e = torch.optim.AdamW(eager.parameters(), lr=1e-3, fused=True)
+    step = spmd_ort.compile(gm_transformation=double_returned_loss, backend="fx")(classification_step)
     for batch in (8, 8, 8, 4, 4, 8):
-        step(model, opt, torch.randn(batch, 32), torch.randint(0, 10, (batch,)))
+        x, y = torch.randn(batch, 32), torch.randint(0, 10, (batch,))
+        assert torch.equal(step(model, opt, x, y), 2 * classification_step(eager, opt_e, x, y).detach())
     assert len(calls) == 3 == step.transitions.traces
+    assert_same_state(eager, model, opt_e, opt)
+    assert any(r.name == "gm_transformation_pass" for r in step.compiled.passes_applied)
+
+
+def test_last_train_step_changes_nothing_and_leaves_nothing_in_flight():
+    """The reference API's flag drains deferred work; spmd_ort defers none, so both runs are identical."""
+    torch.manual_seed(0)
+    a = MLP()
+    b = copy.deepcopy(a)
+    opt_a, opt_b = (torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9) for m in (a, b))
+    step_a, step_b = (spmd_ort.compile(backend="fx")(classification_step) for _ in range(2))
+    x, y = torch.randn(4, 32), torch.randint(0, 10, (4,))
+    for i in range(3):
+        la = step_a(a, opt_a, x, y, last_train_step=i == 2)
+        lb = step_b(b, opt_b, x, y)
+        assert torch.equal(la, lb)
+        assert not step_a.runtime.comm.pending and not step_b.runtime.comm.pending
+    for pa, pb in zip(a.parameters(), b.parameters()):
+        assert torch.equal(pa, pb)
 
 
 def test_inspection():
     model = MLP()
     opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
     step = spmd_ort.compile(backend="fx")(classification_step)
-    step(model, opt, torch.randn(4, 32), torch.randint(0, 10, (4,)), last_train_step=True)
+    step(model, opt, torch.randn(4, 32), torch.randint(0, 10, (4,)))
     prog = step.compiled
     assert isinstance(prog, spmd_ort.CompiledProgram)
     kinds = [s.kind for s in prog.input_slots]
@@ -137,10 +168,6 @@ def test_failing_pass_is_a_compile_error_naming_it(monkeypatch):
     model = MLP()
     before = [p.detach().clone() for p in model.parameters()]
     step = spmd_ort.compile(backend="fx")(classification_step)
-    try:
+    with pytest.raises(spmd_ort.CompileError, match="`broken_pass`.*boom"):
         step(model, torch.optim.SGD(model.parameters(), lr=0.1), torch.randn(4, 32), torch.randint(0, 10, (4,)))
-    except spmd_ort.CompileError as exc:
-        assert "`broken_pass`" in str(exc) and "boom" in str(exc)
-    else:
-        raise AssertionError("no error")
     assert all(torch.equal(a, b) for a, b in zip(before, model.parameters()))

@@ -11,6 +11,8 @@ from pathlib import Path
 
 import pytest
 
+from helpers import assert_ort_report_clean
+
 ROOT = Path(__file__).resolve().parent.parent
 SCRIPT = ROOT / "tests" / "dist" / "dp_parity.py"
 pytestmark = pytest.mark.multiproc
@@ -53,6 +55,8 @@ def test_matches_ddp_every_step(tmp_path, model, opt, backend):
             assert c["all_reduce_bytes"] == r["grad_bytes"]
             assert c["all_reduce_calls"] == r["buckets"]
         assert sum(r["bucket_bytes"]) == r["grad_bytes"]
+        if backend == "ort":
+            assert_ort_report_clean(r["ort"])  # every segment ran in ONNX Runtime, on every rank and step
     assert ranks[0]["losses"] != ranks[1]["losses"]  # each rank saw its own shard
     if model == "gpt":
         assert ranks[0]["buckets"] >= 2  # 109 KiB of gradients in 50 KiB buckets
@@ -78,4 +82,6 @@ def test_a_rank_that_stops_stepping_makes_the_others_raise_within_the_timeout(tm
     assert proc.returncode == 0, proc.stderr[-4000:]
     r0 = json.loads((out / "rank0.json").read_text())
     assert r0["error"] is not None, "rank 0 should not complete a step without rank 1"
+    assert r0["error_type"] == "CollectiveTimeout", r0
+    assert "rank 0: the ranks' agreement on this step's inputs" in r0["error"] and "another rank stopped" in r0["error"]
     assert r0["seconds"] < 5 * 2 + 5, r0  # the process group's 5 s timeout, not forever

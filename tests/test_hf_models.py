@@ -57,6 +57,9 @@ def test_hf_bert_classification_with_padding_mask(backend):
     mask[3, 5:] = 0
     y = torch.randint(0, 3, (4,), generator=g)
     torch.manual_seed(0)
+    # BERT's key bias has an analytically zero gradient (softmax is shift-invariant): its gradient and
+    # momentum are rounding noise in both runs, checked to be that and not compared
     _, le, _ = train_side_by_side(lambda: transformers.BertForSequenceClassification(cfg), _sgd, cls_step,
-                                  [(x, mask, y)] * STEPS, backend=backend)
+                                  [(x, mask, y)] * STEPS, backend=backend,
+                                  zero_grad_params=("bert.encoder.layer.*.attention.self.key.bias",))
     assert le[-1] < le[0]

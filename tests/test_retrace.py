@@ -5,6 +5,7 @@ from __future__ import annotations
 import copy
 import logging
 
+import pytest
 import torch
 import torch.nn.functional as F
 
@@ -86,16 +87,44 @@ def test_scheduled_betas_momentum_weight_decay_never_retrace():
     assert_same_state(eager_model, model, eager_opt, opt)
 
 
-def test_structural_option_change_retraces(caplog):
-    """amsgrad changes the optimizer state layout: that one is baked and named in the log."""
-    model, opt, step = _setup(torch.optim.Adam, lr=1e-3)
-    step(model, opt, *_data(8))
-    step(model, opt, *_data(8))
-    opt.param_groups[0]["maximize"] = True
-    with caplog.at_level(logging.INFO, logger="spmd_ort"):
-        step(model, opt, *_data(8))
+def test_maximize_switched_on_mid_run_retraces_and_takes_effect(caplog):
+    """maximize is baked into the graph: switching it on re-traces, the log names it, and the numbers
+    follow eager's through the switch (bitwise: both run torch's fused kernel)."""
+    model, opt, step = _setup(torch.optim.Adam, lr=1e-2, fused=True)
+    eager_model = copy.deepcopy(model)
+    eager_opt = torch.optim.Adam(eager_model.parameters(), lr=1e-2, fused=True)
+    for i in range(6):
+        if i == 3:
+            for o in (opt, eager_opt):
+                o.param_groups[0]["maximize"] = True
+        x, y = _data(8, seed=i)
+        with caplog.at_level(logging.INFO, logger="spmd_ort"):
+            loss = step(model, opt, x, y)
+        assert torch.equal(loss, classification_step(eager_model, eager_opt, x, y).detach())
     assert step.transitions.traces == 3
-    assert "maximize" in caplog.text
+    assert "re-tracing" in caplog.text and "maximize" in caplog.text
+    for a, b in zip(eager_model.parameters(), model.parameters()):
+        assert torch.equal(a, b)
+
+
+def test_amsgrad_matches_eager_and_switching_it_on_later_is_a_clear_error():
+    """amsgrad adds max_exp_avg_sq state.  Eager Adam cannot switch it on once state exists (KeyError);
+    the compiled step says so in a CompileError instead, and changes nothing."""
+    model, opt, step = _setup(torch.optim.Adam, lr=1e-2, amsgrad=True, fused=True)
+    eager_model = copy.deepcopy(model)
+    eager_opt = torch.optim.Adam(eager_model.parameters(), lr=1e-2, amsgrad=True, fused=True)
+    for i in range(4):
+        x, y = _data(8, seed=i)
+        assert torch.equal(step(model, opt, x, y), classification_step(eager_model, eager_opt, x, y).detach())
+    assert all("max_exp_avg_sq" in opt.state[p] for p in model.parameters())
+    assert_same_state(eager_model, model, eager_opt, opt)
+    model, opt, step = _setup(torch.optim.Adam, lr=1e-2, fused=True)
+    step(model, opt, *_data(8))
+    opt.param_groups[0]["amsgrad"] = True
+    before = [p.detach().clone() for p in model.parameters()]
+    with pytest.raises(spmd_ort.CompileError, match="amsgrad was switched on after.*max_exp_avg_sq"):
+        step(model, opt, *_data(8))
+    assert all(torch.equal(a, b) for a, b in zip(before, model.parameters()))
 
 
 def test_at_most_eight_variants_are_kept():

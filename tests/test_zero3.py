@@ -10,6 +10,8 @@ from pathlib import Path
 
 import pytest
 
+from helpers import assert_ort_report_clean
+
 ROOT = Path(__file__).resolve().parent.parent
 DIST = ROOT / "tests" / "dist"
 pytestmark = pytest.mark.multiproc
@@ -51,6 +53,8 @@ def test_fully_shard_matches_single_process_eager(tmp_path, nproc, reshard, offl
     for r in ranks:
         assert "compile_error" not in r, r.get("compile_error")
         assert len(r["losses"]) == 10 and r["traces"] <= 2
+        if backend == "ort":
+            assert_ort_report_clean(r["ort"])  # every segment ran in ONNX Runtime, on every rank and step
         persistent = r["memory"]["persistent"]
         full, padded = r["full_param_bytes"], r["padded_param_bytes"]
         # parameters and (Adam: 2, SGD: 1) state tensors per parameter, each 1/N of the padded size;

@@ -29,7 +29,7 @@ sys.path.insert(0, str(ROOT / "tests"))
 sys.path.insert(0, str(ROOT))
 
 import spmd_ort  # noqa: E402
-from helpers import assert_same_state, train_step  # noqa: E402
+from helpers import assert_same_state, ort_report, train_step  # noqa: E402
 from models import CNN, GPT, MLP, GPTConfig  # noqa: E402
 
 
@@ -108,7 +108,7 @@ def run(args, rank: int, world: int) -> dict:
         assert all(torch.equal(gathered[0], t) for t in gathered), "parameters differ between ranks"
         prog = step.compiled
         result.update(
-            losses=losses, comm=comm, traces=step.transitions.traces,
+            losses=losses, comm=comm, traces=step.transitions.traces, ort=ort_report(step),
             grad_bytes=sum(p.numel() * p.element_size() for p in model.parameters()),
             buckets=len(prog.results.gradient_buckets.nbytes), bucket_bytes=list(prog.results.gradient_buckets.nbytes),
             describe=prog.describe())

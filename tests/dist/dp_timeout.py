@@ -40,7 +40,7 @@ def main() -> None:
     for _ in range(3):
         step(model, opt, x, y)
     if rank == 1:
-        time.sleep(TIMEOUT_S * 3)  # stops stepping, as a crashed or stuck rank would
+        time.sleep(TIMEOUT_S + 3)  # stops stepping (past rank 0's timeout), as a crashed or stuck rank would
         result["stalled"] = True
     else:
         t0 = time.perf_counter()
@@ -48,7 +48,8 @@ def main() -> None:
             step(model, opt, x, y)
             result["error"] = None
         except Exception as exc:  # noqa: BLE001 - what the user would see
-            result["error"] = f"{type(exc).__name__}: {exc}"[:500]
+            result["error"] = f"{type(exc).__name__}: {exc}"[:800]
+            result["error_type"] = type(exc).__name__
         result["seconds"] = time.perf_counter() - t0
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
