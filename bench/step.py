@@ -29,7 +29,6 @@ import copy
 import json
 import os
 import platform
-import resource
 import statistics
 import subprocess
 import sys
@@ -153,7 +152,7 @@ def compile_probe(name: str, backend: str) -> None:
     stats = [v.executor.stats for v in step.variants] if backend == "ort" else []
     print(json.dumps({"seconds": seconds, "export_s": sum(s.export_seconds for s in stats),
                       "hits": sum(s.cache_hits for s in stats), "segments": sum(s.segments for s in stats),
-                      "rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}))
+                      "rss_mib": spmd_ort.memory.max_rss_bytes() / 2**20}))
 
 
 def compile_times(name: str) -> str:

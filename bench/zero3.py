@@ -23,7 +23,7 @@ To show what that setting is worth on its own, any runner takes a suffix:
 ``SPMD_ORT_RETAIN_HOST_MEMORY=0``).
 
 * ms/step: median over ``--steps`` after 3 warm-up steps (compilation excluded);
-* peak RSS per rank (``ru_maxrss``, max over ranks), which includes the Python
+* peak RSS per rank (``VmHWM``, max over ranks), which includes the Python
   process, torch and the framework itself;
 * persistent MiB per rank: parameters + gradients + optimizer state held between
   steps (counted from the live tensors; DeepSpeed: its fp32 partitions, partitioned
@@ -137,8 +137,6 @@ def report(results: dict, args, config: Path) -> None:
 
 # ------------------------------------------------------------------ workers (under torchrun)
 def worker(args) -> None:
-    import resource
-
     import torch
     import torch.distributed as dist
 
@@ -174,7 +172,9 @@ def worker(args) -> None:
         if i >= 3:
             times.append(dt)
             comm.append(counter.bytes)
-    stats = torch.tensor([statistics.median(times), resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
+    from spmd_ort.memory import max_rss_bytes
+
+    stats = torch.tensor([statistics.median(times), max_rss_bytes(),
                           persistent(), statistics.median(comm)], dtype=torch.float64)
     dist.all_reduce(stats, op=dist.ReduceOp.MAX)
     if rank == 0:

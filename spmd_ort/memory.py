@@ -28,6 +28,7 @@ import logging
 import operator
 import resource
 import sys
+from pathlib import Path
 
 import torch
 from torch import fx
@@ -80,6 +81,18 @@ def planned_peak_bytes(gm: fx.GraphModule) -> int:
 
 
 def max_rss_bytes() -> int:
+    """This process's peak resident set.
+
+    Linux: ``VmHWM`` of /proc/self/status (the high-water mark of this process's own memory);
+    ``ru_maxrss`` is kept across ``execve``, so a process started from a large one (a torchrun
+    worker, a subprocess) would report its parent's peak.
+    """
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) * 1024
+    except OSError:
+        pass
     rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     return rss if sys.platform == "darwin" else rss * 1024
 
