@@ -1,6 +1,6 @@
 """spmd_ort: compile a whole PyTorch train step into one graph, distribute it, run it on ONNX Runtime."""
 
-from .api import CompiledStep, Override, compile
+from .api import CompiledStep, OpaqueOverride, Override, compile
 from .checkpoint import load_checkpoint, load_state_dict, save_checkpoint, state_dict
 from .errors import CollectiveTimeout, CompileError, ConfigError
 from .options import DebugOptions, LogLevel, Options
@@ -11,6 +11,6 @@ from .sharding import full_state_dict, gathered_parameters
 __version__ = "0.1.0"
 
 __all__ = ["CollectiveTimeout", "DataParallel", "CompileError", "CompiledProgram", "CompiledStep", "ConfigError", "DebugOptions", "LogLevel",
-           "Options", "Override",
+           "OpaqueOverride", "Options", "Override",
            "compile", "full_state_dict", "gathered_parameters", "load_checkpoint", "load_state_dict", "save_checkpoint",
            "state_dict"]

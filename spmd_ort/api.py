@@ -9,6 +9,7 @@ Per compiled variant (:meth:`CompiledStep._compile`):
 
 from __future__ import annotations
 
+import fnmatch
 import functools
 import logging
 import time
@@ -27,6 +28,7 @@ from .collectives import StepComm
 from .errors import CompileError
 from .executor import build_executor
 from .memory import host_memory_retained, max_rss_bytes, retain_host_memory
+from .opaque_trace import OpaquePlan
 from .optim import rule_for
 from .options import DebugOptions, Options, configure_logging
 from .program import CompiledProgram
@@ -56,6 +58,37 @@ class Override(ABC):
 
     @abstractmethod
     def transform(self, gm: fx.GraphModule, flat_state: list[torch.Tensor]) -> fx.GraphModule: ...
+
+
+class OpaqueOverride(Override):
+    """Run the submodules whose FQN matches a glob eagerly, as opaque host nodes of the compiled step.
+
+    ``OpaqueOverride("model.layers.*.mlp.experts", "router")``: each matching
+    submodule (the outermost, where matches nest) is not traced; its forward and
+    backward run in PyTorch with its own autograd, inside the one compiled graph.
+    Its parameters and buffers stay graph inputs, so data-parallel all-reduce,
+    ZeRO-3 gathers and reduce-scatters, the optimizer and checkpoints cover them.
+    Patterns use :func:`fnmatch.fnmatchcase` (``*`` also matches dots).  Untraceable
+    submodules become opaque without it (``SPMD_ORT_AUTO_OPAQUE``); this makes it
+    explicit (no failed trace first, no warning).
+    """
+
+    def __init__(self, *patterns: str):
+        if not patterns or not all(isinstance(p, str) and p for p in patterns):
+            raise TypeError("OpaqueOverride takes one or more FQN glob patterns, e.g. 'model.layers.*.mlp.experts'")
+        self.patterns = tuple(patterns)
+
+    def matches(self, fqn: str) -> bool:
+        return any(fnmatch.fnmatchcase(fqn, p) for p in self.patterns)
+
+    def replacement(self, fqn: str, orig_submodule: nn.Module) -> nn.Module:
+        return orig_submodule  # kept as is: the trace captures it opaquely
+
+    def transform(self, gm: fx.GraphModule, flat_state: list[torch.Tensor]) -> fx.GraphModule:
+        return gm
+
+    def __repr__(self) -> str:
+        return f"OpaqueOverride({', '.join(map(repr, self.patterns))})"
 
 
 def _find_module_and_optimizer(args: tuple, kwargs: dict) -> tuple[nn.Module, torch.optim.Optimizer | None]:
@@ -133,6 +166,11 @@ class CompiledStep:
         self._synced: set[int] = set()
         self._started = False
         self._last: tuple | None = None  # (module, optimizer) of the last call
+        # which parts run opaquely: grows as traces find untraceable ones, kept across variants
+        self.opaque_plan = OpaquePlan(
+            custom_autograd=options.custom_autograd, auto_opaque=options.auto_opaque,
+            forced=options.opaque_functions,
+            patterns=tuple(p for o in self.module_override if isinstance(o, OpaqueOverride) for p in o.patterns))
 
     @property
     def backend(self) -> str:
@@ -278,7 +316,7 @@ class CompiledStep:
         layout = StateLayout.capture(module, opt, rule)
         # ORT has no translation of the fused CPU attention kernels' backward: trace the math form.
         traced = trace_step(self.fn, args, kwargs, layout, sdpa_math=self.backend == "ort",
-                            tag_grads=mode is not None)
+                            tag_grads=mode is not None, plan=self.opaque_plan)
         traced_gm = _snapshot(traced.gm)
         rank, world_size = parallel.world()
         ctx = P.PassContext(input_slots=list(traced.input_slots), output_slots=list(traced.output_slots),
@@ -293,6 +331,7 @@ class CompiledStep:
             key=key, gm=executor.gm, traced_gm=traced_gm, layout=layout, input_slots=ctx.input_slots,
             output_slots=ctx.output_slots, batch_positions=traced.batch_positions, user_spec=traced.user_spec,
             user_leaves=traced.user_leaves, passes_applied=ctx.applied, results=ctx.results, executor=executor,
+            opaque=traced.opaque, trace_attempts=traced.attempts,
             options=self.options, trace_seconds=traced.seconds, compile_seconds=time.perf_counter() - t0)
         logger.info("compiled %s: %d graph nodes, trace %.2fs, total %.2fs", self.transitions.name,
                     len(gm.graph.nodes), traced.seconds, program.compile_seconds)

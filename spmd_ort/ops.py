@@ -13,6 +13,11 @@ work in the running step's :class:`~spmd_ort.collectives.Communicator`.
   return the new state) and their in-place twins ``adam_`` / ``sgd_``; the host
   variants ``host_adam(_)`` / ``host_sgd(_)`` run the native kernel
   (``offload_optimizer="cpu"``).
+* opaque parts (:mod:`spmd_ort.opaque`): ``opaque_forward(inputs, index)`` runs
+  call ``index`` of the step's opaque table (user code, eagerly) and returns its
+  outputs plus a token; ``opaque_backward(token, grads, index)`` runs its
+  backward and returns one gradient per input that needs one.  Both have side
+  effects (the user's code may run collectives): dead-code elimination keeps them.
 """
 
 from __future__ import annotations
@@ -20,9 +25,9 @@ from __future__ import annotations
 import functools
 
 import torch
-from torch import Tensor
+from torch import Tensor, fx
 
-from . import kernels
+from . import kernels, opaque
 from .runtime import active
 
 _LIB = torch.library.Library("spmd_ort", "DEF")
@@ -58,6 +63,16 @@ reduce_scatter = _op("reduce_scatter(Tensor t, int world) -> Tensor",
 # ops that start a collective whose result ``wait_`` completes
 STARTS = (all_reduce_, all_gather, reduce_scatter)
 COLLECTIVES = (*STARTS, wait_, broadcast_)
+
+# ---------------------------------------------------------------------- opaque parts
+opaque_forward = _op("opaque_forward(Tensor[] inputs, int index) -> Tensor[]",
+                     lambda inputs, index: active().opaque_frame().forward(index, inputs), opaque.fake_forward)
+opaque_backward = _op("opaque_backward(Tensor token, Tensor[] grads, int index) -> Tensor[]",
+                      lambda token, grads, index: active().opaque_frame().backward(index, grads),
+                      opaque.fake_backward)
+OPAQUE_OPS = (opaque_forward, opaque_backward)
+for _target in OPAQUE_OPS:
+    fx.node.has_side_effect(_target)
 
 # ---------------------------------------------------------------------- optimizer updates
 _ADAM_ARGS = ("(Tensor[] params, Tensor[] grads, Tensor[] exp_avgs, Tensor[] exp_avg_sqs, Tensor[] max_exp_avg_sqs, "

@@ -74,6 +74,9 @@ class Options:
     native: bool = True
     retain_host_memory: bool = True
     allow_spinning: bool = True
+    custom_autograd: bool = True  # autograd.Functions that cannot be traced run opaquely
+    opaque_functions: frozenset[str] = frozenset()  # qualified Function names always run opaquely
+    auto_opaque: bool = True  # submodules that cannot be traced run opaquely
 
     @classmethod
     def resolve(cls, *, debug: DebugOptions | None = None, backend: str | None = None,
@@ -90,6 +93,9 @@ class Options:
         values.update(env)
         values["verify"] = debug.verify or env.get("verify", False)
         values["check_passes"] = debug.check_passes or env.get("check_passes", False)
+        if not values.get("custom_autograd", True) and values.get("opaque_functions"):
+            raise ConfigError("SPMD_ORT_OPAQUE_AUTOGRAD_FUNCTIONS lists Functions to run opaquely, but "
+                              "SPMD_ORT_DISABLE_CUSTOM_AUTOGRAD_SUPPORT=1 runs none opaquely; set one of them")
         if backend is not None:
             if backend not in BACKENDS:
                 raise ConfigError(f"backend={backend!r} is not one of {', '.join(BACKENDS)}")
@@ -143,6 +149,18 @@ def _names(value: str) -> frozenset[str]:
     return frozenset(name.strip() for name in value.split(",") if name.strip())
 
 
+def _not(parse: Callable[[str], bool]) -> Callable[[str], bool]:
+    return lambda value: not parse(value)
+
+
+def _qualified_names(value: str) -> frozenset[str]:
+    names = _names(value)
+    bad = sorted(n for n in names if "." not in n or not all(part.isidentifier() or part == "<locals>" for part in n.split(".")))
+    if bad:
+        raise ValueError(f"comma-separated qualified class names such as `pkg.module.MyFunction` (not {', '.join(bad)})")
+    return names
+
+
 @dataclass(frozen=True)
 class EnvVar:
     name: str
@@ -176,6 +194,13 @@ ENV_VARS: tuple[EnvVar, ...] = (
            "`0`: leave glibc's allocator as it is (`1`: freed host memory is kept for reuse, see `memory()`)"),
     EnvVar("SPMD_ORT_ALLOW_SPINNING", "allow_spinning", _bool, "`1`",
            "`0` stops ORT's worker threads from spinning during a run (they stop when a run returns either way)"),
+    EnvVar("SPMD_ORT_DISABLE_CUSTOM_AUTOGRAD_SUPPORT", "custom_autograd", _not(_bool), "`0`",
+           "`1`: never run an autograd.Function opaquely: it is traced, or the compile fails naming it"),
+    EnvVar("SPMD_ORT_OPAQUE_AUTOGRAD_FUNCTIONS", "opaque_functions", _qualified_names, "none",
+           "comma-separated autograd.Functions (`pkg.module.Class`) always run opaquely, as host nodes, untraced"),
+    EnvVar("SPMD_ORT_AUTO_OPAQUE", "auto_opaque", _bool, "`1`",
+           "`0`: a submodule that cannot be traced is a `CompileError` instead of an opaque host node "
+           "(`OpaqueOverride` still applies)"),
 )
 # read by other programs, not by spmd_ort: documented beside ours
 OTHER_ENV = (("TORCH_EXTENSIONS_DIR", "torch's `~/.cache/torch_extensions`",

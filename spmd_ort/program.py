@@ -12,7 +12,9 @@ from torch import fx
 from spmd_ort.passes import PassRecord, PassResults, op_counts
 
 from .executor import Executor
+from .opaque import OpaqueCall
 from .options import Options
+from .runtime import active
 from .state import Slot, StateLayout
 from .trace import TENSOR
 from .transition import StepKey
@@ -43,6 +45,8 @@ class CompiledProgram:
     options: Options
     trace_seconds: float
     compile_seconds: float
+    opaque: tuple[OpaqueCall, ...] = ()  # parts that run eagerly as host nodes (spmd_ort.opaque)
+    trace_attempts: int = 1
     steps_run: int = 0
 
     @property
@@ -56,7 +60,11 @@ class CompiledProgram:
     def run(self, args: tuple, kwargs: dict) -> Any:
         leaves = pytree.tree_leaves((args, kwargs))
         inputs = self.layout.gather() + [leaves[i] for i in self.batch_positions]
-        outs = self.executor.run(inputs)
+        if self.opaque:
+            with active().running(self.opaque):  # what opaque forwards save for their backwards, this step only
+                outs = self.executor.run(inputs)
+        else:
+            outs = self.executor.run(inputs)
         # An executor that reuses its output buffers overwrites them next step:
         # what escapes the step (user outputs, newly assigned state) is copied.
         owned = not self.executor.reuses_buffers
@@ -95,6 +103,10 @@ class CompiledProgram:
             kinds[s.kind] = kinds.get(s.kind, 0) + 1
         lines.append("outputs: " + ", ".join(f"{n} {k}" for k, n in kinds.items()))
         lines += self.executor.describe()
+        if self.opaque:
+            lines.append(f"opaque parts: {len(self.opaque)} (the user's code runs eagerly in torch, as host nodes "
+                         f"opaque_forward/opaque_backward; traced {self.trace_attempts} times)")
+            lines += [f"  {call.describe()}" for call in self.opaque]
         results = self.results
         if results.gradient_buckets is not None:
             sizes = results.gradient_buckets.nbytes

@@ -15,6 +15,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 from .collectives import Communicator
+from .opaque import OpaqueCall, OpaqueFrame
 from .options import Options
 
 _ACTIVE: contextvars.ContextVar[StepRuntime | None] = contextvars.ContextVar("spmd_ort_step_runtime", default=None)
@@ -24,6 +25,7 @@ _ACTIVE: contextvars.ContextVar[StepRuntime | None] = contextvars.ContextVar("sp
 class StepRuntime:
     options: Options = field(default_factory=Options)
     comm: Communicator = field(default_factory=Communicator)
+    opaque: OpaqueFrame | None = None
 
     @contextlib.contextmanager
     def active(self) -> Iterator[StepRuntime]:
@@ -32,6 +34,20 @@ class StepRuntime:
             yield self
         finally:
             _ACTIVE.reset(token)
+
+    @contextlib.contextmanager
+    def running(self, calls: tuple[OpaqueCall, ...]) -> Iterator[OpaqueFrame]:
+        """One run of a program whose opaque parts are ``calls``: a fresh frame, dropped afterwards."""
+        outer, self.opaque = self.opaque, OpaqueFrame(calls)
+        try:
+            yield self.opaque
+        finally:
+            self.opaque = outer
+
+    def opaque_frame(self) -> OpaqueFrame:
+        if self.opaque is None:
+            raise RuntimeError("an opaque host op ran outside the run of its compiled program")
+        return self.opaque
 
 
 def active() -> StepRuntime:

@@ -14,6 +14,11 @@ Two make_fx passes over fake tensors, so nothing real is read or written:
 
 The result, :class:`TracedStep`, has placeholders ``state... , batch...`` and
 outputs ``user leaves..., new state...`` described by :class:`~.state.Slot` lists.
+
+Parts that cannot be traced run opaquely (:mod:`spmd_ort.opaque_trace`): when
+capture fails inside an autograd.Function or a submodule, that part joins the
+:class:`~spmd_ort.opaque_trace.OpaquePlan` and the step is traced again, until
+it traces or the failure is nowhere an opaque part can take it.
 """
 
 from __future__ import annotations
@@ -32,7 +37,10 @@ from torch._decomp import get_decompositions
 from torch.fx.experimental.proxy_tensor import get_proxy_mode, make_fx
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
+from . import opaque
 from .errors import CompileError
+from .opaque import OpaqueCall
+from .opaque_trace import CallStack, Frame, OpaqueCapture, OpaquePlan, link_backward
 from .state import Slot, StateLayout
 
 logger = logging.getLogger("spmd_ort")
@@ -57,55 +65,12 @@ class TracedStep:
     user_spec: pytree.TreeSpec  # structure of the step's return value
     user_leaves: list[Any]  # non-tensor leaves of the return value (TENSOR where a tensor goes)
     seconds: float
+    opaque: tuple[OpaqueCall, ...] = ()  # the step's opaque parts, indexed by their ops' ``index``
+    attempts: int = 1  # traces run (each failure that made a part opaque costs one)
 
 
-class _ModuleStack:
-    """Which submodule is running: names the FQN in trace errors.
-
-    Besides the live stack, it logs (graph size, stack) at each module entry
-    and exit, so that a node of the captured graph maps back to its module.
-    """
-
-    def __init__(self, module: nn.Module):
-        self.names = {id(m): (fqn or "<root>") for fqn, m in module.named_modules(remove_duplicate=False)}
-        self.stack: list[str] = []
-        self.events: list[tuple[int, str | None]] = []
-
-    def _graph_size(self) -> int:
-        mode = get_proxy_mode()
-        return len(mode.tracer.graph.nodes) if mode is not None else -1
-
-    @contextlib.contextmanager
-    def installed(self):
-        def pre(mod, args):
-            self.stack.append(self.names.get(id(mod), type(mod).__name__))
-            self.events.append((self._graph_size(), self.stack[-1]))
-
-        def post(mod, args, out):
-            if self.stack:
-                self.stack.pop()
-            self.events.append((self._graph_size(), self.innermost()))
-
-        h1 = nn.modules.module.register_module_forward_pre_hook(pre)
-        h2 = nn.modules.module.register_module_forward_hook(post)
-        try:
-            yield self
-        finally:
-            h1.remove()
-            h2.remove()
-
-    def innermost(self) -> str | None:
-        return self.stack[-1] if self.stack else None
-
-    def fqn_of(self, gm: fx.GraphModule, node: fx.Node) -> str | None:
-        """The module that was running when ``node`` was recorded (forward ops only)."""
-        index = list(gm.graph.nodes).index(node)
-        fqn = None
-        for size, name in self.events:
-            if size > index:
-                break
-            fqn = name
-        return fqn
+class _Retry(Exception):
+    """A trace failed inside a part the plan has now made opaque: trace again."""
 
 
 class _Phases(torch.overrides.TorchFunctionMode):
@@ -164,13 +129,29 @@ def _describe_failure(exc: BaseException) -> tuple[str, str | None]:
 
 
 def trace_step(fn, args: tuple, kwargs: dict, layout: StateLayout, *, sdpa_math: bool = False,
-               tag_grads: bool = False) -> TracedStep:
+               tag_grads: bool = False, plan: OpaquePlan | None = None) -> TracedStep:
     """Trace ``fn(*args, **kwargs)`` into a functional graph over ``layout``'s state.
 
     ``sdpa_math`` traces ``scaled_dot_product_attention`` as its math form
     (matmuls and softmax) instead of a fused kernel whose backward ONNX lacks.
+    ``plan`` says which parts run opaquely; parts found untraceable are added to it.
     """
     t0 = time.perf_counter()
+    plan = plan if plan is not None else OpaquePlan()
+    limit = 2 + sum(1 for _ in layout.module.modules()) + 16  # each retry makes one more part opaque
+    for attempt in range(1, limit + 1):
+        try:
+            traced = _trace_once(fn, args, kwargs, layout, sdpa_math=sdpa_math, tag_grads=tag_grads, plan=plan)
+        except _Retry:
+            continue
+        traced.seconds = time.perf_counter() - t0
+        traced.attempts = attempt
+        return traced
+    raise CompileError(f"could not trace the train step: {limit} traces each found another part to run opaquely")
+
+
+def _trace_once(fn, args: tuple, kwargs: dict, layout: StateLayout, *, sdpa_math: bool, tag_grads: bool,
+                plan: OpaquePlan) -> TracedStep:
     leaves, spec = pytree.tree_flatten((args, kwargs))
     batch_positions = [i for i, leaf in enumerate(leaves) if isinstance(leaf, torch.Tensor)]
     state_in = layout.gather()
@@ -193,19 +174,23 @@ def trace_step(fn, args: tuple, kwargs: dict, layout: StateLayout, *, sdpa_math:
         return tuple(x for x in out_leaves if isinstance(x, torch.Tensor)) + tuple(t for _, t in final)
 
     trace_inputs = _state_for_tracing(layout, state_in) + [leaves[i] for i in batch_positions]
-    stack = _ModuleStack(layout.module)
+    stack = CallStack(layout.module)
+    capture = OpaqueCapture(layout.module, plan, stack)
     phases = _Phases()
     try:
         attention = sdpa_kernel([SDPBackend.MATH]) if sdpa_math else contextlib.nullcontext()
-        with stack.installed(), torch.enable_grad(), attention, phases:
+        with stack.installed(), capture.installed(), torch.enable_grad(), attention, phases:
             gm1 = make_fx(step, decomposition_table=FUNCTIONAL_DECOMPS, tracing_mode="fake",
                           _allow_non_fake_inputs=True)(*trace_inputs)
-            _check_no_data_dependence(gm1, captured, stack)
-    except CompileError:
+        _check_traceable(gm1, captured, stack, plan)
+    except (CompileError, _Retry):
         raise
-    except Exception as exc:  # noqa: BLE001 - every trace failure becomes a CompileError
+    except Exception as exc:  # noqa: BLE001 - every trace failure becomes an opaque part or a CompileError
         what, op = _describe_failure(exc)
-        raise _trace_error(what, op, stack.innermost()) from exc
+        frame = stack.culprit(exc)
+        if plan.adopt(frame, what):
+            raise _Retry() from exc
+        raise _trace_error(what, op, frame, plan) from exc
 
     phases.tag(gm1)
 
@@ -215,16 +200,18 @@ def trace_step(fn, args: tuple, kwargs: dict, layout: StateLayout, *, sdpa_math:
             return fx.Interpreter(gm1).run(*flat)
 
     plain_inputs = [t.detach() for t in trace_inputs]
-    gm2 = make_fx(torch.func.functionalize(run_capture, remove="mutations"),
-                  tracing_mode="fake", _allow_non_fake_inputs=True)(*plain_inputs)
+    with opaque.tracing(capture.calls):  # the opaque ops' fake kernels read the calls
+        gm2 = make_fx(torch.func.functionalize(run_capture, remove="mutations"),
+                      tracing_mode="fake", _allow_non_fake_inputs=True)(*plain_inputs)
     _check_functional(gm2)
+    link_backward(gm2, capture.calls)
 
     input_slots = layout.input_slots() + [Slot("batch", f"input[{k}]", k) for k in range(len(batch_positions))]
     n_user = sum(1 for x in captured["user_leaves"] if x is TENSOR)
     output_slots = [Slot("user", f"output[{k}]", k) for k in range(n_user)] + captured["final_slots"]
     _outputs_from_mutations(gm2, input_slots, output_slots)
     return TracedStep(gm2, layout, input_slots, output_slots, batch_positions, captured["user_spec"],
-                      captured["user_leaves"], time.perf_counter() - t0)
+                      captured["user_leaves"], 0.0, tuple(capture.calls))
 
 
 def _state_for_tracing(layout: StateLayout, state_in: list[torch.Tensor]) -> list[torch.Tensor]:
@@ -250,27 +237,55 @@ def _state_for_tracing(layout: StateLayout, state_in: list[torch.Tensor]) -> lis
     return out
 
 
-def _trace_error(what: str, op: str | None, fqn: str | None) -> CompileError:
+def _trace_error(what: str, op: str | None, frame: Frame | None, plan: OpaquePlan) -> CompileError:
+    """The CompileError of a trace failure no opaque part can take, naming where it happened and the fix."""
+    if frame is not None and frame.kind == "function":
+        fix = ("SPMD_ORT_DISABLE_CUSTOM_AUTOGRAD_SUPPORT=1 is set, so Functions are never run opaquely; unset it, "
+               "or make the Function traceable" if not plan.custom_autograd else "make the Function traceable")
+        return CompileError(
+            f"could not trace the train step in {frame.what}{f' at op {op}' if op else ''}: {what}. Fix: {fix}. "
+            "The model and optimizer are unchanged.", fqn=frame.fqn, op=op or frame.name)
+    fqn = frame.name if frame is not None else None
     where = f"in module `{fqn}`" if fqn else "outside any submodule (in the step function or backward)"
-    fix = (f"supply an Override for `{fqn}` (spmd_ort.Override.replacement) or make it traceable"
-           if fqn and fqn != "<root>" else "make the step function traceable")
+    if fqn and fqn != "<root>":
+        fix = f"supply an Override for `{fqn}` (spmd_ort.Override.replacement) or make it traceable"
+        if not plan.auto_opaque:
+            fix += "; or unset SPMD_ORT_AUTO_OPAQUE=0 to run it eagerly as an opaque host node"
+    else:
+        fix = "make the step function traceable" if not fqn else \
+            "make the model's own forward traceable, or move the untraceable part into a submodule (it then runs opaquely)"
     return CompileError(
         f"could not trace the train step {where}{f' at op {op}' if op else ''}: {what}. Fix: {fix}. "
         "The model and optimizer are unchanged.", fqn=fqn, op=op)
 
 
-def _check_no_data_dependence(gm: fx.GraphModule, captured: dict, stack: _ModuleStack) -> None:
-    """``.item()`` traces to an unbacked symbol instead of failing: refuse it here."""
+def _check_traceable(gm: fx.GraphModule, captured: dict, stack: CallStack, plan: OpaquePlan) -> None:
+    """What tracing recorded without failing but the graph cannot hold: value reads and raw collectives.
+
+    ``.item()`` traces to an unbacked symbol instead of failing, and
+    ``torch.distributed`` calls trace to ``c10d`` ops on a ProcessGroup object; the
+    part that recorded them runs opaquely (then its collectives run in graph
+    order on every rank), or this is a :class:`CompileError`.
+    """
     for node in gm.graph.nodes:
-        if node.op == "call_function" and node.target is aten._local_scalar_dense.default:
-            fqn = stack.fqn_of(gm, node)
-            raise _trace_error("the step reads a tensor's value in Python (.item(), float(tensor), "
-                               "int(tensor)); the compiled graph cannot depend on tensor values; return the "
-                               "tensor instead and convert it after the step", str(node.target), fqn)
+        if node.op != "call_function":
+            continue
+        if node.target is aten._local_scalar_dense.default:
+            what = ("the step reads a tensor's value in Python (.item(), float(tensor), int(tensor)); the compiled "
+                    "graph cannot depend on tensor values; return the tensor instead and convert it after the step")
+        elif getattr(node.target, "namespace", None) == "c10d":
+            what = (f"a torch.distributed call ({node.target}) on a ProcessGroup; collectives of the compiled graph "
+                    "are its own, so the part that calls it must run opaquely")
+        else:
+            continue
+        frame = stack.frame_of(gm, node)
+        if plan.adopt(frame, what):
+            raise _Retry()
+        raise _trace_error(what, str(node.target), frame, plan)
     for leaf in captured.get("user_leaves", []):
         if isinstance(leaf, (torch.SymInt, torch.SymFloat, torch.SymBool)):
             raise _trace_error("the step returns a Python number computed from a tensor; return the tensor",
-                               None, None)
+                               None, None, plan)
 
 
 def _check_functional(gm: fx.GraphModule) -> None:

@@ -1,8 +1,10 @@
-"""Small models for the parity tests: an MLP, a CNN with BatchNorm, a GPT."""
+"""Small models for the parity tests: an MLP, a CNN with BatchNorm, a GPT; parts that cannot be traced."""
 
 from __future__ import annotations
 
+import numpy as np
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
@@ -39,3 +41,144 @@ def gpt_batch(cfg: GPTConfig, batch: int, generator: torch.Generator):
     x = torch.randint(0, cfg.vocab, (batch, cfg.seq), generator=generator)
     y = torch.randint(0, cfg.vocab, (batch, cfg.seq), generator=generator)
     return x, y
+
+
+# ---------------------------------------------------------------------- parts that cannot be traced
+class ScaleByMax(torch.autograd.Function):
+    """Divides by the input's largest magnitude, read as a Python float: tracing cannot read values."""
+
+    @staticmethod
+    def forward(ctx, x):
+        scale = float(x.detach().abs().max()) + 1.0
+        ctx.scale = scale
+        return x / scale
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad / ctx.scale
+
+
+class NumpyTanh(torch.autograd.Function):
+    """tanh computed by numpy: fake tensors have no data to hand it."""
+
+    @staticmethod
+    def forward(ctx, x):
+        y = torch.from_numpy(np.tanh(x.detach().numpy()))
+        ctx.save_for_backward(y)
+        return y
+
+    @staticmethod
+    def backward(ctx, grad):
+        (y,) = ctx.saved_tensors
+        return grad * (1 - y * y)
+
+
+class GlobalCenter(torch.autograd.Function):
+    """Subtracts the mean over the *global* batch (all ranks), a SyncBatchNorm-like region:
+    one all-reduce in forward, one in backward (Megatron-style collectives inside a Function)."""
+
+    @staticmethod
+    def forward(ctx, x):
+        total = x.sum(0)
+        count = torch.tensor([float(x.shape[0])])
+        if dist.is_initialized():
+            dist.all_reduce(total)
+            dist.all_reduce(count)
+        ctx.count = count
+        return x - total / count
+
+    @staticmethod
+    def backward(ctx, grad):
+        total = grad.sum(0)
+        if dist.is_initialized():
+            dist.all_reduce(total)
+        return grad - total / ctx.count
+
+
+class FunctionMLP(nn.Module):
+    """An MLP with an autograd.Function between its layers."""
+
+    def __init__(self, fn: type[torch.autograd.Function], d_in: int = 16, hidden: int = 32, d_out: int = 10):
+        super().__init__()
+        self.fn = fn
+        self.fc1 = nn.Linear(d_in, hidden)
+        self.fc2 = nn.Linear(hidden, d_out)
+
+    def forward(self, x):
+        return self.fc2(torch.relu(self.fn.apply(self.fc1(x))))
+
+
+class Expert(nn.Module):
+    def __init__(self, d: int, hidden: int):
+        super().__init__()
+        self.up = nn.Linear(d, hidden)
+        self.down = nn.Linear(hidden, d)
+
+    def forward(self, x):
+        return self.down(F.gelu(self.up(x)))
+
+
+class Top1MoE(nn.Module):
+    """Top-1 mixture of experts routed with ``nonzero()`` and a Python branch on the token count."""
+
+    def __init__(self, d: int = 16, hidden: int = 32, experts: int = 4):
+        super().__init__()
+        self.router = nn.Linear(d, experts, bias=False)
+        self.experts = nn.ModuleList(Expert(d, hidden) for _ in range(experts))
+
+    def forward(self, x):  # (N, d)
+        weight, choice = self.router(x).softmax(-1).max(-1)
+        out = torch.zeros_like(x)
+        for e, expert in enumerate(self.experts):
+            sel = (choice == e).nonzero().squeeze(-1)
+            if sel.numel() == 0:
+                continue
+            out = out.index_add(0, sel, expert(x[sel]) * weight[sel, None])
+        return out
+
+
+class MoENet(nn.Module):
+    def __init__(self, d_in: int = 16, d: int = 16, classes: int = 10):
+        super().__init__()
+        self.embed = nn.Linear(d_in, d)
+        self.moe = Top1MoE(d)
+        self.head = nn.Linear(d, classes)
+
+    def forward(self, x):
+        h = self.embed(x)
+        return self.head(h + self.moe(h))
+
+
+class GlobalTokenScale(nn.Module):
+    """Scales by 1 / (tokens on all ranks): a plain torch.distributed call in forward, outside any Function."""
+
+    def __init__(self, d: int):
+        super().__init__()
+        self.proj = nn.Linear(d, d)
+
+    def forward(self, x):
+        count = torch.tensor([float(x.shape[0])])
+        if dist.is_initialized():
+            dist.all_reduce(count)
+        return self.proj(x) * (x.shape[0] / count)
+
+
+class DistNet(nn.Module):
+    """Both kinds of collectives in a model: a Function with all-reduces and a module that calls one."""
+
+    def __init__(self, d_in: int = 16, hidden: int = 32, classes: int = 10):
+        super().__init__()
+        self.fc1 = nn.Linear(d_in, hidden)
+        self.scale = GlobalTokenScale(hidden)
+        self.head = nn.Linear(hidden, classes)
+
+    def forward(self, x):
+        return self.head(torch.relu(self.scale(GlobalCenter.apply(self.fc1(x)))))
+
+
+def tiny_mixtral_config(layers: int = 1):
+    import transformers
+
+    return transformers.MixtralConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=layers,
+                                      num_attention_heads=4, num_key_value_heads=2, num_local_experts=4,
+                                      num_experts_per_tok=2, max_position_embeddings=64)

@@ -63,7 +63,9 @@ def _assert_identical(before, model, opt):
     assert ids == now[4]
 
 
-def test_failed_compile_names_module_and_op_and_changes_nothing():
+def test_failed_compile_names_module_and_op_and_changes_nothing(monkeypatch):
+    # Without SPMD_ORT_AUTO_OPAQUE=0 the router would run opaquely (tests/test_opaque.py)
+    monkeypatch.setenv("SPMD_ORT_AUTO_OPAQUE", "0")
     torch.manual_seed(0)
     model = Net()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
@@ -78,6 +80,7 @@ def test_failed_compile_names_module_and_op_and_changes_nothing():
         step(model, opt, x, y)
     msg = str(info.value)
     assert "`router`" in msg and "Override" in msg and "unchanged" in msg
+    assert "unset SPMD_ORT_AUTO_OPAQUE=0" in msg
     assert info.value.fqn == "router"
     assert "tensor's value" in msg
     _assert_identical(before, model, opt)
