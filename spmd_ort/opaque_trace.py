@@ -444,13 +444,13 @@ class OpaqueCapture:
                     # A mode of its own, without symbolic shapes: reading a value fails here instead of
                     # leaving an unbacked symbol in the trace's shape environment.
                     with FakeTensorMode():
-                        yield [torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device=t.device)
-                               .requires_grad_(t.requires_grad and t.is_floating_point()) for t in inputs]
+                        yield [_non_leaf(torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device=t.device), t)
+                               for t in inputs]
                 else:
                     devices = sorted({t.device.index or 0 for t in inputs if t.device.type == "cuda"})
                     with torch.random.fork_rng(devices=devices):
                         torch.manual_seed(0)
-                        yield [_random_like(t) for t in inputs]
+                        yield [_non_leaf(_random_like(t), t) for t in inputs]
         finally:
             self.sampling -= 1
 
@@ -494,8 +494,15 @@ class _Writes(TorchDispatchMode):
 
 def _random_like(t: Tensor) -> Tensor:
     if t.is_floating_point():
-        return torch.randn(t.shape, dtype=t.dtype, device=t.device).requires_grad_(t.requires_grad)
+        return torch.randn(t.shape, dtype=t.dtype, device=t.device)
     return torch.zeros(t.shape, dtype=t.dtype, device=t.device)
+
+
+def _non_leaf(sample: Tensor, like: Tensor) -> Tensor:
+    """A sample that requires grad as ``like`` does, computed from a leaf as activations are."""
+    if like.requires_grad and like.is_floating_point():
+        return sample.requires_grad_(True).clone()
+    return sample
 
 
 def _unique(named) -> tuple[list[Tensor], list[list[str]]]:

@@ -4,7 +4,7 @@ Two pieces, as torch.fx's ``CapabilityBasedPartitioner``:
 
 * :class:`OrtSupport`, the operator-support predicate: can ORT run this node?
   Host nodes are collectives, our own ``spmd_ort::`` ops (the fused optimizer
-  update runs in torch, in place), random ops (they keep torch's RNG, so runs
+  update runs in torch, in place; opaque parts run the user's code), random ops (they keep torch's RNG, so runs
   are reproducible and verifiable), allocations whose value is undefined (the
   buffer a random op fills: exported, it would be a segment output of garbage),
   ops on float64 host scalars, and aten ops neither torchlib nor a torch
@@ -23,7 +23,7 @@ from torch import fx
 from torch.fx.passes.infra.partitioner import CapabilityBasedPartitioner
 from torch.fx.passes.operator_support import OperatorSupport
 
-from .ops import STARTS, wait_
+from .ops import OPAQUE_OPS, STARTS, wait_
 from .export import EXPORT_DECOMPOSITIONS
 
 aten = torch.ops.aten
@@ -65,6 +65,8 @@ def why_host(node: fx.Node) -> str | None:
     if not isinstance(target, torch._ops.OpOverload):
         return f"Python callable {getattr(target, '__name__', target)}"
     namespace = target.namespace
+    if target in OPAQUE_OPS:
+        return "opaque part: the user's code, run eagerly (CompiledProgram.describe() lists each)"
     if namespace in HOST_NAMESPACES:
         return f"{namespace} op (runs in torch)"
     if target in RANDOM_OPS:

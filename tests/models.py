@@ -95,17 +95,26 @@ class GlobalCenter(torch.autograd.Function):
         return grad - total / ctx.count
 
 
+class FunctionLayer(nn.Module):
+    def __init__(self, fn: type[torch.autograd.Function], d_in: int, d_out: int):
+        super().__init__()
+        self.fn = fn
+        self.lin = nn.Linear(d_in, d_out)
+
+    def forward(self, x):
+        return torch.relu(self.fn.apply(torch.tanh(self.lin(x))))
+
+
 class FunctionMLP(nn.Module):
-    """An MLP with an autograd.Function between its layers."""
+    """An MLP whose hidden layer (``layer``) applies an autograd.Function."""
 
     def __init__(self, fn: type[torch.autograd.Function], d_in: int = 16, hidden: int = 32, d_out: int = 10):
         super().__init__()
-        self.fn = fn
-        self.fc1 = nn.Linear(d_in, hidden)
-        self.fc2 = nn.Linear(hidden, d_out)
+        self.layer = FunctionLayer(fn, d_in, hidden)
+        self.head = nn.Linear(hidden, d_out)
 
     def forward(self, x):
-        return self.fc2(torch.relu(self.fn.apply(self.fc1(x))))
+        return self.head(self.layer(x))
 
 
 class Expert(nn.Module):
@@ -173,7 +182,7 @@ class DistNet(nn.Module):
         self.head = nn.Linear(hidden, classes)
 
     def forward(self, x):
-        return self.head(torch.relu(self.scale(GlobalCenter.apply(self.fc1(x)))))
+        return self.head(torch.relu(self.scale(GlobalCenter.apply(torch.tanh(self.fc1(x))))))
 
 
 def tiny_mixtral_config(layers: int = 1):

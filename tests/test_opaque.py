@@ -1,0 +1,308 @@
+"""Opaque parts: autograd.Functions and submodules that cannot be traced run eagerly as host nodes.
+
+Eager PyTorch is the oracle: each model trains eagerly and compiled, step by step
+(``train_side_by_side``: loss, parameters, gradients, buffers, optimizer state).
+Several ranks (collectives inside opaque parts, Mixtral replicate / fully_shard):
+tests/dist/opaque_parity.py, driven by test_opaque_parts_on_two_ranks.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import logging
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+import spmd_ort
+from helpers import assert_ort_report_clean, train_side_by_side, train_step
+from models import FunctionMLP, GlobalCenter, MoENet, NumpyTanh, ScaleByMax, tiny_mixtral_config
+from spmd_ort.ops import opaque_backward, opaque_forward
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def _batches(n: int = 3, seed: int = 4, rows: int = 32):
+    g = torch.Generator().manual_seed(seed)
+    return [(torch.randn(rows, 16, generator=g), torch.randint(0, 10, (rows,), generator=g)) for _ in range(n)]
+
+
+def _adamw(m):
+    return torch.optim.AdamW(m.parameters(), lr=1e-2)
+
+
+def _sgd(m):
+    # no optimizer state: one compiled variant (one ONNX export on the ORT backend)
+    return torch.optim.SGD(m.parameters(), lr=0.1)
+
+
+def _opaque_nodes(step) -> dict:
+    gm = step.compiled.gm
+    return {op: sum(1 for n in gm.graph.nodes if n.target is op) for op in (opaque_forward, opaque_backward)}
+
+
+# ---------------------------------------------------------------------- autograd.Functions
+def test_value_reading_function_runs_opaquely_with_its_own_ctx():
+    """``float(x.abs().max())`` cannot be traced: forward and backward run the user's code (ctx.scale
+    carries the value from one to the other) as host nodes.  (On ORT: test_hf_mixtral_tiny, and
+    the Function with collectives in test_opaque_parts_on_two_ranks.)"""
+    torch.manual_seed(0)
+    step, _, _ = train_side_by_side(lambda: FunctionMLP(ScaleByMax), _adamw, train_step, _batches())
+    assert _opaque_nodes(step) == {opaque_forward: 1, opaque_backward: 1}
+    text = step.compiled.describe()
+    assert "opaque[0] autograd.Function models.ScaleByMax in module `layer`: forward + backward" in text
+    assert "reads a tensor's value" in text and "shapes from random real tensors" in text
+
+
+def test_numpy_function_runs_opaquely():
+    torch.manual_seed(0)
+    step, le, _ = train_side_by_side(lambda: FunctionMLP(NumpyTanh), _adamw, train_step, _batches())
+    assert _opaque_nodes(step) == {opaque_forward: 1, opaque_backward: 1}
+    assert ".numpy()" in step.compiled.opaque[0].reason
+
+
+def test_traceable_function_is_inlined_unless_listed_opaque(monkeypatch):
+    """GlobalCenter (no process group here) traces: no opaque node.  Listed in
+    SPMD_ORT_OPAQUE_AUTOGRAD_FUNCTIONS it runs opaquely, and trains the same."""
+    torch.manual_seed(0)
+    step, _, _ = train_side_by_side(lambda: FunctionMLP(GlobalCenter), _adamw, train_step, _batches(2))
+    assert _opaque_nodes(step) == {opaque_forward: 0, opaque_backward: 0} and not step.compiled.opaque
+    monkeypatch.setenv("SPMD_ORT_OPAQUE_AUTOGRAD_FUNCTIONS", "models.GlobalCenter, models.NotUsed")
+    torch.manual_seed(0)
+    step, _, _ = train_side_by_side(lambda: FunctionMLP(GlobalCenter), _adamw, train_step, _batches(2))
+    assert _opaque_nodes(step) == {opaque_forward: 1, opaque_backward: 1}
+    assert step.compiled.opaque[0].reason == "listed in SPMD_ORT_OPAQUE_AUTOGRAD_FUNCTIONS"
+    assert step.compiled.opaque[0].shapes_from == "fake tensors"
+
+
+def test_disabling_custom_autograd_support_makes_an_untraceable_function_an_error(monkeypatch):
+    monkeypatch.setenv("SPMD_ORT_DISABLE_CUSTOM_AUTOGRAD_SUPPORT", "1")
+    torch.manual_seed(0)
+    model = FunctionMLP(ScaleByMax)
+    opt = _adamw(model)
+    before = copy.deepcopy(model.state_dict())
+    with pytest.raises(spmd_ort.CompileError) as info:
+        spmd_ort.compile(backend="fx")(train_step)(model, opt, *_batches(1)[0])
+    msg = str(info.value)
+    assert "autograd.Function models.ScaleByMax (forward) in module `layer`" in msg, msg
+    assert "SPMD_ORT_DISABLE_CUSTOM_AUTOGRAD_SUPPORT=1 is set" in msg and "unchanged" in msg
+    assert info.value.fqn == "layer"
+    assert all(torch.equal(v, model.state_dict()[k]) for k, v in before.items())
+
+
+class ScaleInPlace(torch.autograd.Function):
+    """Untraceable (reads a value) and rewrites its input in place: it can run neither way."""
+
+    @staticmethod
+    def forward(ctx, x):
+        x.div_(float(x.detach().abs().max()) + 1.0)
+        ctx.mark_dirty(x)
+        return x
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad
+
+
+def test_function_that_can_neither_trace_nor_run_opaquely_is_a_clear_error():
+    torch.manual_seed(0)
+    model = FunctionMLP(ScaleInPlace)
+    opt = _adamw(model)
+    before = copy.deepcopy(model.state_dict())
+    with pytest.raises(spmd_ort.CompileError) as info:
+        spmd_ort.compile(backend="fx")(train_step)(model, opt, *_batches(1)[0])
+    msg = str(info.value)
+    assert "test_opaque.ScaleInPlace in module `layer`" in msg and "modifies its input 0" in msg, msg
+    assert "Fix: return a new tensor" in msg
+    assert info.value.fqn == "layer" and info.value.op == "test_opaque.ScaleInPlace"
+    assert all(torch.equal(v, model.state_dict()[k]) for k, v in before.items())
+
+
+class Positives(torch.autograd.Function):
+    """Returns x's positive entries: the output's shape depends on the values."""
+
+    @staticmethod
+    def forward(ctx, x):
+        return x[x > 0]
+
+    @staticmethod
+    def backward(ctx, grad):
+        raise AssertionError("not reached: the forward's shape check fails first")
+
+
+def test_value_dependent_output_shape_is_named_at_run_time():
+    def step_fn(model, opt, x):
+        loss = Positives.apply(model(x)).sum()
+        loss.backward()
+        opt.step()
+        return loss
+
+    torch.manual_seed(0)
+    model = nn.Linear(16, 8)
+    step = spmd_ort.compile(backend="fx")(step_fn)
+    with pytest.raises(spmd_ort.CompileError, match=r"opaque autograd.Function test_opaque.Positives: output 0 is \(\d+,\) float32 but "
+                                                    r"the graph was traced with \(\d+,\) float32 .*must depend only "
+                                                    r"on its input shapes"):
+        step(model, _adamw(model), _batches(1)[0][0])
+
+
+# ---------------------------------------------------------------------- submodules
+def test_top1_moe_module_runs_opaquely_with_one_warning(caplog):
+    """Routing with nonzero() and `if sel.numel() == 0` cannot be traced: the module runs eagerly,
+    named in one WARNING (not again for the second variant), its parameters are graph inputs."""
+    torch.manual_seed(4)  # every expert gets tokens at every step (eager would leave an idle expert's grad None)
+    with caplog.at_level(logging.WARNING, logger="spmd_ort"):
+        step, le, _ = train_side_by_side(MoENet, _adamw, train_step, _batches(3))
+    warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert len(warnings) == 1 and "module `moe` cannot be traced" in warnings[0], warnings
+    assert len(step.variants) == 2
+    [call] = step.compiled.opaque
+    assert call.kind == "module" and call.fqn == "moe" and call.name == "Top1MoE"
+    params = {s.name for s in step.compiled.input_slots if s.kind == "param"}
+    assert {"moe.router.weight", "moe.experts.3.down.bias"} <= params
+
+
+def test_auto_opaque_off_is_a_compile_error(monkeypatch):
+    monkeypatch.setenv("SPMD_ORT_AUTO_OPAQUE", "0")
+    torch.manual_seed(4)
+    model = MoENet()
+    with pytest.raises(spmd_ort.CompileError, match="in module `moe`.*unset SPMD_ORT_AUTO_OPAQUE=0"):
+        spmd_ort.compile(backend="fx")(train_step)(model, _adamw(model), *_batches(1)[0])
+
+
+class BNBlock(nn.Module):
+    def __init__(self, d: int = 32):
+        super().__init__()
+        # no bias before BatchNorm: its gradient would be analytically zero (see tests/models.py)
+        self.mlp = nn.Sequential(nn.Linear(d, d, bias=False), nn.BatchNorm1d(d), nn.ReLU())
+        self.norm = nn.LayerNorm(d)
+
+    def forward(self, x):
+        return self.norm(x + self.mlp(x))
+
+
+class BNNet(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.stem = nn.Linear(16, 32, bias=False)
+        self.blocks = nn.Sequential(BNBlock(), BNBlock())
+        self.head = nn.Linear(32, 10)
+
+    def forward(self, x):
+        return self.head(self.blocks(self.stem(x)))
+
+
+def test_opaque_override_globs_keep_parameters_and_buffers_first_class(monkeypatch, caplog):
+    """``OpaqueOverride("blocks.*.mlp")``: traceable modules run opaquely on request (also with
+    SPMD_ORT_AUTO_OPAQUE=0), without warnings; BatchNorm's running statistics, updated in place by
+    the eager code, come back as new buffer values."""
+    monkeypatch.setenv("SPMD_ORT_AUTO_OPAQUE", "0")
+    torch.manual_seed(0)
+    with caplog.at_level(logging.WARNING, logger="spmd_ort"):
+        step, _, _ = train_side_by_side(BNNet, _adamw, train_step, _batches(3),
+                                        module_override=[spmd_ort.OpaqueOverride("blocks.*.mlp")])
+    assert not [r for r in caplog.records if r.levelno >= logging.WARNING]
+    assert [c.fqn for c in step.compiled.opaque] == ["blocks.0.mlp", "blocks.1.mlp"]
+    assert all(c.reason == "OpaqueOverride('blocks.*.mlp')" for c in step.compiled.opaque)
+    buffers = {s.name for s in step.compiled.output_slots if s.kind == "buffer"}
+    assert buffers == {f"blocks.{i}.mlp.1.{b}" for i in (0, 1)
+                       for b in ("running_mean", "running_var", "num_batches_tracked")}
+    with pytest.raises(TypeError, match="FQN glob"):
+        spmd_ort.OpaqueOverride()
+
+
+class CheckpointedBlock(nn.Module):
+    def __init__(self, reentrant: bool, d: int = 16):
+        super().__init__()
+        self.fc = nn.Linear(d, d)
+        self.norm = nn.LayerNorm(d)
+        self.reentrant = reentrant
+
+    def inner(self, x):
+        return self.norm(x + ScaleByMax.apply(torch.tanh(self.fc(x))))
+
+    def forward(self, x):
+        return checkpoint(self.inner, x, use_reentrant=self.reentrant)
+
+
+class CheckpointedNet(nn.Module):
+    def __init__(self, reentrant: bool):
+        super().__init__()
+        self.stem = nn.Linear(16, 16)
+        self.blocks = nn.Sequential(CheckpointedBlock(reentrant), CheckpointedBlock(reentrant))
+        self.head = nn.Linear(16, 10)
+
+    def forward(self, x):
+        return self.head(self.blocks(self.stem(x)))
+
+
+@pytest.mark.parametrize("reentrant", [False, True])
+def test_checkpointed_blocks_with_an_opaque_function(reentrant):
+    """torch.utils.checkpoint traces; the opaque Function inside runs once in forward (without
+    recording autograd) and again in backward's recomputation, whose saved state its backward uses."""
+    torch.manual_seed(0)
+    step, le, _ = train_side_by_side(lambda: CheckpointedNet(reentrant), _adamw, train_step, _batches(3))
+    calls = step.compiled.opaque
+    assert len(calls) == 4 and [c.saves_for_backward for c in calls] == [False, False, True, True]
+    assert _opaque_nodes(step) == {opaque_forward: 4, opaque_backward: 2}
+
+
+# ---------------------------------------------------------------------- HF Mixtral
+def lm_step(model, opt, x):
+    loss = model(input_ids=x, labels=x).loss
+    loss.backward()
+    torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+    opt.step()
+    opt.zero_grad(set_to_none=True)
+    return loss
+
+
+@pytest.mark.parametrize("backend", ["fx", "ort"])
+def test_hf_mixtral_tiny(backend):
+    """Mixtral's grouped expert matmul has no fp32 fake kernel: the experts run opaquely, the rest
+    (attention, router) is traced; on ORT it runs in segments around them."""
+    transformers = pytest.importorskip("transformers")
+    cfg = tiny_mixtral_config()
+    g = torch.Generator().manual_seed(0)
+    batches = [(torch.randint(0, cfg.vocab_size, (2, 16), generator=g),) for _ in range(3)]
+    torch.manual_seed(0)
+    step, le, _ = train_side_by_side(lambda: transformers.MixtralForCausalLM(cfg), _sgd, lm_step, batches,
+                                     backend=backend)
+    [call] = step.compiled.opaque
+    assert call.fqn == "model.layers.0.mlp.experts" and "Expected inputs of BF16 type" in call.reason
+    if backend == "ort":  # host nodes between segments, every segment in ONNX Runtime (train_side_by_side)
+        assert "host: spmd_ort.opaque_forward.default (opaque part" in step.compiled.describe()
+
+
+# ---------------------------------------------------------------------- several ranks
+@pytest.mark.multiproc
+def test_opaque_parts_on_two_ranks(tmp_path):
+    """One torchrun, four scenarios (tests/dist/opaque_parity.py checks every step on every rank):
+    collectives inside a Function and in a module's forward vs DDP on fx and ORT; HF Mixtral
+    replicate vs DDP and fully_shard vs single-process eager on the global batch."""
+    out = tmp_path / "out"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+           str(ROOT / "tests" / "dist" / "opaque_parity.py"), "--out", str(out)]
+    proc = subprocess.run(cmd, env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True, text=True,
+                          timeout=400)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-6000:]
+    ranks = [json.loads((out / f"rank{r}.json").read_text()) for r in range(2)]
+    for r in ranks:
+        for name in ("collectives-fx", "collectives-ort", "mixtral-replicate", "mixtral-shard"):
+            assert "compile_error" not in r[name], r[name]
+            assert len(r[name]["losses"]) == 3
+        opaque = r["collectives-ort"]["opaque"]
+        assert "models.GlobalCenter" in opaque[0] and "c10d.allreduce_" in opaque[0]
+        assert "module `scale` (GlobalTokenScale)" in opaque[1]
+        assert_ort_report_clean(r["collectives-ort"]["ort"])
+        for name in ("mixtral-replicate", "mixtral-shard"):
+            assert "module `model.layers.0.mlp.experts`" in r[name]["opaque"][0]
+        assert r["mixtral-shard"]["comm"]["reduce_scatter_calls"] >= 1
+    assert ranks[0]["collectives-fx"]["losses"] != ranks[1]["collectives-fx"]["losses"]  # each rank its shard
