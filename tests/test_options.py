@@ -24,6 +24,10 @@ BAD = [
     ("SPMD_ORT_FALLBACK_POLICY", "SOMETIMES", "FALLBACK_TO_FX or FALLBACK_DISABLE"),
     ("SPMD_ORT_BACKEND", "tvm", "ort or fx"),
     ("SPMD_ORT_LOG_LEVEL", "LOUD", "VERBOSE, INFO, WARNING"),
+    ("SPMD_ORT_AUTO_OPAQUE", "maybe", "1/0, true/false"),
+    ("SPMD_ORT_DISABLE_CUSTOM_AUTOGRAD_SUPPORT", "x", "1/0, true/false"),
+    ("SPMD_ORT_OPAQUE_AUTOGRAD_FUNCTIONS", "my.Func tion,Plain", "qualified class names such as `pkg.module.MyFunction` "
+                                                                "(not Plain, my.Func tion)"),
 ]
 
 
@@ -35,6 +39,16 @@ def test_bad_value_is_a_config_error_naming_variable_and_allowed_values(monkeypa
     msg = str(err.value)
     assert f"{name}={value!r}" in msg and allowed in msg, msg
     assert isinstance(err.value, ValueError) and isinstance(err.value, spmd_ort.CompileError)
+
+
+def test_opaque_functions_and_disabled_custom_autograd_support_conflict(monkeypatch):
+    monkeypatch.setenv("SPMD_ORT_DISABLE_CUSTOM_AUTOGRAD_SUPPORT", "1")
+    monkeypatch.setenv("SPMD_ORT_OPAQUE_AUTOGRAD_FUNCTIONS", "pkg.mod.Fn")
+    with pytest.raises(spmd_ort.ConfigError, match="set one of them"):
+        spmd_ort.compile()
+    monkeypatch.delenv("SPMD_ORT_DISABLE_CUSTOM_AUTOGRAD_SUPPORT")
+    options = spmd_ort.compile()(train_step).options
+    assert options.opaque_functions == frozenset({"pkg.mod.Fn"}) and options.custom_autograd and options.auto_opaque
 
 
 def test_a_typo_in_disabled_passes_is_an_error_listing_the_passes(monkeypatch):
