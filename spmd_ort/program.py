@@ -104,8 +104,10 @@ class CompiledProgram:
         lines.append("outputs: " + ", ".join(f"{n} {k}" for k, n in kinds.items()))
         lines += self.executor.describe()
         if self.opaque:
+            retraced = (f"; {self.trace_attempts} traces, each failed one made one more part opaque"
+                        if self.trace_attempts > 1 else "")
             lines.append(f"opaque parts: {len(self.opaque)} (the user's code runs eagerly in torch, as host nodes "
-                         f"opaque_forward/opaque_backward; traced {self.trace_attempts} times)")
+                         f"opaque_forward/opaque_backward{retraced})")
             lines += [f"  {call.describe()}" for call in self.opaque]
         results = self.results
         if results.gradient_buckets is not None:

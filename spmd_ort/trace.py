@@ -237,7 +237,8 @@ def _state_for_tracing(layout: StateLayout, state_in: list[torch.Tensor]) -> lis
     return out
 
 
-def _trace_error(what: str, op: str | None, frame: Frame | None, plan: OpaquePlan) -> CompileError:
+def _trace_error(what: str, op: str | None, frame: Frame | None, plan: OpaquePlan,
+                 fix: str | None = None) -> CompileError:
     """The CompileError of a trace failure no opaque part can take, naming where it happened and the fix."""
     if frame is not None and frame.kind == "function":
         fix = ("SPMD_ORT_DISABLE_CUSTOM_AUTOGRAD_SUPPORT=1 is set, so Functions are never run opaquely; unset it, "
@@ -247,11 +248,11 @@ def _trace_error(what: str, op: str | None, frame: Frame | None, plan: OpaquePla
             "The model and optimizer are unchanged.", fqn=frame.fqn, op=op or frame.name)
     fqn = frame.name if frame is not None else None
     where = f"in module `{fqn}`" if fqn else "outside any submodule (in the step function or backward)"
-    if fqn and fqn != "<root>":
+    if fqn and fqn != "<root>":  # a submodule that may not run opaquely (SPMD_ORT_AUTO_OPAQUE=0)
         fix = f"supply an Override for `{fqn}` (spmd_ort.Override.replacement) or make it traceable"
         if not plan.auto_opaque:
             fix += "; or unset SPMD_ORT_AUTO_OPAQUE=0 to run it eagerly as an opaque host node"
-    else:
+    elif fix is None:
         fix = "make the step function traceable" if not fqn else \
             "make the model's own forward traceable, or move the untraceable part into a submodule (it then runs opaquely)"
     return CompileError(
@@ -270,18 +271,21 @@ def _check_traceable(gm: fx.GraphModule, captured: dict, stack: CallStack, plan:
     for node in gm.graph.nodes:
         if node.op != "call_function":
             continue
+        fix = None
         if node.target is aten._local_scalar_dense.default:
             what = ("the step reads a tensor's value in Python (.item(), float(tensor), int(tensor)); the compiled "
                     "graph cannot depend on tensor values; return the tensor instead and convert it after the step")
         elif getattr(node.target, "namespace", None) == "c10d":
             what = (f"a torch.distributed call ({node.target}) on a ProcessGroup; collectives of the compiled graph "
                     "are its own, so the part that calls it must run opaquely")
+            fix = ("move the torch.distributed call out of the step, or into a submodule or an autograd.Function "
+                   "(it then runs opaquely, in the same order on every rank)")
         else:
             continue
         frame = stack.frame_of(gm, node)
         if plan.adopt(frame, what):
             raise _Retry()
-        raise _trace_error(what, str(node.target), frame, plan)
+        raise _trace_error(what, str(node.target), frame, plan, fix)
     for leaf in captured.get("user_leaves", []):
         if isinstance(leaf, (torch.SymInt, torch.SymFloat, torch.SymBool)):
             raise _trace_error("the step returns a Python number computed from a tensor; return the tensor",

@@ -306,3 +306,19 @@ def test_opaque_parts_on_two_ranks(tmp_path):
             assert "module `model.layers.0.mlp.experts`" in r[name]["opaque"][0]
         assert r["mixtral-shard"]["comm"]["reduce_scatter_calls"] >= 1
     assert ranks[0]["collectives-fx"]["losses"] != ranks[1]["collectives-fx"]["losses"]  # each rank its shard
+
+
+# last in this file: the one-rank process group (module scope) stays up until the module ends
+def test_collective_in_the_step_function_is_a_compile_error(one_rank):
+    """Not a raw NotImplementedError from tracing a ProcessGroup: a CompileError with the fix."""
+    def step_fn(model, opt, x):
+        loss = model(x).sum()
+        torch.distributed.all_reduce(loss)
+        loss.backward()
+        opt.step()
+        return loss
+
+    model = nn.Linear(16, 8)
+    with pytest.raises(spmd_ort.CompileError, match=r"outside any submodule .* torch.distributed call "
+                                                    r"\(c10d.allreduce_.default\).*Fix: move the torch.distributed"):
+        spmd_ort.compile(backend="fx")(step_fn)(model, _sgd(model), _batches(1)[0][0])
