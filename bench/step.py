@@ -16,6 +16,9 @@ baseline); ``fx`` / ``ort`` (``spmd_ort.compile``); ``inductor``
 (``torch.compile(model)`` with the fused optimizer).  The runners alternate step
 by step with a pause between them, median of ``--steps`` after 3 warm-up calls.
 
+Models with parts the compiled step runs opaquely (mixtral-tiny: its experts) also get
+the time those parts took inside the compiled runners' steps (median).
+
 Compile time: ``--compile`` also runs the ORT backend's first two calls (two
 traces, export or cache load, sessions, first checked run) in a fresh process
 with an empty ONNX cache (cold) and then in a second fresh process sharing that
@@ -149,6 +152,7 @@ def bench_model(name: str, steps: int, backends: list[str]) -> dict:
     times: dict[str, list[float]] = {k: [] for k in runners}
     compile_s: dict[str, float] = {}
     failed: dict[str, str] = {}
+    opaque_ms: dict[str, list[float]] = {}  # compiled runners: time in opaque parts (spmd_ort.opaque) per step
     warmup = 3  # compiled calls 1-2 trace (before / after optimizer state exists); 3 warms caches
     for i in range(warmup + steps):
         x, y = batch()
@@ -165,10 +169,14 @@ def bench_model(name: str, steps: int, backends: list[str]) -> dict:
             dt = time.perf_counter() - t0
             if i >= warmup:
                 times[k].append(dt)
+                program = getattr(fn, "compiled", None)
+                if program is not None and program.opaque:
+                    opaque_ms.setdefault(k, []).append(sum(program.opaque_seconds) * 1e3)
             elif k not in ("eager", "eager-default"):
                 compile_s[k] = compile_s.get(k, 0.0) + dt
     params = sum(p.numel() for p in model.parameters())
     return {"model": name, "params": params, "compile_s": compile_s, "failed": failed,
+            "opaque_ms": {k: statistics.median(v) for k, v in opaque_ms.items()},
             "ms": {k: statistics.median(v) * 1e3 for k, v in times.items() if k not in failed}}
 
 
@@ -234,6 +242,9 @@ def main() -> None:
         print("| " + " | ".join(cells) + " |", flush=True)
         for b, why in r["failed"].items():
             print(f"  ({name}: {b} fails: {why})", flush=True)
+        for b, ms in r["opaque_ms"].items():
+            print(f"  ({name}: opaque parts run eagerly in {b}'s step: {ms:.1f} ms of {r['ms'][b]:.1f} ms, "
+                  f"{ms / r['ms'][b]:.0%})", flush=True)
     if args.compile:
         print("\nort backend, first two calls in a fresh process (two traces, export or cache load, sessions, "
               "checked first run):")

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -128,8 +129,23 @@ class OpaqueFrame:
     def __init__(self, calls: tuple[OpaqueCall, ...]):
         self.calls = calls
         self.saved: dict[int, tuple[list[Tensor], list[Tensor]]] = {}
+        self.seconds = [0.0] * len(calls)  # per call, forward + backward: what the opaque parts cost this step
 
     def forward(self, index: int, inputs: list[Tensor]) -> list[Tensor]:
+        t0 = time.perf_counter()
+        try:
+            return self._forward(index, inputs)
+        finally:
+            self.seconds[index] += time.perf_counter() - t0
+
+    def backward(self, index: int, grads: list[Tensor]) -> list[Tensor]:
+        t0 = time.perf_counter()
+        try:
+            return self._backward(index, grads)
+        finally:
+            self.seconds[index] += time.perf_counter() - t0
+
+    def _forward(self, index: int, inputs: list[Tensor]) -> list[Tensor]:
         call = self.calls[index]
         leaves = [t.detach().requires_grad_(True) if g else t.detach() for t, g in zip(inputs, call.needs_grad)]
         for i in call.updates:  # the user's code updates these in place: give it copies, return them as new values
@@ -144,7 +160,7 @@ class OpaqueFrame:
         values += [leaves[i].detach() for i in call.updates]
         return values + [torch.tensor(index)]
 
-    def backward(self, index: int, grads: list[Tensor]) -> list[Tensor]:
+    def _backward(self, index: int, grads: list[Tensor]) -> list[Tensor]:
         call = self.calls[index]
         if index not in self.saved:
             raise RuntimeError(f"opaque {call.what}: backward ran without its forward in this step")

@@ -46,6 +46,7 @@ class CompiledProgram:
     trace_seconds: float
     compile_seconds: float
     opaque: tuple[OpaqueCall, ...] = ()  # parts that run eagerly as host nodes (spmd_ort.opaque)
+    opaque_seconds: tuple[float, ...] = ()  # per opaque call, forward + backward, in the last step
     trace_attempts: int = 1
     steps_run: int = 0
 
@@ -61,8 +62,9 @@ class CompiledProgram:
         leaves = pytree.tree_leaves((args, kwargs))
         inputs = self.layout.gather() + [leaves[i] for i in self.batch_positions]
         if self.opaque:
-            with active().running(self.opaque):  # what opaque forwards save for their backwards, this step only
+            with active().running(self.opaque) as frame:  # what opaque forwards save for their backwards, this step
                 outs = self.executor.run(inputs)
+            self.opaque_seconds = tuple(frame.seconds)
         else:
             outs = self.executor.run(inputs)
         # An executor that reuses its output buffers overwrites them next step:
@@ -108,7 +110,9 @@ class CompiledProgram:
                         if self.trace_attempts > 1 else "")
             lines.append(f"opaque parts: {len(self.opaque)} (the user's code runs eagerly in torch, as host nodes "
                          f"opaque_forward/opaque_backward{retraced})")
-            lines += [f"  {call.describe()}" for call in self.opaque]
+            seconds = self.opaque_seconds or (None,) * len(self.opaque)
+            lines += [f"  {call.describe()}" + (f"; last step {t * 1e3:.1f} ms" if t is not None else "")
+                      for call, t in zip(self.opaque, seconds)]
         results = self.results
         if results.gradient_buckets is not None:
             sizes = results.gradient_buckets.nbytes

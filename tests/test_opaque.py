@@ -59,6 +59,7 @@ def test_value_reading_function_runs_opaquely_with_its_own_ctx():
     text = step.compiled.describe()
     assert "opaque[0] autograd.Function models.ScaleByMax in module `layer`: forward + backward" in text
     assert "reads a tensor's value" in text and "shapes from random real tensors" in text
+    assert "; last step" in text and step.compiled.opaque_seconds[0] > 0  # what the part cost the last step
 
 
 def test_numpy_function_runs_opaquely():
