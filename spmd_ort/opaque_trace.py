@@ -39,17 +39,20 @@ import torch
 import torch.utils._pytree as pytree
 from torch import Tensor, fx, nn
 from torch.autograd.function import Function
+from torch._subclasses.fake_tensor import FakeTensorMode, unset_fake_temporarily
 from torch.fx.experimental.proxy_tensor import disable_proxy_modes_tracing, get_proxy_mode
 from torch.multiprocessing.reductions import StorageWeakRef
-from torch.utils._python_dispatch import TorchDispatchMode
 from torch.nn.utils import stateless
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from . import opaque
 from .errors import CompileError
-from .ops import opaque_backward, opaque_forward
 from .opaque import OpaqueCall, TensorMeta
+from .ops import opaque_backward, opaque_forward
+from .state import unique_named
 
 logger = logging.getLogger("spmd_ort")
+aten = torch.ops.aten
 
 
 def qualified_name(cls: type) -> str:
@@ -330,8 +333,9 @@ class OpaqueCapture:
         for x in leaves:
             holder = x if isinstance(x, nn.Module) else getattr(x, "__self__", None)
             if isinstance(holder, nn.Module) and any(True for _ in holder.parameters()):
+                where = f" in module `{fqn}`" if fqn else ""
                 raise CompileError(
-                    f"autograd.Function {name} (in module `{fqn}`) cannot be traced ({reason}) nor run opaquely: "
+                    f"autograd.Function {name}{where} cannot be traced ({reason}) nor run opaquely: "
                     f"it receives the module {type(holder).__name__} as an argument, so its parameters would "
                     "bypass the compiled graph (data parallel, sharding, the optimizer). Fix: make the Function "
                     "traceable, or pass the tensors it needs as arguments", fqn=fqn, op=name)
@@ -353,8 +357,8 @@ class OpaqueCapture:
         leaves, spec = pytree.tree_flatten((args, kwargs))
         positions = [i for i, x in enumerate(leaves) if isinstance(x, Tensor)]
         constants = [None if isinstance(x, Tensor) else x for x in leaves]
-        params, param_names = _unique(mod.named_parameters(remove_duplicate=False))
-        buffers, buffer_names = _unique(mod.named_buffers(remove_duplicate=False))
+        params, param_names, _ = unique_named(mod.named_parameters(remove_duplicate=False))
+        buffers, buffer_names, _ = unique_named(mod.named_buffers(remove_duplicate=False))
         names = param_names + buffer_names
         n_acts = len(positions)
 
@@ -435,8 +439,6 @@ class OpaqueCapture:
 
     @contextlib.contextmanager
     def _sampling(self, fake: bool, inputs: list[Tensor]):
-        from torch._subclasses.fake_tensor import FakeTensorMode, unset_fake_temporarily
-
         self.sampling += 1
         try:
             with disable_proxy_modes_tracing(), self.stack.pause(), unset_fake_temporarily():
@@ -455,7 +457,6 @@ class OpaqueCapture:
             self.sampling -= 1
 
 
-aten = torch.ops.aten
 # Ops that update arguments in place although their schema does not say so: the batch norms'
 # running statistics (positions), when training (argument 5).
 UNANNOTATED_WRITES = {op: (3, 4) for op in (aten.native_batch_norm.default, aten.cudnn_batch_norm.default,
@@ -505,20 +506,6 @@ def _non_leaf(sample: Tensor, like: Tensor) -> Tensor:
     return sample
 
 
-def _unique(named) -> tuple[list[Tensor], list[list[str]]]:
-    tensors: list[Tensor] = []
-    names: list[list[str]] = []
-    index: dict[int, int] = {}
-    for name, t in named:
-        if id(t) in index:
-            names[index[id(t)]].append(name)
-        else:
-            index[id(t)] = len(tensors)
-            tensors.append(t)
-            names.append([name])
-    return tensors, names
-
-
 def _short(exc: BaseException, limit: int = 300) -> str:
     text = " ".join(str(exc).split())
     return text if len(text) <= limit else text[:limit] + " ..."
@@ -547,6 +534,8 @@ def link_backward(gm: fx.GraphModule, calls: list[OpaqueCall]) -> None:
         if node.op != "call_function" or node.target is not opaque_backward:
             continue
         token = node.args[0]
+        while token.target in (aten.detach.default, aten.alias.default):  # autograd's unpacking of a saved tensor
+            token = token.args[0]
         producer = token.args[0] if token.target is operator.getitem else None
         if producer is None or producer.target is not opaque_forward:
             raise AssertionError(f"opaque_backward {node.name} does not read an opaque_forward's token")

@@ -66,8 +66,8 @@ class StateLayout:
     @classmethod
     def capture(cls, module: nn.Module, opt: torch.optim.Optimizer | None,
                 rule: OptimizerRule | None) -> StateLayout:
-        params, param_names, index = _unique(module.named_parameters(remove_duplicate=False))
-        buffers, buffer_names, _ = _unique(module.named_buffers(remove_duplicate=False))
+        params, param_names, index = unique_named(module.named_parameters(remove_duplicate=False))
+        buffers, buffer_names, _ = unique_named(module.named_buffers(remove_duplicate=False))
         grad_params = [i for i, p in enumerate(params) if p.grad is not None]
         opt_entries = []
         if opt is not None:
@@ -258,7 +258,7 @@ class BoundState:
         return out
 
 
-def _unique(named) -> tuple[list[Tensor], list[list[str]], dict[int, int]]:
+def unique_named(named) -> tuple[list[Tensor], list[list[str]], dict[int, int]]:
     """Distinct tensors, all the names of each, and id -> position (tied weights are one entry)."""
     tensors, names, index = [], [], {}
     for name, t in named:
