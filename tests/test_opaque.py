@@ -69,6 +69,64 @@ def test_numpy_function_runs_opaquely():
     assert ".numpy()" in step.compiled.opaque[0].reason
 
 
+class ScaledClamp(torch.autograd.Function):
+    """ORTModule's example: non-tensor arguments (a float, a tuple, an object) beside the tensor."""
+
+    @staticmethod
+    def forward(ctx, x, alpha, beta, options):
+        ctx.save_for_backward(x)
+        ctx.factor = alpha * beta[0] * beta[1] * options["gamma"] / (float(x.detach().abs().max()) + 1.0)
+        return ctx.factor * x.clamp(min=0)
+
+    @staticmethod
+    def backward(ctx, grad):
+        (x,) = ctx.saved_tensors
+        return ctx.factor * grad * (x >= 0), None, None, None
+
+
+class ClampLayer(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(16, 32)
+        self.options = {"gamma": 0.5}
+
+    def forward(self, x):
+        return ScaledClamp.apply(self.lin(x), 2.0, (1.5, 0.5), self.options)
+
+
+def test_function_with_non_tensor_arguments_runs_opaquely():
+    torch.manual_seed(0)
+    step, _, _ = train_side_by_side(lambda: nn.Sequential(ClampLayer(), nn.Linear(32, 10)), _adamw, train_step,
+                                    _batches(2))
+    assert [c.name for c in step.compiled.opaque] == ["test_opaque.ScaledClamp"]
+
+
+class ApplyModule(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, module):
+        return module(x) / (float(x.detach().abs().max()) + 1.0)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad, None
+
+
+class HidesParameters(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.inner = nn.Linear(16, 10)
+
+    def forward(self, x):
+        return ApplyModule.apply(x, self.inner)
+
+
+def test_function_receiving_a_module_cannot_run_opaquely():
+    model = HidesParameters()
+    with pytest.raises(spmd_ort.CompileError, match=r"ApplyModule in module `<root>` cannot be traced .* receives "
+                                                    r"the module Linear as an argument.*Fix"):
+        spmd_ort.compile(backend="fx")(train_step)(model, _sgd(model), *_batches(1)[0])
+
+
 def test_traceable_function_is_inlined_unless_listed_opaque(monkeypatch):
     """GlobalCenter (no process group here) traces: no opaque node.  Listed in
     SPMD_ORT_OPAQUE_AUTOGRAD_FUNCTIONS it runs opaquely, and trains the same."""
