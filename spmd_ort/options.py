@@ -155,9 +155,13 @@ def _not(parse: Callable[[str], bool]) -> Callable[[str], bool]:
 
 def _qualified_names(value: str) -> frozenset[str]:
     names = _names(value)
-    bad = sorted(n for n in names if "." not in n or not all(part.isidentifier() or part == "<locals>" for part in n.split(".")))
+    def qualified(name: str) -> bool:  # `<locals>` appears in the names of classes defined in a function
+        return "." in name and all(part.isidentifier() or part == "<locals>" for part in name.split("."))
+
+    bad = sorted(n for n in names if not qualified(n))
     if bad:
-        raise ValueError(f"comma-separated qualified class names such as `pkg.module.MyFunction` (not {', '.join(bad)})")
+        raise ValueError(f"comma-separated qualified class names such as `pkg.module.MyFunction` "
+                         f"(not {', '.join(bad)})")
     return names
 
 

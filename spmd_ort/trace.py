@@ -253,8 +253,9 @@ def _trace_error(what: str, op: str | None, frame: Frame | None, plan: OpaquePla
         if not plan.auto_opaque:
             fix += "; or unset SPMD_ORT_AUTO_OPAQUE=0 to run it eagerly as an opaque host node"
     elif fix is None:
-        fix = "make the step function traceable" if not fqn else \
-            "make the model's own forward traceable, or move the untraceable part into a submodule (it then runs opaquely)"
+        fix = "make the step function traceable" if not fqn else (
+            "make the model's own forward traceable, or move the untraceable part into a submodule "
+            "(it then runs opaquely)")
     return CompileError(
         f"could not trace the train step {where}{f' at op {op}' if op else ''}: {what}. Fix: {fix}. "
         "The model and optimizer are unchanged.", fqn=fqn, op=op)

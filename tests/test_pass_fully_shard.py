@@ -247,3 +247,28 @@ def test_planned_peak_falls_with_resharding_and_sharding():
     params = sum(p.numel() * 4 for p in GPT(cfg).parameters())
     assert peaks[True] < peaks[False]
     assert peaks[False] - peaks[True] > 0.3 * params  # most gathered weights are not held through the turn
+
+
+def test_opaque_module_reads_gathered_parameters_and_its_gradients_are_reduce_scattered():
+    """An opaque submodule's parameters are placeholders like any other: gather_parameters_pass feeds
+    its opaque_forward full parameters, and the gradients its opaque_backward returns are reduce-scattered."""
+    from spmd_ort.opaque_trace import OpaquePlan
+    from spmd_ort.ops import opaque_backward, opaque_forward
+
+    model = MLP()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    _shard_model(model, opt, 2)
+    layout = StateLayout.capture(model, opt, rule_for(opt))
+    traced = trace_step(train_step, (model, opt, torch.randn(4, 32), torch.randint(0, 10, (4,))), {}, layout,
+                        tag_grads=True, plan=OpaquePlan(patterns=("fc2",)))
+    ctx = _ctx(traced, layout, 2)
+    gm = run_passes(traced.gm, ctx, _cleanup(ctx) + _shard(ctx))
+    [fwd], [bwd] = _nodes(gm, opaque_forward), _nodes(gm, opaque_backward)
+    params = {n for n in gm.graph.nodes if n.op == "placeholder" and n.meta.get("sharded_param") is not None}
+    inputs = fwd.args[0]  # activation, fc2.weight, fc2.bias
+    assert len(inputs) == 3 and not params & set(inputs)
+    for full in inputs[1:]:  # view <- slice <- wait_ <- all_gather <- the shard placeholder
+        node = full.args[0].args[0]
+        assert node.target is wait_ and node.args[0].target is all_gather and node.args[0].args[0] in params
+    flat = [u for g in bwd.users for u in g.users if u.target is torch.ops.aten.reshape.default]
+    assert len(flat) == 2 and all(next(iter(r.users)).target is reduce_scatter for r in flat)  # 64x64, 64: no pad
