@@ -24,6 +24,7 @@ _ACTIVE: contextvars.ContextVar[StepRuntime | None] = contextvars.ContextVar("sp
 class StepRuntime:
     options: Options = field(default_factory=Options)
     comm: Communicator = field(default_factory=Communicator)
+    recorder: object | None = None  # a spmd_ort.timeline.Recorder while profiled steps run (CompiledStep.profile)
 
     @contextlib.contextmanager
     def active(self) -> Iterator[StepRuntime]:

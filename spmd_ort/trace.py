@@ -19,6 +19,7 @@ outputs ``user leaves..., new state...`` described by :class:`~.state.Slot` list
 from __future__ import annotations
 
 import contextlib
+import contextvars
 import logging
 import time
 from dataclasses import dataclass
@@ -40,6 +41,12 @@ aten = torch.ops.aten
 
 
 TENSOR = object()  # marks where a graph output goes in the step's return value
+_TRACING: contextvars.ContextVar[bool] = contextvars.ContextVar("spmd_ort_tracing", default=False)
+
+
+def is_tracing() -> bool:
+    """Whether the user's step is running under capture (its tensors are traced, not real)."""
+    return _TRACING.get()
 
 # Ops that mutate their arguments but have no functionalization rule of their
 # own; their decompositions reach ops that do (e.g. _native_batch_norm_legit).
@@ -195,6 +202,7 @@ def trace_step(fn, args: tuple, kwargs: dict, layout: StateLayout, *, sdpa_math:
     trace_inputs = _state_for_tracing(layout, state_in) + [leaves[i] for i in batch_positions]
     stack = _ModuleStack(layout.module)
     phases = _Phases()
+    token = _TRACING.set(True)
     try:
         attention = sdpa_kernel([SDPBackend.MATH]) if sdpa_math else contextlib.nullcontext()
         with stack.installed(), torch.enable_grad(), attention, phases:
@@ -206,6 +214,8 @@ def trace_step(fn, args: tuple, kwargs: dict, layout: StateLayout, *, sdpa_math:
     except Exception as exc:  # noqa: BLE001 - every trace failure becomes a CompileError
         what, op = _describe_failure(exc)
         raise _trace_error(what, op, stack.innermost()) from exc
+    finally:
+        _TRACING.reset(token)
 
     phases.tag(gm1)
 
