@@ -52,6 +52,9 @@ def main() -> None:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--parallel", default="replicate", choices=["replicate", "fully_shard"])
     ap.add_argument("--offload", action="store_true", help="fully_shard: optimizer and parameters on the host")
+    ap.add_argument("--timeline", default=str(ROOT / "out" / "demo_timeline"),
+                    help="where the profile of the last two steps goes (<path>.json, <path>.png)")
+    ap.add_argument("--explain", action="store_true", help="print train_step.explain() at the end")
     args = ap.parse_args()
     if "WORLD_SIZE" in os.environ:  # launched by torchrun
         dist.init_process_group("gloo")
@@ -99,6 +102,8 @@ def main() -> None:
     log(f"initial loss should be about ln({len(chars)}) = {math.log(len(chars)):.2f}")
     t0, t_last = time.perf_counter(), time.perf_counter()
     for step in range(1, args.steps + 1):
+        if step == args.steps - 1:  # the timeline of the last two steps: every rank calls profile() here
+            train_step.profile(steps=2, path=args.timeline)
         x, y = batch(train)
         loss = train_step(model, opt, x, y, last_train_step=step == args.steps)
         sched.step()
@@ -120,6 +125,11 @@ def main() -> None:
             log(f"step {step:4d}  loss {loss.item():.3f}  {rate:6.1f} steps/s  lr {sched.get_last_lr()[0]:.2e}{extra}")
             t_last = now
 
+    if train_step.profile_paths is not None:
+        trace, picture = train_step.profile_paths
+        log(f"timeline of the last two steps: {picture} (open {trace} in https://ui.perfetto.dev or chrome://tracing)")
+    if args.explain:
+        log(train_step.explain())
     if world > 1 and args.parallel == "fully_shard":
         memory = train_step.memory()
         log(f"fully_shard: {memory['persistent']['total'] / 2**20:.2f} MiB of parameters + optimizer state per rank "

@@ -5,6 +5,7 @@ Every transformation of the captured train step is a function
 :func:`run_passes` applies them, checking the contracts each declares.
 """
 
+from .activation_stats import insert_activation_stats_pass
 from .analysis import plan_memory_pass
 from .cleanup import remove_identity_views_pass, remove_redundant_copies_pass
 from .context import (GradientBuckets, MemoryPlan, OffloadPlan, PassContext, PassRecord, PassResults,
@@ -26,7 +27,7 @@ __all__ = [
     "PassRecord", "PassResults", "ShardBuckets", "broadcast_buffers_pass", "bucket_collectives_pass",
     "bucket_shard_collectives_pass", "build_pipeline", "check_disabled", "complete_grad_norms_pass",
     "dedup_collectives_pass", "expand_data_parallel_pass", "gather_parameters_pass", "gm_transformation_pass",
-    "graph_pass", "keep_tail_gathers_pass", "offload_optimizer_pass", "offload_params_pass", "op_counts",
+    "graph_pass", "insert_activation_stats_pass", "keep_tail_gathers_pass", "offload_optimizer_pass", "offload_params_pass", "op_counts",
     "override_transform_pass", "pass_names", "pipeline_markdown", "plan_memory_pass", "prefetch_gathers_pass",
     "propagate_shards_pass", "reduce_scatter_gradients_pass", "reinplace_optimizer_pass",
     "rematerialize_param_views_pass", "remove_identity_views_pass", "remove_redundant_copies_pass", "run_passes",

@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from spmd_ort.errors import ConfigError
 from spmd_ort.parallel import DataParallel
 
+from .activation_stats import insert_activation_stats_pass
 from .analysis import plan_memory_pass
 from .cleanup import remove_identity_views_pass, remove_redundant_copies_pass
 from .data_parallel import (broadcast_buffers_pass, bucket_collectives_pass, dedup_collectives_pass,
@@ -87,6 +88,7 @@ USER_TRANSFORMS = "user transforms"
 STAGES: tuple[Step, ...] = (
     Step("cleanup", remove_redundant_copies_pass),
     Step("cleanup", remove_identity_views_pass),
+    Step("debug", insert_activation_stats_pass, _always, "always (a no-op unless a debug subscriber taps activations)"),
     Step("replicate", expand_data_parallel_pass, _replicate, "replicate"),
     Step("fully_shard", shard_placeholders_pass, _sharded, "fully_shard"),
     Step("fully_shard", reduce_scatter_gradients_pass, _sharded, "fully_shard"),

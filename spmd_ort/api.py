@@ -13,11 +13,13 @@ import fnmatch
 import functools
 import logging
 import time
+from pathlib import Path
 from abc import ABC, abstractmethod
 from collections.abc import Callable
 from typing import Any
 
 import torch
+import torch.distributed as dist
 import torch.utils._pytree as pytree
 from torch import fx, nn
 
@@ -27,6 +29,8 @@ from . import parallel
 from .collectives import StepComm
 from .errors import CompileError
 from .executor import build_executor
+from . import timeline
+from .explain import explain
 from .memory import host_memory_retained, max_rss_bytes, retain_host_memory
 from .opaque_trace import OpaquePlan
 from .optim import rule_for
@@ -35,6 +39,7 @@ from .program import CompiledProgram
 from .runtime import StepRuntime
 from .sharding import ShardedModule, is_sharded, persistent_bytes, spec_of
 from .state import StateLayout
+from .timeline import Recorder
 from .trace import trace_step
 from .transition import StepKey, TransitionManager
 
@@ -171,6 +176,8 @@ class CompiledStep:
             custom_autograd=options.custom_autograd, auto_opaque=options.auto_opaque,
             forced=options.opaque_functions,
             patterns=tuple(p for o in self.module_override if isinstance(o, OpaqueOverride) for p in o.patterns))
+        self._profile: tuple[int, Path] | None = None  # armed by profile(): (steps, path)
+        self.profile_paths: tuple[Path, Path] | None = None  # (trace, picture) written by the last profile
 
     @property
     def backend(self) -> str:
@@ -195,6 +202,47 @@ class CompiledStep:
         return {"persistent": persistent, "planned_activation_peak": planned,
                 "peak": persistent["total"] + persistent["buffers"] + planned, "max_rss": max_rss_bytes(),
                 "host_memory_retained": host_memory_retained()}
+
+    def explain(self) -> str:
+        """The plan of the last compiled variant in words: variants and why each was traced, passes,
+        collectives per step (planned vs measured), segments and host nodes, memory
+        (:mod:`spmd_ort.explain`)."""
+        return explain(self, self.memory() if self._last is not None and self.compiled is not None else None)
+
+    def profile(self, steps: int = 1, path: str | Path = "spmd_ort_profile") -> None:
+        """Record the timeline of the next ``steps`` calls, then write ``<path>.json`` and ``<path>.png``.
+
+        Every rank must call it at the same point of its loop (the ranks' spans are merged on
+        rank 0, which writes a Chrome/Perfetto trace with one process per rank and a picture of
+        the last profiled step: compute, host and communication lanes, overlap shaded;
+        :mod:`spmd_ort.timeline`).  Profiled steps run node by node, so they are a little slower
+        than others.  ``profile_paths`` holds the two paths once written.
+        """
+        if steps < 1:
+            raise ValueError(f"profile(steps={steps}): profile at least one step")
+        self._profile = (steps, Path(path))
+        self.profile_paths = None
+
+    def _start_profile(self) -> None:
+        steps, _ = self._profile
+        if parallel.world()[1] > 1:
+            dist.barrier()  # one origin for every rank's clock
+        recorder = Recorder(steps)
+        self.runtime.recorder = recorder
+        self.runtime.comm.recorder = recorder
+
+    def _finish_profile(self) -> None:
+        recorder, (_, path) = self.runtime.recorder, self._profile
+        self.runtime.recorder = self.runtime.comm.recorder = None
+        self._profile = None
+        rank, world = parallel.world()
+        recorders = [recorder]
+        if world > 1:
+            recorders = [None] * world if rank == 0 else None
+            dist.gather_object(recorder, recorders, dst=0)
+        if rank == 0:
+            self.profile_paths = timeline.write(recorders, path)
+            logger.info("profile of %d step(s) written to %s and %s", recorder.steps, *self.profile_paths)
 
     def prepare(self, module: nn.Module, opt: torch.optim.Optimizer | None = None) -> None:
         """Put ``module`` (and ``opt``'s state) in the layout this step trains it in, as its first call would.
@@ -283,12 +331,20 @@ class CompiledStep:
 
     def _run(self, program: CompiledProgram, args: tuple, kwargs: dict) -> Any:
         comm = self.runtime.comm
+        if self._profile is not None and self.runtime.recorder is None and program.steps_run > 0:
+            self._start_profile()  # (a variant's first run is a checked one: profiled from its second)
+        recorder = self.runtime.recorder
         comm.start_step()
+        t0 = time.perf_counter()
         try:
             with self.runtime.active():
                 return program.run(args, kwargs)
         finally:
             self.comm = comm.end_step()
+            if recorder is not None:
+                recorder.step_done(t0, time.perf_counter())
+                if recorder.done:
+                    self._finish_profile()
 
     def _compile_everywhere(self, key, module, opt, rule, mode, args, kwargs) -> CompiledProgram:
         """Compile; on several ranks, also agree that every rank compiled the same graph.
@@ -332,7 +388,8 @@ class CompiledStep:
             output_slots=ctx.output_slots, batch_positions=traced.batch_positions, user_spec=traced.user_spec,
             user_leaves=traced.user_leaves, passes_applied=ctx.applied, results=ctx.results, executor=executor,
             opaque=traced.opaque, trace_attempts=traced.attempts,
-            options=self.options, trace_seconds=traced.seconds, compile_seconds=time.perf_counter() - t0)
+            options=self.options, trace_seconds=traced.seconds, compile_seconds=time.perf_counter() - t0,
+            traced_because=self.transitions.reason)
         logger.info("compiled %s: %d graph nodes, trace %.2fs, total %.2fs", self.transitions.name,
                     len(gm.graph.nodes), traced.seconds, program.compile_seconds)
         return program

@@ -60,8 +60,9 @@ class StepComm:
 class Communicator:
     """Outstanding collectives and per-step accounting of one compiled step."""
 
-    pending: dict = field(default_factory=dict)  # data_ptr -> (work, issued at, [completed at])
+    pending: dict = field(default_factory=dict)  # data_ptr -> (work, issued at, [completed at], kind)
     step: StepComm = field(default_factory=StepComm)
+    recorder: object | None = None  # a spmd_ort.timeline.Recorder while steps are profiled
 
     def start_step(self) -> None:
         self.step = StepComm()
@@ -74,7 +75,7 @@ class Communicator:
     def all_reduce(self, t: Tensor, prescale: float) -> Tensor:
         if prescale != 1.0:
             t.mul_(prescale)
-        self._track(t, time.perf_counter(), dist.all_reduce(t, op=dist.ReduceOp.SUM, async_op=True))
+        self._track(t, time.perf_counter(), dist.all_reduce(t, op=dist.ReduceOp.SUM, async_op=True), "all_reduce")
         self.step.all_reduce_calls += 1
         self.step.all_reduce_bytes += t.numel() * t.element_size()
         return t
@@ -82,7 +83,7 @@ class Communicator:
     def all_gather(self, shard: Tensor, world: int) -> Tensor:
         out = shard.new_empty(shard.numel() * world)
         issued = time.perf_counter()
-        self._track(out, issued, dist.all_gather_single(out, shard.contiguous(), async_op=True))
+        self._track(out, issued, dist.all_gather_single(out, shard.contiguous(), async_op=True), "all_gather")
         self.step.all_gather_calls += 1
         self.step.all_gather_bytes += out.numel() * out.element_size()
         return out
@@ -93,18 +94,18 @@ class Communicator:
         out = t.new_empty(t.numel() // world)
         issued = time.perf_counter()
         work = dist.reduce_scatter_single(out, t.contiguous(), op=dist.ReduceOp.AVG, async_op=True)
-        self._track(out, issued, work)
+        self._track(out, issued, work, "reduce_scatter")
         self.step.reduce_scatter_calls += 1
         self.step.reduce_scatter_bytes += t.numel() * t.element_size()
         return out
 
-    def _track(self, t: Tensor, issued: float, work) -> None:
+    def _track(self, t: Tensor, issued: float, work, kind: str) -> None:
         done: list[float] = []
         try:
             work.get_future().then(lambda fut: done.append(time.perf_counter()))
         except RuntimeError:
             pass  # gloo's all-gather/reduce-scatter work has no future: completion counts at wait
-        self.pending[t.data_ptr()] = (work, issued, done)
+        self.pending[t.data_ptr()] = (work, issued, done, f"{kind} {t.numel() * t.element_size() / 2**20:.2f} MiB")
 
     def wait(self, t: Tensor) -> Tensor:
         entry = self.pending.pop(t.data_ptr(), None)
@@ -113,7 +114,7 @@ class Communicator:
         self._wait(*entry)
         return t
 
-    def _wait(self, work, issued: float, done: list) -> None:
+    def _wait(self, work, issued: float, done: list, kind: str) -> None:
         t0 = time.perf_counter()
         try:
             work.wait()
@@ -124,7 +125,10 @@ class Communicator:
         t1 = time.perf_counter()
         self.step.blocked_s += t1 - t0
         # the completion callback may not have run yet when wait() returns
-        self.step.comm_s += (done[0] if done else t1) - issued
+        completed = done[0] if done else t1
+        self.step.comm_s += completed - issued
+        if self.recorder is not None:
+            self.recorder.add(kind, "comm", issued, completed)
 
     def broadcast(self, t: Tensor, src: int) -> Tensor:
         t0 = time.perf_counter()
@@ -136,6 +140,8 @@ class Communicator:
                                         cause=exc) from exc
             raise
         elapsed = time.perf_counter() - t0
+        if self.recorder is not None:
+            self.recorder.add(f"broadcast {t.numel() * t.element_size() / 2**20:.2f} MiB", "comm", t0, t0 + elapsed)
         self.step.broadcast_calls += 1
         self.step.broadcast_bytes += t.numel() * t.element_size()
         self.step.comm_s += elapsed

@@ -6,6 +6,8 @@ work in the running step's :class:`~spmd_ort.collectives.Communicator`.
 
 * ``tag_grad(grad, index)``: marks the gradient of parameter ``index`` while
   tracing (identity); the data-parallel passes replace it.
+* ``tap(x, tap_id)``: marks an activation whose statistics a debug subscriber
+  records (identity); ``insert_activation_stats_pass`` replaces it.
 * collectives: ``all_reduce_``, ``wait_``, ``broadcast_`` (in place, returning
   their input, so graph order follows data) and ``all_gather``, ``reduce_scatter``
   (new tensors that ``wait_`` completes); see :mod:`spmd_ort.collectives`.
@@ -47,6 +49,9 @@ def _op(schema: str, body, fake) -> torch._ops.OpOverload:
 # ---------------------------------------------------------------------- tracing marks
 tag_grad = _op("tag_grad(Tensor grad, int index) -> Tensor",
                lambda grad, index: grad.clone(), lambda grad, index: torch.empty_like(grad))
+# an activation whose statistics a debug subscriber records (spmd_ort.taps); identity, also for autograd
+tap = _op("tap(Tensor x, int tap_id) -> Tensor", lambda x, tap_id: x.clone(), lambda x, tap_id: torch.empty_like(x))
+torch.library.register_autograd("spmd_ort::tap", lambda ctx, grad: (grad, None), lib=_LIB)
 
 # ---------------------------------------------------------------------- collectives
 all_reduce_ = _op("all_reduce_(Tensor(a!) t, float prescale) -> Tensor(a!)",

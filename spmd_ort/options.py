@@ -238,10 +238,28 @@ def env_table_markdown() -> str:
     return "\n".join(rows)
 
 
+class _RankFilter(logging.Filter):
+    """Gives every spmd_ort log record ``rank`` (" rank <r>" under torch.distributed with several ranks, else "")."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        record.rank = ""
+        try:
+            import torch.distributed as dist
+
+            if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+                record.rank = f" rank {dist.get_rank()}"
+        except (ImportError, RuntimeError):
+            pass
+        return True
+
+
 def configure_logging(level: LogLevel) -> None:
+    """The ``spmd_ort`` logger at ``level``; its records carry ``%(rank)s`` for any handler's format."""
     logger.setLevel(int(level))
+    if not any(isinstance(f, _RankFilter) for f in logger.filters):
+        logger.addFilter(_RankFilter())
     # Print on our own only where the application has not configured logging.
     if not logger.handlers and not logging.getLogger().handlers:
         handler = logging.StreamHandler()
-        handler.setFormatter(logging.Formatter("[spmd_ort %(levelname)s] %(message)s"))
+        handler.setFormatter(logging.Formatter("[spmd_ort%(rank)s %(levelname)s] %(message)s"))
         logger.addHandler(handler)

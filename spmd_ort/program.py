@@ -11,6 +11,7 @@ from torch import fx
 
 from spmd_ort.passes import PassRecord, PassResults, op_counts
 
+from . import taps
 from .executor import Executor
 from .opaque import OpaqueCall
 from .options import Options
@@ -48,6 +49,7 @@ class CompiledProgram:
     opaque: tuple[OpaqueCall, ...] = ()  # parts that run eagerly as host nodes (spmd_ort.opaque)
     opaque_seconds: tuple[float, ...] = ()  # per opaque call, forward + backward, in the last step
     trace_attempts: int = 1
+    traced_because: str = ""  # what made the step trace this variant (spmd_ort.transition)
     steps_run: int = 0
 
     @property
@@ -72,10 +74,12 @@ class CompiledProgram:
         owned = not self.executor.reuses_buffers
         if not owned:
             outs = [o.clone() if slot.kind == "user" else o for slot, o in zip(self.output_slots, outs)]
-        state_slots, state_vals, user_vals = [], [], []
+        state_slots, state_vals, user_vals, stats = [], [], [], []
         for slot, value in zip(self.output_slots, outs, strict=True):
             if slot.kind == "user":
                 user_vals.append(value)
+            elif slot.kind == "stats":
+                stats.append((slot.index, value if owned else value.clone()))
             elif slot.kind == "batch":
                 with torch.no_grad():
                     leaves[self.batch_positions[slot.index]].copy_(value)
@@ -83,6 +87,8 @@ class CompiledProgram:
                 state_slots.append(slot)
                 state_vals.append(value)
         self.layout.write_back(state_slots, state_vals, owned=owned)
+        if stats:
+            taps.deliver(stats)
         self.steps_run += 1
         it = iter(user_vals)
         return pytree.tree_unflatten([next(it) if x is TENSOR else x for x in self.user_leaves], self.user_spec)

@@ -26,6 +26,7 @@ class StepRuntime:
     options: Options = field(default_factory=Options)
     comm: Communicator = field(default_factory=Communicator)
     opaque: OpaqueFrame | None = None
+    recorder: object | None = None  # a spmd_ort.timeline.Recorder while profiled steps run (CompiledStep.profile)
 
     @contextlib.contextmanager
     def active(self) -> Iterator[StepRuntime]:

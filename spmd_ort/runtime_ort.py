@@ -30,6 +30,8 @@ from .errors import CompileError
 from .export import export_segment, input_position, save_model
 from .options import Options
 from .partition import partition_for_ort, why_host
+from .runtime import active
+from .timeline import TimedInterpreter
 
 logger = logging.getLogger("spmd_ort")
 
@@ -217,6 +219,9 @@ class OrtExecutor:
                 out = _FirstRun(self).run(*[t.clone() for t in inputs])
                 self.first_run_done = True
                 return list(out)
+            recorder = active().recorder
+            if recorder is not None:  # a profiled step: segment by segment, timed
+                return list(TimedInterpreter(self.gm, recorder).run(*inputs))
             return list(self.gm(*inputs))
 
     def describe(self) -> list[str]:

@@ -35,7 +35,9 @@ class Slot:
 
     ``kind`` is one of ``param``, ``buffer``, ``grad``, ``opt_state``, ``hparam``,
     ``extra`` (state added by an Override transform), ``batch`` (a tensor leaf of
-    the user's arguments) or ``user`` (a leaf of the step's return value).
+    the user's arguments), ``user`` (a leaf of the step's return value) or
+    ``stats`` (an output only: the statistics of a tapped activation, see
+    :mod:`spmd_ort.taps`; ``index`` is the tap id).
     ``index`` points into the layout's list for that kind; ``key`` is the
     optimizer-state key or hyper-parameter name.
     """

@@ -24,6 +24,7 @@ it traces or the failure is nowhere an opaque part can take it.
 from __future__ import annotations
 
 import contextlib
+import contextvars
 import logging
 import time
 from dataclasses import dataclass
@@ -48,6 +49,12 @@ aten = torch.ops.aten
 
 
 TENSOR = object()  # marks where a graph output goes in the step's return value
+_TRACING: contextvars.ContextVar[bool] = contextvars.ContextVar("spmd_ort_tracing", default=False)
+
+
+def is_tracing() -> bool:
+    """Whether the user's step is running under capture (its tensors are traced, not real)."""
+    return _TRACING.get()
 
 # Ops that mutate their arguments but have no functionalization rule of their
 # own; their decompositions reach ops that do (e.g. _native_batch_norm_legit).
@@ -177,6 +184,7 @@ def _trace_once(fn, args: tuple, kwargs: dict, layout: StateLayout, *, sdpa_math
     stack = CallStack(layout.module)
     capture = OpaqueCapture(layout.module, plan, stack)
     phases = _Phases()
+    token = _TRACING.set(True)
     try:
         attention = sdpa_kernel([SDPBackend.MATH]) if sdpa_math else contextlib.nullcontext()
         with stack.installed(), capture.installed(), torch.enable_grad(), attention, phases:
@@ -191,6 +199,8 @@ def _trace_once(fn, args: tuple, kwargs: dict, layout: StateLayout, *, sdpa_math
         if plan.adopt(frame, what):
             raise _Retry() from exc
         raise _trace_error(what, op, frame, plan) from exc
+    finally:
+        _TRACING.reset(token)
 
     phases.tag(gm1)
 

@@ -3,9 +3,9 @@
 A :class:`StepKey` describes everything the traced graph was specialised on:
 the structure, shapes, dtypes, devices and ``requires_grad`` of the inputs and
 their non-tensor values, the module's training modes, its parameters and
-buffers (identity, shape, dtype, whether a gradient is present), and the
-optimizer's param groups (parameters, options baked into the graph) and state
-layout.  Values that are graph inputs (tensor contents, the scalar
+buffers (identity, shape, dtype, whether a gradient is present), its forward
+hooks (they run while tracing), and the optimizer's param groups (parameters,
+options baked into the graph) and state layout.  Values that are graph inputs (tensor contents, the scalar
 hyper-parameters an optimizer rule lifts: lr, betas, weight decay, eps,
 momentum, dampening) are not part of it, so changing them never re-traces.
 """
@@ -103,6 +103,9 @@ class StepKey:
             ("parameters", tuple(id(p) for _, p in module.named_parameters(remove_duplicate=False))),
             ("buffers", tuple(id(b) for _, b in module.named_buffers(remove_duplicate=False))),
             ("param_groups", tuple(tuple(id(p) for p in g["params"]) for g in opt.param_groups) if opt else ()),
+            # hooks run while tracing and can change the graph (debug subscribers tap activations)
+            ("hooks", tuple((fqn, tuple(m._forward_pre_hooks), tuple(m._forward_hooks))
+                            for fqn, m in module.named_modules() if m._forward_pre_hooks or m._forward_hooks)),
         )
         optimizer: tuple = ()
         if opt is not None:
@@ -166,13 +169,17 @@ class TransitionManager(Generic[T]):
         self.variants: OrderedDict[StepKey, T] = OrderedDict()
         self.last_key: StepKey | None = None
         self.traces = 0
+        self.reason = ""  # why the last lookup that missed must trace
 
     def lookup(self, key: StepKey) -> T | None:
         found = self.variants.get(key)
         if found is not None:
             self.variants.move_to_end(key)
         elif self.last_key is not None:
-            logger.info("re-tracing %s: %s", self.name, key.diff(self.last_key))
+            self.reason = key.diff(self.last_key)
+            logger.info("re-tracing %s: %s", self.name, self.reason)
+        else:
+            self.reason = "first call"
         self.last_key = key
         return found
 

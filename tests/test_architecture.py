@@ -12,7 +12,7 @@ from spmd_ort.options import env_table_markdown
 from spmd_ort.passes import STAGES, pipeline_markdown
 
 ROOT = Path(__file__).resolve().parent.parent
-PACKAGES = {"spmd_ort": ROOT / "spmd_ort", "spmd_ort.passes": ROOT / "passes"}
+PACKAGES = {"spmd_ort": ROOT / "spmd_ort", "spmd_ort.debug": ROOT / "spmd_ort" / "debug", "spmd_ort.passes": ROOT / "passes"}
 
 
 def _modules() -> dict[str, Path]:

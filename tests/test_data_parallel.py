@@ -18,15 +18,18 @@ SCRIPT = ROOT / "tests" / "dist" / "dp_parity.py"
 pytestmark = pytest.mark.multiproc
 
 
-def torchrun(tmp_path: Path, *args: str, nproc: int = 2, timeout: int = 300) -> tuple[list[dict], float]:
+def torchrun(tmp_path: Path, *args: str, nproc: int = 2, timeout: int = 300, env: dict | None = None,
+             stderr: list | None = None) -> tuple[list[dict], float]:
     out = tmp_path / "out"
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
            str(SCRIPT), "--out", str(out), *args]
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    env = {**os.environ, "OMP_NUM_THREADS": "1", **(env or {})}
     t0 = time.perf_counter()
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout)
     elapsed = time.perf_counter() - t0
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-6000:]
+    if stderr is not None:
+        stderr.append(proc.stderr)
     return [json.loads((out / f"rank{r}.json").read_text()) for r in range(nproc)], elapsed
 
 
@@ -43,9 +46,17 @@ CASES = [
 @pytest.mark.parametrize("model,opt,backend", CASES)
 def test_matches_ddp_every_step(tmp_path, model, opt, backend):
     """Loss, parameters, gradients and optimizer state equal DDP's at every step (checked inside
-    the script); ranks start from different seeds; parameters end identical across ranks."""
+    the script); ranks start from different seeds; parameters end identical across ranks.  The MLP
+    fx run also writes activation statistics of both runs (per rank) and a 2-rank profile."""
+    extra, logs = [], []
+    debug = (model, opt, backend) == ("mlp", "sgd", "fx")
+    if debug:
+        extra = ["--stats", str(tmp_path / "stats"), "--profile", str(tmp_path / "timeline")]
     ranks, _ = torchrun(tmp_path, "--model", model, "--opt", opt, "--backend", backend, "--steps", "10",
-                        "--bucket-mb", "0.05")
+                        "--bucket-mb", "0.05", *extra, env={"SPMD_ORT_LOG_LEVEL": "INFO"} if debug else None,
+                        stderr=logs)
+    if debug:
+        _check_debug_outputs(tmp_path, logs[0])
     for r in ranks:
         assert "compile_error" not in r, r.get("compile_error")
         assert len(r["losses"]) == 10
@@ -62,6 +73,23 @@ def test_matches_ddp_every_step(tmp_path, model, opt, backend):
         assert ranks[0]["buckets"] >= 2  # 109 KiB of gradients in 50 KiB buckets
     if model == "cnn":
         assert all(c["broadcast_calls"] == 6 for c in ranks[0]["comm"])  # 2 BN x 3 buffers
+
+
+def _check_debug_outputs(tmp_path: Path, stderr: str) -> None:
+    from spmd_ort.debug import first_divergence, load_run
+
+    for r in range(2):  # each rank wrote its own directory; the compiled run matches DDP's on that rank
+        ddp, compiled = load_run(tmp_path / "stats" / "ddp" / f"rank{r}"), load_run(tmp_path / "stats" / "compiled" / f"rank{r}")
+        assert len(ddp) == 10 and [a.name for a in ddp[0]] == ["fc1", "fc2", "head"], ddp[0]
+        assert first_divergence(ddp, compiled) is None
+    trace = json.loads((tmp_path / "timeline.json").read_text())
+    spans = [e for e in trace["traceEvents"] if e["ph"] == "X"]
+    assert {e["pid"] for e in spans} == {0, 1}  # both ranks in one file
+    lanes = {(e["pid"], e["tid"]) for e in spans}
+    assert all((r, t) in lanes for r in (0, 1) for t in (0, 1, 2))  # compute, host and comm on each rank
+    assert any(e["name"].startswith("all_reduce") for e in spans)
+    assert (tmp_path / "timeline.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert "[spmd_ort rank 1 INFO] compiled train_step" in stderr  # log lines carry the rank
 
 
 def test_mismatched_batch_shapes_fail_on_every_rank_quickly(tmp_path):

@@ -78,7 +78,20 @@ def test_fully_shard_matches_single_process_eager(tmp_path, nproc, reshard, offl
                 assert c["all_gather_bytes"] == padded
             assert c["all_gather_calls"] == len(r["buckets"]["all_gather"])
             assert c["reduce_scatter_calls"] == len(r["buckets"]["reduce_scatter"])
+        # explain() states each collective's planned bytes: equal to what every step measured, and the
+        # reduce-scatter to exactly the padded parameter bytes (ZeRO-3's one gradient reduction)
+        planned = _explained_bytes(r["explain"])
+        assert planned["reduce-scatter"] == padded == r["comm"][-1]["reduce_scatter_bytes"], r["explain"]
+        gathered = sum(v for k, v in planned.items() if k.startswith("all-gather"))
+        assert gathered == r["comm"][-1]["all_gather_bytes"], r["explain"]
+        assert planned["all-gather (forward)"] == padded, r["explain"]  # every parameter, once, in forward
     assert len({tuple(r["losses"]) for r in ranks}) == 1  # the global loss, all-reduced
+
+
+def _explained_bytes(text: str) -> dict[str, int]:
+    import re
+
+    return {m.group(1): int(m.group(2)) for m in re.finditer(r"^  ([a-z\- ()]+): \d+ call\(s\), (\d+) B", text, re.M)}
 
 
 def test_checkpoint_round_trip_resumes_the_exact_trajectory(tmp_path):

@@ -59,6 +59,8 @@ def main() -> None:
     ap.add_argument("--batch", type=int, default=8, help="per rank")
     ap.add_argument("--bucket-mb", type=float, default=25.0)
     ap.add_argument("--mismatch", action="store_true", help="rank 1 uses another batch size")
+    ap.add_argument("--stats", help="write activation statistics of the DDP and the compiled model here")
+    ap.add_argument("--profile", help="profile the compiled step's last two steps into this path")
     ap.add_argument("--out", required=True)
     args = ap.parse_args()
     dist.init_process_group("gloo")
@@ -82,6 +84,12 @@ def run(args, rank: int, world: int) -> dict:
         opt_ref, opt = make_opt(args.opt, ddp_model.parameters()), make_opt(args.opt, model.parameters())
         mode = spmd_ort.DataParallel(bucket_cap_mb=args.bucket_mb)
         step = spmd_ort.compile(parallel_mode=mode, backend=args.backend)(train_step)
+        if args.stats:  # every rank writes its own directory: <stats>/<run>/rank<r>
+            from spmd_ort.debug import GlobalSubscriberManager, StatisticsSubscriber
+
+            for run_name, m in (("ddp", ddp_model.module), ("compiled", model)):
+                GlobalSubscriberManager.subscribe(m, [StatisticsSubscriber(Path(args.stats) / run_name,
+                                                                           override_output_dir=True)])
         g = torch.Generator().manual_seed(1234)
         losses, comm = [], []
         for i in range(args.steps):
@@ -90,6 +98,8 @@ def run(args, rank: int, world: int) -> dict:
             if args.mismatch and rank == 1:
                 n = args.batch // 2
             x, y = x[rank * args.batch: rank * args.batch + n], y[rank * args.batch: rank * args.batch + n]
+            if args.profile and i == args.steps - 2:
+                step.profile(steps=2, path=args.profile)
             t0 = time.perf_counter()
             loss = step(model, opt, x, y)
             result.setdefault("step_s", []).append(time.perf_counter() - t0)
@@ -101,6 +111,8 @@ def run(args, rank: int, world: int) -> dict:
             c = step.comm
             comm.append({"all_reduce_calls": c.all_reduce_calls, "all_reduce_bytes": c.all_reduce_bytes,
                          "broadcast_calls": c.broadcast_calls, "overlap": c.overlap})
+        if args.stats:
+            GlobalSubscriberManager.flush()
         # the compiled parameters are identical on every rank
         flat = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
         gathered = [torch.empty_like(flat) for _ in range(world)]

@@ -140,6 +140,7 @@ def run(args, rank: int, world: int) -> dict:
         memory=memory, full_param_bytes=full_numel * 4, padded_param_bytes=padded * 4,
         unsharded_total=unsharded, n_params=len(list(model.parameters())),
         traces=step.transitions.traces, describe=step.compiled.describe(), ort=ort_report(step),
+        explain=step.explain(),
         buckets={"all_gather": list(step.compiled.results.shard_buckets.all_gather),
                  "reduce_scatter": list(step.compiled.results.shard_buckets.reduce_scatter)})
     return result

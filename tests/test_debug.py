@@ -1,0 +1,180 @@
+"""spmd_ort.debug: activation statistics of eager and compiled runs, the divergence finder, explain(), profile()."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+import torch
+from torch import nn
+
+import spmd_ort
+from spmd_ort.debug import GlobalSubscriberManager, StatisticsSubscriber, first_divergence, inspect_activation, load_run
+from helpers import assert_ran_on_ort, train_step
+
+
+class Net(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc1 = nn.Linear(32, 64)
+        self.act = nn.GELU()
+        self.fc2 = nn.Linear(64, 64)
+        self.act2 = nn.ReLU()
+        self.head = nn.Linear(64, 10)
+
+    def forward(self, x):
+        h = self.act2(self.fc2(self.act(self.fc1(x))))
+        return self.head(inspect_activation("hidden", h))  # an intermediate, marked by name
+
+
+class TanhGelu(spmd_ort.Override):
+    """Swaps the exact GELU of `act` for its tanh approximation: a small, real change to find."""
+
+    def replacement(self, fqn, orig):
+        return nn.GELU(approximate="tanh") if fqn == "act" else orig
+
+    def transform(self, gm, flat_state):
+        return gm
+
+
+STEPS = 4
+
+
+def _train(kind: str, out, **compile_kwargs):
+    torch.manual_seed(0)
+    model = Net()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, fused=True)
+    sub = StatisticsSubscriber(out, override_output_dir=True)
+    GlobalSubscriberManager.subscribe(model, [sub])
+    step = train_step if kind == "eager" else spmd_ort.compile(backend=kind, **compile_kwargs)(train_step)
+    g = torch.Generator().manual_seed(0)
+    try:
+        for _ in range(STEPS):
+            step(model, opt, torch.randn(16, 32, generator=g), torch.randint(0, 10, (16,), generator=g))
+        GlobalSubscriberManager.flush()
+    finally:
+        GlobalSubscriberManager.unsubscribe(model)
+    return step
+
+
+def _compare_cli(a, b) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "spmd_ort.debug.compare", str(a), str(b)], capture_output=True,
+                          text=True, timeout=120)
+
+
+@pytest.fixture(scope="module")
+def eager_stats(tmp_path_factory):
+    out = tmp_path_factory.mktemp("stats") / "eager"
+    _train("eager", out)
+    return out
+
+
+def test_eager_statistics_files(eager_stats):
+    run = load_run(eager_stats)
+    assert sorted(run) == list(range(STEPS))
+    assert [a.name for a in run[0]] == ["fc1", "act", "fc2", "act2", "hidden", "head"]  # execution order
+    act = run[0][1]
+    assert act.shape == "(16, 64)" and act.dtype == "torch.float32"
+    assert act.stats["nan"] == act.stats["inf"] == 0 and act.stats["min"] < 0 < act.stats["max"]
+    relu = run[0][3]
+    assert relu.stats["min"] == 0 and relu.stats["zero"] > 0  # ReLU's zeros counted
+
+
+def test_compiled_fx_statistics_equal_eager_bit_for_bit(eager_stats, tmp_path):
+    _train("fx", tmp_path / "fx")
+    a, b = load_run(eager_stats), load_run(tmp_path / "fx")
+    assert first_divergence(a, b, rtol=0.0) is None  # the same aten ops on the same values
+
+
+def test_compiled_ort_statistics_show_no_divergence(eager_stats, tmp_path):
+    step = _train("ort", tmp_path / "ort")
+    assert_ran_on_ort(step)  # the statistics were computed inside the ORT segment
+    out = _compare_cli(eager_stats, tmp_path / "ort")
+    assert out.returncode == 0 and out.stdout.strip() == f"no divergence ({STEPS} steps, 6 activations)", out
+
+
+def test_a_changed_module_is_named_at_step_0(eager_stats, tmp_path):
+    _train("fx", tmp_path / "tanh", module_override=[TanhGelu()])
+    out = _compare_cli(eager_stats, tmp_path / "tanh")
+    assert out.returncode == 1, out
+    assert out.stdout.startswith("first divergence: step 0, act, "), out.stdout
+
+
+def test_merge_writes_side_by_side_summaries(eager_stats, tmp_path):
+    _train("fx", tmp_path / "fx")
+    out = subprocess.run([sys.executable, "-m", "spmd_ort.debug.merge_activation_summary", "--pt_dir",
+                          str(eager_stats), "--ort_dir", str(tmp_path / "fx"), "--output_dir", str(tmp_path / "merged")],
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0 and f"wrote {STEPS * 6} side-by-side" in out.stdout, out
+    text = (tmp_path / "merged" / "step_2" / "00001_act.txt").read_text()
+    assert text.startswith("name: act") and "mean" in text and "|diff|" in text
+
+
+def test_step_window_and_existing_directory(tmp_path):
+    torch.manual_seed(0)
+    model = Net()
+    sub = StatisticsSubscriber(tmp_path / "window", start_step=1, end_step=3)
+    GlobalSubscriberManager.subscribe(model, [sub])
+    step = spmd_ort.compile(backend="fx")(train_step)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    for _ in range(4):
+        step(model, opt, torch.randn(8, 32), torch.randint(0, 10, (8,)))
+    GlobalSubscriberManager.flush()
+    GlobalSubscriberManager.unsubscribe(model)
+    assert sorted(load_run(tmp_path / "window")) == [1, 2]
+    again = Net()
+    GlobalSubscriberManager.subscribe(again, [StatisticsSubscriber(tmp_path / "window")])
+    with pytest.raises(FileExistsError, match="override_output_dir=True"):
+        again(torch.randn(2, 32))
+    GlobalSubscriberManager.unsubscribe(again)
+
+
+def test_subscribing_after_compiling_retraces_and_records(tmp_path):
+    torch.manual_seed(0)
+    model = Net()
+    step = spmd_ort.compile(backend="fx")(train_step)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    for _ in range(2):
+        step(model, opt, torch.randn(8, 32), torch.randint(0, 10, (8,)))
+    traces = step.transitions.traces
+    GlobalSubscriberManager.subscribe(model, [StatisticsSubscriber(tmp_path / "late")])
+    step(model, opt, torch.randn(8, 32), torch.randint(0, 10, (8,)))
+    GlobalSubscriberManager.flush()
+    GlobalSubscriberManager.unsubscribe(model)
+    assert step.transitions.traces == traces + 1  # the hooks change the traced graph: a new variant
+    assert "hooks" in step.compiled.traced_because
+    assert len(load_run(tmp_path / "late")[0]) == 6
+
+
+def test_explain_states_the_plan():
+    torch.manual_seed(0)
+    model = Net()
+    step = spmd_ort.compile(backend="ort")(train_step)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    for _ in range(3):
+        step(model, opt, torch.randn(8, 32), torch.randint(0, 10, (8,)))
+    text = step.explain()
+    assert "variants: 2 kept, 2 traced" in text
+    assert "#0: traced because first call" in text and "#1: traced because optimizer changed" in text
+    assert "reinplace_optimizer_pass" in text and "collectives: none (one process)" in text
+    assert "fused_0" in text and "100.0% of FLOPs" in text and "spmd_ort.adam_.default" in text
+    assert "memory (this rank): persistent" in text
+
+
+def test_profile_writes_a_trace_and_a_picture(tmp_path):
+    torch.manual_seed(0)
+    model = Net()
+    step = spmd_ort.compile(backend="ort")(train_step)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    step.profile(steps=2, path=tmp_path / "timeline")
+    for _ in range(5):
+        step(model, opt, torch.randn(8, 32), torch.randint(0, 10, (8,)))
+    trace_path, png = step.profile_paths
+    trace = json.loads(trace_path.read_text())
+    spans = [e for e in trace["traceEvents"] if e["ph"] == "X"]
+    assert {e["name"] for e in spans} >= {"fused_0", "adam_"}
+    assert {e["args"]["step"] for e in spans} == {0, 1}
+    assert all(e["dur"] >= 0 for e in spans)
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
