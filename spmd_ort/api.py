@@ -24,8 +24,9 @@ from spmd_ort import passes as P
 
 from . import parallel
 from .collectives import StepComm
-from .errors import CompileError
+from .errors import CollectiveTimeout, CompileError
 from .executor import build_executor
+from .inputs import StepInputs, bind_arguments
 from .memory import host_memory_retained, max_rss_bytes, retain_host_memory
 from .optim import rule_for
 from .options import DebugOptions, Options, configure_logging
@@ -176,6 +177,7 @@ class CompiledStep:
         return list(self.transitions.variants.values())
 
     def __call__(self, *args: Any, last_train_step: bool = False, **kwargs: Any) -> Any:
+        bind_arguments(self.fn, args, kwargs)  # a call that does not match the signature is not a trace failure
         module, opt = _find_module_and_optimizer(args, kwargs)
         if not self._started:
             self._started = True
@@ -200,7 +202,7 @@ class CompiledStep:
                 if mode is not None and not mode.sharded and id(module) not in self._synced:
                     parallel.broadcast_state(module)  # rank 0's weights everywhere, as DDP does
                     self._synced.add(id(module))
-                out = self._run(program, args, kwargs)  # the first run may still fail (ORT checks)
+                out = self._first_run(program, args, kwargs)
                 self.transitions.insert(key, program)
             else:
                 out = self._run(program, args, kwargs)
@@ -243,6 +245,24 @@ class CompiledStep:
         sharding.shard()
         return sharding
 
+    def _first_run(self, program: CompiledProgram, args: tuple, kwargs: dict) -> Any:
+        """The first run of a new variant; it may still fail (ORT checks, values fake tensors cannot see).
+
+        A failure after an input changed shape or dtype since the last call that compiled names that input.
+        """
+        try:
+            return self._run(program, args, kwargs)
+        except (CompileError, CollectiveTimeout):
+            raise
+        except Exception as exc:
+            previous = self.compiled.key if self.compiled else None
+            inputs = StepInputs.of(self.fn, args, kwargs, previous_key=previous)
+            blamed = inputs.blame([], None, None, f"{type(exc).__name__}: {' '.join(str(exc).split()[:60])}",
+                                  running=True)
+            if blamed is None:
+                raise
+            raise blamed from exc
+
     def _run(self, program: CompiledProgram, args: tuple, kwargs: dict) -> Any:
         comm = self.runtime.comm
         comm.start_step()
@@ -276,9 +296,11 @@ class CompiledStep:
         """trace -> passes (the one pipeline) -> executor."""
         t0 = time.perf_counter()
         layout = StateLayout.capture(module, opt, rule)
+        # Errors rooted in an input name it, and how it differs from the last call that compiled.
+        inputs = StepInputs.of(self.fn, args, kwargs, previous_key=self.compiled.key if self.compiled else None)
         # ORT has no translation of the fused CPU attention kernels' backward: trace the math form.
         traced = trace_step(self.fn, args, kwargs, layout, sdpa_math=self.backend == "ort",
-                            tag_grads=mode is not None)
+                            tag_grads=mode is not None, inputs=inputs)
         traced_gm = _snapshot(traced.gm)
         rank, world_size = parallel.world()
         ctx = P.PassContext(input_slots=list(traced.input_slots), output_slots=list(traced.output_slots),
@@ -291,7 +313,8 @@ class CompiledStep:
         executor = build_executor(gm, self.options)
         program = CompiledProgram(
             key=key, gm=executor.gm, traced_gm=traced_gm, layout=layout, input_slots=ctx.input_slots,
-            output_slots=ctx.output_slots, batch_positions=traced.batch_positions, user_spec=traced.user_spec,
+            output_slots=ctx.output_slots, batch_positions=traced.batch_positions, grad_inputs=traced.grad_inputs,
+            user_spec=traced.user_spec,
             user_leaves=traced.user_leaves, passes_applied=ctx.applied, results=ctx.results, executor=executor,
             options=self.options, trace_seconds=traced.seconds, compile_seconds=time.perf_counter() - t0)
         logger.info("compiled %s: %d graph nodes, trace %.2fs, total %.2fs", self.transitions.name,
