@@ -9,6 +9,7 @@ Per compiled variant (:meth:`CompiledStep._compile`):
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import logging
 import time
@@ -166,9 +167,24 @@ class CompiledStep:
         every rank calls it), e.g. to load a checkpoint into it before the
         first step; otherwise nothing changes.
         """
+        with self.preparing(module, opt):
+            pass
+
+    @contextlib.contextmanager
+    def preparing(self, module: nn.Module, opt: torch.optim.Optimizer | None = None):
+        """:meth:`prepare` for the duration of a block that may fail: undone if it raises, kept if it ends.
+
+        (A checkpoint load that fails leaves a fresh model unsharded, as it found it.)
+        """
         mode = parallel.resolve(self.parallel_mode)
         rank, world_size = parallel.world()
         sharding = self._shard_if_needed(module, opt, mode, rank, world_size)
+        try:
+            yield
+        except BaseException:
+            if sharding is not None:
+                sharding.undo()
+            raise
         if sharding is not None:
             sharding.commit()
 

@@ -36,7 +36,7 @@ def _input_desc(t: torch.Tensor) -> tuple:
     """A batch tensor: what the graph is specialised on, and for one that requires grad, its ``.grad``."""
     desc = _tensor_desc(t)
     if t.requires_grad:
-        g = t.grad
+        g = t.grad if t.is_leaf else None
         desc += (None if g is None else ("grad", tuple(g.shape), str(g.dtype)),)
     return desc
 

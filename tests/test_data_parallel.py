@@ -64,6 +64,18 @@ def test_matches_ddp_every_step(tmp_path, model, opt, backend):
         assert all(c["broadcast_calls"] == 6 for c in ranks[0]["comm"])  # 2 BN x 3 buffers
 
 
+def test_input_gradients_are_per_rank_as_in_ddp(tmp_path):
+    """A batch that requires grad gets DDP's .grad on every rank (accumulated over steps, checked in the
+    script each step): local, not all-reduced - the all-reduces carry exactly the parameter gradients."""
+    ranks, _ = torchrun(tmp_path, "--model", "mlp", "--opt", "adamw", "--backend", "fx", "--steps", "3",
+                        "--input-grads")
+    for r in ranks:
+        assert "compile_error" not in r, r.get("compile_error")
+        assert len(r["input_grad_sums"]) == 3
+        assert all(c["all_reduce_bytes"] == r["grad_bytes"] for c in r["comm"])
+    assert ranks[0]["input_grad_sums"] != ranks[1]["input_grad_sums"]
+
+
 def test_mismatched_batch_shapes_fail_on_every_rank_quickly(tmp_path):
     ranks, elapsed = torchrun(tmp_path, "--model", "mlp", "--opt", "sgd", "--backend", "fx", "--mismatch")
     for r in ranks:
