@@ -180,14 +180,13 @@ def _error(path: str, problem: Problem, more: list[Problem] = (), *, rank: int |
 def _agree(path: str, what: str, problems: list[Problem], *, loading: bool = True) -> None:
     """Every rank raises if any rank has a problem (the first failing rank's, with its rank named)."""
     rank, world = parallel.world()
-    local = None if not problems else (problems[0], problems[1:])
+    local = None if not problems else (path, problems[0], problems[1:])
     failures = parallel.gather_failures(f"{what} `{path}`", local)
     if not failures:
         return
-    first_rank = min(failures)
-    problem, more = failures[first_rank]
-    same_everywhere = len(failures) == world and len({f[0] for f in failures.values()}) == 1
-    raise _error(path, problem, more, rank=rank, failed_ranks=None if same_everywhere else sorted(failures),
+    failed_path, problem, more = failures[min(failures)]  # the path as the failing rank was given it
+    same_everywhere = len(failures) == world and len({f[:2] for f in failures.values()}) == 1
+    raise _error(failed_path, problem, more, rank=rank, failed_ranks=None if same_everywhere else sorted(failures),
                  loading=loading)
 
 

@@ -203,8 +203,8 @@ def _check_optimizer(found: Found, model: nn.Module, optimizer) -> list[Problem]
     live_kind = type(optimizer).__name__
     model_only = "or pass optimizer=None to load the model only"
     if not found.has_optim:
-        return [Problem(f"the checkpoint holds no optimizer state (it was saved with optimizer=None), but a "
-                        f"{live_kind} was given", "pass optimizer=None to load the model only", "optim")]
+        return [Problem(f"the checkpoint holds no optimizer state (it was saved with optimizer=None), but an "
+                        f"optimizer ({live_kind}) was passed", "pass optimizer=None to load the model only", "optim")]
     saved_kind = optimizer_kind(found.param_groups)
     here_kind = optimizer_kind(optimizer.param_groups) if live_kind in ("SGD", "Adam", "AdamW") else live_kind
     if saved_kind is not None and saved_kind != here_kind:

@@ -39,10 +39,12 @@ def bind_arguments(fn, args: tuple, kwargs: dict) -> None:
     try:
         sig.bind(*args, **kwargs)
     except TypeError as exc:
+        plain = sig.replace(parameters=[p.replace(annotation=p.empty) for p in sig.parameters.values()],
+                            return_annotation=sig.empty)
         given = f"{len(args)} positional argument{'s' if len(args) != 1 else ''}"
         given += f" and keyword arguments {sorted(kwargs)}" if kwargs else " and no keyword arguments"
         raise TypeError(f"spmd_ort: the call does not match the train step's signature "
-                        f"`{getattr(fn, '__name__', 'step')}{sig}`: {exc} (it was called with {given})") from None
+                        f"`{getattr(fn, '__name__', 'step')}{plain}`: {exc} (it was called with {given})") from None
 
 
 def leaf_names(fn, args: tuple, kwargs: dict) -> list[str]:
