@@ -61,7 +61,8 @@ def _name(t: torch.Tensor) -> str:
 
 
 def _same_dtype(op: str, tensors: list[torch.Tensor]) -> str | None:
-    """Matrix products: every operand has one dtype (eager: "mat1 and mat2 must have the same dtype")."""
+    """Matrix products and convolutions: every operand has one dtype (eager: "mat1 and mat2 must have the
+    same dtype")."""
     dtypes = {t.dtype for t in tensors}
     if len(dtypes) > 1:
         return (f"{op} needs operands of one dtype, got {' and '.join(dict.fromkeys(_name(t) for t in tensors))} "
@@ -96,7 +97,7 @@ class DtypeRule:
         picked = [args[i] for i in self.positions if i < len(args)]
         picked += [kwargs[k] for k in self.keywords if k in kwargs]
         tensors = [t for t in picked if isinstance(t, torch.Tensor)]
-        return self.check(op, tensors) if len(tensors) > 1 or self.check is _norm_dtypes and tensors else None
+        return self.check(op, tensors) if tensors else None
 
 
 _MATMUL = DtypeRule(_same_dtype, (0, 1, 2), ("input", "weight", "bias", "other", "mat1", "mat2"))
@@ -174,7 +175,11 @@ class OpWatch(torch.overrides.TorchFunctionMode):
             return func(*args, **kwargs)
         except Exception:
             if self.failed is None:  # the innermost call raises first
-                self.failed = FailedCall(op_name(func), _roots_of(list(args) + list(kwargs.values())))
+                try:
+                    roots = _roots_of(list(args) + list(kwargs.values()))
+                except Exception:  # noqa: BLE001 - a diagnosis must never hide the error it explains
+                    roots = []
+                self.failed = FailedCall(op_name(func), roots)
             raise
 
 

@@ -21,7 +21,8 @@ from torch import nn
 import spmd_ort
 from helpers import RTOL, assert_close_normwise, assert_close_relmax, assert_ran_on_ort, assert_same_state
 
-ACTIVATIONS = {"relu": nn.ReLU, "gelu": nn.GELU, "tanh": nn.Tanh, "silu": nn.SiLU, "sigmoid": nn.Sigmoid}
+ACTIVATIONS = {"relu": nn.ReLU, "gelu": nn.GELU, "tanh": nn.Tanh, "silu": nn.SiLU, "sigmoid": nn.Sigmoid,
+               "mish": nn.Mish, "elu": nn.ELU, "softplus": nn.Softplus, "hardswish": nn.Hardswish}
 LAYERS = ("linear", "conv", "layernorm", "batchnorm", "attention", "mha", "act", "dropout")
 
 
@@ -123,10 +124,8 @@ class Net(nn.Module):
         d = case.width
         self.stem = nn.Embedding(case.classes + 3, d) if case.tokens else nn.Linear(case.d_in, d)
         blocks = []
-        for i, layer in enumerate(case.layers):
-            before_bn = i + 1 < len(case.layers) and case.layers[i + 1].kind == "batchnorm"
-            bias = layer.bias and not before_bn  # BatchNorm removes a bias: its gradient would be zero
-            block = _block(layer, d, bias)
+        for layer in case.layers:
+            block = _block(layer, d, layer.bias)
             blocks.append(Residual(block) if layer.residual and layer.kind != "batchnorm" else block)
         self.blocks = nn.Sequential(*blocks)
         self.shared = nn.Linear(d, d) if case.shared else None
@@ -154,7 +153,10 @@ def _block(layer: Layer, d: int, bias: bool) -> nn.Module:
     if kind == "layernorm":
         return nn.LayerNorm(d, elementwise_affine=layer.bias)
     if kind == "batchnorm":
-        return Channels(nn.BatchNorm1d(d))
+        # After a nonlinearity: BatchNorm removes any per-channel constant, so a bias reaching it through
+        # affine layers only (even the stem's, through residual Linears) has an analytically zero gradient,
+        # whose rounding noise Adam turns into +-lr steps in any two implementations (README, numerical notes).
+        return nn.Sequential(nn.Tanh(), Channels(nn.BatchNorm1d(d)))
     if kind == "attention":
         return Attention(d, layer.heads, layer.causal)
     if kind == "mha":

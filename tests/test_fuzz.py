@@ -103,8 +103,21 @@ def test_fuzz_ort(case):
     run_case(case, "ort")
 
 
-# Counterexamples the fuzzer found, each fixed and kept as a regular test.
-FOUND: dict[str, tuple[Case, str]] = {}
+# Counterexamples the fuzzer found, each fixed and kept as a regular test: (case, backend).  One more lives
+# where its fix does: SiLU (and, tried next, Mish) had no ONNX translation of their backward, so every segment
+# of such a model fell back to fx (tests/test_ort_backend.py::test_silu_and_mish_run_in_ort).
+FOUND: dict[str, tuple[Case, str]] = {
+    # BatchNorm was captured as torch's decomposition (var_mean, rsqrt), which rounds differently from
+    # eager's kernel; a bias reaching BatchNorm through a residual attention and tanh has an
+    # ill-conditioned gradient, and after three Adam steps exp_avg was 1.2e-5 (relative) off. Now the
+    # capture runs eager's kernel (_native_batch_norm_legit_functional): bit for bit.
+    "batchnorm_after_residual_attention": (Case(
+        seed=3542, d_in=5, width=4, batch=1, seq=3, classes=4,
+        layers=(Layer(kind="mha", residual=True, causal=True), Layer(kind="batchnorm")),
+        frozen=(0,), warm_grads=True, groups=3, optimizer="adam", impl="foreach", amsgrad=True, maximize=True,
+        lr=1e-3, scales=(1.0, 1.0), zero="end_none", input_grad=True, clear_input_grad="zero",
+        return_extra="input_grad", loss="mse", steps=3), "fx"),
+}
 
 
 @pytest.mark.parametrize("name", list(FOUND))
