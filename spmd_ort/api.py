@@ -27,7 +27,7 @@ from . import parallel
 from .collectives import StepComm
 from .errors import CollectiveTimeout, CompileError
 from .executor import build_executor
-from .inputs import StepInputs, bind_arguments
+from .inputs import StepInputs, bind_arguments, signature_of
 from .memory import host_memory_retained, max_rss_bytes, retain_host_memory
 from .optim import rule_for
 from .options import DebugOptions, Options, configure_logging
@@ -135,6 +135,7 @@ class CompiledStep:
         self._synced: set[int] = set()
         self._started = False
         self._last: tuple | None = None  # (module, optimizer) of the last call
+        self._signature = signature_of(fn)
 
     @property
     def backend(self) -> str:
@@ -193,7 +194,8 @@ class CompiledStep:
         return list(self.transitions.variants.values())
 
     def __call__(self, *args: Any, last_train_step: bool = False, **kwargs: Any) -> Any:
-        bind_arguments(self.fn, args, kwargs)  # a call that does not match the signature is not a trace failure
+        # a call that does not match the signature is not a trace failure
+        bind_arguments(self.fn, args, kwargs, self._signature)
         module, opt = _find_module_and_optimizer(args, kwargs)
         if not self._started:
             self._started = True

@@ -31,9 +31,9 @@ def signature_of(fn) -> inspect.Signature | None:
         return None
 
 
-def bind_arguments(fn, args: tuple, kwargs: dict) -> None:
+def bind_arguments(fn, args: tuple, kwargs: dict, sig: inspect.Signature | None = None) -> None:
     """Raise a ``TypeError`` naming the signature when ``fn(*args, **kwargs)`` cannot be called."""
-    sig = signature_of(fn)
+    sig = sig or signature_of(fn)
     if sig is None:
         return
     try:

@@ -46,6 +46,10 @@ class CompiledProgram:
     compile_seconds: float
     steps_run: int = 0
 
+    def __post_init__(self):
+        # batch tensors whose existing .grad is a graph input, in placeholder order
+        self._grads_in = [s.index for s in self.input_slots if s.kind == "input_grad"]
+
     @property
     def graph(self) -> fx.Graph:
         return self.gm.graph
@@ -58,7 +62,7 @@ class CompiledProgram:
         leaves = pytree.tree_leaves((args, kwargs))
         batch = [leaves[i] for i in self.batch_positions]
         inputs = self.layout.gather() + batch
-        inputs += [batch[s.index].grad for s in self.input_slots if s.kind == "input_grad"]
+        inputs += [batch[k].grad for k in self._grads_in]
         outs = self.executor.run(inputs)
         # An executor that reuses its output buffers overwrites them next step:
         # what escapes the step (user outputs, newly assigned state) is copied.

@@ -78,7 +78,10 @@ def cases(draw) -> Case:
         weight_decay=draw(st.sampled_from([0.0, 0.1])),
         amsgrad=optimizer != "sgd" and draw(st.booleans()),
         maximize=draw(st.booleans()),
-        lr=draw(st.sampled_from([1e-3, 1e-2, 0.1])),
+        # Adam at lr 0.1 on these 4-8 wide models is chaotic: the one-ulp difference between eager's foreach
+        # update and the fused kernel the compiled step runs grows past any rounding tolerance in two steps
+        # (found by the fuzzer: bitwise equal to eager fused=True, 1.4e-5 off eager foreach).
+        lr=draw(st.sampled_from([1e-3, 1e-2, 0.1] if optimizer == "sgd" else [1e-3, 3e-3, 1e-2])),
         clip=draw(st.sampled_from([None, None, 0.5, 10.0])),
         scales=tuple(draw(st.lists(st.sampled_from([1.0, 0.5, 2.0]), min_size=1, max_size=2))),
         micro=draw(st.sampled_from([1, 1, 2])),
