@@ -216,7 +216,8 @@ def test_load_state_dict_checks_before_writing():
 def test_failed_loads_on_two_ranks_fail_together_and_change_nothing(tmp_path):
     """fully_shard, 2 ranks (tests/dist/checkpoint_errors.py): wrong optimizer, wrong size (on both ranks, on
     rank 1 only), missing directory on rank 1 only, a damaged file, saving into a file - every rank raises,
-    no rank changes; a fresh model stays unsharded; the sharded checkpoint loads into an unsharded model."""
+    no rank changes; a fresh model stays unsharded; the sharded checkpoint loads into an unsharded model.
+    Sharing the launch: input gradients under fully_shard are each rank's own, as in DDP."""
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
            str(ROOT / "tests" / "dist" / "checkpoint_errors.py"), "--dir", str(tmp_path)]
     proc = subprocess.run(cmd, env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True, text=True,
@@ -246,3 +247,4 @@ def test_failed_loads_on_two_ranks_fail_together_and_change_nothing(tmp_path):
             assert res[f"{case}_unchanged"], (r, case)
         assert res["next_step_equal"] and not res["retraced"], res
         assert res["cross_layout_params"] and res["cross_layout_state"], res
+        assert res["input_grad_close"], res

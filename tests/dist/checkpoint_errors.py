@@ -13,7 +13,8 @@ into a sharded model with optimizer state (and one into a fresh, unsharded model
 Each must raise spmd_ort.CheckpointError on both ranks and leave this rank's shards,
 gradients, optimizer state and param groups bit for bit as they were (and a fresh model
 unsharded); the next step then equals the step of an untouched copy.  Finally the
-sharded checkpoint loads into a replicate (unsharded) model.  Writes DIR/rank<r>.json.
+sharded checkpoint loads into a replicate (unsharded) model.  Sharing the launch: a batch that requires
+grad gets each rank's own gradient under fully_shard (as DDP).  Writes DIR/rank<r>.json.
 """
 
 from __future__ import annotations
@@ -133,6 +134,15 @@ def main() -> None:
     step(model, opt, x, y)
     result["next_step_equal"] = same(snapshot(model, opt), snapshot(twin, twin_opt))
     result["retraced"] = step.transitions.traces != traces
+
+    # (sharing this launch) a batch that requires grad under fully_shard gets this rank's own gradient, as DDP
+    # gives it: eager on the local batch with the full weights
+    eager = MLP()
+    eager.load_state_dict(spmd_ort.full_state_dict(model, rank0_only=False)["model"])
+    x_c, x_e = x.clone().requires_grad_(), x.clone().requires_grad_()
+    step(model, opt, x_c, y)
+    torch.nn.functional.cross_entropy(eager(x_e), y).backward()
+    result["input_grad_close"] = x_c.grad is not None and torch.allclose(x_c.grad, x_e.grad, rtol=1e-5, atol=1e-7)
 
     # the sharded checkpoint loads into an unsharded (replicate) model: the saved full weights and state
     torch.manual_seed(9)
