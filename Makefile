@@ -6,7 +6,7 @@ STAMP  := $(VENV)/.installed
 TORCH  ?= torch==2.13.0
 NPROC  ?= 2
 
-.PHONY: setup test test-fast demo demo-zero3 bench bench-zero3 clean
+.PHONY: setup test test-fast fuzz demo demo-zero3 bench bench-zero3 clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -22,6 +22,12 @@ setup: $(STAMP)
 
 test: setup
 	$(PY) -m pytest -q -p no:cacheprovider
+
+# The differential fuzzer with a large budget (tests/test_fuzz.py; `make test` runs a few fixed examples):
+# FUZZ_EXAMPLES random train steps on fx and FUZZ_EXAMPLES/8 on ort, each trained eagerly and compiled.
+FUZZ_EXAMPLES ?= 300
+fuzz: setup
+	FUZZ_PROFILE=fuzz FUZZ_EXAMPLES=$(FUZZ_EXAMPLES) $(PY) -m pytest -q -p no:cacheprovider tests/test_fuzz.py -k "fuzz_fx or fuzz_ort" --hypothesis-show-statistics
 
 demo: setup
 	$(VENV)/bin/torchrun --standalone --nproc_per_node=$(NPROC) examples/train_char_gpt.py

@@ -37,7 +37,7 @@ def override_transform_pass(override) -> GraphPass:
     @graph_pass()
     def apply(gm: fx.GraphModule, ctx) -> fx.GraphModule:
         layout = ctx.layout
-        n_state = sum(1 for s in ctx.input_slots if s.kind != "batch")
+        n_state = sum(1 for s in ctx.input_slots if s.kind not in ("batch", "input_grad"))
         flat_state = layout.gather()
         gm = override.transform(gm, flat_state)
         if not isinstance(gm, fx.GraphModule):

@@ -2,7 +2,7 @@
 
 from .api import CompiledStep, OpaqueOverride, Override, compile
 from .checkpoint import load_checkpoint, load_state_dict, save_checkpoint, state_dict
-from .errors import CollectiveTimeout, CompileError, ConfigError
+from .errors import CheckpointError, CollectiveTimeout, CompileError, ConfigError
 from .options import DebugOptions, LogLevel, Options
 from .parallel import DataParallel
 from .program import CompiledProgram
@@ -10,7 +10,7 @@ from .sharding import full_state_dict, gathered_parameters
 
 __version__ = "0.1.0"
 
-__all__ = ["CollectiveTimeout", "DataParallel", "CompileError", "CompiledProgram", "CompiledStep", "ConfigError", "DebugOptions", "LogLevel",
+__all__ = ["CheckpointError", "CollectiveTimeout", "DataParallel", "CompileError", "CompiledProgram", "CompiledStep", "ConfigError", "DebugOptions", "LogLevel",
            "OpaqueOverride", "Options", "Override",
            "compile", "full_state_dict", "gathered_parameters", "load_checkpoint", "load_state_dict", "save_checkpoint",
            "state_dict"]

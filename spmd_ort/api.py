@@ -9,6 +9,7 @@ Per compiled variant (:meth:`CompiledStep._compile`):
 
 from __future__ import annotations
 
+import contextlib
 import fnmatch
 import functools
 import logging
@@ -27,10 +28,11 @@ from spmd_ort import passes as P
 
 from . import parallel
 from .collectives import StepComm
-from .errors import CompileError
+from .errors import CollectiveTimeout, CompileError
 from .executor import build_executor
 from . import timeline
 from .explain import explain
+from .inputs import StepInputs, bind_arguments, signature_of
 from .memory import host_memory_retained, max_rss_bytes, retain_host_memory
 from .opaque_trace import OpaquePlan
 from .optim import rule_for
@@ -178,6 +180,7 @@ class CompiledStep:
             patterns=tuple(p for o in self.module_override if isinstance(o, OpaqueOverride) for p in o.patterns))
         self._profile: tuple[int, Path] | None = None  # armed by profile(): (steps, path)
         self.profile_paths: tuple[Path, Path] | None = None  # (trace, picture) written by the last profile
+        self._signature = signature_of(fn)
 
     @property
     def backend(self) -> str:
@@ -251,9 +254,24 @@ class CompiledStep:
         every rank calls it), e.g. to load a checkpoint into it before the
         first step; otherwise nothing changes.
         """
+        with self.preparing(module, opt):
+            pass
+
+    @contextlib.contextmanager
+    def preparing(self, module: nn.Module, opt: torch.optim.Optimizer | None = None):
+        """:meth:`prepare` for the duration of a block that may fail: undone if it raises, kept if it ends.
+
+        (A checkpoint load that fails leaves a fresh model unsharded, as it found it.)
+        """
         mode = parallel.resolve(self.parallel_mode)
         rank, world_size = parallel.world()
         sharding = self._shard_if_needed(module, opt, mode, rank, world_size)
+        try:
+            yield
+        except BaseException:
+            if sharding is not None:
+                sharding.undo()
+            raise
         if sharding is not None:
             sharding.commit()
 
@@ -262,6 +280,8 @@ class CompiledStep:
         return list(self.transitions.variants.values())
 
     def __call__(self, *args: Any, last_train_step: bool = False, **kwargs: Any) -> Any:
+        # a call that does not match the signature is not a trace failure
+        bind_arguments(self.fn, args, kwargs, self._signature)
         module, opt = _find_module_and_optimizer(args, kwargs)
         if not self._started:
             self._started = True
@@ -286,7 +306,7 @@ class CompiledStep:
                 if mode is not None and not mode.sharded and id(module) not in self._synced:
                     parallel.broadcast_state(module)  # rank 0's weights everywhere, as DDP does
                     self._synced.add(id(module))
-                out = self._run(program, args, kwargs)  # the first run may still fail (ORT checks)
+                out = self._first_run(program, args, kwargs)
                 self.transitions.insert(key, program)
             else:
                 out = self._run(program, args, kwargs)
@@ -329,6 +349,24 @@ class CompiledStep:
         sharding.shard()
         return sharding
 
+    def _first_run(self, program: CompiledProgram, args: tuple, kwargs: dict) -> Any:
+        """The first run of a new variant; it may still fail (ORT checks, values fake tensors cannot see).
+
+        A failure after an input changed shape or dtype since the last call that compiled names that input.
+        """
+        try:
+            return self._run(program, args, kwargs)
+        except (CompileError, CollectiveTimeout):
+            raise
+        except Exception as exc:
+            previous = self.compiled.key if self.compiled else None
+            inputs = StepInputs.of(self.fn, args, kwargs, previous_key=previous)
+            blamed = inputs.blame([], None, None, f"{type(exc).__name__}: {' '.join(str(exc).split()[:60])}",
+                                  running=True)
+            if blamed is None:
+                raise
+            raise blamed from exc
+
     def _run(self, program: CompiledProgram, args: tuple, kwargs: dict) -> Any:
         comm = self.runtime.comm
         if self._profile is not None and self.runtime.recorder is None and program.steps_run > 0:
@@ -370,9 +408,11 @@ class CompiledStep:
         """trace -> passes (the one pipeline) -> executor."""
         t0 = time.perf_counter()
         layout = StateLayout.capture(module, opt, rule)
+        # Errors rooted in an input name it, and how it differs from the last call that compiled.
+        inputs = StepInputs.of(self.fn, args, kwargs, previous_key=self.compiled.key if self.compiled else None)
         # ORT has no translation of the fused CPU attention kernels' backward: trace the math form.
         traced = trace_step(self.fn, args, kwargs, layout, sdpa_math=self.backend == "ort",
-                            tag_grads=mode is not None, plan=self.opaque_plan)
+                            tag_grads=mode is not None, plan=self.opaque_plan, inputs=inputs)
         traced_gm = _snapshot(traced.gm)
         rank, world_size = parallel.world()
         ctx = P.PassContext(input_slots=list(traced.input_slots), output_slots=list(traced.output_slots),
@@ -385,7 +425,8 @@ class CompiledStep:
         executor = build_executor(gm, self.options)
         program = CompiledProgram(
             key=key, gm=executor.gm, traced_gm=traced_gm, layout=layout, input_slots=ctx.input_slots,
-            output_slots=ctx.output_slots, batch_positions=traced.batch_positions, user_spec=traced.user_spec,
+            output_slots=ctx.output_slots, batch_positions=traced.batch_positions, grad_inputs=traced.grad_inputs,
+            user_spec=traced.user_spec,
             user_leaves=traced.user_leaves, passes_applied=ctx.applied, results=ctx.results, executor=executor,
             opaque=traced.opaque, trace_attempts=traced.attempts,
             options=self.options, trace_seconds=traced.seconds, compile_seconds=time.perf_counter() - t0,

@@ -11,7 +11,8 @@ class CompileError(RuntimeError):
     names what failed (module FQN, op, rank where known) and how to fix it.
     """
 
-    def __init__(self, message: str, *, fqn: str | None = None, op: str | None = None, rank: int | None = None):
+    def __init__(self, message: str, *, fqn: str | None = None, op: str | None = None, rank: int | None = None,
+                 input: str | None = None):  # noqa: A002 - the input's name in the call
         self.detail = message  # the same on every rank (what ranks compare when all fail)
         if rank is not None and f"rank {rank}" not in message and f"rank is {rank}" not in message:
             message = f"{message} (rank {rank})"
@@ -19,6 +20,7 @@ class CompileError(RuntimeError):
         self.fqn = fqn
         self.op = op
         self.rank = rank
+        self.input = input
 
 
 class ConfigError(CompileError, ValueError):
@@ -27,6 +29,25 @@ class ConfigError(CompileError, ValueError):
     Raised when ``spmd_ort.compile`` reads its configuration, before anything is
     traced; the message names the setting, the value and what is allowed.
     """
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint could not be saved or loaded.
+
+    A failed load changed nothing: the checkpoint is checked against the model
+    and optimizer (keys, shapes, dtypes, optimizer kind, param groups) before
+    anything is read into them, and what is read goes into new tensors first,
+    so model, optimizer and compiled step are exactly as they were, on every
+    rank (every rank raises when any rank fails).  The first line names the
+    cause and the fix; ``path`` is the checkpoint, ``key`` the entry at fault
+    (where one is).
+    """
+
+    def __init__(self, message: str, *, path: str, key: str | None = None, rank: int | None = None):
+        super().__init__(message)
+        self.path = path
+        self.key = key
+        self.rank = rank
 
 
 class CollectiveTimeout(RuntimeError):

@@ -65,10 +65,19 @@ def adam_rule(opt: torch.optim.Optimizer) -> None:
         if not params:
             continue
         amsgrad = group["amsgrad"]
-        for p in params:
+        for j, p in enumerate(group["params"]):
+            if p.grad is None:
+                continue
             if p.grad.is_sparse:
                 raise CompileError("Adam does not support sparse gradients", op="Adam.step")
             state = opt.state[p]
+            missing = [k for k in ("step", "exp_avg", "exp_avg_sq") if k not in state]
+            if state and missing:
+                raise CompileError(
+                    f"{type(opt).__name__} param group {gi}, parameter {j}: its optimizer state has "
+                    f"{sorted(state)} but no {missing} (state of another optimizer, loaded or assigned by hand?); "
+                    f"eager {type(opt).__name__} fails here too. Fix: clear it (optimizer.state.clear()) or load a "
+                    f"checkpoint saved with {type(opt).__name__}", op=f"{type(opt).__name__}.step")
             if len(state) == 0:
                 # Same initial state as torch.optim.Adam._init_group.
                 state["step"] = initial_step(group, p)

@@ -147,6 +147,25 @@ def check_agreement(what: str, description: str) -> None:
         f"this rank is {rank}", rank=rank)
 
 
+def gather_failures(what: str, failure: tuple | None) -> dict[int, tuple]:
+    """Every rank's ``failure`` (None where it succeeded), on every rank: ``{rank: failure}`` of those that failed.
+
+    For operations that must succeed everywhere or nowhere (a checkpoint load): each rank learns
+    whether any rank failed and why, so all of them raise, or none.  One small all-gather.
+    """
+    rank, size = world()
+    if size == 1:
+        return {} if failure is None else {0: failure}
+    everyone: list = [None] * size
+    try:
+        dist.all_gather_object(everyone, failure)
+    except RuntimeError as exc:
+        if is_timeout(exc):
+            raise CollectiveTimeout(f"the ranks' agreement on {what}", rank=rank, cause=exc) from exc
+        raise
+    return {r: f for r, f in enumerate(everyone) if f is not None}
+
+
 def _first_diff(a: str, b: str) -> str:
     la, lb = a.splitlines(), b.splitlines()
     for x, y in zip(la, lb):

@@ -38,6 +38,7 @@ class CompiledProgram:
     input_slots: list[Slot]
     output_slots: list[Slot]
     batch_positions: list[int]
+    grad_inputs: list[int]  # batch tensors (indices into batch_positions) that require grad: their .grad is ours
     user_spec: pytree.TreeSpec
     user_leaves: list[Any]
     passes_applied: list[PassRecord]
@@ -52,6 +53,10 @@ class CompiledProgram:
     traced_because: str = ""  # what made the step trace this variant (spmd_ort.transition)
     steps_run: int = 0
 
+    def __post_init__(self):
+        # batch tensors whose existing .grad is a graph input, in placeholder order
+        self._grads_in = [s.index for s in self.input_slots if s.kind == "input_grad"]
+
     @property
     def graph(self) -> fx.Graph:
         return self.gm.graph
@@ -62,7 +67,9 @@ class CompiledProgram:
 
     def run(self, args: tuple, kwargs: dict) -> Any:
         leaves = pytree.tree_leaves((args, kwargs))
-        inputs = self.layout.gather() + [leaves[i] for i in self.batch_positions]
+        batch = [leaves[i] for i in self.batch_positions]
+        inputs = self.layout.gather() + batch
+        inputs += [batch[k].grad for k in self._grads_in]
         if self.opaque:
             with active().running(self.opaque) as frame:  # what opaque forwards save for their backwards, this step
                 outs = self.executor.run(inputs)
@@ -74,7 +81,7 @@ class CompiledProgram:
         owned = not self.executor.reuses_buffers
         if not owned:
             outs = [o.clone() if slot.kind == "user" else o for slot, o in zip(self.output_slots, outs)]
-        state_slots, state_vals, user_vals, stats = [], [], [], []
+        state_slots, state_vals, user_vals, stats, input_grads = [], [], [], [], {}
         for slot, value in zip(self.output_slots, outs, strict=True):
             if slot.kind == "user":
                 user_vals.append(value)
@@ -82,11 +89,15 @@ class CompiledProgram:
                 stats.append((slot.index, value if owned else value.clone()))
             elif slot.kind == "batch":
                 with torch.no_grad():
-                    leaves[self.batch_positions[slot.index]].copy_(value)
+                    batch[slot.index].copy_(value)
+            elif slot.kind == "input_grad":
+                input_grads[slot.index] = value
             else:
                 state_slots.append(slot)
                 state_vals.append(value)
         self.layout.write_back(state_slots, state_vals, owned=owned)
+        for k in self.grad_inputs:
+            _write_grad(batch[k], input_grads.get(k), owned)
         if stats:
             taps.deliver(stats)
         self.steps_run += 1
@@ -141,3 +152,15 @@ class CompiledProgram:
         lines.append("ops:")
         lines += [f"  {n:5d}  {op}" for op, n in op_counts(self.gm).most_common()]
         return "\n".join(lines)
+
+
+def _write_grad(t: torch.Tensor, g: torch.Tensor | None, owned: bool) -> None:
+    """An input's ``.grad`` after the step, as eager leaves it: None, accumulated in place, or a new tensor."""
+    with torch.no_grad():
+        if g is None:
+            t.grad = None
+        elif t.grad is not None and t.grad.shape == g.shape and t.grad.dtype == g.dtype:
+            if g is not t.grad:
+                t.grad.copy_(g)
+        else:
+            t.grad = g if owned else g.clone()

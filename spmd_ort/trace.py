@@ -12,13 +12,19 @@ Two make_fx passes over fake tensors, so nothing real is read or written:
    state explicitly, so the epilogue ``copy_`` into inputs is dropped, and state
    that did not change is no output at all.
 
-The result, :class:`TracedStep`, has placeholders ``state... , batch...`` and
-outputs ``user leaves..., new state...`` described by :class:`~.state.Slot` lists.
+The result, :class:`TracedStep`, has placeholders ``state..., batch..., input
+grads...`` and outputs ``user leaves..., new state..., input grads...`` described
+by :class:`~.state.Slot` lists.  A batch tensor that requires grad is a leaf of
+the traced autograd graph, as in eager: backward accumulates into its ``.grad``
+(an ``input_grad`` placeholder when it already has one) and whatever the step
+leaves there is an ``input_grad`` output, written back after the run.
 
 Parts that cannot be traced run opaquely (:mod:`spmd_ort.opaque_trace`): when
 capture fails inside an autograd.Function or a submodule, that part joins the
 :class:`~spmd_ort.opaque_trace.OpaquePlan` and the step is traced again, until
-it traces or the failure is nowhere an opaque part can take it.
+it traces or the failure is nowhere an opaque part can take it.  A failure that
+eager PyTorch would raise too (an op rejecting its arguments' shapes or dtypes)
+is an error, never an opaque part: it blames the input or the module.
 """
 
 from __future__ import annotations
@@ -34,12 +40,13 @@ import torch
 import torch.fx.traceback as fx_traceback
 import torch.utils._pytree as pytree
 from torch import fx, nn
-from torch._decomp import get_decompositions
 from torch.fx.experimental.proxy_tensor import get_proxy_mode, make_fx
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from . import opaque
+from .diagnose import OpWatch, quiet_torch_logs
 from .errors import CompileError
+from .inputs import StepInputs
 from .opaque import OpaqueCall
 from .opaque_trace import CallStack, Frame, OpaqueCapture, OpaquePlan, link_backward
 from .state import Slot, StateLayout
@@ -56,10 +63,29 @@ def is_tracing() -> bool:
     """Whether the user's step is running under capture (its tensors are traced, not real)."""
     return _TRACING.get()
 
-# Ops that mutate their arguments but have no functionalization rule of their
-# own; their decompositions reach ops that do (e.g. _native_batch_norm_legit).
-# Applied while capturing, so that functionalization sees the result.
-FUNCTIONAL_DECOMPS = get_decompositions([aten.native_batch_norm.default])
+def _native_batch_norm(input, weight, bias, running_mean, running_var, training, momentum, eps):
+    """BatchNorm as the functional twin of eager's own kernel, then the running statistics written.
+
+    ``functionalize`` treats ``native_batch_norm`` as functional and would drop its in-place update of the
+    running statistics.  torch's decomposition (var_mean, rsqrt, ...) fixes that but rounds differently
+    from the kernel eager runs (2e-7 apart), and an ill-conditioned gradient (a bias reaching BatchNorm
+    through tanh and a residual attention) turned that into 1e-5 differences after three Adam steps
+    (found by tests/test_fuzz.py).  ``_native_batch_norm_legit_functional`` runs the same kernel, so
+    compiled BatchNorm equals eager bit for bit.
+    """
+    if running_mean is None or running_var is None:
+        return aten._native_batch_norm_legit.no_stats(input, weight, bias, training, momentum, eps)
+    out, mean, invstd, new_mean, new_var = aten._native_batch_norm_legit_functional.default(
+        input, weight, bias, running_mean, running_var, training, momentum, eps)
+    if training:
+        running_mean.copy_(new_mean)
+        running_var.copy_(new_var)
+    return out, mean, invstd
+
+
+# Ops that mutate their arguments but have no functionalization rule of their own, mapped to ops that
+# do.  Applied while capturing, so that functionalization sees the result.
+FUNCTIONAL_DECOMPS = {aten.native_batch_norm.default: _native_batch_norm}
 
 
 @dataclass
@@ -68,7 +94,8 @@ class TracedStep:
     layout: StateLayout
     input_slots: list[Slot]  # one per placeholder
     output_slots: list[Slot]  # one per graph output
-    batch_positions: list[int]  # positions of tensor leaves in the flattened (args, kwargs)
+    batch_positions: list[int]  # positions of distinct tensor leaves in the flattened (args, kwargs)
+    grad_inputs: list[int]  # batch tensors (indices into batch_positions) whose .grad the step owns
     user_spec: pytree.TreeSpec  # structure of the step's return value
     user_leaves: list[Any]  # non-tensor leaves of the return value (TENSOR where a tensor goes)
     seconds: float
@@ -117,8 +144,8 @@ def phase(node: fx.Node) -> str:
     return node.meta.get("custom", {}).get("phase", "forward")
 
 
-def _describe_failure(exc: BaseException) -> tuple[str, str | None]:
-    """(what went wrong, op name) for the common ways tracing fails."""
+def _describe_failure(exc: BaseException) -> tuple[str, str | None, bool]:
+    """(what went wrong, op name, whether it is a limit of tracing rather than an error eager would raise too)."""
     from torch._subclasses import fake_tensor as ft
 
     func = getattr(exc, "func", None)
@@ -127,28 +154,32 @@ def _describe_failure(exc: BaseException) -> tuple[str, str | None]:
     if isinstance(exc, ft.DataDependentOutputException) or "data-dependent" in text.lower() or (
             op is not None and ("_local_scalar_dense" in op or "is_nonzero" in op)):
         return ("the step reads a tensor's value in Python (.item(), bool(tensor), `if tensor:`, "
-                "a data-dependent shape); the compiled graph cannot depend on tensor values", op)
+                "a data-dependent shape); the compiled graph cannot depend on tensor values", op, True)
     if isinstance(exc, ft.DynamicOutputShapeException):
-        return "an op's output shape depends on tensor values (e.g. nonzero, boolean masking)", op
+        return "an op's output shape depends on tensor values (e.g. nonzero, boolean masking)", op, True
     if isinstance(exc, ft.UnsupportedOperatorException):
-        return "an op has no fake-tensor implementation, so it cannot be traced", op
-    return text, op
+        return "an op has no fake-tensor implementation, so it cannot be traced", op, True
+    return text.rstrip("."), op, False
 
 
 def trace_step(fn, args: tuple, kwargs: dict, layout: StateLayout, *, sdpa_math: bool = False,
-               tag_grads: bool = False, plan: OpaquePlan | None = None) -> TracedStep:
+               tag_grads: bool = False, plan: OpaquePlan | None = None,
+               inputs: StepInputs | None = None) -> TracedStep:
     """Trace ``fn(*args, **kwargs)`` into a functional graph over ``layout``'s state.
 
     ``sdpa_math`` traces ``scaled_dot_product_attention`` as its math form
     (matmuls and softmax) instead of a fused kernel whose backward ONNX lacks.
     ``plan`` says which parts run opaquely; parts found untraceable are added to it.
+    ``inputs`` names the call's leaves for errors (and knows the last call that compiled).
     """
     t0 = time.perf_counter()
     plan = plan if plan is not None else OpaquePlan()
+    inputs = inputs or StepInputs.of(fn, args, kwargs)
     limit = 2 + sum(1 for _ in layout.module.modules()) + 16  # each retry makes one more part opaque
     for attempt in range(1, limit + 1):
         try:
-            traced = _trace_once(fn, args, kwargs, layout, sdpa_math=sdpa_math, tag_grads=tag_grads, plan=plan)
+            traced = _trace_once(fn, args, kwargs, layout, sdpa_math=sdpa_math, tag_grads=tag_grads, plan=plan,
+                                 inputs=inputs)
         except _Retry:
             continue
         traced.seconds = time.perf_counter() - t0
@@ -158,44 +189,80 @@ def trace_step(fn, args: tuple, kwargs: dict, layout: StateLayout, *, sdpa_math:
 
 
 def _trace_once(fn, args: tuple, kwargs: dict, layout: StateLayout, *, sdpa_math: bool, tag_grads: bool,
-                plan: OpaquePlan) -> TracedStep:
+                plan: OpaquePlan, inputs: StepInputs) -> TracedStep:
     leaves, spec = pytree.tree_flatten((args, kwargs))
-    batch_positions = [i for i, leaf in enumerate(leaves) if isinstance(leaf, torch.Tensor)]
+    # One placeholder per distinct tensor: a tensor passed twice is one leaf of autograd, as in eager.
+    first: dict[int, int] = {}
+    batch_positions, alias_of = [], {}
+    for i, leaf in enumerate(leaves):
+        if isinstance(leaf, torch.Tensor):
+            if id(leaf) in first:
+                alias_of[i] = first[id(leaf)]
+            else:
+                first[id(leaf)] = i
+                batch_positions.append(i)
+    inputs.check(batch_positions)
+    batch_tensors = [leaves[i] for i in batch_positions]
+    grad_inputs = [k for k, t in enumerate(batch_tensors) if t.requires_grad]
+    grads_in = [k for k in grad_inputs if batch_tensors[k].grad is not None]
+    n_batch = len(batch_positions)
     state_in = layout.gather()
     n_state = len(state_in)
     captured: dict[str, Any] = {}
 
     def step(*flat):
-        state, batch = list(flat[:n_state]), flat[n_state:]
+        state, batch = list(flat[:n_state]), flat[n_state:n_state + n_batch]
+        for k, g in zip(grads_in, flat[n_state + n_batch:]):
+            batch[k].grad = g
         new_leaves = list(leaves)
         for pos, t in zip(batch_positions, batch):
             new_leaves[pos] = t
+        for pos, src in alias_of.items():
+            new_leaves[pos] = new_leaves[src]
         a, kw = pytree.tree_unflatten(new_leaves, spec)
         with layout.bind(state, tag_grads=tag_grads) as bound:
             out = fn(*a, **kw)
             final = bound.final()
+        final += [(Slot("input_grad", f"{inputs.names[batch_positions[k]]}.grad", k), batch[k].grad)
+                  for k in grad_inputs if batch[k].grad is not None]
         out_leaves, out_spec = pytree.tree_flatten(out)
         captured["user_spec"] = out_spec
         captured["user_leaves"] = [TENSOR if isinstance(x, torch.Tensor) else x for x in out_leaves]
         captured["final_slots"] = [s for s, _ in final]
         return tuple(x for x in out_leaves if isinstance(x, torch.Tensor)) + tuple(t for _, t in final)
 
-    trace_inputs = _state_for_tracing(layout, state_in) + [leaves[i] for i in batch_positions]
+    # Detached leaves: tracing sets .grad on them, never on the user's tensors.
+    trace_inputs = (_state_for_tracing(layout, state_in)
+                    + [t.detach().requires_grad_(t.requires_grad) for t in batch_tensors]
+                    + [batch_tensors[k].grad.detach() for k in grads_in])
     stack = CallStack(layout.module)
     capture = OpaqueCapture(layout.module, plan, stack)
     phases = _Phases()
+    watch = OpWatch()
     token = _TRACING.set(True)
     try:
         attention = sdpa_kernel([SDPBackend.MATH]) if sdpa_math else contextlib.nullcontext()
-        with stack.installed(), capture.installed(), torch.enable_grad(), attention, phases:
+        with (stack.installed(), capture.installed(), torch.enable_grad(), attention, phases, watch,
+              quiet_torch_logs()):
             gm1 = make_fx(step, decomposition_table=FUNCTIONAL_DECOMPS, tracing_mode="fake",
                           _allow_non_fake_inputs=True)(*trace_inputs)
         _check_traceable(gm1, captured, stack, plan)
     except (CompileError, _Retry):
         raise
     except Exception as exc:  # noqa: BLE001 - every trace failure becomes an opaque part or a CompileError
-        what, op = _describe_failure(exc)
+        what, op, untraceable = _describe_failure(exc)
         frame = stack.culprit(exc)
+        failed = None if untraceable else watch.failed
+        if failed is not None and failed.eager_fails:
+            # eager rejects these arguments too: an error about the input or the module, never an opaque part
+            fqn = frame.fqn if frame is not None else None
+            module_type = type(layout.module.get_submodule("" if fqn == "<root>" else fqn)).__name__ if fqn else None
+            # arguments computed from the batch alone: the batch is what the op rejected
+            from_batch = [batch_positions[sorted(r)[0] - n_state] for r in failed.roots
+                          if r and all(n_state <= i < n_state + n_batch for i in r)]
+            reason = " ".join(str(exc).split()).rstrip(".")
+            blamed = inputs.blame(from_batch, failed.op, fqn, reason, module_type)
+            raise (blamed or _op_error(what, failed.op, fqn, module_type)) from exc
         if plan.adopt(frame, what):
             raise _Retry() from exc
         raise _trace_error(what, op, frame, plan) from exc
@@ -210,17 +277,18 @@ def _trace_once(fn, args: tuple, kwargs: dict, layout: StateLayout, *, sdpa_math
             return fx.Interpreter(gm1).run(*flat)
 
     plain_inputs = [t.detach() for t in trace_inputs]
-    with opaque.tracing(capture.calls):  # the opaque ops' fake kernels read the calls
+    with opaque.tracing(capture.calls), quiet_torch_logs():  # the opaque ops' fake kernels read the calls
         gm2 = make_fx(torch.func.functionalize(run_capture, remove="mutations"),
                       tracing_mode="fake", _allow_non_fake_inputs=True)(*plain_inputs)
     _check_functional(gm2)
     link_backward(gm2, capture.calls)
 
-    input_slots = layout.input_slots() + [Slot("batch", f"input[{k}]", k) for k in range(len(batch_positions))]
+    input_slots = (layout.input_slots() + [Slot("batch", f"input[{k}]", k) for k in range(n_batch)]
+                   + [Slot("input_grad", f"{inputs.names[batch_positions[k]]}.grad", k) for k in grads_in])
     n_user = sum(1 for x in captured["user_leaves"] if x is TENSOR)
     output_slots = [Slot("user", f"output[{k}]", k) for k in range(n_user)] + captured["final_slots"]
     _outputs_from_mutations(gm2, input_slots, output_slots)
-    return TracedStep(gm2, layout, input_slots, output_slots, batch_positions, captured["user_spec"],
+    return TracedStep(gm2, layout, input_slots, output_slots, batch_positions, grad_inputs, captured["user_spec"],
                       captured["user_leaves"], 0.0, tuple(capture.calls))
 
 
@@ -268,6 +336,18 @@ def _trace_error(what: str, op: str | None, frame: Frame | None, plan: OpaquePla
             "(it then runs opaquely)")
     return CompileError(
         f"could not trace the train step {where}{f' at op {op}' if op else ''}: {what}. Fix: {fix}. "
+        "The model and optimizer are unchanged.", fqn=fqn, op=op)
+
+
+def _op_error(what: str, op: str, fqn: str | None, module_type: str | None) -> CompileError:
+    """An op raised while tracing, on arguments not computed from the batch alone: eager may well raise too."""
+    where = (f"in module `{fqn}` ({module_type})" if fqn and fqn != "<root>" else
+             f"in the model ({module_type})" if fqn else "outside any submodule (in the step function or backward)")
+    override = (f"supply an Override for `{fqn}` (spmd_ort.Override.replacement) or make it traceable"
+                if fqn and fqn != "<root>" else "make the step function traceable")
+    return CompileError(
+        f"could not trace the train step {where}: {op} raised {what}. Fix: if eager PyTorch runs this step with "
+        f"these inputs, {override}; if it fails there too, fix the shapes or dtypes that reach {op}. "
         "The model and optimizer are unchanged.", fqn=fqn, op=op)
 
 
@@ -319,7 +399,8 @@ def _outputs_from_mutations(gm: fx.GraphModule, input_slots: list[Slot], output_
 
     State is already returned explicitly, so its ``copy_`` goes; a mutated batch
     input becomes a ``batch`` output (written back like eager's in-place update).
-    State outputs that are still the input itself (unchanged) are dropped.
+    State outputs that are still the input itself (unchanged) are dropped, except
+    gradients: a gradient missing from the outputs is one the step set to None.
     """
     graph = gm.graph
     placeholders = [n for n in graph.nodes if n.op == "placeholder"]
@@ -334,12 +415,13 @@ def _outputs_from_mutations(gm: fx.GraphModule, input_slots: list[Slot], output_
             if slot.kind == "batch":
                 outs.append(node.args[1])
                 output_slots.append(slot)
-            elif slot.kind not in ("param", "buffer", "grad", "opt_state"):
+            elif slot.kind not in ("param", "buffer", "grad", "opt_state", "input_grad"):
                 raise CompileError(f"the train step writes into {slot.kind} input `{slot.name}` in place")
             graph.erase_node(node)
-    # Input and output slots of the same state compare equal (same kind, name, index, key).
+    # Input and output slots of the same state compare equal (same kind, name, index, key).  A gradient
+    # stays an output even when unchanged: its presence after the step is what the output says.
     keep = [i for i, (o, s) in enumerate(zip(outs, output_slots))
-            if s.kind in ("user", "batch") or slot_of.get(o) != s]
+            if s.kind in ("user", "batch", "grad", "input_grad") or slot_of.get(o) != s]
     new_outs = [outs[i] for i in keep]
     output_slots[:] = [output_slots[i] for i in keep]
     out_node.args = (tuple(new_outs),)

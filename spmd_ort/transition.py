@@ -1,8 +1,9 @@
 """The one place that decides whether a call can reuse a compiled variant.
 
 A :class:`StepKey` describes everything the traced graph was specialised on:
-the structure, shapes, dtypes, devices and ``requires_grad`` of the inputs and
-their non-tensor values, the module's training modes, its parameters and
+the structure, shapes, dtypes, devices and ``requires_grad`` of the inputs
+(for one that requires grad, whether it has a ``.grad``, its shape and dtype;
+which leaves are the same tensor) and their non-tensor values, the module's training modes, its parameters and
 buffers (identity, shape, dtype, whether a gradient is present), its forward
 hooks (they run while tracing), and the optimizer's param groups (parameters,
 options baked into the graph) and state layout.  Values that are graph inputs (tensor contents, the scalar
@@ -29,6 +30,15 @@ T = TypeVar("T")
 
 def _tensor_desc(t: torch.Tensor) -> tuple:
     return ("tensor", tuple(t.shape), str(t.dtype), str(t.device), bool(t.requires_grad))
+
+
+def _input_desc(t: torch.Tensor) -> tuple:
+    """A batch tensor: what the graph is specialised on, and for one that requires grad, its ``.grad``."""
+    desc = _tensor_desc(t)
+    if t.requires_grad:
+        g = t.grad if t.is_leaf else None
+        desc += (None if g is None else ("grad", tuple(g.shape), str(g.dtype)),)
+    return desc
 
 
 def _leaf_desc(x: Any) -> Any:
@@ -90,7 +100,13 @@ class StepKey:
            rule=None, world: tuple = ()) -> StepKey:
         # Every component is a tuple of (label, value) pairs so that diff() can say what changed.
         leaves, spec = pytree.tree_flatten((args, kwargs))
-        inputs = (("structure", str(spec)),) + tuple((f"leaf[{i}]", _leaf_desc(x)) for i, x in enumerate(leaves))
+        inputs = (("structure", str(spec)),) + tuple(
+            (f"leaf[{i}]", _input_desc(x) if isinstance(x, torch.Tensor) else _leaf_desc(x)) for i, x in enumerate(leaves))
+        first: dict[int, int] = {}
+        aliases = tuple((i, first.setdefault(id(x), i)) for i, x in enumerate(leaves)
+                        if isinstance(x, torch.Tensor) and first.setdefault(id(x), i) != i)
+        if aliases:  # the same tensor passed twice is one graph input
+            inputs += (("aliases", aliases),)
         training = tuple((fqn or "<root>", m.training) for fqn, m in module.named_modules())
         params = tuple(
             (name, (tuple(p.shape), str(p.dtype), str(p.device), p.requires_grad,

@@ -34,7 +34,7 @@ def torchrun(tmp_path: Path, *args: str, nproc: int = 2, timeout: int = 300, env
 
 
 CASES = [
-    ("mlp", "sgd", "fx"),
+    ("mlp", "sgd", "fx"),  # with a batch that requires grad: DDP's input .grad on each rank (--input-grads)
     ("cnn", "sgd", "fx"),  # BatchNorm: buffers broadcast from rank 0 every step, as DDP does
     ("gpt", "adamw", "fx"),
     ("mlp", "adamw", "ort"),
@@ -47,11 +47,12 @@ CASES = [
 def test_matches_ddp_every_step(tmp_path, model, opt, backend):
     """Loss, parameters, gradients and optimizer state equal DDP's at every step (checked inside
     the script); ranks start from different seeds; parameters end identical across ranks.  The MLP
-    fx run also writes activation statistics of both runs (per rank) and a 2-rank profile."""
+    fx run also writes activation statistics of both runs (per rank) and a 2-rank profile, and its
+    batch requires grad (its .grad accumulates per rank, never all-reduced, as with DDP)."""
     extra, logs = [], []
     debug = (model, opt, backend) == ("mlp", "sgd", "fx")
     if debug:
-        extra = ["--stats", str(tmp_path / "stats"), "--profile", str(tmp_path / "timeline")]
+        extra = ["--stats", str(tmp_path / "stats"), "--profile", str(tmp_path / "timeline"), "--input-grads"]
     ranks, _ = torchrun(tmp_path, "--model", model, "--opt", opt, "--backend", backend, "--steps", "10",
                         "--bucket-mb", "0.05", *extra, env={"SPMD_ORT_LOG_LEVEL": "INFO"} if debug else None,
                         stderr=logs)
@@ -69,6 +70,10 @@ def test_matches_ddp_every_step(tmp_path, model, opt, backend):
         if backend == "ort":
             assert_ort_report_clean(r["ort"])  # every segment ran in ONNX Runtime, on every rank and step
     assert ranks[0]["losses"] != ranks[1]["losses"]  # each rank saw its own shard
+    if debug:  # the batch's .grad (accumulated, checked against DDP's each step) is local to each rank:
+        # the all-reduces above carried exactly the parameter gradients
+        assert len(ranks[0]["input_grad_sums"]) == 10
+        assert ranks[0]["input_grad_sums"] != ranks[1]["input_grad_sums"]
     if model == "gpt":
         assert ranks[0]["buckets"] >= 2  # 109 KiB of gradients in 50 KiB buckets
     if model == "cnn":

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import logging
 
 import pytest
 import torch
@@ -150,3 +151,127 @@ def test_step_closure_is_rejected():
 
     with pytest.raises(spmd_ort.CompileError, match="closure"):
         spmd_ort.compile(backend="fx")(step_fn)(model, opt, torch.randn(4, 32), torch.randint(0, 10, (4,)))
+
+
+# ---------------------------------------------------------------------- errors that blame the right thing
+def _mlp_and_step(backend="fx"):
+    torch.manual_seed(0)
+    model = MLP()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    return model, opt, spmd_ort.compile(backend=backend)(classification_step)
+
+
+def test_wrong_feature_size_names_the_input_not_an_override(capfd):
+    """The input, its shape and the last shape that compiled, the op and the module; torch's fake-tensor
+    error log (a traceback per failed op) stays off the console."""
+    model, opt, step = _mlp_and_step()
+    y = torch.randint(0, 10, (4,))
+    step(model, opt, torch.randn(4, 32), y)
+    before = _snapshot(model, opt)
+    capfd.readouterr()
+    with pytest.raises(spmd_ort.CompileError) as info:
+        step(model, opt, torch.randn(4, 31), y)
+    assert str(info.value) == (
+        "the input `x` (shape (4, 31), float32; the last call that compiled passed shape (4, 32), float32) does not "
+        "fit module `fc1` (Linear): F.linear rejected it: a and b must have same reduction dim, but got [4, 31] X "
+        "[32, 64]. Fix: pass `x` with the shape and dtype the model expects. The model and optimizer are unchanged.")
+    assert (info.value.input, info.value.fqn, info.value.op) == ("x", "fc1", "F.linear")
+    err = capfd.readouterr().err
+    assert "failed while attempting to run meta" not in err and "Traceback" not in err, err
+    _assert_identical(before, model, opt)
+
+
+def test_integer_batch_into_a_float_model_fails_while_tracing_not_in_ort(caplog):
+    """It traced, then ONNX Runtime refused the segment (a WARNING) and fx raised 'While executing %fused_0'."""
+    model, opt, step = _mlp_and_step("ort")
+    before = _snapshot(model, opt)
+    with caplog.at_level(logging.WARNING):
+        with pytest.raises(spmd_ort.CompileError) as info:
+            step(model, opt, torch.randint(0, 5, (4, 32)), torch.randint(0, 10, (4,)))
+    assert str(info.value) == (
+        "the input `x` (shape (4, 32), int64) does not fit module `fc1` (Linear): F.linear rejected it: F.linear "
+        "needs operands of one dtype, got int64 and float32 (eager PyTorch rejects this too). Fix: pass `x` with the "
+        "shape and dtype the model expects. The model and optimizer are unchanged.")
+    assert not [r for r in caplog.records if r.levelno >= logging.WARNING], caplog.text
+    _assert_identical(before, model, opt)
+
+
+def test_wrong_target_names_the_target():
+    model, opt, step = _mlp_and_step()
+    with pytest.raises(spmd_ort.CompileError) as info:
+        step(model, opt, torch.randn(4, 32), torch.randint(0, 10, (3,)))
+    assert str(info.value).startswith(
+        "the input `y` (shape (3,), int64) does not fit the step function: F.cross_entropy rejected it: Expected "
+        "input batch_size (4) to match target batch_size (3). Fix: pass `y`")
+
+
+def test_input_that_changed_is_named_when_the_graph_fails_at_run_time():
+    """A longer sequence than the position table traces (fake tensors do not see index values) and fails when
+    it runs: the error names the input that changed since the last call that compiled."""
+    from models import GPT, GPTConfig, gpt_batch
+
+    cfg = GPTConfig(vocab=16, seq=8, d=8, heads=1, layers=1)
+    torch.manual_seed(0)
+    model = GPT(cfg)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    step = spmd_ort.compile(backend="fx")(classification_step)
+    x, y = gpt_batch(cfg, 2, torch.Generator().manual_seed(0))
+    step(model, opt, x, y)
+    long_x = torch.randint(0, cfg.vocab, (2, 2 * cfg.seq))
+    with pytest.raises(spmd_ort.CompileError) as info:
+        step(model, opt, long_x, long_x)
+    assert str(info.value).startswith(
+        f"the input `x` changed from shape (2, {cfg.seq}), int64 to shape (2, {2 * cfg.seq}), int64 since the last "
+        "call that compiled, and with it the compiled step fails when it runs: IndexError: index out of range in "
+        "self")
+
+
+def test_a_model_bug_names_the_module_and_op_without_blaming_the_input():
+    class Broken(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a = nn.Linear(32, 16)
+            self.b = nn.Linear(8, 10)  # expects 8 features, gets 16
+
+        def forward(self, x):
+            return self.b(self.a(x))
+
+    model = Broken()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with pytest.raises(spmd_ort.CompileError) as info:
+        spmd_ort.compile(backend="fx")(classification_step)(model, opt, torch.randn(4, 32), torch.randint(0, 10, (4,)))
+    assert str(info.value) == (
+        "could not trace the train step in module `b` (Linear): F.linear raised RuntimeError: a and b must have "
+        "same reduction dim, but got [4, 16] X [8, 10]. Fix: if eager PyTorch runs this step with these inputs, "
+        "supply an Override for `b` (spmd_ort.Override.replacement) or make it traceable; if it fails there too, "
+        "fix the shapes or dtypes that reach F.linear. The model and optimizer are unchanged.")
+    assert info.value.input is None
+
+
+def test_call_that_does_not_match_the_signature_says_so():
+    model, opt, step = _mlp_and_step()
+    x, y = torch.randn(4, 32), torch.randint(0, 10, (4,))
+    with pytest.raises(TypeError) as info:
+        step(model, opt, x)
+    assert str(info.value) == (
+        "spmd_ort: the call does not match the train step's signature `train_step(model, opt, x, y, clip=None)`"
+        ": missing a required argument: 'y' (it was called with 3 positional arguments and no keyword "
+        "arguments)")
+    with pytest.raises(TypeError, match=r"signature .*: got an unexpected keyword argument 'labels' \(it was called "
+                                        r"with 4 positional arguments and keyword arguments \['labels'\]\)"):
+        step(model, opt, x, y, labels=y)
+    with pytest.raises(TypeError, match="signature .*: too many positional arguments"):
+        step(model, opt, x, y, 1.0, 2.0)
+    assert step.transitions.traces == 0
+
+
+def test_optimizer_state_of_another_optimizer_is_named():
+    model, opt, step = _mlp_and_step()
+    p = next(model.parameters())
+    opt.state[p]["momentum_buffer"] = torch.zeros_like(p)  # SGD state in an AdamW
+    with pytest.raises(spmd_ort.CompileError) as info:
+        step(model, opt, torch.randn(4, 32), torch.randint(0, 10, (4,)))
+    assert str(info.value) == (
+        "AdamW param group 0, parameter 0: its optimizer state has ['momentum_buffer'] but no ['step', 'exp_avg', "
+        "'exp_avg_sq'] (state of another optimizer, loaded or assigned by hand?); eager AdamW fails here too. Fix: "
+        "clear it (optimizer.state.clear()) or load a checkpoint saved with AdamW")

@@ -61,6 +61,8 @@ def main() -> None:
     ap.add_argument("--mismatch", action="store_true", help="rank 1 uses another batch size")
     ap.add_argument("--stats", help="write activation statistics of the DDP and the compiled model here")
     ap.add_argument("--profile", help="profile the compiled step's last two steps into this path")
+    ap.add_argument("--input-grads", action="store_true",
+                    help="the batch requires grad: its .grad accumulates, per rank (never all-reduced), as in DDP")
     ap.add_argument("--out", required=True)
     args = ap.parse_args()
     dist.init_process_group("gloo")
@@ -100,10 +102,21 @@ def run(args, rank: int, world: int) -> dict:
             x, y = x[rank * args.batch: rank * args.batch + n], y[rank * args.batch: rank * args.batch + n]
             if args.profile and i == args.steps - 2:
                 step.profile(steps=2, path=args.profile)
+            x_ref = x
+            if args.input_grads:  # one input tensor per side, reused: its .grad accumulates over the steps
+                if i == 0:
+                    x_in, x_ref_in = x.clone().requires_grad_(), x.clone().requires_grad_()
+                with torch.no_grad():
+                    x_in.copy_(x)
+                    x_ref_in.copy_(x)
+                x, x_ref = x_in, x_ref_in
             t0 = time.perf_counter()
             loss = step(model, opt, x, y)
             result.setdefault("step_s", []).append(time.perf_counter() - t0)
-            ref = train_step(ddp_model, opt_ref, x, y)
+            ref = train_step(ddp_model, opt_ref, x_ref, y)
+            if args.input_grads:
+                torch.testing.assert_close(x.grad, x_ref.grad, rtol=1e-5, atol=1e-7)
+                result.setdefault("input_grad_sums", []).append(float(x.grad.double().sum()))
             torch.testing.assert_close(loss, ref.detach(), rtol=1e-5, atol=1e-6)
             assert_same_state(ddp_model.module, model, opt_ref, opt, where=f"rank {rank} step {i}",
                               normwise=args.backend == "ort")

@@ -1,0 +1,309 @@
+"""Small random train steps for the differential fuzzer (tests/test_fuzz.py), and the runner that checks one.
+
+A :class:`Case` is plain data (hypothesis draws it; a counterexample is pasted into a
+regular test as a ``Case(...)`` literal).  :func:`build` turns it into a model, an
+optimizer factory, a step function and batches; :func:`run_case` trains an eager and a
+compiled copy side by side and demands equality at every step with the tolerances of
+tests/helpers.py: returned values, parameters, gradients, buffers, optimizer state and
+the input's ``.grad``.
+"""
+
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass, field
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import spmd_ort
+from helpers import RTOL, assert_close_normwise, assert_close_relmax, assert_ran_on_ort, assert_same_state
+
+ACTIVATIONS = {"relu": nn.ReLU, "gelu": nn.GELU, "tanh": nn.Tanh, "silu": nn.SiLU, "sigmoid": nn.Sigmoid,
+               "mish": nn.Mish, "elu": nn.ELU, "softplus": nn.Softplus, "hardswish": nn.Hardswish}
+LAYERS = ("linear", "conv", "layernorm", "batchnorm", "attention", "mha", "act", "dropout")
+
+
+@dataclass(frozen=True)
+class Layer:
+    kind: str  # one of LAYERS
+    residual: bool = False
+    bias: bool = True
+    act: str = "relu"  # for "act"
+    causal: bool = False  # for "attention"
+    heads: int = 1  # for "attention" / "mha"
+    kernel: int = 1  # for "conv"
+
+
+@dataclass(frozen=True)
+class Case:
+    seed: int = 0
+    tokens: bool = False  # integer tokens into an Embedding (else a float input, which may require grad)
+    d_in: int = 5
+    width: int = 8
+    batch: int = 2
+    seq: int = 3
+    classes: int = 4
+    layers: tuple[Layer, ...] = ()
+    shared: bool = False  # the first linear layer is applied twice (tied by module reuse)
+    tie_head: bool = False  # tokens: the head's weight is the embedding's
+    frozen: tuple[int, ...] = ()  # indices into the unique parameters: requires_grad=False
+    warm_grads: bool = False  # one eager backward before training: every parameter starts with a .grad
+    groups: int = 1  # param groups (contiguous chunks of the parameters), each its own lr / weight decay
+    optimizer: str = "sgd"  # sgd | adam | adamw
+    impl: str = "foreach"  # foreach | forloop | fused (eager's implementation; compiled always runs fused)
+    momentum: float = 0.0
+    nesterov: bool = False
+    dampening: float = 0.0
+    weight_decay: float = 0.0
+    amsgrad: bool = False
+    maximize: bool = False
+    lr: float = 1e-2
+    clip: float | None = None  # clip_grad_norm_ max norm, passed to the step as a Python float
+    scales: tuple[float, ...] = (1.0,)  # loss scale per step, a Python float argument (cycled)
+    micro: int = 1  # backward passes per step (gradient accumulation within the step)
+    zero: str = "end_none"  # end_none | end_zero | start_none | start_zero | never
+    input_grad: bool = False  # float input only: the batch requires grad, its .grad accumulates across steps
+    clear_input_grad: str = "keep"  # keep | none | zero: what the step does to x.grad at its end
+    return_extra: str = "none"  # none | grad_norm | input_grad: a second output
+    loss: str = "ce"  # ce | mse
+    steps: int = 2
+    notes: str = field(default="", compare=False)
+
+
+class Attention(nn.Module):
+    """Self-attention with F.scaled_dot_product_attention; no q/k/v bias (a key bias gets a zero gradient)."""
+
+    def __init__(self, d: int, heads: int, causal: bool):
+        super().__init__()
+        self.heads, self.causal = heads, causal
+        self.qkv = nn.Linear(d, 3 * d, bias=False)
+        self.proj = nn.Linear(d, d)
+
+    def forward(self, x):  # (B, T, D)
+        b, t, d = x.shape
+        q, k, v = self.qkv(x).view(b, t, 3, self.heads, d // self.heads).permute(2, 0, 3, 1, 4)
+        out = F.scaled_dot_product_attention(q, k, v, is_causal=self.causal)  # (B, H, T, D/H)
+        return self.proj(out.transpose(1, 2).reshape(b, t, d))
+
+
+class MHA(nn.Module):
+    def __init__(self, d: int, heads: int):
+        super().__init__()
+        self.attn = nn.MultiheadAttention(d, heads, bias=False, batch_first=True)
+
+    def forward(self, x):
+        return self.attn(x, x, x, need_weights=False)[0]
+
+
+class Channels(nn.Module):
+    """Conv1d / BatchNorm1d over (B, T, D): channels are D."""
+
+    def __init__(self, inner: nn.Module):
+        super().__init__()
+        self.inner = inner
+
+    def forward(self, x):
+        return self.inner(x.transpose(1, 2)).transpose(1, 2)
+
+
+class Residual(nn.Module):
+    def __init__(self, inner: nn.Module):
+        super().__init__()
+        self.inner = inner
+
+    def forward(self, x):
+        return x + self.inner(x)
+
+
+class Net(nn.Module):
+    def __init__(self, case: Case):
+        super().__init__()
+        d = case.width
+        self.stem = nn.Embedding(case.classes + 3, d) if case.tokens else nn.Linear(case.d_in, d)
+        blocks = []
+        for layer in case.layers:
+            block = _block(layer, d, layer.bias)
+            blocks.append(Residual(block) if layer.residual and layer.kind != "batchnorm" else block)
+        self.blocks = nn.Sequential(*blocks)
+        self.shared = nn.Linear(d, d) if case.shared else None
+        out = case.classes + 3 if case.tie_head else case.classes
+        self.head = nn.Linear(d, out, bias=not case.tie_head)
+        if case.tie_head:
+            self.head.weight = self.stem.weight
+
+    def forward(self, x):
+        h = self.stem(x)
+        if self.shared is not None:
+            h = torch.tanh(self.shared(h))
+        h = self.blocks(h)
+        if self.shared is not None:
+            h = self.shared(h)
+        return self.head(h)
+
+
+def _block(layer: Layer, d: int, bias: bool) -> nn.Module:
+    kind = layer.kind
+    if kind == "linear":
+        return nn.Linear(d, d, bias=bias)
+    if kind == "conv":
+        return Channels(nn.Conv1d(d, d, layer.kernel, padding=layer.kernel // 2, bias=bias))
+    if kind == "layernorm":
+        return nn.LayerNorm(d, elementwise_affine=layer.bias)
+    if kind == "batchnorm":
+        # After a nonlinearity: BatchNorm removes any per-channel constant, so a bias reaching it through
+        # affine layers only (even the stem's, through residual Linears) has an analytically zero gradient,
+        # whose rounding noise Adam turns into +-lr steps in any two implementations (README, numerical notes).
+        return nn.Sequential(nn.Tanh(), Channels(nn.BatchNorm1d(d)))
+    if kind == "attention":
+        return Attention(d, layer.heads, layer.causal)
+    if kind == "mha":
+        return MHA(d, layer.heads)
+    if kind == "act":
+        return ACTIVATIONS[layer.act]()
+    if kind == "dropout":
+        return nn.Dropout(0.1)
+    raise ValueError(kind)
+
+
+def make_optimizer(case: Case, model: nn.Module) -> torch.optim.Optimizer:
+    params = list(model.parameters())
+    n = max(1, min(case.groups, len(params)))
+    chunks = [params[i * len(params) // n:(i + 1) * len(params) // n] for i in range(n)]
+    groups = [{"params": chunk, "lr": case.lr * (1 + i), "weight_decay": case.weight_decay * (i % 2 == 0)}
+              for i, chunk in enumerate(chunks) if chunk]
+    impl = {"foreach": {"foreach": True}, "forloop": {"foreach": False}, "fused": {"fused": True}}[case.impl]
+    if case.optimizer == "sgd":
+        return torch.optim.SGD(groups, lr=case.lr, momentum=case.momentum, nesterov=case.nesterov,
+                               dampening=case.dampening, maximize=case.maximize, **impl)
+    cls = torch.optim.Adam if case.optimizer == "adam" else torch.optim.AdamW
+    return cls(groups, lr=case.lr, amsgrad=case.amsgrad, maximize=case.maximize, **impl)
+
+
+def make_step(case: Case):
+    """The train step: forward, ``micro`` backward passes, clipping, step, zero_grad, input-grad handling."""
+
+    def step(model, opt, x, y, scale, clip):
+        if case.zero.startswith("start"):
+            opt.zero_grad(set_to_none=case.zero == "start_none")
+        total = 0.0
+        for xs, ys in zip(x.chunk(case.micro), y.chunk(case.micro)):
+            out = model(xs)
+            if case.loss == "ce":
+                loss = F.cross_entropy(out.flatten(0, -2), ys.flatten())
+            else:
+                loss = F.mse_loss(out, ys)
+            (loss * scale / case.micro).backward()
+            total = total + loss.detach()
+        norm = None
+        if clip is not None:
+            norm = torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
+        opt.step()
+        if case.zero.startswith("end"):
+            opt.zero_grad(set_to_none=case.zero == "end_none")
+        extra = None
+        if case.return_extra == "grad_norm" and norm is not None:
+            extra = norm
+        elif case.return_extra == "input_grad" and x.requires_grad and x.grad is not None:
+            extra = x.grad.clone()
+        if x.requires_grad and x.grad is not None:
+            if case.clear_input_grad == "none":
+                x.grad = None
+            elif case.clear_input_grad == "zero":
+                x.grad.zero_()
+        return total if extra is None else (total, extra)
+
+    return step
+
+
+def batches(case: Case) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    g = torch.Generator().manual_seed(1000 + case.seed)
+    out = []
+    for _ in range(case.steps):
+        b, t = case.batch * case.micro, case.seq
+        if case.tokens:
+            x = torch.randint(0, case.classes + 3, (b, t), generator=g)
+        else:
+            x = torch.randn(b, t, case.d_in, generator=g)
+        n_out = case.classes + 3 if case.tie_head else case.classes
+        if case.loss == "ce":
+            y = torch.randint(0, n_out, (b, t), generator=g)
+        else:
+            y = torch.randn(b, t, n_out, generator=g)
+        out.append((x, y))
+    return out
+
+
+def build(case: Case):
+    torch.manual_seed(case.seed)
+    model = Net(case)
+    params = list(model.parameters())
+    data = batches(case)
+    if case.warm_grads:  # every parameter starts with a gradient (later frozen ones keep it)
+        x, y = data[0]
+        out = model(x)
+        loss = F.cross_entropy(out.flatten(0, -2), y.flatten()) if case.loss == "ce" else F.mse_loss(out, y)
+        loss.backward()
+    for i in case.frozen:
+        params[i % len(params)].requires_grad_(False)
+    return model, data
+
+
+def run_case(case: Case, backend: str) -> Exception | None:
+    """Train eager and compiled copies side by side; every step's outputs and state must agree.
+
+    A step that eager PyTorch refuses must fail compiled too; then the eager error is returned.
+    """
+    eager, data = build(case)
+    compiled = copy.deepcopy(eager)
+    for a, b in zip(eager.parameters(), compiled.parameters()):
+        b.grad = None if a.grad is None else a.grad.clone()
+    opt_e, opt_c = make_optimizer(case, eager), make_optimizer(case, compiled)
+    fn = make_step(case)
+    step = spmd_ort.compile(backend=backend)(fn)
+    normwise = backend == "ort"
+    x_e = x_c = None
+    for i, (x, y) in enumerate(data):
+        if case.input_grad and not case.tokens:
+            if x_e is None:  # one input tensor per side for the whole run: its .grad accumulates
+                x_e, x_c = x.clone().requires_grad_(), x.clone().requires_grad_()
+            with torch.no_grad():
+                x_e.copy_(x)
+                x_c.copy_(x)
+            xe, xc = x_e, x_c
+        else:
+            xe, xc = x, x
+        scale = case.scales[i % len(case.scales)]
+        torch.manual_seed(10 + i)  # dropout: the same masks on both sides
+        try:
+            out_e = fn(eager, opt_e, xe, y, scale, case.clip)
+        except Exception as exc:  # noqa: BLE001 - a step eager refuses (e.g. nothing requires grad)
+            with pytest.raises(Exception):  # must fail compiled too, not train silently
+                step(compiled, opt_c, xc, y, scale, case.clip)
+            return exc
+        torch.manual_seed(10 + i)
+        out_c = step(compiled, opt_c, xc, y, scale, case.clip)
+        outs_e = out_e if isinstance(out_e, tuple) else (out_e,)
+        outs_c = out_c if isinstance(out_c, tuple) else (out_c,)
+        assert len(outs_e) == len(outs_c), f"step {i}: {len(outs_c)} outputs, eager {len(outs_e)}"
+        for k, (a, b) in enumerate(zip(outs_c, outs_e)):
+            _close(a, b.detach(), normwise, f"step {i} output {k}")
+        assert_same_state(eager, compiled, opt_e, opt_c, where=f"step {i}", normwise=normwise)
+        if xe is not x:
+            assert (xc.grad is None) == (xe.grad is None), f"step {i}: x.grad {xc.grad is None} vs {xe.grad is None}"
+            if xe.grad is not None:
+                _close(xc.grad, xe.grad, normwise, f"step {i} x.grad")
+    if backend == "ort":
+        assert_ran_on_ort(step)
+    return None
+
+
+def _close(actual: torch.Tensor, expected: torch.Tensor, normwise: bool, msg: str) -> None:
+    if actual.dim() == 0 or not actual.dtype.is_floating_point:
+        torch.testing.assert_close(actual, expected, rtol=RTOL, atol=1e-6, msg=lambda m: f"{msg}: {m}")
+    elif normwise:
+        assert_close_normwise(actual, expected, atol=0.0, msg=msg)
+    else:
+        assert_close_relmax(actual, expected, msg=msg)

@@ -1,0 +1,129 @@
+"""Differential fuzzer: random small train steps, trained eagerly and compiled (fx and ort), must agree.
+
+hypothesis draws a :class:`fuzz_cases.Case` (a stack of Linear / Conv / LayerNorm /
+BatchNorm / attention / activation / dropout layers, residuals, a layer applied twice,
+a head tied to the embedding, frozen parameters, parameters that start with a gradient,
+several param groups, SGD / Adam / AdamW with their options and implementations,
+clipping, accumulation within the step, zero_grad before / after / never with
+set_to_none both ways, an input that requires grad, Python scalars as arguments) and
+:func:`fuzz_cases.run_case` compares every step.
+
+    make test   # the small budget below: a fixed set of examples (derandomized)
+    make fuzz   # FUZZ_PROFILE=fuzz: FUZZ_EXAMPLES random examples per backend (default 300 fx, 40 ort)
+
+Every counterexample the fuzzer finds becomes a regular test in ``FOUND`` at the bottom.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+from hypothesis import HealthCheck, Phase, given, settings
+from hypothesis import strategies as st
+
+from fuzz_cases import ACTIVATIONS, Case, Layer, run_case
+
+# Read here, by the test module (spmd_ort reads only SPMD_ORT_* variables).
+PROFILE = os.environ.get("FUZZ_PROFILE", "ci")
+EXAMPLES = int(os.environ.get("FUZZ_EXAMPLES", "0"))
+COMMON = dict(deadline=None, suppress_health_check=list(HealthCheck), print_blob=True)
+settings.register_profile("ci", max_examples=5, derandomize=True, database=None,
+                          phases=[Phase.explicit, Phase.generate], **COMMON)
+settings.register_profile("fuzz", max_examples=EXAMPLES or 300, **COMMON)
+ORT_EXAMPLES = {"ci": 1, "fuzz": max(1, (EXAMPLES or 300) // 8)}[PROFILE]
+
+
+@st.composite
+def layers(draw, width: int):
+    kind = draw(st.sampled_from(["linear", "conv", "layernorm", "batchnorm", "attention", "mha", "act", "act",
+                                 "dropout"]))
+    heads = draw(st.sampled_from([h for h in (1, 2, 4) if width % h == 0]))
+    return Layer(kind=kind, residual=draw(st.booleans()), bias=draw(st.booleans()),
+                 act=draw(st.sampled_from(sorted(ACTIVATIONS))), causal=draw(st.booleans()), heads=heads,
+                 kernel=draw(st.sampled_from([1, 3])))
+
+
+@st.composite
+def cases(draw) -> Case:
+    width = draw(st.sampled_from([4, 6, 8]))
+    tokens = draw(st.booleans())
+    optimizer = draw(st.sampled_from(["sgd", "adam", "adamw"]))
+    momentum = draw(st.sampled_from([0.0, 0.9])) if optimizer == "sgd" else 0.0
+    nesterov = optimizer == "sgd" and momentum > 0 and draw(st.booleans())
+    dampening = 0.0 if nesterov or optimizer != "sgd" else draw(st.sampled_from([0.0, 0.5]))
+    batch, seq = draw(st.integers(1, 3)), draw(st.integers(1, 3))
+    if batch * seq < 2:  # BatchNorm needs more than one value per channel
+        seq = 2
+    input_grad = not tokens and draw(st.booleans())
+    return Case(
+        seed=draw(st.integers(0, 2**16)),
+        tokens=tokens,
+        d_in=draw(st.integers(2, 6)),
+        width=width,
+        batch=batch,
+        seq=seq,
+        classes=draw(st.integers(2, 5)),
+        layers=tuple(draw(st.lists(layers(width), min_size=0, max_size=4))),
+        shared=draw(st.booleans()),
+        tie_head=tokens and draw(st.booleans()),
+        frozen=tuple(draw(st.lists(st.integers(0, 30), max_size=2))),
+        warm_grads=draw(st.booleans()),
+        groups=draw(st.integers(1, 3)),
+        optimizer=optimizer,
+        impl=draw(st.sampled_from(["foreach", "forloop", "fused"])),
+        momentum=momentum,
+        nesterov=nesterov,
+        dampening=dampening,
+        weight_decay=draw(st.sampled_from([0.0, 0.1])),
+        amsgrad=optimizer != "sgd" and draw(st.booleans()),
+        maximize=draw(st.booleans()),
+        # Adam at lr 0.1 on these 4-8 wide models is chaotic: the one-ulp difference between eager's foreach
+        # update and the fused kernel the compiled step runs grows past any rounding tolerance in two steps
+        # (found by the fuzzer: bitwise equal to eager fused=True, 1.4e-5 off eager foreach).
+        lr=draw(st.sampled_from([1e-3, 1e-2, 0.1] if optimizer == "sgd" else [1e-3, 3e-3, 1e-2])),
+        clip=draw(st.sampled_from([None, None, 0.5, 10.0])),
+        scales=tuple(draw(st.lists(st.sampled_from([1.0, 0.5, 2.0]), min_size=1, max_size=2))),
+        micro=draw(st.sampled_from([1, 1, 2])),
+        zero=draw(st.sampled_from(["end_none", "end_zero", "start_none", "start_zero", "never"])),
+        input_grad=input_grad,
+        clear_input_grad=draw(st.sampled_from(["keep", "none", "zero"])) if input_grad else "keep",
+        return_extra=draw(st.sampled_from(["none", "grad_norm", "input_grad"])),
+        loss=draw(st.sampled_from(["ce", "mse"])),
+        steps=draw(st.integers(2, 3)),
+    )
+
+
+@settings(settings.get_profile(PROFILE))
+@given(case=cases())
+def test_fuzz_fx(case):
+    run_case(case, "fx")
+
+
+@settings(settings.get_profile(PROFILE), max_examples=ORT_EXAMPLES)
+@given(case=cases())
+def test_fuzz_ort(case):
+    run_case(case, "ort")
+
+
+# Counterexamples the fuzzer found, each fixed and kept as a regular test: (case, backend).  One more lives
+# where its fix does: SiLU (and, tried next, Mish) had no ONNX translation of their backward, so every segment
+# of such a model fell back to fx (tests/test_ort_backend.py::test_silu_and_mish_run_in_ort).
+FOUND: dict[str, tuple[Case, str]] = {
+    # BatchNorm was captured as torch's decomposition (var_mean, rsqrt), which rounds differently from
+    # eager's kernel; a bias reaching BatchNorm through a residual attention and tanh has an
+    # ill-conditioned gradient, and after three Adam steps exp_avg was 1.2e-5 (relative) off. Now the
+    # capture runs eager's kernel (_native_batch_norm_legit_functional): bit for bit.
+    "batchnorm_after_residual_attention": (Case(
+        seed=3542, d_in=5, width=4, batch=1, seq=3, classes=4,
+        layers=(Layer(kind="mha", residual=True, causal=True), Layer(kind="batchnorm")),
+        frozen=(0,), warm_grads=True, groups=3, optimizer="adam", impl="foreach", amsgrad=True, maximize=True,
+        lr=1e-3, scales=(1.0, 1.0), zero="end_none", input_grad=True, clear_input_grad="zero",
+        return_extra="input_grad", loss="mse", steps=3), "fx"),
+}
+
+
+@pytest.mark.parametrize("name", list(FOUND))
+def test_found(name):
+    case, backend = FOUND[name]
+    run_case(case, backend)
