@@ -1,5 +1,6 @@
 """spmd_ort: compile a whole PyTorch train step into one graph, distribute it, run it on ONNX Runtime."""
 
+from .amp import MixedPrecisionPolicy
 from .api import CompiledStep, Override, compile
 from .checkpoint import load_checkpoint, load_state_dict, save_checkpoint, state_dict
 from .errors import CollectiveTimeout, CompileError, ConfigError
@@ -11,6 +12,6 @@ from .sharding import full_state_dict, gathered_parameters
 __version__ = "0.1.0"
 
 __all__ = ["CollectiveTimeout", "DataParallel", "CompileError", "CompiledProgram", "CompiledStep", "ConfigError", "DebugOptions", "LogLevel",
-           "Options", "Override",
+           "MixedPrecisionPolicy", "Options", "Override",
            "compile", "full_state_dict", "gathered_parameters", "load_checkpoint", "load_state_dict", "save_checkpoint",
            "state_dict"]

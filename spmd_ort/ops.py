@@ -61,14 +61,14 @@ COLLECTIVES = (*STARTS, wait_, broadcast_)
 
 # ---------------------------------------------------------------------- optimizer updates
 _ADAM_ARGS = ("(Tensor[] params, Tensor[] grads, Tensor[] exp_avgs, Tensor[] exp_avg_sqs, Tensor[] max_exp_avg_sqs, "
-              "Tensor[] steps, Tensor hparams, bool amsgrad, bool maximize, bool decoupled)")
+              "Tensor[] steps, Tensor hparams, bool amsgrad, bool maximize, bool decoupled, Tensor? found_inf=None)")
 _ADAM_ARGS_INPLACE = ("(Tensor(a!)[] params, Tensor[] grads, Tensor(b!)[] exp_avgs, Tensor(c!)[] exp_avg_sqs, "
                       "Tensor(d!)[] max_exp_avg_sqs, Tensor(e!)[] steps, Tensor hparams, bool amsgrad, "
-                      "bool maximize, bool decoupled)")
+                      "bool maximize, bool decoupled, Tensor? found_inf=None)")
 _SGD_ARGS = ("(Tensor[] params, Tensor[] grads, Tensor[] momentum_buffers, Tensor hparams, bool has_momentum, "
-             "bool nesterov, bool maximize)")
+             "bool nesterov, bool maximize, Tensor? found_inf=None)")
 _SGD_ARGS_INPLACE = ("(Tensor(a!)[] params, Tensor[] grads, Tensor(b!)[] momentum_buffers, Tensor hparams, "
-                     "bool has_momentum, bool nesterov, bool maximize)")
+                     "bool has_momentum, bool nesterov, bool maximize, Tensor? found_inf=None)")
 
 # functional op -> (in-place twin, names of the mutated list arguments in output order)
 INPLACE_TWINS: dict = {}
@@ -77,7 +77,9 @@ INPLACE_TWINS: dict = {}
 def _define_adam(name: str, kernel) -> tuple:
     """``spmd_ort::<name>`` (functional: returns the new state, see kernels) and ``<name>_`` (in place).
 
-    ``hparams`` is a float64 host tensor ``[lr, beta1, beta2, weight_decay, eps]``.
+    ``hparams`` is a float64 host tensor ``[lr, beta1, beta2, weight_decay, eps]``.  ``found_inf``
+    (GradScaler) skips the update where it is 1.0, as torch's fused kernels do (the step
+    counters end where they were).
     """
     functional = _op(f"{name}{_ADAM_ARGS} -> Tensor[]", functools.partial(kernels.functional_adam, kernel),
                      kernels.adam_fake)
@@ -89,7 +91,7 @@ def _define_adam(name: str, kernel) -> tuple:
 def _define_sgd(name: str, kernel, buffer_device: str | None = None) -> tuple:
     """``spmd_ort::<name>`` (functional: new params + momentum buffers) and ``<name>_`` (in place).
 
-    ``hparams`` is ``[lr, momentum, dampening, weight_decay]``.  An empty
+    ``hparams`` is ``[lr, momentum, dampening, weight_decay]``; ``found_inf`` as for Adam.  An empty
     ``momentum_buffers`` with ``has_momentum`` is the first step: buffers start as
     the gradient (as torch does), made on ``buffer_device``; the in-place twin
     never runs a first step (its buffers must exist).
@@ -98,19 +100,20 @@ def _define_sgd(name: str, kernel, buffer_device: str | None = None) -> tuple:
                      functools.partial(_sgd_functional, kernel, buffer_device),
                      functools.partial(_sgd_fake, buffer_device))
     in_place = _op(f"{name}_{_SGD_ARGS_INPLACE} -> ()",
-                   lambda params, grads, bufs, hparams, has_momentum, nesterov, maximize:
-                   kernel(params, grads, bufs, hparams, nesterov, maximize, False), lambda *args: None)
+                   lambda params, grads, bufs, hparams, has_momentum, nesterov, maximize, found_inf=None:
+                   kernel(params, grads, bufs, hparams, nesterov, maximize, False, found_inf), lambda *args: None)
     INPLACE_TWINS[functional] = (in_place, kernels.SGD_OUTPUTS)
     return functional, in_place
 
 
 def _sgd_functional(kernel, buffer_device, params: list[Tensor], grads, momentum_buffers, hparams, has_momentum,
-                    nesterov, maximize):
+                    nesterov, maximize, found_inf=None):
     return kernels.functional_sgd(kernel, params, grads, momentum_buffers, hparams, has_momentum, nesterov,
-                                  maximize, buffer_device)
+                                  maximize, buffer_device, found_inf)
 
 
-def _sgd_fake(buffer_device, params, grads, momentum_buffers, hparams, has_momentum, nesterov, maximize):
+def _sgd_fake(buffer_device, params, grads, momentum_buffers, hparams, has_momentum, nesterov, maximize,
+              found_inf=None):
     return kernels.sgd_fake(params, grads, momentum_buffers, hparams, has_momentum, nesterov, maximize,
                             buffer_device)
 

@@ -32,6 +32,7 @@ from torch._decomp import get_decompositions
 from torch.fx.experimental.proxy_tensor import get_proxy_mode, make_fx
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
+from .amp import autocast_disabled
 from .errors import CompileError
 from .state import Slot, StateLayout
 
@@ -164,11 +165,12 @@ def _describe_failure(exc: BaseException) -> tuple[str, str | None]:
 
 
 def trace_step(fn, args: tuple, kwargs: dict, layout: StateLayout, *, sdpa_math: bool = False,
-               tag_grads: bool = False) -> TracedStep:
+               tag_grads: bool = False, mixed_precision=None) -> TracedStep:
     """Trace ``fn(*args, **kwargs)`` into a functional graph over ``layout``'s state.
 
     ``sdpa_math`` traces ``scaled_dot_product_attention`` as its math form
     (matmuls and softmax) instead of a fused kernel whose backward ONNX lacks.
+    ``mixed_precision``: a :class:`spmd_ort.amp.MixedPrecisionPolicy` the forward runs under.
     """
     t0 = time.perf_counter()
     leaves, spec = pytree.tree_flatten((args, kwargs))
@@ -183,7 +185,7 @@ def trace_step(fn, args: tuple, kwargs: dict, layout: StateLayout, *, sdpa_math:
         for pos, t in zip(batch_positions, batch):
             new_leaves[pos] = t
         a, kw = pytree.tree_unflatten(new_leaves, spec)
-        with layout.bind(state, tag_grads=tag_grads) as bound:
+        with layout.bind(state, tag_grads=tag_grads, mixed_precision=mixed_precision) as bound:
             out = fn(*a, **kw)
             final = bound.final()
         out_leaves, out_spec = pytree.tree_flatten(out)
@@ -215,8 +217,9 @@ def trace_step(fn, args: tuple, kwargs: dict, layout: StateLayout, *, sdpa_math:
             return fx.Interpreter(gm1).run(*flat)
 
     plain_inputs = [t.detach() for t in trace_inputs]
-    gm2 = make_fx(torch.func.functionalize(run_capture, remove="mutations"),
-                  tracing_mode="fake", _allow_non_fake_inputs=True)(*plain_inputs)
+    with autocast_disabled():  # the capture already holds autocast's casts
+        gm2 = make_fx(torch.func.functionalize(run_capture, remove="mutations"),
+                      tracing_mode="fake", _allow_non_fake_inputs=True)(*plain_inputs)
     _check_functional(gm2)
 
     input_slots = layout.input_slots() + [Slot("batch", f"input[{k}]", k) for k in range(len(batch_positions))]
@@ -304,7 +307,7 @@ def _outputs_from_mutations(gm: fx.GraphModule, input_slots: list[Slot], output_
             if slot.kind == "batch":
                 outs.append(node.args[1])
                 output_slots.append(slot)
-            elif slot.kind not in ("param", "buffer", "grad", "opt_state"):
+            elif slot.kind not in ("param", "buffer", "grad", "opt_state", "scaler"):
                 raise CompileError(f"the train step writes into {slot.kind} input `{slot.name}` in place")
             graph.erase_node(node)
     # Input and output slots of the same state compare equal (same kind, name, index, key).
