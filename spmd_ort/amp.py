@@ -29,6 +29,7 @@ reduced in ``reduce_dtype`` (``passes/mixed_precision.py``); under
 from __future__ import annotations
 
 import contextlib
+import copy
 from collections import defaultdict
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -45,7 +46,9 @@ GradScaler = torch.amp.GradScaler
 # (e.g. FSDP1's ShardedGradScaler, whose unscale_ all-reduces on the host) is not supported.
 TRACED_METHODS = ("scale", "unscale_", "_unscale_grads_", "step", "update", "_check_inf_per_device",
                   "_maybe_opt_step", "_get_scale_async", "_lazy_init_scale_growth_tracker")
-SCALER_KEYS = ("scale", "growth_tracker")  # slot keys of the lifted scaler state
+SCALER_KEYS = ("scale", "growth_tracker")  # slot keys of a GradScaler's lifted state (attributes _scale, ...)
+# attributes that only seed the state before its first scale(): not something a graph depends on
+SEED_ATTRIBUTES = ("_init_scale", "_init_growth_tracker")
 AUTOCAST_DEVICES = ("cpu", "cuda")
 
 
@@ -74,11 +77,20 @@ def is_scaler(obj) -> bool:
     return isinstance(obj, GradScaler)
 
 
+def scaler_keys(scaler: GradScaler) -> tuple[str, ...]:
+    """The scaler's lifted state, as slot keys (attribute ``_<key>``): GradScaler's, plus a subclass's ``EXTRA_STATE``."""
+    return SCALER_KEYS + tuple(getattr(scaler, "EXTRA_STATE", ()))
+
+
 def check_scaler(scaler: GradScaler) -> None:
-    """Refuse scaler classes whose traced methods are not torch.amp.GradScaler's own."""
+    """Refuse scaler classes whose traced methods are not torch.amp.GradScaler's own.
+
+    A subclass that sets ``TRACEABLE = True`` declares that its overrides read no tensor
+    value on the host (e.g. :class:`DynamicLossScaler`).
+    """
     cls = type(scaler)
     overridden = [m for m in TRACED_METHODS if getattr(cls, m) is not getattr(GradScaler, m)]
-    if overridden:
+    if overridden and not getattr(cls, "TRACEABLE", False):
         raise CompileError(
             f"{cls.__module__}.{cls.__qualname__} overrides GradScaler.{', '.join(overridden)}, which the compiled "
             "step traces as torch.amp.GradScaler's own; use torch.amp.GradScaler (under fully_shard the compiled "
@@ -98,27 +110,31 @@ def scaler_enabled(scaler: GradScaler | None) -> bool:
 
 
 def initial_scaler_state(scaler: GradScaler, device: torch.device) -> list[Tensor]:
-    """``[scale, growth_tracker]``: the scaler's tensors, or the ones its first ``scale()`` would create.
+    """The scaler's state tensors (:func:`scaler_keys`), or the ones its first ``scale()`` would create.
 
     Eager creates them lazily on the loss's device; here on ``device`` (the
-    parameters'), without touching the scaler (a failed compile leaves it as it was).
+    parameters'), on a copy of the scaler, so the scaler itself is untouched (a
+    failed compile leaves it as it was).
     """
-    if scaler._scale is not None:
-        return [scaler._scale, scaler._growth_tracker]
-    return [torch.full((), scaler._init_scale, dtype=torch.float32, device=device),
-            torch.full((), scaler._init_growth_tracker, dtype=torch.int32, device=device)]
+    keys = scaler_keys(scaler)
+    if scaler._scale is None:
+        fresh = copy.copy(scaler)
+        fresh._lazy_init_scale_growth_tracker(device)
+        return [getattr(fresh, f"_{k}") for k in keys]
+    return [getattr(scaler, f"_{k}") for k in keys]
 
 
 def scaler_key(scaler: GradScaler | None, device: torch.device) -> tuple:
-    """What a graph is specialised on: the class, whether it scales, and its update rule's constants."""
+    """What a graph is specialised on: the class, whether it scales, and the constants of its update rule
+    (every scalar attribute: growth/backoff factors, growth interval, a subclass's own)."""
     if scaler is None:
         return ()
     if not scaler.is_enabled():
         return (("class", type(scaler).__qualname__), ("enabled", False))
-    scale = initial_scaler_state(scaler, device)[0]
-    return (("class", type(scaler).__qualname__), ("enabled", True),
-            ("growth_factor", float(scaler._growth_factor)), ("backoff_factor", float(scaler._backoff_factor)),
-            ("growth_interval", int(scaler._growth_interval)), ("scale", (str(scale.dtype), str(scale.device))))
+    constants = tuple(sorted((k, v) for k, v in vars(scaler).items()
+                             if isinstance(v, (bool, int, float, str)) and k not in SEED_ATTRIBUTES))
+    state = tuple((str(t.dtype), str(t.device)) for t in initial_scaler_state(scaler, device))
+    return (("class", type(scaler).__qualname__), ("constants", constants), ("state", state))
 
 
 @contextlib.contextmanager
@@ -132,7 +148,8 @@ def bind_scaler(scaler: GradScaler | None, state: list[Tensor], opt: torch.optim
     guards = _guard_other_scalers(scaler)
     try:
         if scaler_enabled(scaler):
-            scaler._scale, scaler._growth_tracker = state
+            for key, value in zip(scaler_keys(scaler), state, strict=True):
+                setattr(scaler, f"_{key}", value)
             scaler._per_optimizer_states = defaultdict(torch_grad_scaler._refresh_per_optimizer_state)
             scaler._maybe_opt_step = _traced_maybe_opt_step(opt)
         with guards:
@@ -285,3 +302,93 @@ def apply_policy(module: nn.Module, policy: MixedPrecisionPolicy | None) -> Iter
 
 def _cast_floating(tree, dtype: torch.dtype):
     return pytree.tree_map(lambda x: x.to(dtype) if isinstance(x, Tensor) and x.is_floating_point() else x, tree)
+
+
+# ---------------------------------------------------------------------- DeepSpeed's loss scaling
+class DynamicLossScaler(GradScaler):
+    """DeepSpeed's dynamic fp16 loss scaling (``fp16.loss_scale: 0``) as a ``torch.amp.GradScaler``.
+
+    Used like any GradScaler (``scale``, ``unscale_``, ``step``, ``update``), eagerly or
+    in a compiled step, where its state is lifted like GradScaler's.  ``update`` follows
+    DeepSpeed's rule instead of ``_amp_update_scale_``, with tensor ops only:
+
+    * an overflowing step is skipped; the scale is divided by 2 (not below
+      ``min_scale``) only once ``hysteresis`` overflows have used up the delay, otherwise
+      the remaining delay shrinks by one;
+    * after an overflow, the scale doubles at the ``scale_window + 1``-th consecutive good
+      step and every ``scale_window`` good steps after it, and the delay is restored
+      (with ``consecutive_hysteresis``, by every good step).
+
+    Where DeepSpeed raises at ``min_scale`` (its ``raise_error_at_min_scale``), this
+    keeps skipping: a compiled step cannot raise on a tensor value.
+    ``last_step_skipped()`` reads (on the host) whether the last ``update`` saw an
+    overflow, e.g. to leave the LR scheduler alone as DeepSpeed does.
+    """
+
+    TRACEABLE = True  # update() reads no tensor value on the host
+    EXTRA_STATE = ("hysteresis", "skipped")
+
+    def __init__(self, device: str = "cpu", *, init_scale: float = 2.0**16, scale_window: int = 1000,
+                 hysteresis: int = 2, min_scale: float = 1.0, consecutive_hysteresis: bool = False,
+                 enabled: bool = True):
+        super().__init__(device, init_scale=init_scale, growth_factor=2.0, backoff_factor=0.5,
+                         growth_interval=scale_window, enabled=enabled)
+        if hysteresis < 1 or scale_window < 1:
+            raise ValueError(f"DynamicLossScaler: hysteresis={hysteresis} and scale_window={scale_window} must be >= 1")
+        self._delay = int(hysteresis)
+        self._min_scale = float(min_scale)
+        self._consecutive_hysteresis = bool(consecutive_hysteresis)
+        self._hysteresis: Tensor | None = None  # overflows left before the scale shrinks
+        self._skipped: Tensor | None = None  # 1.0 where the last update saw an overflow
+
+    def _lazy_init_scale_growth_tracker(self, dev) -> None:
+        super()._lazy_init_scale_growth_tracker(dev)
+        self._hysteresis = torch.full((), self._delay, dtype=torch.int32, device=dev)
+        self._skipped = torch.zeros((), dtype=torch.float32, device=dev)
+
+    def update(self, new_scale: float | Tensor | None = None) -> None:
+        if not self._enabled:
+            return
+        if new_scale is not None:
+            super().update(new_scale)
+            return
+        scale, tracker = self._check_scale_growth_tracker("update")
+        found = [f.to(scale.device) for st in self._per_optimizer_states.values()
+                 for f in st["found_inf_per_device"].values()]
+        if not found:
+            raise AssertionError("No inf checks were recorded prior to update.")
+        overflow = sum(found[1:], found[0]) > 0
+        good = overflow.logical_not()
+        # tracker: good steps since the last overflow; growth at 1 + k * scale_window of them (k >= 1)
+        streak = torch.where(overflow, torch.zeros_like(tracker), tracker + 1)
+        grow = good & (streak > 1) & ((streak - 1) % self._growth_interval == 0)
+        shrink = overflow & (self._hysteresis <= 1)
+        smaller = torch.clamp_min(scale * self._backoff_factor, self._min_scale)
+        new = torch.where(shrink, smaller, scale)
+        new = torch.where(grow, new * self._growth_factor, new)
+        delay = torch.where(overflow & shrink.logical_not(), self._hysteresis - 1, self._hysteresis)
+        restore = good if self._consecutive_hysteresis else grow
+        delay = torch.where(restore, torch.full_like(delay, self._delay), delay)
+        with torch.no_grad():
+            scale.copy_(new)
+            tracker.copy_(streak)
+            self._hysteresis.copy_(delay)
+            self._skipped.copy_(overflow.to(self._skipped.dtype))
+        self._per_optimizer_states = defaultdict(torch_grad_scaler._refresh_per_optimizer_state)
+
+    def last_step_skipped(self) -> bool:
+        """Whether the last ``update`` saw an overflow (the step was skipped); reads the flag on the host."""
+        return bool(self._skipped) if self._skipped is not None else False
+
+    def state_dict(self) -> dict:
+        out = super().state_dict()
+        if self._enabled:
+            out.update(hysteresis=int(self._hysteresis) if self._hysteresis is not None else self._delay,
+                       skipped=self.last_step_skipped())
+        return out
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        super().load_state_dict(state_dict)
+        if self._enabled and self._hysteresis is not None:
+            self._hysteresis.fill_(state_dict.get("hysteresis", self._delay))
+            self._skipped.fill_(float(state_dict.get("skipped", False)))

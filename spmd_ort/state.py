@@ -110,7 +110,7 @@ class StateLayout:
         slots += [Slot("opt_state", f"{self.param_names[i][0]}.{k}", i, k) for i, k in self.opt_entries]
         slots += [Slot("hparam", f"param_groups[{g}].hparams", g) for g in self.hparam_groups]
         if self.scaler is not None:
-            slots += [Slot("scaler", f"scaler._{k}", i, k) for i, k in enumerate(amp.SCALER_KEYS)]
+            slots += [Slot("scaler", f"scaler._{k}", i, k) for i, k in enumerate(amp.scaler_keys(self.scaler))]
         slots += [Slot("extra", f"extra[{i}]", i) for i in range(len(self.extra_state))]
         return slots
 
@@ -127,12 +127,12 @@ class StateLayout:
         return flat + self.scaler_state() + self.extra_state
 
     def scaler_state(self) -> list[Tensor]:
-        """The lifted GradScaler's ``[scale, growth_tracker]`` (empty without one)."""
+        """The lifted GradScaler's state tensors (``[scale, growth_tracker, ...]``; empty without one)."""
         if self.scaler is None:
             return []
         if self.scaler._scale is None:
             return list(self.scaler_initial)
-        return [self.scaler._scale, self.scaler._growth_tracker]
+        return [getattr(self.scaler, f"_{k}") for k in amp.scaler_keys(self.scaler)]
 
     # ------------------------------------------------------------------ tracing
     @contextlib.contextmanager
@@ -228,7 +228,8 @@ class StateLayout:
         new_grads: dict[int, Tensor] = {}
         if self.scaler is not None and self.scaler._scale is None:
             # what the scaler's first scale() does in eager: from now on it holds its state
-            self.scaler._scale, self.scaler._growth_tracker = (t.clone() for t in self.scaler_initial)
+            for key, t in zip(amp.scaler_keys(self.scaler), self.scaler_initial):
+                setattr(self.scaler, f"_{key}", t.clone())
         with torch.no_grad():
             for slot, v in zip(slots, values):
                 kind = slot.kind
@@ -284,8 +285,8 @@ class BoundState:
                 if isinstance(v, Tensor):
                     out.append((Slot("opt_state", f"{layout.param_names[i][0]}.{k}", i, k), v))
         if layout.scaler is not None:
-            traced = (layout.scaler._scale, layout.scaler._growth_tracker)
-            out += [(Slot("scaler", f"scaler._{k}", i, k), t) for i, (k, t) in enumerate(zip(amp.SCALER_KEYS, traced))]
+            for i, k in enumerate(amp.scaler_keys(layout.scaler)):
+                out.append((Slot("scaler", f"scaler._{k}", i, k), getattr(layout.scaler, f"_{k}")))
         return out
 
 
