@@ -12,7 +12,8 @@ work in the running step's :class:`~spmd_ort.collectives.Communicator`.
 * optimizer updates over one param group: ``adam`` / ``sgd`` (functional: they
   return the new state) and their in-place twins ``adam_`` / ``sgd_``; the host
   variants ``host_adam(_)`` / ``host_sgd(_)`` run the native kernel
-  (``offload_optimizer="cpu"``).
+  (``offload_optimizer="cpu"``).  Each takes an optional ``found_inf`` (a GradScaler's
+  flag): 1 skips the update, as torch's fused kernels do.
 """
 
 from __future__ import annotations

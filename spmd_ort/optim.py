@@ -15,6 +15,10 @@ exactly and ``foreach``/for-loop eager within fp32 rounding.  All scalar
 hyper-parameters of a group travel in one float64 host tensor (``hparams``)
 that the op reads when it runs.  Each op has an in-place twin (``adam_``/``sgd_``)
 that the ``reinplace_optimizer_pass`` uses when the old state is not read afterwards.
+
+A GradScaler hands a rule ``opt.found_inf`` (and, for fused optimizers, ``opt.grad_scale``)
+as it hands them to torch's fused optimizers (:func:`amp_arguments`); the op passes
+``found_inf`` to the fused kernel, which skips the update where it is 1.
 """
 
 from __future__ import annotations

@@ -243,3 +243,56 @@ def test_fully_shard_and_replicate_with_policy_match_fsdp2(two_ranks):
         assert fp16["skipped"][:2] == [True, True] and not all(fp16["skipped"]), fp16["skipped"]
         assert len({s for s, _ in fp16["scales"]}) > 1
     assert ranks[0]["fp16"]["scales"] == ranks[1]["fp16"]["scales"]
+
+
+def test_policy_on_one_process_matches_fsdp2(one_rank):
+    """One process: the policy still applies (parameters cast per module, fp32 masters).  Against FSDP2 on a
+    one-rank group with the same MixedPrecisionPolicy (bf16 compute, float inputs cast, fp32 outputs): loss
+    and parameters bit for bit, and the compiled graph computes its matmuls in bf16."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    torch.manual_seed(0)
+    model = MLP()
+    reference = copy.deepcopy(model)
+    fully_shard(reference, mp_policy=MixedPrecisionPolicy(param_dtype=torch.bfloat16, output_dtype=torch.float32))
+    opt_ref = torch.optim.AdamW(reference.parameters(), lr=1e-2, fused=True)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, fused=True)
+    policy = spmd_ort.MixedPrecisionPolicy(param_dtype=torch.bfloat16, output_dtype=torch.float32)
+
+    def step(model, opt, x, y):
+        out = model(x)
+        assert out.dtype == torch.float32
+        loss = F.cross_entropy(out, y)
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        return loss
+
+    compiled = spmd_ort.compile(parallel_mode=spmd_ort.DataParallel(mixed_precision=policy), backend="fx")(step)
+    g = torch.Generator().manual_seed(0)
+    for i in range(3):
+        x, y = torch.randn(8, 32, generator=g), torch.randint(0, 10, (8,), generator=g)
+        assert torch.equal(compiled(model, opt, x, y), step(reference, opt_ref, x, y).detach()), i
+        for a, (name, b) in zip(model.parameters(), reference.named_parameters()):
+            assert a.dtype == torch.float32 and torch.equal(a, b.full_tensor()), (i, name)
+    mms = [n for n in compiled.compiled.gm.graph.nodes if n.target is torch.ops.aten.addmm.default]
+    assert mms and all(n.meta["val"].dtype == torch.bfloat16 for n in mms)
+
+
+def test_host_optimizer_skips_like_the_fused_kernel():
+    """offload_optimizer's host twins take found_inf too: 1 skips (steps unchanged), 0 updates as the device op."""
+    from spmd_ort import ops
+    from spmd_ort.runtime import StepRuntime
+
+    torch.manual_seed(0)
+    params, grads = [torch.randn(37)], [torch.randn(37)]
+    state = lambda: ([torch.zeros(37)], [torch.zeros(37)], [], [torch.tensor(3.0)])  # noqa: E731
+    hp = torch.tensor([1e-2, 0.9, 0.999, 0.1, 1e-8], dtype=torch.float64)
+    with StepRuntime().active():
+        for flag in (0.0, 1.0):
+            found = torch.tensor(flag)
+            device = ops.adam(params, grads, *state(), hp, False, False, True, found)
+            host = ops.host_adam(params, grads, *state(), hp, False, False, True, found)
+            assert all(torch.equal(a, b) for a, b in zip(device, host)), flag
+            assert float(device[-1]) == (3.0 if flag else 4.0)
+            assert torch.equal(device[0], params[0]) == bool(flag)
