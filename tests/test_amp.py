@@ -114,6 +114,8 @@ def test_autocast_and_gradscaler_match_eager(dtype, backend, opt_kind):
         if backend == "fx" and opt_kind == "adamw-fused":
             assert i == POISON_STEP or torch.equal(loss_c, loss.detach()), i
             assert all(torch.equal(a, b) for a, b in zip(model.parameters(), model_c.parameters())), i
+            sa, sb = opt.state_dict()["state"], opt_c.state_dict()["state"]  # a skipped step does not count
+            assert sa.keys() == sb.keys() and all(torch.equal(sa[k][n], sb[k][n]) for k in sa for n in sa[k]), i
         elif low_precision_ort:
             for (name, a), b in zip(model.named_parameters(), model_c.parameters()):
                 assert_close_normwise(b, a, rtol=rtol, atol=0, msg=f"step {i} {name}")
