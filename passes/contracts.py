@@ -135,6 +135,8 @@ def _params_gathered_before_use(gm, ctx):
         for user in node.users:
             if user.target is ops.all_gather or user.meta.get(SHARD_OF) is not None:
                 continue
+            if user.users and all(u.target is ops.all_gather for u in user.users):
+                continue  # a cast (or host copy) of the shard that only feeds gathers
             if user.target is operator.getitem:
                 continue
             return f"`{user.name}` ({user.target}) reads the shard of `{slot.name}` without gathering it"

@@ -18,7 +18,7 @@ from spmd_ort.ops import all_gather, all_reduce_, broadcast_, reduce_scatter, wa
 from .context import GradientBuckets
 from .contracts import (COLLECTIVES_WAITED, GRADS_TAGGED, NO_DUPLICATE_COLLECTIVES, NO_GRAD_TAGS,
                         ONE_ALL_REDUCE_PER_BUCKET)
-from .helpers import DEDUP_KEY, TAG, aten, call, move_after_inputs, nbytes, producers, unpack_chain, val
+from .helpers import DEDUP_KEY, GRADIENT_OF, TAG, aten, call, move_after_inputs, nbytes, producers, unpack_chain, val
 from .runner import graph_pass
 
 
@@ -33,11 +33,12 @@ def expand_data_parallel_pass(gm: fx.GraphModule, ctx) -> fx.GraphModule:
     prescale = 1.0 / ctx.world_size
     for node in list(graph.nodes):
         if node.op == "call_function" and node.target is TAG:
-            grad = node.args[0]
+            grad, index = node.args
             with graph.inserting_before(node):
                 copy = call(graph, aten.clone.default, (grad,), val(node))
                 reduced = call(graph, all_reduce_, (copy, prescale), val(node))
                 done = call(graph, wait_, (reduced,), val(node))
+            reduced.meta[GRADIENT_OF] = index
             node.replace_all_uses_with(done)
             graph.erase_node(node)
     return gm

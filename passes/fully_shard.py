@@ -18,10 +18,12 @@ shards (layout: :mod:`spmd_ort.sharding`):
 5. :func:`gather_parameters_pass`: every use of a parameter outside the
    optimizer reads ``all_gather -> wait_ -> slice -> view``;
 6. :func:`complete_grad_norms_pass`: shard 2-norms (``clip_grad_norm_``) are
-   completed by one all-reduce of their squares.
+   completed by one all-reduce of their squares;
+7. :func:`complete_found_inf_pass`: a GradScaler's inf check of gradient shards
+   is combined across ranks (one all-reduce), so every rank skips together.
 
 Analyses mark nodes (``meta["sharded_param"]``, ``meta["shard_of"]``,
-``meta["partial_norm"]``) and later passes read the marks.  Buckets, prefetch
+``meta["partial_norm"]``, ``meta["partial_found_inf"]``) and later passes read the marks.  Buckets, prefetch
 and offload follow (:mod:`.shard_schedule`, :mod:`.offload`).
 """
 
@@ -38,8 +40,8 @@ from spmd_ort.ops import OPTIMIZER_OPS, all_gather, all_reduce_, reduce_scatter,
 from spmd_ort.sharding import is_sharded_state
 
 from .contracts import GRADS_TAGGED, NO_GRAD_TAGS, PARAMS_GATHERED_BEFORE_USE, SHARDED_PLACEHOLDERS
-from .helpers import (DEDUP_KEY, PARTIAL_NORM, SHARD_OF, SHARDED_PARAM, TAG, aten, call, fake_mode_of, is_view_op,
-                      phase, placeholders, refake, set_phase, val)
+from .helpers import (AMP_CHECK, DEDUP_KEY, GRADIENT_OF, PARTIAL_FOUND_INF, PARTIAL_NORM, SHARD_OF, SHARDED_PARAM, TAG, aten, call,
+                      fake_mode_of, is_dtype_cast, is_view_op, phase, placeholders, refake, set_phase, val)
 from .runner import graph_pass
 
 # ops whose output has the shape of their (first) input: as valid on a shard as on the whole
@@ -107,6 +109,7 @@ def reduce_scatter_gradients_pass(gm: fx.GraphModule, ctx) -> fx.GraphModule:
         for n in (flat, rs, done):
             set_phase(n, "backward")
         done.meta[SHARD_OF] = index
+        rs.meta[GRADIENT_OF] = index
         node.replace_all_uses_with(done)
         graph.erase_node(node)
     return gm
@@ -114,11 +117,12 @@ def reduce_scatter_gradients_pass(gm: fx.GraphModule, ctx) -> fx.GraphModule:
 
 @graph_pass()
 def rematerialize_param_views_pass(gm: fx.GraphModule, ctx) -> fx.GraphModule:
-    """Backward reads of forward views of a parameter read the same views of a backward copy instead.
+    """Backward reads of forward views (or casts) of a parameter read the same of a backward copy instead.
 
     With ``reshard_after_forward`` the forward gather must die after its last
-    forward use; autograd's saved views of a weight (its transpose) would keep it
-    alive through backward.  ensures: no backward node reads a forward view of a
+    forward use; autograd's saved views of a weight (its transpose), or its
+    low-precision cast (autocast, MixedPrecisionPolicy), would keep it alive
+    through backward.  ensures: no backward node reads a forward view of a
     sharded parameter (``gather_parameters_pass`` then gathers it for backward).
     """
     graph = gm.graph
@@ -127,7 +131,7 @@ def rematerialize_param_views_pass(gm: fx.GraphModule, ctx) -> fx.GraphModule:
     def chain_of(node: fx.Node):
         chain = []
         while node not in params:
-            if node.op != "call_function" or not is_view_op(node.target) or not node.args \
+            if node.op != "call_function" or not (is_view_op(node.target) or is_dtype_cast(node)) or not node.args \
                     or not isinstance(node.args[0], fx.Node):
                 return None
             chain.append(node)
@@ -198,17 +202,25 @@ def propagate_shards_pass(gm: fx.GraphModule, ctx) -> fx.GraphModule:
     ``complete_grad_norms_pass``).  Anything else that reads a gradient or state
     shard as a whole tensor, a step that returns one, or a step that writes a
     whole sharded tensor is a :class:`CompileError` naming the op, the parameter
-    FQN, the rank and the fix.
+    FQN, the rank and the fix.  A GradScaler's inf check
+    (``_amp_foreach_non_finite_check_and_unscale``) unscales shards and finds
+    infs in this rank's shards only: its flag is marked ``meta["partial_found_inf"]``
+    (completed by ``complete_found_inf_pass``).
     """
     names = _param_names(ctx)
     norms = 0
     for node in list(gm.graph.nodes):
-        if node.op != "call_function" or _shard_of(node) is not None:
+        if node.op != "call_function" or _shard_of(node) is not None or node.meta.get(PARTIAL_FOUND_INF):
             continue
         sources = [_shard_of(a) for a in node.all_input_nodes if _shard_of(a) is not None]
         if not sources:
             continue
-        if _is_partial_norm(node):
+        if node.target is AMP_CHECK:
+            node.meta[SHARD_OF] = sources[0]  # output 0: the unscaled shards
+            for user in node.users:
+                if user.target is operator.getitem and user.args[1] == 1:
+                    user.meta[PARTIAL_FOUND_INF] = True
+        elif _is_partial_norm(node):
             node.meta[PARTIAL_NORM] = norms
             norms += 1
         elif node.target is FOREACH_NORM and _ord(node) == 2:
@@ -319,4 +331,31 @@ def complete_grad_norms_pass(gm: fx.GraphModule, ctx) -> fx.GraphModule:
             norm.replace_all_uses_with(full, delete_user_cb=lambda u: u is not stacked)
             anchor = full
     stable_topological_sort(gm)
+    return gm
+
+
+@graph_pass()
+def complete_found_inf_pass(gm: fx.GraphModule, ctx) -> fx.GraphModule:
+    """A GradScaler's ``found_inf`` over this rank's gradient shards -> over the whole gradients, on every rank.
+
+    Each flag is summed over ranks (one all-reduce) and clamped to 1, the value
+    eager computes on whole gradients, so the optimizer skips and the scale backs
+    off on every rank together (FSDP's ShardedGradScaler all-reduces it the same
+    way).  requires: ``propagate_shards_pass`` (``meta["partial_found_inf"]``).
+    ensures: nothing reads a partial flag except the completion.
+    """
+    graph = gm.graph
+    for flag in [n for n in graph.nodes if n.meta.get(PARTIAL_FOUND_INF)]:
+        v = val(flag)
+        with graph.inserting_after(flag):
+            copy = call(graph, aten.clone.default, (flag,), v)
+        with graph.inserting_after(copy):
+            reduced = call(graph, all_reduce_, (copy, 1.0), v)
+        with graph.inserting_after(reduced):
+            done = call(graph, wait_, (reduced,), v)
+        with graph.inserting_after(done):
+            combined = call(graph, aten.clamp_max.default, (done, 1.0), v)
+        for n in (copy, reduced, done, combined):
+            set_phase(n, phase(flag))
+        flag.replace_all_uses_with(combined, delete_user_cb=lambda u: u is not copy)
     return gm

@@ -12,12 +12,15 @@ from spmd_ort.trace import phase
 
 aten = torch.ops.aten
 TAG = ops.tag_grad
+AMP_CHECK = aten._amp_foreach_non_finite_check_and_unscale.default  # GradScaler.unscale_, functionalized
 
 # node.meta keys written by analyses and read by later passes
 SHARD_OF = "shard_of"  # fully_shard: index of the parameter this value is a shard of (grads, state, updates)
 SHARDED_PARAM = "sharded_param"  # fully_shard: a parameter placeholder that holds a shard
 PARTIAL_NORM = "partial_norm"  # fully_shard: a 2-norm of a shard (its position among the step's norms)
 DEDUP_KEY = "dedup_key"  # what else two identical collectives must share to be merged (e.g. the phase)
+GRADIENT_OF = "gradient_of"  # a gradient's collective (all-reduce / reduce-scatter): the parameter index
+PARTIAL_FOUND_INF = "partial_found_inf"  # fully_shard: a GradScaler's inf flag over this rank's gradient shards
 
 
 def val(node: fx.Node) -> torch.Tensor:
@@ -60,6 +63,18 @@ def is_view_op(target) -> bool:
         return False
     alias = schema.returns[0].alias_info
     return alias is not None and not alias.is_write
+
+
+def is_dtype_cast(node: fx.Node) -> bool:
+    """``_to_copy`` that changes only the dtype (autocast's and a MixedPrecisionPolicy's casts)."""
+    if node.op != "call_function" or node.target is not aten._to_copy.default:
+        return False
+    kwargs = dict(node.kwargs)
+    if set(kwargs) - {"dtype", "layout", "device"} or "dtype" not in kwargs or len(node.args) != 1:
+        return False
+    src, out = node.args[0].meta.get("val"), node.meta.get("val")
+    return (isinstance(src, torch.Tensor) and isinstance(out, torch.Tensor) and src.device == out.device
+            and src.layout == out.layout)
 
 
 def fake_mode_of(gm: fx.GraphModule):
@@ -118,6 +133,6 @@ def move_after_inputs(node: fx.Node) -> None:
         last.append(node)
 
 
-__all__ = ["DEDUP_KEY", "PACK_OPS", "PARTIAL_NORM", "SHARDED_PARAM", "SHARD_OF", "TAG", "UNPACK_OPS", "aten", "call",
-           "calls", "fake_mode_of", "is_view_op", "move_after_inputs", "nbytes", "phase", "placeholders",
+__all__ = ["AMP_CHECK", "DEDUP_KEY", "GRADIENT_OF", "PACK_OPS", "PARTIAL_FOUND_INF", "PARTIAL_NORM", "SHARDED_PARAM", "SHARD_OF", "TAG", "UNPACK_OPS", "aten", "call",
+           "calls", "fake_mode_of", "is_dtype_cast", "is_view_op", "move_after_inputs", "nbytes", "phase", "placeholders",
            "producers", "refake", "set_phase", "tensor_bytes", "unpack_chain", "val"]

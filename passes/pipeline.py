@@ -24,8 +24,10 @@ from .analysis import plan_memory_pass
 from .cleanup import remove_identity_views_pass, remove_redundant_copies_pass
 from .data_parallel import (broadcast_buffers_pass, bucket_collectives_pass, dedup_collectives_pass,
                             expand_data_parallel_pass, schedule_overlap_pass)
-from .fully_shard import (complete_grad_norms_pass, gather_parameters_pass, propagate_shards_pass,
-                          reduce_scatter_gradients_pass, rematerialize_param_views_pass, shard_placeholders_pass)
+from .fully_shard import (complete_found_inf_pass, complete_grad_norms_pass, gather_parameters_pass,
+                          propagate_shards_pass, reduce_scatter_gradients_pass, rematerialize_param_views_pass,
+                          shard_placeholders_pass)
+from .mixed_precision import cast_gradient_reductions_pass, cast_params_before_gather_pass
 from .offload import offload_optimizer_pass, offload_params_pass
 from .reinplace import reinplace_optimizer_pass
 from .runner import GraphPass, pass_name
@@ -60,6 +62,11 @@ def _sharded(s: Setting) -> bool:
     return s.mode is not None and s.mode.sharded
 
 
+def _reduce_dtype(s: Setting) -> bool:
+    policy = s.mode.mixed_precision if s.mode is not None else None
+    return policy is not None and policy.gradient_reduce_dtype() is not None
+
+
 def _resharding(s: Setting) -> bool:
     return _sharded(s) and s.mode.reshard_after_forward
 
@@ -92,14 +99,18 @@ STAGES: tuple[Step, ...] = (
     Step("replicate", expand_data_parallel_pass, _replicate, "replicate"),
     Step("fully_shard", shard_placeholders_pass, _sharded, "fully_shard"),
     Step("fully_shard", reduce_scatter_gradients_pass, _sharded, "fully_shard"),
+    Step("mixed_precision", cast_gradient_reductions_pass, _reduce_dtype,
+         "several ranks, MixedPrecisionPolicy with a reduce (or param) dtype"),
     Step("fully_shard", rematerialize_param_views_pass, _resharding, "fully_shard, reshard_after_forward"),
     Step("fully_shard", propagate_shards_pass, _sharded, "fully_shard"),
     Step("fully_shard", gather_parameters_pass, _sharded, "fully_shard"),
     Step("fully_shard", complete_grad_norms_pass, _sharded, "fully_shard"),
+    Step("fully_shard", complete_found_inf_pass, _sharded, "fully_shard"),
     Step("parallel", broadcast_buffers_pass, _parallel, "several ranks (broadcast_buffers)"),
     Step("replicate", bucket_collectives_pass, _replicate, "replicate"),
     Step("parallel", dedup_collectives_pass, _parallel, "several ranks"),
     Step("fully_shard", keep_tail_gathers_pass, _resharding, "fully_shard, reshard_after_forward"),
+    Step("mixed_precision", cast_params_before_gather_pass, _sharded, "fully_shard"),
     Step("fully_shard", bucket_shard_collectives_pass, _sharded, "fully_shard"),
     Step("parallel", schedule_overlap_pass, _parallel, "several ranks"),
     Step("fully_shard", prefetch_gathers_pass, _sharded, "fully_shard"),
@@ -112,7 +123,7 @@ STAGES: tuple[Step, ...] = (
 )
 
 
-PARALLEL_STAGES = ("replicate", "fully_shard", "parallel", "offload")
+PARALLEL_STAGES = ("replicate", "fully_shard", "mixed_precision", "parallel", "offload")
 
 
 def build_pipeline(mode: DataParallel | None, backend: str, *, overrides: Sequence = (),

@@ -11,14 +11,19 @@ from spmd_ort.ops import all_gather, reduce_scatter, wait_
 
 from .context import ShardBuckets
 from .contracts import COLLECTIVES_WAITED, NO_DUPLICATE_COLLECTIVES, ONE_SHARD_COLLECTIVE_PER_BUCKET
-from .helpers import aten, call, calls, phase, producers, set_phase, tensor_bytes, unpack_chain, val
+from .helpers import aten, call, calls, is_dtype_cast, phase, producers, set_phase, tensor_bytes, unpack_chain, val
 from .runner import graph_pass
 
 
 def _uses(gather: fx.Node) -> list[fx.Node]:
-    """The nodes that read a gathered parameter, past the wait/slice/view nodes that unpack it."""
+    """The nodes that read a gathered parameter, past the wait/slice/view nodes that unpack it.
+
+    A dtype cast (autocast's, a MixedPrecisionPolicy's) counts where its result is used: the cast of
+    a tied weight made for the embedding is still in use at the LM head.
+    """
     chain = set().union(*(unpack_chain(wait) for wait in gather.users))
-    return [u for n in chain for u in n.users if u not in chain]
+    uses = [u for n in chain for u in n.users if u not in chain]
+    return [v for u in uses for v in (list(u.users) if is_dtype_cast(u) and u.users else [u])]
 
 
 @graph_pass(requires=[NO_DUPLICATE_COLLECTIVES])

@@ -26,7 +26,7 @@ from torch import fx, nn
 
 from spmd_ort import passes as P
 
-from . import parallel
+from . import amp, parallel
 from .collectives import StepComm
 from .errors import CollectiveTimeout, CompileError
 from .executor import build_executor
@@ -40,7 +40,7 @@ from .options import DebugOptions, Options, configure_logging
 from .program import CompiledProgram
 from .runtime import StepRuntime
 from .sharding import ShardedModule, is_sharded, persistent_bytes, spec_of
-from .state import StateLayout
+from .state import StateLayout, state_device
 from .timeline import Recorder
 from .trace import trace_step
 from .transition import StepKey, TransitionManager
@@ -98,13 +98,17 @@ class OpaqueOverride(Override):
         return f"OpaqueOverride({', '.join(map(repr, self.patterns))})"
 
 
-def _find_module_and_optimizer(args: tuple, kwargs: dict) -> tuple[nn.Module, torch.optim.Optimizer | None]:
-    modules, optimizers = [], []
+def _find_state_owners(args: tuple, kwargs: dict) -> tuple[nn.Module, torch.optim.Optimizer | None,
+                                                           amp.GradScaler | None]:
+    """The module, the optimizer (if any) and the GradScaler (if any) among the step's arguments."""
+    modules, optimizers, scalers = [], [], []
     for leaf in pytree.tree_leaves((args, kwargs)):
         if isinstance(leaf, nn.Module) and not any(leaf is m for m in modules):
             modules.append(leaf)
         elif isinstance(leaf, torch.optim.Optimizer) and not any(leaf is o for o in optimizers):
             optimizers.append(leaf)
+        elif amp.is_scaler(leaf) and not any(leaf is s for s in scalers):
+            scalers.append(leaf)
     if len(modules) != 1:
         what = "no nn.Module" if not modules else f"{len(modules)} nn.Modules ({', '.join(type(m).__name__ for m in modules)})"
         raise TypeError(f"spmd_ort.compile: the train step must receive exactly one nn.Module among its "
@@ -112,7 +116,9 @@ def _find_module_and_optimizer(args: tuple, kwargs: dict) -> tuple[nn.Module, to
     if len(optimizers) > 1:
         raise TypeError(f"spmd_ort.compile: the train step may receive at most one optimizer; got "
                         f"{len(optimizers)} ({', '.join(type(o).__name__ for o in optimizers)})")
-    return modules[0], optimizers[0] if optimizers else None
+    if len(scalers) > 1:
+        raise TypeError(f"spmd_ort.compile: the train step may receive at most one GradScaler; got {len(scalers)}")
+    return modules[0], optimizers[0] if optimizers else None, scalers[0] if scalers else None
 
 
 def _snapshot(gm: fx.GraphModule) -> fx.GraphModule:
@@ -185,6 +191,11 @@ class CompiledStep:
     @property
     def backend(self) -> str:
         return self.options.backend
+
+    @property
+    def mixed_precision(self) -> amp.MixedPrecisionPolicy | None:
+        """The parallel mode's MixedPrecisionPolicy (it applies on one process too)."""
+        return getattr(self.parallel_mode, "mixed_precision", None)
 
     def memory(self) -> dict:
         """Per-rank memory of the last compiled step, in bytes.
@@ -282,7 +293,7 @@ class CompiledStep:
     def __call__(self, *args: Any, last_train_step: bool = False, **kwargs: Any) -> Any:
         # a call that does not match the signature is not a trace failure
         bind_arguments(self.fn, args, kwargs, self._signature)
-        module, opt = _find_module_and_optimizer(args, kwargs)
+        module, opt, scaler = _find_state_owners(args, kwargs)
         if not self._started:
             self._started = True
             if self.options.retain_host_memory:
@@ -295,14 +306,18 @@ class CompiledStep:
         sharding = None
         try:
             rule = rule_for(opt) if opt is not None else None
+            if amp.scaler_enabled(scaler):
+                amp.check_scaler(scaler)
             sharding = self._shard_if_needed(module, opt, mode, rank, world_size)
-            key = StepKey.of(module, opt, args, kwargs, rule=rule, world=(world_size, repr(mode)))
+            key = StepKey.of(module, opt, args, kwargs, rule=rule, world=(world_size, repr(mode)),
+                             amp=(("autocast", amp.autocast_state()),
+                                  ("scaler", amp.scaler_key(scaler, state_device(module)))))
             if mode is not None:
                 # every step: ranks that would run different graphs stop here, all of them
                 parallel.check_agreement("this step's inputs, module and optimizer", key.portable())
             program = self.transitions.lookup(key)
             if program is None:
-                program = self._compile_everywhere(key, module, opt, rule, mode, args, kwargs)
+                program = self._compile_everywhere(key, module, opt, scaler, rule, mode, args, kwargs)
                 if mode is not None and not mode.sharded and id(module) not in self._synced:
                     parallel.broadcast_state(module)  # rank 0's weights everywhere, as DDP does
                     self._synced.add(id(module))
@@ -375,7 +390,7 @@ class CompiledStep:
         comm.start_step()
         t0 = time.perf_counter()
         try:
-            with self.runtime.active():
+            with self.runtime.active(), amp.autocast_disabled():  # the graph holds autocast's casts already
                 return program.run(args, kwargs)
         finally:
             self.comm = comm.end_step()
@@ -384,16 +399,16 @@ class CompiledStep:
                 if recorder.done:
                     self._finish_profile()
 
-    def _compile_everywhere(self, key, module, opt, rule, mode, args, kwargs) -> CompiledProgram:
+    def _compile_everywhere(self, key, module, opt, scaler, rule, mode, args, kwargs) -> CompiledProgram:
         """Compile; on several ranks, also agree that every rank compiled the same graph.
 
         A rank whose compile failed still takes part in the agreement, so the
         others fail with it instead of waiting for it in a collective.
         """
         if mode is None:
-            return self._compile(key, module, opt, rule, mode, args, kwargs)
+            return self._compile(key, module, opt, scaler, rule, mode, args, kwargs)
         try:
-            program, error = self._compile(key, module, opt, rule, mode, args, kwargs), None
+            program, error = self._compile(key, module, opt, scaler, rule, mode, args, kwargs), None
             description = program.signature()
         except Exception as exc:  # noqa: BLE001 - re-raised below, after the agreement
             program, error = None, exc
@@ -404,15 +419,17 @@ class CompiledStep:
         return program
 
     # ------------------------------------------------------------------ compile
-    def _compile(self, key: StepKey, module: nn.Module, opt, rule, mode, args: tuple, kwargs: dict) -> CompiledProgram:
+    def _compile(self, key: StepKey, module: nn.Module, opt, scaler, rule, mode, args: tuple,
+                 kwargs: dict) -> CompiledProgram:
         """trace -> passes (the one pipeline) -> executor."""
         t0 = time.perf_counter()
-        layout = StateLayout.capture(module, opt, rule)
+        layout = StateLayout.capture(module, opt, rule, scaler)
         # Errors rooted in an input name it, and how it differs from the last call that compiled.
         inputs = StepInputs.of(self.fn, args, kwargs, previous_key=self.compiled.key if self.compiled else None)
         # ORT has no translation of the fused CPU attention kernels' backward: trace the math form.
         traced = trace_step(self.fn, args, kwargs, layout, sdpa_math=self.backend == "ort",
-                            tag_grads=mode is not None, plan=self.opaque_plan, inputs=inputs)
+                            tag_grads=mode is not None, plan=self.opaque_plan, inputs=inputs,
+                            mixed_precision=self.mixed_precision)
         traced_gm = _snapshot(traced.gm)
         rank, world_size = parallel.world()
         ctx = P.PassContext(input_slots=list(traced.input_slots), output_slots=list(traced.output_slots),

@@ -12,7 +12,9 @@ is running (:mod:`spmd_ort.runtime`):
 * ``all_gather(shard, world)`` starts gathering every rank's ``shard`` into a new
   tensor of ``world`` times its size (rank-major), for ``fully_shard``;
 * ``reduce_scatter(t, world)`` starts averaging ``t`` over ranks and returns this
-  rank's 1/``world`` slice of the result (a new tensor).
+  rank's 1/``world`` slice of the result (a new tensor); float16 is divided by the
+  world size first and then summed, so the sum cannot overflow (FSDP2's rule: its
+  range is too small to sum first; float32 and bfloat16 are averaged by the backend).
 
 A :class:`Communicator` counts, per step, collectives, payload bytes, time in
 flight and time blocked in ``wait_``: the overlap fraction is the share of the
@@ -25,10 +27,14 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 
+import torch
 import torch.distributed as dist
 from torch import Tensor
 
 from .errors import CollectiveTimeout, is_timeout
+
+
+SUM_AFTER_DIVIDING = (torch.float16,)  # dtypes whose sum over ranks may overflow: divide first
 
 
 @dataclass
@@ -93,7 +99,10 @@ class Communicator:
             raise ValueError(f"reduce_scatter: {t.numel()} elements do not split into {world} shards")
         out = t.new_empty(t.numel() // world)
         issued = time.perf_counter()
-        work = dist.reduce_scatter_single(out, t.contiguous(), op=dist.ReduceOp.AVG, async_op=True)
+        op = dist.ReduceOp.AVG
+        if t.dtype in SUM_AFTER_DIVIDING:
+            t, op = t / world, dist.ReduceOp.SUM
+        work = dist.reduce_scatter_single(out, t.contiguous(), op=op, async_op=True)
         self._track(out, issued, work, "reduce_scatter")
         self.step.reduce_scatter_calls += 1
         self.step.reduce_scatter_bytes += t.numel() * t.element_size()

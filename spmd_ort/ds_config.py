@@ -1,8 +1,8 @@
 """DeepSpeed JSON configs -> the settings of a :class:`spmd_ort.DataParallel`.
 
-``DataParallel.from_deepspeed_config(path_or_dict)`` builds its mode from
-:func:`data_parallel_settings`, which reads ``zero_optimization`` and maps what
-has a meaning here:
+:func:`zero_settings` reads ``zero_optimization`` and maps what has a meaning
+here (the whole config - optimizer, scheduler, fp16/bf16, clipping, accumulation
+- is :func:`spmd_ort.from_deepspeed_config`, in :mod:`spmd_ort.ds_plan`):
 
 ==========================================  ==============================================
 DeepSpeed                                   spmd_ort
@@ -22,12 +22,13 @@ DeepSpeed                                   spmd_ort
 ``stage3_max_reuse_distance`` and others    accepted: no effect, listed in ACCEPTED_NO_EFFECT
 ==========================================  ==============================================
 
-Anything else - in ``zero_optimization`` or at the top level (``fp16``/``bf16``
-enabled, ``gradient_clipping``, ``optimizer``, ``scheduler``, ...) - is
-rejected with an error that lists every unsupported key: those settings change
-what training computes, and here the train step itself says how to clip, which
-optimizer to use and in which precision.  Batch-size keys are accepted (the
-data loader decides the batch; they describe it).
+``DataParallel.from_deepspeed_config(path_or_dict)`` (:func:`data_parallel_settings`)
+returns the mode alone: anything else that changes what training computes
+(``fp16``/``bf16`` enabled, ``gradient_clipping``, ``optimizer``, ``scheduler``,
+``gradient_accumulation_steps`` above 1, unknown keys) is rejected with one
+error listing every such key and pointing to ``spmd_ort.from_deepspeed_config``,
+which maps them.  Batch-size keys are accepted (they describe the batch the data
+loader makes).
 """
 
 from __future__ import annotations
@@ -56,9 +57,12 @@ class DeepSpeedConfigError(ValueError):
     pass
 
 
-def _load(config: str | Path | dict) -> dict:
+def load_config(config: str | Path | dict) -> dict:
+    """A DeepSpeed config from a dict or a JSON file path; anything else is a ``TypeError``."""
     if isinstance(config, dict):
         return config
+    if not isinstance(config, (str, Path)):
+        raise TypeError(f"a DeepSpeed config is a dict or the path of a JSON file, not {type(config).__name__}")
     path = Path(config)
     try:
         return json.loads(path.read_text())
@@ -66,6 +70,8 @@ def _load(config: str | Path | dict) -> dict:
         raise DeepSpeedConfigError(f"DeepSpeed config {path} does not exist") from None
     except json.JSONDecodeError as exc:
         raise DeepSpeedConfigError(f"DeepSpeed config {path} is not valid JSON: {exc}") from None
+    except IsADirectoryError:
+        raise DeepSpeedConfigError(f"DeepSpeed config {path} is a directory, not a JSON file") from None
 
 
 def _offload(section: Any, name: str, unsupported: list[str]) -> str | None:
@@ -85,19 +91,42 @@ def _offload(section: Any, name: str, unsupported: list[str]) -> str | None:
 
 
 def data_parallel_settings(config: str | Path | dict) -> dict[str, Any]:
-    """Keyword arguments of ``DataParallel`` for a DeepSpeed config (path or dict); unsupported keys raise."""
-    cfg = _load(config)
+    """Keyword arguments of ``DataParallel`` for a DeepSpeed config (path or dict); anything else that changes
+    the computation raises (``spmd_ort.from_deepspeed_config`` maps it)."""
+    cfg = load_config(config)
     if not isinstance(cfg, dict):
         raise DeepSpeedConfigError("a DeepSpeed config is a JSON object")
-    unsupported: list[str] = []
+    unsupported: list[str] = [f"{path}='auto' (give it a value, or use spmd_ort.from_deepspeed_config(config, "
+                              "model), which resolves 'auto')" for path in auto_paths(cfg)]
     for key, value in cfg.items():
         if key in PRECISION_KEYS:
             if isinstance(value, dict) and value.get("enabled", False):
-                unsupported.append(f"{key}.enabled=true (the step runs in the precision its model has; "
-                                   "use torch.autocast or cast the model)")
+                unsupported.append(f"{key}.enabled=true")
+        elif key == "gradient_accumulation_steps":
+            if value != 1:
+                unsupported.append(f"gradient_accumulation_steps={value!r} (it changes how many batches make a step)")
         elif key not in TOP_LEVEL_OK:
             unsupported.append(key)
     zero = cfg.get("zero_optimization", {})
+    settings = zero_settings(zero, unsupported)
+    if unsupported:
+        raise DeepSpeedConfigError(
+            "DeepSpeed config: DataParallel.from_deepspeed_config maps zero_optimization only; unsupported here: "
+            + "; ".join(unsupported) + ". spmd_ort.from_deepspeed_config(config, model) maps optimizer, scheduler, "
+            "fp16/bf16, gradient_clipping and gradient_accumulation_steps too")
+    return settings
+
+
+def auto_paths(cfg: Any, prefix: str = "") -> list[str]:
+    """Dotted paths of every ``"auto"`` value (the HF Trainer's placeholder) in a config."""
+    if isinstance(cfg, dict):
+        return [p for k, v in cfg.items() for p in auto_paths(v, f"{prefix}{k}.")]
+    return [prefix[:-1]] if cfg == "auto" else []
+
+
+def zero_settings(zero: Any, unsupported: list[str]) -> dict[str, Any]:
+    """``DataParallel`` keyword arguments for a ``zero_optimization`` section; what cannot be mapped is
+    appended to ``unsupported``."""
     if not isinstance(zero, dict):
         raise DeepSpeedConfigError("zero_optimization must be a JSON object")
     for key in zero:
@@ -114,18 +143,17 @@ def data_parallel_settings(config: str | Path | dict) -> dict[str, Any]:
         unsupported.append("zero_optimization.offload_param needs stage 3")
     if stage == 0 and offload_optimizer:
         unsupported.append("zero_optimization.offload_optimizer needs stage 1-3")
-    if unsupported:
-        raise DeepSpeedConfigError(
-            "DeepSpeed config: unsupported settings: " + "; ".join(unsupported)
-            + ". Remove them (spmd_ort maps zero_optimization: " + ", ".join(sorted(ZERO_KEYS)) + ")")
     kwargs: dict[str, Any] = {}
     bucket = zero.get("reduce_bucket_size", zero.get("allgather_bucket_size"))
+    if isinstance(bucket, str):
+        bucket = None  # "auto": reported by the caller
     if bucket is not None:
         kwargs["bucket_cap_mb"] = float(bucket) * BYTES_PER_ELEMENT / 2**20
     if stage == 0:
         return {"parallel_style": "replicate", **kwargs}
     prefetch = 1
-    if "stage3_prefetch_bucket_size" in zero and bucket:
+    if not isinstance(zero.get("stage3_prefetch_bucket_size", 0), str) and "stage3_prefetch_bucket_size" in zero \
+            and bucket:
         prefetch = max(1, int(float(zero["stage3_prefetch_bucket_size"]) // float(bucket)))
     if zero.get("overlap_comm", True) is False:
         prefetch = 0

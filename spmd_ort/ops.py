@@ -14,7 +14,8 @@ work in the running step's :class:`~spmd_ort.collectives.Communicator`.
 * optimizer updates over one param group: ``adam`` / ``sgd`` (functional: they
   return the new state) and their in-place twins ``adam_`` / ``sgd_``; the host
   variants ``host_adam(_)`` / ``host_sgd(_)`` run the native kernel
-  (``offload_optimizer="cpu"``).
+  (``offload_optimizer="cpu"``).  Each takes an optional ``found_inf`` (a GradScaler's
+  flag): 1 skips the update, as torch's fused kernels do.
 * opaque parts (:mod:`spmd_ort.opaque`): ``opaque_forward(inputs, index)`` runs
   call ``index`` of the step's opaque table (user code, eagerly) and returns its
   outputs plus a token; ``opaque_backward(token, grads, index)`` runs its
@@ -81,14 +82,14 @@ for _target in OPAQUE_OPS:
 
 # ---------------------------------------------------------------------- optimizer updates
 _ADAM_ARGS = ("(Tensor[] params, Tensor[] grads, Tensor[] exp_avgs, Tensor[] exp_avg_sqs, Tensor[] max_exp_avg_sqs, "
-              "Tensor[] steps, Tensor hparams, bool amsgrad, bool maximize, bool decoupled)")
+              "Tensor[] steps, Tensor hparams, bool amsgrad, bool maximize, bool decoupled, Tensor? found_inf=None)")
 _ADAM_ARGS_INPLACE = ("(Tensor(a!)[] params, Tensor[] grads, Tensor(b!)[] exp_avgs, Tensor(c!)[] exp_avg_sqs, "
                       "Tensor(d!)[] max_exp_avg_sqs, Tensor(e!)[] steps, Tensor hparams, bool amsgrad, "
-                      "bool maximize, bool decoupled)")
+                      "bool maximize, bool decoupled, Tensor? found_inf=None)")
 _SGD_ARGS = ("(Tensor[] params, Tensor[] grads, Tensor[] momentum_buffers, Tensor hparams, bool has_momentum, "
-             "bool nesterov, bool maximize)")
+             "bool nesterov, bool maximize, Tensor? found_inf=None)")
 _SGD_ARGS_INPLACE = ("(Tensor(a!)[] params, Tensor[] grads, Tensor(b!)[] momentum_buffers, Tensor hparams, "
-                     "bool has_momentum, bool nesterov, bool maximize)")
+                     "bool has_momentum, bool nesterov, bool maximize, Tensor? found_inf=None)")
 
 # functional op -> (in-place twin, names of the mutated list arguments in output order)
 INPLACE_TWINS: dict = {}
@@ -97,7 +98,9 @@ INPLACE_TWINS: dict = {}
 def _define_adam(name: str, kernel) -> tuple:
     """``spmd_ort::<name>`` (functional: returns the new state, see kernels) and ``<name>_`` (in place).
 
-    ``hparams`` is a float64 host tensor ``[lr, beta1, beta2, weight_decay, eps]``.
+    ``hparams`` is a float64 host tensor ``[lr, beta1, beta2, weight_decay, eps]``.  ``found_inf``
+    (GradScaler) skips the update where it is 1.0, as torch's fused kernels do (the step
+    counters end where they were).
     """
     functional = _op(f"{name}{_ADAM_ARGS} -> Tensor[]", functools.partial(kernels.functional_adam, kernel),
                      kernels.adam_fake)
@@ -109,7 +112,7 @@ def _define_adam(name: str, kernel) -> tuple:
 def _define_sgd(name: str, kernel, buffer_device: str | None = None) -> tuple:
     """``spmd_ort::<name>`` (functional: new params + momentum buffers) and ``<name>_`` (in place).
 
-    ``hparams`` is ``[lr, momentum, dampening, weight_decay]``.  An empty
+    ``hparams`` is ``[lr, momentum, dampening, weight_decay]``; ``found_inf`` as for Adam.  An empty
     ``momentum_buffers`` with ``has_momentum`` is the first step: buffers start as
     the gradient (as torch does), made on ``buffer_device``; the in-place twin
     never runs a first step (its buffers must exist).
@@ -118,19 +121,20 @@ def _define_sgd(name: str, kernel, buffer_device: str | None = None) -> tuple:
                      functools.partial(_sgd_functional, kernel, buffer_device),
                      functools.partial(_sgd_fake, buffer_device))
     in_place = _op(f"{name}_{_SGD_ARGS_INPLACE} -> ()",
-                   lambda params, grads, bufs, hparams, has_momentum, nesterov, maximize:
-                   kernel(params, grads, bufs, hparams, nesterov, maximize, False), lambda *args: None)
+                   lambda params, grads, bufs, hparams, has_momentum, nesterov, maximize, found_inf=None:
+                   kernel(params, grads, bufs, hparams, nesterov, maximize, False, found_inf), lambda *args: None)
     INPLACE_TWINS[functional] = (in_place, kernels.SGD_OUTPUTS)
     return functional, in_place
 
 
 def _sgd_functional(kernel, buffer_device, params: list[Tensor], grads, momentum_buffers, hparams, has_momentum,
-                    nesterov, maximize):
+                    nesterov, maximize, found_inf=None):
     return kernels.functional_sgd(kernel, params, grads, momentum_buffers, hparams, has_momentum, nesterov,
-                                  maximize, buffer_device)
+                                  maximize, buffer_device, found_inf)
 
 
-def _sgd_fake(buffer_device, params, grads, momentum_buffers, hparams, has_momentum, nesterov, maximize):
+def _sgd_fake(buffer_device, params, grads, momentum_buffers, hparams, has_momentum, nesterov, maximize,
+              found_inf=None):
     return kernels.sgd_fake(params, grads, momentum_buffers, hparams, has_momentum, nesterov, maximize,
                             buffer_device)
 

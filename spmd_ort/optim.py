@@ -15,6 +15,10 @@ exactly and ``foreach``/for-loop eager within fp32 rounding.  All scalar
 hyper-parameters of a group travel in one float64 host tensor (``hparams``)
 that the op reads when it runs.  Each op has an in-place twin (``adam_``/``sgd_``)
 that the ``reinplace_optimizer_pass`` uses when the old state is not read afterwards.
+
+A GradScaler hands a rule ``opt.found_inf`` (and, for fused optimizers, ``opt.grad_scale``)
+as it hands them to torch's fused optimizers (:func:`amp_arguments`); the op passes
+``found_inf`` to the fused kernel, which skips the update where it is 1.
 """
 
 from __future__ import annotations
@@ -49,6 +53,26 @@ def _with_grad(group: dict) -> list[Tensor]:
 def _copy_back(dst: list[Tensor], src: list[Tensor]) -> None:
     for d, s in zip(dst, src, strict=True):
         d.copy_(s)
+
+
+def amp_arguments(opt: torch.optim.Optimizer, params: list[Tensor]) -> Tensor | None:
+    """What a GradScaler passed this step (``opt.grad_scale`` / ``opt.found_inf``, as torch's fused optimizers
+    read them); returns ``found_inf``.
+
+    ``grad_scale`` (the fused path of ``GradScaler.step``): the gradients are divided by it here, in
+    the graph, so that ``p.grad`` ends as eager's fused kernel leaves it: unscaled, or untouched
+    where the kernel skips (``found_inf == 1``).  The division is the kernel's own (``grad / scale``),
+    so the update is bit for bit the same.
+    """
+    grad_scale = opt.__dict__.get("grad_scale")
+    found_inf = opt.__dict__.get("found_inf")
+    if grad_scale is not None:
+        for p in params:
+            unscaled = p.grad / grad_scale.to(p.grad.device)
+            if found_inf is not None:
+                unscaled = torch.where(found_inf.to(p.grad.device) == 1.0, p.grad, unscaled)
+            p.grad.copy_(unscaled)
+    return found_inf
 
 
 def initial_step(group: dict, p: Tensor) -> Tensor:
@@ -100,10 +124,11 @@ def adam_rule(opt: torch.optim.Optimizer) -> None:
             max_exp_avg_sqs=[s["max_exp_avg_sq"] for s in states] if amsgrad else [],
             steps=[s["step"] for s in states],
         )
+        found_inf = amp_arguments(opt, params)
         out = ops.adam(
             params, [p.grad for p in params], lists["exp_avgs"], lists["exp_avg_sqs"],
             lists["max_exp_avg_sqs"], lists["steps"], group[HPARAMS_KEY], bool(amsgrad), bool(group["maximize"]),
-            bool(group.get("decoupled_weight_decay", False)))
+            bool(group.get("decoupled_weight_decay", False)), found_inf)
         i = 0
         for name in ("params", "exp_avgs", "exp_avg_sqs", "max_exp_avg_sqs", "steps"):
             n = len(lists[name])
@@ -126,9 +151,10 @@ def sgd_rule(opt: torch.optim.Optimizer) -> None:
                 f"SGD param group {gi}: some parameters have a momentum buffer and some do not; "
                 "the compiled step needs all or none", op="SGD.step")
         bufs = [b for b in bufs if b is not None]
+        found_inf = amp_arguments(opt, params)
         out = ops.sgd(
             params, [p.grad for p in params], bufs, group[HPARAMS_KEY], momentum != 0, bool(group["nesterov"]),
-            bool(group["maximize"]))
+            bool(group["maximize"]), found_inf)
         _copy_back(params, out[:len(params)])
         if momentum != 0:
             new_bufs = out[len(params):]

@@ -23,6 +23,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from .amp import MixedPrecisionPolicy
 from .ds_config import data_parallel_settings
 from .errors import CollectiveTimeout, CompileError, is_timeout
 
@@ -55,6 +56,11 @@ class DataParallel:
       update runs there with the native fused kernel (``csrc/``).
     * ``offload_param="cpu"``: parameter shards live in host memory and are
       copied to the device before each all-gather.
+
+    ``mixed_precision``: a :class:`spmd_ort.MixedPrecisionPolicy` (FSDP2's):
+    compute in ``param_dtype`` on fp32 master parameters and optimizer state,
+    reduce gradients in ``reduce_dtype``; under ``fully_shard`` the all-gather
+    moves ``param_dtype``.  It applies on one process too (nothing to reduce).
     """
 
     parallel_style: str = "replicate"
@@ -65,6 +71,7 @@ class DataParallel:
     prefetch: int = 1
     offload_optimizer: str | None = None
     offload_param: str | None = None
+    mixed_precision: MixedPrecisionPolicy | None = None
 
     def __post_init__(self):
         if self.parallel_style not in STYLES:
@@ -80,6 +87,9 @@ class DataParallel:
                 raise ValueError(f"DataParallel({name}={value!r}): choose None or 'cpu'")
             if value is not None and self.parallel_style != "fully_shard":
                 raise ValueError(f"DataParallel({name}={value!r}) needs parallel_style='fully_shard'")
+        if self.mixed_precision is not None and not isinstance(self.mixed_precision, MixedPrecisionPolicy):
+            raise TypeError(f"DataParallel(mixed_precision={self.mixed_precision!r}): expected a "
+                            "spmd_ort.MixedPrecisionPolicy")
 
     @property
     def sharded(self) -> bool:

@@ -7,7 +7,8 @@ Two pieces, as torch.fx's ``CapabilityBasedPartitioner``:
   update runs in torch, in place; opaque parts run the user's code), random ops (they keep torch's RNG, so runs
   are reproducible and verifiable), allocations whose value is undefined (the
   buffer a random op fills: exported, it would be a segment output of garbage),
-  ops on float64 host scalars, and aten ops neither torchlib nor a torch
+  ops on float64 host scalars, values in a dtype the provider has no kernels
+  for (bfloat16 on CPU), and aten ops neither torchlib nor a torch
   decomposition covers.
 * the grouping, torch.fx's partitioner: deterministic, largest possible
   segments of connected supported nodes, no cycles through host nodes.
@@ -41,6 +42,10 @@ UNINITIALIZED_OPS = {
 }
 ONNX_DTYPES = {torch.float32, torch.float16, torch.bfloat16, torch.int64, torch.int32, torch.int8,
                torch.uint8, torch.bool}
+# Dtypes an execution provider has (almost) no kernels for: ORT's CPU provider runs bfloat16 only in
+# Cast, Transpose, LayerNormalization and a few predicates (onnxruntime 1.32; no Add, MatMul, Relu), so
+# bf16 compute (autocast, MixedPrecisionPolicy) stays in torch there.  float16 has CPU kernels.
+HOST_DTYPES = {"cpu": {torch.bfloat16}}
 
 
 @lru_cache(maxsize=1)
@@ -78,6 +83,8 @@ def why_host(node: fx.Node) -> str | None:
             return f"dtype {val.dtype}"
         if val.device.type not in ("cpu", "cuda"):
             return f"device {val.device}"
+        if val.dtype in HOST_DTYPES.get(val.device.type, ()):
+            return f"{val.dtype} on {val.device.type} (ONNX Runtime's {val.device.type} provider lacks its kernels)"
     if namespace != "aten":
         return f"{namespace} op has no ONNX translation"
     if target in EXPORT_DECOMPOSITIONS or _registry().is_registered(target) or target in _torch_decomps():

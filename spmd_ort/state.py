@@ -4,6 +4,7 @@ A :class:`StateLayout` fixes, for one compiled variant, the order of the state
 placeholders of the graph:
 
     params | buffers | grads (params that have one) | optimizer state | hyper-parameters
+    | GradScaler state (scale, growth tracker) | extra (Override transforms)
 
 followed by the tensor leaves of the user's arguments.  It binds traced
 tensors into the module and optimizer while tracing (:meth:`StateLayout.bind`),
@@ -24,6 +25,7 @@ import torch
 from torch import Tensor, nn
 from torch.nn.utils import stateless
 
+from . import amp
 from .ops import tag_grad
 from .optim import HPARAMS_KEY, OptimizerRule
 from .sharding import ShardSpec, is_sharded_state, spec_of
@@ -34,12 +36,12 @@ class Slot:
     """One graph input or output and the state it belongs to.
 
     ``kind`` is one of ``param``, ``buffer``, ``grad``, ``opt_state``, ``hparam``,
-    ``extra`` (state added by an Override transform), ``batch`` (a tensor leaf of
-    the user's arguments), ``user`` (a leaf of the step's return value) or
-    ``stats`` (an output only: the statistics of a tapped activation, see
+    ``scaler`` (a GradScaler's scale and growth tracker), ``extra`` (state added by an Override
+    transform), ``batch`` (a tensor leaf of the user's arguments), ``user`` (a leaf of the step's
+    return value) or ``stats`` (an output only: the statistics of a tapped activation, see
     :mod:`spmd_ort.taps`; ``index`` is the tap id).
     ``index`` points into the layout's list for that kind; ``key`` is the
-    optimizer-state key or hyper-parameter name.
+    optimizer-state key, hyper-parameter name or scaler tensor (``scale``, ``growth_tracker``).
     """
 
     kind: str
@@ -63,11 +65,13 @@ class StateLayout:
     hparam_tensors: list[Tensor] = field(default_factory=list)
     extra_state: list[Tensor] = field(default_factory=list)
     shard_specs: dict[int, ShardSpec] = field(default_factory=dict)  # fully_shard: param index -> spec
+    scaler: amp.GradScaler | None = None  # an enabled GradScaler whose state is lifted
+    scaler_initial: list[Tensor] = field(default_factory=list)  # its state before its first scale()
 
     # ------------------------------------------------------------------ capture
     @classmethod
     def capture(cls, module: nn.Module, opt: torch.optim.Optimizer | None,
-                rule: OptimizerRule | None) -> StateLayout:
+                rule: OptimizerRule | None, scaler: amp.GradScaler | None = None) -> StateLayout:
         params, param_names, index = unique_named(module.named_parameters(remove_duplicate=False))
         buffers, buffer_names, _ = unique_named(module.named_buffers(remove_duplicate=False))
         grad_params = [i for i, p in enumerate(params) if p.grad is not None]
@@ -90,6 +94,9 @@ class StateLayout:
         layout.hparam_tensors = [torch.tensor(rule.hparams(opt.param_groups[g]), dtype=torch.float64)
                                  for g in hparam_groups]
         layout.shard_specs = {i: spec_of(p) for i, p in enumerate(params) if spec_of(p) is not None}
+        if amp.scaler_enabled(scaler):
+            layout.scaler = scaler
+            layout.scaler_initial = amp.initial_scaler_state(scaler, state_device(module))
         return layout
 
     def is_sharded(self, slot: Slot, value: Tensor) -> bool:
@@ -104,6 +111,8 @@ class StateLayout:
         slots += [Slot("grad", self.param_names[i][0] + ".grad", i) for i in self.grad_params]
         slots += [Slot("opt_state", f"{self.param_names[i][0]}.{k}", i, k) for i, k in self.opt_entries]
         slots += [Slot("hparam", f"param_groups[{g}].hparams", g) for g in self.hparam_groups]
+        if self.scaler is not None:
+            slots += [Slot("scaler", f"scaler._{k}", i, k) for i, k in enumerate(amp.scaler_keys(self.scaler))]
         slots += [Slot("extra", f"extra[{i}]", i) for i in range(len(self.extra_state))]
         return slots
 
@@ -117,15 +126,26 @@ class StateLayout:
             for t, g in zip(self.hparam_tensors, self.hparam_groups):
                 t.copy_(torch.tensor(self.rule.hparams(groups[g]), dtype=torch.float64))
                 flat.append(t)
-        return flat + self.extra_state
+        return flat + self.scaler_state() + self.extra_state
+
+    def scaler_state(self) -> list[Tensor]:
+        """The lifted GradScaler's state tensors (``[scale, growth_tracker, ...]``; empty without one)."""
+        if self.scaler is None:
+            return []
+        if self.scaler._scale is None:
+            return list(self.scaler_initial)
+        return [getattr(self.scaler, f"_{k}") for k in amp.scaler_keys(self.scaler)]
 
     # ------------------------------------------------------------------ tracing
     @contextlib.contextmanager
-    def bind(self, state: list[Tensor], *, tag_grads: bool = False) -> Iterator[BoundState]:
-        """Put traced tensors where the module and optimizer look for state.
+    def bind(self, state: list[Tensor], *, tag_grads: bool = False,
+             mixed_precision: amp.MixedPrecisionPolicy | None = None) -> Iterator[BoundState]:
+        """Put traced tensors where the module, optimizer and GradScaler look for state.
 
         ``tag_grads`` marks each parameter's new gradient with ``spmd_ort::tag_grad``
         (a hook on the leaf, so a tied weight is tagged once, after summation).
+        ``mixed_precision``: forward runs on parameters cast as the policy says
+        (:func:`spmd_ort.amp.apply_policy`).
         """
         it = iter(state)
         params = [next(it) for _ in self.params]
@@ -138,10 +158,13 @@ class StateLayout:
             params[i].grad = next(it)
         opt_vals = [next(it) for _ in self.opt_entries]
         hparams = [next(it) for _ in self.hparam_groups]
+        scaler_vals = [next(it) for _ in self.scaler_initial] if self.scaler is not None else []
         mapping = {n: t for names, t in zip(self.param_names, params) for n in names}
         mapping.update({n: t for names, t in zip(self.buffer_names, buffers) for n in names})
         with stateless._reparametrize_module(self.module, mapping), \
-                self._bind_optimizer(params, opt_vals, hparams) as opt_state:
+                self._bind_optimizer(params, opt_vals, hparams) as opt_state, \
+                amp.bind_scaler(self.scaler, scaler_vals, self.opt), \
+                amp.apply_policy(self.module, mixed_precision):
             yield BoundState(self, params, opt_state)
 
     @contextlib.contextmanager
@@ -205,6 +228,10 @@ class StateLayout:
             return v if owned else v.clone()
 
         new_grads: dict[int, Tensor] = {}
+        if self.scaler is not None and self.scaler._scale is None:
+            # what the scaler's first scale() does in eager: from now on it holds its state
+            for key, t in zip(amp.scaler_keys(self.scaler), self.scaler_initial):
+                setattr(self.scaler, f"_{key}", t.clone())
         with torch.no_grad():
             for slot, v in zip(slots, values):
                 kind = slot.kind
@@ -220,6 +247,8 @@ class StateLayout:
                         _store(st[slot.key], v)
                     else:
                         st[slot.key] = take(v)
+                elif kind == "scaler":
+                    _store(self.scaler_state()[slot.index], v)
                 else:
                     raise AssertionError(f"no write-back for {slot}")
             for i, p in enumerate(self.params):
@@ -257,7 +286,17 @@ class BoundState:
             for k, v in self.opt_state.get(p, {}).items():
                 if isinstance(v, Tensor):
                     out.append((Slot("opt_state", f"{layout.param_names[i][0]}.{k}", i, k), v))
+        if layout.scaler is not None:
+            for i, k in enumerate(amp.scaler_keys(layout.scaler)):
+                out.append((Slot("scaler", f"scaler._{k}", i, k), getattr(layout.scaler, f"_{k}")))
         return out
+
+
+def state_device(module: nn.Module) -> torch.device:
+    """Where new step state goes (a GradScaler's scale, as its first ``scale()`` would put it): the parameters' device."""
+    for p in module.parameters():
+        return p.device
+    return torch.device("cpu")
 
 
 def unique_named(named) -> tuple[list[Tensor], list[list[str]], dict[int, int]]:

@@ -44,6 +44,7 @@ from torch.fx.experimental.proxy_tensor import get_proxy_mode, make_fx
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from . import opaque
+from .amp import autocast_disabled
 from .diagnose import OpWatch, quiet_torch_logs
 from .errors import CompileError
 from .inputs import StepInputs
@@ -164,13 +165,14 @@ def _describe_failure(exc: BaseException) -> tuple[str, str | None, bool]:
 
 def trace_step(fn, args: tuple, kwargs: dict, layout: StateLayout, *, sdpa_math: bool = False,
                tag_grads: bool = False, plan: OpaquePlan | None = None,
-               inputs: StepInputs | None = None) -> TracedStep:
+               inputs: StepInputs | None = None, mixed_precision=None) -> TracedStep:
     """Trace ``fn(*args, **kwargs)`` into a functional graph over ``layout``'s state.
 
     ``sdpa_math`` traces ``scaled_dot_product_attention`` as its math form
     (matmuls and softmax) instead of a fused kernel whose backward ONNX lacks.
     ``plan`` says which parts run opaquely; parts found untraceable are added to it.
     ``inputs`` names the call's leaves for errors (and knows the last call that compiled).
+    ``mixed_precision``: a :class:`spmd_ort.amp.MixedPrecisionPolicy` the forward runs under.
     """
     t0 = time.perf_counter()
     plan = plan if plan is not None else OpaquePlan()
@@ -179,7 +181,7 @@ def trace_step(fn, args: tuple, kwargs: dict, layout: StateLayout, *, sdpa_math:
     for attempt in range(1, limit + 1):
         try:
             traced = _trace_once(fn, args, kwargs, layout, sdpa_math=sdpa_math, tag_grads=tag_grads, plan=plan,
-                                 inputs=inputs)
+                                 inputs=inputs, mixed_precision=mixed_precision)
         except _Retry:
             continue
         traced.seconds = time.perf_counter() - t0
@@ -189,7 +191,7 @@ def trace_step(fn, args: tuple, kwargs: dict, layout: StateLayout, *, sdpa_math:
 
 
 def _trace_once(fn, args: tuple, kwargs: dict, layout: StateLayout, *, sdpa_math: bool, tag_grads: bool,
-                plan: OpaquePlan, inputs: StepInputs) -> TracedStep:
+                plan: OpaquePlan, inputs: StepInputs, mixed_precision=None) -> TracedStep:
     leaves, spec = pytree.tree_flatten((args, kwargs))
     # One placeholder per distinct tensor: a tensor passed twice is one leaf of autograd, as in eager.
     first: dict[int, int] = {}
@@ -220,7 +222,7 @@ def _trace_once(fn, args: tuple, kwargs: dict, layout: StateLayout, *, sdpa_math
         for pos, src in alias_of.items():
             new_leaves[pos] = new_leaves[src]
         a, kw = pytree.tree_unflatten(new_leaves, spec)
-        with layout.bind(state, tag_grads=tag_grads) as bound:
+        with layout.bind(state, tag_grads=tag_grads, mixed_precision=mixed_precision) as bound:
             out = fn(*a, **kw)
             final = bound.final()
         final += [(Slot("input_grad", f"{inputs.names[batch_positions[k]]}.grad", k), batch[k].grad)
@@ -277,7 +279,8 @@ def _trace_once(fn, args: tuple, kwargs: dict, layout: StateLayout, *, sdpa_math
             return fx.Interpreter(gm1).run(*flat)
 
     plain_inputs = [t.detach() for t in trace_inputs]
-    with opaque.tracing(capture.calls), quiet_torch_logs():  # the opaque ops' fake kernels read the calls
+    # the capture already holds autocast's casts; the opaque ops' fake kernels read the calls
+    with autocast_disabled(), opaque.tracing(capture.calls), quiet_torch_logs():
         gm2 = make_fx(torch.func.functionalize(run_capture, remove="mutations"),
                       tracing_mode="fake", _allow_non_fake_inputs=True)(*plain_inputs)
     _check_functional(gm2)
@@ -415,7 +418,7 @@ def _outputs_from_mutations(gm: fx.GraphModule, input_slots: list[Slot], output_
             if slot.kind == "batch":
                 outs.append(node.args[1])
                 output_slots.append(slot)
-            elif slot.kind not in ("param", "buffer", "grad", "opt_state", "input_grad"):
+            elif slot.kind not in ("param", "buffer", "grad", "opt_state", "input_grad", "scaler"):
                 raise CompileError(f"the train step writes into {slot.kind} input `{slot.name}` in place")
             graph.erase_node(node)
     # Input and output slots of the same state compare equal (same kind, name, index, key).  A gradient

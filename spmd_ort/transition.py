@@ -5,10 +5,13 @@ the structure, shapes, dtypes, devices and ``requires_grad`` of the inputs
 (for one that requires grad, whether it has a ``.grad``, its shape and dtype;
 which leaves are the same tensor) and their non-tensor values, the module's training modes, its parameters and
 buffers (identity, shape, dtype, whether a gradient is present), its forward
-hooks (they run while tracing), and the optimizer's param groups (parameters,
-options baked into the graph) and state layout.  Values that are graph inputs (tensor contents, the scalar
+hooks (they run while tracing), the optimizer's param groups (parameters,
+options baked into the graph) and state layout, and mixed precision: autocast
+entered outside the step and the GradScaler's class, whether it is enabled and
+its update constants (growth and backoff factors, growth interval).  Values that are graph inputs (tensor contents, the scalar
 hyper-parameters an optimizer rule lifts: lr, betas, weight decay, eps,
-momentum, dampening) are not part of it, so changing them never re-traces.
+momentum, dampening) and the GradScaler's scale and growth tracker are not
+part of it, so changing them never re-traces.
 """
 
 from __future__ import annotations
@@ -48,6 +51,8 @@ def _leaf_desc(x: Any) -> Any:
         return ("module", type(x).__qualname__)
     if isinstance(x, torch.optim.Optimizer):
         return ("optimizer", type(x).__qualname__)
+    if isinstance(x, torch.amp.GradScaler):
+        return ("grad_scaler", type(x).__qualname__)  # what the graph depends on: StepKey.amp
     try:
         hash(x)
         return ("value", type(x).__qualname__, x)
@@ -77,10 +82,11 @@ class StepKey:
     buffers: tuple
     optimizer: tuple
     world: tuple
+    amp: tuple = ()  # autocast entered outside the step; the GradScaler's class, switch and update constants
 
     identity: tuple = ()  # id() of module, optimizer, parameters, buffers: differs between processes
 
-    COMPONENTS = ("inputs", "training", "params", "buffers", "optimizer", "world", "identity")
+    COMPONENTS = ("inputs", "training", "params", "buffers", "optimizer", "world", "amp", "identity")
 
     def portable(self) -> str:
         """The key without object identities, one line per entry: equal on every rank running the same step."""
@@ -97,7 +103,7 @@ class StepKey:
 
     @classmethod
     def of(cls, module: nn.Module, opt: torch.optim.Optimizer | None, args: tuple, kwargs: dict,
-           rule=None, world: tuple = ()) -> StepKey:
+           rule=None, world: tuple = (), amp: tuple = ()) -> StepKey:
         # Every component is a tuple of (label, value) pairs so that diff() can say what changed.
         leaves, spec = pytree.tree_flatten((args, kwargs))
         inputs = (("structure", str(spec)),) + tuple(
@@ -115,7 +121,8 @@ class StepKey:
         buffers = tuple((name, (tuple(b.shape), str(b.dtype), str(b.device)))
                         for name, b in module.named_buffers(remove_duplicate=False))
         identity = (
-            ("objects", tuple(id(x) for x in leaves if isinstance(x, (nn.Module, torch.optim.Optimizer)))),
+            ("objects", tuple(id(x) for x in leaves
+                              if isinstance(x, (nn.Module, torch.optim.Optimizer, torch.amp.GradScaler)))),
             ("parameters", tuple(id(p) for _, p in module.named_parameters(remove_duplicate=False))),
             ("buffers", tuple(id(b) for _, b in module.named_buffers(remove_duplicate=False))),
             ("param_groups", tuple(tuple(id(p) for p in g["params"]) for g in opt.param_groups) if opt else ()),
@@ -135,7 +142,7 @@ class StepKey:
             optimizer = (("class", type(opt).__qualname__),) + tuple(
                 (f"param_groups[{i}]", _group_desc(g, lifted) + (("structure", rule.structure(g) if rule else ()),))
                 for i, g in enumerate(opt.param_groups)) + state
-        return cls(inputs, training, params, buffers, optimizer, world, identity)
+        return cls(inputs, training, params, buffers, optimizer, world, amp, identity)
 
     def diff(self, other: StepKey) -> str:
         """A short account of what differs from ``other`` (for the re-trace log)."""
