@@ -7,13 +7,14 @@ Every transformation of the captured train step is a function
 
 from .analysis import plan_memory_pass
 from .cleanup import remove_identity_views_pass, remove_redundant_copies_pass
-from .context import (GradientBuckets, MemoryPlan, OffloadPlan, PassContext, PassRecord, PassResults,
+from .context import (GradientBuckets, Lowering, MemoryPlan, OffloadPlan, PassContext, PassRecord, PassResults,
                       ShardBuckets)
 from .contracts import Invariant
 from .data_parallel import (broadcast_buffers_pass, bucket_collectives_pass, dedup_collectives_pass,
                             expand_data_parallel_pass, schedule_overlap_pass)
 from .fully_shard import (complete_grad_norms_pass, gather_parameters_pass, propagate_shards_pass,
                           reduce_scatter_gradients_pass, rematerialize_param_views_pass, shard_placeholders_pass)
+from .lowering import lower_to_onnx_ops_pass
 from .offload import offload_optimizer_pass, offload_params_pass
 from .pipeline import PARALLEL_STAGES, STAGES, build_pipeline, check_disabled, pass_names, pipeline_markdown
 from .reinplace import reinplace_optimizer_pass
@@ -22,11 +23,11 @@ from .shard_schedule import bucket_shard_collectives_pass, keep_tail_gathers_pas
 from .user import gm_transformation_pass, override_transform_pass
 
 __all__ = [
-    "PARALLEL_STAGES", "STAGES", "GradientBuckets", "GraphPass", "Invariant", "MemoryPlan", "OffloadPlan", "PassContext", "PassError",
+    "PARALLEL_STAGES", "STAGES", "GradientBuckets", "GraphPass", "Invariant", "Lowering", "MemoryPlan", "OffloadPlan", "PassContext", "PassError",
     "PassRecord", "PassResults", "ShardBuckets", "broadcast_buffers_pass", "bucket_collectives_pass",
     "bucket_shard_collectives_pass", "build_pipeline", "check_disabled", "complete_grad_norms_pass",
     "dedup_collectives_pass", "expand_data_parallel_pass", "gather_parameters_pass", "gm_transformation_pass",
-    "graph_pass", "keep_tail_gathers_pass", "offload_optimizer_pass", "offload_params_pass", "op_counts",
+    "graph_pass", "keep_tail_gathers_pass", "lower_to_onnx_ops_pass", "offload_optimizer_pass", "offload_params_pass", "op_counts",
     "override_transform_pass", "pass_names", "pipeline_markdown", "plan_memory_pass", "prefetch_gathers_pass",
     "propagate_shards_pass", "reduce_scatter_gradients_pass", "reinplace_optimizer_pass",
     "rematerialize_param_views_pass", "remove_identity_views_pass", "remove_redundant_copies_pass", "run_passes",

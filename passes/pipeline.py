@@ -23,6 +23,7 @@ from .analysis import plan_memory_pass
 from .cleanup import remove_identity_views_pass, remove_redundant_copies_pass
 from .data_parallel import (broadcast_buffers_pass, bucket_collectives_pass, dedup_collectives_pass,
                             expand_data_parallel_pass, schedule_overlap_pass)
+from .lowering import lower_to_onnx_ops_pass
 from .fully_shard import (complete_grad_norms_pass, gather_parameters_pass, propagate_shards_pass,
                           reduce_scatter_gradients_pass, rematerialize_param_views_pass, shard_placeholders_pass)
 from .offload import offload_optimizer_pass, offload_params_pass
@@ -61,6 +62,10 @@ def _sharded(s: Setting) -> bool:
 
 def _resharding(s: Setting) -> bool:
     return _sharded(s) and s.mode.reshard_after_forward
+
+
+def _ort(s: Setting) -> bool:
+    return s.backend == "ort"
 
 
 def _offload_param(s: Setting) -> bool:
@@ -106,6 +111,7 @@ STAGES: tuple[Step, ...] = (
     Step(USER_TRANSFORMS, "override_transform_pass[<Override>]", _always, "each Override, in order"),
     Step(USER_TRANSFORMS, "gm_transformation_pass", _always, "compile(gm_transformation=...)"),
     Step("analysis", plan_memory_pass),
+    Step("backend", lower_to_onnx_ops_pass, _ort, "ort backend"),
     Step("backend", reinplace_optimizer_pass),
 )
 

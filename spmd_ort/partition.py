@@ -7,8 +7,9 @@ Two pieces, as torch.fx's ``CapabilityBasedPartitioner``:
   update runs in torch, in place), random ops (they keep torch's RNG, so runs
   are reproducible and verifiable), allocations whose value is undefined (the
   buffer a random op fills: exported, it would be a segment output of garbage),
-  ops on float64 host scalars, and aten ops neither torchlib nor a torch
-  decomposition covers.
+  ops on float64 host scalars, and aten ops that do not translate to ONNX
+  (:func:`spmd_ort.coverage.why_untranslatable`: the same table the exporter
+  translates with, after ``lower_to_onnx_ops_pass`` has lowered what it can).
 * the grouping, torch.fx's partitioner: deterministic, largest possible
   segments of connected supported nodes, no cycles through host nodes.
 """
@@ -16,15 +17,14 @@ Two pieces, as torch.fx's ``CapabilityBasedPartitioner``:
 from __future__ import annotations
 
 import operator
-from functools import lru_cache
 
 import torch
 from torch import fx
 from torch.fx.passes.infra.partitioner import CapabilityBasedPartitioner
 from torch.fx.passes.operator_support import OperatorSupport
 
+from .coverage import why_untranslatable
 from .ops import STARTS, wait_
-from .export import EXPORT_DECOMPOSITIONS
 
 aten = torch.ops.aten
 
@@ -41,18 +41,6 @@ UNINITIALIZED_OPS = {
 }
 ONNX_DTYPES = {torch.float32, torch.float16, torch.bfloat16, torch.int64, torch.int32, torch.int8,
                torch.uint8, torch.bool}
-
-
-@lru_cache(maxsize=1)
-def _registry():
-    from torch.onnx._internal.exporter import _registration
-
-    return _registration.ONNXRegistry.from_torchlib()
-
-
-@lru_cache(maxsize=1)
-def _torch_decomps():
-    return torch.export.default_decompositions()
 
 
 def why_host(node: fx.Node) -> str | None:
@@ -78,9 +66,7 @@ def why_host(node: fx.Node) -> str | None:
             return f"device {val.device}"
     if namespace != "aten":
         return f"{namespace} op has no ONNX translation"
-    if target in EXPORT_DECOMPOSITIONS or _registry().is_registered(target) or target in _torch_decomps():
-        return None
-    return f"{target} has no ONNX translation"
+    return why_untranslatable(node)
 
 
 def _vals(node: fx.Node):

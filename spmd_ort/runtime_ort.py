@@ -269,5 +269,13 @@ def build_ort_executor(gm: fx.GraphModule, options: Options) -> OrtExecutor:
 
 
 def _short(exc: BaseException, limit: int = 400) -> str:
-    text = " ".join(str(exc).split())
-    return text if len(text) <= limit else text[:limit] + " ..."
+    """The error and, when it wraps another (the exporter's ConversionError does), the root cause."""
+    def clip(text: str) -> str:
+        text = " ".join(text.split())
+        return text if len(text) <= limit else text[:limit] + " ..."
+
+    root = exc
+    while root.__cause__ is not None:
+        root = root.__cause__
+    text = clip(str(exc))
+    return text if root is exc else f"{text} Cause: {type(root).__name__}: {clip(str(root))}"

@@ -17,7 +17,8 @@ import torch.nn.functional as F
 from torch import nn
 
 import spmd_ort
-from spmd_ort import export as ort_export
+from spmd_ort import coverage
+from spmd_ort.translations import Translation
 from helpers import assert_close_relmax, assert_ran_on_ort, assert_same_state, train_side_by_side, train_step
 from models import MLP
 
@@ -116,10 +117,13 @@ def fresh_cache(tmp_path, monkeypatch):
     return tmp_path / "cache"
 
 
+def _gelu_as_twice(self, approximate: str = "none"):
+    return self * 2.0
+
+
 def _wrong_gelu(monkeypatch):
     """Inject a wrong translation: GELU exported as 2x (as a buggy torchlib function would be)."""
-    monkeypatch.setitem(ort_export.EXPORT_DECOMPOSITIONS, aten.gelu.default, lambda x, approximate="none": x * 2.0)
-    monkeypatch.setitem(ort_export.EXPORT_FIXES, aten.gelu.default, "injected by a test")
+    monkeypatch.setitem(coverage.TRANSLATIONS, aten.gelu.default, Translation(_gelu_as_twice, "injected by a test"))
 
 
 def test_verification_catches_wrong_translation_and_fallback_keeps_training_correct(
@@ -150,11 +154,10 @@ def test_fallback_disable_raises_and_changes_nothing(fresh_cache, monkeypatch):
 
 
 def test_export_failure_falls_back_or_raises(fresh_cache, monkeypatch, caplog):
-    def broken(*args, **kwargs):
+    def broken(self, approximate: str = "none"):
         raise RuntimeError("no translation for aten.gelu (injected)")
 
-    monkeypatch.setitem(ort_export.EXPORT_DECOMPOSITIONS, aten.gelu.default, broken)
-    monkeypatch.setitem(ort_export.EXPORT_FIXES, aten.gelu.default, "injected by a test")
+    monkeypatch.setitem(coverage.TRANSLATIONS, aten.gelu.default, Translation(broken, "injected by a test"))
     x, y = torch.randn(8, 32), torch.randint(0, 10, (8,))
     with caplog.at_level(logging.WARNING, logger="spmd_ort"):
         model = MLP()
