@@ -276,8 +276,10 @@ class CompiledStep:
         """trace -> passes (the one pipeline) -> executor."""
         t0 = time.perf_counter()
         layout = StateLayout.capture(module, opt, rule)
-        # ORT has no translation of the fused CPU attention kernels' backward: trace the math form.
-        traced = trace_step(self.fn, args, kwargs, layout, sdpa_math=self.backend == "ort",
+        # spmd_ort.translations translates the fused CPU attention kernel (forward and backward), not the
+        # CUDA ones: on an accelerator, the ORT backend traces attention in its math form.
+        on_accelerator = any(p.device.type != "cpu" for p in layout.params)
+        traced = trace_step(self.fn, args, kwargs, layout, sdpa_math=self.backend == "ort" and on_accelerator,
                             tag_grads=mode is not None)
         traced_gm = _snapshot(traced.gm)
         rank, world_size = parallel.world()

@@ -109,13 +109,18 @@ def why_untranslatable(node: fx.Node) -> str | None:
     if _registered(target):
         return None
     if target in _torch_decompositions():
-        return f"{target} has no ONNX translation (it has a torch decomposition: lower_to_onnx_ops_pass lowers it)"
+        return f"{target} has no ONNX translation (lower_to_onnx_ops_pass lowers it through its decomposition)"
     return f"{target} has no ONNX translation and no torch decomposition"
 
 
 def decomposition_for(node: fx.Node) -> Callable | None:
-    """The decomposition that lowers ``node``, or None when it translates directly or cannot be lowered."""
-    if why_untranslatable(node) is None:
+    """The decomposition that lowers ``node``, or None when it translates directly or cannot be lowered.
+
+    An op we translate ourselves is never lowered, even where our translation declines its arguments:
+    we translate it because its decomposition is bad (e.g. the flash attention decomposition's real
+    strides differ from its traced ones, which breaks later views when the segment runs on fx).
+    """
+    if node.target in TRANSLATIONS or why_untranslatable(node) is None:
         return None
     return _torch_decompositions().get(node.target)
 

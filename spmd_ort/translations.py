@@ -279,16 +279,16 @@ def _expand(values: Sequence[int], n: int) -> list[int]:
 
 
 # ---------------------------------------------------------------- attention
-def _attention_scores(query, key, is_causal: bool, attn_mask, scale: float | None):
-    """(B, H, L, S) scores with the causal and explicit masks applied."""
+def _attention_scores(query, key, key_len: int, is_causal: bool, attn_mask, scale: float | None):
+    """(B, H, L, S) scores with the causal and explicit masks applied (``key`` may be a repeated, shapeless value)."""
     e = query.shape[-1]
     scale = 1.0 / math.sqrt(e) if scale is None else scale
-    rank = len(key.shape)
+    rank = len(query.shape)
     perm = [*range(rank - 2), rank - 1, rank - 2]
     scores = op.MatMul(query, op.Transpose(key, perm=perm)) * _const(scale, query)
     neg_inf = _const(float("-inf"), query)
     if is_causal:
-        ell, s = query.shape[-2], key.shape[-2]
+        ell, s = query.shape[-2], key_len
         keep = op.Cast(op.Trilu(op.Expand(op.Constant(value=ir.tensor(1, dtype=ir.DataType.INT64)),
                                           _ints([ell, s])), upper=0), to=ir.DataType.BOOL)
         scores = op.Where(keep, scores, neg_inf)
@@ -300,11 +300,32 @@ def _attention_scores(query, key, is_causal: bool, attn_mask, scale: float | Non
     return scores, scale
 
 
+def _repeat_heads(x, heads: int):
+    """(..., Hk, S, E) -> (..., H, S, E): query head h reads key/value head h // (H / Hk), as torch's GQA does."""
+    *lead, hk, s, e = x.shape
+    if hk == heads:
+        return x
+    x = op.Expand(op.Unsqueeze(x, _ints([len(lead) + 1])), _ints([*lead, hk, heads // hk, s, e]))
+    return op.Reshape(x, _ints([*lead, heads, s, e]))
+
+
+def _sum_heads(grad, heads: int, kv_shape):
+    """The gradient of :func:`_repeat_heads`: (..., H, S, E) -> ``kv_shape`` (..., Hk, S, E)."""
+    *lead, kv_heads, s, e = kv_shape
+    if heads == kv_heads:
+        return grad
+    grad = op.Reshape(grad, _ints([*lead, kv_heads, heads // kv_heads, s, e]))
+    return op.ReduceSum(grad, _ints([len(lead) + 1]), keepdims=0)
+
+
 def _scaled_dot_product_flash_attention_for_cpu(query: TFloat, key: TFloat, value: TFloat, dropout_p: float = 0.0,
                                                 is_causal: bool = False, attn_mask: Optional[TFloat] = None,
                                                 scale: Optional[float] = None) -> tuple[TFloat, TFloat]:
-    """softmax(q k^T scale + mask) v, and the row log-sum-exp the backward reuses."""
-    scores, _ = _attention_scores(query, key, is_causal, attn_mask, scale)
+    """softmax(q k^T scale + mask) v, and the row log-sum-exp the backward reuses (key/value heads repeated
+    for grouped-query attention)."""
+    heads, key_len = query.shape[-3], key.shape[-2]
+    key, value = _repeat_heads(key, heads), _repeat_heads(value, heads)
+    scores, _ = _attention_scores(query, key, key_len, is_causal, attn_mask, scale)
     lse = _logsumexp(scores)
     out = op.MatMul(op.Exp(scores - lse), value)
     return out, op.Squeeze(lse, _ints([-1]))
@@ -320,7 +341,9 @@ def _scaled_dot_product_flash_attention_for_cpu_backward(
         dropout_p: float, is_causal: bool, attn_mask: Optional[TFloat] = None,
         scale: Optional[float] = None) -> tuple[TFloat, TFloat, TFloat]:
     """Recompute p = exp(scores - lse); dV = p^T dO, dS = p (dO V^T - rowsum(dO O)), dQ = dS K s, dK = dS^T Q s."""
-    scores, scale = _attention_scores(query, key, is_causal, attn_mask, scale)
+    heads, key_shape, value_shape = query.shape[-3], list(key.shape), list(value.shape)
+    key, value = _repeat_heads(key, heads), _repeat_heads(value, heads)
+    scores, scale = _attention_scores(query, key, key_shape[-2], is_causal, attn_mask, scale)
     p = op.Exp(scores - op.Unsqueeze(logsumexp, _ints([-1])))
     rank = len(query.shape)
     perm = [*range(rank - 2), rank - 1, rank - 2]
@@ -330,7 +353,7 @@ def _scaled_dot_product_flash_attention_for_cpu_backward(
     s = _const(scale, query)
     grad_query = op.MatMul(ds, key) * s
     grad_key = op.MatMul(op.Transpose(ds, perm=perm), query) * s
-    return grad_query, grad_key, grad_value
+    return grad_query, _sum_heads(grad_key, heads, key_shape), _sum_heads(grad_value, heads, value_shape)
 
 
 # ---------------------------------------------------------------- the table
@@ -366,8 +389,9 @@ def _avg_pool_accepts(node: fx.Node) -> str | None:
 def _attention_check(node: fx.Node, query: fx.Node, key: fx.Node, dropout_p) -> str | None:
     if dropout_p:
         return "attention with dropout stays in torch (its RNG)"
-    if query.meta["val"].shape[-3] != key.meta["val"].shape[-3]:
-        return "grouped-query attention (fewer key heads than query heads) is not translated"
+    q, k = query.meta["val"], key.meta["val"]
+    if q.dim() < 3 or k.dim() < 3 or q.shape[-3] % k.shape[-3]:
+        return f"attention over query {tuple(q.shape)} and key {tuple(k.shape)} is not translated"
     return None
 
 
