@@ -142,8 +142,6 @@ def _optimize(model) -> None:
         common.RemoveUnusedNodesPass(),
         common.RemoveUnusedFunctionsPass(),
         common.RemoveUnusedOpsetsPass(),
-        common.LiftConstantsToInitializersPass(lift_all_constants=True, size_limit=0),
-        common.DeduplicateInitializersPass(),
         common.CommonSubexpressionEliminationPass(),
         common.OutputFixPass(),
         common.NameFixPass(),

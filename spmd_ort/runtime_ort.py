@@ -8,17 +8,24 @@ for them.  The top-level graph, with host nodes (the fused optimizer update,
 collectives, random ops) between segments, runs as an fx GraphModule.
 
 The first run of each compiled variant goes through :class:`_FirstRun`: every
-segment also runs its fx graph; with verification on (``Options.verify``) the
-outputs are compared and a mismatch names the segment and the first differing
-output.  A segment that fails to export, to load, to run or to verify falls
-back to its fx graph (``Options.fallback_policy`` = ``FALLBACK_TO_FX``, the
-default, with one WARNING) or raises (``FALLBACK_DISABLE``).  The graph it gets
-is finished: this module partitions, exports and runs, and runs no pass.
+segment also runs its fx graph; with verification on (``Options.verify``, the
+default) the outputs are compared and a mismatch names the segment and the
+first differing output.  Both are then timed (:data:`TIMED_RUNS` warm runs
+each, interleaved), and with ``Options.segment_executor`` = ``auto`` (the
+default) the faster one runs the segment from then on, so no segment is slower
+than it would be on the fx executor.  A segment that fails to export, to load,
+to run or to verify falls back to its fx graph (``Options.fallback_policy`` =
+``FALLBACK_TO_FX``, the default, with one WARNING) or raises
+(``FALLBACK_DISABLE``); a configuration ORT cannot honour (a missing execution
+provider) is a :class:`~spmd_ort.errors.ConfigError`, never a fallback.  The
+graph it gets is finished: this module partitions, exports and runs, and runs no pass.
 """
 
 from __future__ import annotations
 
 import logging
+import threading
+import time
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -26,12 +33,13 @@ import onnxruntime as ort
 import torch
 from torch import fx, nn
 
-from .errors import CompileError
+from .errors import CompileError, ConfigError
 from .export import export_segment, input_position, save_model
 from .options import Options
 from .partition import partition_for_ort, why_host
 
 logger = logging.getLogger("spmd_ort")
+progress = logging.getLogger("spmd_ort.progress")  # shown at the default level (options.configure_logging)
 
 NUMPY_DTYPES = {
     torch.float32: np.float32, torch.float16: np.float16, torch.float64: np.float64, torch.int64: np.int64,
@@ -41,6 +49,25 @@ VERIFY_TOLERANCE = 1e-4  # max |ort - fx| relative to max |fx|, per output
 # Below this, differences are rounding noise of sums that cancel (e.g. the
 # analytically zero gradient of an attention key bias, ~1e-13): not a fault.
 VERIFY_ABS_FLOOR = {torch.float32: 1e-9, torch.float64: 1e-12, torch.float16: 1e-4, torch.bfloat16: 1e-3}
+# Timing on the first run: warm runs of each executor, interleaved; the fastest of each counts.  A second
+# round only when the first leaves the two within CLOSE of each other.
+TIMED_RUNS, CLOSE = 2, 0.1
+PROGRESS_AFTER_S = 2.0  # an export still running after this long gets a progress line
+
+
+def providers_for(device: torch.device) -> list:
+    """ONNX Runtime execution providers for tensors on ``device``; one that is not installed is a ConfigError."""
+    available = ort.get_available_providers()
+    if device.type == "cuda":
+        if "CUDAExecutionProvider" not in available:
+            raise ConfigError(f"the step's tensors are on {device}, but this onnxruntime has no CUDAExecutionProvider "
+                              f"(it has {', '.join(available) or 'none'}); install onnxruntime-gpu (extra "
+                              "spmd-ort[gpu]) or compile with backend='fx'")
+        return [("CUDAExecutionProvider", {"device_id": device.index or 0}), "CPUExecutionProvider"]
+    if device.type != "cpu" or "CPUExecutionProvider" not in available:
+        raise ConfigError(f"the step's tensors are on {device}, which no installed ONNX Runtime execution provider "
+                          f"runs (installed: {', '.join(available) or 'none'}); compile with backend='fx'")
+    return ["CPUExecutionProvider"]
 
 
 def _outputs_meta(gm: fx.GraphModule) -> tuple[list[torch.Tensor], bool]:
@@ -53,14 +80,15 @@ def _outputs_meta(gm: fx.GraphModule) -> tuple[list[torch.Tensor], bool]:
 class OrtSegment(nn.Module):
     """One ORT session standing in for the fx segment ``fallback`` (same inputs, same outputs)."""
 
-    def __init__(self, name: str, fallback: fx.GraphModule, model: bytes, *, threads: int, allow_spinning: bool):
+    def __init__(self, name: str, fallback: fx.GraphModule, model: bytes, *, threads: int, allow_spinning: bool,
+                 providers: list | None = None):
         super().__init__()
         self.name = name
         self.fallback = fallback
         self.use_fallback = False
         self.runs = 0  # how often ONNX Runtime ran this segment
         metas, self.returns_tuple = _outputs_meta(fallback)
-        device = metas[0].device if metas else torch.device("cpu")
+        device = segment_device(fallback)
         self.device_type = "cuda" if device.type == "cuda" else "cpu"
         self.device_id = device.index or 0
         options = ort.SessionOptions()
@@ -73,13 +101,7 @@ class OrtSegment(nn.Module):
         # the cores busy after a run, while torch runs host nodes; measured, not assumed.
         options.add_session_config_entry("session.intra_op.allow_spinning", "1" if allow_spinning else "0")
         options.add_session_config_entry("session.force_spinning_stop", "1")  # ...and stop when Run returns
-        providers = ["CPUExecutionProvider"]
-        if self.device_type == "cuda":
-            if "CUDAExecutionProvider" not in ort.get_available_providers():
-                raise RuntimeError("tensors are on CUDA but onnxruntime has no CUDAExecutionProvider; "
-                                   "install onnxruntime-gpu")
-            providers = [("CUDAExecutionProvider", {"device_id": self.device_id}), "CPUExecutionProvider"]
-        self.session = ort.InferenceSession(model, options, providers=providers)
+        self.session = ort.InferenceSession(model, options, providers=providers or providers_for(device))
         n_inputs = sum(1 for n in fallback.graph.nodes if n.op == "placeholder")
         self.input_names = [i.name for i in self.session.get_inputs()]
         self.input_index = [input_position(n) for n in self.input_names]
@@ -114,6 +136,13 @@ class OrtSegment(nn.Module):
         if self.use_fallback:
             return self.fallback(*args)
         return self.run_ort(*args)
+
+
+def segment_device(gm: fx.GraphModule) -> torch.device:
+    """Where a segment's tensors live (its first output's device)."""
+    metas, _ = _outputs_meta(gm)
+    tensors = [m for m in metas if isinstance(m, torch.Tensor)]
+    return tensors[0].device if tensors else torch.device("cpu")
 
 
 def _first_difference(ort_out, fx_out) -> str | None:
@@ -154,7 +183,7 @@ def _op_summary(gm: fx.GraphModule, limit: int = 6) -> str:
 
 
 class _FirstRun(fx.Interpreter):
-    """Runs every ORT segment and its fx graph; downstream uses the fx result."""
+    """Runs every ORT segment and its fx graph, compares and times them; downstream uses the fx result."""
 
     def __init__(self, executor: OrtExecutor):
         super().__init__(executor.gm)
@@ -164,23 +193,62 @@ class _FirstRun(fx.Interpreter):
         seg = self.module.get_submodule(target)
         if not isinstance(seg, OrtSegment) or seg.use_fallback:
             return super().call_module(target, args, kwargs)
+        ex = self.executor
         reference = seg.fallback(*args)
         try:
             got = seg.run_ort(*args)
         except Exception as exc:  # noqa: BLE001 - any ORT failure falls back per policy
-            _failure(seg.name, f"ONNX Runtime failed to run it: {exc}", self.executor.policy, _op_summary(seg.fallback))
+            _failure(seg.name, f"ONNX Runtime failed to run it: {_short(exc)}", ex.policy, _op_summary(seg.fallback))
             seg.use_fallback = True
-            self.executor.stats.fallbacks.append(seg.name)
+            ex.stats.fallbacks.append(seg.name)
             return reference
-        if self.executor.verify:
+        if ex.verify:
             diff = _first_difference(got, reference)
-            self.executor.stats.verified += 1
+            ex.stats.verified += 1
             if diff is not None:
-                self.executor.stats.mismatches.append(f"{seg.name}: {diff}")
-                _failure(seg.name, f"verification failed: {diff}", self.executor.policy, _op_summary(seg.fallback))
+                ex.stats.mismatches.append(f"{seg.name}: {diff}")
+                _failure(seg.name, f"verification failed: {diff}", ex.policy, _op_summary(seg.fallback))
                 seg.use_fallback = True
-                self.executor.stats.fallbacks.append(seg.name)
+                ex.stats.fallbacks.append(seg.name)
+                return reference
+        self._choose(seg, args)
         return reference
+
+    def _choose(self, seg: OrtSegment, args) -> None:
+        """Time both executors on this segment; with ``auto``, keep the faster (ties go to ORT)."""
+        mode = self.executor.segment_executor
+        if mode != "auto":
+            self.executor.stats.choices[seg.name] = SegmentChoice(mode)
+            seg.use_fallback = mode == "fx"
+            return
+        times: dict[str, list[float]] = {"ort": [], "fx": []}
+        ort_runs = seg.runs
+        for _ in range(TIMED_RUNS):
+            for name, run in (("fx", seg.fallback), ("ort", seg.run_ort)):
+                t0 = time.perf_counter()
+                run(*args)
+                times[name].append(time.perf_counter() - t0)
+            ort_s, fx_s = min(times["ort"]), min(times["fx"])
+            if abs(ort_s - fx_s) > CLOSE * min(ort_s, fx_s):
+                break
+        choice = "fx" if fx_s < ort_s else "ort"
+        self.executor.stats.choices[seg.name] = SegmentChoice(choice, ort_ms=ort_s * 1e3, fx_ms=fx_s * 1e3)
+        seg.use_fallback = choice == "fx"
+        seg.runs = ort_runs  # timing runs are not steps
+
+
+@dataclass(frozen=True)
+class SegmentChoice:
+    """Which executor runs a segment after the first run, and (``auto``) the warm times that decided it."""
+
+    executor: str
+    ort_ms: float | None = None
+    fx_ms: float | None = None
+
+    def __str__(self) -> str:
+        if self.ort_ms is None:
+            return f"{self.executor} (SPMD_ORT_SEGMENT_EXECUTOR={self.executor})"
+        return f"{self.executor} (ort {self.ort_ms:.2f} ms, fx {self.fx_ms:.2f} ms)"
 
 
 @dataclass
@@ -192,17 +260,21 @@ class OrtStats:
     fallbacks: list = field(default_factory=list)
     verified: int = 0
     mismatches: list = field(default_factory=list)
+    choices: dict = field(default_factory=dict)  # segment -> SegmentChoice
+    first_run_seconds: float = 0.0
 
 
 class OrtExecutor:
     name = "ort"
     reuses_buffers = True  # segment outputs live in tensors that the next step overwrites
 
-    def __init__(self, gm: fx.GraphModule, *, verify: bool, policy: str, stats: OrtStats):
+    def __init__(self, gm: fx.GraphModule, *, verify: bool, policy: str, stats: OrtStats,
+                 segment_executor: str = "auto"):
         self.gm = gm
         self.verify = verify
         self.policy = policy
         self.stats = stats
+        self.segment_executor = segment_executor
         self.first_run_done = False
 
     @property
@@ -214,22 +286,26 @@ class OrtExecutor:
             if not self.first_run_done:
                 # On copies: host nodes update state in place, and a segment failing after
                 # them (FALLBACK_DISABLE) must leave the real state untouched.
+                t0 = time.perf_counter()
                 out = _FirstRun(self).run(*[t.clone() for t in inputs])
                 self.first_run_done = True
+                self.stats.first_run_seconds = time.perf_counter() - t0
                 return list(out)
             return list(self.gm(*inputs))
 
     def describe(self) -> list[str]:
         stats = self.stats
         lines = [f"ORT segments: {stats.segments} (fell back to fx: {', '.join(stats.fallbacks) or 'none'}; "
-                 f"export {stats.export_seconds:.2f}s, {stats.cache_hits} from cache)"]
+                 f"export {stats.export_seconds:.2f}s, {stats.cache_hits} from cache; first run "
+                 f"{stats.first_run_seconds:.2f}s, {stats.verified} verified)"]
+        lines += [f"  {name} runs on {choice}" for name, choice in stats.choices.items()]
         lines += [f"  host: {op} ({why})" for op, why in stats.host_ops.items()]
         return lines
 
 
 def build_ort_executor(gm: fx.GraphModule, options: Options) -> OrtExecutor:
     """Partition the finished graph ``gm``, export and load each segment into an :class:`OrtExecutor`."""
-    policy, opset = options.fallback_policy, options.onnx_opset
+    policy = options.fallback_policy
     stats = OrtStats()
     for node in gm.graph.nodes:
         reason = why_host(node) if node.op == "call_function" else None
@@ -238,34 +314,84 @@ def build_ort_executor(gm: fx.GraphModule, options: Options) -> OrtExecutor:
     fused, names = partition_for_ort(gm)
     stats.segments = len(names)
     threads = torch.get_num_threads()
-    for name in names:
-        sub = fused.get_submodule(name)
-        stage = "export"
-        try:
-            result = export_segment(sub, name=name, opset=opset, cache_dir=options.cache_dir)
-            stats.export_seconds += result.seconds
-            stats.cache_hits += int(result.cache_hit)
-            if options.save_onnx:
-                path = save_model(result.model, name, options.onnx_prefix, options.save_onnx_path)
-                logger.info("saved %s to %s", name, path)
-            stage = "loading the exported model into ONNX Runtime"
-            try:
-                segment = OrtSegment(name, sub, result.model, threads=threads, allow_spinning=options.allow_spinning)
-            except Exception:
-                if not result.cache_hit:
-                    raise
-                logger.info("cached model of %s does not load; exporting it again", name)
-                result = export_segment(sub, name=name, opset=opset, cache_dir=options.cache_dir, refresh=True)
-                segment = OrtSegment(name, sub, result.model, threads=threads, allow_spinning=options.allow_spinning)
-        except CompileError:
-            raise
-        except Exception as exc:  # noqa: BLE001 - export/load failures fall back per policy
-            _failure(name, f"{stage} failed: {type(exc).__name__}: {_short(exc)}", policy, _op_summary(sub))
-            stats.fallbacks.append(name)
-            continue
-        setattr(fused, name, segment)
+    with _Progress(len(names)) as shown:
+        for i, name in enumerate(names):
+            sub = fused.get_submodule(name)
+            providers = providers_for(segment_device(sub))  # a ConfigError, never a fallback
+            shown.start(i, name, sum(1 for n in sub.graph.nodes if n.op == "call_function"))
+            segment = _load_segment(name, sub, options, stats, threads=threads, providers=providers)
+            if segment is not None:
+                setattr(fused, name, segment)
     fused.recompile()
-    return OrtExecutor(fused, verify=options.verify, policy=policy, stats=stats)
+    return OrtExecutor(fused, verify=options.verify, policy=policy, stats=stats,
+                       segment_executor=options.segment_executor)
+
+
+def _load_segment(name: str, sub: fx.GraphModule, options: Options, stats: OrtStats, *, threads: int,
+                  providers: list) -> OrtSegment | None:
+    """Export (or load from the cache) and open one segment; None if it falls back to fx."""
+    opset = options.onnx_opset
+    stage = "export"
+    try:
+        result = export_segment(sub, name=name, opset=opset, cache_dir=options.cache_dir)
+        stats.export_seconds += result.seconds
+        stats.cache_hits += int(result.cache_hit)
+        if options.save_onnx:
+            path = save_model(result.model, name, options.onnx_prefix, options.save_onnx_path)
+            logger.info("saved %s to %s", name, path)
+        stage = "loading the exported model into ONNX Runtime"
+        make = lambda data: OrtSegment(name, sub, data, threads=threads,  # noqa: E731
+                                       allow_spinning=options.allow_spinning, providers=providers)
+        try:
+            return make(result.model)
+        except Exception:
+            if not result.cache_hit:
+                raise
+            logger.info("cached model of %s does not load; exporting it again", name)
+            result = export_segment(sub, name=name, opset=opset, cache_dir=options.cache_dir, refresh=True)
+            return make(result.model)
+    except CompileError:
+        raise
+    except Exception as exc:  # noqa: BLE001 - export/load failures fall back per policy
+        _failure(name, f"{stage} failed: {type(exc).__name__}: {_short(exc)}", options.fallback_policy,
+                 _op_summary(sub))
+        stats.fallbacks.append(name)
+        return None
+
+
+class _Progress:
+    """One line when an export takes longer than :data:`PROGRESS_AFTER_S` (big models), and one when all are done."""
+
+    def __init__(self, total: int):
+        self.total = total
+        self.t0 = time.perf_counter()
+        self.timer: threading.Timer | None = None
+        self.shown = False
+
+    def __enter__(self) -> _Progress:
+        return self
+
+    def start(self, index: int, name: str, ops: int) -> None:
+        self._cancel()
+
+        def show() -> None:
+            self.shown = True
+            progress.info("exporting ORT segment %s (%d of %d, %d ops) ...", name, index + 1, self.total, ops)
+
+        self.timer = threading.Timer(PROGRESS_AFTER_S, show)
+        self.timer.daemon = True
+        self.timer.start()
+
+    def _cancel(self) -> None:
+        if self.timer is not None:
+            self.timer.cancel()
+            self.timer = None
+
+    def __exit__(self, *exc) -> None:
+        self._cancel()
+        if self.shown:
+            progress.info("exported %d ORT segment(s) in %.1fs (cached for the next run)", self.total,
+                          time.perf_counter() - self.t0)
 
 
 def _short(exc: BaseException, limit: int = 400) -> str:
