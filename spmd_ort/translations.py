@@ -292,11 +292,8 @@ def _attention_scores(query, key, key_len: int, is_causal: bool, attn_mask, scal
         keep = op.Cast(op.Trilu(op.Expand(op.Constant(value=ir.tensor(1, dtype=ir.DataType.INT64)),
                                           _ints([ell, s])), upper=0), to=ir.DataType.BOOL)
         scores = op.Where(keep, scores, neg_inf)
-    if attn_mask is not None:
-        if attn_mask.dtype == ir.DataType.BOOL:
-            scores = op.Where(attn_mask, scores, neg_inf)
-        else:
-            scores = scores + attn_mask
+    if attn_mask is not None:  # additive: the fused kernel takes masks of the query's dtype only
+        scores = scores + attn_mask
     return scores, scale
 
 
