@@ -210,7 +210,9 @@ class _FirstRun(fx.Interpreter):
             ex.stats.fallbacks.append(seg.name)
             return reference
         if ex.verify:
+            t0 = time.perf_counter()
             diff = _first_difference(got, reference)
+            ex.stats.verify_seconds += time.perf_counter() - t0
             ex.stats.verified += 1
             if diff is not None:
                 ex.stats.mismatches.append(f"{seg.name}: {diff}")
@@ -270,7 +272,8 @@ class OrtStats:
     verified: int = 0
     mismatches: list = field(default_factory=list)
     choices: dict = field(default_factory=dict)  # segment -> SegmentChoice
-    first_run_seconds: float = 0.0
+    first_run_seconds: float = 0.0  # the checked first run: both executors, comparison, timing
+    verify_seconds: float = 0.0  # of which comparing outputs
 
 
 class OrtExecutor:
@@ -306,7 +309,7 @@ class OrtExecutor:
         stats = self.stats
         lines = [f"ORT segments: {stats.segments} (fell back to fx: {', '.join(stats.fallbacks) or 'none'}; "
                  f"export {stats.export_seconds:.2f}s, {stats.cache_hits} from cache; first run "
-                 f"{stats.first_run_seconds:.2f}s, {stats.verified} verified)"]
+                 f"{stats.first_run_seconds:.2f}s, {stats.verified} verified in {stats.verify_seconds:.2f}s)"]
         lines += [f"  {name} runs on {choice}" for name, choice in stats.choices.items()]
         lines += [f"  host: {op} ({why})" for op, why in stats.host_ops.items()]
         return lines
