@@ -180,3 +180,16 @@ def test_declined_arguments_stay_untranslated_with_a_reason():
     pool = node_of(lambda g, x: aten.avg_pool2d_backward.default(g, x, [2], [2], [0], True, True, None),
                    _randn(1, 4, 3, 3), x)
     assert "ceil_mode" in coverage.why_untranslatable(pool)
+
+
+def test_mixed_dtypes_are_promoted_explicitly():
+    """aten ops promote mixed dtypes implicitly, ONNX ops do not: the translation inserts the casts."""
+    x, i = _randn(4, 5), torch.randint(-3, 3, (4, 5), generator=G)
+
+    def fn(x, i):
+        return x + i, i * 0.5, (x > 0) * x, torch.where(i > 0, x, 1)
+
+    gm = make_fx(fn, tracing_mode="fake")(x, i)
+    got = OrtSegment("probe", gm, translate(gm), threads=1, allow_spinning=False).run_ort(x, i)
+    for g, e in zip(got, fn(x, i)):
+        assert g.dtype == e.dtype and torch.equal(g, e)
