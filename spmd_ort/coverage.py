@@ -30,6 +30,7 @@ import torch
 from torch import fx
 
 from . import translations
+from .options import DEFAULT_OPSET
 from .translations import TRANSLATIONS
 
 aten = torch.ops.aten
@@ -58,8 +59,14 @@ for _name in ("torch.onnx._internal.exporter._registration", "torch.onnx._intern
     logging.getLogger(_name).addFilter(_FILTER)
 
 
-def registry(opset: int = 18):
-    """torchlib's registry for ``opset``, with our translations and without the ops in :data:`FIXES`."""
+def registry(opset: int = DEFAULT_OPSET):
+    """torchlib's registry for ``opset``, with our translations and without the ops in :data:`FIXES`.
+
+    The predicate asks the default opset's registry: torchlib registers the same ops for opsets 18
+    to 22 (23 adds ``rms_norm``, which torch decomposes before it reaches a graph), so the answer
+    does not depend on ``SPMD_ORT_ONNX_OPSET_VERSION``, and with the default opset the predicate and
+    the exporter share one registry (building one takes ~1 s).
+    """
     table = tuple((op, id(t.function)) for op, t in TRANSLATIONS.items()) + tuple(FIXES)
     return _registry(opset, table)
 

@@ -205,25 +205,49 @@ def export_segment(gm: fx.GraphModule, *, name: str, opset: int = DEFAULT_OPSET,
     """ONNX bytes for ``gm``, from the cache in ``cache_dir`` when possible.
 
     ``cache_dir=None`` exports without a cache; ``refresh`` exports again and overwrites the cached model.
+    Processes that export the same segment at once (the ranks of a data-parallel job) take turns on a
+    lock file: the first exports, the others read its model.
     """
     t0 = time.perf_counter()
     key = segment_key(gm, opset)
-    use_cache = cache_dir is not None
-    path = Path(cache_dir or ".") / f"{key}.onnx"
-    if use_cache and not refresh and path.exists():
-        data = path.read_bytes()
-        return ExportResult(data, time.perf_counter() - t0, True, key)
-    data = translate(gm, opset)
-    if use_cache:
+    if cache_dir is None:
+        data = translate(gm, opset)
+        return ExportResult(data, time.perf_counter() - t0, False, key)
+    path = Path(cache_dir) / f"{key}.onnx"
+    if not refresh and path.exists():
+        return ExportResult(path.read_bytes(), time.perf_counter() - t0, True, key)
+    with _exclusive(path.with_suffix(".lock")):
+        if not refresh and path.exists():  # another process exported it while this one waited
+            return ExportResult(path.read_bytes(), time.perf_counter() - t0, True, key)
+        data = translate(gm, opset)
         try:
             path.parent.mkdir(parents=True, exist_ok=True)
             with tempfile.NamedTemporaryFile(dir=path.parent, delete=False, suffix=".tmp") as f:
                 f.write(data)
-            os.replace(f.name, path)  # atomic: concurrent ranks never read half a file
+            os.replace(f.name, path)  # atomic: a reader never sees half a file
         except OSError as exc:
             logger.warning("could not write the ONNX cache %s: %s", path, exc)
     logger.info("exported %s to ONNX (opset %d) in %.2fs", name, opset, time.perf_counter() - t0)
     return ExportResult(data, time.perf_counter() - t0, False, key)
+
+
+@contextlib.contextmanager
+def _exclusive(lock_path: Path):
+    """An exclusive lock on ``lock_path`` (POSIX ``flock``); without one (no fcntl, read-only cache) no lock."""
+    try:
+        import fcntl
+
+        lock_path.parent.mkdir(parents=True, exist_ok=True)
+        handle = open(lock_path, "a+")  # noqa: SIM115 - held until the block ends
+    except (ImportError, OSError):
+        yield
+        return
+    try:
+        fcntl.flock(handle, fcntl.LOCK_EX)
+        yield
+    finally:
+        fcntl.flock(handle, fcntl.LOCK_UN)
+        handle.close()
 
 
 def save_model(data: bytes, name: str, prefix: str, directory: Path | None = None) -> Path:

@@ -49,9 +49,10 @@ VERIFY_TOLERANCE = 1e-4  # max |ort - fx| relative to max |fx|, per output
 # Below this, differences are rounding noise of sums that cancel (e.g. the
 # analytically zero gradient of an attention key bias, ~1e-13): not a fault.
 VERIFY_ABS_FLOOR = {torch.float32: 1e-9, torch.float64: 1e-12, torch.float16: 1e-4, torch.bfloat16: 1e-3}
-# Timing on the first run: each executor runs a segment back to back (switching between ORT's and torch's
-# thread pools costs more than a small segment: measured up to 0.3 s on a loaded 2-core machine) at least
-# TIMED_RUNS[0] and at most TIMED_RUNS[1] times, while its runs take less than TIMING_BUDGET_S; the fastest counts.
+# Timing on the first run: each executor's checked run is its first sample; then it runs the segment back to
+# back (switching between ORT's and torch's thread pools costs more than a small segment: measured up to
+# 0.3 s on a loaded 2-core machine) until it has TIMED_RUNS[0] samples, and up to TIMED_RUNS[1] while they
+# take less than TIMING_BUDGET_S; the fastest counts.
 TIMED_RUNS, TIMING_BUDGET_S = (2, 5), 0.25
 PROGRESS_AFTER_S = 2.0  # an export still running after this long gets a progress line
 
@@ -163,12 +164,17 @@ def _first_difference(ort_out, fx_out) -> str | None:
             if not torch.equal(a, b):
                 return f"output {i}: integer values differ"
             continue
-        if not torch.equal(torch.isnan(a), torch.isnan(b)):
-            return f"output {i}: NaN in one and not the other"
+        if b.numel() == 0:
+            continue
+        diff = (a - b).abs()  # NaN where either is NaN (or both are the same infinity)
+        if torch.isnan(diff).any():
+            same = (torch.isnan(a) & torch.isnan(b)) | (a == b)
+            if not torch.equal(torch.isnan(diff), torch.isnan(diff) & same):
+                return f"output {i}: NaN in one and not the other"
+            diff = torch.nan_to_num(diff, nan=0.0)
+        err = diff.max().item()
+        scale = torch.nan_to_num(b.abs(), nan=0.0, posinf=0.0).max().item()
         floor = VERIFY_ABS_FLOOR.get(a.dtype, 1e-9)
-        a, b = torch.nan_to_num(a.double()), torch.nan_to_num(b.double())
-        scale = b.abs().max().item() if b.numel() else 0.0
-        err = (a - b).abs().max().item() if b.numel() else 0.0
         if err > VERIFY_TOLERANCE * scale and err > floor:
             return (f"output {i} (shape {tuple(b.shape)}): max |ort - fx| = {err:.3g}, "
                     f"{err / max(scale, 1e-30):.3g} of max |fx| = {scale:.3g}")
@@ -201,9 +207,12 @@ class _FirstRun(fx.Interpreter):
         if not isinstance(seg, OrtSegment) or seg.use_fallback:
             return super().call_module(target, args, kwargs)
         ex = self.executor
+        t0 = time.perf_counter()
         reference = seg.fallback(*args)
+        t1 = time.perf_counter()
         try:
             got = seg.run_ort(*args)
+            first = {"fx": t1 - t0, "ort": time.perf_counter() - t1}
         except Exception as exc:  # noqa: BLE001 - any ORT failure falls back per policy
             _failure(seg.name, f"ONNX Runtime failed to run it: {_short(exc)}", ex.policy, _op_summary(seg.fallback))
             seg.use_fallback = True
@@ -220,10 +229,10 @@ class _FirstRun(fx.Interpreter):
                 seg.use_fallback = True
                 ex.stats.fallbacks.append(seg.name)
                 return reference
-        self._choose(seg, args)
+        self._choose(seg, args, first)
         return reference
 
-    def _choose(self, seg: OrtSegment, args) -> None:
+    def _choose(self, seg: OrtSegment, args, first: dict[str, float]) -> None:
         """Time both executors on this segment; with ``auto``, keep the faster (ties go to ORT)."""
         mode = self.executor.segment_executor
         if mode != "auto":
@@ -231,16 +240,17 @@ class _FirstRun(fx.Interpreter):
             seg.use_fallback = mode == "fx"
             return
         ort_runs = seg.runs
-        fx_s, ort_s = _fastest(seg.fallback, args), _fastest(seg.run_ort, args)
+        fx_s, ort_s = _fastest(seg.fallback, args, first["fx"]), _fastest(seg.run_ort, args, first["ort"])
         choice = "fx" if fx_s < ort_s else "ort"
         self.executor.stats.choices[seg.name] = SegmentChoice(choice, ort_ms=ort_s * 1e3, fx_ms=fx_s * 1e3)
         seg.use_fallback = choice == "fx"
         seg.runs = ort_runs  # timing runs are not steps
 
 
-def _fastest(run, args) -> float:
+def _fastest(run, args, first: float) -> float:
+    """The fastest of ``first`` (the checked run's time) and further runs of ``run``."""
     least, most = TIMED_RUNS
-    samples: list[float] = []
+    samples: list[float] = [first]
     while len(samples) < least or (len(samples) < most and sum(samples) < TIMING_BUDGET_S):
         t0 = time.perf_counter()
         run(*args)
