@@ -12,17 +12,21 @@ to that eager step.
 Runners: ``eager`` (the baseline above); ``eager-default`` (``AdamW()`` as most
 scripts write it: on CPU torch 2.13 picks the for-loop implementation, ~5x
 slower; shown so the gap a kernel choice makes is visible, never used as the
-baseline); ``fx`` / ``ort`` (``spmd_ort.compile``); ``inductor``
-(``torch.compile(model)`` with the fused optimizer).  The runners alternate step
-by step with a pause between them, median of ``--steps`` after 3 warm-up calls.
+baseline); ``fx`` / ``ort`` (``spmd_ort.compile``; ``ort`` is the default
+backend as users get it: each segment runs on the faster of ORT and fx, chosen on
+the first run); ``ort-only`` (every segment in ONNX Runtime,
+``SPMD_ORT_SEGMENT_EXECUTOR=ort``); ``inductor`` (``torch.compile(model)`` with the
+fused optimizer).  The runners alternate step by step with a pause between them,
+median of ``--steps`` after 3 warm-up calls.
 
 Models with parts the compiled step runs opaquely (mixtral-tiny: its experts) also get
 the time those parts took inside the compiled runners' steps (median).
 
-Compile time: ``--compile`` also runs the ORT backend's first two calls (two
-traces, export or cache load, sessions, first checked run) in a fresh process
+Compile time: ``--compile`` also runs the ORT backend's first call (trace,
+passes, export or cache load, sessions, checked first run) in a fresh process
 with an empty ONNX cache (cold) and then in a second fresh process sharing that
-cache (warm), and reports each process's peak RSS.
+cache (warm), and reports each process's peak RSS against a process that trains
+the same model eagerly (what the step itself needs).
 """
 
 from __future__ import annotations
@@ -136,6 +140,14 @@ def build_runners(model: nn.Module, backends: list[str]) -> dict:
         opt = make_adamw(m.parameters(), fused=None if name == "eager-default" else True)
         if name in ("eager", "eager-default"):
             fn = train_step
+        elif name == "ort-only":
+            previous = os.environ.get("SPMD_ORT_SEGMENT_EXECUTOR")
+            os.environ["SPMD_ORT_SEGMENT_EXECUTOR"] = "ort"  # read once, by compile()
+            fn = spmd_ort.compile(backend="ort")(train_step)
+            if previous is None:
+                del os.environ["SPMD_ORT_SEGMENT_EXECUTOR"]
+            else:
+                os.environ["SPMD_ORT_SEGMENT_EXECUTOR"] = previous
         elif name == "inductor":
             compiled_model = torch.compile(m)  # backward through AOT autograd; the fused optimizer
             fn = lambda _m, o, x, y, cm=compiled_model: train_step(cm, o, x, y)  # noqa: E731
@@ -181,46 +193,69 @@ def bench_model(name: str, steps: int, backends: list[str]) -> dict:
 
 
 def compile_probe(name: str, backend: str) -> None:
-    """In this (fresh) process: the first two calls of a compiled step; prints one JSON line."""
+    """In this (fresh) process: the first two calls of a compiled step (``eager``: two eager steps); one JSON line.
+
+    The first call traces (once: AdamW's state is created before the trace), runs the passes, exports or
+    loads each segment, opens the sessions and runs the checked first run (both executors, compared and
+    timed); the second is a plain step.
+    """
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", os.cpu_count() or 1)))
     torch.manual_seed(0)
     model, batch = MODELS[name]()
     opt = make_adamw(model.parameters())
-    step = spmd_ort.compile(backend=backend)(train_step)
+    if backend == "eager":
+        spmd_ort.memory.retain_host_memory()  # as the compiled step does on its first call
+    step = train_step if backend == "eager" else spmd_ort.compile(backend=backend)(train_step)
     t0 = time.perf_counter()
-    for _ in range(2):  # both variants: before and after the optimizer state exists
-        step(model, opt, *batch())
+    step(model, opt, *batch())
+    first = time.perf_counter() - t0
+    step(model, opt, *batch())
     seconds = time.perf_counter() - t0
-    stats = [v.executor.stats for v in step.variants] if backend == "ort" else []
-    print(json.dumps({"seconds": seconds, "export_s": sum(s.export_seconds for s in stats),
-                      "hits": sum(s.cache_hits for s in stats), "segments": sum(s.segments for s in stats),
-                      "rss_mib": spmd_ort.memory.max_rss_bytes() / 2**20}))
+    result = {"seconds": seconds, "first_s": first, "rss_mib": spmd_ort.memory.max_rss_bytes() / 2**20}
+    if backend == "ort":
+        stats = [v.executor.stats for v in step.variants]
+        result.update(export_s=sum(s.export_seconds for s in stats), hits=sum(s.cache_hits for s in stats),
+                      segments=sum(s.segments for s in stats), variants=len(step.variants),
+                      compile_s=sum(v.compile_seconds for v in step.variants),
+                      first_run_s=sum(s.first_run_seconds for s in stats),
+                      verify_s=sum(s.verify_seconds for s in stats),
+                      choices=[str(c) for s in stats for c in s.choices.values()])
+    print(json.dumps(result))
+
+
+def _probe(name: str, backend: str, env: dict) -> dict:
+    out = subprocess.run([sys.executable, __file__, "--compile-probe", name, "--probe-backend", backend], env=env,
+                         capture_output=True, text=True, check=True)
+    return json.loads(out.stdout.strip().splitlines()[-1])
 
 
 def compile_times(name: str) -> str:
-    """Cold (empty ONNX cache) and warm (a second process, same cache) first calls of the ORT backend."""
+    """Cold (empty ONNX cache) and warm (a second process, same cache) first calls of the ORT backend,
+    and the peak RSS of a process that trains the same model eagerly (the step's own memory)."""
     cache = tempfile.mkdtemp(prefix="spmd_ort_bench_cache_")
     env = {**os.environ, "SPMD_ORT_CACHE_DIR": cache}
+    eager = _probe(name, "eager", env)
     cells = []
     for _ in ("cold", "warm"):
-        out = subprocess.run([sys.executable, __file__, "--compile-probe", name], env=env, capture_output=True,
-                             text=True, check=True)
-        r = json.loads(out.stdout.strip().splitlines()[-1])
-        cells.append(f"{r['seconds']:.1f} s (export {r['export_s']:.1f} s, {r['hits']}/{r['segments']} segments "
-                     f"cached; peak RSS {r['rss_mib']:.0f} MiB)")
-    return f"| {name} | " + " | ".join(cells) + " |"
+        r = _probe(name, "ort", env)
+        cells.append(f"{r['first_s']:.1f} s: compile {r['compile_s']:.1f} s (export {r['export_s']:.1f} s, "
+                     f"{r['hits']}/{r['segments']} cached), first run {r['first_run_s']:.1f} s (verify "
+                     f"{r['verify_s']:.2f} s); peak RSS {r['rss_mib']:.0f} MiB "
+                     f"({r['rss_mib'] / eager['rss_mib']:.2f}x eager)")
+    return f"| {name} | {eager['rss_mib']:.0f} MiB | " + " | ".join(cells) + f" | {'; '.join(r['choices'])} |"
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--steps", type=int, default=7, help="measured steps per model (median reported)")
     ap.add_argument("--models", default="gpt-mini,mlp,cnn,mixtral-tiny")
-    ap.add_argument("--backends", default="fx,ort,inductor")
+    ap.add_argument("--backends", default="fx,ort,ort-only,inductor")
     ap.add_argument("--compile", action="store_true", help="also measure cold/warm ORT compile in fresh processes")
     ap.add_argument("--compile-probe", help=argparse.SUPPRESS)
+    ap.add_argument("--probe-backend", default="ort", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.compile_probe:
-        compile_probe(args.compile_probe, "ort")
+        compile_probe(args.compile_probe, args.probe_backend)
         return
     threads = int(os.environ.get("OMP_NUM_THREADS", os.cpu_count() or 1))
     torch.set_num_threads(threads)
@@ -246,10 +281,11 @@ def main() -> None:
             print(f"  ({name}: opaque parts run eagerly in {b}'s step: {ms:.1f} ms of {r['ms'][b]:.1f} ms, "
                   f"{ms / r['ms'][b]:.0%})", flush=True)
     if args.compile:
-        print("\nort backend, first two calls in a fresh process (two traces, export or cache load, sessions, "
-              "checked first run):")
-        print("| model | cold (empty cache) | warm (second process, same cache) |")
-        print("|---|---|---|")
+        print("\nort backend, first call in a fresh process (trace, passes, export or cache load, sessions, checked "
+              "first run: both executors compared and timed); peak RSS of the process after two calls, against a "
+              "process that trains the same model eagerly for two steps:")
+        print("| model | eager peak RSS | cold (empty cache) | warm (second process, same cache) | segments run on |")
+        print("|---|---|---|---|---|")
         for name in args.models.split(","):
             print(compile_times(name), flush=True)
 

@@ -57,6 +57,13 @@ class OffloadPlan:
     param_copies: int = 0
 
 
+@dataclass(frozen=True)
+class Lowering:
+    """``lower_to_onnx_ops_pass``: how many nodes of each op were replaced by their decomposition."""
+
+    lowered: dict[str, int]
+
+
 @dataclass
 class PassResults:
     """Analysis results the passes record; kept on the compiled program (``CompiledProgram.results``)."""
@@ -67,6 +74,7 @@ class PassResults:
     kept_for_backward: tuple[str, ...] = ()
     offload: OffloadPlan = field(default_factory=OffloadPlan)
     memory: MemoryPlan | None = None
+    lowering: Lowering | None = None
 
 
 @dataclass(kw_only=True)

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import torch
 from torch import fx
 
-from spmd_ort import ops
+from spmd_ort import coverage, ops
 
 from .context import PassContext
 from .helpers import DEDUP_KEY, SHARD_OF, TAG, calls, placeholders, val
@@ -157,6 +157,14 @@ def _gathers_on_compute_device(gm, ctx):
     return None
 
 
+def _onnx_lowered(gm, ctx):
+    for node in gm.graph.nodes:
+        if node.op == "call_function" and getattr(node.target, "namespace", None) == "aten" \
+                and coverage.decomposition_for(node) is not None:
+            return f"`{node.name}` ({node.target}) has no direct ONNX translation but a decomposition"
+    return None
+
+
 def _memory_planned(gm, ctx):
     return None if ctx.results.memory is not None else "no memory plan recorded"
 
@@ -186,6 +194,8 @@ NO_DEVICE_OPTIMIZER_OPS = Invariant("no_device_optimizer_ops", "every optimizer 
                                     _no_device_optimizer_ops)
 GATHERS_ON_COMPUTE_DEVICE = Invariant("gathers_on_compute_device", "all-gathers read tensors on the compute device",
                                       _gathers_on_compute_device)
+ONNX_LOWERED = Invariant("onnx_lowered", "no aten op that lacks a direct ONNX translation has a decomposition left",
+                         _onnx_lowered)
 MEMORY_PLANNED = Invariant("memory_planned", "the memory plan is recorded", _memory_planned)
 
 # checked after every pass when contracts are checked

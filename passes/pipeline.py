@@ -27,6 +27,7 @@ from .data_parallel import (broadcast_buffers_pass, bucket_collectives_pass, ded
 from .fully_shard import (complete_found_inf_pass, complete_grad_norms_pass, gather_parameters_pass,
                           propagate_shards_pass, reduce_scatter_gradients_pass, rematerialize_param_views_pass,
                           shard_placeholders_pass)
+from .lowering import lower_to_onnx_ops_pass
 from .mixed_precision import cast_gradient_reductions_pass, cast_params_before_gather_pass
 from .offload import offload_optimizer_pass, offload_params_pass
 from .reinplace import reinplace_optimizer_pass
@@ -69,6 +70,10 @@ def _reduce_dtype(s: Setting) -> bool:
 
 def _resharding(s: Setting) -> bool:
     return _sharded(s) and s.mode.reshard_after_forward
+
+
+def _ort(s: Setting) -> bool:
+    return s.backend == "ort"
 
 
 def _offload_param(s: Setting) -> bool:
@@ -119,6 +124,7 @@ STAGES: tuple[Step, ...] = (
     Step(USER_TRANSFORMS, "override_transform_pass[<Override>]", _always, "each Override, in order"),
     Step(USER_TRANSFORMS, "gm_transformation_pass", _always, "compile(gm_transformation=...)"),
     Step("analysis", plan_memory_pass),
+    Step("backend", lower_to_onnx_ops_pass, _ort, "ort backend"),
     Step("backend", reinplace_optimizer_pass),
 )
 

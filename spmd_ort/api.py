@@ -121,6 +121,40 @@ def _find_state_owners(args: tuple, kwargs: dict) -> tuple[nn.Module, torch.opti
     return modules[0], optimizers[0] if optimizers else None, scalers[0] if scalers else None
 
 
+def _prefill_optimizer_state(opt, rule, mode, scaler=None) -> list[nn.Parameter]:
+    """Create a fresh optimizer's state as its first step would (where the rule says that is exact).
+
+    The first call then traces the steady-state step at once: one variant, one
+    export, instead of a throw-away variant for "before the state exists".
+    Only for an optimizer with no state at all, not under fully_shard (its
+    state is created on shards by the sharding passes), and not with an enabled
+    GradScaler (a first step it skips creates no state in eager).  Returns the
+    parameters given state, for :func:`_undo_prefill`.
+    """
+    if (opt is None or rule is None or rule.initial_state is None or opt.state or (mode is not None and mode.sharded)
+            or amp.scaler_enabled(scaler)):
+        return []
+    filled = []
+    for group in opt.param_groups:
+        for p in group["params"]:
+            if p.requires_grad and p not in opt.state:
+                opt.state[p].update(rule.initial_state(group, p))
+                filled.append(p)
+    return filled
+
+
+def _undo_prefill(opt, params: list[nn.Parameter]) -> None:
+    for p in params:
+        opt.state.pop(p, None)
+
+
+def _updates_state_of(program: CompiledProgram, params: list[nn.Parameter]) -> bool:
+    """Whether the compiled step writes new optimizer state for every one of ``params`` (each got a gradient)."""
+    index = {id(p): i for i, p in enumerate(program.layout.params)}
+    updated = {s.index for s in program.output_slots if s.kind == "opt_state"}
+    return all(index.get(id(p)) in updated for p in params)
+
+
 def _snapshot(gm: fx.GraphModule) -> fx.GraphModule:
     """A copy of ``gm`` whose graph later passes cannot touch."""
     graph = fx.Graph()
@@ -304,20 +338,23 @@ class CompiledStep:
         if self.module_override and id(module) not in self._overridden:
             swaps.apply(module, self.module_override)
         sharding = None
+        prefilled: list[nn.Parameter] = []
         try:
             rule = rule_for(opt) if opt is not None else None
             if amp.scaler_enabled(scaler):
                 amp.check_scaler(scaler)
             sharding = self._shard_if_needed(module, opt, mode, rank, world_size)
-            key = StepKey.of(module, opt, args, kwargs, rule=rule, world=(world_size, repr(mode)),
-                             amp=(("autocast", amp.autocast_state()),
-                                  ("scaler", amp.scaler_key(scaler, state_device(module)))))
-            if mode is not None:
-                # every step: ranks that would run different graphs stop here, all of them
-                parallel.check_agreement("this step's inputs, module and optimizer", key.portable())
+            prefilled = _prefill_optimizer_state(opt, rule, mode, scaler)
+            key = self._agreed_key(module, opt, scaler, args, kwargs, rule, mode, world_size)
             program = self.transitions.lookup(key)
             if program is None:
                 program = self._compile_everywhere(key, module, opt, scaler, rule, mode, args, kwargs)
+                if prefilled and not _updates_state_of(program, prefilled):
+                    # a parameter got no gradient, so eager would create no state for it: trace as eager steps
+                    _undo_prefill(opt, prefilled)
+                    prefilled = []
+                    key = self._agreed_key(module, opt, scaler, args, kwargs, rule, mode, world_size)
+                    program = self._compile_everywhere(key, module, opt, scaler, rule, mode, args, kwargs)
                 if mode is not None and not mode.sharded and id(module) not in self._synced:
                     parallel.broadcast_state(module)  # rank 0's weights everywhere, as DDP does
                     self._synced.add(id(module))
@@ -327,6 +364,7 @@ class CompiledStep:
                 out = self._run(program, args, kwargs)
             self.compiled = program
         except BaseException:
+            _undo_prefill(opt, prefilled)
             if sharding is not None:
                 sharding.undo()
             swaps.undo()
@@ -341,6 +379,15 @@ class CompiledStep:
             # (CompiledStep._run), so this finds nothing to wait for.
             self.runtime.comm.finish()
         return out
+
+    def _agreed_key(self, module, opt, scaler, args, kwargs, rule, mode, world_size: int) -> StepKey:
+        key = StepKey.of(module, opt, args, kwargs, rule=rule, world=(world_size, repr(mode)),
+                         amp=(("autocast", amp.autocast_state()),
+                              ("scaler", amp.scaler_key(scaler, state_device(module)))))
+        if mode is not None:
+            # every step: ranks that would run different graphs stop here, all of them
+            parallel.check_agreement("this step's inputs, module and optimizer", key.portable())
+        return key
 
     def _shard_if_needed(self, module, opt, mode, rank: int, world_size: int) -> ShardedModule | None:
         """fully_shard: shard the module (once) before its key is taken; returns the undo handle."""
@@ -426,8 +473,10 @@ class CompiledStep:
         layout = StateLayout.capture(module, opt, rule, scaler)
         # Errors rooted in an input name it, and how it differs from the last call that compiled.
         inputs = StepInputs.of(self.fn, args, kwargs, previous_key=self.compiled.key if self.compiled else None)
-        # ORT has no translation of the fused CPU attention kernels' backward: trace the math form.
-        traced = trace_step(self.fn, args, kwargs, layout, sdpa_math=self.backend == "ort",
+        # spmd_ort.translations translates the fused CPU attention kernel (forward and backward), not the
+        # CUDA ones: on an accelerator, the ORT backend traces attention in its math form.
+        on_accelerator = any(p.device.type != "cpu" for p in layout.params)
+        traced = trace_step(self.fn, args, kwargs, layout, sdpa_math=self.backend == "ort" and on_accelerator,
                             tag_grads=mode is not None, plan=self.opaque_plan, inputs=inputs,
                             mixed_precision=self.mixed_precision)
         traced_gm = _snapshot(traced.gm)

@@ -81,6 +81,15 @@ def initial_step(group: dict, p: Tensor) -> Tensor:
     return torch.zeros((), dtype=torch.float32, device=p.device if on_param else "cpu")
 
 
+def adam_initial_state(group: dict, like: Tensor) -> dict:
+    """The state torch.optim.Adam._init_group creates for a parameter (``like``: its gradient)."""
+    zeros = lambda: torch.zeros_like(like, memory_format=torch.preserve_format)  # noqa: E731
+    state = {"step": initial_step(group, like), "exp_avg": zeros(), "exp_avg_sq": zeros()}
+    if group["amsgrad"]:
+        state["max_exp_avg_sq"] = zeros()
+    return state
+
+
 def adam_rule(opt: torch.optim.Optimizer) -> None:
     """Adam and AdamW (``decoupled_weight_decay``)."""
     for gi, group in enumerate(opt.param_groups):
@@ -103,14 +112,9 @@ def adam_rule(opt: torch.optim.Optimizer) -> None:
                     f"eager {type(opt).__name__} fails here too. Fix: clear it (optimizer.state.clear()) or load a "
                     f"checkpoint saved with {type(opt).__name__}", op=f"{type(opt).__name__}.step")
             if len(state) == 0:
-                # Same initial state as torch.optim.Adam._init_group.
-                state["step"] = initial_step(group, p)
                 # Shaped like the gradient (= the parameter): under fully_shard both are
                 # the local shard once the passes have run, so new state is sharded too.
-                state["exp_avg"] = torch.zeros_like(p.grad, memory_format=torch.preserve_format)
-                state["exp_avg_sq"] = torch.zeros_like(p.grad, memory_format=torch.preserve_format)
-                if amsgrad:
-                    state["max_exp_avg_sq"] = torch.zeros_like(p.grad, memory_format=torch.preserve_format)
+                state.update(adam_initial_state(group, p.grad))
         states = [opt.state[p] for p in params]
         if amsgrad and any("max_exp_avg_sq" not in st for st in states):
             raise CompileError(
@@ -188,17 +192,25 @@ class OptimizerRule:
     betas, momentum or weight decay never re-trace); ``lifted`` names the group
     keys they come from.  ``structure(group)`` is what else the graph is
     specialised on (e.g. whether SGD has momentum buffers at all).
+    ``initial_state(group, param)``, where given, is exactly the state the
+    optimizer's first step creates and then updates as if it had been there
+    (Adam's zeros; not SGD's momentum buffer, which the first step sets to the
+    gradient): the compiled step creates it before its first trace, so the first
+    call traces and compiles one variant instead of two.
     """
 
     step: Callable[[torch.optim.Optimizer], None]
     hparams: Callable[[dict], list[float]]
     lifted: tuple[str, ...]
     structure: Callable[[dict], tuple] = lambda group: ()
+    initial_state: Callable[[dict, Tensor], dict] | None = None
 
 
 OPTIMIZER_RULES: dict[type, OptimizerRule] = {
-    torch.optim.Adam: OptimizerRule(adam_rule, _adam_hparams, ("lr", "betas", "weight_decay", "eps")),
-    torch.optim.AdamW: OptimizerRule(adam_rule, _adam_hparams, ("lr", "betas", "weight_decay", "eps")),
+    torch.optim.Adam: OptimizerRule(adam_rule, _adam_hparams, ("lr", "betas", "weight_decay", "eps"),
+                                    initial_state=adam_initial_state),
+    torch.optim.AdamW: OptimizerRule(adam_rule, _adam_hparams, ("lr", "betas", "weight_decay", "eps"),
+                                     initial_state=adam_initial_state),
     torch.optim.SGD: OptimizerRule(sgd_rule, _sgd_hparams, ("lr", "momentum", "dampening", "weight_decay"),
                                    structure=lambda group: (group["momentum"] != 0,)),
 }

@@ -25,6 +25,7 @@ logger = logging.getLogger("spmd_ort")
 
 BACKENDS = ("ort", "fx")
 FALLBACK_POLICIES = ("FALLBACK_TO_FX", "FALLBACK_DISABLE")
+SEGMENT_EXECUTORS = ("auto", "ort", "fx")
 # torch.onnx's exporter implements opset 18 and later (below it, it silently stays at 18);
 # its version converter and onnxruntime 1.2x-1.3x handle up to 25 (26+ gives invalid models).
 OPSET_RANGE = (18, 25)
@@ -45,14 +46,15 @@ class DebugOptions:
 
     ``log_level`` sets the ``spmd_ort`` logger (``SPMD_ORT_LOG_LEVEL`` wins over it).
     ``save_onnx``/``onnx_prefix`` write exported segments (ORT backend).
-    ``verify`` checks every exported segment numerically against the FX graph.
+    ``verify`` checks every exported segment numerically against the FX graph on the first run
+    (default on; ``SPMD_ORT_VERIFY`` wins over it).
     ``check_passes`` checks every graph pass's declared requires/ensures contracts.
     """
 
     log_level: LogLevel = LogLevel.WARNING
     save_onnx: bool = False
     onnx_prefix: str = "spmd_ort"
-    verify: bool = False
+    verify: bool = True
     check_passes: bool = False
 
 
@@ -65,8 +67,9 @@ class Options:
     disabled_passes: frozenset[str] = frozenset()
     check_passes: bool = False
     onnx_opset: int = DEFAULT_OPSET
-    verify: bool = False
+    verify: bool = True
     fallback_policy: str = FALLBACK_POLICIES[0]
+    segment_executor: str = SEGMENT_EXECUTORS[0]
     cache_dir: Path = Path.home() / ".cache" / "spmd_ort"
     save_onnx: bool = False
     onnx_prefix: str = "spmd_ort"
@@ -83,15 +86,16 @@ class Options:
                 environ: Mapping[str, str] | None = None) -> Options:
         """Options from ``compile``'s arguments and the environment (which wins over ``DebugOptions``).
 
-        ``backend`` wins over ``SPMD_ORT_BACKEND``; ``verify`` and ``check_passes`` are on when
-        either ``DebugOptions`` or the environment turns them on.
+        ``backend`` wins over ``SPMD_ORT_BACKEND``; ``check_passes`` is on when either
+        ``DebugOptions`` or the environment turns it on; ``SPMD_ORT_VERIFY``, when set, wins over
+        ``DebugOptions.verify`` (so ``SPMD_ORT_VERIFY=0`` opts out everywhere).
         """
         debug = debug or DebugOptions()
         env = from_environment(os.environ if environ is None else environ)
         values: dict[str, Any] = {"log_level": debug.log_level, "save_onnx": debug.save_onnx,
                                   "onnx_prefix": debug.onnx_prefix}
         values.update(env)
-        values["verify"] = debug.verify or env.get("verify", False)
+        values["verify"] = env.get("verify", debug.verify)
         values["check_passes"] = debug.check_passes or env.get("check_passes", False)
         if not values.get("custom_autograd", True) and values.get("opaque_functions"):
             raise ConfigError("SPMD_ORT_OPAQUE_AUTOGRAD_FUNCTIONS lists Functions to run opaquely, but "
@@ -185,10 +189,14 @@ ENV_VARS: tuple[EnvVar, ...] = (
            "`1`: check every pass's requires/ensures contracts on the graph (always on in the test suite)"),
     EnvVar("SPMD_ORT_ONNX_OPSET_VERSION", "onnx_opset", _opset, f"`{DEFAULT_OPSET}`",
            f"ONNX opset of exported segments, {OPSET_RANGE[0]} to {OPSET_RANGE[1]}"),
-    EnvVar("SPMD_ORT_VERIFY", "verify", _bool, "`0`",
-           "`1`: check every exported segment against its fx graph on the first run"),
+    EnvVar("SPMD_ORT_VERIFY", "verify", _bool, "`1`",
+           "`0`: skip comparing every exported segment with its fx graph on the first run (which runs both "
+           "anyway); wins over `DebugOptions.verify`"),
     EnvVar("SPMD_ORT_FALLBACK_POLICY", "fallback_policy", _choice("policy", FALLBACK_POLICIES, upper=True),
            "`FALLBACK_TO_FX`", "`FALLBACK_TO_FX` or `FALLBACK_DISABLE` (a segment ORT cannot run is an error)"),
+    EnvVar("SPMD_ORT_SEGMENT_EXECUTOR", "segment_executor", _choice("executor", SEGMENT_EXECUTORS), "`auto`",
+           "who runs each ORT segment after the first run: `auto` (the faster of ORT and fx, timed on the first "
+           "run), `ort` or `fx`"),
     EnvVar("SPMD_ORT_CACHE_DIR", "cache_dir", Path, "`~/.cache/spmd_ort`", "exported-model cache"),
     EnvVar("SPMD_ORT_SAVE_ONNX_PATH", "save_onnx_path", Path, "working directory",
            "where `DebugOptions(save_onnx=True)` writes `<onnx_prefix>_<segment>.onnx` (open them in Netron)"),
@@ -254,10 +262,16 @@ class _RankFilter(logging.Filter):
 
 
 def configure_logging(level: LogLevel) -> None:
-    """The ``spmd_ort`` logger at ``level``; its records carry ``%(rank)s`` for any handler's format."""
+    """The ``spmd_ort`` logger at ``level``; its records carry ``%(rank)s`` for any handler's format.
+
+    Progress lines of long compiles (``spmd_ort.progress``, INFO) show at the default level too, and only
+    ERROR or FATAL hide them.
+    """
     logger.setLevel(int(level))
     if not any(isinstance(f, _RankFilter) for f in logger.filters):
         logger.addFilter(_RankFilter())
+    logging.getLogger("spmd_ort.progress").setLevel(min(int(level), logging.INFO) if level <= LogLevel.WARNING
+                                                     else int(level))
     # Print on our own only where the application has not configured logging.
     if not logger.handlers and not logging.getLogger().handlers:
         handler = logging.StreamHandler()

@@ -8,8 +8,9 @@ Two pieces, as torch.fx's ``CapabilityBasedPartitioner``:
   are reproducible and verifiable), allocations whose value is undefined (the
   buffer a random op fills: exported, it would be a segment output of garbage),
   ops on float64 host scalars, values in a dtype the provider has no kernels
-  for (bfloat16 on CPU), and aten ops neither torchlib nor a torch
-  decomposition covers.
+  for (bfloat16 on CPU), and aten ops that do not translate to ONNX
+  (:func:`spmd_ort.coverage.why_untranslatable`: the same table the exporter
+  translates with, after ``lower_to_onnx_ops_pass`` has lowered what it can).
 * the grouping, torch.fx's partitioner: deterministic, largest possible
   segments of connected supported nodes, no cycles through host nodes.
 """
@@ -17,15 +18,14 @@ Two pieces, as torch.fx's ``CapabilityBasedPartitioner``:
 from __future__ import annotations
 
 import operator
-from functools import lru_cache
 
 import torch
 from torch import fx
 from torch.fx.passes.infra.partitioner import CapabilityBasedPartitioner
 from torch.fx.passes.operator_support import OperatorSupport
 
+from .coverage import why_untranslatable
 from .ops import OPAQUE_OPS, STARTS, wait_
-from .export import EXPORT_DECOMPOSITIONS
 
 aten = torch.ops.aten
 
@@ -46,18 +46,6 @@ ONNX_DTYPES = {torch.float32, torch.float16, torch.bfloat16, torch.int64, torch.
 # Cast, Transpose, LayerNormalization and a few predicates (onnxruntime 1.32; no Add, MatMul, Relu), so
 # bf16 compute (autocast, MixedPrecisionPolicy) stays in torch there.  float16 has CPU kernels.
 HOST_DTYPES = {"cpu": {torch.bfloat16}}
-
-
-@lru_cache(maxsize=1)
-def _registry():
-    from torch.onnx._internal.exporter import _registration
-
-    return _registration.ONNXRegistry.from_torchlib()
-
-
-@lru_cache(maxsize=1)
-def _torch_decomps():
-    return torch.export.default_decompositions()
 
 
 def why_host(node: fx.Node) -> str | None:
@@ -87,9 +75,7 @@ def why_host(node: fx.Node) -> str | None:
             return f"{val.dtype} on {val.device.type} (ONNX Runtime's {val.device.type} provider lacks its kernels)"
     if namespace != "aten":
         return f"{namespace} op has no ONNX translation"
-    if target in EXPORT_DECOMPOSITIONS or _registry().is_registered(target) or target in _torch_decomps():
-        return None
-    return f"{target} has no ONNX translation"
+    return why_untranslatable(node)
 
 
 def _vals(node: fx.Node):

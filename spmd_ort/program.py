@@ -138,6 +138,9 @@ class CompiledProgram:
             for kind in ("all_gather", "reduce_scatter"):
                 sizes = getattr(results.shard_buckets, kind)
                 lines.append(f"{kind} buckets: {len(sizes)} ({', '.join(f'{x / 2**20:.2f} MiB' for x in sizes)})")
+        if results.lowering is not None and results.lowering.lowered:
+            lowered = ", ".join(f"{op} x{n}" for op, n in results.lowering.lowered.items())
+            lines.append(f"lowered for ONNX (torch decompositions): {lowered}")
         if results.memory is not None:
             lines.append(f"planned peak of values the step creates: {results.memory.planned_peak_bytes / 2**20:.2f} MiB")
         if self.layout.shard_specs:

@@ -8,17 +8,24 @@ for them.  The top-level graph, with host nodes (the fused optimizer update,
 collectives, random ops) between segments, runs as an fx GraphModule.
 
 The first run of each compiled variant goes through :class:`_FirstRun`: every
-segment also runs its fx graph; with verification on (``Options.verify``) the
-outputs are compared and a mismatch names the segment and the first differing
-output.  A segment that fails to export, to load, to run or to verify falls
-back to its fx graph (``Options.fallback_policy`` = ``FALLBACK_TO_FX``, the
-default, with one WARNING) or raises (``FALLBACK_DISABLE``).  The graph it gets
-is finished: this module partitions, exports and runs, and runs no pass.
+segment also runs its fx graph; with verification on (``Options.verify``, the
+default) the outputs are compared and a mismatch names the segment and the
+first differing output.  Both are then timed (:data:`TIMED_RUNS` warm runs
+each, interleaved), and with ``Options.segment_executor`` = ``auto`` (the
+default) the faster one runs the segment from then on, so no segment is slower
+than it would be on the fx executor.  A segment that fails to export, to load,
+to run or to verify falls back to its fx graph (``Options.fallback_policy`` =
+``FALLBACK_TO_FX``, the default, with one WARNING) or raises
+(``FALLBACK_DISABLE``); a configuration ORT cannot honour (a missing execution
+provider) is a :class:`~spmd_ort.errors.ConfigError`, never a fallback.  The
+graph it gets is finished: this module partitions, exports and runs, and runs no pass.
 """
 
 from __future__ import annotations
 
 import logging
+import threading
+import time
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -26,7 +33,7 @@ import onnxruntime as ort
 import torch
 from torch import fx, nn
 
-from .errors import CompileError
+from .errors import CompileError, ConfigError
 from .export import export_segment, input_position, save_model
 from .options import Options
 from .partition import partition_for_ort, why_host
@@ -34,6 +41,7 @@ from .runtime import active
 from .timeline import TimedInterpreter
 
 logger = logging.getLogger("spmd_ort")
+progress = logging.getLogger("spmd_ort.progress")  # shown at the default level (options.configure_logging)
 
 NUMPY_DTYPES = {
     torch.float32: np.float32, torch.float16: np.float16, torch.float64: np.float64, torch.int64: np.int64,
@@ -47,6 +55,27 @@ VERIFY_ULPS = 4
 # Below this, differences are rounding noise of sums that cancel (e.g. the
 # analytically zero gradient of an attention key bias, ~1e-13): not a fault.
 VERIFY_ABS_FLOOR = {torch.float32: 1e-9, torch.float64: 1e-12, torch.float16: 1e-4, torch.bfloat16: 1e-3}
+# Timing on the first run: each executor's checked run is its first sample; then it runs the segment back to
+# back (switching between ORT's and torch's thread pools costs more than a small segment: measured up to
+# 0.3 s on a loaded 2-core machine) until it has TIMED_RUNS[0] samples, and up to TIMED_RUNS[1] while they
+# take less than TIMING_BUDGET_S; the fastest counts.
+TIMED_RUNS, TIMING_BUDGET_S = (2, 5), 0.25
+PROGRESS_AFTER_S = 2.0  # an export still running after this long gets a progress line
+
+
+def providers_for(device: torch.device) -> list:
+    """ONNX Runtime execution providers for tensors on ``device``; one that is not installed is a ConfigError."""
+    available = ort.get_available_providers()
+    if device.type == "cuda":
+        if "CUDAExecutionProvider" not in available:
+            raise ConfigError(f"the step's tensors are on {device}, but this onnxruntime has no CUDAExecutionProvider "
+                              f"(it has {', '.join(available) or 'none'}); install onnxruntime-gpu (extra "
+                              "spmd-ort[gpu]) or compile with backend='fx'")
+        return [("CUDAExecutionProvider", {"device_id": device.index or 0}), "CPUExecutionProvider"]
+    if device.type != "cpu" or "CPUExecutionProvider" not in available:
+        raise ConfigError(f"the step's tensors are on {device}, which no installed ONNX Runtime execution provider "
+                          f"runs (installed: {', '.join(available) or 'none'}); compile with backend='fx'")
+    return ["CPUExecutionProvider"]
 
 
 def _outputs_meta(gm: fx.GraphModule) -> tuple[list[torch.Tensor], bool]:
@@ -59,7 +88,8 @@ def _outputs_meta(gm: fx.GraphModule) -> tuple[list[torch.Tensor], bool]:
 class OrtSegment(nn.Module):
     """One ORT session standing in for the fx segment ``fallback`` (same inputs, same outputs)."""
 
-    def __init__(self, name: str, fallback: fx.GraphModule, model: bytes, *, threads: int, allow_spinning: bool):
+    def __init__(self, name: str, fallback: fx.GraphModule, model: bytes, *, threads: int, allow_spinning: bool,
+                 providers: list | None = None):
         super().__init__()
         self.name = name
         self.fallback = fallback
@@ -67,7 +97,7 @@ class OrtSegment(nn.Module):
         self.runs = 0  # how often ONNX Runtime ran this segment
         self.tolerance = verify_tolerance(fallback)
         metas, self.returns_tuple = _outputs_meta(fallback)
-        device = metas[0].device if metas else torch.device("cpu")
+        device = segment_device(fallback)
         self.device_type = "cuda" if device.type == "cuda" else "cpu"
         self.device_id = device.index or 0
         options = ort.SessionOptions()
@@ -80,13 +110,7 @@ class OrtSegment(nn.Module):
         # the cores busy after a run, while torch runs host nodes; measured, not assumed.
         options.add_session_config_entry("session.intra_op.allow_spinning", "1" if allow_spinning else "0")
         options.add_session_config_entry("session.force_spinning_stop", "1")  # ...and stop when Run returns
-        providers = ["CPUExecutionProvider"]
-        if self.device_type == "cuda":
-            if "CUDAExecutionProvider" not in ort.get_available_providers():
-                raise RuntimeError("tensors are on CUDA but onnxruntime has no CUDAExecutionProvider; "
-                                   "install onnxruntime-gpu")
-            providers = [("CUDAExecutionProvider", {"device_id": self.device_id}), "CPUExecutionProvider"]
-        self.session = ort.InferenceSession(model, options, providers=providers)
+        self.session = ort.InferenceSession(model, options, providers=providers or providers_for(device))
         n_inputs = sum(1 for n in fallback.graph.nodes if n.op == "placeholder")
         self.input_names = [i.name for i in self.session.get_inputs()]
         self.input_index = [input_position(n) for n in self.input_names]
@@ -98,6 +122,9 @@ class OrtSegment(nn.Module):
         self.outputs = [torch.empty(m.shape, dtype=m.dtype, device=m.device) for m in metas]
         self.binding = self.session.io_binding()
         for name, t in zip(self.output_names, self.outputs):
+            if t.numel() == 0:  # no memory to bind: ORT allocates its (empty) output, ours stands for it
+                self.binding.bind_output(name, self.device_type, self.device_id)
+                continue
             self.binding.bind_output(name, self.device_type, self.device_id, NUMPY_DTYPES[t.dtype],
                                      tuple(t.shape), t.data_ptr())
 
@@ -105,6 +132,9 @@ class OrtSegment(nn.Module):
         keep = []  # contiguous copies must outlive the run
         for name, idx in zip(self.input_names, self.input_index):
             t = args[idx]
+            if t.numel() == 0:  # an empty tensor has no memory to bind
+                self.binding.bind_cpu_input(name, np.empty(tuple(t.shape), dtype=NUMPY_DTYPES[t.dtype]))
+                continue
             if not t.is_contiguous():
                 t = t.contiguous()
                 keep.append(t)
@@ -131,6 +161,13 @@ def verify_tolerance(gm: fx.GraphModule) -> float:
     return max([VERIFY_TOLERANCE] + [VERIFY_ULPS * e for e in eps])
 
 
+def segment_device(gm: fx.GraphModule) -> torch.device:
+    """Where a segment's tensors live (its first output's device)."""
+    metas, _ = _outputs_meta(gm)
+    tensors = [m for m in metas if isinstance(m, torch.Tensor)]
+    return tensors[0].device if tensors else torch.device("cpu")
+
+
 def _first_difference(ort_out, fx_out, tolerance: float = VERIFY_TOLERANCE) -> str | None:
     """Describe the first output that differs beyond ``tolerance`` (relative to the output's max), or None."""
     ort_vals = ort_out if isinstance(ort_out, tuple) else (ort_out,)
@@ -142,12 +179,17 @@ def _first_difference(ort_out, fx_out, tolerance: float = VERIFY_TOLERANCE) -> s
             if not torch.equal(a, b):
                 return f"output {i}: integer values differ"
             continue
-        if not torch.equal(torch.isnan(a), torch.isnan(b)):
-            return f"output {i}: NaN in one and not the other"
+        if b.numel() == 0:
+            continue
+        diff = (a - b).abs()  # NaN where either is NaN (or both are the same infinity)
+        if torch.isnan(diff).any():
+            same = (torch.isnan(a) & torch.isnan(b)) | (a == b)
+            if not torch.equal(torch.isnan(diff), torch.isnan(diff) & same):
+                return f"output {i}: NaN in one and not the other"
+            diff = torch.nan_to_num(diff, nan=0.0)
+        err = diff.max().item()
+        scale = torch.nan_to_num(b.abs(), nan=0.0, posinf=0.0).max().item()
         floor = VERIFY_ABS_FLOOR.get(a.dtype, 1e-9)
-        a, b = torch.nan_to_num(a.double()), torch.nan_to_num(b.double())
-        scale = b.abs().max().item() if b.numel() else 0.0
-        err = (a - b).abs().max().item() if b.numel() else 0.0
         if err > tolerance * scale and err > floor:
             return (f"output {i} (shape {tuple(b.shape)}): max |ort - fx| = {err:.3g}, "
                     f"{err / max(scale, 1e-30):.3g} of max |fx| = {scale:.3g}")
@@ -169,7 +211,7 @@ def _op_summary(gm: fx.GraphModule, limit: int = 6) -> str:
 
 
 class _FirstRun(fx.Interpreter):
-    """Runs every ORT segment and its fx graph; downstream uses the fx result."""
+    """Runs every ORT segment and its fx graph, compares and times them; downstream uses the fx result."""
 
     def __init__(self, executor: OrtExecutor):
         super().__init__(executor.gm)
@@ -179,23 +221,70 @@ class _FirstRun(fx.Interpreter):
         seg = self.module.get_submodule(target)
         if not isinstance(seg, OrtSegment) or seg.use_fallback:
             return super().call_module(target, args, kwargs)
+        ex = self.executor
+        t0 = time.perf_counter()
         reference = seg.fallback(*args)
+        t1 = time.perf_counter()
         try:
             got = seg.run_ort(*args)
+            first = {"fx": t1 - t0, "ort": time.perf_counter() - t1}
         except Exception as exc:  # noqa: BLE001 - any ORT failure falls back per policy
-            _failure(seg.name, f"ONNX Runtime failed to run it: {exc}", self.executor.policy, _op_summary(seg.fallback))
+            _failure(seg.name, f"ONNX Runtime failed to run it: {_short(exc)}", ex.policy, _op_summary(seg.fallback))
             seg.use_fallback = True
-            self.executor.stats.fallbacks.append(seg.name)
+            ex.stats.fallbacks.append(seg.name)
             return reference
-        if self.executor.verify:
+        if ex.verify:
+            t0 = time.perf_counter()
             diff = _first_difference(got, reference, seg.tolerance)
-            self.executor.stats.verified += 1
+            ex.stats.verify_seconds += time.perf_counter() - t0
+            ex.stats.verified += 1
             if diff is not None:
-                self.executor.stats.mismatches.append(f"{seg.name}: {diff}")
-                _failure(seg.name, f"verification failed: {diff}", self.executor.policy, _op_summary(seg.fallback))
+                ex.stats.mismatches.append(f"{seg.name}: {diff}")
+                _failure(seg.name, f"verification failed: {diff}", ex.policy, _op_summary(seg.fallback))
                 seg.use_fallback = True
-                self.executor.stats.fallbacks.append(seg.name)
+                ex.stats.fallbacks.append(seg.name)
+                return reference
+        self._choose(seg, args, first)
         return reference
+
+    def _choose(self, seg: OrtSegment, args, first: dict[str, float]) -> None:
+        """Time both executors on this segment; with ``auto``, keep the faster (ties go to ORT)."""
+        mode = self.executor.segment_executor
+        if mode != "auto":
+            self.executor.stats.choices[seg.name] = SegmentChoice(mode)
+            seg.use_fallback = mode == "fx"
+            return
+        ort_runs = seg.runs
+        fx_s, ort_s = _fastest(seg.fallback, args, first["fx"]), _fastest(seg.run_ort, args, first["ort"])
+        choice = "fx" if fx_s < ort_s else "ort"
+        self.executor.stats.choices[seg.name] = SegmentChoice(choice, ort_ms=ort_s * 1e3, fx_ms=fx_s * 1e3)
+        seg.use_fallback = choice == "fx"
+        seg.runs = ort_runs  # timing runs are not steps
+
+
+def _fastest(run, args, first: float) -> float:
+    """The fastest of ``first`` (the checked run's time) and further runs of ``run``."""
+    least, most = TIMED_RUNS
+    samples: list[float] = [first]
+    while len(samples) < least or (len(samples) < most and sum(samples) < TIMING_BUDGET_S):
+        t0 = time.perf_counter()
+        run(*args)
+        samples.append(time.perf_counter() - t0)
+    return min(samples)
+
+
+@dataclass(frozen=True)
+class SegmentChoice:
+    """Which executor runs a segment after the first run, and (``auto``) the warm times that decided it."""
+
+    executor: str
+    ort_ms: float | None = None
+    fx_ms: float | None = None
+
+    def __str__(self) -> str:
+        if self.ort_ms is None:
+            return f"{self.executor} (SPMD_ORT_SEGMENT_EXECUTOR={self.executor})"
+        return f"{self.executor} (ort {self.ort_ms:.2f} ms, fx {self.fx_ms:.2f} ms)"
 
 
 @dataclass
@@ -207,17 +296,22 @@ class OrtStats:
     fallbacks: list = field(default_factory=list)
     verified: int = 0
     mismatches: list = field(default_factory=list)
+    choices: dict = field(default_factory=dict)  # segment -> SegmentChoice
+    first_run_seconds: float = 0.0  # the checked first run: both executors, comparison, timing
+    verify_seconds: float = 0.0  # of which comparing outputs
 
 
 class OrtExecutor:
     name = "ort"
     reuses_buffers = True  # segment outputs live in tensors that the next step overwrites
 
-    def __init__(self, gm: fx.GraphModule, *, verify: bool, policy: str, stats: OrtStats):
+    def __init__(self, gm: fx.GraphModule, *, verify: bool, policy: str, stats: OrtStats,
+                 segment_executor: str = "auto"):
         self.gm = gm
         self.verify = verify
         self.policy = policy
         self.stats = stats
+        self.segment_executor = segment_executor
         self.first_run_done = False
 
     @property
@@ -229,8 +323,10 @@ class OrtExecutor:
             if not self.first_run_done:
                 # On copies: host nodes update state in place, and a segment failing after
                 # them (FALLBACK_DISABLE) must leave the real state untouched.
+                t0 = time.perf_counter()
                 out = _FirstRun(self).run(*[t.clone() for t in inputs])
                 self.first_run_done = True
+                self.stats.first_run_seconds = time.perf_counter() - t0
                 return list(out)
             recorder = active().recorder
             if recorder is not None:  # a profiled step: segment by segment, timed
@@ -240,14 +336,16 @@ class OrtExecutor:
     def describe(self) -> list[str]:
         stats = self.stats
         lines = [f"ORT segments: {stats.segments} (fell back to fx: {', '.join(stats.fallbacks) or 'none'}; "
-                 f"export {stats.export_seconds:.2f}s, {stats.cache_hits} from cache)"]
+                 f"export {stats.export_seconds:.2f}s, {stats.cache_hits} from cache; first run "
+                 f"{stats.first_run_seconds:.2f}s, {stats.verified} verified in {stats.verify_seconds:.2f}s)"]
+        lines += [f"  {name} runs on {choice}" for name, choice in stats.choices.items()]
         lines += [f"  host: {op} ({why})" for op, why in stats.host_ops.items()]
         return lines
 
 
 def build_ort_executor(gm: fx.GraphModule, options: Options) -> OrtExecutor:
     """Partition the finished graph ``gm``, export and load each segment into an :class:`OrtExecutor`."""
-    policy, opset = options.fallback_policy, options.onnx_opset
+    policy = options.fallback_policy
     stats = OrtStats()
     for node in gm.graph.nodes:
         reason = why_host(node) if node.op == "call_function" else None
@@ -256,36 +354,94 @@ def build_ort_executor(gm: fx.GraphModule, options: Options) -> OrtExecutor:
     fused, names = partition_for_ort(gm)
     stats.segments = len(names)
     threads = torch.get_num_threads()
-    for name in names:
-        sub = fused.get_submodule(name)
-        stage = "export"
-        try:
-            result = export_segment(sub, name=name, opset=opset, cache_dir=options.cache_dir)
-            stats.export_seconds += result.seconds
-            stats.cache_hits += int(result.cache_hit)
-            if options.save_onnx:
-                path = save_model(result.model, name, options.onnx_prefix, options.save_onnx_path)
-                logger.info("saved %s to %s", name, path)
-            stage = "loading the exported model into ONNX Runtime"
-            try:
-                segment = OrtSegment(name, sub, result.model, threads=threads, allow_spinning=options.allow_spinning)
-            except Exception:
-                if not result.cache_hit:
-                    raise
-                logger.info("cached model of %s does not load; exporting it again", name)
-                result = export_segment(sub, name=name, opset=opset, cache_dir=options.cache_dir, refresh=True)
-                segment = OrtSegment(name, sub, result.model, threads=threads, allow_spinning=options.allow_spinning)
-        except CompileError:
-            raise
-        except Exception as exc:  # noqa: BLE001 - export/load failures fall back per policy
-            _failure(name, f"{stage} failed: {type(exc).__name__}: {_short(exc)}", policy, _op_summary(sub))
-            stats.fallbacks.append(name)
-            continue
-        setattr(fused, name, segment)
+    with _Progress(len(names)) as shown:
+        for i, name in enumerate(names):
+            sub = fused.get_submodule(name)
+            providers = providers_for(segment_device(sub))  # a ConfigError, never a fallback
+            shown.start(i, name, sum(1 for n in sub.graph.nodes if n.op == "call_function"))
+            segment = _load_segment(name, sub, options, stats, threads=threads, providers=providers)
+            if segment is not None:
+                setattr(fused, name, segment)
     fused.recompile()
-    return OrtExecutor(fused, verify=options.verify, policy=policy, stats=stats)
+    return OrtExecutor(fused, verify=options.verify, policy=policy, stats=stats,
+                       segment_executor=options.segment_executor)
+
+
+def _load_segment(name: str, sub: fx.GraphModule, options: Options, stats: OrtStats, *, threads: int,
+                  providers: list) -> OrtSegment | None:
+    """Export (or load from the cache) and open one segment; None if it falls back to fx."""
+    opset = options.onnx_opset
+    stage = "export"
+    try:
+        result = export_segment(sub, name=name, opset=opset, cache_dir=options.cache_dir)
+        stats.export_seconds += result.seconds
+        stats.cache_hits += int(result.cache_hit)
+        if options.save_onnx:
+            path = save_model(result.model, name, options.onnx_prefix, options.save_onnx_path)
+            logger.info("saved %s to %s", name, path)
+        stage = "loading the exported model into ONNX Runtime"
+        make = lambda data: OrtSegment(name, sub, data, threads=threads,  # noqa: E731
+                                       allow_spinning=options.allow_spinning, providers=providers)
+        try:
+            return make(result.model)
+        except Exception:
+            if not result.cache_hit:
+                raise
+            logger.info("cached model of %s does not load; exporting it again", name)
+            result = export_segment(sub, name=name, opset=opset, cache_dir=options.cache_dir, refresh=True)
+            return make(result.model)
+    except CompileError:
+        raise
+    except Exception as exc:  # noqa: BLE001 - export/load failures fall back per policy
+        _failure(name, f"{stage} failed: {type(exc).__name__}: {_short(exc)}", options.fallback_policy,
+                 _op_summary(sub))
+        stats.fallbacks.append(name)
+        return None
+
+
+class _Progress:
+    """One line when an export takes longer than :data:`PROGRESS_AFTER_S` (big models), and one when all are done."""
+
+    def __init__(self, total: int):
+        self.total = total
+        self.t0 = time.perf_counter()
+        self.timer: threading.Timer | None = None
+        self.shown = False
+
+    def __enter__(self) -> _Progress:
+        return self
+
+    def start(self, index: int, name: str, ops: int) -> None:
+        self._cancel()
+
+        def show() -> None:
+            self.shown = True
+            progress.info("exporting ORT segment %s (%d of %d, %d ops) ...", name, index + 1, self.total, ops)
+
+        self.timer = threading.Timer(PROGRESS_AFTER_S, show)
+        self.timer.daemon = True
+        self.timer.start()
+
+    def _cancel(self) -> None:
+        if self.timer is not None:
+            self.timer.cancel()
+            self.timer = None
+
+    def __exit__(self, *exc) -> None:
+        self._cancel()
+        if self.shown:
+            progress.info("exported %d ORT segment(s) in %.1fs (cached for the next run)", self.total,
+                          time.perf_counter() - self.t0)
 
 
 def _short(exc: BaseException, limit: int = 400) -> str:
-    text = " ".join(str(exc).split())
-    return text if len(text) <= limit else text[:limit] + " ..."
+    """The error and, when it wraps another (the exporter's ConversionError does), the root cause."""
+    def clip(text: str) -> str:
+        text = " ".join(text.split())
+        return text if len(text) <= limit else text[:limit] + " ..."
+
+    root = exc
+    while root.__cause__ is not None:
+        root = root.__cause__
+    text = clip(str(exc))
+    return text if root is exc else f"{text} Cause: {type(root).__name__}: {clip(str(root))}"

@@ -6,11 +6,13 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import tempfile
 
-# Every exported segment is checked against its fx graph and every graph pass's
-# contracts are checked in the test suite, and the ONNX cache is private to the
-# run (the cache test makes its own).
+# Every exported segment is checked against its fx graph (the default) and every graph
+# pass's contracts are checked in the test suite; every ORT segment runs in ONNX Runtime
+# (not the faster of ORT and fx, which would let a timing decide what a test checks), and
+# the ONNX cache is private to the run (the cache test makes its own).
 os.environ.setdefault("SPMD_ORT_VERIFY", "1")
 os.environ.setdefault("SPMD_ORT_CHECK_PASSES", "1")
+os.environ.setdefault("SPMD_ORT_SEGMENT_EXECUTOR", "ort")
 os.environ.setdefault("SPMD_ORT_CACHE_DIR", tempfile.mkdtemp(prefix="spmd_ort_cache_"))
 
 import pytest  # noqa: E402

@@ -76,7 +76,7 @@ def test_override_replacement_makes_untraceable_module_compile():
     assert_same_state(eager, model, opt_e, opt_c)
     assert {"fc1", "fc2", "head", "gate"} <= set(override.seen)
     assert override.seen.count("gate") == 1  # replacements are applied once per module
-    assert override.transforms == step.transitions.traces == 2
+    assert override.transforms == step.transitions.traces == 1  # Adam: its state is created before the trace
     assert isinstance(model.gate, TracedGate) and model.gate.scale is opt_c.param_groups[0]["params"][-1]
 
 
@@ -118,7 +118,7 @@ def test_gm_transformation_once_per_variant_and_its_graph_is_what_runs():
     for batch in (8, 8, 8, 4, 4, 8):
         x, y = torch.randn(batch, 32), torch.randint(0, 10, (batch,))
         assert torch.equal(step(model, opt, x, y), 2 * classification_step(eager, opt_e, x, y).detach())
-    assert len(calls) == 3 == step.transitions.traces
+    assert len(calls) == 2 == step.transitions.traces  # batch 8 and batch 4
     assert_same_state(eager, model, opt_e, opt)
     assert any(r.name == "gm_transformation_pass" for r in step.compiled.passes_applied)
 

@@ -67,8 +67,9 @@ def test_parity(case, opt_name, backend):
     make_model, step, batches = CASES[case]()
     compiled, le, lc = train_side_by_side(make_model, OPTIMIZERS[opt_name], step, batches, backend=backend)
     assert le[-1] < le[0], "the model should learn"
-    # first step creates the optimizer state, second step reuses it from then on
-    assert compiled.transitions.traces == 2
+    # Adam's state is created before the first trace (exactly as its first step would), so one variant
+    # serves every step; SGD's momentum buffer is the first gradient, so its first step is a variant of its own
+    assert compiled.transitions.traces == (2 if opt_name == "sgd_momentum" else 1)
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
@@ -92,7 +93,7 @@ def test_param_groups_scheduler_clipping(backend):
     compiled, le, _ = train_side_by_side(
         make_model, make_opt, step, batches, backend=backend,
         make_sched=lambda o: torch.optim.lr_scheduler.CosineAnnealingLR(o, T_max=STEPS))
-    assert compiled.transitions.traces == 2
+    assert compiled.transitions.traces == 1
     assert le[-1] < le[0]
 
 

@@ -61,7 +61,8 @@ def test_matches_ddp_every_step(tmp_path, model, opt, backend):
     for r in ranks:
         assert "compile_error" not in r, r.get("compile_error")
         assert len(r["losses"]) == 10
-        assert r["traces"] == 2
+        # SGD's first step (momentum buffer = gradient) is a variant of its own; Adam's state is made first
+        assert r["traces"] == (2 if opt == "sgd" else 1)
         # comm accounting: all-reduce payload == gradient bytes, one collective per bucket
         for c in r["comm"]:
             assert c["all_reduce_bytes"] == r["grad_bytes"]

@@ -29,17 +29,17 @@ def _setup(opt_cls=torch.optim.Adam, **opt_kwargs):
 def test_new_batch_size_retraces_once_and_old_variant_is_reused(caplog):
     model, opt, step = _setup()
     step(model, opt, *_data(8))
-    step(model, opt, *_data(8))  # optimizer state now exists: second variant
-    assert step.transitions.traces == 2
+    step(model, opt, *_data(8))  # Adam's state was created before the first trace: the same variant
+    assert step.transitions.traces == 1
     with caplog.at_level(logging.INFO, logger="spmd_ort"):
         step(model, opt, *_data(4))
-    assert step.transitions.traces == 3
+    assert step.transitions.traces == 2
     assert "re-tracing" in caplog.text and "(8, 32)" in caplog.text and "(4, 32)" in caplog.text
     step(model, opt, *_data(4))
     step(model, opt, *_data(8))  # back to the first shape: reused
     step(model, opt, *_data(4))
-    assert step.transitions.traces == 3
-    assert len(step.variants) == 3
+    assert step.transitions.traces == 2
+    assert len(step.variants) == 2
 
 
 def test_lr_change_never_retraces_and_takes_effect():
@@ -61,10 +61,10 @@ def test_training_mode_change_retraces():
     step(model, opt, *_data(8))
     model.eval()
     step(model, opt, *_data(8))
-    assert step.transitions.traces == 3
+    assert step.transitions.traces == 2
     model.train()
     step(model, opt, *_data(8))
-    assert step.transitions.traces == 3
+    assert step.transitions.traces == 2
 
 
 def test_scheduled_betas_momentum_weight_decay_never_retrace():
@@ -83,7 +83,7 @@ def test_scheduled_betas_momentum_weight_decay_never_retrace():
         for sched in scheds:
             sched.step()
     assert opt.param_groups[0]["betas"][0] != 0.95  # the schedule did move beta1
-    assert step.transitions.traces == 2
+    assert step.transitions.traces == 1
     assert_same_state(eager_model, model, eager_opt, opt)
 
 
@@ -101,7 +101,7 @@ def test_maximize_switched_on_mid_run_retraces_and_takes_effect(caplog):
         with caplog.at_level(logging.INFO, logger="spmd_ort"):
             loss = step(model, opt, x, y)
         assert torch.equal(loss, classification_step(eager_model, eager_opt, x, y).detach())
-    assert step.transitions.traces == 3
+    assert step.transitions.traces == 2
     assert "re-tracing" in caplog.text and "maximize" in caplog.text
     for a, b in zip(eager_model.parameters(), model.parameters()):
         assert torch.equal(a, b)
@@ -157,3 +157,33 @@ def test_non_tensor_argument_change_retraces():
     b = step(model, opt, x, y, 2.0)
     assert step.transitions.traces == 2
     assert float(b) > float(a)  # the new constant is used
+
+
+def test_adam_state_made_before_the_first_trace_only_for_parameters_that_get_a_gradient():
+    """The first call creates Adam's state before tracing (one variant); a parameter that gets no gradient
+    would get state eager never creates, so then the step is traced as eager runs it: twice, and the
+    unused parameter has no state, as in eager."""
+    def run(make_model):
+        torch.manual_seed(0)
+        model = make_model()
+        eager = copy.deepcopy(model)
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-2, fused=True)
+        opt_e = torch.optim.AdamW(eager.parameters(), lr=1e-2, fused=True)
+        step = spmd_ort.compile(backend="fx")(classification_step)
+        for i in range(3):
+            x, y = _data(8, seed=i)
+            assert torch.equal(step(model, opt, x, y), classification_step(eager, opt_e, x, y).detach())
+        assert_same_state(eager, model, opt_e, opt)
+        return step, model, opt
+
+    step, _, _ = run(MLP)
+    assert step.transitions.traces == 1
+
+    class WithUnused(MLP):
+        def __init__(self):
+            super().__init__()
+            self.unused = torch.nn.Linear(2, 2)
+
+    step, model, opt = run(WithUnused)
+    assert step.transitions.traces == 2
+    assert model.unused.weight not in opt.state and len(opt.state) == len(list(model.parameters())) - 2

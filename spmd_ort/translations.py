@@ -1,0 +1,434 @@
+"""Our own ONNX translations of aten ops: the backward ops torchlib lacks and the ones torch decomposes badly.
+
+Each function is traced by the exporter like a torchlib function: it receives
+``onnx_ir`` values for tensor arguments (with static shapes and dtypes) and
+Python values for the rest, in the aten schema's order, and builds ONNX nodes
+with ``op``.  :data:`TRANSLATIONS` maps each op to its :class:`Translation`;
+``accepts(node)`` says (with a reason) when a node's arguments are outside what
+the function implements, so the predicate of :mod:`spmd_ort.coverage` and the
+exporter agree node by node.  Verification (:mod:`spmd_ort.runtime_ort`)
+checks every translation against torch on the first run; ``tests/test_translations.py``
+checks each one against eager on its own.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Optional
+
+import onnx_ir as ir
+import torch
+from onnxscript import opset18 as op
+from onnxscript.function_libs.torch_lib.tensor_typing import INT64, TFloat, TTensor
+from torch import fx
+
+aten = torch.ops.aten
+
+
+def _const(value: float, like) -> ir.Value:
+    return op.Constant(value=ir.tensor(value, dtype=like.dtype))
+
+
+def _ints(values: Sequence[int]) -> ir.Value:
+    return op.Constant(value=ir.tensor(list(values), dtype=ir.DataType.INT64))
+
+
+def _unused(like) -> ir.Value:
+    """Stands for an output the node does not compute (``output_mask`` False): never read."""
+    return op.Constant(value=ir.tensor([0.0], dtype=like.dtype))
+
+
+# ---------------------------------------------------------------- activations
+def silu_backward(grad_output: TFloat, self: TFloat) -> TFloat:
+    """d silu = sigmoid(x) (1 + x (1 - sigmoid(x)))."""
+    sig = op.Sigmoid(self)
+    one = _const(1.0, self)
+    return grad_output * (sig * (one + self * (one - sig)))
+
+
+def gelu_backward(grad_output: TFloat, self: TFloat, approximate: str = "none") -> TFloat:
+    """torch's GELU derivative (erf or tanh form) in one pass of elementwise ops."""
+    x = self
+    if approximate == "tanh":
+        beta = math.sqrt(2.0 / math.pi)
+        kappa = 0.044715
+        x_sq = x * x
+        inner = _const(beta, x) * (x + _const(kappa, x) * x_sq * x)
+        t = op.Tanh(inner)
+        one = _const(1.0, x)
+        left = _const(0.5, x) * x
+        d_inner = _const(beta, x) * (one + _const(3.0 * kappa, x) * x_sq)
+        return grad_output * (_const(0.5, x) * (one + t) + left * (one - t * t) * d_inner)
+    cdf = _const(0.5, x) * (_const(1.0, x) + op.Erf(x * _const(math.sqrt(0.5), x)))
+    pdf = op.Exp(_const(-0.5, x) * x * x) * _const(1.0 / math.sqrt(2.0 * math.pi), x)
+    return grad_output * (cdf + x * pdf)
+
+
+def _softmax_backward_data(grad_output: TFloat, output: TFloat, dim: int, input_dtype: int) -> TFloat:
+    """y (g - sum(g y))."""
+    gy = grad_output * output
+    return gy - output * op.ReduceSum(gy, _ints([dim]), keepdims=1)
+
+
+def _log_softmax_backward_data(grad_output: TFloat, output: TFloat, dim: int, input_dtype: int) -> TFloat:
+    """g - exp(y) sum(g)."""
+    return grad_output - op.Exp(output) * op.ReduceSum(grad_output, _ints([dim]), keepdims=1)
+
+
+# ---------------------------------------------------------------- shapes
+def squeeze_dims(self: TTensor, dim: Sequence[int]) -> TTensor:
+    """Drops the listed dims of size 1 (others stay, as in torch); torch's decomposition produces prims ops."""
+    rank = len(self.shape)
+    dims = sorted({d % rank for d in dim if self.shape[d % rank] == 1}) if rank else []
+    return op.Squeeze(self, _ints(dims)) if dims else op.Identity(self)
+
+
+# ---------------------------------------------------------------- embedding
+def embedding_dense_backward(grad_output: TFloat, indices: INT64, num_weights: int, padding_idx: int,
+                             scale_grad_by_freq: bool) -> TFloat:
+    """Rows of the gradient summed into the rows their indices name (ScatterND, reduction add)."""
+    dim = grad_output.shape[-1]
+    grad = op.Reshape(grad_output, _ints([-1, dim]))  # (n, D)
+    idx = op.Reshape(indices, _ints([-1, 1]))  # (n, 1)
+    if padding_idx >= 0:
+        keep = op.Not(op.Equal(idx, op.Constant(value=ir.tensor([padding_idx], dtype=indices.dtype))))
+        grad = op.Where(keep, grad, _const(0.0, grad_output))
+    if scale_grad_by_freq:
+        ones = op.Expand(_const(1.0, grad_output), op.Shape(idx, start=0, end=1))
+        counts = op.ScatterND(op.Expand(_const(0.0, grad_output), _ints([num_weights])), idx, ones,
+                              reduction="add")
+        grad = grad / op.Unsqueeze(op.GatherND(counts, idx), _ints([1]))
+    zeros = op.Expand(_const(0.0, grad_output), _ints([num_weights, dim]))
+    return op.ScatterND(zeros, idx, grad, reduction="add")
+
+
+# ---------------------------------------------------------------- normalization
+def var_mean(self: TFloat, dim: Optional[Sequence[int]] = None, correction: Optional[float] = None,
+             keepdim: bool = False) -> tuple[TFloat, TFloat]:
+    """(variance, mean) over ``dim`` (all dims when None) with Bessel's ``correction`` (default 1).
+
+    torch decomposes it into prims ops, which have no ONNX translation.
+    """
+    rank = len(self.shape)
+    dims = list(range(rank)) if dim is None else [d % rank for d in dim]
+    count = math.prod(self.shape[d] for d in dims)
+    correction = 1.0 if correction is None else float(correction)
+    mean = op.ReduceMean(self, _ints(dims), keepdims=1)
+    centred = self - mean
+    scale = 1.0 / (count - correction) if count > correction else float("nan")  # torch gives nan too
+    var = op.ReduceSum(centred * centred, _ints(dims), keepdims=int(keepdim)) * _const(scale, self)
+    if not keepdim:
+        mean = op.Squeeze(mean, _ints(dims))
+    return var, mean
+
+
+def native_layer_norm_backward(grad_out: TFloat, input: TFloat, normalized_shape: Sequence[int], mean: TFloat,
+                               rstd: TFloat, weight: Optional[TFloat], bias: Optional[TFloat],
+                               output_mask: Sequence[bool]) -> tuple[TFloat, TFloat, TFloat]:
+    """dx = rstd (g w - mean(g w) - x_hat mean(g w x_hat)), dw = sum(g x_hat), db = sum(g) over the outer dims."""
+    rank = len(input.shape)
+    axis = rank - len(normalized_shape)
+    inner, outer = _ints(range(axis, rank)), list(range(axis))
+    n = float(math.prod(normalized_shape))
+    x_hat = (input - mean) * rstd
+    g = grad_out * weight if weight is not None else grad_out
+    grad_input = _unused(input)
+    if output_mask[0]:
+        a = op.ReduceSum(g, inner, keepdims=1)
+        b = op.ReduceSum(g * x_hat, inner, keepdims=1)
+        grad_input = (g - (a + x_hat * b) * _const(1.0 / n, input)) * rstd
+    grad_weight = _unused(input)
+    if output_mask[1] and weight is not None:
+        grad_weight = _sum_over(grad_out * x_hat, outer)
+    grad_bias = _unused(input)
+    if output_mask[2] and bias is not None:
+        grad_bias = _sum_over(grad_out, outer)
+    return grad_input, grad_weight, grad_bias
+
+
+def _sum_over(x, axes: list[int]):
+    return op.ReduceSum(x, _ints(axes), keepdims=0) if axes else x
+
+
+def native_batch_norm_backward(grad_out: TFloat, input: TFloat, weight: Optional[TFloat],
+                               running_mean: Optional[TFloat], running_var: Optional[TFloat],
+                               save_mean: Optional[TFloat], save_invstd: Optional[TFloat], train: bool, eps: float,
+                               output_mask: Sequence[bool]) -> tuple[TFloat, TFloat, TFloat]:
+    """Per-channel statistics over every dim but 1; training mode also differentiates through them."""
+    rank = len(input.shape)
+    channels = input.shape[1]
+    axes = [0, *range(2, rank)]
+    per_channel = _ints([1, channels] + [1] * (rank - 2))
+    n = float(math.prod(input.shape) // channels)
+    if train:
+        mean, invstd = save_mean, save_invstd
+    else:
+        mean = running_mean
+        invstd = op.Reciprocal(op.Sqrt(running_var + _const(eps, input)))
+    mean_b, invstd_b = op.Reshape(mean, per_channel), op.Reshape(invstd, per_channel)
+    x_hat = (input - mean_b) * invstd_b
+    grad_bias = op.ReduceSum(grad_out, _ints(axes), keepdims=0)
+    grad_weight = op.ReduceSum(grad_out * x_hat, _ints(axes), keepdims=0)
+    scale = invstd_b if weight is None else invstd_b * op.Reshape(weight, per_channel)
+    grad_input = _unused(input)
+    if output_mask[0]:
+        if train:
+            inv_n = _const(1.0 / n, input)
+            centred = grad_out - op.Reshape(grad_bias * inv_n, per_channel) \
+                - x_hat * op.Reshape(grad_weight * inv_n, per_channel)
+            grad_input = centred * scale
+        else:
+            grad_input = grad_out * scale
+    return (grad_input, grad_weight if output_mask[1] else _unused(input),
+            grad_bias if output_mask[2] else _unused(input))
+
+
+# ---------------------------------------------------------------- pooling
+def max_pool2d_with_indices_backward(grad_output: TFloat, self: TFloat, kernel_size: Sequence[int],
+                                     stride: Sequence[int], padding: Sequence[int], dilation: Sequence[int],
+                                     ceil_mode: bool, indices: INT64) -> TFloat:
+    """Each output gradient added to the input element its window's maximum came from.
+
+    ``indices`` are torch's: flat positions within each (H, W) plane.
+    """
+    shape = list(self.shape)
+    planes = shape[:-2]
+    grad = op.Reshape(grad_output, _ints([*planes, -1]))
+    idx = op.Reshape(indices, _ints([*planes, -1]))
+    zeros = op.Expand(_const(0.0, self), _ints([*planes, shape[-2] * shape[-1]]))
+    out = op.ScatterElements(zeros, idx, grad, axis=len(planes), reduction="add")
+    return op.Reshape(out, _ints(shape))
+
+
+def avg_pool2d_backward(grad_output: TFloat, self: TFloat, kernel_size: Sequence[int], stride: Sequence[int],
+                        padding: Sequence[int], ceil_mode: bool, count_include_pad: bool,
+                        divisor_override: Optional[int] = None) -> TFloat:
+    """The transposed convolution with a ones kernel, of the output gradient divided by each window's count."""
+    kernel, strides, pads = _pool_args(kernel_size, stride, padding)
+    shape = list(self.shape)
+    batched = len(shape) == 4
+    grad = grad_output if batched else op.Unsqueeze(grad_output, _ints([0]))
+    channels = shape[-3]
+    if count_include_pad or not any(pads):
+        grad = grad * _const(1.0 / (kernel[0] * kernel[1]), self)
+    else:  # divide by the number of real (unpadded) elements under each window
+        ones_in = op.Expand(_const(1.0, self), _ints([1, 1, shape[-2], shape[-1]]))
+        ones_k = op.Expand(_const(1.0, self), _ints([1, 1, *kernel]))
+        counts = op.Conv(ones_in, ones_k, strides=strides, pads=pads + pads)
+        grad = grad / counts
+    out_hw = list(grad_output.shape[-2:])
+    extra = [shape[-2 + i] - ((out_hw[i] - 1) * strides[i] - 2 * pads[i] + kernel[i]) for i in range(2)]
+    weight = op.Expand(_const(1.0, self), _ints([channels, 1, *kernel]))
+    out = op.ConvTranspose(grad, weight, strides=strides, pads=pads + pads, group=channels, output_padding=extra)
+    return out if batched else op.Squeeze(out, _ints([0]))
+
+
+def _pool_args(kernel_size, stride, padding) -> tuple[list[int], list[int], list[int]]:
+    kernel = list(kernel_size) * 2 if len(kernel_size) == 1 else list(kernel_size)
+    strides = kernel if not stride else (list(stride) * 2 if len(stride) == 1 else list(stride))
+    pads = list(padding) * 2 if len(padding) == 1 else list(padding)
+    return kernel, strides, pads
+
+
+# ---------------------------------------------------------------- convolution
+def convolution_backward(grad_output: TFloat, input: TFloat, weight: TFloat, bias_sizes: Optional[Sequence[int]],
+                         stride: Sequence[int], padding: Sequence[int], dilation: Sequence[int], transposed: bool,
+                         output_padding: Sequence[int], groups: int,
+                         output_mask: Sequence[bool]) -> tuple[TFloat, TFloat, TFloat]:
+    """Gradients of a (non-transposed) N-d convolution as ONNX convolutions.
+
+    input: ConvTranspose of the output gradient with the same weight.  weight:
+    a convolution of the input (channels and batch swapped) with the output
+    gradient as kernel, stride and dilation swapped, cropped to the kernel
+    size; grouped by moving the groups into the channel dim.  bias: a sum.
+    """
+    spatial = len(input.shape) - 2
+    k = list(weight.shape[2:])
+    s, p, d = (_expand(v, spatial) for v in (stride, padding, dilation))
+    n, c_in = input.shape[0], input.shape[1]
+    c_out = grad_output.shape[1]
+    out_sp, in_sp = list(grad_output.shape[2:]), list(input.shape[2:])
+    grad_input = _unused(input)
+    if output_mask[0]:
+        extra = [in_sp[i] - ((out_sp[i] - 1) * s[i] - 2 * p[i] + d[i] * (k[i] - 1) + 1) for i in range(spatial)]
+        grad_input = op.ConvTranspose(grad_output, weight, strides=s, pads=p + p, dilations=d, group=groups,
+                                      output_padding=extra)
+    grad_weight = _unused(input)
+    if output_mask[1]:
+        g, cg, cog = groups, c_in // groups, c_out // groups
+        tail = list(range(3, 3 + spatial))
+        # x: (N, G*Cg, *S) -> (Cg, G*N, *S): a batch of Cg images with G*N channels
+        x = op.Reshape(input, _ints([n, g, cg, *in_sp]))
+        x = op.Reshape(op.Transpose(x, perm=[2, 1, 0, *tail]), _ints([cg, g * n, *in_sp]))
+        # dy: (N, G*Cog, *So) -> (G*Cog, N, *So): G*Cog kernels over N channels
+        dy = op.Reshape(grad_output, _ints([n, g, cog, *out_sp]))
+        dy = op.Reshape(op.Transpose(dy, perm=[1, 2, 0, *tail]), _ints([g * cog, n, *out_sp]))
+        gw = op.Conv(x, dy, strides=d, dilations=s, pads=p + p, group=g)  # (Cg, G*Cog, *K')
+        gw = op.Transpose(gw, perm=[1, 0, *range(2, 2 + spatial)])
+        grad_weight = op.Slice(gw, _ints([0] * spatial), _ints(k), _ints(range(2, 2 + spatial)))
+    grad_bias = _unused(input)
+    if output_mask[2]:
+        grad_bias = op.ReduceSum(grad_output, _ints([0, *range(2, 2 + spatial)]), keepdims=0)
+    return grad_input, grad_weight, grad_bias
+
+
+def _expand(values: Sequence[int], n: int) -> list[int]:
+    return list(values) * n if len(values) == 1 else list(values)
+
+
+# ---------------------------------------------------------------- attention
+def _attention_scores(query, key, key_len: int, is_causal: bool, attn_mask, scale: float | None):
+    """(B, H, L, S) scores with the causal and explicit masks applied (``key`` may be a repeated, shapeless value)."""
+    e = query.shape[-1]
+    scale = 1.0 / math.sqrt(e) if scale is None else scale
+    rank = len(query.shape)
+    perm = [*range(rank - 2), rank - 1, rank - 2]
+    scores = op.MatMul(query, op.Transpose(key, perm=perm)) * _const(scale, query)
+    neg_inf = _const(float("-inf"), query)
+    if is_causal:
+        ell, s = query.shape[-2], key_len
+        keep = op.Cast(op.Trilu(op.Expand(op.Constant(value=ir.tensor(1, dtype=ir.DataType.INT64)),
+                                          _ints([ell, s])), upper=0), to=ir.DataType.BOOL)
+        scores = op.Where(keep, scores, neg_inf)
+    if attn_mask is not None:  # additive: the fused kernel takes masks of the query's dtype only
+        scores = scores + attn_mask
+    return scores, scale
+
+
+def _repeat_heads(x, heads: int):
+    """(..., Hk, S, E) -> (..., H, S, E): query head h reads key/value head h // (H / Hk), as torch's GQA does."""
+    *lead, hk, s, e = x.shape
+    if hk == heads:
+        return x
+    x = op.Expand(op.Unsqueeze(x, _ints([len(lead) + 1])), _ints([*lead, hk, heads // hk, s, e]))
+    return op.Reshape(x, _ints([*lead, heads, s, e]))
+
+
+def _sum_heads(grad, heads: int, kv_shape):
+    """The gradient of :func:`_repeat_heads`: (..., H, S, E) -> ``kv_shape`` (..., Hk, S, E)."""
+    *lead, kv_heads, s, e = kv_shape
+    if heads == kv_heads:
+        return grad
+    grad = op.Reshape(grad, _ints([*lead, kv_heads, heads // kv_heads, s, e]))
+    return op.ReduceSum(grad, _ints([len(lead) + 1]), keepdims=0)
+
+
+def _scaled_dot_product_flash_attention_for_cpu(query: TFloat, key: TFloat, value: TFloat, dropout_p: float = 0.0,
+                                                is_causal: bool = False, attn_mask: Optional[TFloat] = None,
+                                                scale: Optional[float] = None) -> tuple[TFloat, TFloat]:
+    """softmax(q k^T scale + mask) v, and the row log-sum-exp the backward reuses (key/value heads repeated
+    for grouped-query attention)."""
+    heads, key_len = query.shape[-3], key.shape[-2]
+    key, value = _repeat_heads(key, heads), _repeat_heads(value, heads)
+    scores, _ = _attention_scores(query, key, key_len, is_causal, attn_mask, scale)
+    lse = _logsumexp(scores)
+    out = op.MatMul(op.Exp(scores - lse), value)
+    return out, op.Squeeze(lse, _ints([-1]))
+
+
+def _logsumexp(scores):
+    top = op.ReduceMax(scores, _ints([-1]), keepdims=1)
+    return top + op.Log(op.ReduceSum(op.Exp(scores - top), _ints([-1]), keepdims=1))
+
+
+def _scaled_dot_product_flash_attention_for_cpu_backward(
+        grad_out: TFloat, query: TFloat, key: TFloat, value: TFloat, out: TFloat, logsumexp: TFloat,
+        dropout_p: float, is_causal: bool, attn_mask: Optional[TFloat] = None,
+        scale: Optional[float] = None) -> tuple[TFloat, TFloat, TFloat]:
+    """Recompute p = exp(scores - lse); dV = p^T dO, dS = p (dO V^T - rowsum(dO O)), dQ = dS K s, dK = dS^T Q s."""
+    heads, key_shape, value_shape = query.shape[-3], list(key.shape), list(value.shape)
+    key, value = _repeat_heads(key, heads), _repeat_heads(value, heads)
+    scores, scale = _attention_scores(query, key, key_shape[-2], is_causal, attn_mask, scale)
+    p = op.Exp(scores - op.Unsqueeze(logsumexp, _ints([-1])))
+    rank = len(query.shape)
+    perm = [*range(rank - 2), rank - 1, rank - 2]
+    grad_value = op.MatMul(op.Transpose(p, perm=perm), grad_out)
+    dp = op.MatMul(grad_out, op.Transpose(value, perm=perm))
+    ds = p * (dp - op.ReduceSum(grad_out * out, _ints([-1]), keepdims=1))
+    s = _const(scale, query)
+    grad_query = op.MatMul(ds, key) * s
+    grad_key = op.MatMul(op.Transpose(ds, perm=perm), query) * s
+    return grad_query, _sum_heads(grad_key, heads, key_shape), _sum_heads(grad_value, heads, value_shape)
+
+
+# ---------------------------------------------------------------- the table
+Accepts = Callable[[fx.Node], "str | None"]
+
+
+def _always(node: fx.Node) -> str | None:
+    return None
+
+
+def _arg(node: fx.Node, index: int, name: str, default=None):
+    if len(node.args) > index:
+        return node.args[index]
+    return node.kwargs.get(name, default)
+
+
+def _conv_accepts(node: fx.Node) -> str | None:
+    if _arg(node, 7, "transposed"):
+        return "the gradient of a transposed convolution is not translated"
+    return None
+
+
+def _avg_pool_accepts(node: fx.Node) -> str | None:
+    if _arg(node, 5, "ceil_mode"):
+        return "avg_pool2d_backward with ceil_mode=True is not translated"
+    if _arg(node, 7, "divisor_override") is not None:
+        return "avg_pool2d_backward with divisor_override is not translated"
+    if len(node.args[1].meta["val"].shape) not in (3, 4):
+        return "avg_pool2d_backward of an input that is not (N, C, H, W) or (C, H, W)"
+    return None
+
+
+def _attention_check(node: fx.Node, query: fx.Node, key: fx.Node, dropout_p) -> str | None:
+    if dropout_p:
+        return "attention with dropout stays in torch (its RNG)"
+    q, k = query.meta["val"], key.meta["val"]
+    if q.dim() < 3 or k.dim() < 3 or q.shape[-3] % k.shape[-3]:
+        return f"attention over query {tuple(q.shape)} and key {tuple(k.shape)} is not translated"
+    return None
+
+
+def _attention_accepts(node: fx.Node) -> str | None:
+    return _attention_check(node, node.args[0], node.args[1], _arg(node, 3, "dropout_p", 0.0))
+
+
+def _attention_backward_accepts(node: fx.Node) -> str | None:
+    return _attention_check(node, node.args[1], node.args[2], _arg(node, 6, "dropout_p", 0.0))
+
+
+@dataclass(frozen=True)
+class Translation:
+    function: Callable
+    why: str  # why ours rather than torchlib's or a torch decomposition
+    accepts: Accepts = _always
+
+
+TRANSLATIONS: dict = {
+    aten.silu_backward.default: Translation(silu_backward, "torchlib has none; torch's decomposition is not applied"
+                                            " by the exporter"),
+    aten.gelu_backward.default: Translation(gelu_backward, "one elementwise pass instead of the decomposition's"),
+    aten._softmax_backward_data.default: Translation(_softmax_backward_data, "torchlib has none"),
+    aten._log_softmax_backward_data.default: Translation(_log_softmax_backward_data, "torchlib has none"),
+    aten.embedding_dense_backward.default: Translation(embedding_dense_backward, "one ScatterND(add)"),
+    aten.squeeze.dims: Translation(squeeze_dims, "torch's decomposition produces prims ops"),
+    aten.var_mean.correction: Translation(var_mean, "torch's decomposition produces prims ops"),
+    aten.native_layer_norm_backward.default: Translation(native_layer_norm_backward, "torchlib has none"),
+    aten.native_batch_norm_backward.default: Translation(native_batch_norm_backward, "torchlib has none"),
+    aten.max_pool2d_with_indices_backward.default: Translation(max_pool2d_with_indices_backward,
+                                                               "torchlib and torch's decomposition table have none"),
+    aten.avg_pool2d_backward.default: Translation(avg_pool2d_backward, "no translation or decomposition exists",
+                                                  _avg_pool_accepts),
+    aten.convolution_backward.default: Translation(convolution_backward, "no translation or decomposition exists",
+                                                   _conv_accepts),
+    aten._scaled_dot_product_flash_attention_for_cpu.default: Translation(
+        _scaled_dot_product_flash_attention_for_cpu, "the fused CPU kernel's forward, with the log-sum-exp",
+        _attention_accepts),
+    aten._scaled_dot_product_flash_attention_for_cpu_backward.default: Translation(
+        _scaled_dot_product_flash_attention_for_cpu_backward, "no translation or decomposition exists",
+        _attention_backward_accepts),
+}
+

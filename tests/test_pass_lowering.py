@@ -1,0 +1,58 @@
+"""lower_to_onnx_ops_pass on small graphs."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch.fx.experimental.proxy_tensor import make_fx
+
+from spmd_ort import coverage
+from spmd_ort.passes import PassContext, lower_to_onnx_ops_pass, op_counts, run_passes
+
+
+def _step(x, w, y):
+    logits = torch.tanh(x @ w)
+    loss = F.cross_entropy(logits, y)  # nll_loss_forward: torchlib's translation is wrong (a FIX)
+    (grad,) = torch.autograd.grad(loss, w)  # tanh_backward, nll_loss_backward: no translation
+    return loss, grad, torch.cummax(logits, 1).values  # cummax: no translation, no decomposition
+
+
+def _inputs():
+    g = torch.Generator().manual_seed(0)
+    return torch.randn(6, 5, generator=g), torch.randn(5, 4, generator=g, requires_grad=True), \
+        torch.randint(0, 4, (6,), generator=g)
+
+
+def test_ops_without_translation_are_lowered_and_numbers_unchanged():
+    x, w, y = _inputs()
+    gm = make_fx(_step, tracing_mode="fake")(x, w, y)
+    before = op_counts(gm)
+    assert before["aten.tanh_backward.default"] == before["aten.nll_loss_backward.default"] == 1
+    assert before["aten.nll_loss_forward.default"] == 1
+    expected = gm(x, w.detach(), y)
+    ctx = PassContext(input_slots=[None] * 3, output_slots=[None] * 3, check_contracts=True)
+    gm = run_passes(gm, ctx, [lower_to_onnx_ops_pass])
+    gm.graph.lint()
+    after = op_counts(gm)
+    for op in ("aten.tanh_backward.default", "aten.nll_loss_backward.default", "aten.nll_loss_forward.default"):
+        assert after[op] == 0, op
+    assert after["aten._log_softmax_backward_data.default"] == 1  # ours: translated, not lowered
+    assert after["aten.cummax.default"] == 1  # nothing to lower it to: stays (on the host)
+    assert ctx.results.lowering.lowered == {"aten.nll_loss_backward.default": 1, "aten.nll_loss_forward.default": 1,
+                                            "aten.tanh_backward.default": 1}
+    for node in gm.graph.nodes:
+        if node.op == "call_function" and getattr(node.target, "namespace", None) == "aten":
+            assert "val" in node.meta
+            if node.target is not torch.ops.aten.cummax.default:
+                assert coverage.why_untranslatable(node) is None, node.format_node()
+    for a, b in zip(gm(x, w.detach(), y), expected):
+        torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7)
+    assert ctx.applied[0].nodes_after > ctx.applied[0].nodes_before
+
+
+def test_graph_without_untranslatable_ops_is_unchanged():
+    gm = make_fx(lambda a, b: torch.relu(a @ b).sum(), tracing_mode="fake")(torch.randn(3, 4), torch.randn(4, 2))
+    code = gm.code
+    ctx = PassContext(input_slots=[None] * 2, output_slots=[None], check_contracts=True)
+    gm = run_passes(gm, ctx, [lower_to_onnx_ops_pass])
+    assert gm.code == code and ctx.results.lowering.lowered == {}

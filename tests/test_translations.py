@@ -1,0 +1,195 @@
+"""Each of our own ONNX translations (spmd_ort.translations) against torch's kernel, op by op.
+
+A one-op graph is traced, translated, run in ONNX Runtime and compared with the op itself, over the
+argument variants the translation distinguishes (strides, padding, groups, masks, output masks, ...).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+import torch.utils._pytree as pytree
+from torch.fx.experimental.proxy_tensor import make_fx
+
+from helpers import assert_close_relmax
+from spmd_ort import coverage
+from spmd_ort.export import translate
+from spmd_ort.runtime_ort import OrtSegment
+from spmd_ort.translations import TRANSLATIONS
+
+aten = torch.ops.aten
+G = torch.Generator().manual_seed(0)
+
+
+def _randn(*shape):
+    return torch.randn(*shape, generator=G)
+
+
+def _check(op, args: tuple, kwargs: dict | None = None, outputs: tuple[int, ...] | None = None) -> None:
+    """``op(*args, **kwargs)`` in ORT (through our translation) equals torch's, output by output."""
+    kwargs = kwargs or {}
+    leaves, spec = pytree.tree_flatten((args, kwargs))
+    positions = [i for i, x in enumerate(leaves) if isinstance(x, torch.Tensor)]
+
+    def call(*tensors):
+        new = list(leaves)
+        for i, t in zip(positions, tensors):
+            new[i] = t
+        a, kw = pytree.tree_unflatten(new, spec)
+        out = op(*a, **kw)
+        return tuple(out) if isinstance(out, (tuple, list)) else (out,)
+
+    tensors = [leaves[i] for i in positions]
+    expected = call(*tensors)
+    keep = outputs if outputs is not None else range(len(expected))
+    gm = make_fx(lambda *ts: tuple(call(*ts)[i] for i in keep), tracing_mode="fake")(*tensors)
+    assert any(n.target is op for n in gm.graph.nodes), gm.code  # the op itself, not a decomposition
+    node = next(n for n in gm.graph.nodes if n.target is op)
+    assert coverage.why_untranslatable(node) is None
+    got = OrtSegment("probe", gm, translate(gm), threads=1, allow_spinning=False).run_ort(*tensors)
+    got = got if isinstance(got, tuple) else (got,)
+    for k, (i, g) in enumerate(zip(keep, got)):
+        assert_close_relmax(g, expected[i], rtol=2e-5, msg=f"{op} output {i}")
+
+
+def test_every_translation_is_in_the_registry_and_has_a_reason():
+    reg = coverage.registry()
+    for op, translation in TRANSLATIONS.items():
+        assert reg.get_decomps(op)[0].onnx_function is translation.function, op
+        assert translation.why
+
+
+@pytest.mark.parametrize("approximate", ["none", "tanh"])
+def test_activation_backwards(approximate):
+    x, g = _randn(4, 7), _randn(4, 7)
+    _check(aten.silu_backward.default, (g, x))
+    _check(aten.gelu_backward.default, (g, x), {"approximate": approximate})
+
+
+@pytest.mark.parametrize("dim", [-1, 0])
+def test_softmax_backwards(dim):
+    x, g = _randn(3, 5, 6), _randn(3, 5, 6)
+    _check(aten._softmax_backward_data.default, (g, torch.softmax(x, dim), dim, torch.float32))
+    _check(aten._log_softmax_backward_data.default, (g, torch.log_softmax(x, dim), dim, torch.float32))
+
+
+@pytest.mark.parametrize("padding_idx,scale", [(-1, False), (3, False), (-1, True)])
+def test_embedding_dense_backward(padding_idx, scale):
+    idx = torch.randint(0, 9, (4, 6), generator=G)
+    idx[0, :3] = 3  # repeats (and the padding index)
+    _check(aten.embedding_dense_backward.default, (_randn(4, 6, 5), idx, 9, padding_idx, scale))
+
+
+@pytest.mark.parametrize("affine,mask", [(True, [True, True, True]), (False, [True, False, False]),
+                                         (True, [False, True, False])])
+def test_native_layer_norm_backward(affine, mask):
+    x = _randn(3, 4, 8)
+    w, b = (_randn(8), _randn(8)) if affine else (None, None)
+    _, mean, rstd = aten.native_layer_norm.default(x, [8], w, b, 1e-5)
+    outputs = tuple(i for i, m in enumerate(mask) if m and (i == 0 or affine))
+    _check(aten.native_layer_norm_backward.default, (_randn(3, 4, 8), x, [8], mean, rstd, w, b, mask),
+           outputs=outputs)
+
+
+@pytest.mark.parametrize("train", [True, False])
+def test_native_batch_norm_backward(train):
+    x, w = _randn(4, 3, 5, 5), _randn(3)
+    rm, rv = _randn(3), torch.rand(3, generator=G) + 0.5
+    _, save_mean, save_invstd = aten.native_batch_norm.default(x, w, None, rm.clone(), rv.clone(), True, 0.1, 1e-5)
+    _check(aten.native_batch_norm_backward.default,
+           (_randn(4, 3, 5, 5), x, w, rm, rv, save_mean, save_invstd, train, 1e-5, [True, True, True]))
+
+
+@pytest.mark.parametrize("dim,correction,keepdim", [([0, 2, 3], 0, False), ([1], 1, True), (None, 1, False)])
+def test_var_mean_and_squeeze(dim, correction, keepdim):
+    _check(aten.var_mean.correction, (_randn(4, 3, 5, 2),), {"dim": dim, "correction": correction, "keepdim": keepdim})
+    _check(aten.squeeze.dims, (_randn(4, 1, 5, 1),), {"dim": [1, 2, -1]})
+
+
+@pytest.mark.parametrize("kernel,stride,padding", [(2, 2, 0), (3, 2, 1), (3, 1, 1)])
+def test_pooling_backwards(kernel, stride, padding):
+    x = _randn(2, 3, 9, 9)
+    out, idx = aten.max_pool2d_with_indices.default(x, [kernel], [stride], [padding])
+    g = _randn(*out.shape)
+    _check(aten.max_pool2d_with_indices_backward.default, (g, x, [kernel], [stride], [padding], [1], False, idx))
+    for include_pad in (True, False):
+        _check(aten.avg_pool2d_backward.default, (g, x, [kernel], [stride], [padding], False, include_pad, None))
+    x3 = _randn(3, 9, 9)  # unbatched
+    g3 = _randn(*F.avg_pool2d(x3, kernel, stride, padding).shape)
+    _check(aten.avg_pool2d_backward.default, (g3, x3, [kernel], [stride], [padding], False, True, None))
+
+
+CONVS = {  # name: (input shape, weight shape, stride, padding, dilation, groups)
+    "2d": ((2, 4, 9, 9), (6, 4, 3, 3), [2], [1], [1], 1),
+    "2d-groups-dilation": ((2, 4, 8, 8), (6, 2, 3, 3), [1], [2], [2], 2),
+    "2d-depthwise-odd": ((1, 3, 7, 6), (3, 1, 2, 3), [2, 1], [0, 1], [1], 3),
+    "1d": ((2, 3, 11), (5, 3, 4), [3], [2], [1], 1),
+}
+
+
+@pytest.mark.parametrize("name", list(CONVS))
+@pytest.mark.parametrize("mask", [[True, True, True], [False, True, False]])
+def test_convolution_backward(name, mask):
+    shape, wshape, stride, padding, dilation, groups = CONVS[name]
+    x, w = _randn(*shape), _randn(*wshape)
+    out = aten.convolution.default(x, w, None, stride, padding, dilation, False, [0], groups)
+    outputs = tuple(i for i, m in enumerate(mask) if m)
+    _check(aten.convolution_backward.default,
+           (_randn(*out.shape), x, w, [wshape[0]], stride, padding, dilation, False, [0], groups, mask),
+           outputs=outputs)
+
+
+ATTENTION = {  # name: (kv heads, causal, mask kind, scale)
+    "causal": (4, True, None, None),
+    "padding-mask": (4, False, "padding", None),
+    "float-mask-scale": (4, False, "float", 0.3),
+    "gqa-causal": (2, True, None, None),
+}
+
+
+@pytest.mark.parametrize("name", list(ATTENTION))
+def test_flash_attention_forward_and_backward(name):
+    kv_heads, causal, mask_kind, scale = ATTENTION[name]
+    q, k, v = _randn(2, 4, 6, 8), _randn(2, kv_heads, 6, 8), _randn(2, kv_heads, 6, 8)
+    mask = None
+    if mask_kind == "padding":  # additive, as F.scaled_dot_product_attention hands a boolean mask to the kernel
+        mask = torch.zeros(2, 1, 6, 6)
+        mask[1, :, :, 4:] = float("-inf")  # padded keys
+    elif mask_kind == "float":
+        mask = _randn(2, 1, 6, 6)
+    kwargs = {"attn_mask": mask, "scale": scale}
+    fwd = aten._scaled_dot_product_flash_attention_for_cpu.default
+    _check(fwd, (q, k, v, 0.0, causal), kwargs)
+    out, lse = fwd(q, k, v, 0.0, causal, **kwargs)
+    _check(aten._scaled_dot_product_flash_attention_for_cpu_backward.default,
+           (_randn(*out.shape), q, k, v, out, lse, 0.0, causal), kwargs)
+
+
+def test_declined_arguments_stay_untranslated_with_a_reason():
+    """Where our translation declines a node's arguments, the predicate says why and the op is not lowered."""
+    def node_of(fn, *args):
+        gm = make_fx(fn, tracing_mode="fake")(*args)
+        return next(n for n in gm.graph.nodes if n.op == "call_function")
+
+    x, w = _randn(1, 4, 5, 5), _randn(4, 2, 3, 3)
+    conv_t = node_of(lambda g, x, w: aten.convolution_backward.default(
+        g, x, w, None, [1], [0], [1], True, [0], 1, [True, True, False]), _randn(1, 2, 7, 7), x, w)
+    assert "transposed convolution" in coverage.why_untranslatable(conv_t)
+    assert coverage.decomposition_for(conv_t) is None
+    pool = node_of(lambda g, x: aten.avg_pool2d_backward.default(g, x, [2], [2], [0], True, True, None),
+                   _randn(1, 4, 3, 3), x)
+    assert "ceil_mode" in coverage.why_untranslatable(pool)
+
+
+def test_mixed_dtypes_are_promoted_explicitly():
+    """aten ops promote mixed dtypes implicitly, ONNX ops do not: the translation inserts the casts."""
+    x, i = _randn(4, 5), torch.randint(-3, 3, (4, 5), generator=G)
+
+    def fn(x, i):
+        return x + i, i * 0.5, (x > 0) * x, torch.where(i > 0, x, 1)
+
+    gm = make_fx(fn, tracing_mode="fake")(x, i)
+    got = OrtSegment("probe", gm, translate(gm), threads=1, allow_spinning=False).run_ort(x, i)
+    for g, e in zip(got, fn(x, i)):
+        assert g.dtype == e.dtype and torch.equal(g, e)
