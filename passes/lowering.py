@@ -70,8 +70,13 @@ def _trace_decomposition(node: fx.Node, decomposition) -> tuple[fx.GraphModule, 
         out = decomposition(*args, **kwargs)
         return tuple(out) if isinstance(out, tuple) else out  # a plain tuple, not torch's return_types
 
-    examples = [torch.empty_strided(n.meta["val"].shape, n.meta["val"].stride(), dtype=n.meta["val"].dtype,
-                                    device=n.meta["val"].device) for n in inputs]
+    vals = [n.meta["val"] for n in inputs]
+    if any(not all(isinstance(s, int) for s in v.shape) for v in vals):
+        # symbolic sizes (dynamic shapes): traced over the graph's own fake values, so the
+        # decomposition's size arithmetic becomes nodes over its inputs' sizes
+        sub = make_fx(rebuild, decomposition_table=coverage.lowering_table(), tracing_mode="symbolic")(*vals)
+        return sub, inputs
+    examples = [torch.empty_strided(v.shape, v.stride(), dtype=v.dtype, device=v.device) for v in vals]
     sub = make_fx(rebuild, decomposition_table=coverage.lowering_table(), tracing_mode="fake")(*examples)
     return sub, inputs
 

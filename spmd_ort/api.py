@@ -32,6 +32,7 @@ from .errors import CollectiveTimeout, CompileError
 from .executor import build_executor
 from . import timeline
 from .explain import explain
+from .dynamic import DynamicDims, changed_dims, dims_differing_across, leading_dims
 from .inputs import StepInputs, bind_arguments, signature_of
 from .memory import host_memory_retained, max_rss_bytes, retain_host_memory
 from .opaque_trace import OpaquePlan
@@ -155,6 +156,18 @@ def _updates_state_of(program: CompiledProgram, params: list[nn.Parameter]) -> b
     return all(index.get(id(p)) in updated for p in params)
 
 
+def _sizes_differ(gathered: list) -> dict[int, set[int]] | None:
+    """Ranks' ``(key without sizes, leaf descriptions)``: the dims to make symbolic when only sizes differ."""
+    if any(g is None for g in gathered) or len({g[0] for g in gathered}) != 1:
+        return None
+    return dims_differing_across([g[1] for g in gathered]) or None
+
+
+def _batch_tensors(program: CompiledProgram, args: tuple, kwargs: dict) -> list[torch.Tensor]:
+    leaves = pytree.tree_leaves((args, kwargs))
+    return [leaves[i] for i in program.batch_positions]
+
+
 def _snapshot(gm: fx.GraphModule) -> fx.GraphModule:
     """A copy of ``gm`` whose graph later passes cannot touch."""
     graph = fx.Graph()
@@ -221,6 +234,7 @@ class CompiledStep:
         self._profile: tuple[int, Path] | None = None  # armed by profile(): (steps, path)
         self.profile_paths: tuple[Path, Path] | None = None  # (trace, picture) written by the last profile
         self._signature = signature_of(fn)
+        self.dynamic = DynamicDims()  # dims of tensor inputs traced as symbols; grows (spmd_ort.dynamic)
 
     @property
     def backend(self) -> str:
@@ -381,13 +395,59 @@ class CompiledStep:
         return out
 
     def _agreed_key(self, module, opt, scaler, args, kwargs, rule, mode, world_size: int) -> StepKey:
-        key = StepKey.of(module, opt, args, kwargs, rule=rule, world=(world_size, repr(mode)),
-                         amp=(("autocast", amp.autocast_state()),
-                              ("scaler", amp.scaler_key(scaler, state_device(module)))))
+        """The re-trace key of this call, with dynamic dims abstracted, agreed by every rank.
+
+        Automatic dynamic shapes (:mod:`spmd_ort.dynamic`): when the key misses only because sizes of
+        tensor inputs changed since the last call, those dims become symbolic before the key is taken
+        again; under a parallel mode, ranks whose keys differ only in input sizes make the differing
+        dims symbolic on every rank (the same decision everywhere: it is taken from the gathered keys).
+        """
+        leaves = pytree.tree_leaves((args, kwargs))
+        if self.options.dynamic == "1" and not self.dynamic:
+            self.dynamic = leading_dims(leaves)
+        key = self._key(module, opt, scaler, args, kwargs, rule, mode, world_size)
+        last = self.transitions.last_key
+        if (self.options.dynamic == "auto" and key not in self.transitions.variants and last is not None
+                and key.portable(sizes=False) == last.portable(sizes=False)):
+            changed = changed_dims(last.leaf_descs(), key.leaf_descs())
+            if changed:
+                self._widen(changed, args, kwargs, "changed since the last call")
+                key = self._key(module, opt, scaler, args, kwargs, rule, mode, world_size)
         if mode is not None:
             # every step: ranks that would run different graphs stop here, all of them
-            parallel.check_agreement("this step's inputs, module and optimizer", key.portable())
+            sizes = (key.portable(sizes=False), key.leaf_descs()) if self.options.dynamic != "0" else None
+            differing = parallel.check_agreement("this step's inputs, module and optimizer", key.portable(),
+                                                 sizes=sizes, reconcile=_sizes_differ)
+            if differing:
+                self._widen(differing, args, kwargs, "differ between ranks")
+                key = self._key(module, opt, scaler, args, kwargs, rule, mode, world_size)
+                parallel.check_agreement("this step's inputs, module and optimizer", key.portable())
         return key
+
+    def _key(self, module, opt, scaler, args, kwargs, rule, mode, world_size: int) -> StepKey:
+        amp_key = (("autocast", amp.autocast_state()), ("scaler", amp.scaler_key(scaler, state_device(module))))
+        key = StepKey.of(module, opt, args, kwargs, rule=rule, world=(world_size, repr(mode)), amp=amp_key,
+                         dynamic=self.dynamic)
+        program = self.transitions.variants.get(key)
+        if program is None or program.symbolic is None:
+            return key
+        batch_shapes = [tuple(x.shape) for x in _batch_tensors(program, args, kwargs)]
+        if program.symbolic.accepts(batch_shapes):
+            return key
+        # the symbolic program's guards reject these sizes: a static program for exactly them
+        logger.info("%s: sizes %s fail the guards of the symbolic program; tracing them statically",
+                    self.transitions.name, batch_shapes)
+        return StepKey.of(module, opt, args, kwargs, rule=rule, world=(world_size, repr(mode)), amp=amp_key,
+                          shapes=(("static", tuple(batch_shapes)),))
+
+    def _widen(self, dims: dict[int, set[int]], args: tuple, kwargs: dict, why: str) -> None:
+        before = self.dynamic
+        self.dynamic = self.dynamic.union(dims)
+        if self.dynamic != before:
+            names = dict(enumerate(StepInputs.of(self.fn, args, kwargs).names))
+            logger.info("%s: sizes of %s %s: these dims are symbolic from now on (dynamic shapes; "
+                        "SPMD_ORT_DYNAMIC=0 traces every shape instead)", self.transitions.name,
+                        self.dynamic.describe(names), why)
 
     def _shard_if_needed(self, module, opt, mode, rank: int, world_size: int) -> ShardedModule | None:
         """fully_shard: shard the module (once) before its key is taken; returns the undo handle."""
@@ -478,7 +538,13 @@ class CompiledStep:
         on_accelerator = any(p.device.type != "cpu" for p in layout.params)
         traced = trace_step(self.fn, args, kwargs, layout, sdpa_math=self.backend == "ort" and on_accelerator,
                             tag_grads=mode is not None, plan=self.opaque_plan, inputs=inputs,
-                            mixed_precision=self.mixed_precision)
+                            mixed_precision=self.mixed_precision,
+                            dynamic=None if key.shapes else self.dynamic)  # key.shapes: guards rejected the sizes
+        if traced.symbolic is not None and traced.symbolic.specialised:
+            names = {k: inputs.names[pos] for k, pos in enumerate(traced.batch_positions)}
+            logger.info("%s: the model fixes %s; those dims stay static", self.transitions.name,
+                        ", ".join(f"dim {d} of `{names[k]}` at {size}"
+                                  for (k, d), size in sorted(traced.symbolic.specialised.items())))
         traced_gm = _snapshot(traced.gm)
         rank, world_size = parallel.world()
         ctx = P.PassContext(input_slots=list(traced.input_slots), output_slots=list(traced.output_slots),
@@ -494,7 +560,7 @@ class CompiledStep:
             output_slots=ctx.output_slots, batch_positions=traced.batch_positions, grad_inputs=traced.grad_inputs,
             user_spec=traced.user_spec,
             user_leaves=traced.user_leaves, passes_applied=ctx.applied, results=ctx.results, executor=executor,
-            opaque=traced.opaque, trace_attempts=traced.attempts,
+            opaque=traced.opaque, trace_attempts=traced.attempts, symbolic=traced.symbolic,
             options=self.options, trace_seconds=traced.seconds, compile_seconds=time.perf_counter() - t0,
             traced_because=self.transitions.reason)
         logger.info("compiled %s: %d graph nodes, trace %.2fs, total %.2fs", self.transitions.name,
@@ -508,6 +574,7 @@ def compile(  # noqa: A001 - the reference API's name
     parallel_mode: Any = None,
     backend: str | None = None,
     debug: DebugOptions | None = None,
+    dynamic: bool | None = None,
 ) -> Callable[[Callable], CompiledStep]:
     """Compile a whole train step (forward, backward, optimizer step) into one graph.
 
@@ -525,12 +592,16 @@ def compile(  # noqa: A001 - the reference API's name
         backend: ``"ort"`` (ONNX Runtime segments + torch host nodes, the default) or ``"fx"``
             (PyTorch op by op); default from ``SPMD_ORT_BACKEND``.
         debug: :class:`DebugOptions`.
+        dynamic: ``None`` (automatic, the default): the first trace is static and sizes of tensor
+            inputs that change later become symbolic, so one program serves them all; ``True``: the
+            batch and sequence dims (the first two) of every tensor input are symbolic from the start;
+            ``False``: one program per shape.  Default from ``SPMD_ORT_DYNAMIC`` (``auto``/``1``/``0``).
 
     The configuration (these arguments and every ``SPMD_ORT_*`` environment variable,
     :data:`spmd_ort.options.ENV_VARS`) is read here, once; a bad value is a
     :class:`~spmd_ort.errors.ConfigError` naming it.
     """
-    options = Options.resolve(debug=debug, backend=backend)
+    options = Options.resolve(debug=debug, backend=backend, dynamic=dynamic)
     configure_logging(options.log_level)
     P.check_disabled(options.disabled_passes)
 

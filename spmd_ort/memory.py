@@ -43,15 +43,21 @@ def _aliases(node: fx.Node) -> bool:
 
 
 def _nbytes(val) -> int:
+    """Bytes of a value; a symbolic size counts at the size the program was traced with."""
     if isinstance(val, torch.Tensor):
-        return val.numel() * val.element_size()
+        from torch.fx.experimental.symbolic_shapes import optimization_hint
+
+        return optimization_hint(val.numel()) * val.element_size()
     if isinstance(val, (list, tuple)):
         return sum(_nbytes(v) for v in val)
     return 0
 
 
 def planned_peak_bytes(gm: fx.GraphModule) -> int:
-    """Peak bytes of the values the graph creates (inputs excluded), freed after their last use."""
+    """Peak bytes of the values the graph creates (inputs excluded), freed after their last use.
+
+    With symbolic sizes (dynamic shapes), at the sizes the program was traced with.
+    """
     nodes = list(gm.graph.nodes)
     root: dict[fx.Node, fx.Node] = {}
     for node in nodes:

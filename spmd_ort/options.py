@@ -26,6 +26,7 @@ logger = logging.getLogger("spmd_ort")
 BACKENDS = ("ort", "fx")
 FALLBACK_POLICIES = ("FALLBACK_TO_FX", "FALLBACK_DISABLE")
 SEGMENT_EXECUTORS = ("auto", "ort", "fx")
+DYNAMIC_MODES = ("auto", "1", "0")  # SPMD_ORT_DYNAMIC; compile(dynamic=None/True/False)
 # torch.onnx's exporter implements opset 18 and later (below it, it silently stays at 18);
 # its version converter and onnxruntime 1.2x-1.3x handle up to 25 (26+ gives invalid models).
 OPSET_RANGE = (18, 25)
@@ -80,13 +81,14 @@ class Options:
     custom_autograd: bool = True  # autograd.Functions that cannot be traced run opaquely
     opaque_functions: frozenset[str] = frozenset()  # qualified Function names always run opaquely
     auto_opaque: bool = True  # submodules that cannot be traced run opaquely
+    dynamic: str = DYNAMIC_MODES[0]  # "auto": sizes that change become symbolic; "1": from the start; "0": never
 
     @classmethod
     def resolve(cls, *, debug: DebugOptions | None = None, backend: str | None = None,
-                environ: Mapping[str, str] | None = None) -> Options:
+                dynamic: bool | None = None, environ: Mapping[str, str] | None = None) -> Options:
         """Options from ``compile``'s arguments and the environment (which wins over ``DebugOptions``).
 
-        ``backend`` wins over ``SPMD_ORT_BACKEND``; ``check_passes`` is on when either
+        ``backend`` wins over ``SPMD_ORT_BACKEND`` and ``dynamic`` (True/False) over ``SPMD_ORT_DYNAMIC``; ``check_passes`` is on when either
         ``DebugOptions`` or the environment turns it on; ``SPMD_ORT_VERIFY``, when set, wins over
         ``DebugOptions.verify`` (so ``SPMD_ORT_VERIFY=0`` opts out everywhere).
         """
@@ -104,6 +106,10 @@ class Options:
             if backend not in BACKENDS:
                 raise ConfigError(f"backend={backend!r} is not one of {', '.join(BACKENDS)}")
             values["backend"] = backend
+        if dynamic is not None:
+            if not isinstance(dynamic, bool):
+                raise ConfigError(f"dynamic={dynamic!r} is not one of None (automatic), True, False")
+            values["dynamic"] = "1" if dynamic else "0"
         return cls(**values)
 
     def replace(self, **changes: Any) -> Options:
@@ -210,6 +216,10 @@ ENV_VARS: tuple[EnvVar, ...] = (
            "`1`: never run an autograd.Function opaquely: it is traced, or the compile fails naming it"),
     EnvVar("SPMD_ORT_OPAQUE_AUTOGRAD_FUNCTIONS", "opaque_functions", _qualified_names, "none",
            "comma-separated autograd.Functions (`pkg.module.Class`) always run opaquely, as host nodes, untraced"),
+    EnvVar("SPMD_ORT_DYNAMIC", "dynamic", _choice("dynamic", DYNAMIC_MODES), "`auto`",
+           "`auto`: the first trace is static, sizes of tensor inputs that change become symbolic (one program "
+           "for all of them); `1`: batch and sequence dims symbolic from the start; `0`: one program per shape. "
+           "`compile(dynamic=True/False)` wins"),
     EnvVar("SPMD_ORT_AUTO_OPAQUE", "auto_opaque", _bool, "`1`",
            "`0`: a submodule that cannot be traced is a `CompileError` instead of an opaque host node "
            "(`OpaqueOverride` still applies)"),

@@ -17,6 +17,8 @@ before use, reduce-scatters gradients and runs the optimizer on shards.
 from __future__ import annotations
 
 import hashlib
+from collections.abc import Callable
+from typing import Any
 from dataclasses import dataclass
 
 import torch
@@ -125,16 +127,21 @@ def digest(text: str) -> int:
     return int.from_bytes(hashlib.sha256(text.encode()).digest()[:8], "little") >> 2
 
 
-def check_agreement(what: str, description: str) -> None:
+def check_agreement(what: str, description: str, *, sizes: Any = None,
+                    reconcile: Callable[[list], Any] | None = None) -> Any:
     """All ranks must hold the same ``description``; otherwise every rank raises.
 
     One small all-reduce (max of the digest and of its negation) when all agree;
     on disagreement an all-gather of the descriptions names the ranks and the
     first difference.  Every rank takes the same path, so nobody hangs.
+    On disagreement, ``reconcile`` (if given) sees every rank's ``sizes`` (the
+    same list on every rank): a true result is returned instead of raising (so
+    every rank decides alike, e.g. to make differing input sizes symbolic).
+    Returns None when the ranks agree.
     """
     rank, size = world()
     if size == 1:
-        return
+        return None
     d = digest(description)
     t = torch.tensor([d, -d], dtype=torch.int64)
     try:
@@ -144,9 +151,14 @@ def check_agreement(what: str, description: str) -> None:
             raise CollectiveTimeout(f"the ranks' agreement on {what}", rank=rank, cause=exc) from exc
         raise
     if int(t[0]) == -int(t[1]):
-        return
+        return None
     descriptions: list = [None] * size
-    dist.all_gather_object(descriptions, description)
+    dist.all_gather_object(descriptions, (description, sizes))
+    if reconcile is not None:
+        settled = reconcile([s for _, s in descriptions])
+        if settled:
+            return settled
+    descriptions = [d for d, _ in descriptions]
     groups: dict = {}
     for r, desc in enumerate(descriptions):
         groups.setdefault(desc, []).append(r)

@@ -12,6 +12,7 @@ from torch import fx
 from spmd_ort.passes import PassRecord, PassResults, op_counts
 
 from . import taps
+from .dynamic import SymbolicShapes
 from .executor import Executor
 from .opaque import OpaqueCall
 from .options import Options
@@ -50,6 +51,7 @@ class CompiledProgram:
     opaque: tuple[OpaqueCall, ...] = ()  # parts that run eagerly as host nodes (spmd_ort.opaque)
     opaque_seconds: tuple[float, ...] = ()  # per opaque call, forward + backward, in the last step
     trace_attempts: int = 1
+    symbolic: SymbolicShapes | None = None  # symbolic dims of the batch and their guards (spmd_ort.dynamic)
     traced_because: str = ""  # what made the step trace this variant (spmd_ort.transition)
     steps_run: int = 0
 
@@ -122,6 +124,12 @@ class CompiledProgram:
             kinds[s.kind] = kinds.get(s.kind, 0) + 1
         lines.append("outputs: " + ", ".join(f"{n} {k}" for k, n in kinds.items()))
         lines += self.executor.describe()
+        if self.symbolic is not None:
+            lines.append("symbolic sizes (dynamic shapes): " + (", ".join(
+                f"input[{k}] dim {d} = {name}" for name, (k, d) in sorted(self.symbolic.sources.items(),
+                                                                         key=lambda kv: kv[1])) or "none")
+                         + (f"; {len(self.symbolic.guards)} guards" if self.symbolic.guards else "")
+                         + (f"; fixed by the model: {self.symbolic.specialised}" if self.symbolic.specialised else ""))
         if self.opaque:
             retraced = (f"; {self.trace_attempts} traces, each failed one made one more part opaque"
                         if self.trace_attempts > 1 else "")

@@ -32,6 +32,7 @@ import numpy as np
 import onnxruntime as ort
 import torch
 from torch import fx, nn
+from torch.fx.experimental.proxy_tensor import make_fx
 
 from .errors import CompileError, ConfigError
 from .export import export_segment, input_position, save_model
@@ -315,8 +316,9 @@ class OrtExecutor:
         self.first_run_done = False
 
     @property
-    def segments(self) -> list[OrtSegment]:
-        return [m for m in self.gm.modules() if isinstance(m, OrtSegment)]
+    def segments(self) -> list[OrtSegment | SizedSegments]:
+        """The ORT segments (a dynamic-shape segment is one :class:`SizedSegments`, whatever its sizes)."""
+        return [m for m in self.gm.modules() if isinstance(m, (OrtSegment, SizedSegments))]
 
     def run(self, inputs: list[torch.Tensor]) -> list[torch.Tensor]:
         with torch.no_grad():
@@ -358,6 +360,9 @@ def build_ort_executor(gm: fx.GraphModule, options: Options) -> OrtExecutor:
         for i, name in enumerate(names):
             sub = fused.get_submodule(name)
             providers = providers_for(segment_device(sub))  # a ConfigError, never a fallback
+            if is_symbolic(sub):  # dynamic shapes: exported per distinct set of sizes, on first use
+                setattr(fused, name, SizedSegments(name, sub, options, stats, threads=threads, providers=providers))
+                continue
             shown.start(i, name, sum(1 for n in sub.graph.nodes if n.op == "call_function"))
             segment = _load_segment(name, sub, options, stats, threads=threads, providers=providers)
             if segment is not None:
@@ -365,6 +370,93 @@ def build_ort_executor(gm: fx.GraphModule, options: Options) -> OrtExecutor:
     fused.recompile()
     return OrtExecutor(fused, verify=options.verify, policy=policy, stats=stats,
                        segment_executor=options.segment_executor)
+
+
+def is_symbolic(gm: fx.GraphModule) -> bool:
+    """Whether any value of ``gm`` has a symbolic size (or is a symbolic int): a dynamic-shape segment."""
+    for node in gm.graph.nodes:
+        val = node.meta.get("val")
+        for v in val if isinstance(val, (list, tuple)) else [val]:
+            if isinstance(v, torch.SymInt) or (isinstance(v, torch.Tensor) and not all(
+                    isinstance(d, int) for d in v.shape)):
+                return True
+    return False
+
+
+class SizedSegments(nn.Module):
+    """A segment of a program with symbolic sizes: one ONNX model per distinct set of input sizes.
+
+    The segment's graph is specialised to the sizes of a call (re-traced over
+    fake tensors of those shapes: size arithmetic folds to constants), exported
+    (through the on-disk cache, keyed by the specialised graph) and loaded; the
+    first run at each new set of sizes is verified against the fx graph as
+    every segment's first run is.  Later calls with those sizes run the stored
+    session.  A set of sizes whose export, load or check fails runs on fx (or
+    raises, under ``FALLBACK_DISABLE``).
+    """
+
+    def __init__(self, name: str, fallback: fx.GraphModule, options: Options, stats: OrtStats, *, threads: int,
+                 providers: list):
+        super().__init__()
+        self.name = name
+        self.fallback = fallback
+        self.options = options
+        self.stats = stats
+        self.threads = threads
+        self.providers = providers
+        self.sessions: dict[tuple, OrtSegment | None] = {}  # sizes -> session (None: runs on fx)
+        self.runs = 0
+
+    @staticmethod
+    def sizes_of(args) -> tuple:
+        return tuple((tuple(a.shape), a.dtype) if isinstance(a, torch.Tensor) else ("int", int(a)) for a in args)
+
+    def forward(self, *args):
+        key = self.sizes_of(args)
+        if key not in self.sessions:
+            self.sessions[key] = self._specialise(key, args)
+            segment = self.sessions[key]
+            if segment is not None:
+                reference = self.fallback(*args)
+                got = segment.run_ort(*_tensors(args))
+                diff = _first_difference(got, reference, segment.tolerance) if self.options.verify else None
+                self.stats.verified += int(self.options.verify)
+                if diff is not None:
+                    self.stats.mismatches.append(f"{self.name} at sizes {key}: {diff}")
+                    _failure(self.name, f"verification at sizes {key} failed: {diff}", self.options.fallback_policy,
+                             _op_summary(self.fallback))
+                    self.sessions[key] = None
+                    self.stats.fallbacks.append(self.name)
+                self.runs += 1
+                return reference
+        segment = self.sessions[key]
+        if segment is None:
+            return self.fallback(*args)
+        self.runs += 1
+        return segment.run_ort(*_tensors(args))
+
+
+    def _specialise(self, key: tuple, args) -> OrtSegment | None:
+        """The segment for these sizes: its sizes constants, its inputs the tensors (in order)."""
+        examples = [torch.empty(a.shape, dtype=a.dtype, device=a.device) if isinstance(a, torch.Tensor) else int(a)
+                    for a in args]
+        positions = [i for i, a in enumerate(args) if isinstance(a, torch.Tensor)]
+
+        def run(*tensors):
+            full = list(examples)
+            for i, t in zip(positions, tensors):
+                full[i] = t
+            return self.fallback(*full)
+
+        with torch.no_grad():
+            concrete = make_fx(run, tracing_mode="fake")(*[examples[i] for i in positions])
+        name = f"{self.name}_{len(self.sessions)}"
+        return _load_segment(name, concrete, self.options, self.stats, threads=self.threads,
+                             providers=self.providers)
+
+
+def _tensors(args) -> list[torch.Tensor]:
+    return [a for a in args if isinstance(a, torch.Tensor)]
 
 
 def _load_segment(name: str, sub: fx.GraphModule, options: Options, stats: OrtStats, *, threads: int,

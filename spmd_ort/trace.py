@@ -46,6 +46,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from . import opaque
 from .amp import autocast_disabled
 from .diagnose import OpWatch, quiet_torch_logs
+from .dynamic import DynamicDims, SymbolicShapes, fake_inputs
 from .errors import CompileError
 from .inputs import StepInputs
 from .opaque import OpaqueCall
@@ -102,6 +103,7 @@ class TracedStep:
     seconds: float
     opaque: tuple[OpaqueCall, ...] = ()  # the step's opaque parts, indexed by their ops' ``index``
     attempts: int = 1  # traces run (each failure that made a part opaque costs one)
+    symbolic: SymbolicShapes | None = None  # the symbolic dims of the batch, when traced with any
 
 
 class _Retry(Exception):
@@ -165,7 +167,8 @@ def _describe_failure(exc: BaseException) -> tuple[str, str | None, bool]:
 
 def trace_step(fn, args: tuple, kwargs: dict, layout: StateLayout, *, sdpa_math: bool = False,
                tag_grads: bool = False, plan: OpaquePlan | None = None,
-               inputs: StepInputs | None = None, mixed_precision=None) -> TracedStep:
+               inputs: StepInputs | None = None, mixed_precision=None,
+               dynamic: DynamicDims | None = None) -> TracedStep:
     """Trace ``fn(*args, **kwargs)`` into a functional graph over ``layout``'s state.
 
     ``sdpa_math`` traces ``scaled_dot_product_attention`` as its math form
@@ -173,6 +176,7 @@ def trace_step(fn, args: tuple, kwargs: dict, layout: StateLayout, *, sdpa_math:
     ``plan`` says which parts run opaquely; parts found untraceable are added to it.
     ``inputs`` names the call's leaves for errors (and knows the last call that compiled).
     ``mixed_precision``: a :class:`spmd_ort.amp.MixedPrecisionPolicy` the forward runs under.
+    ``dynamic``: the dims of tensor inputs traced as symbols (:mod:`spmd_ort.dynamic`).
     """
     t0 = time.perf_counter()
     plan = plan if plan is not None else OpaquePlan()
@@ -181,7 +185,7 @@ def trace_step(fn, args: tuple, kwargs: dict, layout: StateLayout, *, sdpa_math:
     for attempt in range(1, limit + 1):
         try:
             traced = _trace_once(fn, args, kwargs, layout, sdpa_math=sdpa_math, tag_grads=tag_grads, plan=plan,
-                                 inputs=inputs, mixed_precision=mixed_precision)
+                                 inputs=inputs, mixed_precision=mixed_precision, dynamic=dynamic)
         except _Retry:
             continue
         traced.seconds = time.perf_counter() - t0
@@ -191,7 +195,8 @@ def trace_step(fn, args: tuple, kwargs: dict, layout: StateLayout, *, sdpa_math:
 
 
 def _trace_once(fn, args: tuple, kwargs: dict, layout: StateLayout, *, sdpa_math: bool, tag_grads: bool,
-                plan: OpaquePlan, inputs: StepInputs, mixed_precision=None) -> TracedStep:
+                plan: OpaquePlan, inputs: StepInputs, mixed_precision=None,
+                dynamic: DynamicDims | None = None) -> TracedStep:
     leaves, spec = pytree.tree_flatten((args, kwargs))
     # One placeholder per distinct tensor: a tensor passed twice is one leaf of autograd, as in eager.
     first: dict[int, int] = {}
@@ -233,10 +238,9 @@ def _trace_once(fn, args: tuple, kwargs: dict, layout: StateLayout, *, sdpa_math
         captured["final_slots"] = [s for s, _ in final]
         return tuple(x for x in out_leaves if isinstance(x, torch.Tensor)) + tuple(t for _, t in final)
 
-    # Detached leaves: tracing sets .grad on them, never on the user's tensors.
-    trace_inputs = (_state_for_tracing(layout, state_in)
-                    + [t.detach().requires_grad_(t.requires_grad) for t in batch_tensors]
-                    + [batch_tensors[k].grad.detach() for k in grads_in])
+    trace_inputs, fake_mode = _trace_inputs(layout, state_in, batch_tensors, batch_positions, grads_in, dynamic,
+                                            inputs)
+    tracing_mode = "symbolic" if fake_mode is not None else "fake"
     stack = CallStack(layout.module)
     capture = OpaqueCapture(layout.module, plan, stack)
     phases = _Phases()
@@ -246,32 +250,33 @@ def _trace_once(fn, args: tuple, kwargs: dict, layout: StateLayout, *, sdpa_math
         attention = sdpa_kernel([SDPBackend.MATH]) if sdpa_math else contextlib.nullcontext()
         with (stack.installed(), capture.installed(), torch.enable_grad(), attention, phases, watch,
               quiet_torch_logs()):
-            gm1 = make_fx(step, decomposition_table=FUNCTIONAL_DECOMPS, tracing_mode="fake",
+            gm1 = make_fx(step, decomposition_table=FUNCTIONAL_DECOMPS, tracing_mode=tracing_mode,
                           _allow_non_fake_inputs=True)(*trace_inputs)
         _check_traceable(gm1, captured, stack, plan)
     except (CompileError, _Retry):
         raise
     except Exception as exc:  # noqa: BLE001 - every trace failure becomes an opaque part or a CompileError
-        what, op, untraceable = _describe_failure(exc)
-        frame = stack.culprit(exc)
-        failed = None if untraceable else watch.failed
-        if failed is not None and failed.eager_fails:
-            # eager rejects these arguments too: an error about the input or the module, never an opaque part
-            fqn = frame.fqn if frame is not None else None
-            module_type = type(layout.module.get_submodule("" if fqn == "<root>" else fqn)).__name__ if fqn else None
-            # arguments computed from the batch alone: the batch is what the op rejected
-            from_batch = [batch_positions[sorted(r)[0] - n_state] for r in failed.roots
-                          if r and all(n_state <= i < n_state + n_batch for i in r)]
-            reason = " ".join(str(exc).split()).rstrip(".")
-            blamed = inputs.blame(from_batch, failed.op, fqn, reason, module_type)
-            raise (blamed or _op_error(what, failed.op, fqn, module_type)) from exc
-        if plan.adopt(frame, what):
-            raise _Retry() from exc
-        raise _trace_error(what, op, frame, plan) from exc
+        raise _failure(exc, stack.culprit(exc), watch, plan, layout, inputs, batch_positions, n_state) from exc
     finally:
         _TRACING.reset(token)
 
     phases.tag(gm1)
+    gm2 = _functionalize(gm1, trace_inputs, capture.calls, tracing_mode)
+
+    input_slots = (layout.input_slots() + [Slot("batch", f"input[{k}]", k) for k in range(n_batch)]
+                   + [Slot("input_grad", f"{inputs.names[batch_positions[k]]}.grad", k) for k in grads_in])
+    n_user = sum(1 for x in captured["user_leaves"] if x is TENSOR)
+    output_slots = [Slot("user", f"output[{k}]", k) for k in range(n_user)] + captured["final_slots"]
+    _outputs_from_mutations(gm2, input_slots, output_slots)
+    symbolic = None
+    if fake_mode is not None:
+        symbolic = SymbolicShapes.after_trace(fake_mode, trace_inputs[n_state:n_state + n_batch])
+    return TracedStep(gm2, layout, input_slots, output_slots, batch_positions, grad_inputs, captured["user_spec"],
+                      captured["user_leaves"], 0.0, tuple(capture.calls), symbolic=symbolic)
+
+
+def _functionalize(gm1: fx.GraphModule, trace_inputs: list, calls, tracing_mode: str) -> fx.GraphModule:
+    """The capture traced again under ``functionalize``: no mutation left, phase tags kept."""
 
     def run_capture(*flat):
         # An interpreter with node meta preserved: new nodes inherit the phase tags.
@@ -280,19 +285,49 @@ def _trace_once(fn, args: tuple, kwargs: dict, layout: StateLayout, *, sdpa_math
 
     plain_inputs = [t.detach() for t in trace_inputs]
     # the capture already holds autocast's casts; the opaque ops' fake kernels read the calls
-    with autocast_disabled(), opaque.tracing(capture.calls), quiet_torch_logs():
+    with autocast_disabled(), opaque.tracing(calls), quiet_torch_logs():
         gm2 = make_fx(torch.func.functionalize(run_capture, remove="mutations"),
-                      tracing_mode="fake", _allow_non_fake_inputs=True)(*plain_inputs)
+                      tracing_mode=tracing_mode, _allow_non_fake_inputs=True)(*plain_inputs)
     _check_functional(gm2)
-    link_backward(gm2, capture.calls)
+    link_backward(gm2, calls)
+    return gm2
 
-    input_slots = (layout.input_slots() + [Slot("batch", f"input[{k}]", k) for k in range(n_batch)]
-                   + [Slot("input_grad", f"{inputs.names[batch_positions[k]]}.grad", k) for k in grads_in])
-    n_user = sum(1 for x in captured["user_leaves"] if x is TENSOR)
-    output_slots = [Slot("user", f"output[{k}]", k) for k in range(n_user)] + captured["final_slots"]
-    _outputs_from_mutations(gm2, input_slots, output_slots)
-    return TracedStep(gm2, layout, input_slots, output_slots, batch_positions, grad_inputs, captured["user_spec"],
-                      captured["user_leaves"], 0.0, tuple(capture.calls))
+
+def _trace_inputs(layout: StateLayout, state_in: list[torch.Tensor], batch_tensors: list[torch.Tensor],
+                  batch_positions: list[int], grads_in: list[int], dynamic: DynamicDims | None, inputs: StepInputs):
+    """Detached leaves to trace over (tracing sets .grad on them, never on the user's tensors), and the fake
+    mode they live in when some batch dims are symbolic (else None: make_fx fakes them itself)."""
+    batch_dims = [dynamic.for_leaf(pos, tuple(t.shape)) if dynamic else frozenset()
+                  for pos, t in zip(batch_positions, batch_tensors)]
+    if not any(batch_dims):
+        return (_state_for_tracing(layout, state_in)
+                + [t.detach().requires_grad_(t.requires_grad) for t in batch_tensors]
+                + [batch_tensors[k].grad.detach() for k in grads_in]), None
+    fake_mode, fake_state, fake_batch = fake_inputs(
+        _state_for_tracing(layout, state_in), batch_tensors, batch_dims, [inputs.names[pos] for pos in batch_positions])
+    grads = [fake_mode.from_tensor(batch_tensors[k].grad.detach(), static_shapes=True) for k in grads_in]
+    return fake_state + fake_batch + grads, fake_mode
+
+
+def _failure(exc: BaseException, frame: Frame | None, watch: OpWatch, plan: OpaquePlan, layout: StateLayout,
+             inputs: StepInputs, batch_positions: list[int], n_state: int) -> Exception:
+    """What a trace failure becomes: an error naming the input or the module, or a retry with a new opaque part."""
+    what, op, untraceable = _describe_failure(exc)
+    failed = None if untraceable else watch.failed
+    if failed is not None and failed.eager_fails:
+        # eager rejects these arguments too: an error about the input or the module, never an opaque part
+        fqn = frame.fqn if frame is not None else None
+        module_type = type(layout.module.get_submodule("" if fqn == "<root>" else fqn)).__name__ if fqn else None
+        # arguments computed from the batch alone: the batch is what the op rejected
+        n_batch = len(batch_positions)
+        from_batch = [batch_positions[sorted(r)[0] - n_state] for r in failed.roots
+                      if r and all(n_state <= i < n_state + n_batch for i in r)]
+        reason = " ".join(str(exc).split()).rstrip(".")
+        blamed = inputs.blame(from_batch, failed.op, fqn, reason, module_type)
+        return blamed or _op_error(what, failed.op, fqn, module_type)
+    if plan.adopt(frame, what):
+        return _Retry()
+    return _trace_error(what, op, frame, plan)
 
 
 def _state_for_tracing(layout: StateLayout, state_in: list[torch.Tensor]) -> list[torch.Tensor]:

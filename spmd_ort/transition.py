@@ -17,6 +17,7 @@ part of it, so changing them never re-traces.
 from __future__ import annotations
 
 import logging
+import re
 from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Any, Generic, TypeVar
@@ -24,6 +25,8 @@ from typing import Any, Generic, TypeVar
 import torch
 import torch.utils._pytree as pytree
 from torch import nn
+
+from .dynamic import DynamicDims, abstract_shape
 
 logger = logging.getLogger("spmd_ort")
 
@@ -35,9 +38,10 @@ def _tensor_desc(t: torch.Tensor) -> tuple:
     return ("tensor", tuple(t.shape), str(t.dtype), str(t.device), bool(t.requires_grad))
 
 
-def _input_desc(t: torch.Tensor) -> tuple:
-    """A batch tensor: what the graph is specialised on, and for one that requires grad, its ``.grad``."""
-    desc = _tensor_desc(t)
+def _input_desc(t: torch.Tensor, dims: frozenset[int] = frozenset()) -> tuple:
+    """A batch tensor: what the graph is specialised on (``None`` for a symbolic size), and for one that
+    requires grad, its ``.grad``."""
+    desc = ("tensor", abstract_shape(tuple(t.shape), dims), str(t.dtype), str(t.device), bool(t.requires_grad))
     if t.requires_grad:
         g = t.grad if t.is_leaf else None
         desc += (None if g is None else ("grad", tuple(g.shape), str(g.dtype)),)
@@ -83,16 +87,24 @@ class StepKey:
     optimizer: tuple
     world: tuple
     amp: tuple = ()  # autocast entered outside the step; the GradScaler's class, switch and update constants
+    shapes: tuple = ()  # dynamic shapes: ("guards", "hold") or the sizes a symbolic program's guards reject
 
     identity: tuple = ()  # id() of module, optimizer, parameters, buffers: differs between processes
 
-    COMPONENTS = ("inputs", "training", "params", "buffers", "optimizer", "world", "amp", "identity")
+    COMPONENTS = ("inputs", "training", "params", "buffers", "optimizer", "world", "amp", "shapes", "identity")
 
-    def portable(self) -> str:
-        """The key without object identities, one line per entry: equal on every rank running the same step."""
+    def leaf_descs(self) -> list:
+        """The description of each leaf of the call (what :func:`spmd_ort.dynamic.changed_dims` compares)."""
+        return [desc for label, desc in self.inputs if label.startswith("leaf[")]
+
+    def portable(self, sizes: bool = True) -> str:
+        """The key without object identities, one line per entry: equal on every rank running the same step.
+
+        ``sizes=False`` leaves out the inputs' descriptions (to tell keys that differ only in sizes).
+        """
         lines = []
         for name in self.COMPONENTS:
-            if name == "identity":
+            if name == "identity" or (name == "inputs" and not sizes):
                 continue
             for entry in getattr(self, name):
                 if _labelled(entry):
@@ -103,11 +115,14 @@ class StepKey:
 
     @classmethod
     def of(cls, module: nn.Module, opt: torch.optim.Optimizer | None, args: tuple, kwargs: dict,
-           rule=None, world: tuple = (), amp: tuple = ()) -> StepKey:
+           rule=None, world: tuple = (), amp: tuple = (), dynamic: DynamicDims | None = None,
+           shapes: tuple = ()) -> StepKey:
         # Every component is a tuple of (label, value) pairs so that diff() can say what changed.
         leaves, spec = pytree.tree_flatten((args, kwargs))
+        dynamic = dynamic or DynamicDims()
         inputs = (("structure", str(spec)),) + tuple(
-            (f"leaf[{i}]", _input_desc(x) if isinstance(x, torch.Tensor) else _leaf_desc(x)) for i, x in enumerate(leaves))
+            (f"leaf[{i}]", _input_desc(x, dynamic.for_leaf(i, tuple(x.shape))) if isinstance(x, torch.Tensor)
+             else _leaf_desc(x)) for i, x in enumerate(leaves))
         first: dict[int, int] = {}
         aliases = tuple((i, first.setdefault(id(x), i)) for i, x in enumerate(leaves)
                         if isinstance(x, torch.Tensor) and first.setdefault(id(x), i) != i)
@@ -142,7 +157,7 @@ class StepKey:
             optimizer = (("class", type(opt).__qualname__),) + tuple(
                 (f"param_groups[{i}]", _group_desc(g, lifted) + (("structure", rule.structure(g) if rule else ()),))
                 for i, g in enumerate(opt.param_groups)) + state
-        return cls(inputs, training, params, buffers, optimizer, world, amp, identity)
+        return cls(inputs, training, params, buffers, optimizer, world, amp, shapes, identity)
 
     def diff(self, other: StepKey) -> str:
         """A short account of what differs from ``other`` (for the re-trace log)."""
@@ -193,6 +208,9 @@ class TransitionManager(Generic[T]):
         self.last_key: StepKey | None = None
         self.traces = 0
         self.reason = ""  # why the last lookup that missed must trace
+        self.retrace_counts: dict[str, int] = {}  # what changed (key path) -> re-traces it caused
+
+    REPEATED = 3  # re-traces for the same reason before one WARNING
 
     def lookup(self, key: StepKey) -> T | None:
         found = self.variants.get(key)
@@ -201,10 +219,26 @@ class TransitionManager(Generic[T]):
         elif self.last_key is not None:
             self.reason = key.diff(self.last_key)
             logger.info("re-tracing %s: %s", self.name, self.reason)
+            self._count(self.reason, key)
         else:
             self.reason = "first call"
         self.last_key = key
         return found
+
+    def _count(self, reason: str, key: StepKey) -> None:
+        """One WARNING when the same thing keeps changing (like torch.compile's recompile warning)."""
+        what = reason.split(":", 1)[0]
+        n = self.retrace_counts[what] = self.retrace_counts.get(what, 0) + 1
+        if n == self.REPEATED:
+            leaf = re.search(r"\((leaf\[\d+\])", what)
+            desc = dict(key.inputs).get(leaf.group(1)) if leaf else None
+            scalar = isinstance(desc, tuple) and desc[:1] == ("value",)
+            fix = ("pass it as a tensor (a graph input: new values never re-trace), or keep it constant"
+                   if scalar else "keep it constant between calls, or let sizes be symbolic "
+                   "(compile(dynamic=None/True), SPMD_ORT_DYNAMIC=auto/1)")
+            logger.warning("%s has re-traced %d times because %s between calls (last: %s); every new value "
+                           "compiles a new program. Fix: %s", self.name, n, what,
+                           reason.split(":", 1)[-1].strip(), fix)
 
     def insert(self, key: StepKey, value: T) -> None:
         self.traces += 1

@@ -99,7 +99,10 @@ def _check_debug_outputs(tmp_path: Path, stderr: str) -> None:
 
 
 def test_mismatched_batch_shapes_fail_on_every_rank_quickly(tmp_path):
-    ranks, elapsed = torchrun(tmp_path, "--model", "mlp", "--opt", "sgd", "--backend", "fx", "--mismatch")
+    """With dynamic shapes off, ranks must pass the same shapes (by default differing sizes become symbolic:
+    tests/test_dynamic.py)."""
+    ranks, elapsed = torchrun(tmp_path, "--model", "mlp", "--opt", "sgd", "--backend", "fx", "--mismatch",
+                              "--dynamic", "0")
     for r in ranks:
         msg = r.get("compile_error", "")
         assert "ranks disagree" in msg and "(8, 32)" in msg and "(4, 32)" in msg, msg

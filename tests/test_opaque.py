@@ -215,13 +215,13 @@ def test_value_dependent_output_shape_is_named_at_run_time():
 # ---------------------------------------------------------------------- submodules
 def test_top1_moe_module_runs_opaquely_with_one_warning(caplog):
     """Routing with nonzero() and `if sel.numel() == 0` cannot be traced: the module runs eagerly,
-    named in one WARNING (not again for the second variant), its parameters are graph inputs."""
+    named in one WARNING (the failed trace costs one more attempt), its parameters are graph inputs."""
     torch.manual_seed(4)  # every expert gets tokens at every step (eager would leave an idle expert's grad None)
     with caplog.at_level(logging.WARNING, logger="spmd_ort"):
         step, le, _ = train_side_by_side(MoENet, _adamw, train_step, _batches(3))
     warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
     assert len(warnings) == 1 and "module `moe` cannot be traced" in warnings[0], warnings
-    assert len(step.variants) == 2
+    assert len(step.variants) == 1 and step.compiled.trace_attempts == 2
     [call] = step.compiled.opaque
     assert call.kind == "module" and call.fqn == "moe" and call.name == "Top1MoE"
     params = {s.name for s in step.compiled.input_slots if s.kind == "param"}

@@ -59,6 +59,7 @@ def main() -> None:
     ap.add_argument("--batch", type=int, default=8, help="per rank")
     ap.add_argument("--bucket-mb", type=float, default=25.0)
     ap.add_argument("--mismatch", action="store_true", help="rank 1 uses another batch size")
+    ap.add_argument("--dynamic", choices=["auto", "1", "0"], default="auto", help="compile(dynamic=...)")
     ap.add_argument("--stats", help="write activation statistics of the DDP and the compiled model here")
     ap.add_argument("--profile", help="profile the compiled step's last two steps into this path")
     ap.add_argument("--input-grads", action="store_true",
@@ -85,7 +86,8 @@ def run(args, rank: int, world: int) -> dict:
         model = copy.deepcopy(base)
         opt_ref, opt = make_opt(args.opt, ddp_model.parameters()), make_opt(args.opt, model.parameters())
         mode = spmd_ort.DataParallel(bucket_cap_mb=args.bucket_mb)
-        step = spmd_ort.compile(parallel_mode=mode, backend=args.backend)(train_step)
+        dynamic = {"auto": None, "1": True, "0": False}[args.dynamic]
+        step = spmd_ort.compile(parallel_mode=mode, backend=args.backend, dynamic=dynamic)(train_step)
         if args.stats:  # every rank writes its own directory: <stats>/<run>/rank<r>
             from spmd_ort.debug import GlobalSubscriberManager, StatisticsSubscriber
 

@@ -1,0 +1,213 @@
+"""Dynamic shapes: 20 distinct sequence lengths, compiled programs, total and steady step time, in one run.
+
+Run:  .venv/bin/python bench/dynamic.py [--lengths 20] [--straggler]
+
+A small LM (GPT, vocab 512, d 128, 2 layers, batch 8) trains over 20 distinct
+lengths (16..128, shuffled), then over the same lengths again.  Per runner:
+programs compiled (spmd_ort: traced variants; torch.compile: frames compiled),
+the wall time of the first pass (what a new length costs: traces, exports,
+compiles) and the median step of the second pass (every length seen before).
+Runners: ``eager`` (AdamW fused, the baseline); ``fx``/``ort`` with
+``dynamic=None`` (automatic), ``True`` and ``False`` (one program per shape);
+``inductor`` (``torch.compile(model, dynamic=None)``).  The runners alternate
+step by step.  ``dyn/static`` compares the automatic program's steady step with
+the static programs' at the same lengths.
+
+``--straggler``: 2 ranks (torchrun, gloo, one thread each) train the compiled
+step (fx, replicate) on a dataset of lengths drawn from a long-tailed
+distribution, one epoch with ``DistributedSampler`` and one with
+``spmd_ort.data.LoadBalancingDistributedSampler`` + batch sampler: the mean
+per-step difference in tokens between the ranks and the epoch's wall time.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import os
+import platform
+import random
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+import spmd_ort  # noqa: E402
+from examples.gpt import GPT, GPTConfig  # noqa: E402
+
+CFG = GPTConfig(vocab=512, seq=128, d=128, heads=4, layers=2)
+BATCH = 8
+
+
+def train_step(model, opt, x, y):
+    logits = model(x)
+    loss = F.cross_entropy(logits.reshape(-1, logits.size(-1)), y.reshape(-1))
+    loss.backward()
+    opt.step()
+    opt.zero_grad()
+    return loss
+
+
+def runners(base) -> dict:
+    out = {}
+    for name in ("eager", "fx-auto", "fx-true", "fx-false", "ort-auto", "ort-true", "ort-false", "inductor"):
+        m = copy.deepcopy(base)
+        opt = torch.optim.AdamW(m.parameters(), lr=1e-3, weight_decay=0.1, fused=True)
+        if name == "eager":
+            fn = train_step
+        elif name == "inductor":
+            cm = torch.compile(m, dynamic=None)
+            fn = lambda _m, o, x, y, cm=cm: train_step(cm, o, x, y)  # noqa: E731
+        else:
+            backend, dyn = name.split("-")
+            fn = spmd_ort.compile(backend=backend, dynamic={"auto": None, "true": True, "false": False}[dyn])(
+                train_step)
+        out[name] = (m, opt, fn)
+    return out
+
+
+def programs(name: str, fn) -> int:
+    if isinstance(fn, spmd_ort.CompiledStep):
+        return fn.transitions.traces
+    if name == "inductor":
+        import torch._dynamo.utils as du
+
+        return int(du.counters["stats"]["unique_graphs"])
+    return 0
+
+
+def bench(n_lengths: int) -> None:
+    torch.manual_seed(0)
+    base = GPT(CFG)
+    lengths = random.Random(0).sample(range(16, CFG.seq + 1), n_lengths)
+    g = torch.Generator().manual_seed(0)
+    batches = {n: (torch.randint(0, CFG.vocab, (BATCH, n), generator=g),
+                   torch.randint(0, CFG.vocab, (BATCH, n), generator=g)) for n in lengths}
+    rs = runners(base)
+    first = {k: 0.0 for k in rs}
+    steady: dict[str, dict[int, float]] = {k: {} for k in rs}
+    for rnd in range(2):
+        for n in lengths:
+            x, y = batches[n]
+            for k, (m, opt, fn) in rs.items():
+                time.sleep(0.02)
+                t0 = time.perf_counter()
+                fn(m, opt, x, y)
+                dt = time.perf_counter() - t0
+                if rnd == 0:
+                    first[k] += dt
+                else:
+                    steady[k][n] = dt
+    eager = statistics.median(steady["eager"].values())
+    print(f"{n_lengths} distinct lengths (16..{CFG.seq}), batch {BATCH}, GPT d={CFG.d} x{CFG.layers} layers, "
+          f"vocab {CFG.vocab}; torch {torch.__version__}, {torch.get_num_threads()} threads")
+    print("| runner | programs | first pass (s) | steady step (ms) | vs eager | dyn/static |")
+    print("|---|---|---|---|---|---|")
+    for k, (m, opt, fn) in rs.items():
+        med = statistics.median(steady[k].values())
+        ratio = ""
+        if k.endswith("-auto"):
+            static = k.replace("-auto", "-false")
+            # same lengths, each step against the static program's step at that length
+            ratio = f"{statistics.median(steady[k][n] / steady[static][n] for n in lengths):.2f}"
+        print(f"| {k} | {programs(k, fn)} | {first[k]:.1f} | {med * 1e3:.1f} | {med / eager:.2f} | {ratio} |",
+              flush=True)
+
+
+# ---------------------------------------------------------------------- straggler (2 ranks)
+def straggler_worker(out: Path) -> None:
+    import torch.distributed as dist
+    from torch.utils.data import DistributedSampler
+
+    from spmd_ort.data import LoadBalancingDistributedBatchSampler, LoadBalancingDistributedSampler
+
+    dist.init_process_group("gloo")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    rng = random.Random(1)
+    lengths = [min(CFG.seq, max(8, int(rng.lognormvariate(3.4, 0.6)))) for _ in range(384)]
+    per_step = 8
+
+    def batches_plain(epoch):
+        sampler = DistributedSampler(range(len(lengths)), num_replicas=world, rank=rank, seed=0)
+        sampler.set_epoch(epoch)
+        idx = list(sampler)
+        return [idx[i:i + per_step] for i in range(0, len(idx) - per_step + 1, per_step)]
+
+    def batches_balanced(epoch):
+        sampler = LoadBalancingDistributedSampler(range(len(lengths)), complexity_fn=lambda i: lengths[i],
+                                                  num_replicas=world, rank=rank, seed=0)
+        bs = LoadBalancingDistributedBatchSampler(
+            sampler, batch_fn=lambda idx: [idx[i:i + per_step] for i in range(0, len(idx) - per_step + 1, per_step)])
+        bs.set_epoch(epoch)
+        return list(bs)
+
+    result = {}
+    for name, make in (("DistributedSampler", batches_plain), ("LoadBalancingDistributedSampler", batches_balanced)):
+        torch.manual_seed(0)
+        model = GPT(CFG)
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-3, fused=True)
+        step = spmd_ort.compile(backend="fx")(train_step)
+        g = torch.Generator().manual_seed(rank)
+        spreads, t_total = [], 0.0
+        for epoch in range(2):  # epoch 0 warms up (compiles); epoch 1 is measured
+            dist.barrier()
+            t0 = time.perf_counter()
+            for idx in make(epoch):
+                n = max(lengths[i] for i in idx)  # padded to the batch's longest sample
+                x = torch.randint(0, CFG.vocab, (len(idx), n), generator=g)
+                step(model, opt, x, x)
+                if epoch == 1:
+                    tokens = torch.tensor([float(n * len(idx))])
+                    both = [torch.zeros(1) for _ in range(world)]
+                    dist.all_gather(both, tokens)
+                    spreads.append(float(max(both) - min(both)) / float(max(both)))
+            dist.barrier()
+            t_total = time.perf_counter() - t0
+        result[name] = {"epoch_s": t_total, "spread": statistics.mean(spreads), "traces": step.transitions.traces}
+    if rank == 0:
+        out.write_text(json.dumps(result))
+    dist.destroy_process_group()
+
+
+def straggler() -> None:
+    with tempfile.TemporaryDirectory() as tmp:
+        out = Path(tmp) / "straggler.json"
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", __file__,
+               "--straggler-worker", str(out)]
+        subprocess.run(cmd, check=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
+        result = json.loads(out.read_text())
+    print("\n2 ranks, compiled step (fx, replicate, dynamic shapes automatic), 384 samples of long-tailed lengths "
+          "8..128, 8 per batch per rank padded to the batch's longest; second epoch:")
+    print("| sampler | mean per-step token spread between ranks | epoch wall time (s) | programs |")
+    print("|---|---|---|---|")
+    for name, r in result.items():
+        print(f"| {name} | {r['spread']:.0%} | {r['epoch_s']:.1f} | {r['traces']} |")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--lengths", type=int, default=20)
+    ap.add_argument("--straggler", action="store_true")
+    ap.add_argument("--straggler-worker", help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    if args.straggler_worker:
+        straggler_worker(Path(args.straggler_worker))
+        return
+    print(f"machine: {platform.machine()}, {os.cpu_count()} cores; "
+          f"onnxruntime {__import__('onnxruntime').__version__}")
+    bench(args.lengths)
+    if args.straggler:
+        straggler()
+
+
+if __name__ == "__main__":
+    main()

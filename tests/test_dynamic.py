@@ -1,0 +1,202 @@
+"""Dynamic shapes: one compiled program for every sequence length and batch size, checked against eager."""
+
+from __future__ import annotations
+
+import copy
+import json
+import logging
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import spmd_ort
+from helpers import assert_ort_report_clean, assert_same_state, ort_report
+from helpers import train_step as lm_step
+from models import GPT, GPTConfig
+
+ROOT = Path(__file__).resolve().parent.parent
+CFG = GPTConfig(vocab=64, seq=32, d=32, heads=2, layers=2)
+# (batch, length): 8 distinct lengths, batch sizes changing too, a length seen again at the end
+SIZES = [(3, 8), (4, 12), (4, 16), (3, 9), (4, 31), (2, 5), (3, 20), (4, 12)]
+
+
+def _lm(seed=0):
+    torch.manual_seed(seed)
+    model = GPT(CFG)
+    return model, torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.1)
+
+
+def _batches(sizes, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    for b, n in sizes:
+        yield torch.randint(0, CFG.vocab, (b, n), generator=g), torch.randint(0, CFG.vocab, (b, n), generator=g)
+
+
+def _train_both(step, sizes, backend):
+    model, opt = _lm()
+    model_e, opt_e = copy.deepcopy(model), torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.1)
+    opt_e = torch.optim.AdamW(model_e.parameters(), lr=3e-3, weight_decay=0.1)
+    for i, (x, y) in enumerate(_batches(sizes)):
+        loss = step(model, opt, x, y)
+        ref = lm_step(model_e, opt_e, x, y)
+        torch.testing.assert_close(loss, ref.detach(), rtol=1e-5, atol=1e-6)
+        assert_same_state(model_e, model, opt_e, opt, where=f"step {i} sizes {tuple(x.shape)}",
+                          normwise=backend == "ort")
+    return model
+
+
+@pytest.mark.parametrize("backend", ["fx", "ort"])
+def test_one_program_serves_every_length_and_batch_size(backend, caplog):
+    """Automatic: the first call traces statically; the second size makes batch and length symbolic, and that
+    one program serves every later size, equal to eager at every step."""
+    step = spmd_ort.compile(backend=backend)(lm_step)
+    with caplog.at_level(logging.INFO, logger="spmd_ort"):
+        _train_both(step, SIZES, backend)
+    assert step.transitions.traces == 2  # the static first program (a fresh AdamW's state made first) + 1
+    program = step.compiled
+    assert program.symbolic is not None and program.symbolic.symbolic() == {(0, 0), (0, 1), (1, 0), (1, 1)}
+    assert program.steps_run == len(SIZES) - 1
+    assert "sizes of x dims [0, 1], y dims [0, 1] changed since the last call" in caplog.text
+    assert "symbolic sizes (dynamic shapes): input[0] dim 0 =" in program.describe()
+    if backend == "ort":
+        report = ort_report(step)
+        assert_ort_report_clean(report)
+        # one ONNX model per segment and distinct set of sizes (7 distinct sizes after the first call)
+        assert all(n == len(set(SIZES[1:])) for n in report[-1]["sized"]), report
+
+
+def test_dynamic_true_traces_once_and_false_traces_every_shape():
+    step = spmd_ort.compile(backend="fx", dynamic=True)(lm_step)
+    _train_both(step, SIZES, "fx")
+    assert step.transitions.traces == 1
+    static = spmd_ort.compile(backend="fx", dynamic=False)(lm_step)
+    _train_both(static, SIZES[:4], "fx")
+    assert static.transitions.traces == 4 and static.compiled.symbolic is None
+
+
+def test_environment_sets_the_default_and_compile_wins(monkeypatch):
+    monkeypatch.setenv("SPMD_ORT_DYNAMIC", "0")
+    assert spmd_ort.compile(backend="fx")(lm_step).options.dynamic == "0"
+    assert spmd_ort.compile(backend="fx", dynamic=True)(lm_step).options.dynamic == "1"
+    monkeypatch.setenv("SPMD_ORT_DYNAMIC", "sometimes")
+    with pytest.raises(spmd_ort.ConfigError, match="SPMD_ORT_DYNAMIC"):
+        spmd_ort.compile(backend="fx")(lm_step)
+    monkeypatch.delenv("SPMD_ORT_DYNAMIC")
+    with pytest.raises(spmd_ort.ConfigError, match="dynamic='yes'"):
+        spmd_ort.compile(backend="fx", dynamic="yes")(lm_step)
+
+
+def _small(cls):
+    """A model and its eager twin with SGD, a step compiled with dynamic=True, a generator."""
+    torch.manual_seed(0)
+    model = cls()
+    model_e = copy.deepcopy(model)
+    opt, opt_e = torch.optim.SGD(model.parameters(), lr=0.1), torch.optim.SGD(model_e.parameters(), lr=0.1)
+    return model, model_e, opt, opt_e, spmd_ort.compile(backend="fx", dynamic=True)(lm_step), \
+        torch.Generator().manual_seed(0)
+
+
+class Branchy(nn.Module):
+    """Takes another path for long sequences: tracing records a guard on the length."""
+
+    def __init__(self):
+        super().__init__()
+        self.emb = nn.Embedding(16, 8)
+        self.short = nn.Linear(8, 16)
+        self.long = nn.Linear(8, 16)
+
+    def forward(self, x):
+        h = self.emb(x)
+        return self.long(h) if x.shape[1] > 10 else self.short(h)
+
+
+def test_guards_send_other_sizes_to_another_program():
+    """The symbolic program traced on short sequences is not used for long ones (its guard fails): they get a
+    static program, and every step equals eager."""
+    model, model_e, opt, opt_e, step, g = _small(Branchy)
+    for n in (4, 6, 14, 5, 14, 8):
+        x, y = torch.randint(0, 16, (2, n), generator=g), torch.randint(0, 16, (2, n), generator=g)
+        torch.testing.assert_close(step(model, opt, x, y), lm_step(model_e, opt_e, x, y).detach(), rtol=1e-6, atol=0)
+        assert_same_state(model_e, model, opt_e, opt, where=f"length {n}")
+    symbolic = [p for p in step.variants if p.symbolic is not None]
+    assert symbolic and all(p.symbolic.guards for p in symbolic)
+    assert any(p.key.shapes for p in step.variants)  # length 14 traced statically
+    assert step.transitions.traces == 2
+
+
+class FixedLength(nn.Module):
+    """Adds a position table of a fixed length: the model itself fixes the sequence dim."""
+
+    def __init__(self):
+        super().__init__()
+        self.emb = nn.Embedding(16, 8)
+        self.pos = nn.Parameter(torch.randn(1, 6, 8))
+        self.out = nn.Linear(8, 16)
+
+    def forward(self, x):
+        return self.out(self.emb(x) + self.pos)
+
+
+def test_a_dim_the_model_fixes_stays_static(caplog):
+    model, model_e, opt, opt_e, step, g = _small(FixedLength)
+    with caplog.at_level(logging.INFO, logger="spmd_ort"):
+        for b in (2, 3, 5):
+            x, y = torch.randint(0, 16, (b, 6), generator=g), torch.randint(0, 16, (b, 6), generator=g)
+            torch.testing.assert_close(step(model, opt, x, y), lm_step(model_e, opt_e, x, y).detach(),
+                                       rtol=1e-6, atol=0)
+    assert_same_state(model_e, model, opt_e, opt)
+    assert step.transitions.traces == 1
+    assert step.compiled.symbolic.specialised == {(0, 1): 6}  # y's length follows from x's (a guard)
+    assert "the model fixes dim 1 of `x` at 6; those dims stay static" in caplog.text
+
+
+def test_a_scalar_that_changes_every_call_warns_once(caplog):
+    def scaled_step(model, opt, x, y, scale):
+        loss = lm_step_loss(model, x, y) * scale
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        return loss
+
+    model, opt = _lm()
+    step = spmd_ort.compile(backend="fx", dynamic=False)(scaled_step)
+    (x, y), = _batches([(2, 8)])
+    with caplog.at_level(logging.WARNING, logger="spmd_ort"):
+        for i in range(5):
+            step(model, opt, x, y, 1.0 + i / 10)
+    warnings = [r for r in caplog.records if r.levelno == logging.WARNING]
+    assert len(warnings) == 1, caplog.text
+    assert ("scaled_step has re-traced 3 times because inputs changed (leaf[4]) between calls" in warnings[0].message
+            and "Fix: pass it as a tensor" in warnings[0].message), warnings[0].message
+
+
+def lm_step_loss(model, x, y):
+    logits = model(x)
+    return F.cross_entropy(logits.reshape(-1, logits.size(-1)), y.reshape(-1))
+
+
+@pytest.mark.multiproc
+@pytest.mark.parametrize("backend", ["fx", "ort"])
+def test_ranks_with_different_sizes_every_step_match_ddp(tmp_path, backend):
+    """2 ranks, each with its own batch size and length at every step: replicate and fully_shard equal DDP
+    (checked in the script at every step); one symbolic program after the first step on each rank."""
+    out = tmp_path / "out"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+           str(ROOT / "tests" / "dist" / "dynamic_parity.py"), "--backend", backend, "--out", str(out)]
+    proc = subprocess.run(cmd, env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True, text=True,
+                          timeout=600)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-6000:]
+    ranks = [json.loads((out / f"rank{r}.json").read_text()) for r in range(2)]
+    for r in ranks:
+        assert r["traces"] == {"replicate": 2, "fully_shard": 2}, r["traces"]
+        assert r["symbolic"] == {"replicate": True, "fully_shard": True}
+        if backend == "ort":
+            for report in r["ort"].values():
+                assert_ort_report_clean(report)
+    assert ranks[0]["losses"] != ranks[1]["losses"]
