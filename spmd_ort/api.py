@@ -235,6 +235,7 @@ class CompiledStep:
         self.profile_paths: tuple[Path, Path] | None = None  # (trace, picture) written by the last profile
         self._signature = signature_of(fn)
         self.dynamic = DynamicDims()  # dims of tensor inputs traced as symbols; grows (spmd_ort.dynamic)
+        self._widened_from: DynamicDims | None = None
 
     @property
     def backend(self) -> str:
@@ -362,7 +363,8 @@ class CompiledStep:
             key = self._agreed_key(module, opt, scaler, args, kwargs, rule, mode, world_size)
             program = self.transitions.lookup(key)
             if program is None:
-                program = self._compile_everywhere(key, module, opt, scaler, rule, mode, args, kwargs)
+                program, key = self._compile_or_narrow(key, module, opt, scaler, rule, mode, args, kwargs,
+                                                       world_size)
                 if prefilled and not _updates_state_of(program, prefilled):
                     # a parameter got no gradient, so eager would create no state for it: trace as eager steps
                     _undo_prefill(opt, prefilled)
@@ -403,6 +405,7 @@ class CompiledStep:
         dims symbolic on every rank (the same decision everywhere: it is taken from the gathered keys).
         """
         leaves = pytree.tree_leaves((args, kwargs))
+        self._widened_from = None  # the dims before this call widened them (a failed trace narrows back)
         if self.options.dynamic == "1" and not self.dynamic:
             self.dynamic = leading_dims(leaves)
         key = self._key(module, opt, scaler, args, kwargs, rule, mode, world_size)
@@ -424,6 +427,25 @@ class CompiledStep:
                 parallel.check_agreement("this step's inputs, module and optimizer", key.portable())
         return key
 
+    def _compile_or_narrow(self, key, module, opt, scaler, rule, mode, args, kwargs, world_size: int):
+        """Compile; when dims made symbolic by this very call make the trace fail, trace the sizes statically.
+
+        (A wrong input size, e.g. a feature dim, then fails as it would without dynamic shapes, with its
+        concrete sizes in the error, and the dims stay static.)
+        """
+        try:
+            return self._compile_everywhere(key, module, opt, scaler, rule, mode, args, kwargs), key
+        except Exception:
+            if self._widened_from is None:
+                raise
+            self.dynamic, self._widened_from = self._widened_from, None
+            key = self._key(module, opt, scaler, args, kwargs, rule, mode, world_size)
+            if mode is not None:
+                parallel.check_agreement("this step's inputs, module and optimizer", key.portable())
+            logger.info("%s: the trace with the new symbolic dims failed; tracing these sizes statically",
+                        self.transitions.name)
+            return self._compile_everywhere(key, module, opt, scaler, rule, mode, args, kwargs), key
+
     def _key(self, module, opt, scaler, args, kwargs, rule, mode, world_size: int) -> StepKey:
         amp_key = (("autocast", amp.autocast_state()), ("scaler", amp.scaler_key(scaler, state_device(module))))
         key = StepKey.of(module, opt, args, kwargs, rule=rule, world=(world_size, repr(mode)), amp=amp_key,
@@ -444,6 +466,8 @@ class CompiledStep:
         before = self.dynamic
         self.dynamic = self.dynamic.union(dims)
         if self.dynamic != before:
+            if self._widened_from is None:
+                self._widened_from = before
             names = dict(enumerate(StepInputs.of(self.fn, args, kwargs).names))
             logger.info("%s: sizes of %s %s: these dims are symbolic from now on (dynamic shapes; "
                         "SPMD_ORT_DYNAMIC=0 traces every shape instead)", self.transitions.name,

@@ -96,6 +96,7 @@ class OrtSupport(OperatorSupport):
 
 def partition_for_ort(gm: fx.GraphModule) -> tuple[fx.GraphModule, list[str]]:
     """Fuse ORT-supported regions into submodules ``fused_<i>``; returns (graph, their names)."""
+    _sizes_from_inputs(gm)
     partitioner = CapabilityBasedPartitioner(gm, OrtSupport(), allows_single_node_partition=False)
     partitions = _split_at_collectives(gm, partitioner.propose_partitions())
     # a segment made only of views/getitems is not worth an ORT call
@@ -103,6 +104,48 @@ def partition_for_ort(gm: fx.GraphModule) -> tuple[fx.GraphModule, list[str]]:
     fused = partitioner.fuse_partitions(partitions)
     names = [n.target for n in fused.graph.nodes if n.op == "call_module"]
     return fused, names
+
+
+def _sizes_from_inputs(gm: fx.GraphModule) -> None:
+    """Dynamic shapes: every symbolic size read from the graph's inputs, never from a value computed in it.
+
+    ``sym_size`` of an activation is a host node (sizes are Python ints) that depends
+    on the segment computing the activation, so the segment that uses the size must
+    start after it: each such read splits the graph.  The same size is a symbol of
+    an input's size (or an expression in such symbols), so it is read there, at the
+    top of the graph, and the ORT segments stay as large as in a static program.
+    """
+    import sympy
+
+    sources: dict = {}
+    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    for node in placeholders:
+        val = node.meta.get("val")
+        if isinstance(val, torch.Tensor):
+            for d, size in enumerate(val.shape):
+                if isinstance(size, torch.SymInt) and isinstance(size.node.expr, sympy.Symbol):
+                    sources.setdefault(size.node.expr, (node, d, size))
+    if not sources or not placeholders:
+        return
+    graph, made = gm.graph, {}
+
+    def read(symbol):
+        if symbol not in made:
+            node, d, size = sources[symbol]
+            with graph.inserting_after(placeholders[-1]):
+                made[symbol] = graph.call_function(aten.sym_size.int, (node, d))
+            made[symbol].meta["val"] = size
+        return made[symbol]
+
+    for node in list(graph.nodes):
+        if node.op != "call_function" or node.target is not aten.sym_size.int or node.args[0].op == "placeholder":
+            continue
+        expr = node.meta["val"].node.expr if isinstance(node.meta.get("val"), torch.SymInt) else None
+        if isinstance(expr, sympy.Symbol) and expr in sources:
+            node.replace_all_uses_with(read(expr))
+            graph.erase_node(node)
+    graph.lint()
+    gm.recompile()
 
 
 def _split_at_collectives(gm: fx.GraphModule, partitions: list) -> list:

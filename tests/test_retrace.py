@@ -19,15 +19,17 @@ def _data(batch: int, seed: int = 0):
     return torch.randn(batch, 32, generator=g), torch.randint(0, 10, (batch,), generator=g)
 
 
-def _setup(opt_cls=torch.optim.Adam, **opt_kwargs):
+def _setup(opt_cls=torch.optim.Adam, dynamic=None, **opt_kwargs):
     torch.manual_seed(0)
     model = MLP()
     opt = opt_cls(model.parameters(), **(opt_kwargs or {"lr": 1e-3}))
-    return model, opt, spmd_ort.compile(backend="fx")(classification_step)
+    return model, opt, spmd_ort.compile(backend="fx", dynamic=dynamic)(classification_step)
 
 
 def test_new_batch_size_retraces_once_and_old_variant_is_reused(caplog):
-    model, opt, step = _setup()
+    """With dynamic shapes off, one variant per shape (by default a new batch size makes the batch dim
+    symbolic: tests/test_dynamic.py)."""
+    model, opt, step = _setup(dynamic=False)
     step(model, opt, *_data(8))
     step(model, opt, *_data(8))  # Adam's state was created before the first trace: the same variant
     assert step.transitions.traces == 1
@@ -128,7 +130,7 @@ def test_amsgrad_matches_eager_and_switching_it_on_later_is_a_clear_error():
 
 
 def test_at_most_eight_variants_are_kept():
-    model, opt, step = _setup(torch.optim.SGD, lr=0.1)  # plain SGD: no state, one variant per shape
+    model, opt, step = _setup(torch.optim.SGD, dynamic=False, lr=0.1)  # plain SGD: no state, one variant per shape
     for batch in range(1, 11):
         step(model, opt, *_data(batch))
     assert step.transitions.traces == 10
@@ -137,6 +139,13 @@ def test_at_most_eight_variants_are_kept():
     assert step.transitions.traces == 10
     step(model, opt, *_data(1))  # evicted: traced again
     assert step.transitions.traces == 11
+
+
+def test_automatic_dynamic_shapes_keep_two_variants_for_any_batch_size():
+    model, opt, step = _setup(torch.optim.SGD, lr=0.1)
+    for batch in range(2, 12):
+        step(model, opt, *_data(batch))
+    assert step.transitions.traces == 2 and step.compiled.symbolic is not None
 
 
 def test_non_tensor_argument_change_retraces():
