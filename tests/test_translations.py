@@ -67,6 +67,19 @@ def test_activation_backwards(approximate):
     _check(aten.gelu_backward.default, (g, x), {"approximate": approximate})
 
 
+def test_elu_is_exact_near_zero():
+    """ONNX's Elu computes exp(x) - 1 (1.6% off at x = -1.8e-6 in onnxruntime 1.32); ours keeps every value
+    to fp32 rounding, elementwise, from -1e-7 to -20, and the other parameters (alpha, scale, input_scale)."""
+    x = torch.cat([-torch.logspace(-7, 1.3, 64), torch.logspace(-7, 1, 16)])
+    for alpha, scale, input_scale in ((1.0, 1.0, 1.0), (1.6732632, 1.0507010, 1.0), (0.5, 2.0, 3.0)):
+        op = aten.elu.default
+        gm = make_fx(lambda t: op(t, alpha, scale, input_scale), tracing_mode="fake")(x)
+        got = OrtSegment("probe", gm, translate(gm), threads=1, allow_spinning=False).run_ort(x)
+        want = op(x.double(), alpha, scale, input_scale)
+        rel = ((got.double() - want).abs() / want.abs()).max().item()
+        assert rel < 1e-6, (alpha, scale, input_scale, rel)
+
+
 @pytest.mark.parametrize("dim", [-1, 0])
 def test_softmax_backwards(dim):
     x, g = _randn(3, 5, 6), _randn(3, 5, 6)
