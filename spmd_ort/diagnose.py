@@ -182,7 +182,8 @@ class OpWatch(torch.overrides.TorchFunctionMode):
                     roots = _roots_of(list(args) + list(kwargs.values()))
                 except Exception:  # noqa: BLE001 - a diagnosis must never hide the error it explains
                     roots = []
-                self.failed = FailedCall(op_name(func), roots, broken_rule or _fails_on_real_tensors(func, args, kwargs))
+                eager_fails = broken_rule or _fails_on_real_tensors(func, args, kwargs)
+                self.failed = FailedCall(op_name(func), roots, eager_fails)
             raise
 
 
@@ -204,7 +205,8 @@ def _fails_on_real_tensors(func, args: tuple, kwargs: dict) -> bool:
             return x
         if not all(isinstance(s, int) for s in x.shape):
             raise TypeError("symbolic size")
-        return torch.zeros(x.shape, dtype=x.dtype, device=x.device).requires_grad_(x.requires_grad and x.is_floating_point())
+        out = torch.zeros(x.shape, dtype=x.dtype, device=x.device)
+        return out.requires_grad_(x.requires_grad and x.is_floating_point())
 
     try:
         with disable_proxy_modes_tracing(), unset_fake_temporarily():

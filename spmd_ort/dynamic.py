@@ -55,10 +55,6 @@ class DynamicDims:
             merged.setdefault(pos, set()).update(d)
         return DynamicDims.of(merged)
 
-    def without(self, pos: int, dim: int) -> DynamicDims:
-        merged = {p: set(d) - ({dim} if p == pos else set()) for p, d in self.dims}
-        return DynamicDims.of(merged)
-
     def for_leaf(self, pos: int, shape: tuple[int, ...]) -> frozenset[int]:
         """The dims of this leaf that are symbolic for these sizes (0 and 1 stay static, as in torch)."""
         return frozenset(d for d in self.as_dict().get(pos, ()) if d < len(shape) and shape[d] > 1)
@@ -192,6 +188,3 @@ class SymbolicShapes:
             if not bool(g.xreplace(mapping)):
                 return False
         return True
-
-    def sizes(self, batch_shapes: list[tuple[int, ...]]) -> dict[str, int]:
-        return {name: batch_shapes[k][d] for name, (k, d) in self.sources.items()}

@@ -211,6 +211,34 @@ def _op_summary(gm: fx.GraphModule, limit: int = 6) -> str:
     return ", ".join(ops[:limit]) + (f", ... {len(ops) - limit} more" if len(ops) > limit else "")
 
 
+def _checked_first_run(name: str, seg: OrtSegment, inputs, reference, stats: OrtStats, policy: str,
+                       verify: bool) -> float | None:
+    """Run ``seg`` in ORT once on ``inputs`` next to its fx result ``reference``.
+
+    Returns the ORT seconds, or None when ORT fails or (``verify``) differs beyond the segment's
+    tolerance (recorded in ``stats``; an error under ``FALLBACK_DISABLE``).
+    """
+    t0 = time.perf_counter()
+    try:
+        got = seg.run_ort(*inputs)
+    except Exception as exc:  # noqa: BLE001 - any ORT failure falls back per policy
+        _failure(name, f"ONNX Runtime failed to run it: {_short(exc)}", policy, _op_summary(seg.fallback))
+        stats.fallbacks.append(name)
+        return None
+    ort_s = time.perf_counter() - t0
+    if verify:
+        t0 = time.perf_counter()
+        diff = _first_difference(got, reference, seg.tolerance)
+        stats.verify_seconds += time.perf_counter() - t0
+        stats.verified += 1
+        if diff is not None:
+            stats.mismatches.append(f"{name}: {diff}")
+            _failure(name, f"verification failed: {diff}", policy, _op_summary(seg.fallback))
+            stats.fallbacks.append(name)
+            return None
+    return ort_s
+
+
 class _FirstRun(fx.Interpreter):
     """Runs every ORT segment and its fx graph, compares and times them; downstream uses the fx result."""
 
@@ -225,27 +253,12 @@ class _FirstRun(fx.Interpreter):
         ex = self.executor
         t0 = time.perf_counter()
         reference = seg.fallback(*args)
-        t1 = time.perf_counter()
-        try:
-            got = seg.run_ort(*args)
-            first = {"fx": t1 - t0, "ort": time.perf_counter() - t1}
-        except Exception as exc:  # noqa: BLE001 - any ORT failure falls back per policy
-            _failure(seg.name, f"ONNX Runtime failed to run it: {_short(exc)}", ex.policy, _op_summary(seg.fallback))
+        fx_s = time.perf_counter() - t0
+        ort_s = _checked_first_run(seg.name, seg, args, reference, ex.stats, ex.policy, ex.verify)
+        if ort_s is None:
             seg.use_fallback = True
-            ex.stats.fallbacks.append(seg.name)
             return reference
-        if ex.verify:
-            t0 = time.perf_counter()
-            diff = _first_difference(got, reference, seg.tolerance)
-            ex.stats.verify_seconds += time.perf_counter() - t0
-            ex.stats.verified += 1
-            if diff is not None:
-                ex.stats.mismatches.append(f"{seg.name}: {diff}")
-                _failure(seg.name, f"verification failed: {diff}", ex.policy, _op_summary(seg.fallback))
-                seg.use_fallback = True
-                ex.stats.fallbacks.append(seg.name)
-                return reference
-        self._choose(seg, args, first)
+        self._choose(seg, args, {"fx": fx_s, "ort": ort_s})
         return reference
 
     def _choose(self, seg: OrtSegment, args, first: dict[str, float]) -> None:
@@ -418,15 +431,9 @@ class SizedSegments(nn.Module):
             segment = self.sessions[key]
             if segment is not None:
                 reference = self.fallback(*args)
-                got = segment.run_ort(*_tensors(args))
-                diff = _first_difference(got, reference, segment.tolerance) if self.options.verify else None
-                self.stats.verified += int(self.options.verify)
-                if diff is not None:
-                    self.stats.mismatches.append(f"{self.name} at sizes {key}: {diff}")
-                    _failure(self.name, f"verification at sizes {key} failed: {diff}", self.options.fallback_policy,
-                             _op_summary(self.fallback))
+                if _checked_first_run(f"{self.name} at sizes {key}", segment, _tensors(args), reference, self.stats,
+                                      self.options.fallback_policy, self.options.verify) is None:
                     self.sessions[key] = None
-                    self.stats.fallbacks.append(self.name)
                 self.runs += 1
                 return reference
         segment = self.sessions[key]

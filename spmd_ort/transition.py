@@ -8,7 +8,9 @@ buffers (identity, shape, dtype, whether a gradient is present), its forward
 hooks (they run while tracing), the optimizer's param groups (parameters,
 options baked into the graph) and state layout, and mixed precision: autocast
 entered outside the step and the GradScaler's class, whether it is enabled and
-its update constants (growth and backoff factors, growth interval).  Values that are graph inputs (tensor contents, the scalar
+its update constants (growth and backoff factors, growth interval).  Symbolic
+dims (:mod:`spmd_ort.dynamic`) appear as ``None``.  Values that are graph
+inputs (tensor contents, the scalar
 hyper-parameters an optimizer rule lifts: lr, betas, weight decay, eps,
 momentum, dampening) and the GradScaler's scale and growth tracker are not
 part of it, so changing them never re-traces.
