@@ -28,6 +28,17 @@ import spmd_ort
 RTOL, ATOL = 1e-5, 1e-6
 
 
+def scaled_update(loss, model, opt, scaler, clip: float = 1.0):
+    """The AMP update of the torch docs: scaled backward, unscale_ before clipping, step, update, zero_grad."""
+    scaler.scale(loss).backward()
+    scaler.unscale_(opt)
+    torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
+    scaler.step(opt)
+    scaler.update()
+    opt.zero_grad(set_to_none=True)
+    return loss
+
+
 def train_step(model, opt, x, y, clip: float | None = None):
     """Cross-entropy step for classifiers (B, C) and language models (B, T, V) alike."""
     out = model(x)

@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 
 import spmd_ort
-from helpers import assert_close_normwise, assert_ran_on_ort, assert_same_state
+from helpers import assert_close_normwise, assert_ran_on_ort, assert_same_state, scaled_update
 from models import MLP
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -26,13 +26,7 @@ def fp16_step(model, opt, scaler, x, y):
     """The AMP step of the torch docs: unscale_ before clipping, then step and update."""
     with torch.autocast("cpu", dtype=torch.float16):
         loss = F.cross_entropy(model(x), y)
-    scaler.scale(loss).backward()
-    scaler.unscale_(opt)
-    torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-    scaler.step(opt)
-    scaler.update()
-    opt.zero_grad(set_to_none=True)
-    return loss
+    return scaled_update(loss, model, opt, scaler)
 
 
 def bf16_step(model, opt, scaler, x, y):

@@ -18,7 +18,7 @@ from spmd_ort.runtime import StepRuntime
 from spmd_ort.sharding import SHARD_ATTR, ShardSpec
 from spmd_ort.state import StateLayout
 from spmd_ort.trace import trace_step
-from helpers import train_step
+from helpers import scaled_update, train_step
 from models import MLP
 
 BF16 = spmd_ort.MixedPrecisionPolicy(param_dtype=torch.bfloat16)
@@ -110,13 +110,7 @@ def test_reduce_scatter_runs_in_reduce_dtype_and_gathers_move_param_dtype():
 def _amp_step(model, opt, scaler, x, y):
     with torch.autocast("cpu", dtype=torch.float16):
         loss = F.cross_entropy(model(x), y)
-    scaler.scale(loss).backward()
-    scaler.unscale_(opt)
-    torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-    scaler.step(opt)
-    scaler.update()
-    opt.zero_grad()
-    return loss
+    return scaled_update(loss, model, opt, scaler)
 
 
 def test_found_inf_of_gradient_shards_is_combined_across_ranks(one_rank):

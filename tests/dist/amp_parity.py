@@ -40,7 +40,7 @@ sys.path.insert(0, str(ROOT / "tests"))
 sys.path.insert(0, str(ROOT))
 
 import spmd_ort  # noqa: E402
-from helpers import assert_close_normwise, assert_same_state  # noqa: E402
+from helpers import assert_close_normwise, assert_same_state, scaled_update  # noqa: E402
 from models import GPT, GPTConfig  # noqa: E402
 
 CFG = GPTConfig(vocab=64, d=16, heads=2, layers=1, seq=8)
@@ -69,28 +69,17 @@ def amp_step(model, opt, scaler, x, y, poison):
     with torch.autocast("cpu", dtype=torch.float16):
         logits = model(x) * poison
         loss = F.cross_entropy(logits.flatten(0, 1).float(), y.flatten())
-    scaler.scale(loss).backward()
-    scaler.unscale_(opt)
-    torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-    scaler.step(opt)
-    scaler.update()
-    opt.zero_grad(set_to_none=True)
-    return loss
+    return scaled_update(loss, model, opt, scaler)
 
 
 def policy_step(model, opt, scaler, x, y):
     """A FSDP2-style step: the policy casts, the loss is taken in fp32; a scaler when there is one."""
     loss = F.cross_entropy(model(x).flatten(0, 1).float(), y.flatten())
-    if scaler is None:
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        opt.step()
-    else:
-        scaler.scale(loss).backward()
-        scaler.unscale_(opt)
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        scaler.step(opt)
-        scaler.update()
+    if scaler is not None:
+        return scaled_update(loss, model, opt, scaler)
+    loss.backward()
+    torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+    opt.step()
     opt.zero_grad(set_to_none=True)
     return loss
 
