@@ -435,15 +435,16 @@ class CompiledStep:
         """
         try:
             return self._compile_everywhere(key, module, opt, scaler, rule, mode, args, kwargs), key
-        except Exception:
+        except Exception as exc:
             if self._widened_from is None:
                 raise
             self.dynamic, self._widened_from = self._widened_from, None
             key = self._key(module, opt, scaler, args, kwargs, rule, mode, world_size)
             if mode is not None:
                 parallel.check_agreement("this step's inputs, module and optimizer", key.portable())
-            logger.info("%s: the trace with the new symbolic dims failed; tracing these sizes statically",
-                        self.transitions.name)
+            reason = " ".join(str(exc).split())
+            logger.info("%s: the trace with the new symbolic dims failed (%s: %s); tracing these sizes statically",
+                        self.transitions.name, type(exc).__name__, reason[:300] + (" ..." if len(reason) > 300 else ""))
             return self._compile_everywhere(key, module, opt, scaler, rule, mode, args, kwargs), key
 
     def _key(self, module, opt, scaler, args, kwargs, rule, mode, world_size: int) -> StepKey:

@@ -112,8 +112,10 @@ def _sizes_from_inputs(gm: fx.GraphModule) -> None:
     ``sym_size`` of an activation is a host node (sizes are Python ints) that depends
     on the segment computing the activation, so the segment that uses the size must
     start after it: each such read splits the graph.  The same size is a symbol of
-    an input's size (or an expression in such symbols), so it is read there, at the
-    top of the graph, and the ORT segments stay as large as in a static program.
+    an input's size or an expression in such symbols (``s0*s1``, the rows of a
+    flattened batch), so it is read there, at the top of the graph, and computed
+    from those reads with Python arithmetic: the ORT segments stay as large as in a
+    static program.  An expression it cannot rebuild keeps its read.
     """
     import sympy
 
@@ -127,25 +129,65 @@ def _sizes_from_inputs(gm: fx.GraphModule) -> None:
                     sources.setdefault(size.node.expr, (node, d, size))
     if not sources or not placeholders:
         return
-    graph, made = gm.graph, {}
-
-    def read(symbol):
-        if symbol not in made:
-            node, d, size = sources[symbol]
-            with graph.inserting_after(placeholders[-1]):
-                made[symbol] = graph.call_function(aten.sym_size.int, (node, d))
-            made[symbol].meta["val"] = size
-        return made[symbol]
-
+    graph = gm.graph
+    emit = _SizeEmitter(graph, placeholders[-1], sources)
     for node in list(graph.nodes):
         if node.op != "call_function" or node.target is not aten.sym_size.int or node.args[0].op == "placeholder":
             continue
-        expr = node.meta["val"].node.expr if isinstance(node.meta.get("val"), torch.SymInt) else None
-        if isinstance(expr, sympy.Symbol) and expr in sources:
-            node.replace_all_uses_with(read(expr))
+        val = node.meta.get("val")
+        made = emit(val.node.expr) if isinstance(val, torch.SymInt) else None
+        if isinstance(made, fx.Node):
+            node.replace_all_uses_with(made)
             graph.erase_node(node)
     graph.lint()
     gm.recompile()
+
+
+class _SizeEmitter:
+    """Host nodes at the top of ``graph`` computing a size expression from reads of the inputs' sizes."""
+
+    def __init__(self, graph: fx.Graph, after: fx.Node, sources: dict):
+        self.graph, self.anchor, self.sources, self.made = graph, after, sources, {}
+
+    def __call__(self, expr) -> fx.Node | int | None:
+        import sympy
+        from torch.utils._sympy.functions import FloorDiv
+
+        if expr in self.made:
+            return self.made[expr]
+        if isinstance(expr, sympy.Integer):
+            return int(expr)
+        if isinstance(expr, sympy.Symbol):
+            if expr not in self.sources:
+                return None
+            node, d, _ = self.sources[expr]
+            return self._add(expr, aten.sym_size.int, (node, d))
+        if isinstance(expr, (sympy.Mul, sympy.Add)):
+            combine = operator.mul if isinstance(expr, sympy.Mul) else operator.add
+            parts = [self(a) for a in expr.args]
+            if any(p is None for p in parts):
+                return None
+            out = parts[0]
+            for i, part in enumerate(parts[1:], 2):
+                out = self._add(expr.func(*expr.args[:i]), combine, (out, part))
+            return out
+        if isinstance(expr, FloorDiv):
+            a, b = self(expr.args[0]), self(expr.args[1])
+            return None if a is None or b is None else self._add(expr, operator.floordiv, (a, b))
+        return None
+
+    def _add(self, expr, target, args) -> fx.Node:
+        """A node for ``expr``; its value is the same arithmetic on the inputs' symbolic sizes."""
+        if expr in self.made:
+            return self.made[expr]
+        with self.graph.inserting_after(self.anchor):
+            node = self.graph.call_function(target, args)
+        if target is aten.sym_size.int:
+            node.meta["val"] = self.sources[expr][2]
+        else:
+            node.meta["val"] = target(*[a.meta["val"] if isinstance(a, fx.Node) else a for a in args])
+        self.anchor = self.made[expr] = node
+        return node
 
 
 def _split_at_collectives(gm: fx.GraphModule, partitions: list) -> list:

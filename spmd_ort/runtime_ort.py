@@ -48,6 +48,8 @@ NUMPY_DTYPES = {
     torch.float32: np.float32, torch.float16: np.float16, torch.float64: np.float64, torch.int64: np.int64,
     torch.int32: np.int32, torch.int8: np.int8, torch.uint8: np.uint8, torch.bool: np.bool_,
 }
+SCALAR_TYPES = {"tensor(int64)": np.int64, "tensor(int32)": np.int32, "tensor(float)": np.float32,
+                "tensor(double)": np.float64, "tensor(bool)": np.bool_}
 VERIFY_TOLERANCE = 1e-4  # max |ort - fx| relative to max |fx|, per output (fp32 segments)
 # A segment that computes in a lower precision (autocast, MixedPrecisionPolicy) is verified to that
 # precision: ORT's float16 kernels accumulate and round differently from torch's, one unit in the last
@@ -61,6 +63,8 @@ VERIFY_ABS_FLOOR = {torch.float32: 1e-9, torch.float64: 1e-12, torch.float16: 1e
 # 0.3 s on a loaded 2-core machine) until it has TIMED_RUNS[0] samples, and up to TIMED_RUNS[1] while they
 # take less than TIMING_BUDGET_S; the fastest counts.
 TIMED_RUNS, TIMING_BUDGET_S = (2, 5), 0.25
+# A dynamic-shape segment (one ONNX model for every size) is checked at its first CHECKED_SIZES sets of sizes.
+CHECKED_SIZES = 3
 PROGRESS_AFTER_S = 2.0  # an export still running after this long gets a progress line
 
 
@@ -96,6 +100,7 @@ class OrtSegment(nn.Module):
         self.fallback = fallback
         self.use_fallback = False
         self.runs = 0  # how often ONNX Runtime ran this segment
+        self.new_sizes: NewSizes | None = None  # dynamic shapes: checks the first runs at new sizes
         self.tolerance = verify_tolerance(fallback)
         metas, self.returns_tuple = _outputs_meta(fallback)
         device = segment_device(fallback)
@@ -115,13 +120,23 @@ class OrtSegment(nn.Module):
         n_inputs = sum(1 for n in fallback.graph.nodes if n.op == "placeholder")
         self.input_names = [i.name for i in self.session.get_inputs()]
         self.input_index = [input_position(n) for n in self.input_names]
+        # a size, or a number computed from sizes (dynamic shapes), is a 0-d input of the model's type
+        self.scalar_dtypes = {i.name: SCALAR_TYPES.get(i.type, np.int64) for i in self.session.get_inputs()}
         if any(i >= n_inputs for i in self.input_index):
             raise RuntimeError(f"ONNX inputs {self.input_names} are not inputs of the segment")
         self.output_names = [o.name for o in self.session.get_outputs()]
         if len(self.output_names) != len(metas):
             raise RuntimeError(f"ONNX model has {len(self.output_names)} outputs, the segment {len(metas)}")
-        self.outputs = [torch.empty(m.shape, dtype=m.dtype, device=m.device) for m in metas]
+        self.metas = metas
+        self.sizes = DynamicSizes(fallback, metas) if is_symbolic(fallback) else None
+        self.sizes_key: tuple | None = None
         self.binding = self.session.io_binding()
+        if self.sizes is None:
+            self._bind_outputs([tuple(m.shape) for m in metas])
+
+    def _bind_outputs(self, shapes: list[tuple[int, ...]]) -> None:
+        """Allocate the output tensors ORT writes into (once, or per set of sizes in a dynamic segment)."""
+        self.outputs = [torch.empty(shape, dtype=m.dtype, device=m.device) for shape, m in zip(shapes, self.metas)]
         for name, t in zip(self.output_names, self.outputs):
             if t.numel() == 0:  # no memory to bind: ORT allocates its (empty) output, ours stands for it
                 self.binding.bind_output(name, self.device_type, self.device_id)
@@ -129,10 +144,18 @@ class OrtSegment(nn.Module):
             self.binding.bind_output(name, self.device_type, self.device_id, NUMPY_DTYPES[t.dtype],
                                      tuple(t.shape), t.data_ptr())
 
-    def run_ort(self, *args: torch.Tensor):
+    def run_ort(self, *args: torch.Tensor | int):
+        if self.sizes is not None:  # dynamic shapes: outputs sized for this call's sizes
+            key = self.sizes.key(args)
+            if key != self.sizes_key:
+                self._bind_outputs(self.sizes.output_shapes(key))
+                self.sizes_key = key
         keep = []  # contiguous copies must outlive the run
         for name, idx in zip(self.input_names, self.input_index):
             t = args[idx]
+            if not isinstance(t, torch.Tensor):  # a size (dynamic shapes): a 0-d input
+                self.binding.bind_cpu_input(name, np.array(t, dtype=self.scalar_dtypes[name]))
+                continue
             if t.numel() == 0:  # an empty tensor has no memory to bind
                 self.binding.bind_cpu_input(name, np.empty(tuple(t.shape), dtype=NUMPY_DTYPES[t.dtype]))
                 continue
@@ -148,10 +171,89 @@ class OrtSegment(nn.Module):
         out = tuple(self.outputs)
         return out if self.returns_tuple else out[0]
 
-    def forward(self, *args: torch.Tensor):
+    def forward(self, *args: torch.Tensor | int):
         if self.use_fallback:
             return self.fallback(*args)
+        if self.new_sizes is not None:
+            return self.new_sizes.forward(self, args)
         return self.run_ort(*args)
+
+
+class DynamicSizes:
+    """A dynamic-shape segment's sizes: the symbols its inputs carry, and its output shapes in them.
+
+    Each symbol is read from the first input that has it as a dim (or is it: a size
+    the host computed); :meth:`key` is their values for a call and
+    :meth:`output_shapes` evaluates each output dim's expression (``s0*s1``) there.
+    A symbol an output needs and no input carries is a ValueError (the segment is
+    then exported per set of sizes, :class:`SizedSegments`).
+    """
+
+    def __init__(self, gm: fx.GraphModule, metas: list[torch.Tensor] | None = None):
+        import sympy
+
+        self.sources: list[tuple[int, int | None]] = []  # (input position, dim; None: the input is the size)
+        self.symbols: list = []
+        placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+        for pos, node in enumerate(placeholders):
+            val = node.meta.get("val")
+            found = [(None, val)] if isinstance(val, torch.SymInt) else \
+                list(enumerate(val.shape)) if isinstance(val, torch.Tensor) else []
+            for dim, size in found:
+                if isinstance(size, torch.SymInt) and isinstance(size.node.expr, sympy.Symbol) \
+                        and size.node.expr not in self.symbols:
+                    self.symbols.append(size.node.expr)
+                    self.sources.append((pos, dim))
+        self.shapes = [tuple(int(d) if not isinstance(d, torch.SymInt) else d.node.expr for d in m.shape)
+                       for m in metas or []]
+        needed = set().union(*[d.free_symbols for shape in self.shapes for d in shape if not isinstance(d, int)])
+        if missing := needed - set(self.symbols):
+            raise ValueError(f"output sizes in {sorted(map(str, missing))} follow from no input's size")
+
+    def key(self, args) -> tuple[int, ...]:
+        return tuple(int(args[pos]) if dim is None else args[pos].shape[dim] for pos, dim in self.sources)
+
+    def describe(self, key: tuple[int, ...]) -> str:
+        return ", ".join(f"{sym}={v}" for sym, v in zip(self.symbols, key))
+
+    def output_shapes(self, key: tuple[int, ...]) -> list[tuple[int, ...]]:
+        env = dict(zip(self.symbols, key))
+        return [tuple(d if isinstance(d, int) else int(d.xreplace(env)) for d in shape) for shape in self.shapes]
+
+
+class NewSizes:
+    """A dynamic-shape segment's first runs at new sizes: checked against its fx graph like its first run.
+
+    One ONNX model serves every size; its first :data:`CHECKED_SIZES` distinct sets of
+    sizes (the first run's included) each run next to the fx graph and are compared (a
+    size the translation baked in shows there), and an ORT failure at any size falls
+    back to fx per ``Options.fallback_policy``.
+    """
+
+    def __init__(self, stats: OrtStats, policy: str, verify: bool):
+        self.stats, self.policy, self.verify = stats, policy, verify
+        self.checked: set[tuple] = set()
+
+    def forward(self, seg: OrtSegment, args):
+        key = seg.sizes.key(args)
+        if len(self.checked) < CHECKED_SIZES and key not in self.checked:
+            return self._checked(seg, key, args)
+        try:
+            return seg.run_ort(*args)
+        except Exception as exc:  # noqa: BLE001 - ORT wrote no state: the fx graph runs the step instead
+            _failure(seg.name, f"ONNX Runtime failed to run it at new sizes: {_short(exc)}", self.policy,
+                     _op_summary(seg.fallback))
+            self.stats.fallbacks.append(seg.name)
+            seg.use_fallback = True
+            return seg.fallback(*args)
+
+    def _checked(self, seg: OrtSegment, key: tuple, args):
+        self.checked.add(key)
+        reference = seg.fallback(*args)
+        if _checked_first_run(f"{seg.name} at sizes {seg.sizes.describe(key)}", seg, args, reference, self.stats, self.policy,
+                              self.verify) is None:
+            seg.use_fallback = True
+        return reference
 
 
 def verify_tolerance(gm: fx.GraphModule) -> float:
@@ -255,6 +357,8 @@ class _FirstRun(fx.Interpreter):
         reference = seg.fallback(*args)
         fx_s = time.perf_counter() - t0
         ort_s = _checked_first_run(seg.name, seg, args, reference, ex.stats, ex.policy, ex.verify)
+        if seg.new_sizes is not None:
+            seg.new_sizes.checked.add(seg.sizes.key(args))
         if ort_s is None:
             seg.use_fallback = True
             return reference
@@ -373,11 +477,11 @@ def build_ort_executor(gm: fx.GraphModule, options: Options) -> OrtExecutor:
         for i, name in enumerate(names):
             sub = fused.get_submodule(name)
             providers = providers_for(segment_device(sub))  # a ConfigError, never a fallback
-            if is_symbolic(sub):  # dynamic shapes: exported per distinct set of sizes, on first use
-                setattr(fused, name, SizedSegments(name, sub, options, stats, threads=threads, providers=providers))
-                continue
             shown.start(i, name, sum(1 for n in sub.graph.nodes if n.op == "call_function"))
-            segment = _load_segment(name, sub, options, stats, threads=threads, providers=providers)
+            if is_symbolic(sub):
+                segment = _dynamic_segment(name, sub, options, stats, threads=threads, providers=providers)
+            else:
+                segment = _load_segment(name, sub, options, stats, threads=threads, providers=providers)
             if segment is not None:
                 setattr(fused, name, segment)
     fused.recompile()
@@ -418,11 +522,12 @@ class SizedSegments(nn.Module):
         self.threads = threads
         self.providers = providers
         self.sessions: dict[tuple, OrtSegment | None] = {}  # sizes -> session (None: runs on fx)
+        self.sizes = DynamicSizes(fallback)  # names a set of sizes in messages
         self.runs = 0
 
     @staticmethod
     def sizes_of(args) -> tuple:
-        return tuple((tuple(a.shape), a.dtype) if isinstance(a, torch.Tensor) else ("int", int(a)) for a in args)
+        return tuple((tuple(a.shape), a.dtype) if isinstance(a, torch.Tensor) else (type(a).__name__, a) for a in args)
 
     def forward(self, *args):
         key = self.sizes_of(args)
@@ -431,7 +536,8 @@ class SizedSegments(nn.Module):
             segment = self.sessions[key]
             if segment is not None:
                 reference = self.fallback(*args)
-                if _checked_first_run(f"{self.name} at sizes {key}", segment, _tensors(args), reference, self.stats,
+                where = f"{self.name} at sizes {self.sizes.describe(self.sizes.key(args))}"
+                if _checked_first_run(where, segment, _tensors(args), reference, self.stats,
                                       self.options.fallback_policy, self.options.verify) is None:
                     self.sessions[key] = None
                 self.runs += 1
@@ -445,7 +551,8 @@ class SizedSegments(nn.Module):
 
     def _specialise(self, key: tuple, args) -> OrtSegment | None:
         """The segment for these sizes: its sizes constants, its inputs the tensors (in order)."""
-        examples = [torch.empty(a.shape, dtype=a.dtype, device=a.device) if isinstance(a, torch.Tensor) else int(a)
+        # a size stays an int, a number computed from sizes (n / (n - 1)) a float
+        examples = [torch.empty(a.shape, dtype=a.dtype, device=a.device) if isinstance(a, torch.Tensor) else a
                     for a in args]
         positions = [i for i, a in enumerate(args) if isinstance(a, torch.Tensor)]
 
@@ -466,9 +573,49 @@ def _tensors(args) -> list[torch.Tensor]:
     return [a for a in args if isinstance(a, torch.Tensor)]
 
 
+def _dynamic_segment(name: str, sub: fx.GraphModule, options: Options, stats: OrtStats, *, threads: int,
+                     providers: list) -> OrtSegment | SizedSegments:
+    """A segment with symbolic sizes: one ONNX model with dynamic axes for every size.
+
+    Where that model cannot be built (a translation that needs concrete sizes) or loaded,
+    the segment is exported per set of sizes instead (:class:`SizedSegments`), with an INFO line.
+    """
+    try:
+        segment = _open_segment(name, sub, options, stats, threads=threads, providers=providers)
+    except CompileError:
+        raise
+    except Exception as exc:  # noqa: BLE001 - the per-size export still serves the segment
+        cause = exc.__cause__ if isinstance(exc, _StageError) and exc.__cause__ is not None else exc
+        logger.info("ORT segment %s has no model with dynamic sizes (%s: %s); it is exported per set of sizes",
+                    name, getattr(exc, "stage", "export"), _short(cause, 200))
+        return SizedSegments(name, sub, options, stats, threads=threads, providers=providers)
+    segment.new_sizes = NewSizes(stats, options.fallback_policy, options.verify)
+    return segment
+
+
 def _load_segment(name: str, sub: fx.GraphModule, options: Options, stats: OrtStats, *, threads: int,
                   providers: list) -> OrtSegment | None:
     """Export (or load from the cache) and open one segment; None if it falls back to fx."""
+    try:
+        return _open_segment(name, sub, options, stats, threads=threads, providers=providers)
+    except CompileError:
+        raise
+    except _StageError as exc:  # export/load failures fall back per policy
+        _failure(name, f"{exc.stage} failed: {type(exc.__cause__).__name__}: {_short(exc.__cause__)}",
+                 options.fallback_policy, _op_summary(sub))
+        stats.fallbacks.append(name)
+        return None
+
+
+class _StageError(Exception):
+    def __init__(self, stage: str):
+        super().__init__(stage)
+        self.stage = stage
+
+
+def _open_segment(name: str, sub: fx.GraphModule, options: Options, stats: OrtStats, *, threads: int,
+                  providers: list) -> OrtSegment:
+    """Export (or load from the cache) and open one segment; a failure is a :class:`_StageError` naming the stage."""
     opset = options.onnx_opset
     stage = "export"
     try:
@@ -491,11 +638,8 @@ def _load_segment(name: str, sub: fx.GraphModule, options: Options, stats: OrtSt
             return make(result.model)
     except CompileError:
         raise
-    except Exception as exc:  # noqa: BLE001 - export/load failures fall back per policy
-        _failure(name, f"{stage} failed: {type(exc).__name__}: {_short(exc)}", options.fallback_policy,
-                 _op_summary(sub))
-        stats.fallbacks.append(name)
-        return None
+    except Exception as exc:
+        raise _StageError(stage) from exc
 
 
 class _Progress:

@@ -1,8 +1,9 @@
 """Our own ONNX translations of aten ops: the backward ops torchlib lacks and the ones torch decomposes badly.
 
 Each function is traced by the exporter like a torchlib function: it receives
-``onnx_ir`` values for tensor arguments (with static shapes and dtypes) and
-Python values for the rest, in the aten schema's order, and builds ONNX nodes
+``onnx_ir`` values for tensor arguments (with dtypes, and shapes whose dims are
+ints or, in a dynamic-shape segment, symbolic: :func:`_shape` builds a shape
+from both) and Python values for the rest, in the aten schema's order, and builds ONNX nodes
 with ``op``.  :data:`TRANSLATIONS` maps each op to its :class:`Translation`;
 ``accepts(node)`` says (with a reason) when a node's arguments are outside what
 the function implements, so the predicate of :mod:`spmd_ort.coverage` and the
@@ -33,6 +34,46 @@ def _const(value: float, like) -> ir.Value:
 
 def _ints(values: Sequence[int]) -> ir.Value:
     return op.Constant(value=ir.tensor(list(values), dtype=ir.DataType.INT64))
+
+
+def _static(dim) -> bool:
+    return isinstance(dim, int)
+
+
+def _shape(parts: Sequence) -> ir.Value:
+    """A 1-D INT64 shape from ``parts``: ints, or ``(value, axis)`` for a dim of ``value`` read at run time.
+
+    All ints give one constant; a symbolic dim (dynamic shapes) is read with ``Shape``, so the model
+    serves every size.  Static dims of a ``(value, axis)`` part are folded to constants too.
+    """
+    pieces, ints = [], []
+    for part in parts:
+        if isinstance(part, tuple):
+            value, axis = part
+            rank = len(value.shape)
+            axis %= rank
+            if _static(value.shape[axis]):
+                ints.append(value.shape[axis])
+                continue
+            if ints:
+                pieces.append(_ints(ints))
+                ints = []
+            pieces.append(op.Shape(value, start=axis, end=axis + 1))
+        else:
+            ints.append(int(part))
+    if not pieces:
+        return _ints(ints)
+    if ints:
+        pieces.append(_ints(ints))
+    return pieces[0] if len(pieces) == 1 else op.Concat(*pieces, axis=0)
+
+
+def _count(value, axes: Sequence[int]):
+    """The number of elements over ``axes``: an int, or (a symbolic dim among them) a 0-d INT64 value."""
+    dims = [value.shape[a] for a in axes]
+    if all(_static(d) for d in dims):
+        return math.prod(dims)
+    return op.ReduceProd(_shape([(value, a) for a in axes]), keepdims=0)
 
 
 def _unused(like) -> ir.Value:
@@ -126,12 +167,16 @@ def var_mean(self: TFloat, dim: Optional[Sequence[int]] = None, correction: Opti
     """
     rank = len(self.shape)
     dims = list(range(rank)) if dim is None else [d % rank for d in dim]
-    count = math.prod(self.shape[d] for d in dims)
+    count = _count(self, dims)
     correction = 1.0 if correction is None else float(correction)
     mean = op.ReduceMean(self, _ints(dims), keepdims=1)
     centred = self - mean
-    scale = 1.0 / (count - correction) if count > correction else float("nan")  # torch gives nan too
-    var = op.ReduceSum(centred * centred, _ints(dims), keepdims=int(keepdim)) * _const(scale, self)
+    if isinstance(count, int):
+        scale = _const(1.0 / (count - correction) if count > correction else float("nan"), self)  # as torch
+    else:  # dynamic shapes: 1 / (n - correction), nan where n <= correction (as torch)
+        n = op.Cast(count, to=self.dtype) - _const(correction, self)
+        scale = op.Where(op.Greater(n, _const(0.0, self)), op.Reciprocal(n), _const(float("nan"), self))
+    var = op.ReduceSum(centred * centred, _ints(dims), keepdims=int(keepdim)) * scale
     if not keepdim:
         mean = op.Squeeze(mean, _ints(dims))
     return var, mean
@@ -174,7 +219,7 @@ def native_batch_norm_backward(grad_out: TFloat, input: TFloat, weight: Optional
     channels = input.shape[1]
     axes = [0, *range(2, rank)]
     per_channel = _ints([1, channels] + [1] * (rank - 2))
-    n = float(math.prod(input.shape) // channels)
+    n = _count(input, axes)
     if train:
         mean, invstd = save_mean, save_invstd
     else:
@@ -188,7 +233,7 @@ def native_batch_norm_backward(grad_out: TFloat, input: TFloat, weight: Optional
     grad_input = _unused(input)
     if output_mask[0]:
         if train:
-            inv_n = _const(1.0 / n, input)
+            inv_n = _const(1.0 / n, input) if isinstance(n, int) else op.Reciprocal(op.Cast(n, to=input.dtype))
             centred = grad_out - op.Reshape(grad_bias * inv_n, per_channel) \
                 - x_hat * op.Reshape(grad_weight * inv_n, per_channel)
             grad_input = centred * scale
@@ -207,12 +252,12 @@ def max_pool2d_with_indices_backward(grad_output: TFloat, self: TFloat, kernel_s
     ``indices`` are torch's: flat positions within each (H, W) plane.
     """
     shape = list(self.shape)
-    planes = shape[:-2]
-    grad = op.Reshape(grad_output, _ints([*planes, -1]))
-    idx = op.Reshape(indices, _ints([*planes, -1]))
-    zeros = op.Expand(_const(0.0, self), _ints([*planes, shape[-2] * shape[-1]]))
+    planes = [(self, a) for a in range(len(shape) - 2)]  # (N, C) or (C): the batch may be symbolic
+    grad = op.Reshape(grad_output, _shape([*planes, -1]))
+    idx = op.Reshape(indices, _shape([*planes, -1]))
+    zeros = op.Expand(_const(0.0, self), _shape([*planes, shape[-2] * shape[-1]]))
     out = op.ScatterElements(zeros, idx, grad, axis=len(planes), reduction="add")
-    return op.Reshape(out, _ints(shape))
+    return op.Reshape(out, _shape([*planes, shape[-2], shape[-1]]))
 
 
 def avg_pool2d_backward(grad_output: TFloat, self: TFloat, kernel_size: Sequence[int], stride: Sequence[int],
@@ -260,7 +305,7 @@ def convolution_backward(grad_output: TFloat, input: TFloat, weight: TFloat, bia
     spatial = len(input.shape) - 2
     k = list(weight.shape[2:])
     s, p, d = (_expand(v, spatial) for v in (stride, padding, dilation))
-    n, c_in = input.shape[0], input.shape[1]
+    c_in = input.shape[1]  # the batch (-1 below) may be symbolic, the other dims not
     c_out = grad_output.shape[1]
     out_sp, in_sp = list(grad_output.shape[2:]), list(input.shape[2:])
     grad_input = _unused(input)
@@ -273,11 +318,11 @@ def convolution_backward(grad_output: TFloat, input: TFloat, weight: TFloat, bia
         g, cg, cog = groups, c_in // groups, c_out // groups
         tail = list(range(3, 3 + spatial))
         # x: (N, G*Cg, *S) -> (Cg, G*N, *S): a batch of Cg images with G*N channels
-        x = op.Reshape(input, _ints([n, g, cg, *in_sp]))
-        x = op.Reshape(op.Transpose(x, perm=[2, 1, 0, *tail]), _ints([cg, g * n, *in_sp]))
+        x = op.Reshape(input, _ints([-1, g, cg, *in_sp]))
+        x = op.Reshape(op.Transpose(x, perm=[2, 1, 0, *tail]), _ints([cg, -1, *in_sp]))
         # dy: (N, G*Cog, *So) -> (G*Cog, N, *So): G*Cog kernels over N channels
-        dy = op.Reshape(grad_output, _ints([n, g, cog, *out_sp]))
-        dy = op.Reshape(op.Transpose(dy, perm=[1, 2, 0, *tail]), _ints([g * cog, n, *out_sp]))
+        dy = op.Reshape(grad_output, _ints([-1, g, cog, *out_sp]))
+        dy = op.Reshape(op.Transpose(dy, perm=[1, 2, 0, *tail]), _ints([g * cog, -1, *out_sp]))
         gw = op.Conv(x, dy, strides=d, dilations=s, pads=p + p, group=g)  # (Cg, G*Cog, *K')
         gw = op.Transpose(gw, perm=[1, 0, *range(2, 2 + spatial)])
         grad_weight = op.Slice(gw, _ints([0] * spatial), _ints(k), _ints(range(2, 2 + spatial)))
@@ -292,8 +337,9 @@ def _expand(values: Sequence[int], n: int) -> list[int]:
 
 
 # ---------------------------------------------------------------- attention
-def _attention_scores(query, key, key_len: int, is_causal: bool, attn_mask, scale: float | None):
-    """(B, H, L, S) scores with the causal and explicit masks applied (``key`` may be a repeated, shapeless value)."""
+def _attention_scores(query, key, kv, is_causal: bool, attn_mask, scale: float | None):
+    """(B, H, L, S) scores with the causal and explicit masks applied (``key`` may be a repeated, shapeless
+    value; ``kv`` is the key as given, whose shape tells S)."""
     e = query.shape[-1]
     scale = 1.0 / math.sqrt(e) if scale is None else scale
     rank = len(query.shape)
@@ -301,9 +347,8 @@ def _attention_scores(query, key, key_len: int, is_causal: bool, attn_mask, scal
     scores = op.MatMul(query, op.Transpose(key, perm=perm)) * _const(scale, query)
     neg_inf = _const(float("-inf"), query)
     if is_causal:
-        ell, s = query.shape[-2], key_len
         keep = op.Cast(op.Trilu(op.Expand(op.Constant(value=ir.tensor(1, dtype=ir.DataType.INT64)),
-                                          _ints([ell, s])), upper=0), to=ir.DataType.BOOL)
+                                          _shape([(query, -2), (kv, -2)])), upper=0), to=ir.DataType.BOOL)
         scores = op.Where(keep, scores, neg_inf)
     if attn_mask is not None:  # additive: the fused kernel takes masks of the query's dtype only
         scores = scores + attn_mask
@@ -312,20 +357,23 @@ def _attention_scores(query, key, key_len: int, is_causal: bool, attn_mask, scal
 
 def _repeat_heads(x, heads: int):
     """(..., Hk, S, E) -> (..., H, S, E): query head h reads key/value head h // (H / Hk), as torch's GQA does."""
-    *lead, hk, s, e = x.shape
+    rank = len(x.shape)
+    hk = x.shape[-3]
     if hk == heads:
         return x
-    x = op.Expand(op.Unsqueeze(x, _ints([len(lead) + 1])), _ints([*lead, hk, heads // hk, s, e]))
-    return op.Reshape(x, _ints([*lead, heads, s, e]))
+    lead = [(x, a) for a in range(rank - 3)]
+    x2 = op.Expand(op.Unsqueeze(x, _ints([rank - 2])), _shape([*lead, hk, heads // hk, (x, -2), (x, -1)]))
+    return op.Reshape(x2, _shape([*lead, heads, (x, -2), (x, -1)]))
 
 
-def _sum_heads(grad, heads: int, kv_shape):
-    """The gradient of :func:`_repeat_heads`: (..., H, S, E) -> ``kv_shape`` (..., Hk, S, E)."""
-    *lead, kv_heads, s, e = kv_shape
+def _sum_heads(grad, heads: int, kv):
+    """The gradient of :func:`_repeat_heads`: (..., H, S, E) -> the shape of ``kv`` (..., Hk, S, E)."""
+    rank, kv_heads = len(kv.shape), kv.shape[-3]
     if heads == kv_heads:
         return grad
-    grad = op.Reshape(grad, _ints([*lead, kv_heads, heads // kv_heads, s, e]))
-    return op.ReduceSum(grad, _ints([len(lead) + 1]), keepdims=0)
+    lead = [(kv, a) for a in range(rank - 3)]
+    grad = op.Reshape(grad, _shape([*lead, kv_heads, heads // kv_heads, (kv, -2), (kv, -1)]))
+    return op.ReduceSum(grad, _ints([rank - 2]), keepdims=0)
 
 
 def _scaled_dot_product_flash_attention_for_cpu(query: TFloat, key: TFloat, value: TFloat, dropout_p: float = 0.0,
@@ -333,9 +381,10 @@ def _scaled_dot_product_flash_attention_for_cpu(query: TFloat, key: TFloat, valu
                                                 scale: Optional[float] = None) -> tuple[TFloat, TFloat]:
     """softmax(q k^T scale + mask) v, and the row log-sum-exp the backward reuses (key/value heads repeated
     for grouped-query attention)."""
-    heads, key_len = query.shape[-3], key.shape[-2]
+    heads = query.shape[-3]
+    kv = key
     key, value = _repeat_heads(key, heads), _repeat_heads(value, heads)
-    scores, _ = _attention_scores(query, key, key_len, is_causal, attn_mask, scale)
+    scores, _ = _attention_scores(query, key, kv, is_causal, attn_mask, scale)
     lse = _logsumexp(scores)
     out = op.MatMul(op.Exp(scores - lse), value)
     return out, op.Squeeze(lse, _ints([-1]))
@@ -351,9 +400,9 @@ def _scaled_dot_product_flash_attention_for_cpu_backward(
         dropout_p: float, is_causal: bool, attn_mask: Optional[TFloat] = None,
         scale: Optional[float] = None) -> tuple[TFloat, TFloat, TFloat]:
     """Recompute p = exp(scores - lse); dV = p^T dO, dS = p (dO V^T - rowsum(dO O)), dQ = dS K s, dK = dS^T Q s."""
-    heads, key_shape, value_shape = query.shape[-3], list(key.shape), list(value.shape)
+    heads, kv, value_in = query.shape[-3], key, value
     key, value = _repeat_heads(key, heads), _repeat_heads(value, heads)
-    scores, scale = _attention_scores(query, key, key_shape[-2], is_causal, attn_mask, scale)
+    scores, scale = _attention_scores(query, key, kv, is_causal, attn_mask, scale)
     p = op.Exp(scores - op.Unsqueeze(logsumexp, _ints([-1])))
     rank = len(query.shape)
     perm = [*range(rank - 2), rank - 1, rank - 2]
@@ -363,7 +412,7 @@ def _scaled_dot_product_flash_attention_for_cpu_backward(
     s = _const(scale, query)
     grad_query = op.MatMul(ds, key) * s
     grad_key = op.MatMul(op.Transpose(ds, perm=perm), query) * s
-    return grad_query, _sum_heads(grad_key, heads, key_shape), _sum_heads(grad_value, heads, value_shape)
+    return grad_query, _sum_heads(grad_key, heads, kv), _sum_heads(grad_value, heads, value_in)
 
 
 # ---------------------------------------------------------------- the table

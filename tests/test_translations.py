@@ -15,7 +15,8 @@ from torch.fx.experimental.proxy_tensor import make_fx
 from helpers import assert_close_relmax
 from spmd_ort import coverage
 from spmd_ort.export import translate
-from spmd_ort.runtime_ort import OrtSegment
+from spmd_ort.dynamic import fake_inputs
+from spmd_ort.runtime_ort import OrtSegment, is_symbolic
 from spmd_ort.translations import TRANSLATIONS
 
 aten = torch.ops.aten
@@ -26,8 +27,13 @@ def _randn(*shape):
     return torch.randn(*shape, generator=G)
 
 
-def _check(op, args: tuple, kwargs: dict | None = None, outputs: tuple[int, ...] | None = None) -> None:
-    """``op(*args, **kwargs)`` in ORT (through our translation) equals torch's, output by output."""
+def _check(op, args: tuple, kwargs: dict | None = None, outputs: tuple[int, ...] | None = None,
+           resized: tuple[tuple, dict] | None = None) -> None:
+    """``op(*args, **kwargs)`` in ORT (through our translation) equals torch's, output by output.
+
+    ``resized``: the same ``(args, kwargs)`` at other sizes.  Then the dims whose sizes differ are symbolic
+    (dynamic shapes), and one ONNX model runs both sets of arguments.
+    """
     kwargs = kwargs or {}
     leaves, spec = pytree.tree_flatten((args, kwargs))
     positions = [i for i, x in enumerate(leaves) if isinstance(x, torch.Tensor)]
@@ -43,14 +49,27 @@ def _check(op, args: tuple, kwargs: dict | None = None, outputs: tuple[int, ...]
     tensors = [leaves[i] for i in positions]
     expected = call(*tensors)
     keep = outputs if outputs is not None else range(len(expected))
-    gm = make_fx(lambda *ts: tuple(call(*ts)[i] for i in keep), tracing_mode="fake")(*tensors)
+    cases = [(tensors, expected)]
+    if resized is None:
+        gm = make_fx(lambda *ts: tuple(call(*ts)[i] for i in keep), tracing_mode="fake")(*tensors)
+    else:
+        others = [x for x in pytree.tree_leaves(resized) if isinstance(x, torch.Tensor)]
+        dims = [frozenset(d for d in range(t.dim()) if t.shape[d] != o.shape[d]) for t, o in zip(tensors, others)]
+        assert any(dims), "resized changes no size"
+        _, _, fakes = fake_inputs([], tensors, dims, [f"arg{i}" for i in range(len(tensors))])
+        gm = make_fx(lambda *ts: tuple(call(*ts)[i] for i in keep), tracing_mode="symbolic",
+                     _allow_non_fake_inputs=True)(*fakes)
+        assert is_symbolic(gm), gm.code
+        cases.append((others, call(*others)))
     assert any(n.target is op for n in gm.graph.nodes), gm.code  # the op itself, not a decomposition
     node = next(n for n in gm.graph.nodes if n.target is op)
     assert coverage.why_untranslatable(node) is None
-    got = OrtSegment("probe", gm, translate(gm), threads=1, allow_spinning=False).run_ort(*tensors)
-    got = got if isinstance(got, tuple) else (got,)
-    for k, (i, g) in enumerate(zip(keep, got)):
-        assert_close_relmax(g, expected[i], rtol=2e-5, msg=f"{op} output {i}")
+    segment = OrtSegment("probe", gm, translate(gm), threads=1, allow_spinning=False)
+    for inputs, want in cases:
+        got = segment.run_ort(*inputs)
+        got = got if isinstance(got, tuple) else (got,)
+        for k, (i, g) in enumerate(zip(keep, got)):
+            assert_close_relmax(g, want[i], rtol=2e-5, msg=f"{op} output {i} at {[tuple(t.shape) for t in inputs]}")
 
 
 def test_every_translation_is_in_the_registry_and_has_a_reason():
@@ -177,6 +196,47 @@ def test_flash_attention_forward_and_backward(name):
     out, lse = fwd(q, k, v, 0.0, causal, **kwargs)
     _check(aten._scaled_dot_product_flash_attention_for_cpu_backward.default,
            (_randn(*out.shape), q, k, v, out, lse, 0.0, causal), kwargs)
+
+
+@pytest.mark.parametrize("name", list(ATTENTION))
+def test_flash_attention_with_dynamic_batch_and_length(name):
+    """Symbolic batch and sequence length: one model runs (2, L=6) and (3, L=9), causal mask and GQA included."""
+    kv_heads, causal, mask_kind, scale = ATTENTION[name]
+
+    def args(b, n):
+        q, k, v = _randn(b, 4, n, 8), _randn(b, kv_heads, n, 8), _randn(b, kv_heads, n, 8)
+        mask = {"padding": torch.zeros(b, 1, n, n), "float": _randn(b, 1, n, n)}.get(mask_kind)
+        return q, k, v, mask
+
+    fwd = aten._scaled_dot_product_flash_attention_for_cpu.default
+    (q, k, v, mask), (q2, k2, v2, mask2) = args(2, 6), args(3, 9)
+    kw, kw2 = {"attn_mask": mask, "scale": scale}, {"attn_mask": mask2, "scale": scale}
+    _check(fwd, (q, k, v, 0.0, causal), kw, resized=((q2, k2, v2, 0.0, causal), kw2))
+    (out, lse), (out2, lse2) = fwd(q, k, v, 0.0, causal, **kw), fwd(q2, k2, v2, 0.0, causal, **kw2)
+    bwd = aten._scaled_dot_product_flash_attention_for_cpu_backward.default
+    _check(bwd, (_randn(*out.shape), q, k, v, out, lse, 0.0, causal), kw,
+           resized=((_randn(*out2.shape), q2, k2, v2, out2, lse2, 0.0, causal), kw2))
+
+
+def test_normalization_and_embedding_with_dynamic_sizes():
+    """The translations that count elements or build shapes, at two sizes of one symbolic model."""
+    _check(aten.var_mean.correction, (_randn(4, 3, 5),), {"dim": [0, 2], "correction": 1},
+           resized=((_randn(6, 3, 7),), {"dim": [0, 2], "correction": 1}))
+    x, x2 = _randn(3, 4, 8), _randn(5, 7, 8)
+    w, b = _randn(8), _randn(8)
+    (_, mean, rstd), (_, mean2, rstd2) = (aten.native_layer_norm.default(t, [8], w, b, 1e-5) for t in (x, x2))
+    mask = [True, True, True]
+    _check(aten.native_layer_norm_backward.default, (_randn(3, 4, 8), x, [8], mean, rstd, w, b, mask),
+           resized=((_randn(5, 7, 8), x2, [8], mean2, rstd2, w, b, mask), {}))
+    xb, xb2, wb, rm, rv = _randn(4, 3, 5), _randn(6, 3, 9), _randn(3), _randn(3), torch.rand(3, generator=G) + 0.5
+    stats = [aten.native_batch_norm.default(t, wb, None, rm.clone(), rv.clone(), True, 0.1, 1e-5)[1:]
+             for t in (xb, xb2)]
+    _check(aten.native_batch_norm_backward.default,
+           (_randn(4, 3, 5), xb, wb, rm, rv, *stats[0], True, 1e-5, mask),
+           resized=((_randn(6, 3, 9), xb2, wb, rm, rv, *stats[1], True, 1e-5, mask), {}))
+    idx, idx2 = torch.randint(0, 9, (4, 6), generator=G), torch.randint(0, 9, (2, 11), generator=G)
+    _check(aten.embedding_dense_backward.default, (_randn(4, 6, 5), idx, 9, -1, False),
+           resized=((_randn(2, 11, 5), idx2, 9, -1, False), {}))
 
 
 def test_declined_arguments_stay_untranslated_with_a_reason():
