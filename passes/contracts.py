@@ -149,7 +149,8 @@ def _no_device_optimizer_ops(gm, ctx):
 
 
 def _gathers_on_compute_device(gm, ctx):
-    batch = [val(n) for n, s in zip(placeholders(gm), ctx.input_slots) if s.kind == "batch"]
+    batch = [val(n) for n, s in zip(placeholders(gm), ctx.input_slots)
+             if s.kind == "batch" and isinstance(val(n), torch.Tensor)]  # not a lifted Python number
     device = batch[0].device if batch else torch.device("cpu")
     for node in calls(gm, ops.all_gather):
         if val(node.args[0]).device != device:

@@ -38,7 +38,8 @@ def offload_params_pass(gm: fx.GraphModule, ctx) -> fx.GraphModule:
     host (a CPU-only run) the shards already are where the gathers read them
     and nothing is inserted.
     """
-    batch = [val(n) for n, s in zip(placeholders(gm), ctx.input_slots) if s.kind == "batch"]
+    batch = [val(n) for n, s in zip(placeholders(gm), ctx.input_slots)
+             if s.kind == "batch" and isinstance(val(n), torch.Tensor)]  # not a lifted Python number
     device = batch[0].device if batch else torch.device("cpu")
     moved = 0
     for node in calls(gm, all_gather):

@@ -163,7 +163,8 @@ def _sizes_differ(gathered: list) -> dict[int, set[int]] | None:
     return dims_differing_across([g[1] for g in gathered]) or None
 
 
-def _batch_tensors(program: CompiledProgram, args: tuple, kwargs: dict) -> list[torch.Tensor]:
+def _batch_tensors(program: CompiledProgram, args: tuple, kwargs: dict) -> list:
+    """The call's graph inputs among its leaves: tensors, and Python numbers lifted to inputs (dynamic shapes)."""
     leaves = pytree.tree_leaves((args, kwargs))
     return [leaves[i] for i in program.batch_positions]
 
@@ -236,6 +237,7 @@ class CompiledStep:
         self._signature = signature_of(fn)
         self.dynamic = DynamicDims()  # dims of tensor inputs traced as symbols; grows (spmd_ort.dynamic)
         self._widened_from: DynamicDims | None = None
+        self._refused: dict[int, set[int]] = {}  # dims whose symbolic trace failed once: never widened again
 
     @property
     def backend(self) -> str:
@@ -438,12 +440,15 @@ class CompiledStep:
         except Exception as exc:
             if self._widened_from is None:
                 raise
+            for pos, dims in self.dynamic.as_dict().items():
+                self._refused.setdefault(pos, set()).update(dims - self._widened_from.as_dict().get(pos, set()))
             self.dynamic, self._widened_from = self._widened_from, None
             key = self._key(module, opt, scaler, args, kwargs, rule, mode, world_size)
             if mode is not None:
                 parallel.check_agreement("this step's inputs, module and optimizer", key.portable())
             reason = " ".join(str(exc).split())
-            logger.info("%s: the trace with the new symbolic dims failed (%s: %s); tracing these sizes statically",
+            logger.info("%s: the trace with the new symbolic dims failed (%s: %s); tracing these sizes statically "
+                        "(and those dims stay static from now on)",
                         self.transitions.name, type(exc).__name__, reason[:300] + (" ..." if len(reason) > 300 else ""))
             return self._compile_everywhere(key, module, opt, scaler, rule, mode, args, kwargs), key
 
@@ -454,7 +459,8 @@ class CompiledStep:
         program = self.transitions.variants.get(key)
         if program is None or program.symbolic is None:
             return key
-        batch_shapes = [tuple(x.shape) for x in _batch_tensors(program, args, kwargs)]
+        batch_shapes = [tuple(x.shape) if isinstance(x, torch.Tensor) else x
+                        for x in _batch_tensors(program, args, kwargs)]
         if program.symbolic.accepts(batch_shapes):
             return key
         # the symbolic program's guards reject these sizes: a static program for exactly them
@@ -465,13 +471,13 @@ class CompiledStep:
 
     def _widen(self, dims: dict[int, set[int]], args: tuple, kwargs: dict, why: str) -> None:
         before = self.dynamic
-        self.dynamic = self.dynamic.union(dims)
+        self.dynamic = self.dynamic.union({pos: set(d) - self._refused.get(pos, set()) for pos, d in dims.items()})
         if self.dynamic != before:
             if self._widened_from is None:
                 self._widened_from = before
             names = dict(enumerate(StepInputs.of(self.fn, args, kwargs).names))
-            logger.info("%s: sizes of %s %s: these dims are symbolic from now on (dynamic shapes; "
-                        "SPMD_ORT_DYNAMIC=0 traces every shape instead)", self.transitions.name,
+            logger.info("%s: %s %s: symbolic from now on, one program serves them all (dynamic shapes; "
+                        "SPMD_ORT_DYNAMIC=0 traces every shape and value instead)", self.transitions.name,
                         self.dynamic.describe(names), why)
 
     def _shard_if_needed(self, module, opt, mode, rank: int, world_size: int) -> ShardedModule | None:
@@ -568,8 +574,9 @@ class CompiledStep:
         if traced.symbolic is not None and traced.symbolic.specialised:
             names = {k: inputs.names[pos] for k, pos in enumerate(traced.batch_positions)}
             logger.info("%s: the model fixes %s; those dims stay static", self.transitions.name,
-                        ", ".join(f"dim {d} of `{names[k]}` at {size}"
-                                  for (k, d), size in sorted(traced.symbolic.specialised.items())))
+                        ", ".join(f"the value of `{names[k]}` at {size}" if d is None else
+                                  f"dim {d} of `{names[k]}` at {size}"
+                                  for (k, d), size in sorted(traced.symbolic.specialised.items(), key=str)))
         traced_gm = _snapshot(traced.gm)
         rank, world_size = parallel.world()
         ctx = P.PassContext(input_slots=list(traced.input_slots), output_slots=list(traced.output_slots),
@@ -618,7 +625,8 @@ def compile(  # noqa: A001 - the reference API's name
             (PyTorch op by op); default from ``SPMD_ORT_BACKEND``.
         debug: :class:`DebugOptions`.
         dynamic: ``None`` (automatic, the default): the first trace is static and sizes of tensor
-            inputs that change later become symbolic, so one program serves them all; ``True``: the
+            inputs (and int/float arguments) that change later become symbolic, so one program serves
+            them all; ``True``: the
             batch and sequence dims (the first two) of every tensor input are symbolic from the start;
             ``False``: one program per shape.  Default from ``SPMD_ORT_DYNAMIC`` (``auto``/``1``/``0``).
 

@@ -31,11 +31,15 @@ logger = logging.getLogger("spmd_ort")
 
 # dynamic=True: the dims of every tensor input made symbolic from the start (batch, sequence)
 LEADING_DIMS = 2
+# In DynamicDims, the "dim" that stands for a Python number's value: the number is a graph input.
+VALUE = -1
+LIFTABLE = ("int", "float")  # the Python numbers that can be graph inputs (bool stays a constant)
 
 
 @dataclass(frozen=True)
 class DynamicDims:
-    """leaf position in the flattened (args, kwargs) -> dims that are symbolic."""
+    """leaf position in the flattened (args, kwargs) -> dims that are symbolic (:data:`VALUE` for a Python
+    number whose value is a graph input)."""
 
     dims: tuple[tuple[int, frozenset[int]], ...] = ()
 
@@ -57,11 +61,17 @@ class DynamicDims:
 
     def for_leaf(self, pos: int, shape: tuple[int, ...]) -> frozenset[int]:
         """The dims of this leaf that are symbolic for these sizes (0 and 1 stay static, as in torch)."""
-        return frozenset(d for d in self.as_dict().get(pos, ()) if d < len(shape) and shape[d] > 1)
+        return frozenset(d for d in self.as_dict().get(pos, ()) if 0 <= d < len(shape) and shape[d] > 1)
+
+    def lifts(self, pos: int, value) -> bool:
+        """Whether the Python number ``value`` at leaf ``pos`` is a graph input (its value symbolic)."""
+        return type(value).__qualname__ in LIFTABLE and VALUE in self.as_dict().get(pos, ())
 
     def describe(self, names: dict[int, str] | None = None) -> str:
         names = names or {}
-        return ", ".join(f"{names.get(pos, f'input[{pos}]')} dims {sorted(d)}" for pos, d in self.dims) or "none"
+        return ", ".join(f"{names.get(pos, f'input[{pos}]')} " + ("(its value)" if d == {VALUE} else
+                                                                   f"dims {sorted(d)}")
+                         for pos, d in self.dims) or "none"
 
 
 def leading_dims(leaves: list) -> DynamicDims:
@@ -78,7 +88,8 @@ def abstract_shape(shape: tuple[int, ...], dims: frozenset[int]) -> tuple:
 def changed_dims(old: list, new: list) -> dict[int, set[int]] | None:
     """Dims whose sizes differ between two calls' leaves (same structure): {leaf position: dims}.
 
-    None when anything but sizes differs (a dtype, the number of dims, a non-tensor value).
+    A Python number (int or float) whose value differs counts as its :data:`VALUE` dim.  None when
+    anything else differs (a dtype, the number of dims, a number's type, another non-tensor value).
     """
     if len(old) != len(new):
         return None
@@ -90,9 +101,17 @@ def changed_dims(old: list, new: list) -> dict[int, set[int]] | None:
             dims = {d for d, (x, y) in enumerate(zip(a[1], b[1])) if x != y}
             if dims:
                 out[i] = dims
+        elif _number(a) and _number(b) and a[1] == b[1]:
+            if a != b:
+                out[i] = {VALUE}
         elif a != b:
             return None
     return out
+
+
+def _number(desc) -> bool:
+    """A key's description of a Python number that can be a graph input: ("value", "int"|"float", v)."""
+    return isinstance(desc, tuple) and len(desc) == 3 and desc[0] == "value" and desc[1] in LIFTABLE
 
 
 def dims_differing_across(shapes_per_rank: list[list]) -> dict[int, set[int]] | None:
@@ -108,10 +127,10 @@ def dims_differing_across(shapes_per_rank: list[list]) -> dict[int, set[int]] | 
     return out
 
 
-def fake_inputs(state: list[torch.Tensor], batch: list[torch.Tensor], batch_dims: list[frozenset[int]],
-                names: list[str]):
+def fake_inputs(state: list[torch.Tensor], batch: list, batch_dims: list[frozenset[int]], names: list[str]):
     """Fake tensors for a symbolic trace: state static, the batch's ``batch_dims`` symbolic.
 
+    A Python number in ``batch`` (a lifted scalar) becomes a symbolic int or float.
     Returns ``(fake_mode, fake_state, fake_batch)``; the fakes are leaves with the originals' ``requires_grad``.
     """
     from torch._dynamo.source import ConstantSource
@@ -134,8 +153,16 @@ def fake_inputs(state: list[torch.Tensor], batch: list[torch.Tensor], batch_dims
             out = mode.from_tensor(t, source=ConstantSource(name), symbolic_context=ctx)
         return out
 
+    def number(value, name: str):
+        source = ConstantSource(name)
+        symbol = shape_env.create_unspecified_symbol(value, source=source, dynamic_dim=DimDynamic.DYNAMIC)
+        if isinstance(value, float):
+            return shape_env.create_symfloatnode(symbol, hint=value, source=source)
+        return shape_env.create_symintnode(symbol, hint=value, source=source)
+
     fake_state = [fake(t, frozenset(), f"state{i}").requires_grad_(t.requires_grad) for i, t in enumerate(state)]
-    fake_batch = [fake(t, d, n).requires_grad_(t.requires_grad) for t, d, n in zip(batch, batch_dims, names)]
+    fake_batch = [fake(t, d, n).requires_grad_(t.requires_grad) if isinstance(t, torch.Tensor) else number(t, n)
+                  for t, d, n in zip(batch, batch_dims, names)]
     return mode, fake_state, fake_batch
 
 
@@ -143,7 +170,7 @@ def fake_inputs(state: list[torch.Tensor], batch: list[torch.Tensor], batch_dims
 class SymbolicShapes:
     """What a program traced with symbolic dims accepts: its symbols, where they come from, its guards."""
 
-    sources: dict[str, tuple[int, int]]  # symbol name -> (batch index, dim)
+    sources: dict[str, tuple[int, int | None]]  # symbol name -> (batch index, dim; None: the number itself)
     guards: list = field(default_factory=list)  # sympy expressions over the symbols, all must hold
     specialised: dict[tuple[int, int], int] = field(default_factory=dict)  # (batch index, dim) -> the size fixed
 
@@ -155,6 +182,13 @@ class SymbolicShapes:
         sources: dict[str, tuple[int, int]] = {}
         specialised: dict[tuple[int, int], int] = {}
         for k, t in enumerate(fake_batch):
+            if isinstance(t, (torch.SymInt, torch.SymFloat)):  # a lifted Python number
+                simplified = shape_env.simplify(t.node.expr)
+                if simplified.is_number:
+                    specialised[(k, None)] = t.node.hint
+                else:
+                    sources.setdefault(str(t.node.expr), (k, None))
+                continue
             for d, size in enumerate(t.shape):
                 if not isinstance(size, torch.SymInt):
                     continue
@@ -167,18 +201,22 @@ class SymbolicShapes:
         guards = [g.expr for g in shape_env.guards]
         return cls(sources, guards, specialised)
 
-    def symbolic(self) -> set[tuple[int, int]]:
+    def symbolic(self) -> set[tuple[int, int | None]]:
         return set(self.sources.values())
 
-    def accepts(self, batch_shapes: list[tuple[int, ...]]) -> bool:
-        """Whether the program's guards and specialised sizes hold for these batch sizes."""
+    def accepts(self, batch_shapes: list) -> bool:
+        """Whether the program's guards and specialised sizes hold for these batch sizes (a batch tensor's
+        shape, a lifted number's value)."""
+        def at(k, d):
+            return batch_shapes[k] if d is None else batch_shapes[k][d]
+
         for (k, d), size in self.specialised.items():
-            if batch_shapes[k][d] != size:
+            if at(k, d) != size:
                 return False
         values = {}
         for name, (k, d) in self.sources.items():
-            size = batch_shapes[k][d]
-            if size < 2:
+            size = at(k, d)
+            if d is not None and size < 2:
                 return False  # traced for sizes >= 2 (torch specialises 0 and 1)
             values[name] = size
         for g in self.guards:

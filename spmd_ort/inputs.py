@@ -110,7 +110,7 @@ class StepInputs:
         """Inputs that cannot be compiled as they are: non-leaf tensors that require grad."""
         for i in batch_positions:
             t = self.leaves[i]
-            if t.requires_grad and t.grad_fn is not None:
+            if isinstance(t, torch.Tensor) and t.requires_grad and t.grad_fn is not None:
                 raise CompileError(
                     f"the input `{self.names[i]}` ({describe(t)}) requires grad but is not a leaf (it was "
                     f"computed by {type(t.grad_fn).__name__} outside the step): the compiled step cannot "

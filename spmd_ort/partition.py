@@ -58,7 +58,7 @@ def why_host(node: fx.Node) -> str | None:
     if not isinstance(target, torch._ops.OpOverload):
         return f"Python callable {getattr(target, '__name__', target)}"
     namespace = target.namespace
-    if isinstance(node.meta.get("val"), torch.SymInt):
+    if isinstance(node.meta.get("val"), (torch.SymInt, torch.SymFloat, torch.SymBool)):
         return "size arithmetic (symbolic sizes: runs in torch; each segment gets the sizes as values)"
     if target in OPAQUE_OPS:
         return "opaque part: the user's code, run eagerly (CompiledProgram.describe() lists each)"

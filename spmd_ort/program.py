@@ -126,8 +126,8 @@ class CompiledProgram:
         lines += self.executor.describe()
         if self.symbolic is not None:
             lines.append("symbolic sizes (dynamic shapes): " + (", ".join(
-                f"input[{k}] dim {d} = {name}" for name, (k, d) in sorted(self.symbolic.sources.items(),
-                                                                         key=lambda kv: kv[1])) or "none")
+                f"input[{k}] {'value' if d is None else f'dim {d}'} = {name}"
+                for name, (k, d) in sorted(self.symbolic.sources.items(), key=lambda kv: str(kv[1]))) or "none")
                          + (f"; {len(self.symbolic.guards)} guards" if self.symbolic.guards else "")
                          + (f"; fixed by the model: {self.symbolic.specialised}" if self.symbolic.specialised else ""))
         if self.opaque:

@@ -443,7 +443,7 @@ class OrtExecutor:
                 # On copies: host nodes update state in place, and a segment failing after
                 # them (FALLBACK_DISABLE) must leave the real state untouched.
                 t0 = time.perf_counter()
-                out = _FirstRun(self).run(*[t.clone() for t in inputs])
+                out = _FirstRun(self).run(*[t.clone() if isinstance(t, torch.Tensor) else t for t in inputs])
                 self.first_run_done = True
                 self.stats.first_run_seconds = time.perf_counter() - t0
                 return list(out)

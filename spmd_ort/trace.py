@@ -208,9 +208,11 @@ def _trace_once(fn, args: tuple, kwargs: dict, layout: StateLayout, *, sdpa_math
             else:
                 first[id(leaf)] = i
                 batch_positions.append(i)
+        elif dynamic is not None and dynamic.lifts(i, leaf):  # a Python number that is a graph input
+            batch_positions.append(i)
     inputs.check(batch_positions)
     batch_tensors = [leaves[i] for i in batch_positions]
-    grad_inputs = [k for k, t in enumerate(batch_tensors) if t.requires_grad]
+    grad_inputs = [k for k, t in enumerate(batch_tensors) if isinstance(t, torch.Tensor) and t.requires_grad]
     grads_in = [k for k in grad_inputs if batch_tensors[k].grad is not None]
     n_batch = len(batch_positions)
     state_in = layout.gather()
@@ -283,7 +285,7 @@ def _functionalize(gm1: fx.GraphModule, trace_inputs: list, calls, tracing_mode:
         with fx_traceback.preserve_node_meta():
             return fx.Interpreter(gm1).run(*flat)
 
-    plain_inputs = [t.detach() for t in trace_inputs]
+    plain_inputs = [t.detach() if isinstance(t, torch.Tensor) else t for t in trace_inputs]
     # the capture already holds autocast's casts; the opaque ops' fake kernels read the calls
     with autocast_disabled(), opaque.tracing(calls), quiet_torch_logs():
         gm2 = make_fx(torch.func.functionalize(run_capture, remove="mutations"),
@@ -297,9 +299,9 @@ def _trace_inputs(layout: StateLayout, state_in: list[torch.Tensor], batch_tenso
                   batch_positions: list[int], grads_in: list[int], dynamic: DynamicDims | None, inputs: StepInputs):
     """Detached leaves to trace over (tracing sets .grad on them, never on the user's tensors), and the fake
     mode they live in when some batch dims are symbolic (else None: make_fx fakes them itself)."""
-    batch_dims = [dynamic.for_leaf(pos, tuple(t.shape)) if dynamic else frozenset()
+    batch_dims = [dynamic.for_leaf(pos, tuple(t.shape)) if dynamic and isinstance(t, torch.Tensor) else frozenset()
                   for pos, t in zip(batch_positions, batch_tensors)]
-    if not any(batch_dims):
+    if not any(batch_dims) and all(isinstance(t, torch.Tensor) for t in batch_tensors):
         return (_state_for_tracing(layout, state_in)
                 + [t.detach().requires_grad_(t.requires_grad) for t in batch_tensors]
                 + [batch_tensors[k].grad.detach() for k in grads_in]), None
@@ -417,8 +419,9 @@ def _check_traceable(gm: fx.GraphModule, captured: dict, stack: CallStack, plan:
         raise _trace_error(what, str(node.target), frame, plan, fix)
     for leaf in captured.get("user_leaves", []):
         if isinstance(leaf, (torch.SymInt, torch.SymFloat, torch.SymBool)):
-            raise _trace_error("the step returns a Python number computed from a tensor; return the tensor",
-                               None, None, plan)
+            raise _trace_error(f"the step returns the Python number {leaf}, computed from a tensor (or from sizes "
+                               "or numbers that are symbolic: dynamic shapes), so it has no one value; return it "
+                               "as a tensor", None, None, plan)
 
 
 def _check_functional(gm: fx.GraphModule) -> None:

@@ -9,7 +9,7 @@ hooks (they run while tracing), the optimizer's param groups (parameters,
 options baked into the graph) and state layout, and mixed precision: autocast
 entered outside the step and the GradScaler's class, whether it is enabled and
 its update constants (growth and backoff factors, growth interval).  Symbolic
-dims (:mod:`spmd_ort.dynamic`) appear as ``None``.  Values that are graph
+dims (:mod:`spmd_ort.dynamic`) and the values of Python numbers lifted to graph inputs appear as ``None``.  Values that are graph
 inputs (tensor contents, the scalar
 hyper-parameters an optimizer rule lifts: lr, betas, weight decay, eps,
 momentum, dampening) and the GradScaler's scale and growth tracker are not
@@ -124,7 +124,8 @@ class StepKey:
         dynamic = dynamic or DynamicDims()
         inputs = (("structure", str(spec)),) + tuple(
             (f"leaf[{i}]", _input_desc(x, dynamic.for_leaf(i, tuple(x.shape))) if isinstance(x, torch.Tensor)
-             else _leaf_desc(x)) for i, x in enumerate(leaves))
+             else ("value", type(x).__qualname__, None) if dynamic.lifts(i, x) else _leaf_desc(x))
+            for i, x in enumerate(leaves))
         first: dict[int, int] = {}
         aliases = tuple((i, first.setdefault(id(x), i)) for i, x in enumerate(leaves)
                         if isinstance(x, torch.Tensor) and first.setdefault(id(x), i) != i)
@@ -235,7 +236,8 @@ class TransitionManager(Generic[T]):
             leaf = re.search(r"\((leaf\[\d+\])", what)
             desc = dict(key.inputs).get(leaf.group(1)) if leaf else None
             scalar = isinstance(desc, tuple) and desc[:1] == ("value",)
-            fix = ("pass it as a tensor (a graph input: new values never re-trace), or keep it constant"
+            fix = ("let it be a graph input: compile(dynamic=None) (SPMD_ORT_DYNAMIC=auto, the default) makes an "
+                   "int or float that changes one; or pass it as a tensor, or keep it constant"
                    if scalar else "keep it constant between calls, or let sizes be symbolic "
                    "(compile(dynamic=None/True), SPMD_ORT_DYNAMIC=auto/1)")
             logger.warning("%s has re-traced %d times because %s between calls (last: %s); every new value "

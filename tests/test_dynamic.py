@@ -63,7 +63,7 @@ def test_one_program_serves_every_length_and_batch_size(backend, caplog):
     program = step.compiled
     assert program.symbolic is not None and program.symbolic.symbolic() == {(0, 0), (0, 1), (1, 0), (1, 1)}
     assert program.steps_run == len(SIZES) - 1
-    assert "sizes of x dims [0, 1], y dims [0, 1] changed since the last call" in caplog.text
+    assert "x dims [0, 1], y dims [0, 1] changed since the last call: symbolic from now on" in caplog.text
     assert "symbolic sizes (dynamic shapes): input[0] dim 0 =" in program.describe()
     if backend == "ort":
         report = ort_report(step)
@@ -217,7 +217,62 @@ def test_a_scalar_that_changes_every_call_warns_once(caplog):
     warnings = [r for r in caplog.records if r.levelno == logging.WARNING]
     assert len(warnings) == 1, caplog.text
     assert ("scaled_step has re-traced 3 times because inputs changed (leaf[4]) between calls" in warnings[0].message
-            and "Fix: pass it as a tensor" in warnings[0].message), warnings[0].message
+            and "Fix: let it be a graph input: compile(dynamic=None)" in warnings[0].message), warnings[0].message
+
+
+def sliced_scaled_step(model, opt, x, y, scale, keep):
+    loss = lm_step_loss(model, x[:, :keep], y[:, :keep]) * scale
+    loss.backward()
+    opt.step()
+    opt.zero_grad()
+    return loss
+
+
+@pytest.mark.parametrize("backend", ["fx", "ort"])
+def test_python_numbers_that_change_become_graph_inputs(backend, caplog):
+    """Automatic: a float (a loss scale) and an int (a length to keep) that change every call become graph
+    inputs after the second call: one program serves every value, equal to eager at every step.  A value the
+    program's guards reject (keeping the whole length: torch's slice specialises it) gets a static program."""
+    model, opt = _lm()
+    model_e, opt_e = copy.deepcopy(model), None
+    opt_e = torch.optim.AdamW(model_e.parameters(), lr=3e-3, weight_decay=0.1)
+    step = spmd_ort.compile(backend=backend)(sliced_scaled_step)
+    calls = [(1.0, 9), (0.5, 10), (2.0, 7), (0.25, 11), (1.5, 12), (0.75, 8)]
+    with caplog.at_level(logging.INFO, logger="spmd_ort"):
+        for i, (x, y) in enumerate(_batches([(2, 12)] * len(calls))):
+            scale, keep = calls[i]
+            loss = step(model, opt, x, y, scale, keep)
+            torch.testing.assert_close(loss, sliced_scaled_step(model_e, opt_e, x, y, scale, keep).detach(),
+                                       rtol=1e-5, atol=1e-6)
+            assert_same_state(model_e, model, opt_e, opt, where=f"call {i}", normwise=backend == "ort")
+    assert "scale (its value), keep (its value) changed since the last call: symbolic from now on" in caplog.text
+    symbolic = [p for p in step.variants if p.symbolic is not None]
+    assert len(symbolic) == 1 and symbolic[0].symbolic.symbolic() == {(2, None), (3, None)}, symbolic
+    assert symbolic[0].steps_run == len(calls) - 2  # every call but the first and the one keeping all 12
+    assert step.transitions.traces == 3
+    if backend == "ort":
+        assert_ort_report_clean(ort_report(step))
+
+
+def test_a_returned_number_computed_from_symbolic_values_is_an_error(caplog):
+    """It would have no one value: the symbolic trace fails, and that value is traced statically from then on
+    (one INFO line saying why, no second attempt)."""
+    def step_fn(model, opt, x, y, scale):
+        loss = lm_step_loss(model, x, y) * scale
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        return loss, scale * 2
+
+    model, opt = _lm()
+    step = spmd_ort.compile(backend="fx")(step_fn)
+    (x, y), = _batches([(2, 8)])
+    with caplog.at_level(logging.INFO, logger="spmd_ort"):
+        assert [step(model, opt, x, y, s)[1] for s in (1.0, 1.5, 2.5)] == [2.0, 3.0, 5.0]
+    assert all(p.symbolic is None for p in step.variants) and step.transitions.traces == 3
+    assert caplog.text.count("the trace with the new symbolic dims failed (CompileError: could not trace the "
+                             "train step outside any submodule (in the step function or backward): the step "
+                             "returns the Python number 2.0*zf") == 1, caplog.text
 
 
 def lm_step_loss(model, x, y):
@@ -228,8 +283,9 @@ def lm_step_loss(model, x, y):
 @pytest.mark.multiproc
 @pytest.mark.parametrize("backend", ["fx", "ort"])
 def test_ranks_with_different_sizes_every_step_match_ddp(tmp_path, backend):
-    """2 ranks, each with its own batch size and length at every step: replicate and fully_shard equal DDP
-    (checked in the script at every step); one symbolic program after the first step on each rank."""
+    """2 ranks, each with its own batch size, length and loss scale (a Python float) at every step: replicate
+    and fully_shard equal DDP (checked in the script at every step); one symbolic program after the first step
+    on each rank."""
     out = tmp_path / "out"
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
            str(ROOT / "tests" / "dist" / "dynamic_parity.py"), "--backend", backend, "--out", str(out)]
@@ -240,6 +296,7 @@ def test_ranks_with_different_sizes_every_step_match_ddp(tmp_path, backend):
     for r in ranks:
         assert r["traces"] == {"replicate": 2, "fully_shard": 2}, r["traces"]
         assert r["symbolic"] == {"replicate": True, "fully_shard": True}
+        assert all("(its value)" in d for d in r["dynamic"].values()), r["dynamic"]  # the loss scale
         if backend == "ort":
             for report in r["ort"].values():
                 assert_ort_report_clean(report)

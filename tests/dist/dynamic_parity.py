@@ -7,8 +7,9 @@ loader does), so ranks differ from each other and from step to step.  A DDP mode
 compiled ``replicate`` model and a compiled ``fully_shard`` model train on the same
 local batches; loss and full parameters are compared with DDP's after every step
 (DDP averages the ranks' gradients whatever their batch sizes, and so do both
-compiled styles).  Writes DIR/rank<r>.json with the traces and the dims that went
-symbolic.
+compiled styles).  The loss is multiplied by a Python float that changes every step and
+differs between ranks (lifted to a graph input, like the sizes).  Writes DIR/rank<r>.json
+with the traces and the dims that went symbolic.
 """
 
 from __future__ import annotations
@@ -30,13 +31,21 @@ sys.path.insert(0, str(ROOT))
 
 import spmd_ort  # noqa: E402
 from helpers import ort_report  # noqa: E402
-from helpers import train_step as step_fn  # noqa: E402
 from models import GPT, GPTConfig  # noqa: E402
 
 CFG = GPTConfig(vocab=64, seq=24, d=32, heads=2, layers=2)
 # (batch, length) per step, per rank: rank 0 and rank 1 differ at every step but the first
 SIZES = [[(4, 16), (4, 12), (3, 20), (4, 9), (2, 24), (4, 16)],
          [(4, 16), (3, 10), (4, 13), (2, 17), (4, 5), (3, 11)]]
+
+
+def step_fn(model, opt, x, y, scale):
+    out = model(x)
+    loss = torch.nn.functional.cross_entropy(out.flatten(0, -2), y.flatten()) * scale
+    loss.backward()
+    opt.step()
+    opt.zero_grad()
+    return loss
 
 
 def full_params(model) -> dict[str, torch.Tensor]:
@@ -60,11 +69,12 @@ def run(args, rank: int) -> dict:
     for i, (b, length) in enumerate(SIZES[rank]):
         x = torch.randint(0, CFG.vocab, (b, length), generator=g)
         y = torch.randint(0, CFG.vocab, (b, length), generator=g)
-        ref = step_fn(ddp, opt_ref, x, y)
+        scale = 1.0 + (i + 1) * (0.1 if rank == 0 else -0.05)
+        ref = step_fn(ddp, opt_ref, x, y, scale)
         want = {n: p.detach() for n, p in ddp.module.named_parameters()}
         losses = {}
         for style, (model, opt, step) in runs.items():
-            loss = step(model, opt, x, y)
+            loss = step(model, opt, x, y, scale)
             torch.testing.assert_close(loss, ref.detach(), rtol=1e-5, atol=1e-6,
                                        msg=lambda m: f"rank {rank} {style} step {i} loss: {m}")
             got = full_params(model)
