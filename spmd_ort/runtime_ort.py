@@ -250,8 +250,8 @@ class NewSizes:
     def _checked(self, seg: OrtSegment, key: tuple, args):
         self.checked.add(key)
         reference = seg.fallback(*args)
-        if _checked_first_run(f"{seg.name} at sizes {seg.sizes.describe(key)}", seg, args, reference, self.stats, self.policy,
-                              self.verify) is None:
+        where = f"{seg.name} at sizes {seg.sizes.describe(key)}"
+        if _checked_first_run(where, seg, args, reference, self.stats, self.policy, self.verify) is None:
             seg.use_fallback = True
         return reference
 
