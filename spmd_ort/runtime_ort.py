@@ -58,6 +58,10 @@ VERIFY_ULPS = 4
 # Below this, differences are rounding noise of sums that cancel (e.g. the
 # analytically zero gradient of an attention key bias, ~1e-13): not a fault.
 VERIFY_ABS_FLOOR = {torch.float32: 1e-9, torch.float64: 1e-12, torch.float16: 1e-4, torch.bfloat16: 1e-3}
+# An output that is analytically zero (a bias before a batch norm: the norm removes it) is rounding noise of
+# sums of terms as large as the segment's other values, and its own max is no scale for that noise.  So a
+# difference below NOISE_ULPS units in the last place of the segment's largest output (same dtype) is noise too.
+NOISE_ULPS = 8
 # Timing on the first run: each executor's checked run is its first sample; then it runs the segment back to
 # back (switching between ORT's and torch's thread pools costs more than a small segment: measured up to
 # 0.3 s on a loaded 2-core machine) until it has TIMED_RUNS[0] samples, and up to TIMED_RUNS[1] while they
@@ -272,9 +276,15 @@ def segment_device(gm: fx.GraphModule) -> torch.device:
 
 
 def _first_difference(ort_out, fx_out, tolerance: float = VERIFY_TOLERANCE) -> str | None:
-    """Describe the first output that differs beyond ``tolerance`` (relative to the output's max), or None."""
+    """Describe the first output that differs beyond ``tolerance`` (relative to the output's max) and beyond
+    rounding noise (:data:`VERIFY_ABS_FLOOR`, :data:`NOISE_ULPS` of the segment's largest output), or None."""
     ort_vals = ort_out if isinstance(ort_out, tuple) else (ort_out,)
     fx_vals = fx_out if isinstance(fx_out, (tuple, list)) else (fx_out,)
+    largest: dict[torch.dtype, float] = {}  # per dtype: the largest |value| among the segment's outputs
+    for b in fx_vals:
+        if isinstance(b, torch.Tensor) and b.dtype.is_floating_point and b.numel():
+            top = torch.nan_to_num(b.abs(), nan=0.0, posinf=0.0).max().item()
+            largest[b.dtype] = max(largest.get(b.dtype, 0.0), top)
     for i, (a, b) in enumerate(zip(ort_vals, fx_vals)):
         if a.shape != b.shape or a.dtype != b.dtype:
             return f"output {i}: shape/dtype {tuple(a.shape)}/{a.dtype} vs {tuple(b.shape)}/{b.dtype}"
@@ -292,7 +302,7 @@ def _first_difference(ort_out, fx_out, tolerance: float = VERIFY_TOLERANCE) -> s
             diff = torch.nan_to_num(diff, nan=0.0)
         err = diff.max().item()
         scale = torch.nan_to_num(b.abs(), nan=0.0, posinf=0.0).max().item()
-        floor = VERIFY_ABS_FLOOR.get(a.dtype, 1e-9)
+        floor = max(VERIFY_ABS_FLOOR.get(a.dtype, 1e-9), NOISE_ULPS * torch.finfo(a.dtype).eps * largest[a.dtype])
         if err > tolerance * scale and err > floor:
             return (f"output {i} (shape {tuple(b.shape)}): max |ort - fx| = {err:.3g}, "
                     f"{err / max(scale, 1e-30):.3g} of max |fx| = {scale:.3g}")

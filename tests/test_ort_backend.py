@@ -400,3 +400,40 @@ def test_stock_exporter_path_gives_the_same_model(fresh_cache):
         outs.append([t.clone() for t in seg.run_ort(*inputs)])
     for a, b in zip(*outs):
         assert_close_relmax(a, b, rtol=1e-6)
+
+
+def test_verification_takes_an_analytically_zero_output_for_rounding_noise():
+    """A difference in an output that is ~0 is judged against the segment's largest output, not its own max:
+    noise a few ulps of that is accepted; a small output that is really wrong is still caught."""
+    from spmd_ort.runtime_ort import _first_difference
+
+    big = torch.linspace(-1.0, 1.0, 64)
+    noise = torch.full((8,), 1.1e-8)
+    assert _first_difference((big, noise * 3), (big, noise)) is None
+    small = torch.full((8,), 1e-3)
+    assert "output 1" in _first_difference((big, small * 1.1), (big, small))
+    # alone, a near-zero output keeps the absolute floor (1e-9 for float32)
+    assert "output 0" in _first_difference((noise * 3,), (noise,))
+
+
+class ConvBiasBatchNorm(nn.Module):
+    """A convolution with a bias before a batch norm (common in user models): the bias's gradient is
+    analytically zero, rounding noise in both executors."""
+
+    def __init__(self):
+        super().__init__()
+        self.conv = nn.Conv2d(3, 8, 3, padding=1)
+        self.bn = nn.BatchNorm2d(8)
+        self.head = nn.Linear(8, 10)
+
+    def forward(self, x):
+        return self.head(F.relu(self.bn(self.conv(x))).mean(dim=(2, 3)))
+
+
+def test_a_conv_bias_before_batch_norm_runs_on_ort_verified():
+    """Verification used to take the bias gradient's noise (2e-8 against 1e-8) for a fault and send the whole
+    backward segment to fx.  SGD: Adam would turn that noise into +-lr steps in either executor."""
+    g = torch.Generator().manual_seed(0)
+    batches = [(torch.randn(4, 3, 8, 8, generator=g), torch.randint(0, 10, (4,), generator=g)) for _ in range(3)]
+    train_side_by_side(ConvBiasBatchNorm, lambda m: torch.optim.SGD(m.parameters(), lr=0.1), train_step, batches,
+                       backend="ort")
