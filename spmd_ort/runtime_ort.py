@@ -67,6 +67,9 @@ NOISE_ULPS = 8
 # 0.3 s on a loaded 2-core machine) until it has TIMED_RUNS[0] samples, and up to TIMED_RUNS[1] while they
 # take less than TIMING_BUDGET_S; the fastest counts.
 TIMED_RUNS, TIMING_BUDGET_S = (2, 5), 0.25
+# A verification mismatch is no fault when ORT is no further than this many times fx's own distance from the
+# segment computed in float64 (_within_rounding_of_float64).
+FLOAT64_FACTOR = 10
 # A dynamic-shape segment (one ONNX model for every size) is checked at its first CHECKED_SIZES sets of sizes.
 CHECKED_SIZES = 3
 PROGRESS_AFTER_S = 2.0  # an export still running after this long gets a progress line
@@ -341,6 +344,11 @@ def _checked_first_run(name: str, seg: OrtSegment, inputs, reference, stats: Ort
     if verify:
         t0 = time.perf_counter()
         diff = _first_difference(got, reference, seg.tolerance)
+        if diff is not None and _within_rounding_of_float64(seg.fallback, inputs, got, reference):
+            logger.info("ORT segment %s differs from its fx graph (%s), but no more than the fx graph itself "
+                        "differs from float64: an ill-conditioned computation, not a fault", name, diff)
+            stats.ill_conditioned.append(name)
+            diff = None
         stats.verify_seconds += time.perf_counter() - t0
         stats.verified += 1
         if diff is not None:
@@ -349,6 +357,53 @@ def _checked_first_run(name: str, seg: OrtSegment, inputs, reference, stats: Ort
             stats.fallbacks.append(name)
             return None
     return ort_s
+
+
+def _within_rounding_of_float64(gm: fx.GraphModule, inputs, ort_out, fx_out) -> bool:
+    """Whether ORT's outputs are as close to the segment computed in float64 as the fx graph's are.
+
+    A verification mismatch may be the rounding of an ill-conditioned float32 computation (a batch
+    norm of two nearly equal values: gradients that are analytically zero come out 1e-4 in eager
+    float32), where two float32 implementations cannot agree.  The fx graph is run again with its
+    float32 inputs in float64 (and every float32 its ops name, e.g. a cast of a count, made
+    float64); the mismatch is no fault when every ORT output is within :data:`FLOAT64_FACTOR`
+    times fx's own distance from the float64 output (or within the tolerance of it).  Only for
+    segments that compute in float32 alone; otherwise, or if the float64 run fails, the mismatch
+    stands.
+    """
+    import copy
+
+    graph = copy.deepcopy(gm.graph)
+    for node in graph.nodes:
+        if node.op != "call_function":
+            continue
+        if any(isinstance(a, torch.dtype) and a not in (torch.float32, torch.int64, torch.bool)
+               for a in (*node.args, *node.kwargs.values())):
+            return False  # another precision on purpose: not ours to widen
+        node.args = tuple(torch.float64 if a is torch.float32 else a for a in node.args)
+        node.kwargs = {k: torch.float64 if v is torch.float32 else v for k, v in node.kwargs.items()}
+    wide = fx.GraphModule(gm, graph)
+    floats = [isinstance(t, torch.Tensor) and t.dtype == torch.float32 for t in inputs]
+    ort_vals = ort_out if isinstance(ort_out, tuple) else (ort_out,)
+    fx_vals = fx_out if isinstance(fx_out, (tuple, list)) else (fx_out,)
+    if not any(floats) or any(isinstance(v, torch.Tensor) and v.dtype not in (torch.float32, torch.int64, torch.bool)
+                              for v in fx_vals):
+        return False
+    try:
+        with torch.no_grad():
+            exact = wide(*[t.double() if f else t for t, f in zip(inputs, floats)])
+    except Exception:  # noqa: BLE001 - no float64 reference: the mismatch stands
+        return False
+    exact_vals = exact if isinstance(exact, (tuple, list)) else (exact,)
+    for a, b, x in zip(ort_vals, fx_vals, exact_vals):
+        if not isinstance(b, torch.Tensor) or not b.dtype.is_floating_point:
+            continue
+        if not isinstance(x, torch.Tensor) or x.dtype != torch.float64 or x.shape != b.shape:
+            return False
+        ort_err, fx_err = (a.double() - x).norm().item(), (b.double() - x).norm().item()
+        if not ort_err <= max(VERIFY_TOLERANCE * x.norm().item(), FLOAT64_FACTOR * fx_err):
+            return False
+    return True
 
 
 class _FirstRun(fx.Interpreter):
@@ -424,6 +479,7 @@ class OrtStats:
     fallbacks: list = field(default_factory=list)
     verified: int = 0
     mismatches: list = field(default_factory=list)
+    ill_conditioned: list = field(default_factory=list)  # mismatches within rounding of float64: not faults
     choices: dict = field(default_factory=dict)  # segment -> SegmentChoice
     first_run_seconds: float = 0.0  # the checked first run: both executors, comparison, timing
     verify_seconds: float = 0.0  # of which comparing outputs
@@ -468,6 +524,8 @@ class OrtExecutor:
                  f"export {stats.export_seconds:.2f}s, {stats.cache_hits} from cache; first run "
                  f"{stats.first_run_seconds:.2f}s, {stats.verified} verified in {stats.verify_seconds:.2f}s)"]
         lines += [f"  {name} runs on {choice}" for name, choice in stats.choices.items()]
+        lines += [f"  {name}: differs from fx no more than fx from float64 (ill-conditioned; accepted)"
+                  for name in stats.ill_conditioned]
         lines += [f"  host: {op} ({why})" for op, why in stats.host_ops.items()]
         return lines
 

@@ -6,6 +6,15 @@ optimizer factory, a step function and batches; :func:`run_case` trains an eager
 compiled copy side by side and demands equality at every step with the tolerances of
 tests/helpers.py: returned values, parameters, gradients, buffers, optimizer state and
 the input's ``.grad``.
+
+Some random steps are ill-conditioned (a BatchNorm over 2 values per channel behind a
+saturating Tanh normalises a difference of nearly equal numbers): there eager float32
+itself is far from the exact answer, and two float32 implementations that round
+differently cannot agree to the usual tolerances.  So a float64 twin of the eager model
+takes the same steps, and a step that misses the usual tolerances passes only if every
+compiled value is within :data:`EAGER_NOISE_FACTOR` times eager float32's own distance
+from the float64 value (:func:`within_eager_rounding`): the tolerance grows only where
+eager's rounding error is measured to be that large, never by a fixed amount.
 """
 
 from __future__ import annotations
@@ -251,6 +260,10 @@ def build(case: Case):
     return model, data
 
 
+# A compiled value may be this many times further from the float64 value than eager float32 is.
+EAGER_NOISE_FACTOR = 10
+
+
 def run_case(case: Case, backend: str) -> Exception | None:
     """Train eager and compiled copies side by side; every step's outputs and state must agree.
 
@@ -260,21 +273,23 @@ def run_case(case: Case, backend: str) -> Exception | None:
     compiled = copy.deepcopy(eager)
     for a, b in zip(eager.parameters(), compiled.parameters()):
         b.grad = None if a.grad is None else a.grad.clone()
-    opt_e, opt_c = make_optimizer(case, eager), make_optimizer(case, compiled)
+    exact = copy.deepcopy(eager).double()  # the float64 twin (Module.double converts the grads too)
+    opt_e, opt_c, opt_x = (make_optimizer(case, m) for m in (eager, compiled, exact))
     fn = make_step(case)
     step = spmd_ort.compile(backend=backend)(fn)
     normwise = backend == "ort"
-    x_e = x_c = None
+    x_e = x_c = x_x = None
     for i, (x, y) in enumerate(data):
         if case.input_grad and not case.tokens:
             if x_e is None:  # one input tensor per side for the whole run: its .grad accumulates
-                x_e, x_c = x.clone().requires_grad_(), x.clone().requires_grad_()
+                x_e, x_c, x_x = x.clone().requires_grad_(), x.clone().requires_grad_(), x.double().requires_grad_()
             with torch.no_grad():
                 x_e.copy_(x)
                 x_c.copy_(x)
-            xe, xc = x_e, x_c
+                x_x.copy_(x)
+            xe, xc, xx = x_e, x_c, x_x
         else:
-            xe, xc = x, x
+            xe, xc, xx = x, x, (x if case.tokens else x.double())
         scale = case.scales[i % len(case.scales)]
         torch.manual_seed(10 + i)  # dropout: the same masks on both sides
         try:
@@ -285,18 +300,63 @@ def run_case(case: Case, backend: str) -> Exception | None:
             return exc
         torch.manual_seed(10 + i)
         out_c = step(compiled, opt_c, xc, y, scale, case.clip)
+        torch.manual_seed(10 + i)
+        out_x = fn(exact, opt_x, xx, y if y.dtype == torch.int64 else y.double(), scale, case.clip)
         outs_e = out_e if isinstance(out_e, tuple) else (out_e,)
         outs_c = out_c if isinstance(out_c, tuple) else (out_c,)
         assert len(outs_e) == len(outs_c), f"step {i}: {len(outs_c)} outputs, eager {len(outs_e)}"
-        for k, (a, b) in enumerate(zip(outs_c, outs_e)):
-            _close(a, b.detach(), normwise, f"step {i} output {k}")
-        assert_same_state(eager, compiled, opt_e, opt_c, where=f"step {i}", normwise=normwise)
-        if xe is not x:
-            assert (xc.grad is None) == (xe.grad is None), f"step {i}: x.grad {xc.grad is None} vs {xe.grad is None}"
-            if xe.grad is not None:
-                _close(xc.grad, xe.grad, normwise, f"step {i} x.grad")
+        try:
+            for k, (a, b) in enumerate(zip(outs_c, outs_e)):
+                _close(a, b.detach(), normwise, f"step {i} output {k}")
+            assert_same_state(eager, compiled, opt_e, opt_c, where=f"step {i}", normwise=normwise)
+            if xe is not x:
+                assert (xc.grad is None) == (xe.grad is None), \
+                    f"step {i}: x.grad {xc.grad is None} vs {xe.grad is None}"
+                if xe.grad is not None:
+                    _close(xc.grad, xe.grad, normwise, f"step {i} x.grad")
+        except AssertionError as exc:
+            outs_x = out_x if isinstance(out_x, tuple) else (out_x,)
+            why = within_eager_rounding(values(compiled, opt_c, outs_c, xc), values(eager, opt_e, outs_e, xe),
+                                        values(exact, opt_x, outs_x, xx))
+            if why is not None:
+                raise AssertionError(f"{exc}\n{why}") from None
     if backend == "ort":
         assert_ran_on_ort(step)
+    return None
+
+
+def values(model: nn.Module, opt, outs: tuple, x) -> dict[str, torch.Tensor]:
+    """Everything a step is compared on, by name: outputs, parameters, gradients, buffers, optimizer state."""
+    out = {f"output {k}": o.detach() for k, o in enumerate(outs) if isinstance(o, torch.Tensor)}
+    for name, p in model.named_parameters():
+        out[f"param {name}"] = p.detach()
+        if p.grad is not None:
+            out[f"grad {name}"] = p.grad
+    out.update((f"buffer {name}", b) for name, b in model.named_buffers())
+    for k, state in opt.state_dict()["state"].items():
+        out.update((f"opt state {k}.{key}", v) for key, v in state.items() if isinstance(v, torch.Tensor))
+    if isinstance(x, torch.Tensor) and x.grad is not None:
+        out["x.grad"] = x.grad
+    return out
+
+
+def within_eager_rounding(compiled: dict, eager: dict, exact: dict) -> str | None:
+    """None if every compiled value is as close to the float64 value as :data:`EAGER_NOISE_FACTOR` times
+    eager float32's own distance from it (or within the usual relative tolerance of it); else the first
+    value that is not, with the three distances."""
+    if compiled.keys() != eager.keys() or eager.keys() != exact.keys():
+        return f"different values: {sorted(compiled.keys() ^ eager.keys())}"
+    for name, x in exact.items():
+        c, e = compiled[name].double(), eager[name].double()
+        if not x.dtype.is_floating_point:
+            if not (torch.equal(c, e) and torch.equal(e, x.double())):
+                return f"{name}: integers differ"
+            continue
+        eager_err, compiled_err = (e - x).norm().item(), (c - x).norm().item()
+        bound = max(RTOL * x.norm().item(), EAGER_NOISE_FACTOR * eager_err)
+        if compiled_err > bound:
+            return (f"{name}: compiled is {compiled_err:.3g} from the float64 value, eager float32 {eager_err:.3g} "
+                    f"(bound {bound:.3g}): not eager's rounding error")
     return None
 
 

@@ -122,6 +122,32 @@ FOUND: dict[str, tuple[Case, str]] = {
         return_extra="input_grad", loss="mse", steps=3), "fx"),
 }
 
+# Three ORT failures of one `make fuzz` run (budget 40), all the same ill-conditioned step: tokens, batch 2,
+# length 1, so BatchNorm normalises 2 values per channel (the difference of two nearly equal numbers).  Eager
+# float32 itself is 1e-5 (loss) to 7x (the embedding's near-zero gradient) away from float64 there, so ORT's
+# float32 (its kernels round differently) cannot match eager's to the usual tolerances; it is as close to
+# float64 as eager is (fuzz_cases.within_eager_rounding).  The third also had the first-run check take the
+# embedding gradient's noise (9.4e-7 against 4.7e-7) for a fault; that check now measures noise against the
+# segment's largest output.
+_BN2 = Layer(kind="batchnorm", residual=False, bias=False, act="elu", causal=False)
+_PLAIN = dict(tokens=True, d_in=2, width=4, batch=2, seq=1, classes=5, optimizer="sgd", impl="foreach", lr=1e-3,
+              zero="end_none", loss="ce", steps=2)
+_TAIL = (Layer(kind="linear", residual=False, bias=False), Layer(kind="linear", residual=False, bias=False),
+         Layer(kind="layernorm", residual=False, bias=False))
+FOUND.update({
+    "ort_batchnorm_of_two_values_residual": (Case(
+        seed=3088, tokens=True, d_in=3, width=4, batch=2, seq=1, classes=5,
+        layers=(Layer(kind="batchnorm", residual=True, bias=False, act="elu", causal=True),
+                Layer(kind="linear", residual=True, bias=False, act="mish", kernel=3),
+                Layer(kind="act", residual=True, bias=False, act="softplus"),
+                Layer(kind="layernorm", residual=True, bias=True, act="gelu", kernel=3)),
+        frozen=(19, 30), groups=2, optimizer="sgd", impl="foreach", weight_decay=0.1, lr=1e-3, clip=0.5,
+        scales=(1.0, 2.0), micro=2, zero="never", loss="mse", steps=2), "ort"),
+    "ort_batchnorm_of_two_values": (Case(seed=3088, layers=(_BN2, *_TAIL), **_PLAIN), "ort"),
+    "ort_batchnorm_of_two_values_shared_clipped": (Case(seed=3088, layers=(_BN2, *_TAIL), shared=True, clip=0.5,
+                                                        **_PLAIN), "ort"),
+})
+
 
 @pytest.mark.parametrize("name", list(FOUND))
 def test_found(name):

@@ -437,3 +437,21 @@ def test_a_conv_bias_before_batch_norm_runs_on_ort_verified():
     batches = [(torch.randn(4, 3, 8, 8, generator=g), torch.randint(0, 10, (4,), generator=g)) for _ in range(3)]
     train_side_by_side(ConvBiasBatchNorm, lambda m: torch.optim.SGD(m.parameters(), lr=0.1), train_step, batches,
                        backend="ort")
+
+
+def test_a_mismatch_within_rounding_of_float64_is_not_a_fault():
+    """An ill-conditioned float32 computation: ORT and fx may differ by as much as fx differs from float64 (the
+    segment run again in float64); a wrong output is still a mismatch."""
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    from spmd_ort.runtime_ort import _within_rounding_of_float64
+
+    x = 1000.0 + torch.arange(16, dtype=torch.float32) * 0.37
+    gm = make_fx(lambda t: ((t + 1e-3) - t, t * 2))(x)  # the first output: 6% rounding error in float32
+    fx_out = gm(x)
+    exact = ((x.double() + 1e-3) - x.double(), x.double() * 2)
+    assert (fx_out[0].double() - exact[0]).norm() > 1e-2 * exact[0].norm()  # fx itself is far from exact
+    other = ((fx_out[0].double() + exact[0]) / 2).float()  # another float32 implementation: closer to exact
+    assert _within_rounding_of_float64(gm, [x], (other, fx_out[1]), fx_out)
+    assert not _within_rounding_of_float64(gm, [x], (fx_out[0] * 3, fx_out[1]), fx_out)
+    assert not _within_rounding_of_float64(gm, [x], (other, fx_out[1] * (1 + 1e-3)), fx_out)
