@@ -39,6 +39,7 @@ from .export import export_segment, input_position, save_model
 from .options import Options
 from .partition import partition_for_ort, why_host
 from .runtime import active
+from .runtime_fx import views_as_reshapes
 from .timeline import TimedInterpreter
 
 logger = logging.getLogger("spmd_ort")
@@ -552,6 +553,10 @@ def build_ort_executor(gm: fx.GraphModule, options: Options) -> OrtExecutor:
                 segment = _load_segment(name, sub, options, stats, threads=threads, providers=providers)
             if segment is not None:
                 setattr(fused, name, segment)
+    # what runs in torch (host nodes, each segment's fx graph), after the exports: views as reshapes
+    for module in fused.modules():
+        if isinstance(module, fx.GraphModule):  # the top level, and each segment's fallback
+            views_as_reshapes(module)
     fused.recompile()
     return OrtExecutor(fused, verify=options.verify, policy=policy, stats=stats,
                        segment_executor=options.segment_executor)

@@ -135,6 +135,15 @@ _PLAIN = dict(tokens=True, d_in=2, width=4, batch=2, seq=1, classes=5, optimizer
 _TAIL = (Layer(kind="linear", residual=False, bias=False), Layer(kind="linear", residual=False, bias=False),
          Layer(kind="layernorm", residual=False, bias=False))
 FOUND.update({
+    # torch's meta kernel of batch norm keeps a transposed (B, C, T) input's strides, the CPU kernel returns a
+    # contiguous output: a view traced after it (and after its backward) failed when the graph ran.  Views run
+    # as reshapes now (runtime_fx.views_as_reshapes).
+    "batchnorm_of_transposed_tokens": (Case(
+        seed=0, tokens=True, d_in=2, width=4, batch=2, seq=2, classes=2,
+        layers=(Layer(kind="linear", bias=False), Layer(kind="batchnorm", bias=False)), lr=1e-3), "fx"),
+    "batchnorm_of_transposed_tokens_ort": (Case(
+        seed=0, tokens=True, d_in=2, width=4, batch=2, seq=2, classes=2,
+        layers=(Layer(kind="linear", bias=False), Layer(kind="batchnorm", bias=False)), lr=1e-3), "ort"),
     "ort_batchnorm_of_two_values_residual": (Case(
         seed=3088, tokens=True, d_in=3, width=4, batch=2, seq=1, classes=5,
         layers=(Layer(kind="batchnorm", residual=True, bias=False, act="elu", causal=True),
