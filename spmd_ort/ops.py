@@ -54,6 +54,14 @@ tag_grad = _op("tag_grad(Tensor grad, int index) -> Tensor",
 tap = _op("tap(Tensor x, int tap_id) -> Tensor", lambda x, tap_id: x.clone(), lambda x, tap_id: torch.empty_like(x))
 torch.library.register_autograd("spmd_ort::tap", lambda ctx, grad: (grad, None), lib=_LIB)
 
+# ---------------------------------------------------------------------- random
+# ``t.bernoulli_(p)`` as a functional op: the mask in ``t``'s own layout, filled in its memory order as the
+# in-place op fills it (functionalization's ``aten.bernoulli.p`` returns a contiguous tensor filled in
+# logical order: another mask from the same seed when ``t`` is transposed, e.g. dropout after a Conv1d
+# over (B, T, C)).  Runs on the host with torch's RNG, like every random op.
+bernoulli_like = _op("bernoulli_like(Tensor t, float p) -> Tensor",
+                     lambda t, p: torch.empty_like(t).bernoulli_(p), lambda t, p: torch.empty_like(t))
+
 # ---------------------------------------------------------------------- collectives
 all_reduce_ = _op("all_reduce_(Tensor(a!) t, float prescale) -> Tensor(a!)",
                   lambda t, prescale: active().comm.all_reduce(t, prescale), lambda t, prescale: t)

@@ -43,7 +43,7 @@ from torch import fx, nn
 from torch.fx.experimental.proxy_tensor import get_proxy_mode, make_fx
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from . import opaque
+from . import opaque, ops
 from .amp import autocast_disabled
 from .diagnose import OpWatch, quiet_torch_logs
 from .dynamic import DynamicDims, SymbolicShapes, fake_inputs
@@ -85,9 +85,18 @@ def _native_batch_norm(input, weight, bias, running_mean, running_var, training,
     return out, mean, invstd
 
 
-# Ops that mutate their arguments but have no functionalization rule of their own, mapped to ops that
-# do.  Applied while capturing, so that functionalization sees the result.
-FUNCTIONAL_DECOMPS = {aten.native_batch_norm.default: _native_batch_norm}
+def _bernoulli_(self, p: float = 0.5, *, generator=None):
+    """``t.bernoulli_(p)`` (dropout's mask) with the mask in ``t``'s layout, as eager fills it in place
+    (:data:`spmd_ort.ops.bernoulli_like`); functionalization alone would give a contiguous mask, which
+    for a transposed ``t`` is another mask from the same seed (found by tests/test_fuzz.py)."""
+    if generator is not None:
+        return self.copy_(aten.bernoulli.p(self, p, generator=generator))
+    return self.copy_(ops.bernoulli_like(self, p))
+
+
+# Ops that mutate their arguments but have no functionalization rule of their own (or one that changes
+# their result), mapped to ops that do.  Applied while capturing, so that functionalization sees the result.
+FUNCTIONAL_DECOMPS = {aten.native_batch_norm.default: _native_batch_norm, aten.bernoulli_.float: _bernoulli_}
 
 
 @dataclass

@@ -135,6 +135,19 @@ _PLAIN = dict(tokens=True, d_in=2, width=4, batch=2, seq=1, classes=5, optimizer
 _TAIL = (Layer(kind="linear", residual=False, bias=False), Layer(kind="linear", residual=False, bias=False),
          Layer(kind="layernorm", residual=False, bias=False))
 FOUND.update({
+    # Dropout after a Conv1d over (B, T, C): its input is transposed, eager fills the mask in that layout's
+    # memory order, functionalization's bernoulli.p in logical order: the same seed, another mask (1.3% off
+    # in the loss).  The capture keeps the in-place fill's layout now (spmd_ort.ops.bernoulli_like).
+    "dropout_after_conv": (Case(
+        seed=5125, d_in=5, width=4, batch=3, seq=3, classes=2,
+        layers=(Layer(kind="conv", bias=False), Layer(kind="dropout"), Layer(kind="linear", residual=True, bias=False),
+                Layer(kind="linear", residual=True, bias=False)),
+        frozen=(15, 22), optimizer="adam", lr=1e-3, input_grad=True, steps=2), "fx"),
+    "dropout_after_conv_ort": (Case(
+        seed=5125, d_in=5, width=4, batch=3, seq=3, classes=2,
+        layers=(Layer(kind="conv", bias=False), Layer(kind="dropout"), Layer(kind="linear", residual=True, bias=False),
+                Layer(kind="linear", residual=True, bias=False)),
+        frozen=(15, 22), optimizer="adam", lr=1e-3, input_grad=True, steps=2), "ort"),
     # torch's meta kernel of batch norm keeps a transposed (B, C, T) input's strides, the CPU kernel returns a
     # contiguous output: a view traced after it (and after its backward) failed when the graph ran.  Views run
     # as reshapes now (runtime_fx.views_as_reshapes).
