@@ -19,7 +19,6 @@ part of it, so changing them never re-traces.
 from __future__ import annotations
 
 import logging
-import re
 from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Any, Generic, TypeVar
@@ -162,25 +161,35 @@ class StepKey:
                 for i, g in enumerate(opt.param_groups)) + state
         return cls(inputs, training, params, buffers, optimizer, world, amp, shapes, identity)
 
-    def diff(self, other: StepKey) -> str:
-        """A short account of what differs from ``other`` (for the re-trace log)."""
-        parts = []
+    def changes(self, other: StepKey) -> list[tuple[str, tuple[str, ...], Any, Any]]:
+        """What differs from ``other``, per component: (component, labels down to the first differing
+        entry, e.g. ``("leaf[4]",)``, the old entry, the new entry)."""
+        out = []
         for name in self.COMPONENTS:
             mine, theirs = getattr(self, name), getattr(other, name)
             if mine != theirs:
-                parts.append(f"{name} changed{_first_difference(theirs, mine)}")
-        return "; ".join(parts) or "nothing"
+                out.append((name, *_first_difference(theirs, mine)))
+        return out
+
+    def diff(self, other: StepKey) -> str:
+        """A short account of what differs from ``other`` (for the re-trace log)."""
+        return "; ".join(_describe_change(*change) for change in self.changes(other)) or "nothing"
 
 
-def _first_difference(old: Any, new: Any) -> str:
-    """Follow two labelled key components to the first differing entry."""
+def _describe_change(component: str, path: tuple[str, ...], old: Any, new: Any) -> str:
+    where = f" ({' / '.join(path)})" if path else ""
+    return f"{component} changed{where}: {_short(old)} -> {_short(new)}"
+
+
+def _first_difference(old: Any, new: Any) -> tuple[tuple[str, ...], Any, Any]:
+    """Follow two labelled key components to the first differing entry: (labels on the way, old, new)."""
     path = []
     while isinstance(old, tuple) and isinstance(new, tuple):
         if len(old) != len(new):
             break
         idx = next((i for i, (a, b) in enumerate(zip(old, new)) if a != b), None)
         if idx is None:
-            return ""
+            break
         a, b = old[idx], new[idx]
         if _labelled(a) and _labelled(b) and a[0] == b[0]:
             path.append(a[0])
@@ -188,8 +197,7 @@ def _first_difference(old: Any, new: Any) -> str:
         else:
             old, new = a, b
             break
-    where = f" ({' / '.join(path)})" if path else ""
-    return f"{where}: {_short(old)} -> {_short(new)}"
+    return tuple(path), old, new
 
 
 def _labelled(x: Any) -> bool:
@@ -222,27 +230,29 @@ class TransitionManager(Generic[T]):
         elif self.last_key is not None:
             self.reason = key.diff(self.last_key)
             logger.info("re-tracing %s: %s", self.name, self.reason)
-            self._count(self.reason, key)
+            self._count(key, self.last_key)
         else:
             self.reason = "first call"
         self.last_key = key
         return found
 
-    def _count(self, reason: str, key: StepKey) -> None:
+    def _count(self, key: StepKey, last: StepKey) -> None:
         """One WARNING when the same thing keeps changing (like torch.compile's recompile warning)."""
-        what = reason.split(":", 1)[0]
+        changes = key.changes(last)
+        if not changes:
+            return
+        component, path, old, new = changes[0]
+        what = f"{component} changed" + (f" ({' / '.join(path)})" if path else "")
         n = self.retrace_counts[what] = self.retrace_counts.get(what, 0) + 1
         if n == self.REPEATED:
-            leaf = re.search(r"\((leaf\[\d+\])", what)
-            desc = dict(key.inputs).get(leaf.group(1)) if leaf else None
+            desc = dict(key.inputs).get(path[0]) if component == "inputs" and path else None
             scalar = isinstance(desc, tuple) and desc[:1] == ("value",)
             fix = ("let it be a graph input: compile(dynamic=None) (SPMD_ORT_DYNAMIC=auto, the default) makes an "
                    "int or float that changes one; or pass it as a tensor, or keep it constant"
                    if scalar else "keep it constant between calls, or let sizes be symbolic "
                    "(compile(dynamic=None/True), SPMD_ORT_DYNAMIC=auto/1)")
-            logger.warning("%s has re-traced %d times because %s between calls (last: %s); every new value "
-                           "compiles a new program. Fix: %s", self.name, n, what,
-                           reason.split(":", 1)[-1].strip(), fix)
+            logger.warning("%s has re-traced %d times because %s between calls (last: %s -> %s); every new value "
+                           "compiles a new program. Fix: %s", self.name, n, what, _short(old), _short(new), fix)
 
     def insert(self, key: StepKey, value: T) -> None:
         self.traces += 1
