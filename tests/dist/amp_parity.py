@@ -25,8 +25,6 @@ from __future__ import annotations
 
 import argparse
 import copy
-import gc
-import json
 import sys
 from pathlib import Path
 
@@ -39,6 +37,7 @@ ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "tests"))
 sys.path.insert(0, str(ROOT))
 
+from dist_common import finish  # noqa: E402
 import spmd_ort  # noqa: E402
 from helpers import assert_close_normwise, assert_same_state, scaled_update  # noqa: E402
 from models import GPT, GPTConfig  # noqa: E402
@@ -224,12 +223,7 @@ def main() -> None:
         result["ddp"] = ddp_suite(rank, world)
     if args.suite in ("fsdp2", "all"):
         result.update(fp16=fsdp2_suite(rank, world, torch.float16), bf16=fsdp2_suite(rank, world, torch.bfloat16))
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / f"rank{rank}.json").write_text(json.dumps(result, indent=1))
-    gc.collect()
-    dist.barrier()
-    dist.destroy_process_group()
+    finish(args.out, result)
 
 
 if __name__ == "__main__":

@@ -20,7 +20,6 @@ grad gets each rank's own gradient under fully_shard (as DDP).  Writes DIR/rank<
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 from pathlib import Path
 
@@ -31,6 +30,7 @@ ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "tests"))
 sys.path.insert(0, str(ROOT))
 
+from dist_common import finish  # noqa: E402
 import spmd_ort  # noqa: E402
 from helpers import train_step  # noqa: E402
 from models import MLP  # noqa: E402
@@ -156,11 +156,7 @@ def main() -> None:
         torch.equal(plain_opt.state[p][k], v) for p, st in zip(plain.parameters(), saved["optim"]["state"].values())
         for k, v in st.items())
     replicate(plain, plain_opt, x, y)  # and trains on
-    out = root / "out"
-    out.mkdir(exist_ok=True)
-    (out / f"rank{rank}.json").write_text(json.dumps(result))
-    dist.barrier()
-    dist.destroy_process_group()
+    finish(root / "out", result)
 
 
 if __name__ == "__main__":

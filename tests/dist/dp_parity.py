@@ -13,9 +13,6 @@ from __future__ import annotations
 
 import argparse
 import copy
-import gc
-import json
-import os
 import sys
 import time
 from pathlib import Path
@@ -28,6 +25,7 @@ ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "tests"))
 sys.path.insert(0, str(ROOT))
 
+from dist_common import finish  # noqa: E402
 import spmd_ort  # noqa: E402
 from helpers import assert_same_state, ort_report, train_step  # noqa: E402
 from models import CNN, GPT, MLP, GPTConfig  # noqa: E402
@@ -69,13 +67,7 @@ def main() -> None:
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
     result = run(args, rank, world)
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / f"rank{rank}.json").write_text(json.dumps(result, indent=1))
-    # DDP's reducer and pending work die with run()'s frame, before the process group does
-    gc.collect()
-    dist.barrier()
-    dist.destroy_process_group()
+    finish(args.out, result)
 
 
 def run(args, rank: int, world: int) -> dict:

@@ -16,8 +16,6 @@ from __future__ import annotations
 
 import argparse
 import copy
-import gc
-import json
 import sys
 from pathlib import Path
 
@@ -29,6 +27,7 @@ ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "tests"))
 sys.path.insert(0, str(ROOT))
 
+from dist_common import finish  # noqa: E402
 import spmd_ort  # noqa: E402
 from helpers import ort_report  # noqa: E402
 from models import GPT, GPTConfig  # noqa: E402
@@ -98,12 +97,7 @@ def main() -> None:
     dist.init_process_group("gloo")
     rank = dist.get_rank()
     result = run(args, rank)
-    path = Path(args.out)
-    path.mkdir(parents=True, exist_ok=True)
-    (path / f"rank{rank}.json").write_text(json.dumps(result, indent=1))
-    gc.collect()
-    dist.barrier()
-    dist.destroy_process_group()
+    finish(args.out, result)
 
 
 if __name__ == "__main__":

@@ -23,7 +23,6 @@ from __future__ import annotations
 import argparse
 import copy
 import gc
-import json
 import sys
 from pathlib import Path
 
@@ -35,6 +34,7 @@ ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "tests"))
 sys.path.insert(0, str(ROOT))
 
+from dist_common import finish  # noqa: E402
 import spmd_ort  # noqa: E402
 from helpers import assert_close_normwise, assert_same_state, ort_report, train_step  # noqa: E402
 from models import DistNet, tiny_mixtral_config  # noqa: E402
@@ -161,12 +161,7 @@ def main() -> None:
             result[name] = runs[name]()
         except spmd_ort.CompileError as exc:
             result[name] = {"compile_error": str(exc)}
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / f"rank{rank}.json").write_text(json.dumps(result, indent=1))
-    gc.collect()
-    dist.barrier()
-    dist.destroy_process_group()
+    finish(args.out, result)
 
 
 if __name__ == "__main__":

@@ -23,6 +23,7 @@ ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "tests"))
 sys.path.insert(0, str(ROOT))
 
+from dist_common import finish  # noqa: E402
 import spmd_ort  # noqa: E402
 from helpers import train_step  # noqa: E402
 from models import GPT  # noqa: E402
@@ -81,9 +82,7 @@ def main() -> None:
         result["exp_avg_sq"] = sum(st["exp_avg_sq"].double().sum().item() for st in full["optim"]["state"].values())
         result["step"] = [float(st["step"]) for st in full["optim"]["state"].values()]
         torch.save(full["model"], out / f"{args.phase}-full.pt")
-    (out / f"{args.phase}-rank{rank}.json").write_text(json.dumps(result))
-    dist.barrier()
-    dist.destroy_process_group()
+    finish(out, result, f"{args.phase}-rank{rank}.json")
 
 
 if __name__ == "__main__":

@@ -13,7 +13,6 @@ Writes DIR/rank<r>.json with what each check saw.
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 from pathlib import Path
 
@@ -24,6 +23,7 @@ ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "tests"))
 sys.path.insert(0, str(ROOT))
 
+from dist_common import finish  # noqa: E402
 import spmd_ort  # noqa: E402
 from helpers import train_step  # noqa: E402
 from models import GPT  # noqa: E402
@@ -79,11 +79,7 @@ def main() -> None:
         with torch.no_grad():
             result["eval_shape"] = list(model(x).shape)
     result["sharded_after"] = all(p.dim() == 1 for p in model.parameters())
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / f"rank{rank}.json").write_text(json.dumps(result))
-    dist.barrier()
-    dist.destroy_process_group()
+    finish(args.out, result)
 
 
 if __name__ == "__main__":

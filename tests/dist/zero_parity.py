@@ -15,8 +15,6 @@ bytes per rank stay within total / N plus padding.  Writes DIR/rank<r>.json.
 from __future__ import annotations
 
 import argparse
-import copy
-import json
 import sys
 import time
 from pathlib import Path
@@ -28,6 +26,7 @@ ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "tests"))
 sys.path.insert(0, str(ROOT))
 
+from dist_common import finish  # noqa: E402
 import spmd_ort  # noqa: E402
 from helpers import ATOL, RTOL, assert_close_normwise, ort_report, train_step  # noqa: E402
 from models import GPT, GPTConfig  # noqa: E402
@@ -79,11 +78,7 @@ def main() -> None:
         import traceback
 
         result = {"compile_error": str(exc), "traceback": traceback.format_exception(exc)}
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / f"rank{rank}.json").write_text(json.dumps(result, indent=1))
-    dist.barrier()
-    dist.destroy_process_group()
+    finish(args.out, result)
 
 
 def run(args, rank: int, world: int) -> dict:
