@@ -132,16 +132,19 @@ class OpaqueFrame:
         self.seconds = [0.0] * len(calls)  # per call, forward + backward: what the opaque parts cost this step
 
     def forward(self, index: int, inputs: list[Tensor]) -> list[Tensor]:
-        t0 = time.perf_counter()
-        try:
+        with self._timed(index):
             return self._forward(index, inputs)
-        finally:
-            self.seconds[index] += time.perf_counter() - t0
 
     def backward(self, index: int, grads: list[Tensor]) -> list[Tensor]:
+        with self._timed(index):
+            return self._backward(index, grads)
+
+    @contextlib.contextmanager
+    def _timed(self, index: int) -> Iterator[None]:
+        """Adds the block's wall time to call ``index``'s cost this step (also when it raises)."""
         t0 = time.perf_counter()
         try:
-            return self._backward(index, grads)
+            yield
         finally:
             self.seconds[index] += time.perf_counter() - t0
 
