@@ -207,18 +207,7 @@ def _trace_once(fn, args: tuple, kwargs: dict, layout: StateLayout, *, sdpa_math
                 plan: OpaquePlan, inputs: StepInputs, mixed_precision=None,
                 dynamic: DynamicDims | None = None) -> TracedStep:
     leaves, spec = pytree.tree_flatten((args, kwargs))
-    # One placeholder per distinct tensor: a tensor passed twice is one leaf of autograd, as in eager.
-    first: dict[int, int] = {}
-    batch_positions, alias_of = [], {}
-    for i, leaf in enumerate(leaves):
-        if isinstance(leaf, torch.Tensor):
-            if id(leaf) in first:
-                alias_of[i] = first[id(leaf)]
-            else:
-                first[id(leaf)] = i
-                batch_positions.append(i)
-        elif dynamic is not None and dynamic.lifts(i, leaf):  # a Python number that is a graph input
-            batch_positions.append(i)
+    batch_positions, alias_of = _graph_inputs(leaves, dynamic)
     inputs.check(batch_positions)
     batch_tensors = [leaves[i] for i in batch_positions]
     grad_inputs = [k for k, t in enumerate(batch_tensors) if isinstance(t, torch.Tensor) and t.requires_grad]
@@ -302,6 +291,26 @@ def _functionalize(gm1: fx.GraphModule, trace_inputs: list, calls, tracing_mode:
     _check_functional(gm2)
     link_backward(gm2, calls)
     return gm2
+
+
+def _graph_inputs(leaves: list, dynamic: DynamicDims | None) -> tuple[list[int], dict[int, int]]:
+    """The call's leaves that are graph inputs, and the leaves that alias one of them.
+
+    One placeholder per distinct tensor (a tensor passed twice is one leaf of autograd, as in eager),
+    and one per Python number lifted to an input (dynamic shapes).
+    """
+    first: dict[int, int] = {}
+    positions, alias_of = [], {}
+    for i, leaf in enumerate(leaves):
+        if isinstance(leaf, torch.Tensor):
+            if id(leaf) in first:
+                alias_of[i] = first[id(leaf)]
+            else:
+                first[id(leaf)] = i
+                positions.append(i)
+        elif dynamic is not None and dynamic.lifts(i, leaf):
+            positions.append(i)
+    return positions, alias_of
 
 
 def _trace_inputs(layout: StateLayout, state_in: list[torch.Tensor], batch_tensors: list[torch.Tensor],
