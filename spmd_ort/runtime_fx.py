@@ -38,10 +38,7 @@ class FxExecutor:
     reuses_buffers = False  # every run allocates its outputs
 
     def __init__(self, gm: fx.GraphModule):
-        # runs a copy: the program's graph keeps its views (what the passes produced)
-        graph = fx.Graph()
-        graph.output(graph.graph_copy(gm.graph, {}))
-        self.gm = views_as_reshapes(fx.GraphModule(gm, graph))
+        self.gm = views_as_reshapes(gm)  # the program's final graph, as it runs
 
     def run(self, inputs: list[torch.Tensor]) -> list[torch.Tensor]:
         recorder = active().recorder
