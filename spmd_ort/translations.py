@@ -68,6 +68,15 @@ def _shape(parts: Sequence) -> ir.Value:
     return pieces[0] if len(pieces) == 1 else op.Concat(*pieces, axis=0)
 
 
+def _fit_end_to(x, like, rank: int, n: int):
+    """``x`` cut or padded with zeros at the end of its last ``n`` dims to ``like``'s sizes there (read at run
+    time): the gradient of a strided window op, computed without cropping its end padding, fitted to the input."""
+    sizes = op.Shape(like, start=-n)
+    short = op.Max(op.Sub(sizes, op.Shape(x, start=-n)), _ints([0] * n))
+    x = op.Pad(x, op.Concat(_ints([0] * (2 * rank - n)), short, axis=0))
+    return op.Slice(x, _ints([0] * n), sizes, _ints(range(rank - n, rank)))
+
+
 def _count(value, axes: Sequence[int]):
     """The number of elements over ``axes``: an int, or (a symbolic dim among them) a 0-d INT64 value."""
     dims = [value.shape[a] for a in axes]
@@ -255,9 +264,12 @@ def max_pool2d_with_indices_backward(grad_output: TFloat, self: TFloat, kernel_s
     planes = [(self, a) for a in range(len(shape) - 2)]  # (N, C) or (C): the batch may be symbolic
     grad = op.Reshape(grad_output, _shape([*planes, -1]))
     idx = op.Reshape(indices, _shape([*planes, -1]))
-    zeros = op.Expand(_const(0.0, self), _shape([*planes, shape[-2] * shape[-1]]))
+    if _static(shape[-2]) and _static(shape[-1]):
+        zeros = op.Expand(_const(0.0, self), _shape([*planes, shape[-2] * shape[-1]]))
+    else:  # symbolic sizes: the planes' zeros from the input's own shape
+        zeros = op.Reshape(op.Expand(_const(0.0, self), op.Shape(self)), _shape([*planes, -1]))
     out = op.ScatterElements(zeros, idx, grad, axis=len(planes), reduction="add")
-    return op.Reshape(out, _shape([*planes, shape[-2], shape[-1]]))
+    return op.Reshape(out, _shape([*planes, (self, -2), (self, -1)]))
 
 
 def avg_pool2d_backward(grad_output: TFloat, self: TFloat, kernel_size: Sequence[int], stride: Sequence[int],
@@ -272,14 +284,18 @@ def avg_pool2d_backward(grad_output: TFloat, self: TFloat, kernel_size: Sequence
     if count_include_pad or not any(pads):
         grad = grad * _const(1.0 / (kernel[0] * kernel[1]), self)
     else:  # divide by the number of real (unpadded) elements under each window
-        ones_in = op.Expand(_const(1.0, self), _ints([1, 1, shape[-2], shape[-1]]))
+        ones_in = op.Expand(_const(1.0, self), _shape([1, 1, (self, -2), (self, -1)]))
         ones_k = op.Expand(_const(1.0, self), _ints([1, 1, *kernel]))
         counts = op.Conv(ones_in, ones_k, strides=strides, pads=pads + pads)
         grad = grad / counts
     out_hw = list(grad_output.shape[-2:])
-    extra = [shape[-2 + i] - ((out_hw[i] - 1) * strides[i] - 2 * pads[i] + kernel[i]) for i in range(2)]
     weight = op.Expand(_const(1.0, self), _ints([channels, 1, *kernel]))
-    out = op.ConvTranspose(grad, weight, strides=strides, pads=pads + pads, group=channels, output_padding=extra)
+    if all(_static(v) for v in shape[-2:] + out_hw):
+        extra = [shape[-2 + i] - ((out_hw[i] - 1) * strides[i] - 2 * pads[i] + kernel[i]) for i in range(2)]
+        out = op.ConvTranspose(grad, weight, strides=strides, pads=pads + pads, group=channels, output_padding=extra)
+    else:  # symbolic sizes: the end padding is not cropped, the result fitted at run time
+        out = _fit_end_to(op.ConvTranspose(grad, weight, strides=strides, pads=pads + [0, 0], group=channels),
+                          self, 4, 2)
     return out if batched else op.Squeeze(out, _ints([0]))
 
 
@@ -305,24 +321,29 @@ def convolution_backward(grad_output: TFloat, input: TFloat, weight: TFloat, bia
     spatial = len(input.shape) - 2
     k = list(weight.shape[2:])
     s, p, d = (_expand(v, spatial) for v in (stride, padding, dilation))
-    c_in = input.shape[1]  # the batch (-1 below) may be symbolic, the other dims not
+    c_in = input.shape[1]  # the batch and the spatial sizes may be symbolic, the channels not
     c_out = grad_output.shape[1]
     out_sp, in_sp = list(grad_output.shape[2:]), list(input.shape[2:])
     grad_input = _unused(input)
-    if output_mask[0]:
+    if output_mask[0] and all(_static(v) for v in in_sp + out_sp):
         extra = [in_sp[i] - ((out_sp[i] - 1) * s[i] - 2 * p[i] + d[i] * (k[i] - 1) + 1) for i in range(spatial)]
         grad_input = op.ConvTranspose(grad_output, weight, strides=s, pads=p + p, dilations=d, group=groups,
                                       output_padding=extra)
+    elif output_mask[0]:  # symbolic sizes: the end padding is not cropped, the result fitted at run time
+        grad_input = _fit_end_to(op.ConvTranspose(grad_output, weight, strides=s, pads=p + [0] * spatial,
+                                                  dilations=d, group=groups), input, 2 + spatial, spatial)
     grad_weight = _unused(input)
     if output_mask[1]:
         g, cg, cog = groups, c_in // groups, c_out // groups
         tail = list(range(3, 3 + spatial))
         # x: (N, G*Cg, *S) -> (Cg, G*N, *S): a batch of Cg images with G*N channels
-        x = op.Reshape(input, _ints([-1, g, cg, *in_sp]))
-        x = op.Reshape(op.Transpose(x, perm=[2, 1, 0, *tail]), _ints([cg, -1, *in_sp]))
+        in_dims = [(input, 2 + i) for i in range(spatial)]
+        out_dims = [(grad_output, 2 + i) for i in range(spatial)]
+        x = op.Reshape(input, _shape([-1, g, cg, *in_dims]))
+        x = op.Reshape(op.Transpose(x, perm=[2, 1, 0, *tail]), _shape([cg, -1, *in_dims]))
         # dy: (N, G*Cog, *So) -> (G*Cog, N, *So): G*Cog kernels over N channels
-        dy = op.Reshape(grad_output, _ints([-1, g, cog, *out_sp]))
-        dy = op.Reshape(op.Transpose(dy, perm=[1, 2, 0, *tail]), _ints([g * cog, -1, *out_sp]))
+        dy = op.Reshape(grad_output, _shape([-1, g, cog, *out_dims]))
+        dy = op.Reshape(op.Transpose(dy, perm=[1, 2, 0, *tail]), _shape([g * cog, -1, *out_dims]))
         gw = op.Conv(x, dy, strides=d, dilations=s, pads=p + p, group=g)  # (Cg, G*Cog, *K')
         gw = op.Transpose(gw, perm=[1, 0, *range(2, 2 + spatial)])
         grad_weight = op.Slice(gw, _ints([0] * spatial), _ints(k), _ints(range(2, 2 + spatial)))

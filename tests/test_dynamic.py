@@ -90,9 +90,8 @@ class Pooled(nn.Module):
 
 @pytest.mark.parametrize("vary", ["batch", "image"])
 def test_convolutions_with_dynamic_sizes_on_ort(vary):
-    """A changing batch: one ONNX model per segment (the convolution, batch norm and pooling translations read
-    the batch at run time).  A changing image size: the convolution gradient's translation needs concrete
-    spatial sizes, so that segment is exported per set of sizes.  Both equal eager at every step."""
+    """A changing batch or image size: one ONNX model per segment (the convolution, batch norm and pooling
+    translations read the sizes at run time), equal to eager at every step."""
     sizes = {"batch": [(4, 8), (6, 8), (3, 8), (5, 8), (6, 8)], "image": [(2, 8), (2, 10), (2, 12), (2, 8)]}[vary]
     torch.manual_seed(0)
     model = Pooled()
@@ -108,11 +107,33 @@ def test_convolutions_with_dynamic_sizes_on_ort(vary):
     assert step.transitions.traces == 2, [(p.key, p.symbolic) for p in step.variants]
     report = ort_report(step)
     assert report[-1]["fallbacks"] == [] and report[-1]["mismatches"] == [], report
-    if vary == "batch":
-        assert report[-1]["sized"] == [], report
-        assert report[-1]["checked_sizes"] == [CHECKED_SIZES] * report[-1]["segments"], report
-    else:
-        assert report[-1]["sized"] and all(n == len(set(sizes[1:])) for n in report[-1]["sized"]), report
+    assert report[-1]["sized"] == [], report
+    assert report[-1]["checked_sizes"] == [min(CHECKED_SIZES, len(set(sizes[1:])))] * report[-1]["segments"], report
+
+
+def _gelu_reading_concrete_sizes(self, approximate: str = "none"):
+    """torchlib's GELU, after reading the input's sizes as ints (as a translation written for static shapes
+    might): fails on a symbolic dim."""
+    from onnxscript.function_libs.torch_lib.ops.nn import aten_gelu
+
+    assert all(int(d) > 0 for d in self.shape)
+    return aten_gelu(self, approximate)
+
+
+def test_a_segment_whose_translation_needs_concrete_sizes_is_exported_per_size(monkeypatch, caplog):
+    """The per-size path: an INFO line says why, each set of sizes gets its own model, verified; eager parity."""
+    from spmd_ort import coverage
+    from spmd_ort.translations import Translation
+
+    monkeypatch.setitem(coverage.TRANSLATIONS, torch.ops.aten.gelu.default,
+                        Translation(_gelu_reading_concrete_sizes, "injected by a test"))
+    step = spmd_ort.compile(backend="ort")(lm_step)
+    with caplog.at_level(logging.INFO, logger="spmd_ort"):
+        _train_both(step, SIZES[:5], "ort")
+    assert "has no model with dynamic sizes" in caplog.text and "it is exported per set of sizes" in caplog.text
+    report = ort_report(step)
+    assert_ort_report_clean(report)
+    assert report[-1]["sized"] and all(n == len(set(SIZES[1:5])) for n in report[-1]["sized"]), report
 
 
 def test_dynamic_true_traces_once_and_false_traces_every_shape():

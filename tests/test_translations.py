@@ -239,6 +239,38 @@ def test_normalization_and_embedding_with_dynamic_sizes():
            resized=((_randn(2, 11, 5), idx2, 9, -1, False), {}))
 
 
+@pytest.mark.parametrize("name", list(CONVS))
+def test_convolution_backward_with_dynamic_batch_and_image_size(name):
+    """Batch and spatial sizes symbolic: one model runs two sizes (the input gradient is computed without
+    cropping its end padding and fitted to the input's sizes at run time)."""
+    shape, wshape, stride, padding, dilation, groups = CONVS[name]
+    w = _randn(*wshape)
+    mask = [True, True, True]
+
+    def args(n, grow):
+        x = _randn(n, shape[1], *[d + grow for d in shape[2:]])
+        out = aten.convolution.default(x, w, None, stride, padding, dilation, False, [0], groups)
+        return (_randn(*out.shape), x, w, [wshape[0]], stride, padding, dilation, False, [0], groups, mask)
+
+    _check(aten.convolution_backward.default, args(shape[0] + 1, 0), resized=(args(shape[0] + 2, 3), {}))
+
+
+def test_pooling_backwards_with_dynamic_image_size():
+    def max_args(hw):
+        x = _randn(2, 3, hw, hw)
+        out, idx = aten.max_pool2d_with_indices.default(x, [3], [2], [1])
+        return (_randn(*out.shape), x, [3], [2], [1], [1], False, idx)
+
+    def avg_args(hw, include_pad):
+        x = _randn(2, 3, hw, hw)
+        g = _randn(*F.avg_pool2d(x, 3, 2, 1).shape)
+        return (g, x, [3], [2], [1], False, include_pad, None)
+
+    _check(aten.max_pool2d_with_indices_backward.default, max_args(9), resized=(max_args(12), {}))
+    for include_pad in (True, False):
+        _check(aten.avg_pool2d_backward.default, avg_args(9, include_pad), resized=(avg_args(12, include_pad), {}))
+
+
 def test_declined_arguments_stay_untranslated_with_a_reason():
     """Where our translation declines a node's arguments, the predicate says why and the op is not lowered."""
     def node_of(fn, *args):
