@@ -19,7 +19,7 @@ from torch import fx
 from spmd_ort import coverage, ops
 
 from .context import PassContext
-from .helpers import DEDUP_KEY, SHARD_OF, TAG, calls, placeholders, val
+from .helpers import DEDUP_KEY, SHARD_OF, TAG, calls, compute_device, placeholders, val
 
 Check = Callable[[fx.GraphModule, PassContext], "str | None"]
 
@@ -149,9 +149,7 @@ def _no_device_optimizer_ops(gm, ctx):
 
 
 def _gathers_on_compute_device(gm, ctx):
-    batch = [val(n) for n, s in zip(placeholders(gm), ctx.input_slots)
-             if s.kind == "batch" and isinstance(val(n), torch.Tensor)]  # not a lifted Python number
-    device = batch[0].device if batch else torch.device("cpu")
+    device = compute_device(gm, ctx.input_slots)
     for node in calls(gm, ops.all_gather):
         if val(node.args[0]).device != device:
             return f"`{node.name}` gathers a tensor on {val(node.args[0]).device}, not on {device}"

@@ -50,6 +50,13 @@ def placeholders(gm: fx.GraphModule) -> list[fx.Node]:
     return [n for n in gm.graph.nodes if n.op == "placeholder"]
 
 
+def compute_device(gm: fx.GraphModule, input_slots) -> torch.device:
+    """Where the step computes: the device of its batch tensors (not of lifted Python numbers); CPU without."""
+    batch = [val(n) for n, s in zip(placeholders(gm), input_slots)
+             if s.kind == "batch" and isinstance(val(n), torch.Tensor)]
+    return batch[0].device if batch else torch.device("cpu")
+
+
 def set_phase(node: fx.Node, ph: str) -> fx.Node:
     if ph == "backward":
         node.meta.setdefault("custom", {})["phase"] = "backward"

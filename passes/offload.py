@@ -4,13 +4,12 @@ from __future__ import annotations
 
 import dataclasses
 
-import torch
 from torch import fx
 
 from spmd_ort.ops import HOST_TWINS, all_gather
 
 from .contracts import GATHERS_ON_COMPUTE_DEVICE, NO_DEVICE_OPTIMIZER_OPS
-from .helpers import aten, call, calls, fake_mode_of, placeholders, refake, val
+from .helpers import aten, call, calls, compute_device, fake_mode_of, refake, val
 from .runner import graph_pass
 
 
@@ -38,9 +37,7 @@ def offload_params_pass(gm: fx.GraphModule, ctx) -> fx.GraphModule:
     host (a CPU-only run) the shards already are where the gathers read them
     and nothing is inserted.
     """
-    batch = [val(n) for n, s in zip(placeholders(gm), ctx.input_slots)
-             if s.kind == "batch" and isinstance(val(n), torch.Tensor)]  # not a lifted Python number
-    device = batch[0].device if batch else torch.device("cpu")
+    device = compute_device(gm, ctx.input_slots)
     moved = 0
     for node in calls(gm, all_gather):
         src = node.args[0]
