@@ -127,6 +127,26 @@ def dims_differing_across(shapes_per_rank: list[list]) -> dict[int, set[int]] | 
     return out
 
 
+def input_symbols(gm) -> dict:
+    """The symbols of a graph's inputs, each where it is first read: {symbol: (placeholder, dim, SymInt)}.
+
+    ``dim`` is None where the placeholder is the size itself (a size the host computed, a lifted int).
+    """
+    import sympy
+
+    out: dict = {}
+    for node in gm.graph.nodes:
+        if node.op != "placeholder":
+            continue
+        val = node.meta.get("val")
+        found = [(None, val)] if isinstance(val, torch.SymInt) else \
+            list(enumerate(val.shape)) if isinstance(val, torch.Tensor) else []
+        for dim, size in found:
+            if isinstance(size, torch.SymInt) and isinstance(size.node.expr, sympy.Symbol):
+                out.setdefault(size.node.expr, (node, dim, size))
+    return out
+
+
 def fake_inputs(state: list[torch.Tensor], batch: list, batch_dims: list[frozenset[int]], names: list[str]):
     """Fake tensors for a symbolic trace: state static, the batch's ``batch_dims`` symbolic.
 

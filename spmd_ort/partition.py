@@ -25,6 +25,7 @@ from torch.fx.passes.infra.partitioner import CapabilityBasedPartitioner
 from torch.fx.passes.operator_support import OperatorSupport
 
 from .coverage import why_untranslatable
+from .dynamic import input_symbols
 from .ops import OPAQUE_OPS, STARTS, wait_
 
 aten = torch.ops.aten
@@ -117,17 +118,9 @@ def _sizes_from_inputs(gm: fx.GraphModule) -> None:
     from those reads with Python arithmetic: the ORT segments stay as large as in a
     static program.  An expression it cannot rebuild keeps its read.
     """
-    import sympy
-
-    sources: dict = {}
+    sources = {sym: src for sym, src in input_symbols(gm).items() if src[1] is not None}  # dims of tensors
     placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
-    for node in placeholders:
-        val = node.meta.get("val")
-        if isinstance(val, torch.Tensor):
-            for d, size in enumerate(val.shape):
-                if isinstance(size, torch.SymInt) and isinstance(size.node.expr, sympy.Symbol):
-                    sources.setdefault(size.node.expr, (node, d, size))
-    if not sources or not placeholders:
+    if not sources:
         return
     graph = gm.graph
     emit = _SizeEmitter(graph, placeholders[-1], sources)

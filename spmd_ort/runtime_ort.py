@@ -35,6 +35,7 @@ from torch import fx, nn
 from torch.fx.experimental.proxy_tensor import make_fx
 
 from .errors import CompileError, ConfigError
+from .dynamic import input_symbols
 from .export import export_segment, input_position, save_model
 from .options import Options
 from .partition import partition_for_ort, why_host
@@ -198,20 +199,11 @@ class DynamicSizes:
     """
 
     def __init__(self, gm: fx.GraphModule, metas: list[torch.Tensor] | None = None):
-        import sympy
-
-        self.sources: list[tuple[int, int | None]] = []  # (input position, dim; None: the input is the size)
-        self.symbols: list = []
-        placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
-        for pos, node in enumerate(placeholders):
-            val = node.meta.get("val")
-            found = [(None, val)] if isinstance(val, torch.SymInt) else \
-                list(enumerate(val.shape)) if isinstance(val, torch.Tensor) else []
-            for dim, size in found:
-                if isinstance(size, torch.SymInt) and isinstance(size.node.expr, sympy.Symbol) \
-                        and size.node.expr not in self.symbols:
-                    self.symbols.append(size.node.expr)
-                    self.sources.append((pos, dim))
+        position = {n: i for i, n in enumerate(n for n in gm.graph.nodes if n.op == "placeholder")}
+        symbols = input_symbols(gm)
+        self.symbols: list = list(symbols)
+        # (input position, dim; None: the input is the size)
+        self.sources: list[tuple[int, int | None]] = [(position[node], dim) for node, dim, _ in symbols.values()]
         self.shapes = [tuple(int(d) if not isinstance(d, torch.SymInt) else d.node.expr for d in m.shape)
                        for m in metas or []]
         needed = set().union(*[d.free_symbols for shape in self.shapes for d in shape if not isinstance(d, int)])
