@@ -126,9 +126,10 @@ def why_untranslatable(node: fx.Node) -> str | None:
 def decomposition_for(node: fx.Node) -> Callable | None:
     """The decomposition that lowers ``node``, or None when it translates directly or cannot be lowered.
 
-    Size arithmetic is never lowered either.  An op we translate ourselves is never lowered, even where our translation declines its arguments:
-    we translate it because its decomposition is bad (e.g. the flash attention decomposition's real
-    strides differ from its traced ones, which breaks later views when the segment runs on fx).
+    Size arithmetic is never lowered (it runs on the host).  An op we translate ourselves is never
+    lowered either, even where our translation declines its arguments: we translate it because its
+    decomposition is bad (e.g. the flash attention decomposition's real strides differ from its traced
+    ones, which breaks later views when the segment runs on fx).
     """
     if node.target in TRANSLATIONS or why_untranslatable(node) is None:
         return None

@@ -218,8 +218,8 @@ ENV_VARS: tuple[EnvVar, ...] = (
            "comma-separated autograd.Functions (`pkg.module.Class`) always run opaquely, as host nodes, untraced"),
     EnvVar("SPMD_ORT_DYNAMIC", "dynamic", _choice("dynamic", DYNAMIC_MODES), "`auto`",
            "`auto`: the first trace is static, sizes of tensor inputs and int/float arguments that change become "
-           "symbolic (one program for all of them); `1`: batch and sequence dims symbolic from the start; `0`: one program per shape. "
-           "`compile(dynamic=True/False)` wins"),
+           "symbolic (one program for all of them); `1`: batch and sequence dims symbolic from the start; "
+           "`0`: one program per shape. `compile(dynamic=True/False)` wins"),
     EnvVar("SPMD_ORT_AUTO_OPAQUE", "auto_opaque", _bool, "`1`",
            "`0`: a submodule that cannot be traced is a `CompileError` instead of an opaque host node "
            "(`OpaqueOverride` still applies)"),

@@ -493,7 +493,8 @@ class OrtExecutor:
 
     @property
     def segments(self) -> list[OrtSegment | SizedSegments]:
-        """The ORT segments (a dynamic-shape segment is one :class:`SizedSegments`, whatever its sizes)."""
+        """The ORT segments (a dynamic-shape segment is one module whatever its sizes: an :class:`OrtSegment`
+        with dynamic axes, or a :class:`SizedSegments` exported per set of sizes)."""
         return [m for m in self.gm.modules() if isinstance(m, (OrtSegment, SizedSegments))]
 
     def run(self, inputs: list[torch.Tensor]) -> list[torch.Tensor]:

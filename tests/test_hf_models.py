@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from helpers import train_side_by_side
+from zoo import cls_step
 
 transformers = pytest.importorskip("transformers")
 STEPS = 6
@@ -21,14 +22,6 @@ def lm_step(model, opt, x):
     loss = model(input_ids=x, labels=x).loss
     loss.backward()
     torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-    opt.step()
-    opt.zero_grad(set_to_none=True)
-    return loss
-
-
-def cls_step(model, opt, x, mask, y):
-    loss = model(input_ids=x, attention_mask=mask, labels=y).loss
-    loss.backward()
     opt.step()
     opt.zero_grad(set_to_none=True)
     return loss

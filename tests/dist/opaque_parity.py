@@ -38,17 +38,10 @@ from dist_common import finish  # noqa: E402
 import spmd_ort  # noqa: E402
 from helpers import assert_close_normwise, assert_same_state, ort_report, train_step  # noqa: E402
 from models import DistNet, tiny_mixtral_config  # noqa: E402
+from zoo import lm_step  # noqa: E402
 
 STEPS = 3
 SCENARIOS = ("collectives-fx", "collectives-ort", "mixtral-replicate", "mixtral-shard")
-
-
-def lm_step(model, opt, x):
-    loss = model(input_ids=x, labels=x).loss
-    loss.backward()
-    opt.step()
-    opt.zero_grad(set_to_none=True)
-    return loss
 
 
 def summary(step) -> dict:
