@@ -192,7 +192,7 @@ class SymbolicShapes:
 
     sources: dict[str, tuple[int, int | None]]  # symbol name -> (batch index, dim; None: the number itself)
     guards: list = field(default_factory=list)  # sympy expressions over the symbols, all must hold
-    specialised: dict[tuple[int, int], int] = field(default_factory=dict)  # (batch index, dim) -> the size fixed
+    specialised: dict[tuple[int, int | None], int] = field(default_factory=dict)  # (batch index, dim) -> size fixed
 
     @classmethod
     def after_trace(cls, mode, fake_batch: list[torch.Tensor]) -> SymbolicShapes:
