@@ -35,7 +35,7 @@ def main() -> None:
     ap.add_argument("--backends", default="eager,fx,ort")
     args = ap.parse_args()
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", os.cpu_count() or 1)))
-    spmd_ort.memory.retain_host_memory()
+    spmd_ort.runtime.memory.retain_host_memory()
     torch.manual_seed(0)
     model, batch = gpt_mini()
     out = Path(tempfile.mkdtemp(prefix="spmd_ort_stats_"))

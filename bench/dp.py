@@ -44,7 +44,7 @@ def main() -> None:
     args = ap.parse_args()
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
-    spmd_ort.memory.retain_host_memory()  # every runner, from its first step
+    spmd_ort.runtime.memory.retain_host_memory()  # every runner, from its first step
     torch.manual_seed(0)
     model, batch = gpt_mini(seed=rank)  # the same model everywhere, each rank its own batches
     runners = {}

@@ -18,7 +18,7 @@ program's step over the static program's step at the same length.
 ``--straggler``: 2 ranks (torchrun, gloo, one thread each) train the compiled
 step (fx, replicate) on a dataset of lengths drawn from a long-tailed
 distribution, one epoch with ``DistributedSampler`` and one with
-``spmd_ort.data.LoadBalancingDistributedSampler`` + batch sampler: the mean
+``spmd_ort.distributed.data.LoadBalancingDistributedSampler`` + batch sampler: the mean
 per-step difference in tokens between the ranks and the epoch's wall time.
 """
 
@@ -137,7 +137,7 @@ def straggler_worker(out: Path) -> None:
     import torch.distributed as dist
     from torch.utils.data import DistributedSampler
 
-    from spmd_ort.data import LoadBalancingDistributedBatchSampler, LoadBalancingDistributedSampler
+    from spmd_ort.distributed.data import LoadBalancingDistributedBatchSampler, LoadBalancingDistributedSampler
 
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()

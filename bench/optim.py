@@ -2,7 +2,7 @@
 
 Run:  .venv/bin/python bench/optim.py [--numel 5300000] [--reps 20]
 
-Rows: the native kernel of ``csrc/fused_optim.cpp`` (``spmd_ort.native``, what
+Rows: the native kernel of ``csrc/fused_optim.cpp`` (``spmd_ort.runtime.native``, what
 ``offload_optimizer="cpu"`` runs), torch fused AdamW in place (what the compiled
 step runs as a device node, ``spmd_ort::adam_``), torch foreach AdamW, DeepSpeed's
 ``DeepSpeedCPUAdam`` (when deepspeed is installed: ``pip install deepspeed``;
@@ -103,7 +103,7 @@ def main() -> None:
     onnx_ms = timed(run_onnx, args.reps)
     floor = 28 * n / bandwidth * 1e3
 
-    from spmd_ort import native
+    from spmd_ort.runtime import native
 
     rows = []
     if native.load():

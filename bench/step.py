@@ -6,7 +6,7 @@ Like for like: every runner trains with the same optimizer, AdamW(lr 1e-3,
 weight_decay 0.1, ``fused=True``) - the multi-tensor kernel the compiled step
 always runs - and clipping at 1.0, in one process with the same threads and
 the same host allocator (freed memory retained for reuse from the first step,
-``spmd_ort.memory.retain_host_memory``, as the compiled step does).  Ratios are
+``spmd_ort.runtime.memory.retain_host_memory``, as the compiled step does).  Ratios are
 to that eager step.
 
 Runners: ``eager`` (the baseline above); ``eager-default`` (``AdamW()`` as most
@@ -164,7 +164,7 @@ def bench_model(name: str, steps: int, backends: list[str]) -> dict:
     times: dict[str, list[float]] = {k: [] for k in runners}
     compile_s: dict[str, float] = {}
     failed: dict[str, str] = {}
-    opaque_ms: dict[str, list[float]] = {}  # compiled runners: time in opaque parts (spmd_ort.opaque) per step
+    opaque_ms: dict[str, list[float]] = {}  # compiled runners: time in opaque parts (spmd_ort.runtime.opaque) per step
     warmup = 3  # compiled calls 1-2 trace (before / after optimizer state exists); 3 warms caches
     for i in range(warmup + steps):
         x, y = batch()
@@ -204,14 +204,14 @@ def compile_probe(name: str, backend: str) -> None:
     model, batch = MODELS[name]()
     opt = make_adamw(model.parameters())
     if backend == "eager":
-        spmd_ort.memory.retain_host_memory()  # as the compiled step does on its first call
+        spmd_ort.runtime.memory.retain_host_memory()  # as the compiled step does on its first call
     step = train_step if backend == "eager" else spmd_ort.compile(backend=backend)(train_step)
     t0 = time.perf_counter()
     step(model, opt, *batch())
     first = time.perf_counter() - t0
     step(model, opt, *batch())
     seconds = time.perf_counter() - t0
-    result = {"seconds": seconds, "first_s": first, "rss_mib": spmd_ort.memory.max_rss_bytes() / 2**20}
+    result = {"seconds": seconds, "first_s": first, "rss_mib": spmd_ort.runtime.memory.max_rss_bytes() / 2**20}
     if backend == "ort":
         stats = [v.executor.stats for v in step.variants]
         result.update(export_s=sum(s.export_seconds for s in stats), hits=sum(s.cache_hits for s in stats),
@@ -259,7 +259,7 @@ def main() -> None:
         return
     threads = int(os.environ.get("OMP_NUM_THREADS", os.cpu_count() or 1))
     torch.set_num_threads(threads)
-    retained = spmd_ort.memory.retain_host_memory()  # every runner, from its first step
+    retained = spmd_ort.runtime.memory.retain_host_memory()  # every runner, from its first step
     backends = args.backends.split(",")
     print(f"# bench/step.py — torch {torch.__version__}, {platform.machine()}, {threads} threads, host memory "
           f"{'retained' if retained else 'glibc default'} for all runners, AdamW(fused=True) for all but "

@@ -20,7 +20,7 @@ reduce-scatters): half the collective bytes; on a CPU without bf16 matmul units
 the compute is slower, not faster.
 
 Host allocator: spmd_ort's compiled step keeps freed host memory for reuse
-(``spmd_ort.memory.retain_host_memory``: glibc mmap threshold 1 GiB, no trimming).
+(``spmd_ort.runtime.memory.retain_host_memory``: glibc mmap threshold 1 GiB, no trimming).
 To show what that setting is worth on its own, any runner takes a suffix:
 ``@retain`` runs it with the same glibc setting (``MALLOC_MMAP_THRESHOLD_`` /
 ``MALLOC_TRIM_THRESHOLD_``), ``@system`` with glibc's default (for spmd runners,
@@ -57,7 +57,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 RUNNERS = ("spmd-fx", "spmd-ort", "spmd-fx+keep", "spmd-fx+bf16", "deepspeed", "fsdp2", "fsdp2+compile", "fsdp2+bf16")
-# glibc's own names for what spmd_ort.memory.retain_host_memory sets with mallopt
+# glibc's own names for what spmd_ort.runtime.memory.retain_host_memory sets with mallopt
 RETAIN_ENV = {"MALLOC_MMAP_THRESHOLD_": str(1 << 30), "MALLOC_TRIM_THRESHOLD_": str((1 << 31) - 1)}
 ALLOCATOR_ENV = {"": {}, "retain": {**RETAIN_ENV, "SPMD_ORT_RETAIN_HOST_MEMORY": "1"},
                  "system": {"SPMD_ORT_RETAIN_HOST_MEMORY": "0"}}
@@ -176,7 +176,7 @@ def worker(args) -> None:
         if i >= 3:
             times.append(dt)
             comm.append(counter.bytes)
-    from spmd_ort.memory import max_rss_bytes
+    from spmd_ort.runtime.memory import max_rss_bytes
 
     stats = torch.tensor([statistics.median(times), max_rss_bytes(),
                           persistent(), statistics.median(comm)], dtype=torch.float64)
@@ -212,7 +212,7 @@ def build(name: str, model, config: Path, args):
         compiled = spmd_ort.compile(parallel_mode=mode, backend=backend)(train_step)
 
         def persistent():
-            return spmd_ort.sharding.persistent_bytes(model, opt)["total"]
+            return spmd_ort.distributed.sharding.persistent_bytes(model, opt)["total"]
 
         return (lambda x, y: compiled(model, opt, x, y)), persistent, f"{mode}"
     if name.startswith("deepspeed"):

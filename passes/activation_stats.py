@@ -5,9 +5,11 @@ from __future__ import annotations
 from torch import fx
 from torch.fx.experimental.proxy_tensor import make_fx
 
-from spmd_ort import ops, taps
-from spmd_ort.state import Slot
+from spmd_ort.capture.state import Slot, SlotKind
+from spmd_ort.runtime import taps
+from spmd_ort.runtime import ops
 
+from .contracts import NO_TAPS
 from .helpers import calls, val
 from .runner import graph_pass
 
@@ -19,16 +21,15 @@ def _inline_stats(graph: fx.Graph, x: fx.Node) -> fx.Node:
     return graph.graph_copy(sub.graph, {placeholder: x})
 
 
-@graph_pass()
+@graph_pass(provides=[NO_TAPS])
 def insert_activation_stats_pass(gm: fx.GraphModule, ctx) -> fx.GraphModule:
-    """Each tapped activation's statistics (``spmd_ort.taps.STATS``) are computed in the graph and returned.
+    """Each tapped activation's statistics (``spmd_ort.runtime.taps.STATS``) are computed in the graph and returned.
 
     A debug subscriber's hooks tap activations while the step is traced; here
     every ``tap(x, tap_id)`` is replaced by ``x`` and the float64 statistics of
     ``x`` (the aten ops of ``taps.tensor_stats``, so they run in ORT segments
-    too) become an output described by ``Slot("stats", <name>, tap_id)``; the
-    compiled program hands them to the subscriber after each run.
-    ensures: no tap remains; one stats output per tap.
+    too) become an output described by ``Slot(SlotKind.STATS, <name>, tap_id)``; the
+    compiled program hands them to the subscriber after each run (one stats output per tap).
     """
     graph = gm.graph
     out = graph.output_node()
@@ -39,9 +40,9 @@ def insert_activation_stats_pass(gm: fx.GraphModule, ctx) -> fx.GraphModule:
             stats = _inline_stats(graph, x)
         node.replace_all_uses_with(x)
         graph.erase_node(node)
-        if taps.known(tap_id):  # a subscriber removed since tracing gets nothing
+        if ctx.taps is not None and ctx.taps.known(tap_id):  # a subscriber removed since tracing gets nothing
             stats_outputs.append(stats)
-            ctx.output_slots.append(Slot("stats", taps.name_of(tap_id), tap_id))
+            ctx.output_slots.append(Slot(SlotKind.STATS, ctx.taps.name_of(tap_id), tap_id))
     if stats_outputs:
         out.args = (tuple(out.args[0]) + tuple(stats_outputs),)
     graph.eliminate_dead_code()

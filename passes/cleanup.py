@@ -26,7 +26,7 @@ def remove_redundant_copies_pass(gm: fx.GraphModule, ctx) -> fx.GraphModule:
     Functionalization turns every ``dst.copy_(src)`` (optimizer write-back,
     in-place state updates) into a functional ``copy`` whose result is just
     ``src``; each would cost a pass over memory.
-    requires: ``meta["val"]`` on nodes (make_fx sets it).  ensures: no such copy remains.
+    No such copy remains; numbers unchanged.
     """
     for node in list(gm.graph.nodes):
         if node.op == "call_function" and node.target is aten.copy.default and len(node.args) == 2:
@@ -46,8 +46,7 @@ def remove_identity_views_pass(gm: fx.GraphModule, ctx) -> fx.GraphModule:
     """Drop ``detach``/``alias``/``lift_fresh`` nodes: the graph runs without autograd, so they are identities.
 
     Capture keeps views (only mutations are functionalized), and autograd
-    leaves a ``detach`` for every saved tensor.
-    ensures: no identity view remains; numbers unchanged.
+    leaves a ``detach`` for every saved tensor.  No identity view remains; numbers unchanged.
     """
     for node in list(gm.graph.nodes):
         if node.op == "call_function" and node.target in IDENTITY_OPS:

@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from dataclasses import dataclass, field
+from typing import TypeVar
 
-from spmd_ort.parallel import DataParallel
-from spmd_ort.sharding import ShardSpec
-from spmd_ort.state import Slot, StateLayout
+from spmd_ort.runtime.taps import TapRegistry
+from spmd_ort.distributed.parallel import DataParallel
+from spmd_ort.distributed.sharding import ShardSpec
+from spmd_ort.capture.state import Slot, StateLayout
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -25,56 +28,49 @@ class PassRecord:
         return f"{self.name}: {self.nodes_before} -> {self.nodes_after} nodes, {self.seconds * 1e3:.1f} ms"
 
 
-@dataclass(frozen=True)
-class GradientBuckets:
-    """``bucket_collectives_pass``: gradient node names and payload bytes per all-reduce bucket."""
+class PassResult:
+    """What a pass records besides the graph: subclass it (a frozen dataclass) next to the pass that makes it.
 
-    names: tuple[tuple[str, ...], ...]
-    nbytes: tuple[int, ...]
+    ``ctx.results.record(result)`` keeps one value per type for the compiled variant
+    (``CompiledProgram.results``); :meth:`lines` is how ``describe()`` and ``explain()`` show it
+    (both render results through :meth:`PassResults.lines`; no lines: not shown).
+    """
 
-
-@dataclass(frozen=True)
-class ShardBuckets:
-    """``bucket_shard_collectives_pass``: unsharded bytes per all-gather and per reduce-scatter bucket."""
-
-    all_gather: tuple[int, ...]
-    reduce_scatter: tuple[int, ...]
+    def lines(self) -> list[str]:
+        return []
 
 
-@dataclass(frozen=True)
-class MemoryPlan:
-    """``plan_memory_pass``: peak bytes of the values the graph creates, freed after their last use."""
-
-    planned_peak_bytes: int
+R = TypeVar("R", bound=PassResult)
 
 
-@dataclass(frozen=True)
-class OffloadPlan:
-    """The offload passes: optimizer ops moved to the host, parameter copies to the compute device."""
-
-    optimizer_ops: int = 0
-    param_device: str | None = None
-    param_copies: int = 0
-
-
-@dataclass(frozen=True)
-class Lowering:
-    """``lower_to_onnx_ops_pass``: how many nodes of each op were replaced by their decomposition."""
-
-    lowered: dict[str, int]
-
-
-@dataclass
 class PassResults:
-    """Analysis results the passes record; kept on the compiled program (``CompiledProgram.results``)."""
+    """The results the passes of one compiled variant recorded, by type, in the order they were recorded."""
 
-    gradient_buckets: GradientBuckets | None = None
-    shard_buckets: ShardBuckets | None = None
-    sharded_params: int = 0
-    kept_for_backward: tuple[str, ...] = ()
-    offload: OffloadPlan = field(default_factory=OffloadPlan)
-    memory: MemoryPlan | None = None
-    lowering: Lowering | None = None
+    def __init__(self):
+        self._by_type: dict[type[PassResult], PassResult] = {}
+
+    def record(self, result: PassResult) -> None:
+        if not isinstance(result, PassResult):
+            raise TypeError(f"ctx.results.record() takes a PassResult, not {type(result).__name__}")
+        self._by_type.pop(type(result), None)  # a re-record moves it to the end
+        self._by_type[type(result)] = result
+
+    def get(self, kind: type[R]) -> R | None:
+        """The recorded result of type ``kind``, or None when no pass recorded one."""
+        return self._by_type.get(kind)  # type: ignore[return-value]
+
+    def __contains__(self, kind: type[PassResult]) -> bool:
+        return kind in self._by_type
+
+    def __iter__(self) -> Iterator[PassResult]:
+        return iter(list(self._by_type.values()))
+
+    def lines(self) -> list[str]:
+        """Every result's lines, in the order they were recorded: the one rendering of pass results."""
+        return [line for result in self for line in result.lines()]
+
+    def __repr__(self) -> str:
+        return f"PassResults({', '.join(repr(r) for r in self)})"
 
 
 @dataclass(kw_only=True)
@@ -82,10 +78,13 @@ class PassContext:
     """What passes may read and update besides the graph.
 
     ``input_slots``/``output_slots`` describe every placeholder/output (see
-    :class:`spmd_ort.state.Slot`); a pass that adds or removes graph inputs or
+    :class:`spmd_ort.capture.state.Slot`); a pass that adds or removes graph inputs or
     outputs keeps them in step.  ``layout`` is the lifted state (user transforms
     read and extend it).  ``disabled`` names passes to skip; ``check_contracts``
-    makes the runner check each pass's ``requires`` / ``ensures``.
+    makes the runner check contracts on the graph (:mod:`spmd_ort.passes.contracts`).
+    ``facts``: what holds of the graph by the contracts of the passes run so far (None until
+    the first :func:`~spmd_ort.passes.runner.run_passes`, which starts from what the trace
+    provides); ``taps``: the activation taps of the step being compiled (debug subscribers).
     """
 
     input_slots: list[Slot]
@@ -99,6 +98,8 @@ class PassContext:
     check_contracts: bool = False
     applied: list[PassRecord] = field(default_factory=list)
     results: PassResults = field(default_factory=PassResults)
+    facts: set | None = None
+    taps: TapRegistry | None = None
 
     @property
     def sharded(self) -> bool:

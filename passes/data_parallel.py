@@ -8,21 +8,47 @@ serve ``fully_shard`` too.
 from __future__ import annotations
 
 import operator
+from dataclasses import dataclass
 
 import torch
 from torch import fx
 from torch.fx.passes.tools_common import stable_topological_sort
 
-from spmd_ort.ops import all_gather, all_reduce_, broadcast_, reduce_scatter, wait_
+from spmd_ort.capture.state import SlotKind
+from spmd_ort.runtime.ops import all_gather, all_reduce_, broadcast_, reduce_scatter, wait_
 
-from .context import GradientBuckets
-from .contracts import (COLLECTIVES_WAITED, GRADS_TAGGED, NO_DUPLICATE_COLLECTIVES, NO_GRAD_TAGS,
-                        ONE_ALL_REDUCE_PER_BUCKET)
+from .context import PassResult
+from .contracts import (BUFFERS_BROADCAST, COLLECTIVES_WAITED, GRADS_TAGGED, NO_DUPLICATE_COLLECTIVES, NO_GRAD_TAGS,
+                        OVERLAP_SCHEDULED, PER_GRADIENT_REDUCTIONS, Invariant)
 from .helpers import DEDUP_KEY, GRADIENT_OF, TAG, aten, call, move_after_inputs, nbytes, producers, unpack_chain, val
 from .runner import graph_pass
 
 
-@graph_pass(requires=[GRADS_TAGGED], ensures=[NO_GRAD_TAGS, COLLECTIVES_WAITED])
+@dataclass(frozen=True)
+class GradientBuckets(PassResult):
+    """``bucket_collectives_pass``: gradient node names and payload bytes per all-reduce bucket."""
+
+    names: tuple[tuple[str, ...], ...]
+    nbytes: tuple[int, ...]
+
+    def lines(self) -> list[str]:
+        return [f"gradient buckets: {len(self.nbytes)} ({', '.join(f'{b / 2**20:.2f} MiB' for b in self.nbytes)})"]
+
+
+def _one_all_reduce_per_bucket(gm, ctx):
+    buckets = ctx.results.get(GradientBuckets)
+    if buckets is None:
+        return "no gradient buckets recorded"
+    n = sum(1 for node in gm.graph.nodes if node.op == "call_function" and node.target is all_reduce_)
+    return None if n == len(buckets.nbytes) else f"{n} all-reduces for {len(buckets.nbytes)} buckets"
+
+
+ONE_ALL_REDUCE_PER_BUCKET = Invariant("one_all_reduce_per_bucket", "all-reduces == recorded gradient buckets",
+                                      _one_all_reduce_per_bucket)
+
+
+@graph_pass(requires=[GRADS_TAGGED], provides=[NO_GRAD_TAGS, COLLECTIVES_WAITED, PER_GRADIENT_REDUCTIONS],
+            invalidates=[GRADS_TAGGED])
 def expand_data_parallel_pass(gm: fx.GraphModule, ctx) -> fx.GraphModule:
     """Each ``tag_grad(g)`` becomes ``wait_(all_reduce_(clone(g), 1/world))``.
 
@@ -44,12 +70,11 @@ def expand_data_parallel_pass(gm: fx.GraphModule, ctx) -> fx.GraphModule:
     return gm
 
 
-@graph_pass()
+@graph_pass(provides=[BUFFERS_BROADCAST])
 def broadcast_buffers_pass(gm: fx.GraphModule, ctx) -> fx.GraphModule:
     """With ``broadcast_buffers`` (DDP's default), every used buffer placeholder is broadcast from rank 0 first.
 
-    ensures: each such buffer is read only through its ``broadcast_``, placed
-    right after the placeholders.
+    Each such buffer is then read only through its ``broadcast_``, placed right after the placeholders.
     """
     if ctx.mode is None or not ctx.mode.broadcast_buffers:
         return gm
@@ -57,7 +82,7 @@ def broadcast_buffers_pass(gm: fx.GraphModule, ctx) -> fx.GraphModule:
     nodes = [n for n in graph.nodes if n.op == "placeholder"]
     last = nodes[-1]
     for node, slot in zip(nodes, ctx.input_slots):
-        if slot.kind != "buffer" or not node.users:
+        if slot.kind is not SlotKind.BUFFER or not node.users:
             continue
         with graph.inserting_after(last):
             synced = call(graph, broadcast_, (node, 0), val(node))
@@ -111,6 +136,7 @@ def _merge_bucket(graph: fx.Graph, bucket: list) -> None:
         flats = [call(graph, aten.reshape.default, (g, [-1]), v.reshape(-1)) for g, v in zip(grads, vals)]
         cat = call(graph, aten.cat.default, (flats,), flat_val)
         reduced = call(graph, all_reduce_, (cat, bucket[0][1].args[1]), flat_val)
+        reduced.meta[GRADIENT_OF] = tuple(c[1].meta.get(GRADIENT_OF) for c in bucket)
         done = call(graph, wait_, (reduced,), flat_val)
         sizes = [v.numel() for v in vals]
         parts = call(graph, aten.split_with_sizes.default, (done, sizes), list(flat_val.split(sizes)))
@@ -124,20 +150,20 @@ def _merge_bucket(graph: fx.Graph, bucket: list) -> None:
         graph.erase_node(clone)
 
 
-@graph_pass(requires=[COLLECTIVES_WAITED], ensures=[ONE_ALL_REDUCE_PER_BUCKET, COLLECTIVES_WAITED])
+@graph_pass(requires=[PER_GRADIENT_REDUCTIONS, COLLECTIVES_WAITED],
+            provides=[ONE_ALL_REDUCE_PER_BUCKET, COLLECTIVES_WAITED], invalidates=[PER_GRADIENT_REDUCTIONS])
 def bucket_collectives_pass(gm: fx.GraphModule, ctx) -> fx.GraphModule:
     """Gradients, in the order backward produces them, share one all-reduce per bucket.
 
     Buckets hold gradients of one dtype and device up to ``bucket_cap_mb``
     (the first up to ``first_bucket_cap_mb``, so communication starts early).
-    requires: ``expand_data_parallel_pass``.
     """
     mode = ctx.mode
     graph = gm.graph
     buckets = _plan_buckets(_chains(graph), mode.first_bucket_cap_mb * 2**20, mode.bucket_cap_mb * 2**20)
-    ctx.results.gradient_buckets = GradientBuckets(
+    ctx.results.record(GradientBuckets(
         names=tuple(tuple(c[0].args[0].name for c in b) for b in buckets),
-        nbytes=tuple(sum(nbytes(c[0].args[0]) for c in b) for b in buckets))
+        nbytes=tuple(sum(nbytes(c[0].args[0]) for c in b) for b in buckets)))
     for bucket in buckets:
         if len(bucket) > 1:
             _merge_bucket(graph, bucket)
@@ -150,7 +176,7 @@ def bucket_collectives_pass(gm: fx.GraphModule, ctx) -> fx.GraphModule:
 DEDUP_TARGETS = (all_reduce_, broadcast_, all_gather)
 
 
-@graph_pass(ensures=[NO_DUPLICATE_COLLECTIVES])
+@graph_pass(requires=[COLLECTIVES_WAITED], provides=[NO_DUPLICATE_COLLECTIVES])
 def dedup_collectives_pass(gm: fx.GraphModule, ctx) -> fx.GraphModule:
     """Identical collectives on identical inputs run once (as the reference's ``_dedup_collectives``).
 
@@ -181,7 +207,7 @@ def dedup_collectives_pass(gm: fx.GraphModule, ctx) -> fx.GraphModule:
     return gm
 
 
-@graph_pass(requires=[COLLECTIVES_WAITED], ensures=[COLLECTIVES_WAITED])
+@graph_pass(requires=[COLLECTIVES_WAITED], provides=[COLLECTIVES_WAITED, OVERLAP_SCHEDULED])
 def schedule_overlap_pass(gm: fx.GraphModule, ctx) -> fx.GraphModule:
     """Issue each reduction early; wait only just before the result is needed.
 

@@ -1,8 +1,8 @@
 """ZeRO stage 3 as graph passes: the full-shape step rewritten over parameter, gradient and state shards.
 
-The step is traced on full shapes (:mod:`spmd_ort.trace` stands fake full
+The step is traced on full shapes (:mod:`spmd_ort.capture.trace` stands fake full
 tensors in for the shards); these passes, in pipeline order, rewrite it over
-shards (layout: :mod:`spmd_ort.sharding`):
+shards (layout: :mod:`spmd_ort.distributed.sharding`):
 
 1. :func:`shard_placeholders_pass`: parameter, gradient and (non-scalar)
    optimizer-state placeholders hold shards;
@@ -29,19 +29,25 @@ and offload follow (:mod:`.shard_schedule`, :mod:`.offload`).
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import operator
 
 import torch
 from torch import fx
 from torch.fx.passes.tools_common import stable_topological_sort
 
+from spmd_ort.capture.state import SlotKind
 from spmd_ort.errors import CompileError
-from spmd_ort.ops import OPTIMIZER_OPS, all_gather, all_reduce_, reduce_scatter, wait_
-from spmd_ort.sharding import is_sharded_state
+from spmd_ort.runtime.ops import OPTIMIZER_OPS, all_gather, all_reduce_, reduce_scatter, wait_
+from spmd_ort.distributed.sharding import is_sharded_state
 
-from .contracts import GRADS_TAGGED, NO_GRAD_TAGS, PARAMS_GATHERED_BEFORE_USE, SHARDED_PLACEHOLDERS
-from .helpers import (AMP_CHECK, DEDUP_KEY, GRADIENT_OF, PARTIAL_FOUND_INF, PARTIAL_NORM, SHARD_OF, SHARDED_PARAM, TAG, aten, call,
-                      fake_mode_of, is_dtype_cast, is_view_op, phase, placeholders, refake, set_phase, val)
+from .context import PassResult
+from .contracts import (BACKWARD_VIEWS_REMATERIALIZED, COLLECTIVES_WAITED, FOUND_INF_COMPLETED, GRAD_NORMS_COMPLETED,
+                        GRADS_TAGGED, NO_GRAD_TAGS, PARAMS_GATHERED_BEFORE_USE, PER_GRADIENT_REDUCTIONS,
+                        SHARDED_PLACEHOLDERS, SHARDS_PROPAGATED)
+from .helpers import (AMP_CHECK, DEDUP_KEY, GRADIENT_OF, PARTIAL_FOUND_INF, PARTIAL_NORM, SHARD_OF, SHARDED_PARAM, TAG,
+                      aten, call, fake_mode_of, is_dtype_cast, is_view_op, phase, placeholders, refake, set_phase, val)
 from .runner import graph_pass
 
 # ops whose output has the shape of their (first) input: as valid on a shard as on the whole
@@ -54,7 +60,7 @@ FOREACH_NORM = aten._foreach_norm.Scalar
 
 
 def _param_names(ctx) -> dict[int, str]:
-    return {s.index: s.name for s in ctx.input_slots if s.kind == "param"}
+    return {s.index: s.name for s in ctx.input_slots if s.kind is SlotKind.PARAM}
 
 
 def sharded_params(gm: fx.GraphModule) -> list[fx.Node]:
@@ -66,30 +72,49 @@ def _shard_of(node: fx.Node) -> int | None:
     return node.meta.get(SHARD_OF)
 
 
-@graph_pass(ensures=[SHARDED_PLACEHOLDERS])
+@dataclass(frozen=True)
+class ShardedParams(PassResult):
+    """``shard_placeholders_pass``: how many parameters are sharded, over how many ranks, with what padding."""
+
+    count: int
+    world: int
+    numel: int  # elements of the sharded parameters, unpadded
+    pad: int  # padding elements, all shards together
+
+    def lines(self) -> list[str]:
+        return [f"fully_shard: {self.count} parameters in {self.world} shards each "
+                f"({self.numel / self.world / 1e6:.3f} M elements per rank, {self.pad} padding elements in all)"]
+
+
+@graph_pass(provides=[SHARDED_PLACEHOLDERS])
 def shard_placeholders_pass(gm: fx.GraphModule, ctx) -> fx.GraphModule:
     """Placeholders of sharded parameters, their gradients and non-scalar optimizer state hold the local shard.
 
-    requires: ``ctx.shard_specs`` (param index -> ShardSpec).  Marks parameter
+    The shards are ``ctx.shard_specs`` (param index -> ShardSpec).  Marks parameter
     placeholders ``meta["sharded_param"]`` and gradient/state placeholders
     ``meta["shard_of"]`` (the parameter index); scalars (Adam's step) stay replicated.
     """
     specs = ctx.shard_specs
     fake_mode = fake_mode_of(gm)
     for node, slot in zip(placeholders(gm), ctx.input_slots):
-        if slot.kind not in ("param", "grad", "opt_state") or slot.index not in specs:
+        if not slot.kind.per_parameter or slot.index not in specs:
             continue
         v = val(node)
-        if slot.kind == "opt_state" and not is_sharded_state(v):
+        if slot.kind is SlotKind.OPT_STATE and not is_sharded_state(v):
             continue
         with fake_mode:
             node.meta["val"] = torch.empty(specs[slot.index].shard_numel, dtype=v.dtype, device=v.device)
-        node.meta[SHARDED_PARAM if slot.kind == "param" else SHARD_OF] = slot.index
-    ctx.results.sharded_params = sum(1 for s in ctx.input_slots if s.kind == "param" and s.index in specs)
+        node.meta[SHARDED_PARAM if slot.kind is SlotKind.PARAM else SHARD_OF] = slot.index
+    sharded = [specs[s.index] for s in ctx.input_slots if s.kind is SlotKind.PARAM and s.index in specs]
+    if sharded:
+        ctx.results.record(ShardedParams(count=len(sharded), world=sharded[0].world,
+                                         numel=sum(spec.numel for spec in sharded),
+                                         pad=sum(spec.pad for spec in sharded)))
     return gm
 
 
-@graph_pass(requires=[GRADS_TAGGED], ensures=[NO_GRAD_TAGS])
+@graph_pass(requires=[GRADS_TAGGED], provides=[NO_GRAD_TAGS, COLLECTIVES_WAITED, PER_GRADIENT_REDUCTIONS],
+            invalidates=[GRADS_TAGGED])
 def reduce_scatter_gradients_pass(gm: fx.GraphModule, ctx) -> fx.GraphModule:
     """Each ``tag_grad(g, i)`` becomes ``reshape -> pad -> reduce_scatter(average) -> wait_``: the gradient shard."""
     graph = gm.graph
@@ -115,15 +140,15 @@ def reduce_scatter_gradients_pass(gm: fx.GraphModule, ctx) -> fx.GraphModule:
     return gm
 
 
-@graph_pass()
+@graph_pass(requires=[SHARDED_PLACEHOLDERS], provides=[BACKWARD_VIEWS_REMATERIALIZED])
 def rematerialize_param_views_pass(gm: fx.GraphModule, ctx) -> fx.GraphModule:
     """Backward reads of forward views (or casts) of a parameter read the same of a backward copy instead.
 
     With ``reshard_after_forward`` the forward gather must die after its last
     forward use; autograd's saved views of a weight (its transpose), or its
     low-precision cast (autocast, MixedPrecisionPolicy), would keep it alive
-    through backward.  ensures: no backward node reads a forward view of a
-    sharded parameter (``gather_parameters_pass`` then gathers it for backward).
+    through backward.  No backward node reads a forward view of a sharded
+    parameter after it (``gather_parameters_pass`` then gathers it for backward).
     """
     graph = gm.graph
     params = set(sharded_params(gm))
@@ -193,7 +218,7 @@ def _shard_safe(node: fx.Node) -> bool:
     return True
 
 
-@graph_pass()
+@graph_pass(requires=[SHARDED_PLACEHOLDERS, NO_GRAD_TAGS], provides=[SHARDS_PROPAGATED])
 def propagate_shards_pass(gm: fx.GraphModule, ctx) -> fx.GraphModule:
     """Mark every value computed from shards, check that it is valid on shards, and recompute its shape.
 
@@ -250,14 +275,14 @@ def _check_outputs(gm: fx.GraphModule, ctx, names: dict[int, str]) -> None:
     out = gm.graph.output_node()
     for value, slot in zip(list(out.args[0]), ctx.output_slots):
         local = isinstance(value, fx.Node) and _shard_of(value) is not None
-        sharded_state = slot.kind in ("param", "grad", "opt_state") and slot.index in ctx.shard_specs
-        if slot.kind == "user" and local:
+        sharded_state = slot.kind.per_parameter and slot.index in ctx.shard_specs
+        if slot.kind is SlotKind.USER and local:
             raise CompileError(
                 f"fully_shard: the step returns a gradient or optimizer state (output {slot.index}), which is "
                 "sharded; return a value computed in forward, or read it after the step through "
                 "spmd_ort.full_state_dict", rank=ctx.rank)
         if sharded_state and isinstance(value, fx.Node) and not local \
-                and (slot.kind != "opt_state" or is_sharded_state(val(value))):
+                and (slot.kind is not SlotKind.OPT_STATE or is_sharded_state(val(value))):
             fqn = names.get(slot.index, "?")
             raise CompileError(
                 f"fully_shard: the step writes the whole {slot.kind} of `{fqn}` ({value.target}), but between "
@@ -265,7 +290,8 @@ def _check_outputs(gm: fx.GraphModule, ctx, names: dict[int, str]) -> None:
                 fqn=fqn, op=str(value.target), rank=ctx.rank)
 
 
-@graph_pass(requires=[SHARDED_PLACEHOLDERS], ensures=[PARAMS_GATHERED_BEFORE_USE])
+@graph_pass(requires=[SHARDED_PLACEHOLDERS, SHARDS_PROPAGATED],
+            provides=[PARAMS_GATHERED_BEFORE_USE, COLLECTIVES_WAITED])
 def gather_parameters_pass(gm: fx.GraphModule, ctx) -> fx.GraphModule:
     """Every use of a sharded parameter outside the optimizer reads ``all_gather -> wait_ -> slice -> view``.
 
@@ -299,12 +325,12 @@ def gather_parameters_pass(gm: fx.GraphModule, ctx) -> fx.GraphModule:
     return gm
 
 
-@graph_pass()
+@graph_pass(requires=[SHARDS_PROPAGATED], provides=[GRAD_NORMS_COMPLETED, COLLECTIVES_WAITED])
 def complete_grad_norms_pass(gm: fx.GraphModule, ctx) -> fx.GraphModule:
     """``||shard||`` per gradient -> the full norms: sqrt(all-reduce of the squares), one collective.
 
-    requires: ``propagate_shards_pass`` (``meta["partial_norm"]`` marks).
-    ensures: nothing reads a partial norm except the completion.
+    The partial norms are ``propagate_shards_pass``'s ``meta["partial_norm"]`` marks; after it,
+    nothing reads a partial norm except the completion.
     """
     graph = gm.graph
     norms = sorted((n for n in graph.nodes if n.meta.get(PARTIAL_NORM) is not None),
@@ -334,15 +360,15 @@ def complete_grad_norms_pass(gm: fx.GraphModule, ctx) -> fx.GraphModule:
     return gm
 
 
-@graph_pass()
+@graph_pass(requires=[SHARDS_PROPAGATED], provides=[FOUND_INF_COMPLETED, COLLECTIVES_WAITED])
 def complete_found_inf_pass(gm: fx.GraphModule, ctx) -> fx.GraphModule:
     """A GradScaler's ``found_inf`` over this rank's gradient shards -> over the whole gradients, on every rank.
 
     Each flag is summed over ranks (one all-reduce) and clamped to 1, the value
     eager computes on whole gradients, so the optimizer skips and the scale backs
     off on every rank together (FSDP's ShardedGradScaler all-reduces it the same
-    way).  requires: ``propagate_shards_pass`` (``meta["partial_found_inf"]``).
-    ensures: nothing reads a partial flag except the completion.
+    way).  The partial flags are ``propagate_shards_pass``'s ``meta["partial_found_inf"]``
+    marks; after it, nothing reads a partial flag except the completion.
     """
     graph = gm.graph
     for flag in [n for n in graph.nodes if n.meta.get(PARTIAL_FOUND_INF)]:

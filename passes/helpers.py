@@ -7,8 +7,9 @@ import operator
 import torch
 from torch import fx
 
-from spmd_ort import ops
-from spmd_ort.trace import phase
+from spmd_ort.capture.state import SlotKind
+from spmd_ort.runtime import ops
+from spmd_ort.capture.trace import phase
 
 aten = torch.ops.aten
 TAG = ops.tag_grad
@@ -53,7 +54,7 @@ def placeholders(gm: fx.GraphModule) -> list[fx.Node]:
 def compute_device(gm: fx.GraphModule, input_slots) -> torch.device:
     """Where the step computes: the device of its batch tensors (not of lifted Python numbers); CPU without."""
     batch = [val(n) for n, s in zip(placeholders(gm), input_slots)
-             if s.kind == "batch" and isinstance(val(n), torch.Tensor)]
+             if s.kind is SlotKind.BATCH and isinstance(val(n), torch.Tensor)]
     return batch[0].device if batch else torch.device("cpu")
 
 

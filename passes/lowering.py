@@ -3,14 +3,15 @@
 from __future__ import annotations
 
 import operator
+from dataclasses import dataclass
 
 import torch
 from torch import fx
 from torch.fx.experimental.proxy_tensor import make_fx
 
-from spmd_ort import coverage
+from spmd_ort.ort import coverage
 
-from .context import Lowering
+from .context import PassResult
 from .contracts import ONNX_LOWERED, VALUES_KNOWN
 from .helpers import fake_mode_of, refake
 from .runner import graph_pass
@@ -19,18 +20,29 @@ from .runner import graph_pass
 CARRIED_META = ("custom", "stack_trace", "nn_module_stack")
 
 
-@graph_pass(requires=[VALUES_KNOWN], ensures=[ONNX_LOWERED])
+@dataclass(frozen=True)
+class Lowering(PassResult):
+    """``lower_to_onnx_ops_pass``: how many nodes of each op were replaced by their decomposition."""
+
+    lowered: dict[str, int]
+
+    def lines(self) -> list[str]:
+        if not self.lowered:
+            return []
+        return ["lowered for ONNX (torch decompositions): " + ", ".join(f"{op} x{n}" for op, n in self.lowered.items())]
+
+
+@graph_pass(requires=[VALUES_KNOWN], provides=[ONNX_LOWERED])
 def lower_to_onnx_ops_pass(gm: fx.GraphModule, ctx) -> fx.GraphModule:
     """Replace every aten node without a direct ONNX translation by torch's decomposition of it.
 
     The decomposition is traced for the node's own shapes and inlined, and the
     ops it produces are lowered in turn (make_fx applies the table
     recursively), so afterwards every aten node either translates directly
-    (``spmd_ort.coverage.why_untranslatable`` is None) or has no decomposition
+    (``spmd_ort.ort.coverage.why_untranslatable`` is None) or has no decomposition
     and stays on the host.  Nodes that translate directly are left alone, so
     torch's fused kernels still run wherever a segment runs on fx.
-    requires: ``meta["val"]`` on nodes.  ensures: ``onnx_lowered``; numbers equal to rounding (the
-    decompositions are torch's own).
+    Numbers are equal to rounding (the decompositions are torch's own).
     """
     lowered: dict[str, int] = {}
     cache: dict = {}
@@ -44,7 +56,7 @@ def lower_to_onnx_ops_pass(gm: fx.GraphModule, ctx) -> fx.GraphModule:
         _inline(gm, node, decomposition, cache, fake_mode)
         lowered[str(node.target)] = lowered.get(str(node.target), 0) + 1
     gm.graph.eliminate_dead_code()
-    ctx.results.lowering = Lowering(lowered=dict(sorted(lowered.items())))
+    ctx.results.record(Lowering(lowered=dict(sorted(lowered.items()))))
     return gm
 
 

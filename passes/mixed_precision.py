@@ -2,7 +2,7 @@
 
 The forward and backward of a :class:`spmd_ort.MixedPrecisionPolicy` are made
 while tracing (each module computes on its parameters cast to ``param_dtype``,
-:func:`spmd_ort.amp.apply_policy`); gradients reach the fp32 parameters through
+:func:`spmd_ort.capture.amp.apply_policy`); gradients reach the fp32 parameters through
 the casts' backward.  These passes put the communication in the right dtype, as
 FSDP2 does:
 
@@ -19,10 +19,11 @@ from __future__ import annotations
 import torch
 from torch import fx
 
-from spmd_ort.ops import all_gather, all_reduce_, reduce_scatter, wait_
+from spmd_ort.runtime.ops import all_gather, all_reduce_, reduce_scatter, wait_
 
-from .contracts import COLLECTIVES_WAITED, PARAMS_GATHERED_BEFORE_USE
-from .helpers import GRADIENT_OF, SHARD_OF, aten, call, calls, fake_mode_of, is_dtype_cast, phase, refake, set_phase, unpack_chain, val
+from .contracts import COLLECTIVES_WAITED, NO_DUPLICATE_COLLECTIVES, PARAMS_GATHERED_BEFORE_USE, PER_GRADIENT_REDUCTIONS
+from .helpers import (GRADIENT_OF, SHARD_OF, aten, calls, fake_mode_of, is_dtype_cast, phase, refake, set_phase,
+                      unpack_chain, val)
 from .runner import graph_pass
 
 
@@ -44,16 +45,16 @@ def _gradient_reductions(gm: fx.GraphModule) -> list[tuple[fx.Node, fx.Node]]:
     return out
 
 
-@graph_pass(requires=[COLLECTIVES_WAITED], ensures=[COLLECTIVES_WAITED])
+@graph_pass(requires=[PER_GRADIENT_REDUCTIONS, COLLECTIVES_WAITED], provides=[COLLECTIVES_WAITED])
 def cast_gradient_reductions_pass(gm: fx.GraphModule, ctx) -> fx.GraphModule:
     """Gradients are reduced in the MixedPrecisionPolicy's reduce dtype (``reduce_dtype``, else ``param_dtype``).
 
     ``clone(g) -> all_reduce_`` becomes ``clone(cast(g)) -> all_reduce_ -> wait_ -> cast back``;
     ``reduce_scatter(flat)`` becomes ``reduce_scatter(cast(flat)) -> wait_ -> cast back``.  A
     gradient computed in ``param_dtype`` and cast to fp32 by autograd is cast back losslessly, so a
-    bf16 reduction reduces the bf16 gradient, as FSDP2's.  requires: the gradient collectives of
+    bf16 reduction reduces the bf16 gradient, as FSDP2's.  It works on the gradient collectives of
     ``expand_data_parallel_pass`` / ``reduce_scatter_gradients_pass`` (``meta["gradient_of"]``), one
-    per gradient (before bucketing).  ensures: each runs in the reduce dtype.
+    per gradient (before bucketing); after it, each runs in the reduce dtype.
     """
     policy = ctx.mode.mixed_precision
     dtype = policy.gradient_reduce_dtype() if policy is not None else None
@@ -98,14 +99,14 @@ def _cast_uses(gather: fx.Node) -> tuple[list[fx.Node], set[fx.Node]] | None:
     return uses, chain
 
 
-@graph_pass(requires=[PARAMS_GATHERED_BEFORE_USE], ensures=[PARAMS_GATHERED_BEFORE_USE])
+@graph_pass(requires=[PARAMS_GATHERED_BEFORE_USE, NO_DUPLICATE_COLLECTIVES], provides=[PARAMS_GATHERED_BEFORE_USE])
 def cast_params_before_gather_pass(gm: fx.GraphModule, ctx) -> fx.GraphModule:
     """A gathered parameter that is only ever read cast to one narrower dtype is cast on the shard and gathered cast.
 
     ``all_gather(p) -> wait_ -> slice -> view -> cast`` becomes ``all_gather(cast(p)) -> wait_ -> slice ->
     view``: the same values (a cast is elementwise; zero padding stays zero), half the bytes for
-    bf16/fp16 (FSDP2 gathers ``param_dtype`` the same way).  requires: one gather per parameter and
-    phase (``dedup_collectives_pass``).  ensures: the gathered tensor is used without a cast.
+    bf16/fp16 (FSDP2 gathers ``param_dtype`` the same way).  It needs one gather per parameter and
+    phase (``dedup_collectives_pass``); after it, the gathered tensor is used without a cast.
     """
     graph = gm.graph
     fake_mode = fake_mode_of(gm)

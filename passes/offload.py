@@ -2,18 +2,40 @@
 
 from __future__ import annotations
 
-import dataclasses
+from dataclasses import dataclass
 
 from torch import fx
 
-from spmd_ort.ops import HOST_TWINS, all_gather
+from spmd_ort.runtime.ops import HOST_TWINS, all_gather
 
-from .contracts import GATHERS_ON_COMPUTE_DEVICE, NO_DEVICE_OPTIMIZER_OPS
+from .context import PassResult
+from .contracts import GATHERS_ON_COMPUTE_DEVICE, NO_DEVICE_OPTIMIZER_OPS, PARAMS_GATHERED_BEFORE_USE
 from .helpers import aten, call, calls, compute_device, fake_mode_of, refake, val
 from .runner import graph_pass
 
 
-@graph_pass(ensures=[NO_DEVICE_OPTIMIZER_OPS])
+@dataclass(frozen=True)
+class OptimizerOffload(PassResult):
+    """``offload_optimizer_pass``: optimizer ops moved to the host (their host twins)."""
+
+    ops: int
+
+    def lines(self) -> list[str]:
+        return [f"optimizer offloaded to the host: {self.ops} op(s) run as host twins (native kernel)"]
+
+
+@dataclass(frozen=True)
+class ParamOffload(PassResult):
+    """``offload_params_pass``: where the step computes, and how many shard copies to it were inserted."""
+
+    device: str
+    copies: int
+
+    def lines(self) -> list[str]:
+        return [f"parameter shards in host memory: {self.copies} copie(s) to {self.device} before their gathers"]
+
+
+@graph_pass(provides=[NO_DEVICE_OPTIMIZER_OPS])
 def offload_optimizer_pass(gm: fx.GraphModule, ctx) -> fx.GraphModule:
     """``offload_optimizer="cpu"``: every optimizer op becomes its host twin.
 
@@ -25,11 +47,11 @@ def offload_optimizer_pass(gm: fx.GraphModule, ctx) -> fx.GraphModule:
     for node in calls(gm, *HOST_TWINS):
         node.target = HOST_TWINS[node.target]
         count += 1
-    ctx.results.offload = dataclasses.replace(ctx.results.offload, optimizer_ops=count)
+    ctx.results.record(OptimizerOffload(ops=count))
     return gm
 
 
-@graph_pass(ensures=[GATHERS_ON_COMPUTE_DEVICE])
+@graph_pass(requires=[PARAMS_GATHERED_BEFORE_USE], provides=[GATHERS_ON_COMPUTE_DEVICE])
 def offload_params_pass(gm: fx.GraphModule, ctx) -> fx.GraphModule:
     """``offload_param="cpu"``: parameter shards live in host memory; each is copied to the device before its gather.
 
@@ -49,5 +71,5 @@ def offload_params_pass(gm: fx.GraphModule, ctx) -> fx.GraphModule:
             refake(copy, fake_mode_of(gm))
         node.replace_input_with(src, copy)
         moved += 1
-    ctx.results.offload = dataclasses.replace(ctx.results.offload, param_device=str(device), param_copies=moved)
+    ctx.results.record(ParamOffload(device=str(device), copies=moved))
     return gm

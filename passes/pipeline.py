@@ -7,17 +7,19 @@ condition under which each pass runs (the README's list is
 the finished graph and run no passes of their own.
 
 Adding a pass: write ``<verb>_<object>_pass(gm, ctx) -> gm`` (decorated with
-``graph_pass(requires=..., ensures=...)``) in the file of its family, add one
+``graph_pass(requires=..., provides=..., invalidates=...)``) in the file of its family, add one
 :class:`Step` below, and one test file ``tests/test_pass_<family>.py``.
 """
 
 from __future__ import annotations
 
+import re
 from collections.abc import Callable, Sequence
+from pathlib import Path
 from dataclasses import dataclass
 
 from spmd_ort.errors import ConfigError
-from spmd_ort.parallel import DataParallel
+from spmd_ort.distributed.parallel import DataParallel
 
 from .activation_stats import insert_activation_stats_pass
 from .analysis import plan_memory_pass
@@ -34,6 +36,7 @@ from .reinplace import reinplace_optimizer_pass
 from .runner import GraphPass, pass_name
 from .shard_schedule import bucket_shard_collectives_pass, keep_tail_gathers_pass, prefetch_gathers_pass
 from .user import gm_transformation_pass, override_transform_pass
+from .views import replace_views_with_reshapes_pass
 
 
 @dataclass(frozen=True)
@@ -44,52 +47,42 @@ class Setting:
     backend: str
 
 
-Condition = Callable[[Setting], bool]
+@dataclass(frozen=True)
+class When:
+    """When a pass runs: the predicate and the words the README table shows, one object (the one source)."""
+
+    text: str
+    test: Callable[[Setting], bool]
+
+    def __call__(self, s: Setting) -> bool:
+        return self.test(s)
+
+    def __and__(self, other: When) -> When:
+        return When(f"{self.text}, {other.text}", lambda s: self(s) and other(s))
+
+    def note(self, text: str) -> When:
+        """The same condition, with a remark for the README."""
+        return When(f"{self.text} ({text})", self.test)
 
 
-def _always(s: Setting) -> bool:
-    return True
-
-
-def _replicate(s: Setting) -> bool:
-    return s.mode is not None and not s.mode.sharded
-
-
-def _parallel(s: Setting) -> bool:
-    return s.mode is not None
-
-
-def _sharded(s: Setting) -> bool:
-    return s.mode is not None and s.mode.sharded
-
-
-def _reduce_dtype(s: Setting) -> bool:
-    policy = s.mode.mixed_precision if s.mode is not None else None
-    return policy is not None and policy.gradient_reduce_dtype() is not None
-
-
-def _resharding(s: Setting) -> bool:
-    return _sharded(s) and s.mode.reshard_after_forward
-
-
-def _ort(s: Setting) -> bool:
-    return s.backend == "ort"
-
-
-def _offload_param(s: Setting) -> bool:
-    return _sharded(s) and s.mode.offload_param is not None
-
-
-def _offload_optimizer(s: Setting) -> bool:
-    return _sharded(s) and s.mode.offload_optimizer is not None
+ALWAYS = When("always", lambda s: True)
+SEVERAL_RANKS = When("several ranks", lambda s: s.mode is not None)
+REPLICATE = When("replicate", lambda s: s.mode is not None and not s.mode.sharded)
+FULLY_SHARD = When("fully_shard", lambda s: s.mode is not None and s.mode.sharded)
+RESHARD = FULLY_SHARD & When("reshard_after_forward", lambda s: s.mode.reshard_after_forward)
+REDUCE_DTYPE = SEVERAL_RANKS & When(
+    "MixedPrecisionPolicy with a reduce (or param) dtype",
+    lambda s: s.mode.mixed_precision is not None and s.mode.mixed_precision.gradient_reduce_dtype() is not None)
+OFFLOAD_PARAM = FULLY_SHARD & When("offload_param", lambda s: s.mode.offload_param is not None)
+OFFLOAD_OPTIMIZER = FULLY_SHARD & When("offload_optimizer", lambda s: s.mode.offload_optimizer is not None)
+ORT_BACKEND = When("ort backend", lambda s: s.backend == "ort")
 
 
 @dataclass(frozen=True)
 class Step:
     stage: str
     graph_pass: GraphPass | str  # a pass, or the name of a user transform made per compile
-    when: Condition = _always
-    condition: str = "always"
+    when: When = ALWAYS
 
     @property
     def name(self) -> str:
@@ -100,32 +93,32 @@ USER_TRANSFORMS = "user transforms"
 STAGES: tuple[Step, ...] = (
     Step("cleanup", remove_redundant_copies_pass),
     Step("cleanup", remove_identity_views_pass),
-    Step("debug", insert_activation_stats_pass, _always, "always (a no-op unless a debug subscriber taps activations)"),
-    Step("replicate", expand_data_parallel_pass, _replicate, "replicate"),
-    Step("fully_shard", shard_placeholders_pass, _sharded, "fully_shard"),
-    Step("fully_shard", reduce_scatter_gradients_pass, _sharded, "fully_shard"),
-    Step("mixed_precision", cast_gradient_reductions_pass, _reduce_dtype,
-         "several ranks, MixedPrecisionPolicy with a reduce (or param) dtype"),
-    Step("fully_shard", rematerialize_param_views_pass, _resharding, "fully_shard, reshard_after_forward"),
-    Step("fully_shard", propagate_shards_pass, _sharded, "fully_shard"),
-    Step("fully_shard", gather_parameters_pass, _sharded, "fully_shard"),
-    Step("fully_shard", complete_grad_norms_pass, _sharded, "fully_shard"),
-    Step("fully_shard", complete_found_inf_pass, _sharded, "fully_shard"),
-    Step("parallel", broadcast_buffers_pass, _parallel, "several ranks (broadcast_buffers)"),
-    Step("replicate", bucket_collectives_pass, _replicate, "replicate"),
-    Step("parallel", dedup_collectives_pass, _parallel, "several ranks"),
-    Step("fully_shard", keep_tail_gathers_pass, _resharding, "fully_shard, reshard_after_forward"),
-    Step("mixed_precision", cast_params_before_gather_pass, _sharded, "fully_shard"),
-    Step("fully_shard", bucket_shard_collectives_pass, _sharded, "fully_shard"),
-    Step("parallel", schedule_overlap_pass, _parallel, "several ranks"),
-    Step("fully_shard", prefetch_gathers_pass, _sharded, "fully_shard"),
-    Step("offload", offload_params_pass, _offload_param, "offload_param"),
-    Step("offload", offload_optimizer_pass, _offload_optimizer, "offload_optimizer"),
-    Step(USER_TRANSFORMS, "override_transform_pass[<Override>]", _always, "each Override, in order"),
-    Step(USER_TRANSFORMS, "gm_transformation_pass", _always, "compile(gm_transformation=...)"),
+    Step("debug", insert_activation_stats_pass, ALWAYS.note("a no-op unless a debug subscriber taps activations")),
+    Step("replicate", expand_data_parallel_pass, REPLICATE),
+    Step("fully_shard", shard_placeholders_pass, FULLY_SHARD),
+    Step("fully_shard", reduce_scatter_gradients_pass, FULLY_SHARD),
+    Step("mixed_precision", cast_gradient_reductions_pass, REDUCE_DTYPE),
+    Step("fully_shard", rematerialize_param_views_pass, RESHARD),
+    Step("fully_shard", propagate_shards_pass, FULLY_SHARD),
+    Step("fully_shard", gather_parameters_pass, FULLY_SHARD),
+    Step("fully_shard", complete_grad_norms_pass, FULLY_SHARD),
+    Step("fully_shard", complete_found_inf_pass, FULLY_SHARD),
+    Step("parallel", broadcast_buffers_pass, SEVERAL_RANKS.note("a no-op without broadcast_buffers")),
+    Step("replicate", bucket_collectives_pass, REPLICATE),
+    Step("parallel", dedup_collectives_pass, SEVERAL_RANKS),
+    Step("fully_shard", keep_tail_gathers_pass, RESHARD),
+    Step("mixed_precision", cast_params_before_gather_pass, FULLY_SHARD),
+    Step("fully_shard", bucket_shard_collectives_pass, FULLY_SHARD),
+    Step("parallel", schedule_overlap_pass, SEVERAL_RANKS),
+    Step("fully_shard", prefetch_gathers_pass, FULLY_SHARD),
+    Step("offload", offload_params_pass, OFFLOAD_PARAM),
+    Step("offload", offload_optimizer_pass, OFFLOAD_OPTIMIZER),
+    Step(USER_TRANSFORMS, "override_transform_pass[<Override>]", ALWAYS.note("each Override, in order")),
+    Step(USER_TRANSFORMS, "gm_transformation_pass", When("compile(gm_transformation=...)", lambda s: True)),
     Step("analysis", plan_memory_pass),
-    Step("backend", lower_to_onnx_ops_pass, _ort, "ort backend"),
+    Step("backend", lower_to_onnx_ops_pass, ORT_BACKEND),
     Step("backend", reinplace_optimizer_pass),
+    Step("backend", replace_views_with_reshapes_pass),
 )
 
 
@@ -170,5 +163,19 @@ def check_disabled(names: frozenset[str]) -> None:
 def pipeline_markdown() -> str:
     """The pipeline as the README lists it: stage, pass, when it runs."""
     rows = ["| # | stage | pass | runs when |", "| --- | --- | --- | --- |"]
-    rows += [f"| {i} | {s.stage} | `{s.name}` | {s.condition} |" for i, s in enumerate(STAGES, 1)]
+    rows += [f"| {i} | {s.stage} | `{s.name}` | {s.when.text} |" for i, s in enumerate(STAGES, 1)]
     return "\n".join(rows)
+
+
+def write_readme_table(path: str | Path) -> bool:
+    """Replace the ``<!-- pipeline:begin/end -->`` block of the README at ``path`` with :func:`pipeline_markdown`;
+    True when it changed."""
+    path = Path(path)
+    text = path.read_text()
+    block = re.compile(r"(<!-- pipeline:begin -->\n).*?(\n?<!-- pipeline:end -->)", re.S)
+    if not block.search(text):
+        raise ValueError(f"{path} has no <!-- pipeline:begin/end --> block")
+    new = block.sub(lambda m: m.group(1) + pipeline_markdown() + "\n<!-- pipeline:end -->", text, count=1)
+    path.write_text(new)
+    return new != text
+

@@ -6,9 +6,11 @@ import operator
 
 from torch import fx
 
-from spmd_ort.ops import INPLACE_TWINS
+from spmd_ort.capture.state import SlotKind
+from spmd_ort.runtime.ops import INPLACE_TWINS
 
 from .helpers import is_view_op
+from .contracts import IO_MATCHES_SLOTS
 from .runner import graph_pass
 
 
@@ -26,7 +28,7 @@ def _aliases(node: fx.Node) -> list[fx.Node]:
     return out
 
 
-@graph_pass()
+@graph_pass(requires=[IO_MATCHES_SLOTS])
 def reinplace_optimizer_pass(gm: fx.GraphModule, ctx) -> fx.GraphModule:
     """Swap a functional optimizer op (``spmd_ort::adam``/``sgd``) for its in-place twin.
 
@@ -35,9 +37,9 @@ def reinplace_optimizer_pass(gm: fx.GraphModule, ctx) -> fx.GraphModule:
     mutated list argument is a state placeholder whose new value goes only to the
     graph output for that same state, and nothing reads the old value after the
     op, the op can update the placeholders in place; the outputs become the
-    placeholders themselves, which write-back recognizes and skips.
-    requires: ``ctx.input_slots``/``ctx.output_slots`` describe the graph IO.
-    ensures: every rewritten op's outputs are its inputs; numbers unchanged.
+    placeholders themselves, which write-back recognizes and skips.  It reads
+    ``ctx.input_slots``/``ctx.output_slots``; every rewritten op's outputs are
+    its inputs; numbers unchanged.
     """
     graph = gm.graph
     placeholders = [n for n in graph.nodes if n.op == "placeholder"]
@@ -59,7 +61,7 @@ def reinplace_optimizer_pass(gm: fx.GraphModule, ctx) -> fx.GraphModule:
         ok = True
         for k, inp in enumerate(inputs):
             gi = getitems.get(k)
-            if gi is None or in_slot.get(inp) is None or in_slot[inp].kind not in ("param", "opt_state"):
+            if gi is None or in_slot.get(inp) is None or in_slot[inp].kind not in (SlotKind.PARAM, SlotKind.OPT_STATE):
                 ok = False
                 break
             # the new value must only be returned as this same state

@@ -3,16 +3,57 @@
 from __future__ import annotations
 
 import operator
+from dataclasses import dataclass
 
 from torch import fx
 from torch.fx.passes.tools_common import stable_topological_sort
 
-from spmd_ort.ops import all_gather, reduce_scatter, wait_
+from spmd_ort.runtime.ops import all_gather, reduce_scatter, wait_
 
-from .context import ShardBuckets
-from .contracts import COLLECTIVES_WAITED, NO_DUPLICATE_COLLECTIVES, ONE_SHARD_COLLECTIVE_PER_BUCKET
-from .helpers import aten, call, calls, is_dtype_cast, phase, producers, set_phase, tensor_bytes, unpack_chain, val
+from .context import PassResult
+from .contracts import (COLLECTIVES_WAITED, NO_DUPLICATE_COLLECTIVES, OVERLAP_SCHEDULED, PARAMS_GATHERED_BEFORE_USE,
+                        PER_GRADIENT_REDUCTIONS, Invariant)
+from .helpers import (GRADIENT_OF, aten, call, calls, is_dtype_cast, phase, producers, set_phase, tensor_bytes,
+                      unpack_chain, val)
 from .runner import graph_pass
+
+
+@dataclass(frozen=True)
+class KeptForBackward(PassResult):
+    """``keep_tail_gathers_pass``: parameters whose forward gather serves backward too."""
+
+    params: tuple[str, ...]
+
+    def lines(self) -> list[str]:
+        return [f"kept gathered for backward: {', '.join(self.params) or 'none'}"]
+
+
+@dataclass(frozen=True)
+class ShardBuckets(PassResult):
+    """``bucket_shard_collectives_pass``: unsharded bytes per all-gather and per reduce-scatter bucket."""
+
+    all_gather: tuple[int, ...]
+    reduce_scatter: tuple[int, ...]
+
+    def lines(self) -> list[str]:
+        return [f"{kind} buckets: {len(sizes)} ({', '.join(f'{x / 2**20:.2f} MiB' for x in sizes)})"
+                for kind, sizes in (("all_gather", self.all_gather), ("reduce_scatter", self.reduce_scatter))]
+
+
+def _one_shard_collective_per_bucket(gm, ctx):
+    buckets = ctx.results.get(ShardBuckets)
+    if buckets is None:
+        return "no shard buckets recorded"
+    gathers, scatters = len(calls(gm, all_gather)), len(calls(gm, reduce_scatter))
+    if (gathers, scatters) != (len(buckets.all_gather), len(buckets.reduce_scatter)):
+        return (f"{gathers} all-gathers / {scatters} reduce-scatters for {len(buckets.all_gather)} / "
+                f"{len(buckets.reduce_scatter)} buckets")
+    return None
+
+
+ONE_SHARD_COLLECTIVE_PER_BUCKET = Invariant(
+    "one_shard_collective_per_bucket", "all-gathers and reduce-scatters == recorded shard buckets",
+    _one_shard_collective_per_bucket)
 
 
 def _uses(gather: fx.Node) -> list[fx.Node]:
@@ -26,7 +67,7 @@ def _uses(gather: fx.Node) -> list[fx.Node]:
     return [v for u in uses for v in (list(u.users) if is_dtype_cast(u) and u.users else [u])]
 
 
-@graph_pass(requires=[NO_DUPLICATE_COLLECTIVES])
+@graph_pass(requires=[NO_DUPLICATE_COLLECTIVES, PARAMS_GATHERED_BEFORE_USE])
 def keep_tail_gathers_pass(gm: fx.GraphModule, ctx) -> fx.GraphModule:
     """With resharding, parameters still gathered when forward ends are not gathered again for backward.
 
@@ -35,8 +76,8 @@ def keep_tail_gathers_pass(gm: fx.GraphModule, ctx) -> fx.GraphModule:
     gathered copy until the end of forward anyway; backward starts with exactly
     these parameters, so freeing and re-gathering them would only add a
     blocking all-gather at the turn (FSDP2 keeps its root module unsharded for
-    the same reason).  requires: one gather per parameter and phase (dedup).
-    ensures: such parameters' backward uses read the forward gather.
+    the same reason).  It needs one gather per parameter and phase (dedup);
+    after it, such parameters' backward uses read the forward gather.
     """
     graph = gm.graph
     gathers: dict[tuple, fx.Node] = {(n.args, phase(n)): n for n in calls(gm, all_gather)}
@@ -57,7 +98,7 @@ def keep_tail_gathers_pass(gm: fx.GraphModule, ctx) -> fx.GraphModule:
         graph.erase_node(bwd_wait)
         graph.erase_node(backward)
         kept.append(args[0].name)
-    ctx.results.kept_for_backward = tuple(kept)
+    ctx.results.record(KeptForBackward(params=tuple(kept)))
     return gm
 
 
@@ -118,6 +159,7 @@ def _merge_scatters(graph: fx.Graph, bucket: list, world: int) -> None:
         cat = call(graph, aten.cat.default, (tables, 1), v.new_empty(world, total))
         flat = call(graph, aten.view.default, (cat, [-1]), v.new_empty(world * total))
         start = call(graph, reduce_scatter, (flat, world), v.new_empty(total))
+        start.meta[GRADIENT_OF] = tuple(old_start.meta.get(GRADIENT_OF) for old_start, _ in bucket)
         done = call(graph, wait_, (start,), v.new_empty(total))
         parts = call(graph, aten.split_with_sizes.default, (done, sizes), list(v.new_empty(total).split(sizes)))
         new = tables + [cat, flat, start, done, parts]
@@ -132,7 +174,9 @@ def _merge_scatters(graph: fx.Graph, bucket: list, world: int) -> None:
         graph.erase_node(old_start)
 
 
-@graph_pass(requires=[COLLECTIVES_WAITED], ensures=[ONE_SHARD_COLLECTIVE_PER_BUCKET, COLLECTIVES_WAITED])
+@graph_pass(requires=[PER_GRADIENT_REDUCTIONS, PARAMS_GATHERED_BEFORE_USE, NO_DUPLICATE_COLLECTIVES,
+                      COLLECTIVES_WAITED],
+            provides=[ONE_SHARD_COLLECTIVE_PER_BUCKET, COLLECTIVES_WAITED], invalidates=[PER_GRADIENT_REDUCTIONS])
 def bucket_shard_collectives_pass(gm: fx.GraphModule, ctx) -> fx.GraphModule:
     """All-gathers of one phase, in order of use, and reduce-scatters, in order of production, share buckets.
 
@@ -141,8 +185,7 @@ def bucket_shard_collectives_pass(gm: fx.GraphModule, ctx) -> fx.GraphModule:
     to the parameter's flat layout).  A reduce-scatter bucket is each padded
     gradient ``view(N, shard)``, ``cat`` along columns ``-> reduce_scatter ->
     wait_ -> split``.  Buckets hold one dtype and device, at most
-    ``bucket_cap_mb`` of unsharded bytes.  requires: ``gather_parameters_pass``
-    and ``reduce_scatter_gradients_pass`` (and dedup).
+    ``bucket_cap_mb`` of unsharded bytes.
     """
     cap = ctx.mode.bucket_cap_mb * 2**20
     graph = gm.graph
@@ -165,19 +208,20 @@ def bucket_shard_collectives_pass(gm: fx.GraphModule, ctx) -> fx.GraphModule:
     for bucket in _buckets(scatters, cap):
         scatter_bytes.append(sum(tensor_bytes(val(start.args[0])) for start, _ in bucket))
         _merge_scatters(graph, bucket, world)
-    ctx.results.shard_buckets = ShardBuckets(all_gather=tuple(gather_bytes), reduce_scatter=tuple(scatter_bytes))
+    ctx.results.record(ShardBuckets(all_gather=tuple(gather_bytes), reduce_scatter=tuple(scatter_bytes)))
     stable_topological_sort(gm)
     return gm
 
 
-@graph_pass(requires=[COLLECTIVES_WAITED], ensures=[COLLECTIVES_WAITED])
+@graph_pass(requires=[ONE_SHARD_COLLECTIVE_PER_BUCKET, OVERLAP_SCHEDULED, COLLECTIVES_WAITED],
+            provides=[COLLECTIVES_WAITED])
 def prefetch_gathers_pass(gm: fx.GraphModule, ctx) -> fx.GraphModule:
     """Parameter all-gathers are issued ``prefetch`` buckets ahead.
 
     Bucket k starts just before the wait of bucket k - prefetch of the same
     phase (forward or backward), so its transfer overlaps that bucket's compute
-    while at most prefetch + 1 buckets are in flight.  requires: bucketed
-    gathers, waits already sunk to their first use (``schedule_overlap_pass``).
+    while at most prefetch + 1 buckets are in flight (on bucketed gathers whose
+    waits are already sunk to their first use).
     """
     by_phase: dict[str, list] = {}
     for node in calls(gm, wait_):

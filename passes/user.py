@@ -12,7 +12,7 @@ import torch
 from torch import fx
 
 from spmd_ort.errors import CompileError
-from spmd_ort.state import Slot
+from spmd_ort.capture.state import Slot, SlotKind
 
 from .runner import GraphPass, graph_pass
 from .helpers import placeholders
@@ -37,7 +37,7 @@ def override_transform_pass(override) -> GraphPass:
     @graph_pass()
     def apply(gm: fx.GraphModule, ctx) -> fx.GraphModule:
         layout = ctx.layout
-        n_state = sum(1 for s in ctx.input_slots if s.kind not in ("batch", "input_grad"))
+        n_state = sum(1 for s in ctx.input_slots if s.kind.is_state)
         flat_state = layout.gather()
         gm = override.transform(gm, flat_state)
         if not isinstance(gm, fx.GraphModule):
@@ -48,7 +48,7 @@ def override_transform_pass(override) -> GraphPass:
         if added:
             start = len(layout.extra_state)
             layout.extra_state.extend(added)
-            ctx.input_slots[n_state:n_state] = [Slot("extra", f"extra[{start + i}]", start + i)
+            ctx.input_slots[n_state:n_state] = [Slot(SlotKind.EXTRA, f"extra[{start + i}]", start + i)
                                                 for i in range(len(added))]
         _check_placeholders(gm, ctx, who)
         return gm

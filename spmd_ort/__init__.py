@@ -1,18 +1,29 @@
-"""spmd_ort: compile a whole PyTorch train step into one graph, distribute it, run it on ONNX Runtime."""
+"""spmd_ort: compile a whole PyTorch train step into one graph, distribute it, run it on ONNX Runtime.
 
-from .amp import DynamicLossScaler, MixedPrecisionPolicy
-from .api import CompiledStep, OpaqueOverride, Override, compile
-from .ds_plan import DeepSpeedPlan, from_deepspeed_config
-from .checkpoint import load_checkpoint, load_state_dict, save_checkpoint, state_dict
-from .errors import CheckpointError, CollectiveTimeout, CompileError, ConfigError
-from .options import DebugOptions, LogLevel, Options
-from .parallel import DataParallel
-from .program import CompiledProgram
-from .sharding import full_state_dict, gathered_parameters
+The public names are here; the stages live in subpackages that read like the pipeline:
+``capture`` (trace) -> ``passes`` (``spmd_ort.passes``) -> ``ort`` (partition, export,
+sessions) / ``runtime`` (programs, executors, host ops), with ``distributed``,
+``integrations`` and ``debug`` beside them.
+"""
+
+from spmd_ort import moved
+from spmd_ort.api import compile
+from spmd_ort.overrides import OpaqueOverride, Override
+from spmd_ort.capture.amp import DynamicLossScaler, MixedPrecisionPolicy
+from spmd_ort.distributed.checkpoint import load_checkpoint, load_state_dict, save_checkpoint, state_dict
+from spmd_ort.distributed.parallel import DataParallel
+from spmd_ort.distributed.sharding import full_state_dict, gathered_parameters
+from spmd_ort.errors import CheckpointError, CollectiveTimeout, CompileError, ConfigError
+from spmd_ort.integrations.deepspeed.plan import DeepSpeedPlan, from_deepspeed_config
+from spmd_ort.options import DebugOptions, LogLevel, Options
+from spmd_ort.runtime.program import CompiledProgram
+from spmd_ort.step import CompiledStep
+
+moved.install()  # the flat layout's documented import paths (spmd_ort.memory, ...) keep working
 
 __version__ = "0.1.0"
 
-__all__ = ["CheckpointError", "CollectiveTimeout", "DataParallel", "DeepSpeedPlan", "DynamicLossScaler", "CompileError", "CompiledProgram", "CompiledStep", "ConfigError", "DebugOptions", "LogLevel",
-           "MixedPrecisionPolicy", "OpaqueOverride", "Options", "Override",
-           "compile", "from_deepspeed_config", "full_state_dict", "gathered_parameters", "load_checkpoint", "load_state_dict", "save_checkpoint",
-           "state_dict"]
+__all__ = ["CheckpointError", "CollectiveTimeout", "CompileError", "CompiledProgram", "CompiledStep", "ConfigError",
+           "DataParallel", "DebugOptions", "DeepSpeedPlan", "DynamicLossScaler", "LogLevel", "MixedPrecisionPolicy",
+           "OpaqueOverride", "Options", "Override", "compile", "from_deepspeed_config", "full_state_dict",
+           "gathered_parameters", "load_checkpoint", "load_state_dict", "save_checkpoint", "state_dict"]

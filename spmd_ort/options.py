@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from .errors import ConfigError
+from spmd_ort.errors import ConfigError
 
 logger = logging.getLogger("spmd_ort")
 
@@ -49,7 +49,7 @@ class DebugOptions:
     ``save_onnx``/``onnx_prefix`` write exported segments (ORT backend).
     ``verify`` checks every exported segment numerically against the FX graph on the first run
     (default on; ``SPMD_ORT_VERIFY`` wins over it).
-    ``check_passes`` checks every graph pass's declared requires/ensures contracts.
+    ``check_passes`` checks every graph pass's declared contract on the graph (the order is checked always).
     """
 
     log_level: LogLevel = LogLevel.WARNING
@@ -192,7 +192,8 @@ ENV_VARS: tuple[EnvVar, ...] = (
     EnvVar("SPMD_ORT_DISABLE_PASSES", "disabled_passes", _names, "none",
            "comma-separated graph pass names to skip (e.g. `reinplace_optimizer_pass`); an unknown name is an error"),
     EnvVar("SPMD_ORT_CHECK_PASSES", "check_passes", _bool, "`0`",
-           "`1`: check every pass's requires/ensures contracts on the graph (always on in the test suite)"),
+           "`1`: check every pass's contract (requires / provides) on the graph (always on in the test suite; "
+           "the pipeline's order is checked always)"),
     EnvVar("SPMD_ORT_ONNX_OPSET_VERSION", "onnx_opset", _opset, f"`{DEFAULT_OPSET}`",
            f"ONNX opset of exported segments, {OPSET_RANGE[0]} to {OPSET_RANGE[1]}"),
     EnvVar("SPMD_ORT_VERIFY", "verify", _bool, "`1`",

@@ -39,6 +39,21 @@ def scaled_update(loss, model, opt, scaler, clip: float = 1.0):
     return loss
 
 
+def shard_without_collectives(model: nn.Module, opt, world: int, rank: int = 0) -> None:
+    """What fully_shard's ShardedModule does, without collectives: rank ``rank``'s shards of every parameter and
+    state (pass tests trace a sharded step on one process)."""
+    from spmd_ort.distributed.sharding import SHARD_ATTR, ShardSpec
+
+    for p in model.parameters():
+        spec = ShardSpec(tuple(p.shape), p.numel(), world, rank)
+        st = opt.state.get(p, {})
+        for k, v in list(st.items()):
+            if v.dim() > 0:
+                st[k] = spec.shard_of(v)
+        p.data = spec.shard_of(p.data)
+        setattr(p, SHARD_ATTR, spec)
+
+
 def train_step(model, opt, x, y, clip: float | None = None):
     """Cross-entropy step for classifiers (B, C) and language models (B, T, V) alike."""
     out = model(x)

@@ -15,6 +15,7 @@ import torch
 import torch.nn.functional as F
 
 import spmd_ort
+from spmd_ort.capture.state import SlotKind
 from helpers import assert_close_normwise, assert_ran_on_ort, assert_same_state, scaled_update
 from models import MLP
 
@@ -79,7 +80,7 @@ def test_autocast_and_gradscaler_match_eager(dtype, backend, opt_kind):
     equal eager's.  fx runs eager's kernels: bit for bit with a fused optimizer (foreach SGD: rtol 1e-5,
     the fused kernel rounds differently).  ORT: float16 segments run ORT's float16 kernels, which round
     differently from torch's by about one float16 ulp (2^-10 relative), so loss and parameters agree to
-    2^-10 (normwise per tensor); bf16 compute stays in torch on CPU (spmd_ort.partition.HOST_DTYPES),
+    2^-10 (normwise per tensor); bf16 compute stays in torch on CPU (spmd_ort.ort.partition.HOST_DTYPES),
     the float32 rest is ORT: rtol 1e-5 normwise."""
     dtype_ = getattr(torch, dtype)
     step_fn = fp16_step if dtype_ == torch.float16 else bf16_step
@@ -125,7 +126,7 @@ def test_autocast_and_gradscaler_match_eager(dtype, backend, opt_kind):
     if backend == "ort":
         assert_ran_on_ort(compiled)
         kinds = [s.kind for s in compiled.compiled.input_slots]
-        assert kinds.count("scaler") == 2
+        assert kinds.count(SlotKind.SCALER) == 2
 
 
 def _tiny():
@@ -178,7 +179,7 @@ def test_disabled_scaler_and_what_retraces():
     for _ in range(2):
         torch.testing.assert_close(step(model, opt, off, x, y), bf16_step(model_e, opt_e, off_e, x, y), rtol=0, atol=0)
     assert_same_state(model_e, model, opt_e, opt)
-    assert [s.kind for s in step.compiled.input_slots].count("scaler") == 0
+    assert [s.kind for s in step.compiled.input_slots].count(SlotKind.SCALER) == 0
     traces = step.transitions.traces
     on = torch.amp.GradScaler("cpu", growth_interval=3)
     step(model, opt, on, x, y)
@@ -281,9 +282,9 @@ def test_host_optimizer_skips_like_the_fused_kernel():
     """offload_optimizer's host twins take found_inf too: 1 skips (steps unchanged), 0 updates as the device op.
     (The host update here is torch's fused CPU kernel, SPMD_ORT_NATIVE=0: the native kernel's own equality with it
     is tests/test_native_optim.py's; this checks the skip around it.)"""
-    from spmd_ort import ops
+    from spmd_ort.runtime import ops
     from spmd_ort.options import Options
-    from spmd_ort.runtime import StepRuntime
+    from spmd_ort.runtime.context import StepRuntime
 
     torch.manual_seed(0)
     params, grads = [torch.randn(37)], [torch.randn(37)]

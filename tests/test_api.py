@@ -9,6 +9,7 @@ import torch
 import torch.nn.functional as F
 from torch import fx, nn
 
+from spmd_ort.capture.state import SlotKind
 import spmd_ort
 from helpers import assert_same_state, classification_step
 from models import MLP
@@ -148,8 +149,8 @@ def test_inspection():
     prog = step.compiled
     assert isinstance(prog, spmd_ort.CompiledProgram)
     kinds = [s.kind for s in prog.input_slots]
-    assert kinds.count("param") == 6 and kinds.count("hparam") == 1 and kinds.count("batch") == 2
-    assert [s.name for s in prog.output_slots if s.kind == "opt_state"] == [
+    assert kinds.count(SlotKind.PARAM) == 6 and kinds.count(SlotKind.HPARAM) == 1 and kinds.count(SlotKind.BATCH) == 2
+    assert [s.name for s in prog.output_slots if s.kind is SlotKind.OPT_STATE] == [
         f"{n}.momentum_buffer" for n, _ in model.named_parameters()]
     text = prog.describe()
     assert "remove_redundant_copies_pass" in text and "spmd_ort.sgd" in text and "aten.mm.default" in text

@@ -3,23 +3,31 @@
 from __future__ import annotations
 
 import ast
+import importlib
 import re
 from pathlib import Path
 
 import pytest
+import torch
 
+from spmd_ort import DataParallel, MixedPrecisionPolicy
+from spmd_ort.moved import MOVED
 from spmd_ort.options import env_table_markdown
-from spmd_ort.passes import STAGES, pipeline_markdown
+from spmd_ort.passes import (STAGES, PassContext, PassError, bucket_collectives_pass, build_pipeline, check_order,
+                             expand_data_parallel_pass, pipeline_markdown)
+from spmd_ort.passes.contracts import traced_facts
 
 ROOT = Path(__file__).resolve().parent.parent
-PACKAGES = {"spmd_ort": ROOT / "spmd_ort", "spmd_ort.debug": ROOT / "spmd_ort" / "debug", "spmd_ort.passes": ROOT / "passes"}
+PACKAGES = {"spmd_ort": ROOT / "spmd_ort", "spmd_ort.passes": ROOT / "passes"}  # each with its subpackages
 
 
 def _modules() -> dict[str, Path]:
     out = {}
     for package, folder in PACKAGES.items():
-        for path in sorted(folder.glob("*.py")):
-            out[package if path.stem == "__init__" else f"{package}.{path.stem}"] = path
+        for path in sorted(folder.rglob("*.py")):
+            parts = path.relative_to(folder).with_suffix("").parts
+            name = ".".join((package, *parts))
+            out[name.removesuffix(".__init__")] = path
     return out
 
 
@@ -122,4 +130,84 @@ def test_every_pass_is_named_documented_and_declares_its_contracts(step):
     fn = step.graph_pass
     assert fn.__name__.endswith("_pass")
     assert fn.__doc__ and fn.__doc__.strip(), fn.__name__
-    assert hasattr(fn, "requires") and hasattr(fn, "ensures"), f"{fn.__name__} is not declared with @graph_pass"
+    assert hasattr(fn, "contract"), f"{fn.__name__} is not declared with @graph_pass"
+
+
+# ---------------------------------------------------------------------- contracts and executors
+SETTINGS = {
+    "one process": None,
+    "replicate": DataParallel(),
+    "replicate, bf16 reductions": DataParallel(mixed_precision=MixedPrecisionPolicy(param_dtype=torch.bfloat16)),
+    "fully_shard": DataParallel(parallel_style="fully_shard"),
+    "fully_shard, no reshard": DataParallel(parallel_style="fully_shard", reshard_after_forward=False),
+    "fully_shard, offload": DataParallel(parallel_style="fully_shard", offload_param="cpu", offload_optimizer="cpu"),
+}
+
+
+@pytest.mark.parametrize("backend", ["fx", "ort"])
+@pytest.mark.parametrize("setting", list(SETTINGS))
+def test_every_pipeline_meets_its_own_contracts(setting, backend):
+    """For every parallel mode and backend, each pass's requirements are provided before it runs (checked
+    before any pass runs, from the declarations alone)."""
+    mode = SETTINGS[setting]
+    ctx = PassContext(input_slots=[], output_slots=[], mode=mode, world_size=2 if mode else 1)
+    ctx.facts = traced_facts(ctx)
+    check_order(build_pipeline(mode, backend), ctx)
+
+
+def test_a_disabled_pass_that_others_need_is_an_error_naming_both():
+    mode = SETTINGS["fully_shard"]
+    ctx = PassContext(input_slots=[], output_slots=[], mode=mode, world_size=2,
+                      disabled=frozenset({"propagate_shards_pass"}))
+    ctx.facts = traced_facts(ctx)
+    with pytest.raises(PassError, match=r"`gather_parameters_pass` requires `shards_propagated`.*which "
+                                        r"`propagate_shards_pass` provides, but `propagate_shards_pass` is disabled"):
+        check_order(build_pipeline(mode, "fx"), ctx)
+
+
+def test_a_pass_ordered_before_what_it_needs_is_an_error_naming_both():
+    mode = SETTINGS["replicate"]
+    ctx = PassContext(input_slots=[], output_slots=[], mode=mode, world_size=2)
+    ctx.facts = traced_facts(ctx)
+    with pytest.raises(PassError, match=r"`bucket_collectives_pass` requires `per_gradient_reductions`.*"
+                                        r"`expand_data_parallel_pass` runs after `bucket_collectives_pass`"):
+        check_order([bucket_collectives_pass, expand_data_parallel_pass], ctx)
+
+
+# modules that run compiled graphs: they partition and run, and never rewrite a graph (that is a pass's job)
+EXECUTOR_MODULES = ["spmd_ort.runtime.executor", "spmd_ort.runtime.fx_executor", "spmd_ort.runtime.program",
+                    "spmd_ort.ort.executor", "spmd_ort.ort.session", "spmd_ort.ort.sizes", "spmd_ort.ort.choice",
+                    "spmd_ort.ort.verify"]
+GRAPH_EDITS = {"erase_node", "inserting_before", "inserting_after", "replace_all_uses_with", "replace_input_with",
+               "call_function", "create_node", "eliminate_dead_code", "prepend", "append"}
+NODE_FIELDS = {"target", "args", "kwargs"}
+
+
+@pytest.mark.parametrize("module", EXECUTOR_MODULES)
+def test_executors_run_the_graph_they_are_given(module):
+    """No executor edits a graph: no node field is assigned and no graph-editing method is called."""
+    tree = ast.parse(MODULES[module].read_text())
+    bad = []
+    for node in ast.walk(tree):
+        if isinstance(node, (ast.Assign, ast.AugAssign)):
+            targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+            bad += [f"line {node.lineno}: assigns .{t.attr}" for t in targets
+                    if isinstance(t, ast.Attribute) and t.attr in NODE_FIELDS]
+        elif isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr in GRAPH_EDITS:
+            receiver = ast.unparse(node.func.value)
+            if "graph" in receiver or "node" in receiver:
+                bad.append(f"line {node.lineno}: {receiver}.{node.func.attr}(...)")
+    assert not bad, f"{module} rewrites a graph: " + "; ".join(bad)
+
+
+@pytest.mark.parametrize("old,new", sorted(MOVED.items()))
+def test_documented_import_paths_of_the_flat_layout_still_work(old, new):
+    module = importlib.import_module(old)
+    assert module is importlib.import_module(new) and module.__name__ == new
+
+
+def test_an_old_path_imports_names_from_it():
+    from spmd_ort.data import LoadBalancingDistributedSampler  # noqa: F401 - the README's import, before the move
+    from spmd_ort.memory import retain_host_memory
+
+    assert retain_host_memory is importlib.import_module("spmd_ort.runtime.memory").retain_host_memory

@@ -8,6 +8,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from spmd_ort.capture.state import SlotKind
 import spmd_ort
 from helpers import (assert_close_relmax, assert_ran_on_ort, assert_same_state, classification_step, lm_step,
                      train_side_by_side)
@@ -167,7 +168,7 @@ def test_batchnorm_buffers(backend):
     torch.manual_seed(0)
     make_model, step, batches = _cnn_case()
     compiled, _, _ = train_side_by_side(make_model, _sgd, step, batches[:4], backend=backend)
-    buffers = [s.name for s in compiled.compiled.output_slots if s.kind == "buffer"]
+    buffers = [s.name for s in compiled.compiled.output_slots if s.kind is SlotKind.BUFFER]
     assert "bn1.running_mean" in buffers and "bn1.num_batches_tracked" in buffers
 
 
@@ -183,7 +184,7 @@ def test_tied_weights_stay_tied():
         compiled(model, opt, *gpt_batch(cfg, 2, g))
     assert model.head.weight is model.wte.weight
     assert not torch.equal(before, model.wte.weight)
-    params = [s for s in compiled.compiled.input_slots if s.kind == "param"]
+    params = [s for s in compiled.compiled.input_slots if s.kind is SlotKind.PARAM]
     assert len(params) == len(list(model.parameters()))  # the tied weight is one input
 
 

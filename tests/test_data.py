@@ -1,4 +1,4 @@
-"""spmd_ort.data: load-balancing samplers (disjoint, complete, balanced step by step, deterministic per epoch)."""
+"""spmd_ort.distributed.data: load-balancing samplers (disjoint, complete, balanced step by step, deterministic per epoch)."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch.utils.data import DataLoader, DistributedSampler
 
-from spmd_ort.data import LoadBalancingDistributedBatchSampler, LoadBalancingDistributedSampler
+from spmd_ort.distributed.data import LoadBalancingDistributedBatchSampler, LoadBalancingDistributedSampler
 
 
 def _samplers(lengths, world, **kw):

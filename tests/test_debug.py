@@ -11,7 +11,8 @@ import torch
 from torch import nn
 
 import spmd_ort
-from spmd_ort.debug import GlobalSubscriberManager, StatisticsSubscriber, first_divergence, inspect_activation, load_run
+from spmd_ort.debug import (GlobalSubscriberManager, StatisticsSubscriber, first_divergence, inspect_activation,
+                                load_run)
 from helpers import assert_ran_on_ort, train_step
 
 
@@ -178,3 +179,50 @@ def test_profile_writes_a_trace_and_a_picture(tmp_path):
     assert {e["args"]["step"] for e in spans} == {0, 1}
     assert all(e["dur"] >= 0 for e in spans)
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_two_compiled_steps_keep_their_taps_and_statistics_apart(tmp_path):
+    """Two models, each with its own subscriber, trained by two compiled steps (one of them checking its
+    passes, the other not) in one process: each step's graph taps only its own model, its registry knows only
+    its own subscriber, and each output directory holds only its own model's statistics."""
+    torch.manual_seed(0)
+    models = {"a": Net(), "b": Net()}
+    subs = {name: StatisticsSubscriber(tmp_path / name) for name in models}
+    steps = {"a": spmd_ort.compile(backend="fx", debug=spmd_ort.DebugOptions(check_passes=True))(train_step),
+             "b": spmd_ort.compile(backend="fx")(train_step)}
+    for name, model in models.items():
+        GlobalSubscriberManager.subscribe(model, [subs[name]])
+    opts = {name: torch.optim.SGD(m.parameters(), lr=0.1) for name, m in models.items()}
+    x, y = torch.randn(8, 32), torch.randint(0, 10, (8,))
+    for _ in range(2):
+        for name in models:  # interleaved, as two trainings in one process would
+            steps[name](models[name], opts[name], x, y)
+    GlobalSubscriberManager.flush()
+    for name, model in models.items():
+        GlobalSubscriberManager.unsubscribe(model)
+    registry = {name: step.runtime.taps for name, step in steps.items()}
+    assert registry["a"] is not registry["b"]
+    for name, step in steps.items():
+        taps = {s.index for s in step.compiled.output_slots if s.kind.value == "stats"}
+        assert len(taps) == 6
+        assert {registry[name]._taps[t].owner for t in taps} == {subs[name]}  # its own subscriber only
+        run = load_run(tmp_path / name)
+        assert sorted(run) == [0, 1] and len(run[0]) == 6  # two steps, six activations each, nothing else
+    # the same kind of model and batch: the same activations in each run, each written once
+    assert [a.name for a in load_run(tmp_path / "a")[1]] == [a.name for a in load_run(tmp_path / "b")[1]]
+
+
+def test_an_unsubscribed_subscriber_gets_nothing_more(tmp_path):
+    torch.manual_seed(0)
+    model = Net()
+    sub = StatisticsSubscriber(tmp_path / "gone")
+    GlobalSubscriberManager.subscribe(model, [sub])
+    step = spmd_ort.compile(backend="fx")(train_step)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    step(model, opt, torch.randn(8, 32), torch.randint(0, 10, (8,)))
+    GlobalSubscriberManager.flush()
+    GlobalSubscriberManager.unsubscribe(model)
+    assert not sub.subscribed
+    step(model, opt, torch.randn(8, 32), torch.randint(0, 10, (8,)))  # a new variant without hooks
+    sub.flush()
+    assert sorted(load_run(tmp_path / "gone")) == [0]

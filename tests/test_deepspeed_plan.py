@@ -4,7 +4,6 @@ the errors a config gets."""
 from __future__ import annotations
 
 import copy
-import json
 from pathlib import Path
 
 import pytest
@@ -12,9 +11,9 @@ import torch
 import torch.nn.functional as F
 
 import spmd_ort
-from spmd_ort.amp import DynamicLossScaler
-from spmd_ort.ds_config import DeepSpeedConfigError
-from spmd_ort.ds_schedules import OneCycle, WarmupCosineLR, WarmupDecayLR, WarmupLR
+from spmd_ort.capture.amp import DynamicLossScaler
+from spmd_ort.integrations.deepspeed.config import DeepSpeedConfigError
+from spmd_ort.integrations.deepspeed.schedules import OneCycle, WarmupCosineLR, WarmupDecayLR, WarmupLR
 from models import MLP
 
 CONFIGS = Path(__file__).resolve().parent.parent / "configs"

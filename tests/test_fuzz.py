@@ -137,7 +137,7 @@ _TAIL = (Layer(kind="linear", residual=False, bias=False), Layer(kind="linear", 
 FOUND.update({
     # Dropout after a Conv1d over (B, T, C): its input is transposed, eager fills the mask in that layout's
     # memory order, functionalization's bernoulli.p in logical order: the same seed, another mask (1.3% off
-    # in the loss).  The capture keeps the in-place fill's layout now (spmd_ort.ops.bernoulli_like).
+    # in the loss).  The capture keeps the in-place fill's layout now (spmd_ort.runtime.ops.bernoulli_like).
     "dropout_after_conv": (Case(
         seed=5125, d_in=5, width=4, batch=3, seq=3, classes=2,
         layers=(Layer(kind="conv", bias=False), Layer(kind="dropout"), Layer(kind="linear", residual=True, bias=False),

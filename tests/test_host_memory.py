@@ -1,4 +1,4 @@
-"""Host memory retention (spmd_ort.memory.retain_host_memory): after the first compiled step,
+"""Host memory retention (spmd_ort.runtime.memory.retain_host_memory): after the first compiled step,
 large tensors freed by one step are reused by the next instead of being page-faulted in again."""
 
 from __future__ import annotations

@@ -9,6 +9,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from spmd_ort.capture.state import SlotKind
 import spmd_ort
 from helpers import assert_ran_on_ort, assert_same_state
 
@@ -103,9 +104,9 @@ def test_existing_grad_is_accumulated_and_retraces_once_when_grad_appears():
     step, grads = _compare(accumulate, "fx", steps=3)
     # step 0: no x.grad, no optimizer state; step 1: both exist; step 2: same key
     assert step.transitions.traces == 2
-    slots = [s for s in step.compiled.input_slots if s.kind == "input_grad"]
+    slots = [s for s in step.compiled.input_slots if s.kind is SlotKind.INPUT_GRAD]
     assert [s.name for s in slots] == ["x.grad"]
-    assert [s.name for s in step.compiled.output_slots if s.kind == "input_grad"] == ["x.grad"]
+    assert [s.name for s in step.compiled.output_slots if s.kind is SlotKind.INPUT_GRAD] == ["x.grad"]
 
 
 def test_same_tensor_passed_twice_accumulates_both_uses():

@@ -7,7 +7,7 @@ import warnings
 import pytest
 import torch
 
-from spmd_ort import native
+from spmd_ort.runtime import native
 
 SHAPES = [(1000,), (333, 77), (256, 1024), (5,), (1,)]
 

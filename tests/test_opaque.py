@@ -21,10 +21,11 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
+from spmd_ort.capture.state import SlotKind
 import spmd_ort
 from helpers import assert_ort_report_clean, train_side_by_side, train_step
 from models import FunctionMLP, GlobalCenter, MoENet, NumpyTanh, ScaleByMax, tiny_mixtral_config
-from spmd_ort.ops import opaque_backward, opaque_forward
+from spmd_ort.runtime.ops import opaque_backward, opaque_forward
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -224,7 +225,7 @@ def test_top1_moe_module_runs_opaquely_with_one_warning(caplog):
     assert len(step.variants) == 1 and step.compiled.trace_attempts == 2
     [call] = step.compiled.opaque
     assert call.kind == "module" and call.fqn == "moe" and call.name == "Top1MoE"
-    params = {s.name for s in step.compiled.input_slots if s.kind == "param"}
+    params = {s.name for s in step.compiled.input_slots if s.kind is SlotKind.PARAM}
     assert {"moe.router.weight", "moe.experts.3.down.bias"} <= params
 
 
@@ -270,7 +271,7 @@ def test_opaque_override_globs_keep_parameters_and_buffers_first_class(monkeypat
     assert not [r for r in caplog.records if r.levelno >= logging.WARNING]
     assert [c.fqn for c in step.compiled.opaque] == ["blocks.0.mlp", "blocks.1.mlp"]
     assert all(c.reason == "OpaqueOverride('blocks.*.mlp')" for c in step.compiled.opaque)
-    buffers = {s.name for s in step.compiled.output_slots if s.kind == "buffer"}
+    buffers = {s.name for s in step.compiled.output_slots if s.kind is SlotKind.BUFFER}
     assert buffers == {f"blocks.{i}.mlp.1.{b}" for i in (0, 1)
                        for b in ("running_mean", "running_var", "num_batches_tracked")}
     with pytest.raises(TypeError, match="FQN glob"):

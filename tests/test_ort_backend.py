@@ -8,7 +8,6 @@ import logging
 import os
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import onnx
@@ -18,10 +17,10 @@ import torch.nn.functional as F
 from torch import nn
 
 import spmd_ort
-from spmd_ort import coverage
-from spmd_ort import export as ort_export
-from spmd_ort.runtime_ort import OrtSegment
-from spmd_ort.translations import Translation
+from spmd_ort.ort import coverage
+from spmd_ort.ort import export as ort_export
+from spmd_ort.ort.session import OrtSegment
+from spmd_ort.ort.translations import Translation
 from helpers import assert_close_relmax, assert_ran_on_ort, assert_same_state, train_side_by_side, train_step
 from models import MLP
 
@@ -191,7 +190,7 @@ CACHE_SCRIPT = r"""
 import json, sys, time, torch
 sys.path.insert(0, {tests!r}); sys.path.insert(0, {root!r})
 import spmd_ort
-from spmd_ort import export
+from spmd_ort.ort import export
 from models import MLP
 from helpers import train_step
 translate = export.translate
@@ -303,7 +302,8 @@ def test_auto_keeps_the_faster_executor_per_segment(monkeypatch, slow):
     choice and both times are in describe(); training matches eager either way.  The executors' costs
     are set on a virtual clock (this machine's load swings a real one by more than any injected delay)."""
     monkeypatch.setenv("SPMD_ORT_SEGMENT_EXECUTOR", "auto")
-    from spmd_ort import runtime_ort
+    from spmd_ort.ort import choice, verify
+    from spmd_ort.ort.session import OrtSegment as Segment
 
     class Clock:
         now = 0.0
@@ -312,7 +312,8 @@ def test_auto_keeps_the_faster_executor_per_segment(monkeypatch, slow):
             return self.now
 
     clock = Clock()
-    monkeypatch.setattr(runtime_ort, "time", clock)
+    monkeypatch.setattr(choice, "time", clock)  # the fx run and the timing runs
+    monkeypatch.setattr(verify, "time", clock)  # the checked ORT run
     cost = {"ort": 0.050 if slow == "ort" else 0.001, "fx": 0.050 if slow == "fx" else 0.001}
 
     def costing(fn, seconds):
@@ -321,14 +322,14 @@ def test_auto_keeps_the_faster_executor_per_segment(monkeypatch, slow):
             return fn(*args, **kwargs)
         return run
 
-    run_ort, init = runtime_ort.OrtSegment.run_ort, runtime_ort.OrtSegment.__init__
+    run_ort, init = Segment.run_ort, Segment.__init__
 
     def patched_init(self, name, fallback, *args, **kwargs):
         init(self, name, fallback, *args, **kwargs)
         self.fallback.forward = costing(self.fallback.forward, cost["fx"])
 
-    monkeypatch.setattr(runtime_ort.OrtSegment, "run_ort", costing(run_ort, cost["ort"]))
-    monkeypatch.setattr(runtime_ort.OrtSegment, "__init__", patched_init)
+    monkeypatch.setattr(Segment, "run_ort", costing(run_ort, cost["ort"]))
+    monkeypatch.setattr(Segment, "__init__", patched_init)
     compiled, _, _ = train_side_by_side(MLP, _adamw, train_step, _mlp_batches(3), backend="ort",
                                         expect_clean_ort=False)
     stats = compiled.compiled.executor.stats
@@ -356,11 +357,11 @@ def test_forced_fx_segment_executor(monkeypatch):
 
 def test_missing_execution_provider_is_a_config_error_not_a_fallback(monkeypatch):
     """Whatever the fallback policy: ORT cannot run the step as configured, so nothing is compiled or changed."""
-    from spmd_ort import runtime_ort
+    from spmd_ort.ort import session
 
-    monkeypatch.setattr(runtime_ort.ort, "get_available_providers", lambda: ["AzureExecutionProvider"])
+    monkeypatch.setattr(session.ort, "get_available_providers", lambda: ["AzureExecutionProvider"])
     with pytest.raises(spmd_ort.ConfigError, match="onnxruntime-gpu"):
-        runtime_ort.providers_for(torch.device("cuda", 0))
+        session.providers_for(torch.device("cuda", 0))
     model = MLP()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     before = [p.detach().clone() for p in model.parameters()]
@@ -371,9 +372,9 @@ def test_missing_execution_provider_is_a_config_error_not_a_fallback(monkeypatch
 
 
 def test_long_export_shows_a_progress_line(monkeypatch, fresh_cache, caplog):
-    from spmd_ort import runtime_ort
+    from spmd_ort.ort import executor
 
-    monkeypatch.setattr(runtime_ort, "PROGRESS_AFTER_S", 0.0)
+    monkeypatch.setattr(executor, "PROGRESS_AFTER_S", 0.0)
     with caplog.at_level(logging.INFO, logger="spmd_ort.progress"):
         model = MLP()
         spmd_ort.compile(backend="ort")(train_step)(model, _adamw(model), *_mlp_batches(1)[0])
@@ -405,15 +406,15 @@ def test_stock_exporter_path_gives_the_same_model(fresh_cache):
 def test_verification_takes_an_analytically_zero_output_for_rounding_noise():
     """A difference in an output that is ~0 is judged against the segment's largest output, not its own max:
     noise a few ulps of that is accepted; a small output that is really wrong is still caught."""
-    from spmd_ort.runtime_ort import _first_difference
+    from spmd_ort.ort.verify import first_difference
 
     big = torch.linspace(-1.0, 1.0, 64)
     noise = torch.full((8,), 1.1e-8)
-    assert _first_difference((big, noise * 3), (big, noise)) is None
+    assert first_difference((big, noise * 3), (big, noise)) is None
     small = torch.full((8,), 1e-3)
-    assert "output 1" in _first_difference((big, small * 1.1), (big, small))
+    assert "output 1" in first_difference((big, small * 1.1), (big, small))
     # alone, a near-zero output keeps the absolute floor (1e-9 for float32)
-    assert "output 0" in _first_difference((noise * 3,), (noise,))
+    assert "output 0" in first_difference((noise * 3,), (noise,))
 
 
 class ConvBiasBatchNorm(nn.Module):
@@ -444,7 +445,7 @@ def test_a_mismatch_within_rounding_of_float64_is_not_a_fault():
     segment run again in float64); a wrong output is still a mismatch."""
     from torch.fx.experimental.proxy_tensor import make_fx
 
-    from spmd_ort.runtime_ort import _within_rounding_of_float64
+    from spmd_ort.ort.verify import within_rounding_of_float64
 
     x = 1000.0 + torch.arange(16, dtype=torch.float32) * 0.37
     gm = make_fx(lambda t: ((t + 1e-3) - t, t * 2))(x)  # the first output: 6% rounding error in float32
@@ -452,6 +453,6 @@ def test_a_mismatch_within_rounding_of_float64_is_not_a_fault():
     exact = ((x.double() + 1e-3) - x.double(), x.double() * 2)
     assert (fx_out[0].double() - exact[0]).norm() > 1e-2 * exact[0].norm()  # fx itself is far from exact
     other = ((fx_out[0].double() + exact[0]) / 2).float()  # another float32 implementation: closer to exact
-    assert _within_rounding_of_float64(gm, [x], (other, fx_out[1]), fx_out)
-    assert not _within_rounding_of_float64(gm, [x], (fx_out[0] * 3, fx_out[1]), fx_out)
-    assert not _within_rounding_of_float64(gm, [x], (other, fx_out[1] * (1 + 1e-3)), fx_out)
+    assert within_rounding_of_float64(gm, [x], (other, fx_out[1]), fx_out)
+    assert not within_rounding_of_float64(gm, [x], (fx_out[0] * 3, fx_out[1]), fx_out)
+    assert not within_rounding_of_float64(gm, [x], (other, fx_out[1] * (1 + 1e-3)), fx_out)

@@ -5,16 +5,15 @@ from __future__ import annotations
 
 import operator
 
-import onnxruntime as ort
 import pytest
 import torch
 from torch import fx
 
 from helpers import assert_ran_on_ort, train_side_by_side
-from spmd_ort import coverage
-from spmd_ort.export import translate
-from spmd_ort.partition import why_host
-from spmd_ort.runtime_ort import OrtSegment
+from spmd_ort.ort import coverage
+from spmd_ort.ort.export import translate
+from spmd_ort.ort.partition import why_host
+from spmd_ort.ort.session import OrtSegment
 
 pytest.importorskip("transformers")
 from zoo import sgd, zoo  # noqa: E402

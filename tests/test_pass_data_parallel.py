@@ -6,15 +6,16 @@ import torch
 import pytest
 from torch import fx
 
+from spmd_ort.passes import GradientBuckets
 import spmd_ort
-from spmd_ort.ops import all_reduce_, broadcast_, wait_
+from spmd_ort.runtime.ops import all_reduce_, broadcast_, wait_
 from spmd_ort.passes import (PassContext, broadcast_buffers_pass, bucket_collectives_pass, build_pipeline,
-                             dedup_collectives_pass, expand_data_parallel_pass, op_counts, run_passes,
-                             schedule_overlap_pass)
-from spmd_ort.runtime import StepRuntime
-from spmd_ort.state import StateLayout
-from spmd_ort.optim import rule_for
-from spmd_ort.trace import trace_step
+                                 dedup_collectives_pass, expand_data_parallel_pass, op_counts, run_passes,
+                                 schedule_overlap_pass)
+from spmd_ort.runtime.context import StepRuntime
+from spmd_ort.capture.state import StateLayout
+from spmd_ort.capture.optim import rule_for
+from spmd_ort.capture.trace import trace_step
 from helpers import train_step
 from models import CNN, MLP
 
@@ -67,7 +68,7 @@ def test_bucket_count_for_cap(one_rank, cap_mb, first_mb, buckets):
     ctx = _ctx(traced, bucket_cap_mb=cap_mb, first_bucket_cap_mb=first_mb)
     gm = run_passes(traced.gm, ctx, [expand_data_parallel_pass, bucket_collectives_pass])
     gm.graph.lint()
-    buckets_made = ctx.results.gradient_buckets
+    buckets_made = ctx.results.get(GradientBuckets)
     assert op_counts(gm)[AR] == buckets == len(buckets_made.names)
     assert sum(buckets_made.nbytes) == sum(p.numel() * 4 for p in model.parameters())
     first = buckets_made.nbytes[0]

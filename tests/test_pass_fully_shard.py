@@ -7,35 +7,23 @@ import copy
 import pytest
 import torch
 
+from spmd_ort.passes import KeptForBackward, OptimizerOffload, ShardBuckets
 import spmd_ort
-from spmd_ort.ops import all_gather, all_reduce_, reduce_scatter, wait_
-from spmd_ort.optim import rule_for
+from spmd_ort.runtime.ops import all_gather, all_reduce_, reduce_scatter, wait_
+from spmd_ort.capture.optim import rule_for
 from spmd_ort.passes import (PARALLEL_STAGES, PassContext, build_pipeline, complete_grad_norms_pass,
-                             dedup_collectives_pass, gather_parameters_pass, offload_optimizer_pass,
-                             propagate_shards_pass, reduce_scatter_gradients_pass, rematerialize_param_views_pass,
-                             run_passes, shard_placeholders_pass)
-from spmd_ort.runtime import StepRuntime
-from spmd_ort.sharding import SHARD_ATTR, ShardSpec
-from spmd_ort.state import StateLayout
-from spmd_ort.trace import phase, trace_step
-from helpers import train_step
+                                 dedup_collectives_pass, gather_parameters_pass, offload_optimizer_pass,
+                                 propagate_shards_pass, reduce_scatter_gradients_pass, rematerialize_param_views_pass,
+                                 run_passes, shard_placeholders_pass)
+from spmd_ort.runtime.context import StepRuntime
+from spmd_ort.capture.state import SlotKind, StateLayout
+from spmd_ort.capture.trace import phase, trace_step
+from helpers import shard_without_collectives, train_step
 from models import GPT, MLP, GPTConfig
 
 
-def _shard_model(model, opt, world, rank=0):
-    """What ShardedModule does, without collectives: rank ``rank``'s shards of every parameter and state."""
-    for p in model.parameters():
-        spec = ShardSpec(tuple(p.shape), p.numel(), world, rank)
-        st = opt.state.get(p, {})
-        for k, v in list(st.items()):
-            if v.dim() > 0:
-                st[k] = spec.shard_of(v)
-        p.data = spec.shard_of(p.data)
-        setattr(p, SHARD_ATTR, spec)
-
-
 def _traced(model, opt, x, y, world, clip=None, step=None):
-    _shard_model(model, opt, world)
+    shard_without_collectives(model, opt, world)
     layout = StateLayout.capture(model, opt, rule_for(opt))
     fn = step or (lambda m, o, a, b: train_step(m, o, a, b, clip=clip))
     traced = trace_step(fn, (model, opt, x, y), {}, layout, tag_grads=True)
@@ -89,7 +77,7 @@ def test_shard_pass_gathers_before_use_and_reduce_scatters_every_gradient():
     # parameter placeholders hold shards; optimizer reads shards
     placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
     for node, slot in zip(placeholders, ctx.input_slots):
-        if slot.kind == "param":
+        if slot.kind is SlotKind.PARAM:
             assert node.meta["val"].shape == (layout.shard_specs[slot.index].shard_numel,)
     # one gather per use before dedup; each use reads a gather of its own phase
     gathers = _nodes(gm, all_gather)
@@ -144,11 +132,11 @@ def test_buckets_and_prefetch_order():
     ctx = _ctx(traced, layout, 2, bucket_cap_mb=0.03, prefetch=1)
     gm = run_passes(traced.gm, ctx, _parallel(ctx))
     # the tied embedding / LM head and the last block are still gathered when forward ends: kept for backward
-    kept = ctx.results.kept_for_backward
+    kept = ctx.results.get(KeptForBackward).params
     wte = next(n.name for n, s in zip([n for n in gm.graph.nodes if n.op == "placeholder"], ctx.input_slots)
                if s.name == "wte.weight")
     assert wte in kept and len(kept) < len(layout.params) // 2, kept
-    info = ctx.results.shard_buckets
+    info = ctx.results.get(ShardBuckets)
     assert len(_nodes(gm, all_gather)) == len(info.all_gather) >= 4
     assert len(_nodes(gm, reduce_scatter)) == len(info.reduce_scatter) >= 2
     cap = 0.03 * 2**20
@@ -199,7 +187,7 @@ def test_offload_optimizer_pass_swaps_in_the_host_twin():
     gm = run_passes(traced.gm, ctx, _cleanup(ctx) + _shard(ctx) + [offload_optimizer_pass])
     targets = {str(n.target) for n in gm.graph.nodes if n.op == "call_function"}
     assert "spmd_ort.host_adam.default" in targets and "spmd_ort.adam.default" not in targets
-    assert ctx.results.offload.optimizer_ops == 1
+    assert ctx.results.get(OptimizerOffload).ops == 1
 
 
 @pytest.mark.parametrize("reshard", [True, False])
@@ -224,14 +212,14 @@ def test_sharded_graph_on_one_rank_computes_the_unsharded_step(one_rank, reshard
         outs = gm(*layout.gather(), x, y)
     runtime.comm.finish()
     torch.testing.assert_close(outs[0], ref_loss.detach(), rtol=1e-6, atol=1e-7)
-    new = {s.index: v for s, v in zip(ctx.output_slots, outs) if s.kind == "param"}
+    new = {s.index: v for s, v in zip(ctx.output_slots, outs) if s.kind is SlotKind.PARAM}
     for i, p in enumerate(ref_model.parameters()):
         torch.testing.assert_close(new[i], p.detach().reshape(-1), rtol=1e-6, atol=1e-7)
 
 
 def test_planned_peak_falls_with_resharding_and_sharding():
     """The liveness plan sees what resharding buys: gathered weights die after their last forward use."""
-    from spmd_ort.memory import planned_peak_bytes
+    from spmd_ort.runtime.memory import planned_peak_bytes
 
     cfg = GPTConfig(layers=4, d=64, vocab=512)
     peaks = {}
@@ -252,12 +240,12 @@ def test_planned_peak_falls_with_resharding_and_sharding():
 def test_opaque_module_reads_gathered_parameters_and_its_gradients_are_reduce_scattered():
     """An opaque submodule's parameters are placeholders like any other: gather_parameters_pass feeds
     its opaque_forward full parameters, and the gradients its opaque_backward returns are reduce-scattered."""
-    from spmd_ort.opaque_trace import OpaquePlan
-    from spmd_ort.ops import opaque_backward, opaque_forward
+    from spmd_ort.capture.opaque import OpaquePlan
+    from spmd_ort.runtime.ops import opaque_backward, opaque_forward
 
     model = MLP()
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    _shard_model(model, opt, 2)
+    shard_without_collectives(model, opt, 2)
     layout = StateLayout.capture(model, opt, rule_for(opt))
     traced = trace_step(train_step, (model, opt, torch.randn(4, 32), torch.randint(0, 10, (4,))), {}, layout,
                         tag_grads=True, plan=OpaquePlan(patterns=("fc2",)))

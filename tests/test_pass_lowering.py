@@ -6,7 +6,8 @@ import torch
 import torch.nn.functional as F
 from torch.fx.experimental.proxy_tensor import make_fx
 
-from spmd_ort import coverage
+from spmd_ort.passes import Lowering
+from spmd_ort.ort import coverage
 from spmd_ort.passes import PassContext, lower_to_onnx_ops_pass, op_counts, run_passes
 
 
@@ -38,7 +39,7 @@ def test_ops_without_translation_are_lowered_and_numbers_unchanged():
         assert after[op] == 0, op
     assert after["aten._log_softmax_backward_data.default"] == 1  # ours: translated, not lowered
     assert after["aten.cummax.default"] == 1  # nothing to lower it to: stays (on the host)
-    assert ctx.results.lowering.lowered == {"aten.nll_loss_backward.default": 1, "aten.nll_loss_forward.default": 1,
+    assert ctx.results.get(Lowering).lowered == {"aten.nll_loss_backward.default": 1, "aten.nll_loss_forward.default": 1,
                                             "aten.tanh_backward.default": 1}
     for node in gm.graph.nodes:
         if node.op == "call_function" and getattr(node.target, "namespace", None) == "aten":
@@ -55,4 +56,4 @@ def test_graph_without_untranslatable_ops_is_unchanged():
     code = gm.code
     ctx = PassContext(input_slots=[None] * 2, output_slots=[None], check_contracts=True)
     gm = run_passes(gm, ctx, [lower_to_onnx_ops_pass])
-    assert gm.code == code and ctx.results.lowering.lowered == {}
+    assert gm.code == code and ctx.results.get(Lowering).lowered == {}

@@ -6,18 +6,18 @@ import torch
 import torch.nn.functional as F
 
 import spmd_ort
-from spmd_ort.ops import all_gather, all_reduce_, reduce_scatter, wait_
-from spmd_ort.optim import rule_for
+from spmd_ort.runtime.ops import all_gather, all_reduce_, reduce_scatter, wait_
+from spmd_ort.capture.optim import rule_for
 from spmd_ort.passes import (PassContext, build_pipeline, cast_gradient_reductions_pass,
-                             cast_params_before_gather_pass, complete_found_inf_pass, dedup_collectives_pass,
-                             expand_data_parallel_pass, gather_parameters_pass, propagate_shards_pass,
-                             reduce_scatter_gradients_pass, rematerialize_param_views_pass, run_passes,
-                             shard_placeholders_pass)
+                                 cast_params_before_gather_pass, complete_found_inf_pass, dedup_collectives_pass,
+                                 expand_data_parallel_pass, gather_parameters_pass, propagate_shards_pass,
+                                 reduce_scatter_gradients_pass, rematerialize_param_views_pass, run_passes,
+                                 shard_placeholders_pass)
 from spmd_ort.passes.helpers import is_dtype_cast, unpack_chain
-from spmd_ort.runtime import StepRuntime
-from spmd_ort.sharding import SHARD_ATTR, ShardSpec
-from spmd_ort.state import StateLayout
-from spmd_ort.trace import trace_step
+from spmd_ort.runtime.context import StepRuntime
+from spmd_ort.distributed.sharding import SHARD_ATTR, ShardSpec
+from spmd_ort.capture.state import SlotKind, StateLayout
+from spmd_ort.capture.trace import trace_step
 from helpers import scaled_update, train_step
 from models import MLP
 
@@ -151,7 +151,7 @@ def test_found_inf_of_gradient_shards_is_combined_across_ranks(one_rank):
     for init, (params, scale) in results.items():
         scaler_state = [torch.tensor(init), torch.tensor(0, dtype=torch.int32)]
         got = _run(gm, layout.gather()[:-2] + scaler_state + [x, y])
-        new = {s.key or s.index: v for v, s in zip(got, ctx.output_slots) if s.kind in ("param", "scaler")}
+        new = {s.key or s.index: v for v, s in zip(got, ctx.output_slots) if s.kind in (SlotKind.PARAM, SlotKind.SCALER)}
         assert float(new["scale"]) == scale == (init / 2 if init == 2.0**19 else init)
         for i, want in enumerate(params):
             assert torch.equal(new.get(i, layout.params[i].detach()), want), (init, i)

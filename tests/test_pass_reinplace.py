@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from spmd_ort.capture.state import SlotKind
 import spmd_ort
 from spmd_ort.passes import PassContext, op_counts, reinplace_optimizer_pass, run_passes
 from models import MLP
@@ -53,7 +54,7 @@ def test_adam_is_reinplaced_and_numbers_unchanged():
     placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
     outs = list(gm.graph.output_node().args[0])
     for node, slot in zip(outs, ctx.output_slots):
-        if slot.kind in ("param", "opt_state"):
+        if slot.kind in (SlotKind.PARAM, SlotKind.OPT_STATE):
             assert node in placeholders
 
 

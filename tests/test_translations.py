@@ -1,4 +1,4 @@
-"""Each of our own ONNX translations (spmd_ort.translations) against torch's kernel, op by op.
+"""Each of our own ONNX translations (spmd_ort.ort.translations) against torch's kernel, op by op.
 
 A one-op graph is traced, translated, run in ONNX Runtime and compared with the op itself, over the
 argument variants the translation distinguishes (strides, padding, groups, masks, output masks, ...).
@@ -13,11 +13,11 @@ import torch.utils._pytree as pytree
 from torch.fx.experimental.proxy_tensor import make_fx
 
 from helpers import assert_close_relmax
-from spmd_ort import coverage
-from spmd_ort.export import translate
-from spmd_ort.dynamic import fake_inputs
-from spmd_ort.runtime_ort import OrtSegment, is_symbolic
-from spmd_ort.translations import TRANSLATIONS
+from spmd_ort.ort import coverage
+from spmd_ort.ort.export import translate
+from spmd_ort.capture.dynamic import fake_inputs
+from spmd_ort.ort.session import OrtSegment, is_symbolic
+from spmd_ort.ort.translations import TRANSLATIONS
 
 aten = torch.ops.aten
 G = torch.Generator().manual_seed(0)

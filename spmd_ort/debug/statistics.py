@@ -7,7 +7,7 @@ Every step (a forward of the root module in eager; a call of the compiled step)
 writes ``<output_dir>/step_<S>/<order>_<name>.txt`` for each submodule output
 (``name`` = the module FQN; tuple/dict outputs get ``.0``, ``.key`` suffixes)
 and each ``inspect_activation(name, tensor)``, with shape, dtype and the
-statistics of :data:`spmd_ort.taps.STATS`.  Under ``torchrun`` each rank writes
+statistics of :data:`spmd_ort.runtime.taps.STATS`.  Under ``torchrun`` each rank writes
 ``<output_dir>/rank<r>`` (no race between ranks).  Eagerly the statistics are
 computed in the hook; in a compiled step the hooks run while the step is traced
 and tap the activations, and ``insert_activation_stats_pass`` computes the
@@ -29,14 +29,15 @@ import torch.distributed as dist
 import torch.utils._pytree as pytree
 from torch import nn
 
-from spmd_ort import ops, taps
-from spmd_ort.trace import is_tracing
+from spmd_ort.runtime import ops
+from spmd_ort.runtime import taps
+from spmd_ort.capture.trace import is_tracing
 
 _CURRENT: contextvars.ContextVar[tuple] = contextvars.ContextVar("spmd_ort_debug_subscribers", default=())
 
 
 class _Writer:
-    """One background thread that writes statistics files in the order they were queued."""
+    """A subscriber's background thread: writes its statistics files in the order they were queued."""
 
     def __init__(self):
         self._queue: queue.Queue = queue.Queue()
@@ -61,9 +62,6 @@ class _Writer:
 
     def flush(self) -> None:
         self._queue.join()
-
-
-_WRITER = _Writer()
 
 
 def format_stats(name: str, shape, dtype, values: torch.Tensor) -> str:
@@ -96,6 +94,13 @@ class StatisticsSubscriber:
         self._order = 0
         self._prepared = False
         self.output_dir = self.base_dir
+        self.subscriptions = 0  # models it watches (GlobalSubscriberManager.subscribe)
+        self._writer = _Writer()
+
+    @property
+    def subscribed(self) -> bool:
+        """Whether it still watches a model (a compiled step's taps deliver only while it does)."""
+        return self.subscriptions > 0
 
     # ------------------------------------------------------------------ output
     def _prepare(self) -> None:
@@ -122,14 +127,15 @@ class StatisticsSubscriber:
         self._prepare()
         path = self.output_dir / f"step_{self.step}" / f"{self._order:05d}_{name}.txt"
         self._order += 1
-        _WRITER.put(path, format_stats(name, shape, dtype, stats.detach().cpu()))
+        self._writer.put(path, format_stats(name, shape, dtype, stats.detach().cpu()))
 
     def finish_step(self) -> None:
         self.step += 1
         self._order = 0
 
     def flush(self) -> None:
-        _WRITER.flush()
+        """Wait until every statistics file it queued is written."""
+        self._writer.flush()
 
     # ------------------------------------------------------------------ eager
     def stats_of(self, x: torch.Tensor) -> torch.Tensor:
@@ -160,6 +166,7 @@ class _Subscription:
 
     def __init__(self, model: nn.Module, subscriber: StatisticsSubscriber):
         self.subscriber = subscriber
+        subscriber.subscriptions += 1
         self.handles = []
         for fqn, module in model.named_modules():
             if module is model:
@@ -171,7 +178,7 @@ class _Subscription:
         self._tokens: list = []
 
     def _root_pre(self, module, args):
-        if not is_tracing():  # a compiled step counts its own steps (spmd_ort.taps.deliver)
+        if not is_tracing():  # a compiled step counts its own steps (spmd_ort.runtime.taps.deliver)
             if self._in_eager_step:  # a new forward of the root: the previous step is complete
                 self.subscriber.finish_step()
             self._in_eager_step = True
@@ -190,7 +197,7 @@ class _Subscription:
     def remove(self) -> None:
         for h in self.handles:
             h.remove()
-        taps.unregister(self.subscriber)
+        self.subscriber.subscriptions -= 1
 
 
 def watch(name: str, value, subscribers) -> object:
@@ -205,7 +212,7 @@ def watch(name: str, value, subscribers) -> object:
         leaf_name = name if len(leaves) == 1 else f"{name}.{i}"
         for sub in subscribers:
             if is_tracing():
-                tap_id = taps.register(sub, leaf_name, _sink(sub, tuple(leaves[i].shape), leaves[i].dtype))
+                tap_id = taps.current().register(sub, leaf_name, _sink(sub, tuple(leaves[i].shape), leaves[i].dtype))
                 out[i] = ops.tap(out[i], tap_id)
             else:
                 sub.record(leaf_name, sub.stats_of(leaves[i]), leaves[i].shape, leaves[i].dtype)
@@ -224,25 +231,33 @@ def _sink(sub: StatisticsSubscriber, shape, dtype):
 
 
 class GlobalSubscriberManager:
-    """Attaches subscribers to models (ORTModule's entry point)."""
+    """Attaches subscribers to models (ORTModule's entry point).
 
-    _subscriptions: dict[int, list[_Subscription]] = {}
+    Subscriptions are kept per model (weakly: they go with the model); each subscriber
+    writes through its own thread, and a compiled step keeps its taps in its own
+    registry, so two steps (or two models) never see each other's statistics.
+    """
+
+    _subscriptions: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # model -> [_Subscription]
 
     @classmethod
     def subscribe(cls, model: nn.Module, subscribers: list[StatisticsSubscriber]) -> None:
         """Watch every submodule output of ``model`` with each subscriber (works before or after compiling)."""
         for sub in subscribers:
-            cls._subscriptions.setdefault(id(model), []).append(_Subscription(model, sub))
+            cls._subscriptions.setdefault(model, []).append(_Subscription(model, sub))
 
     @classmethod
     def unsubscribe(cls, model: nn.Module) -> None:
-        for s in cls._subscriptions.pop(id(model), []):
+        for s in cls._subscriptions.pop(model, []):
             s.remove()
 
     @classmethod
-    def flush(cls) -> None:
-        """Wait until every queued statistics file is written."""
-        _WRITER.flush()
+    def flush(cls, model: nn.Module | None = None) -> None:
+        """Wait until the statistics files queued by ``model``'s subscribers (default: every model's) are written."""
+        models = [model] if model is not None else list(cls._subscriptions.keys())
+        for m in models:
+            for s in cls._subscriptions.get(m, []):
+                s.subscriber.flush()
 
 
 def inspect_activation(name: str, tensor: torch.Tensor) -> torch.Tensor:

@@ -7,7 +7,7 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
-from spmd_ort.taps import STATS
+from spmd_ort.runtime.taps import STATS
 
 # Measured on an MLP over 6 AdamW steps: eager vs ORT (kernels that round differently) keep every
 # statistic within 2.2e-7 of the activation's magnitude; exact vs tanh GELU differ by 3.4e-5 at

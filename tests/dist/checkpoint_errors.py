@@ -34,7 +34,7 @@ from dist_common import finish  # noqa: E402
 import spmd_ort  # noqa: E402
 from helpers import train_step  # noqa: E402
 from models import MLP  # noqa: E402
-from spmd_ort.sharding import is_sharded  # noqa: E402
+from spmd_ort.distributed.sharding import is_sharded  # noqa: E402
 
 
 def batch(step: int, rank: int):

@@ -26,6 +26,7 @@ sys.path.insert(0, str(ROOT / "tests"))
 sys.path.insert(0, str(ROOT))
 
 from dist_common import finish  # noqa: E402
+from spmd_ort.passes import GradientBuckets
 import spmd_ort  # noqa: E402
 from helpers import assert_same_state, ort_report, train_step  # noqa: E402
 from models import CNN, GPT, MLP, GPTConfig  # noqa: E402
@@ -129,7 +130,7 @@ def run(args, rank: int, world: int) -> dict:
         result.update(
             losses=losses, comm=comm, traces=step.transitions.traces, ort=ort_report(step),
             grad_bytes=sum(p.numel() * p.element_size() for p in model.parameters()),
-            buckets=len(prog.results.gradient_buckets.nbytes), bucket_bytes=list(prog.results.gradient_buckets.nbytes),
+            buckets=len(prog.results.get(GradientBuckets).nbytes), bucket_bytes=list(prog.results.get(GradientBuckets).nbytes),
             describe=prog.describe())
     except spmd_ort.CompileError as exc:
         result["compile_error"] = str(exc)

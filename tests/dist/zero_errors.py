@@ -61,7 +61,7 @@ def main() -> None:
         result["error"] = str(exc)
     after = model.state_dict()
     result["unchanged"] = all(torch.equal(before[k], after[k]) for k in before)
-    result["unsharded"] = not spmd_ort.sharding.is_sharded(model)
+    result["unsharded"] = not spmd_ort.distributed.sharding.is_sharded(model)
     result["no_opt_state"] = len(opt.state) == 0
 
     good = spmd_ort.compile(parallel_mode=mode, backend="fx")(train_step)

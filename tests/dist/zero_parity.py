@@ -27,6 +27,7 @@ sys.path.insert(0, str(ROOT / "tests"))
 sys.path.insert(0, str(ROOT))
 
 from dist_common import finish  # noqa: E402
+from spmd_ort.passes import ShardBuckets
 import spmd_ort  # noqa: E402
 from helpers import ATOL, RTOL, assert_close_normwise, ort_report, train_step  # noqa: E402
 from models import GPT, GPTConfig  # noqa: E402
@@ -130,14 +131,14 @@ def run(args, rank: int, world: int) -> dict:
                                "overlap": c.overlap})
     memory = step.memory()
     padded = sum(p._spmd_ort_shard.padded_numel for p in model.parameters())
-    unsharded = spmd_ort.sharding.persistent_bytes(reference, opt_ref)["total"]
+    unsharded = spmd_ort.distributed.sharding.persistent_bytes(reference, opt_ref)["total"]
     result.update(
         memory=memory, full_param_bytes=full_numel * 4, padded_param_bytes=padded * 4,
         unsharded_total=unsharded, n_params=len(list(model.parameters())),
         traces=step.transitions.traces, describe=step.compiled.describe(), ort=ort_report(step),
         explain=step.explain(),
-        buckets={"all_gather": list(step.compiled.results.shard_buckets.all_gather),
-                 "reduce_scatter": list(step.compiled.results.shard_buckets.reduce_scatter)})
+        buckets={"all_gather": list(step.compiled.results.get(ShardBuckets).all_gather),
+                 "reduce_scatter": list(step.compiled.results.get(ShardBuckets).reduce_scatter)})
     return result
 
 

@@ -1,0 +1,129 @@
+"""The shape policy of a compiled step: when dims become symbolic, and which program serves a call.
+
+``compile(dynamic=...)`` / ``SPMD_ORT_DYNAMIC``:
+
+* ``auto`` (default): the first trace is static; when a call misses only because sizes of
+  tensor inputs (or int/float arguments) changed since the last call, those dims become
+  symbolic (:meth:`ShapePolicy.widen`) and one program serves them all from then on;
+* ``1``: the first two dims of every tensor input are symbolic from the start;
+* ``0``: one program per shape.
+
+Under a parallel mode, ranks whose keys differ only in input sizes make the differing
+dims symbolic on every rank (the decision is taken from the gathered keys, the same
+everywhere).  A trace that fails with dims this very call made symbolic is retried
+with those dims static (:meth:`ShapePolicy.narrow`), and they stay static.  A symbolic
+program whose guards reject a call's sizes sends it to a static program for exactly them.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from spmd_ort.capture import amp
+from spmd_ort.capture.dynamic import DynamicDims, changed_dims, dims_differing_across, leading_dims
+from spmd_ort.capture.inputs import StepCall, StepInputs
+from spmd_ort.capture.state import state_device
+from spmd_ort.capture.transition import StepKey, TransitionManager
+from spmd_ort.distributed import parallel
+
+logger = logging.getLogger("spmd_ort")
+
+AGREEMENT = "this step's inputs, module and optimizer"
+
+
+def _sizes_differ(gathered: list) -> dict[int, set[int]] | None:
+    """Ranks' ``(key without sizes, leaf descriptions)``: the dims to make symbolic when only sizes differ."""
+    if any(g is None for g in gathered) or len({g[0] for g in gathered}) != 1:
+        return None
+    return dims_differing_across([g[1] for g in gathered]) or None
+
+
+class ShapePolicy:
+    """Which dims of the step's inputs are symbolic (``dynamic``), and the key of a call under them."""
+
+    def __init__(self, mode: str, fn, transitions: TransitionManager):
+        self.mode = mode  # "auto" | "1" | "0" (Options.dynamic)
+        self.fn = fn
+        self.transitions = transitions
+        self.dynamic = DynamicDims()  # grows as sizes change (spmd_ort.capture.dynamic)
+        self._widened_from: DynamicDims | None = None  # the dims before this call widened them
+        self._refused: dict[int, set[int]] = {}  # dims whose symbolic trace failed once: never widened again
+
+    @property
+    def name(self) -> str:
+        return self.transitions.name
+
+    def key(self, call: StepCall) -> StepKey:
+        """The re-trace key of ``call`` under the current symbolic dims (a static one where guards reject it)."""
+        amp_key = (("autocast", amp.autocast_state()),
+                   ("scaler", amp.scaler_key(call.scaler, state_device(call.module))))
+        common = dict(rule=call.rule, world=(call.world_size, repr(call.mode)), amp=amp_key)
+        key = StepKey.of(call.module, call.opt, call.args, call.kwargs, dynamic=self.dynamic, **common)
+        program = self.transitions.variants.get(key)
+        if program is None or program.symbolic is None:
+            return key
+        batch_shapes = [tuple(x.shape) if isinstance(x, torch.Tensor) else x
+                        for x in program.batch_inputs(call.args, call.kwargs)]
+        if program.symbolic.accepts(batch_shapes):
+            return key
+        logger.info("%s: sizes %s fail the guards of the symbolic program; tracing them statically",
+                    self.name, batch_shapes)
+        return StepKey.of(call.module, call.opt, call.args, call.kwargs, shapes=(("static", tuple(batch_shapes)),),
+                          **common)
+
+    def agreed_key(self, call: StepCall) -> StepKey:
+        """The key of ``call``, dims widened where sizes changed (or differ between ranks), agreed by every rank."""
+        self._widened_from = None
+        if self.mode == "1" and not self.dynamic:
+            self.dynamic = leading_dims(call.leaves)
+        key = self.key(call)
+        last = self.transitions.last_key
+        if (self.mode == "auto" and key not in self.transitions.variants and last is not None
+                and key.portable(sizes=False) == last.portable(sizes=False)):
+            changed = changed_dims(last.leaf_descs(), key.leaf_descs())
+            if changed:
+                self.widen(changed, call, "changed since the last call")
+                key = self.key(call)
+        if call.mode is not None:
+            # every step: ranks that would run different graphs stop here, all of them
+            sizes = (key.portable(sizes=False), key.leaf_descs()) if self.mode != "0" else None
+            differing = parallel.check_agreement(AGREEMENT, key.portable(), sizes=sizes, reconcile=_sizes_differ)
+            if differing:
+                self.widen(differing, call, "differ between ranks")
+                key = self.key(call)
+                parallel.check_agreement(AGREEMENT, key.portable())
+        return key
+
+    def widen(self, dims: dict[int, set[int]], call: StepCall, why: str) -> None:
+        before = self.dynamic
+        self.dynamic = self.dynamic.union({pos: set(d) - self._refused.get(pos, set()) for pos, d in dims.items()})
+        if self.dynamic != before:
+            if self._widened_from is None:
+                self._widened_from = before
+            names = dict(enumerate(StepInputs.of(self.fn, call.args, call.kwargs).names))
+            logger.info("%s: %s %s: symbolic from now on, one program serves them all (dynamic shapes; "
+                        "SPMD_ORT_DYNAMIC=0 traces every shape and value instead)", self.name,
+                        self.dynamic.describe(names), why)
+
+    def narrow(self, call: StepCall, exc: BaseException) -> StepKey | None:
+        """After a failed trace: the dims this call made symbolic go back to static, for good.
+
+        Returns the key to trace statically (agreed by every rank), or None when this call made
+        no dim symbolic (the failure is not about shapes: re-raise it).  A wrong input size then
+        fails as it would without dynamic shapes, naming its concrete sizes.
+        """
+        if self._widened_from is None:
+            return None
+        for pos, dims in self.dynamic.as_dict().items():
+            self._refused.setdefault(pos, set()).update(dims - self._widened_from.as_dict().get(pos, set()))
+        self.dynamic, self._widened_from = self._widened_from, None
+        key = self.key(call)
+        if call.mode is not None:
+            parallel.check_agreement(AGREEMENT, key.portable())
+        reason = " ".join(str(exc).split())
+        logger.info("%s: the trace with the new symbolic dims failed (%s: %s); tracing these sizes statically "
+                    "(and those dims stay static from now on)",
+                    self.name, type(exc).__name__, reason[:300] + (" ..." if len(reason) > 300 else ""))
+        return key

@@ -1,0 +1,360 @@
+"""Lifted training state: what the compiled graph takes as inputs and returns.
+
+A :class:`StateLayout` fixes, for one compiled variant, the order of the state
+placeholders of the graph:
+
+    params | buffers | grads (params that have one) | optimizer state | hyper-parameters
+    | GradScaler state (scale, growth tracker) | extra (Override transforms)
+
+followed by the tensor leaves of the user's arguments.  It binds traced
+tensors into the module and optimizer while tracing (:meth:`StateLayout.bind`),
+gathers the real tensors before each run (:meth:`gather`) and writes the new
+state back after it (:meth:`write_back`), so that ``model.state_dict()`` and
+``opt.state_dict()`` hold what an eager step would have produced.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import enum
+import functools
+from collections import defaultdict
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+
+import torch
+from torch import Tensor, nn
+from torch.nn.utils import stateless
+
+from spmd_ort.capture import amp
+from spmd_ort.runtime.ops import tag_grad
+from spmd_ort.capture.optim import HPARAMS_KEY, OptimizerRule
+from spmd_ort.distributed.sharding import ShardSpec, is_sharded_state, spec_of
+
+
+class SlotKind(enum.Enum):
+    """What a graph input or output is (the state it belongs to, or the call's own values)."""
+
+    PARAM = "param"
+    BUFFER = "buffer"
+    GRAD = "grad"
+    OPT_STATE = "opt_state"
+    HPARAM = "hparam"  # a param group's scalar hyper-parameters, one float64 input
+    SCALER = "scaler"  # a GradScaler's scale and growth tracker
+    EXTRA = "extra"  # state added by an Override transform
+    BATCH = "batch"  # a tensor leaf of the user's arguments (or a Python number lifted to an input)
+    INPUT_GRAD = "input_grad"  # the .grad of an argument that requires grad
+    USER = "user"  # a leaf of the step's return value (output only)
+    STATS = "stats"  # the statistics of a tapped activation (output only; index: the tap id)
+
+    def __str__(self) -> str:
+        return self.value
+
+    @property
+    def is_state(self) -> bool:
+        """State of the module, optimizer or scaler (the ``flat_state`` of Override transforms), not the call's."""
+        return self in _STATE
+
+    @property
+    def per_parameter(self) -> bool:
+        """Indexed by parameter: what ``fully_shard`` splits into shards (optimizer state: its non-scalar part)."""
+        return self in _PER_PARAMETER
+
+
+_STATE = frozenset({SlotKind.PARAM, SlotKind.BUFFER, SlotKind.GRAD, SlotKind.OPT_STATE, SlotKind.HPARAM,
+                    SlotKind.SCALER, SlotKind.EXTRA})
+_PER_PARAMETER = frozenset({SlotKind.PARAM, SlotKind.GRAD, SlotKind.OPT_STATE})
+
+
+@dataclass(frozen=True)
+class Slot:
+    """One graph input or output and the state it belongs to.
+
+    ``kind``: a :class:`SlotKind`.  ``index`` points into the layout's list for that kind; ``key`` is the
+    optimizer-state key, hyper-parameter name or scaler tensor (``scale``, ``growth_tracker``).
+    """
+
+    kind: SlotKind
+    name: str
+    index: int
+    key: str | None = None
+
+
+@dataclass
+class StateLayout:
+    module: nn.Module
+    opt: torch.optim.Optimizer | None
+    rule: OptimizerRule | None
+    params: list[nn.Parameter]
+    param_names: list[list[str]]  # every FQN of each unique parameter (tied weights share one)
+    buffers: list[Tensor]
+    buffer_names: list[list[str]]
+    grad_params: list[int]  # params whose .grad is lifted
+    opt_entries: list[tuple[int, str]]  # (param index, state key) of tensor-valued optimizer state
+    hparam_groups: list[int]  # param groups whose scalar hyper-parameters are one float64 input each
+    hparam_tensors: list[Tensor] = field(default_factory=list)
+    extra_state: list[Tensor] = field(default_factory=list)
+    shard_specs: dict[int, ShardSpec] = field(default_factory=dict)  # fully_shard: param index -> spec
+    scaler: amp.GradScaler | None = None  # an enabled GradScaler whose state is lifted
+    scaler_initial: list[Tensor] = field(default_factory=list)  # its state before its first scale()
+
+    # ------------------------------------------------------------------ capture
+    @classmethod
+    def capture(cls, module: nn.Module, opt: torch.optim.Optimizer | None,
+                rule: OptimizerRule | None, scaler: amp.GradScaler | None = None) -> StateLayout:
+        params, param_names, index = unique_named(module.named_parameters(remove_duplicate=False))
+        buffers, buffer_names, _ = unique_named(module.named_buffers(remove_duplicate=False))
+        grad_params = [i for i, p in enumerate(params) if p.grad is not None]
+        opt_entries = []
+        if opt is not None:
+            from spmd_ort.errors import CompileError
+
+            for gi, group in enumerate(opt.param_groups):
+                for p in group["params"]:
+                    if id(p) not in index:
+                        raise CompileError(
+                            f"optimizer param group {gi} holds a tensor of shape {tuple(p.shape)} that is not "
+                            f"a parameter of {type(module).__name__}; give the optimizer module.parameters()")
+                    for key, value in opt.state.get(p, {}).items():
+                        if isinstance(value, Tensor):
+                            opt_entries.append((index[id(p)], key))
+        hparam_groups = list(range(len(opt.param_groups))) if opt is not None else []
+        layout = cls(module, opt, rule, params, param_names, buffers, buffer_names, grad_params,
+                     opt_entries, hparam_groups)
+        layout.hparam_tensors = [torch.tensor(rule.hparams(opt.param_groups[g]), dtype=torch.float64)
+                                 for g in hparam_groups]
+        layout.shard_specs = {i: spec_of(p) for i, p in enumerate(params) if spec_of(p) is not None}
+        if amp.scaler_enabled(scaler):
+            layout.scaler = scaler
+            layout.scaler_initial = amp.initial_scaler_state(scaler, state_device(module))
+        return layout
+
+    def is_sharded(self, slot: Slot, value: Tensor) -> bool:
+        """Whether a state input holds a shard (of a parameter, its gradient or non-scalar optimizer state)."""
+        return (slot.kind.per_parameter and slot.index in self.shard_specs
+                and (slot.kind is not SlotKind.OPT_STATE or is_sharded_state(value)))
+
+    # ------------------------------------------------------------------ slots
+    def input_slots(self) -> list[Slot]:
+        slots = [Slot(SlotKind.PARAM, n[0], i) for i, n in enumerate(self.param_names)]
+        slots += [Slot(SlotKind.BUFFER, n[0], i) for i, n in enumerate(self.buffer_names)]
+        slots += [Slot(SlotKind.GRAD, self.param_names[i][0] + ".grad", i) for i in self.grad_params]
+        slots += [Slot(SlotKind.OPT_STATE, f"{self.param_names[i][0]}.{k}", i, k) for i, k in self.opt_entries]
+        slots += [Slot(SlotKind.HPARAM, f"param_groups[{g}].hparams", g) for g in self.hparam_groups]
+        if self.scaler is not None:
+            slots += [Slot(SlotKind.SCALER, f"scaler._{k}", i, k) for i, k in enumerate(amp.scaler_keys(self.scaler))]
+        slots += [Slot(SlotKind.EXTRA, f"extra[{i}]", i) for i in range(len(self.extra_state))]
+        return slots
+
+    def gather(self) -> list[Tensor]:
+        """The real state tensors, in placeholder order, for this step."""
+        flat: list[Tensor] = list(self.params) + list(self.buffers)
+        flat += [self.params[i].grad for i in self.grad_params]
+        if self.opt is not None:
+            flat += [self.opt.state[self.params[i]][k] for i, k in self.opt_entries]
+            groups = self.opt.param_groups
+            for t, g in zip(self.hparam_tensors, self.hparam_groups):
+                t.copy_(torch.tensor(self.rule.hparams(groups[g]), dtype=torch.float64))
+                flat.append(t)
+        return flat + self.scaler_state() + self.extra_state
+
+    def scaler_state(self) -> list[Tensor]:
+        """The lifted GradScaler's state tensors (``[scale, growth_tracker, ...]``; empty without one)."""
+        if self.scaler is None:
+            return []
+        if self.scaler._scale is None:
+            return list(self.scaler_initial)
+        return [getattr(self.scaler, f"_{k}") for k in amp.scaler_keys(self.scaler)]
+
+    # ------------------------------------------------------------------ tracing
+    @contextlib.contextmanager
+    def bind(self, state: list[Tensor], *, tag_grads: bool = False,
+             mixed_precision: amp.MixedPrecisionPolicy | None = None) -> Iterator[BoundState]:
+        """Put traced tensors where the module, optimizer and GradScaler look for state.
+
+        ``tag_grads`` marks each parameter's new gradient with ``spmd_ort::tag_grad``
+        (a hook on the leaf, so a tied weight is tagged once, after summation).
+        ``mixed_precision``: forward runs on parameters cast as the policy says
+        (:func:`spmd_ort.capture.amp.apply_policy`).
+        """
+        it = iter(state)
+        params = [next(it) for _ in self.params]
+        if tag_grads:
+            for i, p in enumerate(params):
+                if p.requires_grad:
+                    p.register_hook(functools.partial(tag_grad, index=i))
+        buffers = [next(it) for _ in self.buffers]
+        for i in self.grad_params:
+            params[i].grad = next(it)
+        opt_vals = [next(it) for _ in self.opt_entries]
+        hparams = [next(it) for _ in self.hparam_groups]
+        scaler_vals = [next(it) for _ in self.scaler_initial] if self.scaler is not None else []
+        mapping = {n: t for names, t in zip(self.param_names, params) for n in names}
+        mapping.update({n: t for names, t in zip(self.buffer_names, buffers) for n in names})
+        with stateless._reparametrize_module(self.module, mapping), \
+                self._bind_optimizer(params, opt_vals, hparams) as opt_state, \
+                amp.bind_scaler(self.scaler, scaler_vals, self.opt), \
+                amp.apply_policy(self.module, mixed_precision):
+            yield BoundState(self, params, opt_state)
+
+    @contextlib.contextmanager
+    def _bind_optimizer(self, params: list[Tensor], opt_vals: list[Tensor], hparams: list[Tensor]):
+        opt = self.opt
+        if opt is None:
+            yield {}
+            return
+        index = {id(p): i for i, p in enumerate(self.params)}
+        saved_groups = [dict(g) for g in opt.param_groups]
+        saved_state, saved_attrs = opt.state, {k: opt.__dict__[k] for k in ("step", "zero_grad") if k in opt.__dict__}
+        traced_state: defaultdict = defaultdict(dict)
+        for p, st in saved_state.items():
+            if id(p) in index:  # non-tensor state (if any) is carried as is
+                traced_state[params[index[id(p)]]] = {k: v for k, v in st.items() if not isinstance(v, Tensor)}
+        for (i, k), v in zip(self.opt_entries, opt_vals):
+            traced_state[params[i]][k] = v
+        for g in opt.param_groups:
+            g["params"] = [params[index[id(p)]] for p in g["params"]]
+        for g, v in zip(self.hparam_groups, hparams):
+            opt.param_groups[g][HPARAMS_KEY] = v
+        rule = self.rule
+
+        def traced_step(closure=None):
+            if closure is not None:
+                raise TypeError("optimizer.step(closure) is not supported inside a compiled train step")
+            with torch.no_grad():
+                rule.step(opt)
+
+        def traced_zero_grad(set_to_none: bool = True):
+            for g in opt.param_groups:
+                for p in g["params"]:
+                    _zero_grad(p, set_to_none)
+
+        try:
+            opt.state = traced_state
+            opt.step = traced_step
+            opt.zero_grad = traced_zero_grad
+            yield traced_state
+        finally:
+            opt.state = saved_state
+            for g, saved in zip(opt.param_groups, saved_groups):
+                g.clear()
+                g.update(saved)
+            for k in ("step", "zero_grad"):
+                opt.__dict__.pop(k, None)
+            opt.__dict__.update(saved_attrs)
+
+    # ------------------------------------------------------------------ write back
+    def write_back(self, slots: list[Slot], values: list[Tensor], *, owned: bool = True) -> None:
+        """Store a step's new state into the module and optimizer.
+
+        A value that *is* the state tensor (updated in place by the graph) is
+        left alone; others are copied into the existing tensor, so that
+        references users hold (``model.parameters()``, optimizer state) stay valid.
+        State that did not exist before (a first ``.grad``, new optimizer state)
+        takes the value itself, or a copy of it when the executor does not
+        ``own`` it (it will reuse the buffer next step).
+        """
+        def take(v: Tensor) -> Tensor:
+            return v if owned else v.clone()
+
+        new_grads: dict[int, Tensor] = {}
+        if self.scaler is not None and self.scaler._scale is None:
+            # what the scaler's first scale() does in eager: from now on it holds its state
+            for key, t in zip(amp.scaler_keys(self.scaler), self.scaler_initial):
+                setattr(self.scaler, f"_{key}", t.clone())
+        with torch.no_grad():
+            for slot, v in zip(slots, values):
+                kind = slot.kind
+                if kind is SlotKind.PARAM:
+                    _store(self.params[slot.index], v)
+                elif kind is SlotKind.BUFFER:
+                    _store(self.buffers[slot.index], v)
+                elif kind is SlotKind.GRAD:
+                    new_grads[slot.index] = v
+                elif kind is SlotKind.OPT_STATE:
+                    st = self.opt.state[self.params[slot.index]]
+                    if slot.key in st:
+                        _store(st[slot.key], v)
+                    else:
+                        st[slot.key] = take(v)
+                elif kind is SlotKind.SCALER:
+                    _store(self.scaler_state()[slot.index], v)
+                else:
+                    raise AssertionError(f"no write-back for {slot}")
+            for i, p in enumerate(self.params):
+                g = new_grads.get(i)
+                if g is None:
+                    p.grad = None
+                elif p.grad is not None and p.grad.shape == g.shape and p.grad.dtype == g.dtype:
+                    _store(p.grad, g)
+                else:
+                    p.grad = take(g)
+        if self.opt is not None:
+            # torch's LR schedulers check that optimizer.step() ran before them.
+            self.opt._opt_called = True
+
+
+@dataclass
+class BoundState:
+    """The traced state while the user's step runs; read at the end of it."""
+
+    layout: StateLayout
+    params: list[Tensor]
+    opt_state: dict
+
+    def final(self) -> list[tuple[Slot, Tensor]]:
+        """Every piece of state as it stands now, as (slot, traced tensor)."""
+        layout = self.layout
+        out = [(Slot(SlotKind.PARAM, n[0], i), p) for i, (n, p) in enumerate(zip(layout.param_names, self.params))]
+        for i, names in enumerate(layout.buffer_names):
+            # Read through the module: a step may re-assign a buffer attribute.
+            out.append((Slot(SlotKind.BUFFER, names[0], i), layout.module.get_buffer(names[0])))
+        for i, p in enumerate(self.params):
+            if p.grad is not None:
+                out.append((Slot(SlotKind.GRAD, layout.param_names[i][0] + ".grad", i), p.grad))
+        for i, p in enumerate(self.params):
+            for k, v in self.opt_state.get(p, {}).items():
+                if isinstance(v, Tensor):
+                    out.append((Slot(SlotKind.OPT_STATE, f"{layout.param_names[i][0]}.{k}", i, k), v))
+        if layout.scaler is not None:
+            for i, k in enumerate(amp.scaler_keys(layout.scaler)):
+                out.append((Slot(SlotKind.SCALER, f"scaler._{k}", i, k), getattr(layout.scaler, f"_{k}")))
+        return out
+
+
+def state_device(module: nn.Module) -> torch.device:
+    """Where new step state goes (a GradScaler's scale, as its first ``scale()`` would put it): the parameters' device."""
+    for p in module.parameters():
+        return p.device
+    return torch.device("cpu")
+
+
+def unique_named(named) -> tuple[list[Tensor], list[list[str]], dict[int, int]]:
+    """Distinct tensors, all the names of each, and id -> position (tied weights are one entry)."""
+    tensors, names, index = [], [], {}
+    for name, t in named:
+        if id(t) in index:
+            names[index[id(t)]].append(name)
+        else:
+            index[id(t)] = len(tensors)
+            tensors.append(t)
+            names.append([name])
+    return tensors, names, index
+
+
+def _zero_grad(p: Tensor, set_to_none: bool) -> None:
+    if p.grad is None:
+        return
+    if set_to_none:
+        p.grad = None
+    else:
+        if p.grad.grad_fn is not None:
+            p.grad.detach_()
+        else:
+            p.grad.requires_grad_(False)
+        p.grad.zero_()
+
+
+def _store(dst: Tensor, src: Tensor) -> None:
+    if src is not dst:
+        dst.copy_(src)

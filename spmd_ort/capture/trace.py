@@ -1,0 +1,494 @@
+"""Whole-step capture: the user's train step as one stateless, functional FX graph.
+
+Two make_fx passes over fake tensors, so nothing real is read or written:
+
+1. **capture** runs the user's function with the lifted state bound into the
+   module and optimizer (:meth:`StateLayout.bind`).  ``loss.backward()`` runs the
+   autograd engine on the traced tensors, so the backward ops land in the graph;
+   ``optimizer.step()`` is the functional rule of :mod:`spmd_ort.capture.optim`.  The
+   graph still updates its inputs in place (``copy_``, ``add_``, ...).
+2. **functionalize** re-traces that graph under ``torch.func.functionalize``:
+   every mutation becomes a new value.  The step function returns the final
+   state explicitly, so the epilogue ``copy_`` into inputs is dropped, and state
+   that did not change is no output at all.
+
+The result, :class:`TracedStep`, has placeholders ``state..., batch..., input
+grads...`` and outputs ``user leaves..., new state..., input grads...`` described
+by :class:`~.state.Slot` lists.  A batch tensor that requires grad is a leaf of
+the traced autograd graph, as in eager: backward accumulates into its ``.grad``
+(an ``input_grad`` placeholder when it already has one) and whatever the step
+leaves there is an ``input_grad`` output, written back after the run.
+
+Parts that cannot be traced run opaquely (:mod:`spmd_ort.capture.opaque`): when
+capture fails inside an autograd.Function or a submodule, that part joins the
+:class:`~spmd_ort.capture.opaque.OpaquePlan` and the step is traced again, until
+it traces or the failure is nowhere an opaque part can take it.  A failure that
+eager PyTorch would raise too (an op rejecting its arguments' shapes or dtypes)
+is an error, never an opaque part: it blames the input or the module.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import logging
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.fx.traceback as fx_traceback
+import torch.utils._pytree as pytree
+from torch import fx
+from torch.fx.experimental.proxy_tensor import get_proxy_mode, make_fx
+from torch.nn.attention import SDPBackend, sdpa_kernel
+
+from spmd_ort.runtime import opaque, ops
+from spmd_ort.runtime.taps import TapRegistry, collecting
+from spmd_ort.capture.amp import autocast_disabled
+from spmd_ort.capture.diagnose import OpWatch, quiet_torch_logs
+from spmd_ort.capture.dynamic import DynamicDims, SymbolicShapes, fake_inputs
+from spmd_ort.errors import CompileError
+from spmd_ort.capture.inputs import StepInputs
+from spmd_ort.runtime.opaque import OpaqueCall
+from spmd_ort.capture.opaque import CallStack, Frame, OpaqueCapture, OpaquePlan, link_backward
+from spmd_ort.capture.state import Slot, SlotKind, StateLayout
+
+logger = logging.getLogger("spmd_ort")
+aten = torch.ops.aten
+
+
+TENSOR = object()  # marks where a graph output goes in the step's return value
+_TRACING: contextvars.ContextVar[bool] = contextvars.ContextVar("spmd_ort_tracing", default=False)
+
+
+def is_tracing() -> bool:
+    """Whether the user's step is running under capture (its tensors are traced, not real)."""
+    return _TRACING.get()
+
+def _native_batch_norm(input, weight, bias, running_mean, running_var, training, momentum, eps):
+    """BatchNorm as the functional twin of eager's own kernel, then the running statistics written.
+
+    ``functionalize`` treats ``native_batch_norm`` as functional and would drop its in-place update of the
+    running statistics.  torch's decomposition (var_mean, rsqrt, ...) fixes that but rounds differently
+    from the kernel eager runs (2e-7 apart), and an ill-conditioned gradient (a bias reaching BatchNorm
+    through tanh and a residual attention) turned that into 1e-5 differences after three Adam steps
+    (found by tests/test_fuzz.py).  ``_native_batch_norm_legit_functional`` runs the same kernel, so
+    compiled BatchNorm equals eager bit for bit.
+    """
+    if running_mean is None or running_var is None:
+        return aten._native_batch_norm_legit.no_stats(input, weight, bias, training, momentum, eps)
+    out, mean, invstd, new_mean, new_var = aten._native_batch_norm_legit_functional.default(
+        input, weight, bias, running_mean, running_var, training, momentum, eps)
+    if training:
+        running_mean.copy_(new_mean)
+        running_var.copy_(new_var)
+    return out, mean, invstd
+
+
+def _bernoulli_(self, p: float = 0.5, *, generator=None):
+    """``t.bernoulli_(p)`` (dropout's mask) with the mask in ``t``'s layout, as eager fills it in place
+    (:data:`spmd_ort.runtime.ops.bernoulli_like`); functionalization alone would give a contiguous mask, which
+    for a transposed ``t`` is another mask from the same seed (found by tests/test_fuzz.py)."""
+    if generator is not None:
+        return self.copy_(aten.bernoulli.p(self, p, generator=generator))
+    return self.copy_(ops.bernoulli_like(self, p))
+
+
+# Ops that mutate their arguments but have no functionalization rule of their own (or one that changes
+# their result), mapped to ops that do.  Applied while capturing, so that functionalization sees the result.
+FUNCTIONAL_DECOMPS = {aten.native_batch_norm.default: _native_batch_norm, aten.bernoulli_.float: _bernoulli_}
+
+
+@dataclass
+class TracedStep:
+    gm: fx.GraphModule
+    layout: StateLayout
+    input_slots: list[Slot]  # one per placeholder
+    output_slots: list[Slot]  # one per graph output
+    batch_positions: list[int]  # positions of distinct tensor leaves in the flattened (args, kwargs)
+    grad_inputs: list[int]  # batch tensors (indices into batch_positions) whose .grad the step owns
+    user_spec: pytree.TreeSpec  # structure of the step's return value
+    user_leaves: list[Any]  # non-tensor leaves of the return value (TENSOR where a tensor goes)
+    seconds: float
+    opaque: tuple[OpaqueCall, ...] = ()  # the step's opaque parts, indexed by their ops' ``index``
+    attempts: int = 1  # traces run (each failure that made a part opaque costs one)
+    symbolic: SymbolicShapes | None = None  # the symbolic dims of the batch, when traced with any
+
+
+class _Retry(Exception):
+    """A trace failed inside a part the plan has now made opaque: trace again."""
+
+
+class _Phases(torch.overrides.TorchFunctionMode):
+    """Records which stretches of the capture graph ``Tensor.backward`` / ``autograd.grad`` produced.
+
+    Nodes recorded while backward runs get ``node.meta["custom"]["phase"] =
+    "backward"``; the functionalizing re-trace copies the tag to the nodes it
+    creates, so passes (e.g. re-gathering sharded parameters for backward) can
+    tell forward from backward uses.
+    """
+
+    BACKWARD = (torch.Tensor.backward, torch.autograd.backward, torch.autograd.grad)
+
+    def __init__(self):
+        super().__init__()
+        self.ranges: list[tuple[int, int]] = []
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func not in self.BACKWARD:
+            return func(*args, **kwargs)
+        mode = get_proxy_mode()
+        start = len(mode.tracer.graph.nodes) if mode is not None else -1
+        out = func(*args, **kwargs)
+        if mode is not None:
+            self.ranges.append((start, len(mode.tracer.graph.nodes)))
+        return out
+
+    def tag(self, gm: fx.GraphModule) -> None:
+        for i, node in enumerate(gm.graph.nodes):
+            if any(a <= i < b for a, b in self.ranges):
+                node.meta.setdefault("custom", {})["phase"] = "backward"
+
+
+def phase(node: fx.Node) -> str:
+    """``"backward"`` for nodes autograd recorded, else ``"forward"`` (optimizer and epilogue included)."""
+    return node.meta.get("custom", {}).get("phase", "forward")
+
+
+def _describe_failure(exc: BaseException) -> tuple[str, str | None, bool]:
+    """(what went wrong, op name, whether it is a limit of tracing rather than an error eager would raise too)."""
+    from torch._subclasses import fake_tensor as ft
+
+    func = getattr(exc, "func", None)
+    op = str(func) if func is not None else None
+    text = f"{type(exc).__name__}: {exc}"
+    if isinstance(exc, ft.DataDependentOutputException) or "data-dependent" in text.lower() or (
+            op is not None and ("_local_scalar_dense" in op or "is_nonzero" in op)):
+        return ("the step reads a tensor's value in Python (.item(), bool(tensor), `if tensor:`, "
+                "a data-dependent shape); the compiled graph cannot depend on tensor values", op, True)
+    if isinstance(exc, ft.DynamicOutputShapeException):
+        return "an op's output shape depends on tensor values (e.g. nonzero, boolean masking)", op, True
+    if isinstance(exc, ft.UnsupportedOperatorException):
+        return "an op has no fake-tensor implementation, so it cannot be traced", op, True
+    return text.rstrip("."), op, False
+
+
+def trace_step(fn, args: tuple, kwargs: dict, layout: StateLayout, *, sdpa_math: bool = False,
+               tag_grads: bool = False, plan: OpaquePlan | None = None,
+               inputs: StepInputs | None = None, mixed_precision=None,
+               dynamic: DynamicDims | None = None, taps: TapRegistry | None = None) -> TracedStep:
+    """Trace ``fn(*args, **kwargs)`` into a functional graph over ``layout``'s state.
+
+    ``sdpa_math`` traces ``scaled_dot_product_attention`` as its math form
+    (matmuls and softmax) instead of a fused kernel whose backward ONNX lacks.
+    ``plan`` says which parts run opaquely; parts found untraceable are added to it.
+    ``inputs`` names the call's leaves for errors (and knows the last call that compiled).
+    ``mixed_precision``: a :class:`spmd_ort.capture.amp.MixedPrecisionPolicy` the forward runs under.
+    ``dynamic``: the dims of tensor inputs traced as symbols (:mod:`spmd_ort.capture.dynamic`).
+    ``taps``: where debug subscribers' activation taps made while tracing are registered (the step's own).
+    """
+    t0 = time.perf_counter()
+    plan = plan if plan is not None else OpaquePlan()
+    inputs = inputs or StepInputs.of(fn, args, kwargs)
+    limit = 2 + sum(1 for _ in layout.module.modules()) + 16  # each retry makes one more part opaque
+    for attempt in range(1, limit + 1):
+        try:
+            with collecting(taps if taps is not None else TapRegistry()):
+                traced = _trace_once(fn, args, kwargs, layout, sdpa_math=sdpa_math, tag_grads=tag_grads, plan=plan,
+                                     inputs=inputs, mixed_precision=mixed_precision, dynamic=dynamic)
+        except _Retry:
+            continue
+        traced.seconds = time.perf_counter() - t0
+        traced.attempts = attempt
+        return traced
+    raise CompileError(f"could not trace the train step: {limit} traces each found another part to run opaquely")
+
+
+def _trace_once(fn, args: tuple, kwargs: dict, layout: StateLayout, *, sdpa_math: bool, tag_grads: bool,
+                plan: OpaquePlan, inputs: StepInputs, mixed_precision=None,
+                dynamic: DynamicDims | None = None) -> TracedStep:
+    leaves, spec = pytree.tree_flatten((args, kwargs))
+    batch_positions, alias_of = _graph_inputs(leaves, dynamic)
+    inputs.check(batch_positions)
+    batch_tensors = [leaves[i] for i in batch_positions]
+    grad_inputs = [k for k, t in enumerate(batch_tensors) if isinstance(t, torch.Tensor) and t.requires_grad]
+    grads_in = [k for k in grad_inputs if batch_tensors[k].grad is not None]
+    n_batch = len(batch_positions)
+    state_in = layout.gather()
+    n_state = len(state_in)
+    captured: dict[str, Any] = {}
+
+    def step(*flat):
+        state, batch = list(flat[:n_state]), flat[n_state:n_state + n_batch]
+        for k, g in zip(grads_in, flat[n_state + n_batch:]):
+            batch[k].grad = g
+        new_leaves = list(leaves)
+        for pos, t in zip(batch_positions, batch):
+            new_leaves[pos] = t
+        for pos, src in alias_of.items():
+            new_leaves[pos] = new_leaves[src]
+        a, kw = pytree.tree_unflatten(new_leaves, spec)
+        with layout.bind(state, tag_grads=tag_grads, mixed_precision=mixed_precision) as bound:
+            out = fn(*a, **kw)
+            final = bound.final()
+        final += [(Slot(SlotKind.INPUT_GRAD, f"{inputs.names[batch_positions[k]]}.grad", k), batch[k].grad)
+                  for k in grad_inputs if batch[k].grad is not None]
+        out_leaves, out_spec = pytree.tree_flatten(out)
+        captured["user_spec"] = out_spec
+        captured["user_leaves"] = [TENSOR if isinstance(x, torch.Tensor) else x for x in out_leaves]
+        captured["final_slots"] = [s for s, _ in final]
+        return tuple(x for x in out_leaves if isinstance(x, torch.Tensor)) + tuple(t for _, t in final)
+
+    trace_inputs, fake_mode = _trace_inputs(layout, state_in, batch_tensors, batch_positions, grads_in, dynamic,
+                                            inputs)
+    tracing_mode = "symbolic" if fake_mode is not None else "fake"
+    stack = CallStack(layout.module)
+    capture = OpaqueCapture(layout.module, plan, stack)
+    phases = _Phases()
+    watch = OpWatch()
+    token = _TRACING.set(True)
+    try:
+        attention = sdpa_kernel([SDPBackend.MATH]) if sdpa_math else contextlib.nullcontext()
+        with (stack.installed(), capture.installed(), torch.enable_grad(), attention, phases, watch,
+              quiet_torch_logs()):
+            gm1 = make_fx(step, decomposition_table=FUNCTIONAL_DECOMPS, tracing_mode=tracing_mode,
+                          _allow_non_fake_inputs=True)(*trace_inputs)
+        _check_traceable(gm1, captured, stack, plan)
+    except (CompileError, _Retry):
+        raise
+    except Exception as exc:  # noqa: BLE001 - every trace failure becomes an opaque part or a CompileError
+        raise _failure(exc, stack.culprit(exc), watch, plan, layout, inputs, batch_positions, n_state) from exc
+    finally:
+        _TRACING.reset(token)
+
+    phases.tag(gm1)
+    gm2 = _functionalize(gm1, trace_inputs, capture.calls, tracing_mode)
+
+    input_slots = (layout.input_slots() + [Slot(SlotKind.BATCH, f"input[{k}]", k) for k in range(n_batch)]
+                   + [Slot(SlotKind.INPUT_GRAD, f"{inputs.names[batch_positions[k]]}.grad", k) for k in grads_in])
+    n_user = sum(1 for x in captured["user_leaves"] if x is TENSOR)
+    output_slots = [Slot(SlotKind.USER, f"output[{k}]", k) for k in range(n_user)] + captured["final_slots"]
+    _outputs_from_mutations(gm2, input_slots, output_slots)
+    symbolic = None
+    if fake_mode is not None:
+        symbolic = SymbolicShapes.after_trace(fake_mode, trace_inputs[n_state:n_state + n_batch])
+    return TracedStep(gm2, layout, input_slots, output_slots, batch_positions, grad_inputs, captured["user_spec"],
+                      captured["user_leaves"], 0.0, tuple(capture.calls), symbolic=symbolic)
+
+
+def _functionalize(gm1: fx.GraphModule, trace_inputs: list, calls, tracing_mode: str) -> fx.GraphModule:
+    """The capture traced again under ``functionalize``: no mutation left, phase tags kept."""
+
+    def run_capture(*flat):
+        # An interpreter with node meta preserved: new nodes inherit the phase tags.
+        with fx_traceback.preserve_node_meta():
+            return fx.Interpreter(gm1).run(*flat)
+
+    plain_inputs = [t.detach() if isinstance(t, torch.Tensor) else t for t in trace_inputs]
+    # the capture already holds autocast's casts; the opaque ops' fake kernels read the calls
+    with autocast_disabled(), opaque.tracing(calls), quiet_torch_logs():
+        gm2 = make_fx(torch.func.functionalize(run_capture, remove="mutations"),
+                      tracing_mode=tracing_mode, _allow_non_fake_inputs=True)(*plain_inputs)
+    _check_functional(gm2)
+    link_backward(gm2, calls)
+    return gm2
+
+
+def _graph_inputs(leaves: list, dynamic: DynamicDims | None) -> tuple[list[int], dict[int, int]]:
+    """The call's leaves that are graph inputs, and the leaves that alias one of them.
+
+    One placeholder per distinct tensor (a tensor passed twice is one leaf of autograd, as in eager),
+    and one per Python number lifted to an input (dynamic shapes).
+    """
+    first: dict[int, int] = {}
+    positions, alias_of = [], {}
+    for i, leaf in enumerate(leaves):
+        if isinstance(leaf, torch.Tensor):
+            if id(leaf) in first:
+                alias_of[i] = first[id(leaf)]
+            else:
+                first[id(leaf)] = i
+                positions.append(i)
+        elif dynamic is not None and dynamic.lifts(i, leaf):
+            positions.append(i)
+    return positions, alias_of
+
+
+def _trace_inputs(layout: StateLayout, state_in: list[torch.Tensor], batch_tensors: list[torch.Tensor],
+                  batch_positions: list[int], grads_in: list[int], dynamic: DynamicDims | None, inputs: StepInputs):
+    """Detached leaves to trace over (tracing sets .grad on them, never on the user's tensors), and the fake
+    mode they live in when some batch dims are symbolic (else None: make_fx fakes them itself)."""
+    batch_dims = [dynamic.for_leaf(pos, tuple(t.shape)) if dynamic and isinstance(t, torch.Tensor) else frozenset()
+                  for pos, t in zip(batch_positions, batch_tensors)]
+    if not any(batch_dims) and all(isinstance(t, torch.Tensor) for t in batch_tensors):
+        return (_state_for_tracing(layout, state_in)
+                + [t.detach().requires_grad_(t.requires_grad) for t in batch_tensors]
+                + [batch_tensors[k].grad.detach() for k in grads_in]), None
+    fake_mode, fake_state, fake_batch = fake_inputs(
+        _state_for_tracing(layout, state_in), batch_tensors, batch_dims, [inputs.names[pos] for pos in batch_positions])
+    grads = [fake_mode.from_tensor(batch_tensors[k].grad.detach(), static_shapes=True) for k in grads_in]
+    return fake_state + fake_batch + grads, fake_mode
+
+
+def _failure(exc: BaseException, frame: Frame | None, watch: OpWatch, plan: OpaquePlan, layout: StateLayout,
+             inputs: StepInputs, batch_positions: list[int], n_state: int) -> Exception:
+    """What a trace failure becomes: an error naming the input or the module, or a retry with a new opaque part."""
+    what, op, untraceable = _describe_failure(exc)
+    failed = None if untraceable else watch.failed
+    if failed is not None and failed.eager_fails:
+        # eager rejects these arguments too: an error about the input or the module, never an opaque part
+        fqn = frame.fqn if frame is not None else None
+        module_type = type(layout.module.get_submodule("" if fqn == "<root>" else fqn)).__name__ if fqn else None
+        # arguments computed from the batch alone: the batch is what the op rejected
+        n_batch = len(batch_positions)
+        from_batch = [batch_positions[sorted(r)[0] - n_state] for r in failed.roots
+                      if r and all(n_state <= i < n_state + n_batch for i in r)]
+        reason = " ".join(str(exc).split()).rstrip(".")
+        blamed = inputs.blame(from_batch, failed.op, fqn, reason, module_type)
+        return blamed or _op_error(what, failed.op, fqn, module_type)
+    if plan.adopt(frame, what):
+        return _Retry()
+    return _trace_error(what, op, frame, plan)
+
+
+def _state_for_tracing(layout: StateLayout, state_in: list[torch.Tensor]) -> list[torch.Tensor]:
+    """Leaf copies of the state (tracing sets .grad on them, never on the user's tensors).
+
+    Under ``fully_shard`` the step is traced on the full shapes: each shard is
+    stood in for by a fake tensor of the parameter's shape (nothing allocated),
+    and the sharding passes turn the graph into one over shards.
+    """
+    if not layout.shard_specs:
+        return [t.detach().requires_grad_(t.requires_grad) for t in state_in]
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    fake_mode = FakeTensorMode(allow_non_fake_inputs=True)
+    out = []
+    for slot, t in zip(layout.input_slots(), state_in):
+        if layout.is_sharded(slot, t):
+            with fake_mode:
+                full = torch.empty(layout.shard_specs[slot.index].shape, dtype=t.dtype, device=t.device)
+        else:
+            full = fake_mode.from_tensor(t.detach())
+        out.append(full.requires_grad_(t.requires_grad))
+    return out
+
+
+def _trace_error(what: str, op: str | None, frame: Frame | None, plan: OpaquePlan,
+                 fix: str | None = None) -> CompileError:
+    """The CompileError of a trace failure no opaque part can take, naming where it happened and the fix."""
+    if frame is not None and frame.kind == "function":
+        fix = ("SPMD_ORT_DISABLE_CUSTOM_AUTOGRAD_SUPPORT=1 is set, so Functions are never run opaquely; unset it, "
+               "or make the Function traceable" if not plan.custom_autograd else "make the Function traceable")
+        return CompileError(
+            f"could not trace the train step in {frame.what}{f' at op {op}' if op else ''}: {what}. Fix: {fix}. "
+            "The model and optimizer are unchanged.", fqn=frame.fqn, op=op or frame.name)
+    fqn = frame.name if frame is not None else None
+    where = f"in module `{fqn}`" if fqn else "outside any submodule (in the step function or backward)"
+    if fqn and fqn != "<root>":  # a submodule that may not run opaquely (SPMD_ORT_AUTO_OPAQUE=0)
+        fix = f"supply an Override for `{fqn}` (spmd_ort.Override.replacement) or make it traceable"
+        if not plan.auto_opaque:
+            fix += "; or unset SPMD_ORT_AUTO_OPAQUE=0 to run it eagerly as an opaque host node"
+    elif fix is None:
+        fix = "make the step function traceable" if not fqn else (
+            "make the model's own forward traceable, or move the untraceable part into a submodule "
+            "(it then runs opaquely)")
+    return CompileError(
+        f"could not trace the train step {where}{f' at op {op}' if op else ''}: {what}. Fix: {fix}. "
+        "The model and optimizer are unchanged.", fqn=fqn, op=op)
+
+
+def _op_error(what: str, op: str, fqn: str | None, module_type: str | None) -> CompileError:
+    """An op raised while tracing, on arguments not computed from the batch alone: eager may well raise too."""
+    where = (f"in module `{fqn}` ({module_type})" if fqn and fqn != "<root>" else
+             f"in the model ({module_type})" if fqn else "outside any submodule (in the step function or backward)")
+    override = (f"supply an Override for `{fqn}` (spmd_ort.Override.replacement) or make it traceable"
+                if fqn and fqn != "<root>" else "make the step function traceable")
+    return CompileError(
+        f"could not trace the train step {where}: {op} raised {what}. Fix: if eager PyTorch runs this step with "
+        f"these inputs, {override}; if it fails there too, fix the shapes or dtypes that reach {op}. "
+        "The model and optimizer are unchanged.", fqn=fqn, op=op)
+
+
+def _check_traceable(gm: fx.GraphModule, captured: dict, stack: CallStack, plan: OpaquePlan) -> None:
+    """What tracing recorded without failing but the graph cannot hold: value reads and raw collectives.
+
+    ``.item()`` traces to an unbacked symbol instead of failing, and
+    ``torch.distributed`` calls trace to ``c10d`` ops on a ProcessGroup object; the
+    part that recorded them runs opaquely (then its collectives run in graph
+    order on every rank), or this is a :class:`CompileError`.
+    """
+    for node in gm.graph.nodes:
+        if node.op != "call_function":
+            continue
+        fix = None
+        if node.target is aten._local_scalar_dense.default:
+            what = ("the step reads a tensor's value in Python (.item(), float(tensor), int(tensor)); the compiled "
+                    "graph cannot depend on tensor values; return the tensor instead and convert it after the step")
+        elif getattr(node.target, "namespace", None) == "c10d":
+            what = (f"a torch.distributed call ({node.target}) on a ProcessGroup; collectives of the compiled graph "
+                    "are its own, so the part that calls it must run opaquely")
+            fix = ("move the torch.distributed call out of the step, or into a submodule or an autograd.Function "
+                   "(it then runs opaquely, in the same order on every rank)")
+        else:
+            continue
+        frame = stack.frame_of(gm, node)
+        if plan.adopt(frame, what):
+            raise _Retry()
+        raise _trace_error(what, str(node.target), frame, plan, fix)
+    for leaf in captured.get("user_leaves", []):
+        if isinstance(leaf, (torch.SymInt, torch.SymFloat, torch.SymBool)):
+            raise _trace_error(f"the step returns the Python number {leaf}, computed from a tensor (or from sizes "
+                               "or numbers that are symbolic: dynamic shapes), so it has no one value; return it "
+                               "as a tensor", None, None, plan)
+
+
+def _check_functional(gm: fx.GraphModule) -> None:
+    """Only the epilogue ``copy_`` into inputs may mutate; anything else is a capture bug."""
+    for node in gm.graph.nodes:
+        schema = getattr(node.target, "_schema", None)
+        if node.op == "call_function" and schema is not None and schema.is_mutable \
+                and node.target is not aten.copy_.default:
+            raise CompileError(f"internal error: op {node.target} still mutates its inputs after "
+                               "functionalization; add a decomposition for it to "
+                               "spmd_ort.capture.trace.FUNCTIONAL_DECOMPS",
+                               op=str(node.target))
+
+
+def _outputs_from_mutations(gm: fx.GraphModule, input_slots: list[Slot], output_slots: list[Slot]) -> None:
+    """Turn functionalization's epilogue (``copy_`` of new values into inputs) into outputs.
+
+    State is already returned explicitly, so its ``copy_`` goes; a mutated batch
+    input becomes a ``batch`` output (written back like eager's in-place update).
+    State outputs that are still the input itself (unchanged) are dropped, except
+    gradients: a gradient missing from the outputs is one the step set to None.
+    """
+    graph = gm.graph
+    placeholders = [n for n in graph.nodes if n.op == "placeholder"]
+    assert len(placeholders) == len(input_slots), (len(placeholders), len(input_slots))
+    slot_of = dict(zip(placeholders, input_slots))
+    out_node = graph.output_node()
+    outs = list(pytree.tree_leaves(out_node.args[0]))
+    assert len(outs) == len(output_slots), (len(outs), len(output_slots))
+    for node in list(graph.nodes):
+        if node.op == "call_function" and node.target is aten.copy_.default and node.args[0] in slot_of:
+            slot = slot_of[node.args[0]]
+            if slot.kind is SlotKind.BATCH:
+                outs.append(node.args[1])
+                output_slots.append(slot)
+            elif slot.kind not in (SlotKind.PARAM, SlotKind.BUFFER, SlotKind.GRAD, SlotKind.OPT_STATE,
+                                   SlotKind.INPUT_GRAD, SlotKind.SCALER):
+                raise CompileError(f"the train step writes into {slot.kind} input `{slot.name}` in place")
+            graph.erase_node(node)
+    # Input and output slots of the same state compare equal (same kind, name, index, key).  A gradient
+    # stays an output even when unchanged: its presence after the step is what the output says.
+    keep = [i for i, (o, s) in enumerate(zip(outs, output_slots))
+            if s.kind in (SlotKind.USER, SlotKind.BATCH, SlotKind.GRAD, SlotKind.INPUT_GRAD) or slot_of.get(o) != s]
+    new_outs = [outs[i] for i in keep]
+    output_slots[:] = [output_slots[i] for i in keep]
+    out_node.args = (tuple(new_outs),)
+    graph.eliminate_dead_code()
+    gm.recompile()
+

@@ -1,0 +1,121 @@
+"""The pipeline of one compiled variant: trace -> passes -> executor.
+
+:meth:`Compiler.compile` is the whole of it, in three calls:
+
+    trace_step (spmd_ort.capture.trace)
+        -> run_passes(build_pipeline(...)) (spmd_ort.passes: clean-up, parallel expansion,
+           user transforms, analyses, backend preparation)
+        -> build_executor (spmd_ort.runtime.executor: fx, or ORT: partition -> export -> sessions)
+
+and :meth:`Compiler.compile_everywhere` adds the agreement of every rank on the result.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable, Sequence
+
+from torch import fx
+
+from spmd_ort import passes as P
+from spmd_ort.capture.inputs import StepCall, StepInputs
+from spmd_ort.capture.opaque import OpaquePlan
+from spmd_ort.capture.state import StateLayout
+from spmd_ort.capture.trace import trace_step
+from spmd_ort.capture.transition import StepKey
+from spmd_ort.capture.dynamic import DynamicDims
+from spmd_ort.runtime.taps import TapRegistry
+from spmd_ort.distributed import parallel
+from spmd_ort.options import Options
+from spmd_ort.runtime.executor import build_executor
+from spmd_ort.runtime.program import CompiledProgram
+
+logger = logging.getLogger("spmd_ort")
+
+
+def snapshot(gm: fx.GraphModule) -> fx.GraphModule:
+    """A copy of ``gm`` whose graph later passes cannot touch."""
+    graph = fx.Graph()
+    out = graph.graph_copy(gm.graph, {})
+    graph.output(out)
+    return fx.GraphModule(gm, graph)
+
+
+class Compiler:
+    """Compiles variants of one train step ``fn`` with one configuration (options, overrides, opaque plan)."""
+
+    def __init__(self, fn: Callable, *, name: str, options: Options, overrides: Sequence,
+                 gm_transformation: Callable | None, opaque_plan: OpaquePlan, taps: TapRegistry,
+                 mixed_precision=None):
+        self.fn = fn
+        # the parallel mode's MixedPrecisionPolicy: it applies on one process too, where the mode resolves to None
+        self.mixed_precision = mixed_precision
+        self.taps = taps  # the step's activation taps (its runtime's): made while tracing, fed after each run
+        self.name = name
+        self.options = options
+        self.overrides = list(overrides)
+        self.gm_transformation = gm_transformation
+        self.opaque_plan = opaque_plan  # grows as traces find untraceable parts, kept across variants
+
+    def compile_everywhere(self, call: StepCall, key: StepKey, *, dynamic: DynamicDims,
+                           previous: CompiledProgram | None, reason: str) -> CompiledProgram:
+        """Compile; on several ranks, also agree that every rank compiled the same graph.
+
+        A rank whose compile failed still takes part in the agreement, so the
+        others fail with it instead of waiting for it in a collective.
+        """
+        if call.mode is None:
+            return self.compile(call, key, dynamic=dynamic, previous=previous, reason=reason)
+        try:
+            program, error = self.compile(call, key, dynamic=dynamic, previous=previous, reason=reason), None
+            description = program.signature()
+        except Exception as exc:  # noqa: BLE001 - re-raised below, after the agreement
+            program, error = None, exc
+            description = f"compile failed: {type(exc).__name__}: {getattr(exc, 'detail', exc)}"
+        parallel.check_agreement("the compiled train step", description)
+        if error is not None:
+            raise error
+        return program
+
+    def compile(self, call: StepCall, key: StepKey, *, dynamic: DynamicDims, previous: CompiledProgram | None,
+                reason: str) -> CompiledProgram:
+        """trace -> passes (the one pipeline) -> executor."""
+        t0 = time.perf_counter()
+        layout = StateLayout.capture(call.module, call.opt, call.rule, call.scaler)
+        # Errors rooted in an input name it, and how it differs from the last call that compiled.
+        inputs = StepInputs.of(self.fn, call.args, call.kwargs, previous_key=previous.key if previous else None)
+        # spmd_ort.ort.translations translates the fused CPU attention kernel (forward and backward), not the
+        # CUDA ones: on an accelerator, the ORT backend traces attention in its math form.
+        on_accelerator = any(p.device.type != "cpu" for p in layout.params)
+        traced = trace_step(self.fn, call.args, call.kwargs, layout,
+                            sdpa_math=self.options.backend == "ort" and on_accelerator,
+                            tag_grads=call.mode is not None, plan=self.opaque_plan, inputs=inputs,
+                            mixed_precision=self.mixed_precision,
+                            dynamic=None if key.shapes else dynamic,  # key.shapes: guards rejected the sizes
+                            taps=self.taps)
+        if traced.symbolic is not None and traced.symbolic.specialised:
+            names = {k: inputs.names[pos] for k, pos in enumerate(traced.batch_positions)}
+            logger.info("%s: the model fixes %s; those dims stay static", self.name,
+                        ", ".join(f"the value of `{names[k]}` at {size}" if d is None else
+                                  f"dim {d} of `{names[k]}` at {size}"
+                                  for (k, d), size in sorted(traced.symbolic.specialised.items(), key=str)))
+        traced_gm = snapshot(traced.gm)
+        ctx = P.PassContext(input_slots=list(traced.input_slots), output_slots=list(traced.output_slots),
+                            mode=call.mode, world_size=call.world_size, rank=call.rank,
+                            shard_specs=layout.shard_specs, layout=layout, disabled=self.options.disabled_passes,
+                            check_contracts=self.options.check_passes, taps=self.taps)
+        pipeline = P.build_pipeline(call.mode, self.options.backend, overrides=self.overrides,
+                                    gm_transformation=self.gm_transformation)
+        gm = P.run_passes(traced.gm, ctx, pipeline)
+        executor = build_executor(gm, self.options)
+        program = CompiledProgram(
+            key=key, gm=executor.gm, traced_gm=traced_gm, layout=layout, input_slots=ctx.input_slots,
+            output_slots=ctx.output_slots, batch_positions=traced.batch_positions, grad_inputs=traced.grad_inputs,
+            user_spec=traced.user_spec, user_leaves=traced.user_leaves, passes_applied=ctx.applied,
+            results=ctx.results, executor=executor, opaque=traced.opaque, trace_attempts=traced.attempts,
+            symbolic=traced.symbolic, options=self.options, trace_seconds=traced.seconds,
+            compile_seconds=time.perf_counter() - t0, traced_because=reason, taps=self.taps)
+        logger.info("compiled %s: %d graph nodes, trace %.2fs, total %.2fs", self.name,
+                    len(gm.graph.nodes), traced.seconds, program.compile_seconds)
+        return program

@@ -1,0 +1,145 @@
+"""``train_step.explain()``: what the compiler did to a train step, in words.
+
+Variants and why each was traced, the passes (node counts, time), the
+collectives of one step (buckets and bytes, planned from the graph, next to the
+last step's measured figures and to the parameter bytes they are bounded by),
+the segments (ORT or host, ops, share of the step's matmul/conv FLOPs), host
+nodes and why they stay on the host, and memory.
+"""
+
+from __future__ import annotations
+
+import math
+import operator
+
+import torch
+from torch import fx
+
+from spmd_ort.runtime import ops
+from spmd_ort.runtime.program import CompiledProgram
+
+aten = torch.ops.aten
+MIB = 2**20
+
+
+def _shape(node) -> tuple:
+    v = node.meta.get("val") if isinstance(node, fx.Node) else None
+    return tuple(v.shape) if isinstance(v, torch.Tensor) else ()
+
+
+def node_flops(node: fx.Node) -> int:
+    """Multiply-add FLOPs (2 per MAC) of matmuls, convolutions and attention; 0 for everything else."""
+    t = node.target
+    out = _shape(node)
+    if t in (aten.mm.default, aten.addmm.default):
+        a = _shape(node.args[-2])
+        return 2 * math.prod(out) * (a[-1] if a else 0)
+    if t in (aten.bmm.default, aten.baddbmm.default):
+        a = _shape(node.args[-2])
+        return 2 * math.prod(out) * (a[-1] if a else 0)
+    if t is aten.convolution.default:
+        w = _shape(node.args[1])
+        return 2 * math.prod(out) * math.prod(w[1:]) if w else 0
+    if t is aten.convolution_backward.default:
+        w = _shape(node.args[2])
+        grad_out = _shape(node.args[0])
+        return 4 * math.prod(grad_out) * math.prod(w[1:]) if w else 0  # input and weight gradients
+    return 0
+
+
+def _graph_flops(gm: fx.GraphModule) -> int:
+    return sum(node_flops(n) for n in gm.graph.nodes if n.op == "call_function")
+
+
+def _segments(program: CompiledProgram) -> list[tuple[str, str, int, int, str]]:
+    """(name, where it runs, ops, FLOPs, detail) for each segment and host node of the executed graph."""
+    rows = []
+    gm = program.gm
+    for node in gm.graph.nodes:
+        if node.op == "call_module":
+            sub = gm.get_submodule(node.target)
+            graph = getattr(sub, "fallback", sub)
+            where = "fx (fallback)" if getattr(sub, "use_fallback", False) else program.executor.name
+            n_ops = sum(1 for n in graph.graph.nodes if n.op == "call_function")
+            rows.append((node.target, where, n_ops, _graph_flops(graph), ""))
+        elif node.op == "call_function" and node.target is not operator.getitem:
+            flops = node_flops(node)
+            if program.executor.name == "ort" or isinstance(node.target, torch._ops.OpOverload) and \
+                    node.target.namespace == "spmd_ort":
+                rows.append((node.name, "host", 1, flops, str(node.target)))
+    if program.executor.name == "fx":
+        n_ops = sum(1 for n in gm.graph.nodes if n.op == "call_function")
+        rows = [("graph", "fx", n_ops, _graph_flops(gm), "every op in PyTorch")] + \
+            [r for r in rows if r[4].startswith("spmd_ort")]
+    return rows
+
+
+def _collective_lines(program: CompiledProgram, comm) -> list[str]:
+    sizes: dict[str, list[int]] = {}
+    for node in program.gm.graph.nodes:
+        if node.op == "call_module":
+            continue
+        if node.op != "call_function" or node.target not in (ops.all_gather, ops.reduce_scatter, ops.all_reduce_,
+                                                              ops.broadcast_):
+            continue
+        v = node.args[0].meta["val"] if node.target is not ops.all_gather else node.meta["val"]
+        phase = node.meta.get("custom", {}).get("phase", "forward")
+        kind = {ops.all_gather: f"all-gather ({phase})", ops.reduce_scatter: "reduce-scatter",
+                ops.all_reduce_: "all-reduce", ops.broadcast_: "broadcast (buffers)"}[node.target]
+        sizes.setdefault(kind, []).append(v.numel() * v.element_size())
+    if not sizes:
+        return ["collectives: none (one process)"]
+    layout = program.layout
+    param_bytes = sum(p.numel() * p.element_size() for p in layout.params)
+    if layout.shard_specs:
+        param_bytes = sum(spec.padded_numel * layout.params[i].element_size() for i, spec in layout.shard_specs.items())
+    ref = "padded parameter bytes" if layout.shard_specs else "parameter bytes"
+    lines = [f"collectives per step (planned from the graph; {ref}: {param_bytes / MIB:.3f} MiB):"]
+    measured = {"all-gather": "all_gather_bytes", "reduce-scatter": "reduce_scatter_bytes", "all-reduce": "all_reduce_bytes",
+                "broadcast": "broadcast_bytes"}
+    for kind in sorted(sizes):
+        total = sum(sizes[kind])
+        lines.append(f"  {kind}: {len(sizes[kind])} call(s), {total} B = {total / MIB:.3f} MiB "
+                     f"= {total / param_bytes:.2f} x {ref}")
+    if comm is not None:
+        got = ", ".join(f"{k} {getattr(comm, v)} B" for k, v in measured.items() if getattr(comm, v))
+        lines.append(f"  measured on the last step: {got or 'nothing'}; overlap {comm.overlap:.0%}")
+    return lines
+
+
+def explain(step, memory: dict | None = None) -> str:
+    """The plan of a compiled step (``CompiledStep``) in words; ``memory``: its ``memory()``, once it has run."""
+    program: CompiledProgram | None = step.compiled
+    if program is None:
+        return f"{step.transitions.name}: not compiled yet (call it once)"
+    lines = [f"compiled train step `{step.transitions.name}`: {program.backend} backend, "
+             f"{len(program.gm.graph.nodes)} nodes in the executed graph"]
+    lines.append(f"variants: {len(step.variants)} kept, {step.transitions.traces} traced")
+    for i, v in enumerate(step.variants):
+        last = " (used by the last call)" if v is program else ""
+        lines.append(f"  #{i}: traced because {v.traced_because or '?'}; compiled in {v.compile_seconds:.1f} s; "
+                     f"{v.steps_run} step(s) run{last}")
+    lines.append("passes (in order):")
+    for r in program.passes_applied:
+        lines.append(f"  {r}")
+    lines += _collective_lines(program, step.comm)
+    lines.append("what the passes recorded:")
+    lines += [f"  {line}" for line in program.results.lines()]
+    rows = _segments(program)
+    total = sum(r[3] for r in rows) or 1
+    lines.append(f"segments and host nodes ({total / 1e9:.2f} GFLOP of matmuls/convolutions per step):")
+    for name, where, n_ops, flops, detail in rows:
+        share = f"{flops / total:6.1%} of FLOPs" if flops else "      -      "
+        lines.append(f"  {name:24s} {where:14s} {n_ops:5d} op(s)  {share}  {detail}")
+    stats = getattr(program.executor, "stats", None)
+    if stats is not None:
+        lines.append("host ops and why they stay on the host:")
+        lines += [f"  {op}: {why}" for op, why in stats.host_ops.items()]
+    if memory is not None:
+        mem = memory
+        p = mem["persistent"]
+        lines.append(f"memory (this rank): persistent {p['total'] / MIB:.2f} MiB (params {p['params'] / MIB:.2f}, "
+                     f"grads {p['grads'] / MIB:.2f}, optimizer state {p['opt_state'] / MIB:.2f}), buffers "
+                     f"{p['buffers'] / MIB:.2f} MiB; planned peak of the step's values "
+                     f"{mem['planned_activation_peak'] / MIB:.2f} MiB; max RSS {mem['max_rss'] / MIB:.0f} MiB")
+    return "\n".join(lines)

@@ -1,0 +1,206 @@
+"""Parallel modes and what every rank must agree on.
+
+``DataParallel(parallel_style="replicate")`` is DDP as graph passes: each rank
+passes its own local batch, every parameter's gradient is tagged while tracing
+(``spmd_ort::tag_grad``, :mod:`spmd_ort.runtime.ops`), and the passes of ``passes/data_parallel.py`` turn the
+tags into bucketed, overlapped all-reduces that average gradients over ranks.
+It is the default when ``torch.distributed`` is initialized with more than one
+rank.  Launch with ``torchrun --nproc_per_node=N train.py`` (multi-node:
+torchrun's ``--nnodes``/``--rdzv-endpoint``; nothing here is node-specific).
+
+``DataParallel(parallel_style="fully_shard")`` is ZeRO stage 3 as graph passes
+(``passes/fully_shard.py``): every parameter is split into N equal padded
+shards (:mod:`spmd_ort.distributed.sharding`), and the compiled step all-gathers parameters
+before use, reduce-scatters gradients and runs the optimizer on shards.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Callable
+from typing import Any
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from spmd_ort.capture.amp import MixedPrecisionPolicy
+from spmd_ort.integrations.deepspeed.config import data_parallel_settings
+from spmd_ort.errors import CollectiveTimeout, CompileError, is_timeout
+
+STYLES = ("replicate", "fully_shard")
+OFFLOAD_DEVICES = (None, "cpu")
+
+
+@dataclass(frozen=True, kw_only=True)
+class DataParallel:
+    """Data parallelism: replicated (DDP semantics) or fully sharded (ZeRO-3 / FSDP semantics).
+
+    Each rank passes its own local batch, as with DDP (nothing is split or
+    gathered along a batch dimension).  ``bucket_cap_mb``: gradients
+    are all-reduced in buckets of at most this size, in the order backward
+    produces them; the first bucket is at most ``first_bucket_cap_mb`` so that
+    communication starts early.  ``broadcast_buffers``: buffers are broadcast
+    from rank 0 at the start of every step (DDP's default).
+
+    ``fully_shard`` only (see :mod:`spmd_ort.distributed.sharding`):
+
+    * ``reshard_after_forward``: free gathered parameters after their last
+      forward use and gather them again for backward (ZeRO-3); ``False`` keeps
+      them from the forward gather until their last backward use (ZeRO-2
+      memory, one all-gather fewer per step).
+    * ``prefetch``: how many all-gather buckets are issued ahead of the one
+      being waited for (0: gather just before use).
+    * ``bucket_cap_mb``: also caps the (unsharded) size of all-gather and
+      reduce-scatter buckets.
+    * ``offload_optimizer="cpu"``: optimizer state lives in host memory and the
+      update runs there with the native fused kernel (``csrc/``).
+    * ``offload_param="cpu"``: parameter shards live in host memory and are
+      copied to the device before each all-gather.
+
+    ``mixed_precision``: a :class:`spmd_ort.MixedPrecisionPolicy` (FSDP2's):
+    compute in ``param_dtype`` on fp32 master parameters and optimizer state,
+    reduce gradients in ``reduce_dtype``; under ``fully_shard`` the all-gather
+    moves ``param_dtype``.  It applies on one process too (nothing to reduce).
+    """
+
+    parallel_style: str = "replicate"
+    bucket_cap_mb: float = 25.0
+    first_bucket_cap_mb: float = 1.0
+    broadcast_buffers: bool = True
+    reshard_after_forward: bool = True
+    prefetch: int = 1
+    offload_optimizer: str | None = None
+    offload_param: str | None = None
+    mixed_precision: MixedPrecisionPolicy | None = None
+
+    def __post_init__(self):
+        if self.parallel_style not in STYLES:
+            raise ValueError(f"DataParallel(parallel_style={self.parallel_style!r}): supported styles are "
+                             f"{', '.join(STYLES)}")
+        if self.bucket_cap_mb <= 0 or self.first_bucket_cap_mb <= 0:
+            raise ValueError("DataParallel: bucket caps must be positive")
+        if self.prefetch < 0:
+            raise ValueError(f"DataParallel: prefetch={self.prefetch} must be >= 0")
+        for name in ("offload_optimizer", "offload_param"):
+            value = getattr(self, name)
+            if value not in OFFLOAD_DEVICES:
+                raise ValueError(f"DataParallel({name}={value!r}): choose None or 'cpu'")
+            if value is not None and self.parallel_style != "fully_shard":
+                raise ValueError(f"DataParallel({name}={value!r}) needs parallel_style='fully_shard'")
+        if self.mixed_precision is not None and not isinstance(self.mixed_precision, MixedPrecisionPolicy):
+            raise TypeError(f"DataParallel(mixed_precision={self.mixed_precision!r}): expected a "
+                            "spmd_ort.MixedPrecisionPolicy")
+
+    @property
+    def sharded(self) -> bool:
+        return self.parallel_style == "fully_shard"
+
+    @classmethod
+    def from_deepspeed_config(cls, config) -> DataParallel:
+        """The mode a DeepSpeed JSON config (path or dict) asks for; see :mod:`spmd_ort.integrations.deepspeed.config`."""
+        return cls(**data_parallel_settings(config))
+
+
+def world() -> tuple[int, int]:
+    """(rank, world size); (0, 1) without torch.distributed."""
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size()
+    return 0, 1
+
+
+def resolve(mode):
+    """The parallel mode a compile uses: the user's, else DataParallel() on several ranks."""
+    rank, size = world()
+    if mode is None:
+        return DataParallel() if size > 1 else None
+    if isinstance(mode, DataParallel) and size == 1:
+        return None  # one rank: nothing to reduce
+    if not isinstance(mode, DataParallel):
+        raise TypeError(f"parallel_mode={mode!r} is not a spmd_ort.DataParallel")
+    return mode
+
+
+def digest(text: str) -> int:
+    """A 62-bit hash that is the same in every process (unlike hash())."""
+    return int.from_bytes(hashlib.sha256(text.encode()).digest()[:8], "little") >> 2
+
+
+def check_agreement(what: str, description: str, *, sizes: Any = None,
+                    reconcile: Callable[[list], Any] | None = None) -> Any:
+    """All ranks must hold the same ``description``; otherwise every rank raises.
+
+    One small all-reduce (max of the digest and of its negation) when all agree;
+    on disagreement an all-gather of the descriptions names the ranks and the
+    first difference.  Every rank takes the same path, so nobody hangs.
+    On disagreement, ``reconcile`` (if given) sees every rank's ``sizes`` (the
+    same list on every rank): a true result is returned instead of raising (so
+    every rank decides alike, e.g. to make differing input sizes symbolic).
+    Returns None when the ranks agree.
+    """
+    rank, size = world()
+    if size == 1:
+        return None
+    d = digest(description)
+    t = torch.tensor([d, -d], dtype=torch.int64)
+    try:
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    except RuntimeError as exc:
+        if is_timeout(exc):
+            raise CollectiveTimeout(f"the ranks' agreement on {what}", rank=rank, cause=exc) from exc
+        raise
+    if int(t[0]) == -int(t[1]):
+        return None
+    descriptions: list = [None] * size
+    dist.all_gather_object(descriptions, (description, sizes))
+    if reconcile is not None:
+        settled = reconcile([s for _, s in descriptions])
+        if settled:
+            return settled
+    descriptions = [d for d, _ in descriptions]
+    groups: dict = {}
+    for r, desc in enumerate(descriptions):
+        groups.setdefault(desc, []).append(r)
+    (first, ranks_a), (second, ranks_b) = list(groups.items())[:2]
+    raise CompileError(
+        f"ranks disagree on {what}: ranks {ranks_a} vs ranks {ranks_b}: {_first_diff(first, second)}. "
+        "Every rank must compile the same step (same shapes, code path and world); "
+        f"this rank is {rank}", rank=rank)
+
+
+def gather_failures(what: str, failure: tuple | None) -> dict[int, tuple]:
+    """Every rank's ``failure`` (None where it succeeded), on every rank: ``{rank: failure}`` of those that failed.
+
+    For operations that must succeed everywhere or nowhere (a checkpoint load): each rank learns
+    whether any rank failed and why, so all of them raise, or none.  One small all-gather.
+    """
+    rank, size = world()
+    if size == 1:
+        return {} if failure is None else {0: failure}
+    everyone: list = [None] * size
+    try:
+        dist.all_gather_object(everyone, failure)
+    except RuntimeError as exc:
+        if is_timeout(exc):
+            raise CollectiveTimeout(f"the ranks' agreement on {what}", rank=rank, cause=exc) from exc
+        raise
+    return {r: f for r, f in enumerate(everyone) if f is not None}
+
+
+def _first_diff(a: str, b: str) -> str:
+    la, lb = a.splitlines(), b.splitlines()
+    for x, y in zip(la, lb):
+        if x != y:
+            return f"`{x.strip()[:200]}` vs `{y.strip()[:200]}`"
+    return f"{len(la)} vs {len(lb)} lines"
+
+
+def broadcast_state(module: nn.Module) -> None:
+    """Rank 0's parameters and buffers on every rank (as DDP does at construction)."""
+    with torch.no_grad():
+        seen: set[int] = set()
+        for t in list(module.parameters()) + list(module.buffers()):
+            if id(t) not in seen:
+                seen.add(id(t))
+                dist.broadcast(t.data, src=0)

@@ -1,0 +1,1 @@
+"""Other libraries' configurations, read into spmd_ort's own: DeepSpeed (``deepspeed``)."""

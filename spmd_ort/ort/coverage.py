@@ -1,0 +1,149 @@
+"""Which aten ops ONNX Runtime runs, decided by one table for the partitioner and the exporter alike.
+
+An aten node translates to ONNX **directly** when
+
+* :data:`spmd_ort.ort.translations.TRANSLATIONS` has our translation of its op and
+  that translation accepts the node's arguments, or
+* onnxscript's torchlib translates its op and the op is not in :data:`FIXES`
+  (stock translations known to be wrong, which are removed from the registry).
+
+Every other op with a torch decomposition is **lowered** before export:
+``lower_to_onnx_ops_pass`` (``passes/lowering.py``) replaces the node by its
+decomposition, recursively, until only directly translatable ops (or ops with
+no decomposition) remain.  What is left after that stays on the host, and
+:func:`why_untranslatable` says why.  The exporter (:mod:`spmd_ort.ort.export`)
+translates with :func:`registry`, the same table, so the predicate and the
+exporter agree by construction; ``tests/test_coverage.py`` runs both over
+every op of the model zoo.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import hashlib
+import inspect
+import logging
+from collections.abc import Callable
+
+import torch
+from torch import fx
+
+from spmd_ort.ort import translations
+from spmd_ort.options import DEFAULT_OPSET
+from spmd_ort.ort.translations import TRANSLATIONS
+
+aten = torch.ops.aten
+
+# op -> why its torchlib translation cannot be used (it is lowered through torch's decomposition instead).
+FIXES: dict = {
+    # torchlib's nll_loss_forward returns total_weight = 1.0 whatever the batch, ignore_index or class
+    # weights: every gradient of a mean-reduced cross-entropy came out N times too large, silently.
+    aten.nll_loss_forward.default: "total_weight output is always 1.0",
+    # The capture runs BatchNorm as this op (eager's kernel, spmd_ort.capture.trace.FUNCTIONAL_DECOMPS); torchlib's
+    # translation of it computes another normalized output (40% off, caught by verification).
+    aten._native_batch_norm_legit_functional.default: "wrong normalized output",
+}
+
+
+class _DropIrrelevant(logging.Filter):
+    """The exporter's warnings that never concern a spmd_ort graph (which never uses torchvision ops and
+    carries no nn.Module stack), so users see the exporter's other warnings and not these."""
+
+    PATTERNS = ("torchvision is not installed", "nn_module_stack not found")
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        message = record.getMessage()
+        return not any(p in message for p in self.PATTERNS)
+
+
+_FILTER = _DropIrrelevant()
+for _name in ("torch.onnx._internal.exporter._registration", "torch.onnx._internal.exporter._core"):
+    logging.getLogger(_name).addFilter(_FILTER)
+
+
+def registry(opset: int = DEFAULT_OPSET):
+    """torchlib's registry for ``opset``, with our translations and without the ops in :data:`FIXES`.
+
+    The predicate asks the default opset's registry: torchlib registers the same ops for opsets 18
+    to 22 (23 adds ``rms_norm``, which torch decomposes before it reaches a graph), so the answer
+    does not depend on ``SPMD_ORT_ONNX_OPSET_VERSION``, and with the default opset the predicate and
+    the exporter share one registry (building one takes ~1 s).
+    """
+    table = tuple((op, id(t.function)) for op, t in TRANSLATIONS.items()) + tuple(FIXES)
+    return _registry(opset, table)
+
+
+@functools.lru_cache(maxsize=8)
+def _registry(opset: int, table: tuple):
+    from torch.onnx._internal.exporter import _registration
+
+    reg = _registration.ONNXRegistry.from_torchlib(opset_version=opset)
+    for op in FIXES:
+        reg.functions.pop(op.name(), None)
+    for op, translation in TRANSLATIONS.items():
+        reg.register_op(op, translation.function)
+    return reg
+
+
+def _registered(target) -> bool:
+    return registry().is_registered(target)
+
+
+@functools.lru_cache(maxsize=1)
+def _torch_decompositions() -> dict:
+    from torch._decomp import decomposition_table
+
+    return {**decomposition_table, **torch.export.default_decompositions()}
+
+
+def lowering_table() -> dict:
+    """op -> torch decomposition, for every op that has no direct translation (what make_fx applies, recursively)."""
+    return _lowering_table(registry())
+
+
+@functools.lru_cache(maxsize=8)
+def _lowering_table(reg) -> dict:
+    return {op: fn for op, fn in _torch_decompositions().items()
+            if hasattr(op, "_schema") and (op in FIXES or not reg.is_registered(op))}
+
+
+def why_untranslatable(node: fx.Node) -> str | None:
+    """None if ``node`` (an aten op) translates to ONNX directly; otherwise why not."""
+    target = node.target
+    translation = TRANSLATIONS.get(target)
+    if translation is not None:
+        return translation.accepts(node)
+    if target in FIXES:
+        return f"{target}'s ONNX translation is wrong ({FIXES[target]}); it must be lowered first"
+    if _registered(target):
+        return None
+    if target in _torch_decompositions():
+        return f"{target} has no ONNX translation (lower_to_onnx_ops_pass lowers it through its decomposition)"
+    return f"{target} has no ONNX translation and no torch decomposition"
+
+
+def decomposition_for(node: fx.Node) -> Callable | None:
+    """The decomposition that lowers ``node``, or None when it translates directly or cannot be lowered.
+
+    Size arithmetic is never lowered (it runs on the host).  An op we translate ourselves is never
+    lowered either, even where our translation declines its arguments: we translate it because its
+    decomposition is bad (e.g. the flash attention decomposition's real strides differ from its traced
+    ones, which breaks later views when the segment runs on fx).
+    """
+    if node.target in TRANSLATIONS or why_untranslatable(node) is None:
+        return None
+    if isinstance(node.meta.get("val"), (torch.SymInt, torch.SymFloat, torch.SymBool)):
+        return None  # size arithmetic (dynamic shapes): runs on the host, never in a segment
+    return _torch_decompositions().get(node.target)
+
+
+def table_fingerprint() -> str:
+    """Changes whenever what we translate changes: part of the exported-model cache key."""
+    h = hashlib.sha256(inspect.getsource(translations).encode())
+    for op, t in sorted(TRANSLATIONS.items(), key=lambda kv: str(kv[0])):
+        h.update(f"{op}:{t.function.__module__}.{t.function.__qualname__}".encode())
+        with contextlib.suppress(OSError, TypeError):
+            h.update(inspect.getsource(t.function).encode())
+    h.update(",".join(sorted(map(str, FIXES))).encode())
+    return h.hexdigest()[:16]

@@ -1,0 +1,148 @@
+"""The "ort" executor: graph segments run in ONNX Runtime, host nodes in torch.
+
+:func:`build_ort_executor` partitions the finished graph (:mod:`spmd_ort.ort.partition`),
+exports and opens each segment (:mod:`spmd_ort.ort.session`; dynamic-shape segments:
+:mod:`spmd_ort.ort.sizes`) and returns an :class:`OrtExecutor`.  The top-level graph,
+with host nodes (the fused optimizer update, collectives, random ops) between segments,
+runs as an fx GraphModule.
+
+The first run of each compiled variant is :class:`~spmd_ort.ort.choice.FirstRun`: every
+segment also runs its fx graph, is verified against it (``Options.verify``, the default)
+and timed, and (``Options.segment_executor`` = ``auto``) the faster executor runs it from
+then on.  A segment that fails to export, load, run or verify falls back to its fx graph
+(``FALLBACK_TO_FX``, the default, with one WARNING) or raises (``FALLBACK_DISABLE``); a
+configuration ORT cannot honour (a missing execution provider) is a
+:class:`~spmd_ort.errors.ConfigError`, never a fallback.  The graph it gets is finished:
+it partitions, exports and runs, and rewrites nothing.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+
+import torch
+from torch import fx
+
+from spmd_ort.debug.timeline import TimedInterpreter
+from spmd_ort.options import Options
+from spmd_ort.ort.choice import FirstRun
+from spmd_ort.ort.partition import partition_for_ort, why_host
+from spmd_ort.ort.session import OrtSegment, is_symbolic, load_segment, providers_for, segment_device
+from spmd_ort.ort.sizes import SizedSegments, dynamic_segment
+from spmd_ort.ort.stats import OrtStats
+from spmd_ort.runtime.context import active
+
+logger = logging.getLogger("spmd_ort")
+
+progress = logging.getLogger("spmd_ort.progress")  # shown at the default level (options.configure_logging)
+
+PROGRESS_AFTER_S = 2.0  # an export still running after this long gets a progress line
+
+
+class OrtExecutor:
+    name = "ort"
+    reuses_buffers = True  # segment outputs live in tensors that the next step overwrites
+
+    def __init__(self, gm: fx.GraphModule, *, verify: bool, policy: str, stats: OrtStats,
+                 segment_executor: str = "auto"):
+        self.gm = gm
+        self.verify = verify
+        self.policy = policy
+        self.stats = stats
+        self.segment_executor = segment_executor
+        self.first_run_done = False
+
+    @property
+    def segments(self) -> list[OrtSegment | SizedSegments]:
+        """The ORT segments (a dynamic-shape segment is one module whatever its sizes: an :class:`OrtSegment`
+        with dynamic axes, or a :class:`SizedSegments` exported per set of sizes)."""
+        return [m for m in self.gm.modules() if isinstance(m, (OrtSegment, SizedSegments))]
+
+    def run(self, inputs: list[torch.Tensor]) -> list[torch.Tensor]:
+        with torch.no_grad():
+            if not self.first_run_done:
+                # On copies: host nodes update state in place, and a segment failing after
+                # them (FALLBACK_DISABLE) must leave the real state untouched.
+                t0 = time.perf_counter()
+                first = FirstRun(self.gm, self.stats, policy=self.policy, verify=self.verify,
+                                 segment_executor=self.segment_executor)
+                out = first.run(*[t.clone() if isinstance(t, torch.Tensor) else t for t in inputs])
+                self.first_run_done = True
+                self.stats.first_run_seconds = time.perf_counter() - t0
+                return list(out)
+            recorder = active().recorder
+            if recorder is not None:  # a profiled step: segment by segment, timed
+                return list(TimedInterpreter(self.gm, recorder).run(*inputs))
+            return list(self.gm(*inputs))
+
+    def describe(self) -> list[str]:
+        stats = self.stats
+        lines = [f"ORT segments: {stats.segments} (fell back to fx: {', '.join(stats.fallbacks) or 'none'}; "
+                 f"export {stats.export_seconds:.2f}s, {stats.cache_hits} from cache; first run "
+                 f"{stats.first_run_seconds:.2f}s, {stats.verified} verified in {stats.verify_seconds:.2f}s)"]
+        lines += [f"  {name} runs on {choice}" for name, choice in stats.choices.items()]
+        lines += [f"  {name}: differs from fx no more than fx from float64 (ill-conditioned; accepted)"
+                  for name in stats.ill_conditioned]
+        lines += [f"  host: {op} ({why})" for op, why in stats.host_ops.items()]
+        return lines
+
+def build_ort_executor(gm: fx.GraphModule, options: Options) -> OrtExecutor:
+    """Partition the finished graph ``gm``, export and load each segment into an :class:`OrtExecutor`."""
+    policy = options.fallback_policy
+    stats = OrtStats()
+    for node in gm.graph.nodes:
+        reason = why_host(node) if node.op == "call_function" else None
+        if reason is not None:
+            stats.host_ops[str(node.target)] = reason
+    fused, names = partition_for_ort(gm)
+    stats.segments = len(names)
+    threads = torch.get_num_threads()
+    with _Progress(len(names)) as shown:
+        for i, name in enumerate(names):
+            sub = fused.get_submodule(name)
+            providers = providers_for(segment_device(sub))  # a ConfigError, never a fallback
+            shown.start(i, name, sum(1 for n in sub.graph.nodes if n.op == "call_function"))
+            if is_symbolic(sub):
+                segment = dynamic_segment(name, sub, options, stats, threads=threads, providers=providers)
+            else:
+                segment = load_segment(name, sub, options, stats, threads=threads, providers=providers)
+            if segment is not None:
+                setattr(fused, name, segment)
+    return OrtExecutor(fused, verify=options.verify, policy=policy, stats=stats,
+                       segment_executor=options.segment_executor)
+
+class _Progress:
+    """One line when an export takes longer than :data:`PROGRESS_AFTER_S` (big models), and one when all are done."""
+
+    def __init__(self, total: int):
+        self.total = total
+        self.t0 = time.perf_counter()
+        self.timer: threading.Timer | None = None
+        self.shown = False
+
+    def __enter__(self) -> _Progress:
+        return self
+
+    def start(self, index: int, name: str, ops: int) -> None:
+        self._cancel()
+
+        def show() -> None:
+            self.shown = True
+            progress.info("exporting ORT segment %s (%d of %d, %d ops) ...", name, index + 1, self.total, ops)
+
+        self.timer = threading.Timer(PROGRESS_AFTER_S, show)
+        self.timer.daemon = True
+        self.timer.start()
+
+    def _cancel(self) -> None:
+        if self.timer is not None:
+            self.timer.cancel()
+            self.timer = None
+
+    def __exit__(self, *exc) -> None:
+        self._cancel()
+        if self.shown:
+            progress.info("exported %d ORT segment(s) in %.1fs (cached for the next run)", self.total,
+                          time.perf_counter() - self.t0)

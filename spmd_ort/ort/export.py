@@ -1,0 +1,259 @@
+"""Translate one graph segment to ONNX and cache the model on disk.
+
+A segment is already an aten-level graph with a value on every node, lowered by
+``lower_to_onnx_ops_pass`` to ops that translate directly
+(:mod:`spmd_ort.ort.coverage`).  So it is translated as it is: explicit type
+promotion, then each node through :func:`spmd_ort.ort.coverage.registry`
+(torchlib plus our translations), then constant folding and clean-up.
+``torch.onnx.export(dynamo=True)`` would first trace the segment again with
+torch.export and decompose it again (for gpt-mini: ~25 s of a 30 s export
+for a graph that is already what it produces); it is used only on a torch
+whose exporter lacks the translator this module calls
+(:func:`_translate_directly`), with the same translations.
+
+The opset, the cache directory and where debug copies go come from the
+step's :class:`~spmd_ort.options.Options` (``SPMD_ORT_ONNX_OPSET_VERSION``,
+``SPMD_ORT_CACHE_DIR``, ``SPMD_ORT_SAVE_ONNX_PATH``).  The cache is keyed by
+everything the model depends on (graph, shapes, strides, opset, library
+versions, our translations' source), written atomically, and a model that
+does not load is exported again.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import hashlib
+import logging
+import os
+import tempfile
+import time
+import warnings
+from dataclasses import dataclass
+from pathlib import Path
+
+import onnx
+import onnxruntime
+import onnxscript
+import torch
+from torch import fx
+
+from spmd_ort.ort import coverage
+from spmd_ort.options import DEFAULT_OPSET
+
+logger = logging.getLogger("spmd_ort")
+aten = torch.ops.aten
+
+FORMAT_VERSION = 5  # bump when what we export for the same graph changes
+# ONNX inputs are named by position: a segment's placeholders carry the names of the parent
+# graph's nodes (div, add, view, ...), which the exporter also gives the segment's own values,
+# and ONNX Runtime rejects a model where an input and a value share a name.
+INPUT_PREFIX = "spmd_in_"
+# Constant folding limit (elements): folds shape and index arithmetic, never a weight-sized tensor.
+FOLD_LIMIT = 8192
+
+
+def input_name(position: int) -> str:
+    return f"{INPUT_PREFIX}{position}"
+
+
+def input_position(name: str) -> int:
+    """The segment placeholder an ONNX input stands for (``input_name``'s inverse)."""
+    if not name.startswith(INPUT_PREFIX) or not name[len(INPUT_PREFIX):].isdigit():
+        raise ValueError(f"ONNX input {name!r} is not one of spmd_ort's positional inputs")
+    return int(name[len(INPUT_PREFIX):])
+
+
+@dataclass
+class ExportResult:
+    model: bytes
+    seconds: float
+    cache_hit: bool
+    key: str
+
+
+def segment_key(gm: fx.GraphModule, opset: int) -> str:
+    """Hash of everything the exported model depends on."""
+    h = hashlib.sha256()
+    for part in (gm.code, str(opset), torch.__version__, onnx.__version__, onnxruntime.__version__,
+                 onnxscript.__version__, str(FORMAT_VERSION), coverage.table_fingerprint()):
+        h.update(part.encode())
+    for node in gm.graph.nodes:
+        val = node.meta.get("val")
+        if isinstance(val, torch.Tensor):
+            h.update(f"{node.name}:{tuple(val.shape)}:{val.dtype}:{val.stride()}".encode())
+    for name, t in sorted(gm.state_dict(keep_vars=True).items()):
+        h.update(name.encode())
+        h.update(t.detach().cpu().contiguous().numpy().tobytes())
+    return h.hexdigest()[:32]
+
+
+@contextlib.contextmanager
+def _quiet():
+    """Python warnings the exporter raises about its own internals (deprecations, pytree) are not ours to show."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        yield
+
+
+def _translate_directly(gm: fx.GraphModule, opset: int):
+    """The segment as an ``onnx_ir`` model, translated node by node (no torch.export)."""
+    import onnx_ir as ir
+    from torch.onnx._internal._lazy_import import onnxscript_apis
+    from torch.onnx._internal.exporter import _constants, _core, _ir_passes
+    gm = fx.GraphModule(gm, copy.deepcopy(gm.graph))  # type promotion edits the graph
+    _insert_type_promotion(gm)
+    model = ir.Model(graph=ir.Graph([], [], nodes=[], name="spmd_ort_segment"),
+                     ir_version=_constants.ONNX_IR_VERSION, producer_name="spmd_ort")
+    _core._translate_fx_graph(gm.graph, model, graph_like=model.graph, owned_graphs={}, lower="at_conversion",
+                              registry=coverage.registry(opset))
+    _ir_passes.add_opset_imports(model)
+    onnxscript_apis.convert_version(model, opset)
+    return model
+
+
+def _insert_type_promotion(gm: fx.GraphModule) -> None:
+    """Explicit casts where an aten op promotes its inputs' dtypes (ONNX ops do not).
+
+    The exporter's pass re-runs every node on fake tensors to know its value; a segment's nodes
+    already carry it (``meta["val"]``), so only nodes the pass changes are run (gpt-mini: ~1 s less).
+    """
+    from torch.onnx._internal.fx import passes as fx_passes
+    from torch.onnx._internal.fx.passes import type_promotion as tp
+
+    promote = fx_passes.InsertTypePromotion(gm)
+    base = getattr(tp, "_TypePromotionInterpreter", None)
+    if base is not None and hasattr(base, "_maybe_promote_node") and hasattr(tp, "get_type_promotion_rule"):
+
+        class FromMeta(base):
+            def run_node(self, n):
+                with self._set_current_node(n):
+                    if rule := tp.get_type_promotion_rule(n, self.type_promotion_table):
+                        self._maybe_promote_node(n, rule)
+                if n.op == "call_function" and "val" in n.meta:
+                    return n.meta["val"]  # recomputed by the pass if it changed the node
+                return fx.Interpreter.run_node(self, n)
+
+        promote.interpreter = FromMeta(gm, promote.interpreter.type_promotion_table)
+    promote.run()
+
+
+def _translate_with_torch_export(gm: fx.GraphModule, opset: int):
+    """The stock path (torch.export, decompositions, translation), with our translations."""
+    inputs = tuple(torch.zeros(n.meta["val"].shape, dtype=n.meta["val"].dtype, device=n.meta["val"].device)
+                   for n in gm.graph.nodes if n.op == "placeholder")
+    table = {op: t.function for op, t in coverage.TRANSLATIONS.items()}
+    program = torch.onnx.export(gm, inputs, dynamo=True, opset_version=opset, optimize=False, verbose=False,
+                                custom_translation_table=table)
+    return program.model
+
+
+def _optimize(model) -> None:
+    """Inline torchlib's functions, fold constants, drop what is unused, fix IO names.
+
+    onnxscript's pattern rewriter is left out: ONNX Runtime's own graph
+    optimizer (``ORT_ENABLE_ALL``) fuses the same patterns when the session
+    loads, and the rewriter took most of the export time (gpt-mini: 34 of 70 s).
+    """
+    import onnx_ir as ir
+    from onnx_ir.passes import common
+    from onnxscript.optimizer import _constant_folding
+
+    ir.passes.Sequential(
+        common.InlinePass(),
+        _constant_folding.FoldConstantsPass(shape_inference=False, input_size_limit=FOLD_LIMIT,
+                                            output_size_limit=FOLD_LIMIT),
+        common.RemoveUnusedNodesPass(),
+        common.RemoveUnusedFunctionsPass(),
+        common.RemoveUnusedOpsetsPass(),
+        common.CommonSubexpressionEliminationPass(),
+        common.OutputFixPass(),
+        common.NameFixPass(),
+    )(model)
+
+
+def has_direct_translator() -> bool:
+    try:
+        from torch.onnx._internal.exporter import _core
+    except ImportError:
+        return False
+    return hasattr(_core, "_translate_fx_graph")
+
+
+def translate(gm: fx.GraphModule, opset: int = DEFAULT_OPSET, *, via_torch_export: bool | None = None) -> bytes:
+    """ONNX bytes of ``gm`` (placeholders -> tuple of outputs); inputs named ``spmd_in_<position>``.
+
+    ``via_torch_export``: None translates directly where this torch allows it; True forces the stock path.
+    """
+    import onnx_ir as ir
+
+    if via_torch_export is None:
+        via_torch_export = not has_direct_translator()
+    with _quiet():
+        model = _translate_with_torch_export(gm, opset) if via_torch_export else _translate_directly(gm, opset)
+        n_inputs = sum(1 for n in gm.graph.nodes if n.op == "placeholder")
+        if len(model.graph.inputs) != n_inputs:
+            raise RuntimeError(f"the ONNX model has {len(model.graph.inputs)} inputs, the segment {n_inputs}")
+        for i, value in enumerate(model.graph.inputs):
+            value.name = input_name(i)
+        _optimize(model)
+        return ir.serde.serialize_model(model).SerializeToString()
+
+
+def export_segment(gm: fx.GraphModule, *, name: str, opset: int = DEFAULT_OPSET, cache_dir: Path | None = None,
+                   refresh: bool = False) -> ExportResult:
+    """ONNX bytes for ``gm``, from the cache in ``cache_dir`` when possible.
+
+    ``cache_dir=None`` exports without a cache; ``refresh`` exports again and overwrites the cached model.
+    Processes that export the same segment at once (the ranks of a data-parallel job) take turns on a
+    lock file: the first exports, the others read its model.
+    """
+    t0 = time.perf_counter()
+    key = segment_key(gm, opset)
+    if cache_dir is None:
+        data = translate(gm, opset)
+        return ExportResult(data, time.perf_counter() - t0, False, key)
+    path = Path(cache_dir) / f"{key}.onnx"
+    if not refresh and path.exists():
+        return ExportResult(path.read_bytes(), time.perf_counter() - t0, True, key)
+    with _exclusive(path.with_suffix(".lock")):
+        if not refresh and path.exists():  # another process exported it while this one waited
+            return ExportResult(path.read_bytes(), time.perf_counter() - t0, True, key)
+        data = translate(gm, opset)
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            with tempfile.NamedTemporaryFile(dir=path.parent, delete=False, suffix=".tmp") as f:
+                f.write(data)
+            os.replace(f.name, path)  # atomic: a reader never sees half a file
+        except OSError as exc:
+            logger.warning("could not write the ONNX cache %s: %s", path, exc)
+    logger.info("exported %s to ONNX (opset %d) in %.2fs", name, opset, time.perf_counter() - t0)
+    return ExportResult(data, time.perf_counter() - t0, False, key)
+
+
+@contextlib.contextmanager
+def _exclusive(lock_path: Path):
+    """An exclusive lock on ``lock_path`` (POSIX ``flock``); without one (no fcntl, read-only cache) no lock."""
+    try:
+        import fcntl
+
+        lock_path.parent.mkdir(parents=True, exist_ok=True)
+        handle = open(lock_path, "a+")  # noqa: SIM115 - held until the block ends
+    except (ImportError, OSError):
+        yield
+        return
+    try:
+        fcntl.flock(handle, fcntl.LOCK_EX)
+        yield
+    finally:
+        fcntl.flock(handle, fcntl.LOCK_UN)
+        handle.close()
+
+
+def save_model(data: bytes, name: str, prefix: str, directory: Path | None = None) -> Path:
+    """Write a segment for inspection (opens in Netron); ``directory`` defaults to the working directory."""
+    out_dir = Path(directory or os.getcwd())
+    out_dir.mkdir(parents=True, exist_ok=True)
+    path = out_dir / f"{prefix}_{name}.onnx"
+    path.write_bytes(data)
+    return path

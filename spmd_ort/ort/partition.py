@@ -1,0 +1,220 @@
+"""Split the compiled graph into segments ONNX Runtime runs and host nodes torch runs.
+
+Two pieces, as torch.fx's ``CapabilityBasedPartitioner``:
+
+* :class:`OrtSupport`, the operator-support predicate: can ORT run this node?
+  Host nodes are collectives, our own ``spmd_ort::`` ops (the fused optimizer
+  update runs in torch, in place; opaque parts run the user's code), random ops (they keep torch's RNG, so runs
+  are reproducible and verifiable), allocations whose value is undefined (the
+  buffer a random op fills: exported, it would be a segment output of garbage),
+  ops on float64 host scalars, values in a dtype the provider has no kernels
+  for (bfloat16 on CPU), and aten ops that do not translate to ONNX
+  (:func:`spmd_ort.ort.coverage.why_untranslatable`: the same table the exporter
+  translates with, after ``lower_to_onnx_ops_pass`` has lowered what it can).
+* the grouping, torch.fx's partitioner: deterministic, largest possible
+  segments of connected supported nodes, no cycles through host nodes.
+"""
+
+from __future__ import annotations
+
+import operator
+
+import torch
+from torch import fx
+from torch.fx.passes.infra.partitioner import CapabilityBasedPartitioner
+from torch.fx.passes.operator_support import OperatorSupport
+
+from spmd_ort.ort.coverage import why_untranslatable
+from spmd_ort.capture.dynamic import input_symbols
+from spmd_ort.runtime.ops import OPAQUE_OPS, STARTS, wait_
+
+aten = torch.ops.aten
+
+HOST_NAMESPACES = ("spmd_ort", "_c10d_functional", "c10d_functional", "_dtensor")
+RANDOM_OPS = {
+    aten.native_dropout.default, aten.bernoulli.default, aten.bernoulli.p, aten.rand.default,
+    aten.randn.default, aten.rand_like.default, aten.randn_like.default, aten.randint.low,
+    aten.randint.default, aten.randperm.default, aten.multinomial.default, aten.normal.Tensor_float,
+    aten.uniform.default, aten.exponential.default,
+}
+UNINITIALIZED_OPS = {
+    aten.empty_like.default, aten.empty.memory_format, aten.empty_strided.default, aten.new_empty.default,
+    aten.new_empty_strided.default,
+}
+ONNX_DTYPES = {torch.float32, torch.float16, torch.bfloat16, torch.int64, torch.int32, torch.int8,
+               torch.uint8, torch.bool}
+# Dtypes an execution provider has (almost) no kernels for: ORT's CPU provider runs bfloat16 only in
+# Cast, Transpose, LayerNormalization and a few predicates (onnxruntime 1.32; no Add, MatMul, Relu), so
+# bf16 compute (autocast, MixedPrecisionPolicy) stays in torch there.  float16 has CPU kernels.
+HOST_DTYPES = {"cpu": {torch.bfloat16}}
+
+
+def why_host(node: fx.Node) -> str | None:
+    """None if ORT can run ``node``; otherwise the reason it stays on the host."""
+    if node.op != "call_function":
+        return "not an op"
+    target = node.target
+    if target is operator.getitem:
+        return why_host(node.args[0]) if isinstance(node.args[0], fx.Node) else "getitem of a Python value"
+    if not isinstance(target, torch._ops.OpOverload):
+        return f"Python callable {getattr(target, '__name__', target)}"
+    namespace = target.namespace
+    if isinstance(node.meta.get("val"), (torch.SymInt, torch.SymFloat, torch.SymBool)):
+        return "size arithmetic (symbolic sizes: runs in torch; each segment gets the sizes as values)"
+    if target in OPAQUE_OPS:
+        return "opaque part: the user's code, run eagerly (CompiledProgram.describe() lists each)"
+    if namespace in HOST_NAMESPACES:
+        return f"{namespace} op (runs in torch)"
+    if target in RANDOM_OPS:
+        return "random op (keeps torch's RNG)"
+    if target in UNINITIALIZED_OPS:
+        return "allocation with an undefined value (the host op that fills it runs in torch)"
+    for val in _vals(node):
+        if val.dtype not in ONNX_DTYPES:
+            return f"dtype {val.dtype}"
+        if val.device.type not in ("cpu", "cuda"):
+            return f"device {val.device}"
+        if val.dtype in HOST_DTYPES.get(val.device.type, ()):
+            return f"{val.dtype} on {val.device.type} (ONNX Runtime's {val.device.type} provider lacks its kernels)"
+    if namespace != "aten":
+        return f"{namespace} op has no ONNX translation"
+    return why_untranslatable(node)
+
+
+def _vals(node: fx.Node):
+    val = node.meta.get("val")
+    vals = val if isinstance(val, (list, tuple)) else [val]
+    for arg in node.all_input_nodes:
+        v = arg.meta.get("val")
+        vals = [*vals, *(v if isinstance(v, (list, tuple)) else [v])]
+    return [v for v in vals if isinstance(v, torch.Tensor)]
+
+
+class OrtSupport(OperatorSupport):
+    def is_node_supported(self, submodules, node: fx.Node) -> bool:
+        return why_host(node) is None
+
+
+def partition_for_ort(gm: fx.GraphModule) -> tuple[fx.GraphModule, list[str]]:
+    """Fuse ORT-supported regions into submodules ``fused_<i>``; returns (graph, their names)."""
+    _sizes_from_inputs(gm)
+    partitioner = CapabilityBasedPartitioner(gm, OrtSupport(), allows_single_node_partition=False)
+    partitions = _split_at_collectives(gm, partitioner.propose_partitions())
+    # a segment made only of views/getitems is not worth an ORT call
+    partitions = [p for p in partitions if any(_is_compute(n) for n in p.nodes)]
+    fused = partitioner.fuse_partitions(partitions)
+    names = [n.target for n in fused.graph.nodes if n.op == "call_module"]
+    return fused, names
+
+
+def _sizes_from_inputs(gm: fx.GraphModule) -> None:
+    """Dynamic shapes: every symbolic size read from the graph's inputs, never from a value computed in it.
+
+    ``sym_size`` of an activation is a host node (sizes are Python ints) that depends
+    on the segment computing the activation, so the segment that uses the size must
+    start after it: each such read splits the graph.  The same size is a symbol of
+    an input's size or an expression in such symbols (``s0*s1``, the rows of a
+    flattened batch), so it is read there, at the top of the graph, and computed
+    from those reads with Python arithmetic: the ORT segments stay as large as in a
+    static program.  An expression it cannot rebuild keeps its read.
+    """
+    sources = {sym: src for sym, src in input_symbols(gm).items() if src[1] is not None}  # dims of tensors
+    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    if not sources:
+        return
+    graph = gm.graph
+    emit = _SizeEmitter(graph, placeholders[-1], sources)
+    for node in list(graph.nodes):
+        if node.op != "call_function" or node.target is not aten.sym_size.int or node.args[0].op == "placeholder":
+            continue
+        val = node.meta.get("val")
+        made = emit(val.node.expr) if isinstance(val, torch.SymInt) else None
+        if isinstance(made, fx.Node):
+            node.replace_all_uses_with(made)
+            graph.erase_node(node)
+    graph.lint()
+    gm.recompile()
+
+
+class _SizeEmitter:
+    """Host nodes at the top of ``graph`` computing a size expression from reads of the inputs' sizes."""
+
+    def __init__(self, graph: fx.Graph, after: fx.Node, sources: dict):
+        self.graph, self.anchor, self.sources, self.made = graph, after, sources, {}
+
+    def __call__(self, expr) -> fx.Node | int | None:
+        import sympy
+        from torch.utils._sympy.functions import FloorDiv
+
+        if expr in self.made:
+            return self.made[expr]
+        if isinstance(expr, sympy.Integer):
+            return int(expr)
+        if isinstance(expr, sympy.Symbol):
+            if expr not in self.sources:
+                return None
+            node, d, _ = self.sources[expr]
+            return self._add(expr, aten.sym_size.int, (node, d))
+        if isinstance(expr, (sympy.Mul, sympy.Add)):
+            combine = operator.mul if isinstance(expr, sympy.Mul) else operator.add
+            parts = [self(a) for a in expr.args]
+            if any(p is None for p in parts):
+                return None
+            out = parts[0]
+            for i, part in enumerate(parts[1:], 2):
+                out = self._add(expr.func(*expr.args[:i]), combine, (out, part))
+            return out
+        if isinstance(expr, FloorDiv):
+            a, b = self(expr.args[0]), self(expr.args[1])
+            return None if a is None or b is None else self._add(expr, operator.floordiv, (a, b))
+        return None
+
+    def _add(self, expr, target, args) -> fx.Node:
+        """A node for ``expr``; its value is the same arithmetic on the inputs' symbolic sizes."""
+        if expr in self.made:
+            return self.made[expr]
+        with self.graph.inserting_after(self.anchor):
+            node = self.graph.call_function(target, args)
+        if target is aten.sym_size.int:
+            node.meta["val"] = self.sources[expr][2]
+        else:
+            node.meta["val"] = target(*[a.meta["val"] if isinstance(a, fx.Node) else a for a in args])
+        self.anchor = self.made[expr] = node
+        return node
+
+
+def _split_at_collectives(gm: fx.GraphModule, partitions: list) -> list:
+    """No segment spans a collective's issue or wait point, so compute overlaps the collective.
+
+    Without this, all of backward would be one segment and every all-reduce would
+    start after it (and a parameter all-gather's wait would hold back compute
+    that does not need the parameter).  Parts are contiguous in graph order, so splitting keeps the
+    partitions acyclic.
+    """
+    from torch.fx.passes.infra.partitioner import Partition
+
+    stage, stages = 0, {}
+    for node in gm.graph.nodes:
+        if node.op == "call_function" and (node.target in STARTS or node.target is wait_):
+            stage += 1
+        stages[node] = stage
+    if stage == 0:
+        return partitions
+    out, next_id = [], 0
+    for p in partitions:
+        by_stage: dict = {}
+        for n in p.nodes:
+            by_stage.setdefault(stages[n], []).append(n)
+        for nodes in by_stage.values():
+            out.append(Partition(id=next_id, nodes=nodes))
+            next_id += 1
+    return out
+
+
+def _is_compute(node: fx.Node) -> bool:
+    if node.target is operator.getitem:
+        return False
+    schema = getattr(node.target, "_schema", None)
+    if schema is not None and schema.returns and schema.returns[0].alias_info is not None:
+        return False  # a view
+    return True

@@ -1,0 +1,36 @@
+"""What the ONNX Runtime backend did with a program's segments: exports, fallbacks, checks, executor choices.
+
+Kept on the :class:`~spmd_ort.ort.executor.OrtExecutor` (``describe()`` and ``explain()`` print it).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass(frozen=True)
+class SegmentChoice:
+    """Which executor runs a segment after the first run, and (``auto``) the warm times that decided it."""
+
+    executor: str
+    ort_ms: float | None = None
+    fx_ms: float | None = None
+
+    def __str__(self) -> str:
+        if self.ort_ms is None:
+            return f"{self.executor} (SPMD_ORT_SEGMENT_EXECUTOR={self.executor})"
+        return f"{self.executor} (ort {self.ort_ms:.2f} ms, fx {self.fx_ms:.2f} ms)"
+
+@dataclass
+class OrtStats:
+    segments: int = 0
+    host_ops: dict = field(default_factory=dict)  # op -> why it stays on the host
+    export_seconds: float = 0.0
+    cache_hits: int = 0
+    fallbacks: list = field(default_factory=list)
+    verified: int = 0
+    mismatches: list = field(default_factory=list)
+    ill_conditioned: list = field(default_factory=list)  # mismatches within rounding of float64: not faults
+    choices: dict = field(default_factory=dict)  # segment -> SegmentChoice
+    first_run_seconds: float = 0.0  # the checked first run: both executors, comparison, timing
+    verify_seconds: float = 0.0  # of which comparing outputs

@@ -1,0 +1,187 @@
+"""The checked first run of an ORT segment: its outputs compared with its fx graph's.
+
+:func:`checked_first_run` runs a segment in ONNX Runtime next to the fx result and,
+with verification on, compares them (:func:`first_difference`): per output, relative to
+its largest value, with floors for rounding noise, and for an ill-conditioned float32
+computation against the segment run in float64 (:func:`within_rounding_of_float64`).
+A failure falls back to fx or raises, per ``Options.fallback_policy`` (:func:`segment_failure`).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+import torch
+from torch import fx
+
+from spmd_ort.errors import CompileError
+from spmd_ort.ort.stats import OrtStats
+
+logger = logging.getLogger("spmd_ort")
+
+VERIFY_TOLERANCE = 1e-4  # max |ort - fx| relative to max |fx|, per output (fp32 segments)
+
+# A segment that computes in a lower precision (autocast, MixedPrecisionPolicy) is verified to that
+# precision: ORT's float16 kernels accumulate and round differently from torch's, one unit in the last
+# place (2^-10 relative) apart, and outputs cast back to float32 carry that difference.
+VERIFY_ULPS = 4
+
+# Below this, differences are rounding noise of sums that cancel (e.g. the
+# analytically zero gradient of an attention key bias, ~1e-13): not a fault.
+VERIFY_ABS_FLOOR = {torch.float32: 1e-9, torch.float64: 1e-12, torch.float16: 1e-4, torch.bfloat16: 1e-3}
+
+# An output that is analytically zero (a bias before a batch norm: the norm removes it) is rounding noise of
+# sums of terms as large as the segment's other values, and its own max is no scale for that noise.  So a
+# difference below NOISE_ULPS units in the last place of the segment's largest output (same dtype) is noise too.
+NOISE_ULPS = 8
+
+# A verification mismatch is no fault when ORT is no further than this many times fx's own distance from the
+# segment computed in float64 (within_rounding_of_float64).
+FLOAT64_FACTOR = 10
+
+
+def verify_tolerance(gm: fx.GraphModule) -> float:
+    """The relative tolerance for a segment: 1e-4, or 4 ulps of the lowest float precision it computes in."""
+    eps = [torch.finfo(v.dtype).eps for n in gm.graph.nodes
+           for v in (n.meta.get("val") if isinstance(n.meta.get("val"), (list, tuple)) else [n.meta.get("val")])
+           if isinstance(v, torch.Tensor) and v.dtype.is_floating_point]
+    return max([VERIFY_TOLERANCE] + [VERIFY_ULPS * e for e in eps])
+
+def first_difference(ort_out, fx_out, tolerance: float = VERIFY_TOLERANCE) -> str | None:
+    """Describe the first output that differs beyond ``tolerance`` (relative to the output's max) and beyond
+    rounding noise (:data:`VERIFY_ABS_FLOOR`, :data:`NOISE_ULPS` of the segment's largest output), or None."""
+    ort_vals = ort_out if isinstance(ort_out, tuple) else (ort_out,)
+    fx_vals = fx_out if isinstance(fx_out, (tuple, list)) else (fx_out,)
+    largest: dict[torch.dtype, float] = {}  # per dtype: the largest |value| among the segment's outputs
+    for b in fx_vals:
+        if isinstance(b, torch.Tensor) and b.dtype.is_floating_point and b.numel():
+            top = torch.nan_to_num(b.abs(), nan=0.0, posinf=0.0).max().item()
+            largest[b.dtype] = max(largest.get(b.dtype, 0.0), top)
+    for i, (a, b) in enumerate(zip(ort_vals, fx_vals)):
+        if a.shape != b.shape or a.dtype != b.dtype:
+            return f"output {i}: shape/dtype {tuple(a.shape)}/{a.dtype} vs {tuple(b.shape)}/{b.dtype}"
+        if not a.dtype.is_floating_point:
+            if not torch.equal(a, b):
+                return f"output {i}: integer values differ"
+            continue
+        if b.numel() == 0:
+            continue
+        diff = (a - b).abs()  # NaN where either is NaN (or both are the same infinity)
+        if torch.isnan(diff).any():
+            same = (torch.isnan(a) & torch.isnan(b)) | (a == b)
+            if not torch.equal(torch.isnan(diff), torch.isnan(diff) & same):
+                return f"output {i}: NaN in one and not the other"
+            diff = torch.nan_to_num(diff, nan=0.0)
+        err = diff.max().item()
+        scale = torch.nan_to_num(b.abs(), nan=0.0, posinf=0.0).max().item()
+        floor = max(VERIFY_ABS_FLOOR.get(a.dtype, 1e-9), NOISE_ULPS * torch.finfo(a.dtype).eps * largest[a.dtype])
+        if err > tolerance * scale and err > floor:
+            return (f"output {i} (shape {tuple(b.shape)}): max |ort - fx| = {err:.3g}, "
+                    f"{err / max(scale, 1e-30):.3g} of max |fx| = {scale:.3g}")
+    return None
+
+def segment_failure(segment: str, what: str, policy: str, ops: str = "") -> None:
+    where = f"ORT segment `{segment}`{f' ({ops})' if ops else ''}"
+    if policy == "FALLBACK_DISABLE":
+        raise CompileError(f"{where}: {what}. SPMD_ORT_FALLBACK_POLICY=FALLBACK_DISABLE, so this is an error; "
+                           "unset it to run such segments on the fx executor", op=ops or None)
+    logger.warning("%s: %s; it runs on the fx executor instead (SPMD_ORT_FALLBACK_POLICY=FALLBACK_TO_FX)",
+                   where, what)
+
+def op_summary(gm: fx.GraphModule, limit: int = 6) -> str:
+    ops = sorted({str(n.target) for n in gm.graph.nodes if n.op == "call_function"})
+    return ", ".join(ops[:limit]) + (f", ... {len(ops) - limit} more" if len(ops) > limit else "")
+
+def checked_first_run(name: str, seg, inputs, reference, stats: OrtStats, policy: str,
+                       verify: bool) -> float | None:
+    """Run ``seg`` (an :class:`~spmd_ort.ort.session.OrtSegment`) in ORT once on ``inputs``, next to its fx
+    result ``reference``.
+
+    Returns the ORT seconds, or None when ORT fails or (``verify``) differs beyond the segment's
+    tolerance (recorded in ``stats``; an error under ``FALLBACK_DISABLE``).
+    """
+    t0 = time.perf_counter()
+    try:
+        got = seg.run_ort(*inputs)
+    except Exception as exc:  # noqa: BLE001 - any ORT failure falls back per policy
+        segment_failure(name, f"ONNX Runtime failed to run it: {short_error(exc)}", policy, op_summary(seg.fallback))
+        stats.fallbacks.append(name)
+        return None
+    ort_s = time.perf_counter() - t0
+    if verify:
+        t0 = time.perf_counter()
+        diff = first_difference(got, reference, seg.tolerance)
+        if diff is not None and within_rounding_of_float64(seg.fallback, inputs, got, reference):
+            logger.info("ORT segment %s differs from its fx graph (%s), but no more than the fx graph itself "
+                        "differs from float64: an ill-conditioned computation, not a fault", name, diff)
+            stats.ill_conditioned.append(name)
+            diff = None
+        stats.verify_seconds += time.perf_counter() - t0
+        stats.verified += 1
+        if diff is not None:
+            stats.mismatches.append(f"{name}: {diff}")
+            segment_failure(name, f"verification failed: {diff}", policy, op_summary(seg.fallback))
+            stats.fallbacks.append(name)
+            return None
+    return ort_s
+
+def within_rounding_of_float64(gm: fx.GraphModule, inputs, ort_out, fx_out) -> bool:
+    """Whether ORT's outputs are as close to the segment computed in float64 as the fx graph's are.
+
+    A verification mismatch may be the rounding of an ill-conditioned float32 computation (a batch
+    norm of two nearly equal values: gradients that are analytically zero come out 1e-4 in eager
+    float32), where two float32 implementations cannot agree.  The fx graph is run again with its
+    float32 inputs in float64 (and every float32 its ops name, e.g. a cast of a count, made
+    float64); the mismatch is no fault when every ORT output is within :data:`FLOAT64_FACTOR`
+    times fx's own distance from the float64 output (or within the tolerance of it).  Only for
+    segments that compute in float32 alone; otherwise, or if the float64 run fails, the mismatch
+    stands.
+    """
+    for node in gm.graph.nodes:
+        if node.op == "call_function" and any(isinstance(a, torch.dtype) and a not in (torch.float32, torch.int64,
+                                                                                          torch.bool)
+                                              for a in (*node.args, *node.kwargs.values())):
+            return False  # another precision on purpose: not ours to widen
+    floats = [isinstance(t, torch.Tensor) and t.dtype == torch.float32 for t in inputs]
+    ort_vals = ort_out if isinstance(ort_out, tuple) else (ort_out,)
+    fx_vals = fx_out if isinstance(fx_out, (tuple, list)) else (fx_out,)
+    if not any(floats) or any(isinstance(v, torch.Tensor) and v.dtype not in (torch.float32, torch.int64, torch.bool)
+                              for v in fx_vals):
+        return False
+    try:
+        with torch.no_grad():
+            exact = _Float64(gm).run(*[t.double() if f else t for t, f in zip(inputs, floats)])
+    except Exception:  # noqa: BLE001 - no float64 reference: the mismatch stands
+        return False
+    exact_vals = exact if isinstance(exact, (tuple, list)) else (exact,)
+    for a, b, x in zip(ort_vals, fx_vals, exact_vals):
+        if not isinstance(b, torch.Tensor) or not b.dtype.is_floating_point:
+            continue
+        if not isinstance(x, torch.Tensor) or x.dtype != torch.float64 or x.shape != b.shape:
+            return False
+        ort_err, fx_err = (a.double() - x).norm().item(), (b.double() - x).norm().item()
+        if not ort_err <= max(VERIFY_TOLERANCE * x.norm().item(), FLOAT64_FACTOR * fx_err):
+            return False
+    return True
+
+
+class _Float64(fx.Interpreter):
+    """Runs a graph with every float32 its ops name (a cast's dtype) read as float64; the graph is not changed."""
+
+    def call_function(self, target, args, kwargs):
+        args = tuple(torch.float64 if a is torch.float32 else a for a in args)
+        kwargs = {k: torch.float64 if v is torch.float32 else v for k, v in kwargs.items()}
+        return super().call_function(target, args, kwargs)
+
+
+def short_error(exc: BaseException, limit: int = 400) -> str:
+    """The error and, when it wraps another (the exporter's ConversionError does), the root cause."""
+    def clip(text: str) -> str:
+        text = " ".join(text.split())
+        return text if len(text) <= limit else text[:limit] + " ..."
+
+    root = exc
+    while root.__cause__ is not None:
+        root = root.__cause__
+    text = clip(str(exc))
+    return text if root is exc else f"{text} Cause: {type(root).__name__}: {clip(str(root))}"

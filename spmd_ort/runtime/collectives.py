@@ -1,0 +1,163 @@
+"""Collectives of the compiled graph: the work behind the ``spmd_ort::`` collective ops, counted per step.
+
+Graph passes insert the ops (defined in :mod:`spmd_ort.runtime.ops`); the executors run
+them as host nodes, and each op calls the :class:`Communicator` of the step that
+is running (:mod:`spmd_ort.runtime.context`):
+
+* ``all_reduce_(t, prescale)`` scales ``t`` in place and starts an asynchronous
+  SUM all-reduce of it (DDP's arithmetic: divide by the world size, then sum;
+  gloo has no AVG);
+* ``wait_(t)`` waits for the collective on ``t`` to finish;
+* ``broadcast_(t, src)`` broadcasts ``t`` from rank ``src`` (synchronous);
+* ``all_gather(shard, world)`` starts gathering every rank's ``shard`` into a new
+  tensor of ``world`` times its size (rank-major), for ``fully_shard``;
+* ``reduce_scatter(t, world)`` starts averaging ``t`` over ranks and returns this
+  rank's 1/``world`` slice of the result (a new tensor); float16 is divided by the
+  world size first and then summed, so the sum cannot overflow (FSDP2's rule: its
+  range is too small to sum first; float32 and bfloat16 are averaged by the backend).
+
+A :class:`Communicator` counts, per step, collectives, payload bytes, time in
+flight and time blocked in ``wait_``: the overlap fraction is the share of the
+collectives' own duration (issue to completion, taken from the work's future)
+that the host did not spend waiting for them.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+from spmd_ort.errors import CollectiveTimeout, is_timeout
+
+
+SUM_AFTER_DIVIDING = (torch.float16,)  # dtypes whose sum over ranks may overflow: divide first
+
+
+@dataclass
+class StepComm:
+    """One step's collectives, counted per kind (payload bytes: the full, unsharded size)."""
+
+    all_reduce_calls: int = 0
+    all_reduce_bytes: int = 0
+    broadcast_calls: int = 0
+    broadcast_bytes: int = 0
+    all_gather_calls: int = 0
+    all_gather_bytes: int = 0  # gathered (output) bytes
+    reduce_scatter_calls: int = 0
+    reduce_scatter_bytes: int = 0  # input bytes
+    comm_s: float = 0.0  # issue -> completion (the collective's own duration), summed
+    blocked_s: float = 0.0  # time the host sat in wait_ (or in a synchronous broadcast)
+
+    @property
+    def total_bytes(self) -> int:
+        return self.all_reduce_bytes + self.broadcast_bytes + self.all_gather_bytes + self.reduce_scatter_bytes
+
+    @property
+    def overlap(self) -> float:
+        """Share of the collectives' duration hidden behind compute (1.0: never waited)."""
+        return max(0.0, 1.0 - self.blocked_s / self.comm_s) if self.comm_s > 0 else 1.0
+
+
+@dataclass
+class Communicator:
+    """Outstanding collectives and per-step accounting of one compiled step."""
+
+    pending: dict = field(default_factory=dict)  # data_ptr -> (work, issued at, [completed at], kind)
+    step: StepComm = field(default_factory=StepComm)
+    recorder: object | None = None  # a spmd_ort.debug.timeline.Recorder while steps are profiled
+
+    def start_step(self) -> None:
+        self.step = StepComm()
+
+    def end_step(self) -> StepComm:
+        if self.pending:
+            self.finish()
+        return self.step
+
+    def all_reduce(self, t: Tensor, prescale: float) -> Tensor:
+        if prescale != 1.0:
+            t.mul_(prescale)
+        self._track(t, time.perf_counter(), dist.all_reduce(t, op=dist.ReduceOp.SUM, async_op=True), "all_reduce")
+        self.step.all_reduce_calls += 1
+        self.step.all_reduce_bytes += t.numel() * t.element_size()
+        return t
+
+    def all_gather(self, shard: Tensor, world: int) -> Tensor:
+        out = shard.new_empty(shard.numel() * world)
+        issued = time.perf_counter()
+        self._track(out, issued, dist.all_gather_single(out, shard.contiguous(), async_op=True), "all_gather")
+        self.step.all_gather_calls += 1
+        self.step.all_gather_bytes += out.numel() * out.element_size()
+        return out
+
+    def reduce_scatter(self, t: Tensor, world: int) -> Tensor:
+        if t.numel() % world:
+            raise ValueError(f"reduce_scatter: {t.numel()} elements do not split into {world} shards")
+        out = t.new_empty(t.numel() // world)
+        issued = time.perf_counter()
+        op = dist.ReduceOp.AVG
+        if t.dtype in SUM_AFTER_DIVIDING:
+            t, op = t / world, dist.ReduceOp.SUM
+        work = dist.reduce_scatter_single(out, t.contiguous(), op=op, async_op=True)
+        self._track(out, issued, work, "reduce_scatter")
+        self.step.reduce_scatter_calls += 1
+        self.step.reduce_scatter_bytes += t.numel() * t.element_size()
+        return out
+
+    def _track(self, t: Tensor, issued: float, work, kind: str) -> None:
+        done: list[float] = []
+        try:
+            work.get_future().then(lambda fut: done.append(time.perf_counter()))
+        except RuntimeError:
+            pass  # gloo's all-gather/reduce-scatter work has no future: completion counts at wait
+        self.pending[t.data_ptr()] = (work, issued, done, f"{kind} {t.numel() * t.element_size() / 2**20:.2f} MiB")
+
+    def wait(self, t: Tensor) -> Tensor:
+        entry = self.pending.pop(t.data_ptr(), None)
+        if entry is None:
+            return t  # already finished (e.g. a duplicate wait)
+        self._wait(*entry)
+        return t
+
+    def _wait(self, work, issued: float, done: list, kind: str) -> None:
+        t0 = time.perf_counter()
+        try:
+            work.wait()
+        except RuntimeError as exc:
+            if is_timeout(exc):
+                raise CollectiveTimeout("a collective of the compiled step", rank=dist.get_rank(), cause=exc) from exc
+            raise
+        t1 = time.perf_counter()
+        self.step.blocked_s += t1 - t0
+        # the completion callback may not have run yet when wait() returns
+        completed = done[0] if done else t1
+        self.step.comm_s += completed - issued
+        if self.recorder is not None:
+            self.recorder.add(kind, "comm", issued, completed)
+
+    def broadcast(self, t: Tensor, src: int) -> Tensor:
+        t0 = time.perf_counter()
+        try:
+            dist.broadcast(t, src=src)
+        except RuntimeError as exc:
+            if is_timeout(exc):
+                raise CollectiveTimeout("a buffer broadcast of the compiled step", rank=dist.get_rank(),
+                                        cause=exc) from exc
+            raise
+        elapsed = time.perf_counter() - t0
+        if self.recorder is not None:
+            self.recorder.add(f"broadcast {t.numel() * t.element_size() / 2**20:.2f} MiB", "comm", t0, t0 + elapsed)
+        self.step.broadcast_calls += 1
+        self.step.broadcast_bytes += t.numel() * t.element_size()
+        self.step.comm_s += elapsed
+        self.step.blocked_s += elapsed
+        return t
+
+    def finish(self) -> None:
+        """Wait for everything still in flight (end of a step, ``last_train_step``)."""
+        for ptr in list(self.pending):
+            self._wait(*self.pending.pop(ptr))

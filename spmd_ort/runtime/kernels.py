@@ -1,0 +1,136 @@
+"""Bodies of the optimizer ops of :mod:`spmd_ort.runtime.ops` (what runs when the graph runs).
+
+Output layouts are flat lists:
+
+* adam: params, exp_avgs, exp_avg_sqs, max_exp_avg_sqs (amsgrad only), steps
+* sgd:  params, momentum_buffers (momentum != 0 only)
+
+Device kernels run torch's fused multi-tensor kernels, so compiled numbers equal
+eager ``fused=True`` exactly.  Host kernels (``offload_optimizer="cpu"``) run the
+native kernel of ``csrc/`` (:mod:`spmd_ort.runtime.native`) on host tensors: device
+gradients and parameters are copied in, new parameters back; optimizer state
+stays in host memory.  On a CPU-only machine host == device and nothing moves.
+All scalar hyper-parameters of a group travel in one float64 host tensor
+(``hparams``), read when the op runs, so changing them never re-traces.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from spmd_ort.runtime import native
+from spmd_ort.runtime.context import active
+
+ADAM_OUTPUTS = ("params", "exp_avgs", "exp_avg_sqs", "max_exp_avg_sqs", "steps")
+SGD_OUTPUTS = ("params", "momentum_buffers")
+
+
+# ---------------------------------------------------------------------- Adam / AdamW
+def adam_device(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, steps, hparams, amsgrad, maximize,
+                decoupled, found_inf=None) -> None:
+    lr, beta1, beta2, weight_decay, eps = hparams.tolist()
+    found_inf = _on(found_inf, params)
+    torch._foreach_add_(steps, 1)
+    kernel = torch._fused_adamw_ if decoupled else torch._fused_adam_
+    kernel(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs if amsgrad else [], steps,
+           lr=lr, beta1=beta1, beta2=beta2, weight_decay=weight_decay, eps=eps,
+           amsgrad=amsgrad, maximize=maximize, found_inf=found_inf)
+    if found_inf is not None:  # as torch.optim's fused Adam: a skipped step does not count
+        torch._foreach_sub_(steps, [found_inf.to(steps[0].device)] * len(steps))
+
+
+def adam_host(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, steps, hparams, amsgrad, maximize,
+              decoupled, found_inf=None) -> None:
+    lr, beta1, beta2, weight_decay, eps = hparams.tolist()
+    # The native kernel has no found_inf argument: this host op reads the flag (a host tensor, or one
+    # copy from the device, which the offloaded update waits for anyway) and skips as the fused kernel does.
+    flag = None if found_inf is None else float(found_inf)
+    if flag == 1.0:
+        return
+    torch._foreach_add_(steps, 1)
+    hp, hm, hv, hmax, hs = (_on_host(ts) for ts in (params, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, steps))
+    native.adam_(hp, _on_host(grads), hm, hv, hmax, hs, lr=lr, beta1=beta1, beta2=beta2,
+                 weight_decay=weight_decay, eps=eps, amsgrad=amsgrad, maximize=maximize, decoupled=decoupled,
+                 use_native=active().options.native)
+    if flag:  # a non-zero flag other than 1.0 updates (as the fused kernel) and un-counts the step (as torch)
+        torch._foreach_sub_(hs, flag)
+    for dst, host in ((params, hp), (exp_avgs, hm), (exp_avg_sqs, hv), (max_exp_avg_sqs, hmax), (steps, hs)):
+        _back(dst, host)
+
+
+def functional_adam(kernel, params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, steps, hparams, amsgrad,
+                    maximize, decoupled, found_inf=None) -> list[Tensor]:
+    """Run an in-place Adam ``kernel`` on copies of the state; the copies, flat, in output layout."""
+    out = [[t.clone() for t in ts] for ts in (params, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, steps)]
+    kernel(out[0], grads, out[1], out[2], out[3], out[4], hparams, amsgrad, maximize, decoupled, found_inf)
+    return [t for ts in out for t in ts]
+
+
+def adam_fake(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, steps, hparams, amsgrad, maximize, decoupled,
+              found_inf=None):
+    return [torch.empty_like(t) for ts in (params, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, steps) for t in ts]
+
+
+# ---------------------------------------------------------------------- SGD
+def sgd_device(params, grads, bufs, hparams, nesterov, maximize, first_step, found_inf=None) -> None:
+    lr, momentum, dampening, weight_decay = hparams.tolist()
+    torch._fused_sgd_(params, grads, bufs if bufs else [], weight_decay=weight_decay,
+                      momentum=momentum, lr=lr, dampening=dampening, nesterov=nesterov,
+                      maximize=maximize, is_first_step=first_step, found_inf=_on(found_inf, params))
+
+
+def sgd_host(params, grads, bufs, hparams, nesterov, maximize, first_step, found_inf=None) -> None:
+    lr, momentum, dampening, weight_decay = hparams.tolist()
+    if found_inf is not None and float(found_inf) == 1.0:  # see adam_host
+        return
+    hp, hb = _on_host(params), _on_host(bufs)
+    native.sgd_(hp, _on_host(grads), hb, lr=lr, momentum=momentum, dampening=dampening, weight_decay=weight_decay,
+                nesterov=nesterov, maximize=maximize, is_first_step=first_step, use_native=active().options.native)
+    _back(params, hp)
+    _back(bufs, hb)
+
+
+def functional_sgd(kernel, params, grads, momentum_buffers, hparams, has_momentum, nesterov, maximize,
+                   buffer_device=None, found_inf=None) -> list[Tensor]:
+    """Run an in-place SGD ``kernel`` on copies; new params + momentum buffers (first step: new buffers).
+
+    A first momentum step that ``found_inf`` skips leaves zero buffers (torch's fused SGD leaves
+    the uninitialised memory it allocated); the next step's ``momentum * 0 + grad`` is then what
+    a first step computes.
+    """
+    new_params = [p.clone() for p in params]
+    first = has_momentum and not momentum_buffers
+    if not has_momentum:
+        bufs = []
+    elif first:
+        new = torch.zeros_like if found_inf is not None else torch.empty_like
+        bufs = [new(g, device=buffer_device) for g in grads]
+    else:
+        bufs = [b.clone() for b in momentum_buffers]
+    kernel(new_params, grads, bufs, hparams, nesterov, maximize, first, found_inf)
+    return new_params + bufs
+
+
+def sgd_fake(params, grads, momentum_buffers, hparams, has_momentum, nesterov, maximize, buffer_device=None,
+             found_inf=None):
+    bufs = [torch.empty_like(g, device=buffer_device) for g in grads] if has_momentum else []
+    return [torch.empty_like(p) for p in params] + bufs
+
+
+def _on(flag: Tensor | None, like: list[Tensor]) -> Tensor | None:
+    """``found_inf`` on the device of the tensors it guards (torch's fused kernels need that)."""
+    if flag is None or not like or flag.device == like[0].device:
+        return flag
+    return flag.to(like[0].device, non_blocking=True)
+
+
+# ---------------------------------------------------------------------- host copies
+def _on_host(ts: list[Tensor]) -> list[Tensor]:
+    return [t if t.device.type == "cpu" else t.to("cpu") for t in ts]
+
+
+def _back(dst: list[Tensor], host: list[Tensor]) -> None:
+    for d, h in zip(dst, host):
+        if d is not h:
+            d.copy_(h, non_blocking=True)

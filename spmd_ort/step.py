@@ -1,0 +1,254 @@
+"""``CompiledStep``: the callable that ``@spmd_ort.compile()`` returns.
+
+One call, top to bottom (:meth:`CompiledStep.__call__`):
+
+    bind the call (StepCall) -> prepare the module and optimizer (capture.prepare: one undo)
+    -> the agreed key under the shape policy (capture.shapes) -> a kept variant, or a new one
+    (compiler: trace -> passes -> executor; its first run checked) -> run (runtime.program)
+
+Everything the call changed is undone if it raises; the model and optimizer are then as
+the call found them.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import logging
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from spmd_ort.capture import amp
+from spmd_ort.capture.inputs import StepCall, StepInputs, bind_arguments, find_state_owners, signature_of
+from spmd_ort.capture.opaque import OpaquePlan
+from spmd_ort.capture.optim import rule_for
+from spmd_ort.capture.prepare import Preparation
+from spmd_ort.capture.shapes import ShapePolicy
+from spmd_ort.capture.transition import StepKey, TransitionManager
+from spmd_ort.compiler import Compiler
+from spmd_ort.debug.explain import explain
+from spmd_ort.debug.profile import Profiler
+from spmd_ort.distributed import parallel
+from spmd_ort.distributed.sharding import persistent_bytes
+from spmd_ort.errors import CollectiveTimeout, CompileError
+from spmd_ort.options import Options
+from spmd_ort.passes import MemoryPlan
+from spmd_ort.overrides import OpaqueOverride
+from spmd_ort.runtime.collectives import StepComm
+from spmd_ort.runtime.context import StepRuntime
+from spmd_ort.runtime.memory import host_memory_retained, max_rss_bytes, retain_host_memory
+from spmd_ort.runtime.program import CompiledProgram
+
+logger = logging.getLogger("spmd_ort")
+
+
+class CompiledStep:
+    """The callable that ``@spmd_ort.compile()`` returns.
+
+    ``compiled`` is the variant used by the last call (a :class:`CompiledProgram`:
+    ``.gm``, ``.input_slots``, ``.output_slots``, ``.passes_applied``,
+    ``.describe()``); ``variants`` lists all kept variants.
+    """
+
+    def __init__(self, fn: Callable, *, module_override, gm_transformation, parallel_mode, options: Options):
+        functools.update_wrapper(self, fn)
+        self.fn = fn
+        self.module_override = list(module_override or [])
+        self.gm_transformation = gm_transformation
+        self.parallel_mode = parallel_mode
+        self.options = options
+        self.runtime = StepRuntime(options)  # this step's communicator and options, active while it runs
+        self.transitions: TransitionManager[CompiledProgram] = TransitionManager(getattr(fn, "__name__", "step"))
+        self.shapes = ShapePolicy(options.dynamic, fn, self.transitions)
+        # which parts run opaquely: grows as traces find untraceable ones, kept across variants
+        self.opaque_plan = OpaquePlan(
+            custom_autograd=options.custom_autograd, auto_opaque=options.auto_opaque,
+            forced=options.opaque_functions,
+            patterns=tuple(p for o in self.module_override if isinstance(o, OpaqueOverride) for p in o.patterns))
+        self.compiler = Compiler(fn, name=self.transitions.name, options=options, overrides=self.module_override,
+                                 gm_transformation=gm_transformation, opaque_plan=self.opaque_plan,
+                                 taps=self.runtime.taps, mixed_precision=self.mixed_precision)
+        self.profiler = Profiler(self.runtime)
+        self.compiled: CompiledProgram | None = None
+        self.comm: StepComm | None = None  # collectives of the last step
+        self._overridden: set[int] = set()  # modules whose Override replacements are in place
+        self._synced: set[int] = set()  # modules given rank 0's weights (replicate)
+        self._started = False
+        self._last: tuple | None = None  # (module, optimizer) of the last call
+        self._signature = signature_of(fn)
+
+    # ------------------------------------------------------------------ the call
+    def __call__(self, *args: Any, last_train_step: bool = False, **kwargs: Any) -> Any:
+        call = self._bind(args, kwargs)
+        overrides = self.module_override if id(call.module) not in self._overridden else ()
+        with Preparation(call, overrides=overrides) as prep:
+            key = self.shapes.agreed_key(call)
+            program = self.transitions.lookup(key)
+            if program is not None:
+                out = self._run(program, call)
+            else:
+                program, key = self._compile(call, key, prep)
+                out = self._first_run(program, call)
+                self.transitions.insert(key, program)
+        if prep.swapped:
+            self._overridden.add(id(call.module))
+        self.compiled, self._last = program, (call.module, call.opt)
+        if last_train_step:
+            # The reference API's drain of deferred work; every call already completes its collectives
+            # (CompiledStep._run), so this finds nothing to wait for.
+            self.runtime.comm.finish()
+        return out
+
+    def _bind(self, args: tuple, kwargs: dict) -> StepCall:
+        bind_arguments(self.fn, args, kwargs, self._signature)  # a call that does not match is no trace failure
+        module, opt, scaler = find_state_owners(args, kwargs)
+        if not self._started:
+            self._started = True
+            if self.options.retain_host_memory:
+                retain_host_memory()  # steady-state steps reuse host memory instead of page-faulting
+        rank, world_size = parallel.world()
+        return StepCall(args=args, kwargs=kwargs, module=module, opt=opt, scaler=scaler,
+                        rule=rule_for(opt) if opt is not None else None, mode=parallel.resolve(self.parallel_mode),
+                        rank=rank, world_size=world_size)
+
+    def _compile(self, call: StepCall, key: StepKey, prep: Preparation) -> tuple[CompiledProgram, StepKey]:
+        """A new variant for ``key``: compiled on every rank (retried with static dims where new symbolic ones
+        fail to trace, and without prefilled optimizer state where a parameter gets no gradient)."""
+        try:
+            program = self._compile_everywhere(call, key)
+        except Exception as exc:
+            key = self.shapes.narrow(call, exc)
+            if key is None:
+                raise
+            program = self._compile_everywhere(call, key)
+        if prep.prefilled and not program.updates_state_of(prep.prefilled):
+            # a parameter got no gradient, so eager would create no state for it: trace as eager steps
+            prep.undo_prefill()
+            key = self.shapes.agreed_key(call)
+            program = self._compile_everywhere(call, key)
+        if call.mode is not None and not call.mode.sharded and id(call.module) not in self._synced:
+            parallel.broadcast_state(call.module)  # rank 0's weights everywhere, as DDP does
+            self._synced.add(id(call.module))
+        return program, key
+
+    def _compile_everywhere(self, call: StepCall, key: StepKey) -> CompiledProgram:
+        return self.compiler.compile_everywhere(call, key, dynamic=self.shapes.dynamic, previous=self.compiled,
+                                                reason=self.transitions.reason)
+
+    def _first_run(self, program: CompiledProgram, call: StepCall) -> Any:
+        """The first run of a new variant; it may still fail (ORT checks, values fake tensors cannot see).
+
+        A failure after an input changed shape or dtype since the last call that compiled names that input.
+        """
+        try:
+            return self._run(program, call)
+        except (CompileError, CollectiveTimeout):
+            raise
+        except Exception as exc:
+            previous = self.compiled.key if self.compiled else None
+            inputs = StepInputs.of(self.fn, call.args, call.kwargs, previous_key=previous)
+            blamed = inputs.blame([], None, None, f"{type(exc).__name__}: {' '.join(str(exc).split()[:60])}",
+                                  running=True)
+            if blamed is None:
+                raise
+            raise blamed from exc
+
+    def _run(self, program: CompiledProgram, call: StepCall) -> Any:
+        comm = self.runtime.comm
+        self.profiler.before_run(program.steps_run)
+        comm.start_step()
+        t0 = time.perf_counter()
+        try:
+            with self.runtime.active(), amp.autocast_disabled():  # the graph holds autocast's casts already
+                return program.run(call.args, call.kwargs)
+        finally:
+            self.comm = comm.end_step()
+            self.profiler.after_run(t0, time.perf_counter())
+
+    # ------------------------------------------------------------------ what users ask of it
+    @property
+    def backend(self) -> str:
+        return self.options.backend
+
+    @property
+    def mixed_precision(self) -> amp.MixedPrecisionPolicy | None:
+        """The parallel mode's MixedPrecisionPolicy (it applies on one process too)."""
+        return getattr(self.parallel_mode, "mixed_precision", None)
+
+    @property
+    def variants(self) -> list[CompiledProgram]:
+        return list(self.transitions.variants.values())
+
+    @property
+    def dynamic(self):
+        """The dims of tensor inputs traced as symbols (:class:`spmd_ort.capture.dynamic.DynamicDims`)."""
+        return self.shapes.dynamic
+
+    @property
+    def profile_paths(self) -> tuple[Path, Path] | None:
+        """(trace, picture) written by the last :meth:`profile`."""
+        return self.profiler.paths
+
+    def memory(self) -> dict:
+        """Per-rank memory of the last compiled step, in bytes.
+
+        ``persistent``: parameters, gradients and optimizer state held between
+        steps (``params``, ``grads``, ``opt_state``, ``total``; ``buffers``
+        apart); ``peak``: persistent total + buffers + the planned peak of the
+        values the step creates (:func:`spmd_ort.runtime.memory.planned_peak_bytes`);
+        ``max_rss``: the process's peak resident set so far;
+        ``host_memory_retained``: whether freed host memory stays in the process
+        for reuse (:func:`spmd_ort.runtime.memory.retain_host_memory`).
+        """
+        if self.compiled is None or self._last is None:
+            raise RuntimeError("memory(): the step has not run yet")
+        module, opt = self._last
+        persistent = persistent_bytes(module, opt)
+        planned = self.compiled.results.get(MemoryPlan).planned_peak_bytes
+        return {"persistent": persistent, "planned_activation_peak": planned,
+                "peak": persistent["total"] + persistent["buffers"] + planned, "max_rss": max_rss_bytes(),
+                "host_memory_retained": host_memory_retained()}
+
+    def explain(self) -> str:
+        """The plan of the last compiled variant in words: variants and why each was traced, passes,
+        collectives per step (planned vs measured), segments and host nodes, memory
+        (:mod:`spmd_ort.debug.explain`)."""
+        return explain(self, self.memory() if self._last is not None and self.compiled is not None else None)
+
+    def profile(self, steps: int = 1, path: str | Path = "spmd_ort_profile") -> None:
+        """Record the timeline of the next ``steps`` calls, then write ``<path>.json`` and ``<path>.png``.
+
+        Every rank must call it at the same point of its loop (the ranks' spans are merged on
+        rank 0, which writes a Chrome/Perfetto trace with one process per rank and a picture of
+        the last profiled step: compute, host and communication lanes, overlap shaded;
+        :mod:`spmd_ort.debug.timeline`).  Profiled steps run node by node, so they are a little slower
+        than others.  ``profile_paths`` holds the two paths once written.
+        """
+        self.profiler.arm(steps, path)
+
+    def prepare(self, module: nn.Module, opt: torch.optim.Optimizer | None = None) -> None:
+        """Put ``module`` (and ``opt``'s state) in the layout this step trains it in, as its first call would.
+
+        Under ``fully_shard`` an unsharded module is sharded now (collective:
+        every rank calls it), e.g. to load a checkpoint into it before the
+        first step; otherwise nothing changes.
+        """
+        with self.preparing(module, opt):
+            pass
+
+    @contextlib.contextmanager
+    def preparing(self, module: nn.Module, opt: torch.optim.Optimizer | None = None):
+        """:meth:`prepare` for the duration of a block that may fail: undone if it raises, kept if it ends.
+
+        (A checkpoint load that fails leaves a fresh model unsharded, as it found it.)
+        """
+        rank, world_size = parallel.world()
+        call = StepCall(args=(), kwargs={}, module=module, opt=opt, scaler=None, rule=None,
+                        mode=parallel.resolve(self.parallel_mode), rank=rank, world_size=world_size)
+        with Preparation(call, prefill=False):
+            yield
