@@ -6,10 +6,13 @@ from dataclasses import dataclass
 
 from torch import fx
 
+from spmd_ort.runtime import ops
 from spmd_ort.runtime.memory import planned_peak_bytes
 
 from .context import PassResult
 from .contracts import Invariant
+from .helpers import nbytes as nbytes_of
+from .helpers import phase
 from .runner import graph_pass
 
 
@@ -36,3 +39,43 @@ def plan_memory_pass(gm: fx.GraphModule, ctx) -> fx.GraphModule:
     ctx.results.record(MemoryPlan(planned_peak_bytes=planned_peak_bytes(gm)))
     return gm
 
+
+@dataclass(frozen=True)
+class CollectiveCounts(PassResult):
+    """``count_collectives_pass``: per kind of collective (all-gathers per phase), the calls one step makes and
+    their payload bytes (what an all-gather returns; what the others send)."""
+
+    calls: dict[str, int]
+    nbytes: dict[str, int]
+
+    def lines(self) -> list[str]:
+        if not self.calls:
+            return ["collectives per step: none"]
+        return ["collectives per step: " + ", ".join(f"{kind} x{n} ({self.nbytes[kind] / 2**20:.2f} MiB)"
+                                                       for kind, n in self.calls.items())]
+
+
+COLLECTIVE_KINDS = {ops.all_reduce_: "all-reduce", ops.reduce_scatter: "reduce-scatter", ops.broadcast_: "broadcast",
+                    ops.all_gather: "all-gather"}
+
+
+@graph_pass()
+def count_collectives_pass(gm: fx.GraphModule, ctx) -> fx.GraphModule:
+    """Record how many collectives of each kind one step issues, and their bytes (a :class:`CollectiveCounts`).
+
+    Counted on the finished distributed graph, so ``describe()`` and ``explain()`` show what runs, next to
+    the communicator's measured figures.  All-gathers are told apart by phase (forward, backward).
+    """
+    calls: dict[str, int] = {}
+    nbytes: dict[str, int] = {}
+    for node in gm.graph.nodes:
+        kind = COLLECTIVE_KINDS.get(node.target) if node.op == "call_function" else None
+        if kind is None:
+            continue
+        payload = node if node.target is ops.all_gather else node.args[0]
+        if node.target is ops.all_gather:
+            kind = f"{kind} ({phase(node)})"
+        calls[kind] = calls.get(kind, 0) + 1
+        nbytes[kind] = nbytes.get(kind, 0) + nbytes_of(payload)
+    ctx.results.record(CollectiveCounts(calls=dict(sorted(calls.items())), nbytes=dict(sorted(nbytes.items()))))
+    return gm

@@ -22,7 +22,7 @@ from spmd_ort.errors import ConfigError
 from spmd_ort.distributed.parallel import DataParallel
 
 from .activation_stats import insert_activation_stats_pass
-from .analysis import plan_memory_pass
+from .analysis import count_collectives_pass, plan_memory_pass
 from .cleanup import remove_identity_views_pass, remove_redundant_copies_pass
 from .data_parallel import (broadcast_buffers_pass, bucket_collectives_pass, dedup_collectives_pass,
                             expand_data_parallel_pass, schedule_overlap_pass)
@@ -116,6 +116,7 @@ STAGES: tuple[Step, ...] = (
     Step(USER_TRANSFORMS, "override_transform_pass[<Override>]", ALWAYS.note("each Override, in order")),
     Step(USER_TRANSFORMS, "gm_transformation_pass", When("compile(gm_transformation=...)", lambda s: True)),
     Step("analysis", plan_memory_pass),
+    Step("analysis", count_collectives_pass),
     Step("backend", lower_to_onnx_ops_pass, ORT_BACKEND),
     Step("backend", reinplace_optimizer_pass),
     Step("backend", replace_views_with_reshapes_pass),
