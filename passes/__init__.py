@@ -9,7 +9,7 @@ them and checks the contracts.  Results a pass records are typed
 """
 
 from .activation_stats import insert_activation_stats_pass
-from .analysis import MemoryPlan, plan_memory_pass
+from .analysis import CollectiveCounts, MemoryPlan, count_collectives_pass, plan_memory_pass
 from .cleanup import remove_identity_views_pass, remove_redundant_copies_pass
 from .context import PassContext, PassRecord, PassResult, PassResults
 from .contracts import Invariant
@@ -31,12 +31,12 @@ from .user import gm_transformation_pass, override_transform_pass
 from .views import replace_views_with_reshapes_pass
 
 __all__ = [
-    "PARALLEL_STAGES", "STAGES", "Contract", "GradientBuckets", "GraphPass", "Invariant",
+    "PARALLEL_STAGES", "STAGES", "CollectiveCounts", "Contract", "GradientBuckets", "GraphPass", "Invariant",
     "KeptForBackward", "Lowering", "MemoryPlan", "OptimizerOffload", "ParamOffload", "PassContext", "PassError",
     "PassRecord", "PassResult", "PassResults", "ShardBuckets", "ShardedParams", "broadcast_buffers_pass",
     "bucket_collectives_pass", "bucket_shard_collectives_pass", "build_pipeline", "cast_gradient_reductions_pass",
     "cast_params_before_gather_pass", "check_disabled", "check_order", "complete_found_inf_pass",
-    "complete_grad_norms_pass", "contract_of", "dedup_collectives_pass",
+    "complete_grad_norms_pass", "contract_of", "count_collectives_pass", "dedup_collectives_pass",
     "expand_data_parallel_pass", "gather_parameters_pass", "gm_transformation_pass", "graph_pass",
     "insert_activation_stats_pass", "keep_tail_gathers_pass", "lower_to_onnx_ops_pass", "offload_optimizer_pass",
     "offload_params_pass", "op_counts", "override_transform_pass", "pass_names", "pipeline_markdown",

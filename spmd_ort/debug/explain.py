@@ -15,7 +15,7 @@ import operator
 import torch
 from torch import fx
 
-from spmd_ort.runtime import ops
+from spmd_ort.passes.analysis import CollectiveCounts
 from spmd_ort.runtime.program import CompiledProgram
 
 aten = torch.ops.aten
@@ -75,19 +75,8 @@ def _segments(program: CompiledProgram) -> list[tuple[str, str, int, int, str]]:
 
 
 def _collective_lines(program: CompiledProgram, comm) -> list[str]:
-    sizes: dict[str, list[int]] = {}
-    for node in program.gm.graph.nodes:
-        if node.op == "call_module":
-            continue
-        if node.op != "call_function" or node.target not in (ops.all_gather, ops.reduce_scatter, ops.all_reduce_,
-                                                              ops.broadcast_):
-            continue
-        v = node.args[0].meta["val"] if node.target is not ops.all_gather else node.meta["val"]
-        phase = node.meta.get("custom", {}).get("phase", "forward")
-        kind = {ops.all_gather: f"all-gather ({phase})", ops.reduce_scatter: "reduce-scatter",
-                ops.all_reduce_: "all-reduce", ops.broadcast_: "broadcast (buffers)"}[node.target]
-        sizes.setdefault(kind, []).append(v.numel() * v.element_size())
-    if not sizes:
+    counts = program.results.get(CollectiveCounts)
+    if counts is None or not counts.calls:
         return ["collectives: none (one process)"]
     layout = program.layout
     param_bytes = sum(p.numel() * p.element_size() for p in layout.params)
@@ -95,12 +84,11 @@ def _collective_lines(program: CompiledProgram, comm) -> list[str]:
         param_bytes = sum(spec.padded_numel * layout.params[i].element_size() for i, spec in layout.shard_specs.items())
     ref = "padded parameter bytes" if layout.shard_specs else "parameter bytes"
     lines = [f"collectives per step (planned from the graph; {ref}: {param_bytes / MIB:.3f} MiB):"]
-    measured = {"all-gather": "all_gather_bytes", "reduce-scatter": "reduce_scatter_bytes", "all-reduce": "all_reduce_bytes",
-                "broadcast": "broadcast_bytes"}
-    for kind in sorted(sizes):
-        total = sum(sizes[kind])
-        lines.append(f"  {kind}: {len(sizes[kind])} call(s), {total} B = {total / MIB:.3f} MiB "
-                     f"= {total / param_bytes:.2f} x {ref}")
+    measured = {"all-gather": "all_gather_bytes", "reduce-scatter": "reduce_scatter_bytes",
+                "all-reduce": "all_reduce_bytes", "broadcast": "broadcast_bytes"}
+    for kind, n in counts.calls.items():
+        total = counts.nbytes[kind]
+        lines.append(f"  {kind}: {n} call(s), {total} B = {total / MIB:.3f} MiB = {total / param_bytes:.2f} x {ref}")
     if comm is not None:
         got = ", ".join(f"{k} {getattr(comm, v)} B" for k, v in measured.items() if getattr(comm, v))
         lines.append(f"  measured on the last step: {got or 'nothing'}; overlap {comm.overlap:.0%}")
