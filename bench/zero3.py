@@ -177,7 +177,7 @@ def worker(args) -> None:
     else:
         dist.init_process_group("gloo")
     rank = dist.get_rank()
-    from step import gpt_mini, train_step
+    from step import gpt_mini
 
     torch.manual_seed(0)
     model, batch = gpt_mini(seed=rank)  # every rank trains on its own batches
