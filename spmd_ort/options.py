@@ -258,7 +258,12 @@ def env_table_markdown() -> str:
 
 
 class _RankFilter(logging.Filter):
-    """Gives every spmd_ort log record ``rank`` (" rank <r>" under torch.distributed with several ranks, else "")."""
+    """Gives every spmd_ort log record ``rank`` (" rank <r>" under torch.distributed with several ranks, else "").
+
+    A logger's filters see only the records made by that logger, not those its children
+    propagate, so every ``spmd_ort`` logger carries one (:func:`get_logger`), and so does the
+    handler :func:`configure_logging` adds.
+    """
 
     def filter(self, record: logging.LogRecord) -> bool:
         record.rank = ""
@@ -272,6 +277,22 @@ class _RankFilter(logging.Filter):
         return True
 
 
+_RANK_FILTER = _RankFilter()
+
+
+def get_logger(name: str = "spmd_ort") -> logging.Logger:
+    """The logger ``name`` (``spmd_ort`` or a child of it), whose records carry ``%(rank)s`` for every handler."""
+    if name != "spmd_ort" and not name.startswith("spmd_ort."):
+        raise ValueError(f"get_logger({name!r}): spmd_ort's loggers are `spmd_ort` and its children")
+    named = logging.getLogger(name)
+    if _RANK_FILTER not in named.filters:
+        named.addFilter(_RANK_FILTER)
+    return named
+
+
+get_logger("spmd_ort")  # records made before any compile() (e.g. while a DeepSpeed config is read) carry it too
+
+
 def configure_logging(level: LogLevel) -> None:
     """The ``spmd_ort`` logger at ``level``; its records carry ``%(rank)s`` for any handler's format.
 
@@ -279,12 +300,12 @@ def configure_logging(level: LogLevel) -> None:
     ERROR or FATAL hide them.
     """
     logger.setLevel(int(level))
-    if not any(isinstance(f, _RankFilter) for f in logger.filters):
-        logger.addFilter(_RankFilter())
-    logging.getLogger("spmd_ort.progress").setLevel(min(int(level), logging.INFO) if level <= LogLevel.WARNING
+    get_logger("spmd_ort")
+    get_logger("spmd_ort.progress").setLevel(min(int(level), logging.INFO) if level <= LogLevel.WARNING
                                                      else int(level))
     # Print on our own only where the application has not configured logging.
     if not logger.handlers and not logging.getLogger().handlers:
         handler = logging.StreamHandler()
         handler.setFormatter(logging.Formatter("[spmd_ort%(rank)s %(levelname)s] %(message)s"))
+        handler.addFilter(_RANK_FILTER)  # also for a child logger made with logging.getLogger, not get_logger
         logger.addHandler(handler)

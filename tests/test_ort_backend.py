@@ -380,7 +380,54 @@ def test_long_export_shows_a_progress_line(monkeypatch, fresh_cache, caplog):
         spmd_ort.compile(backend="ort")(train_step)(model, _adamw(model), *_mlp_batches(1)[0])
     assert "exporting ORT segment fused_0 (1 of 1," in caplog.text
     assert "exported 1 ORT segment(s) in" in caplog.text
+    spmd_ort.compile(backend="ort")  # (caplog restored the level it found; any compile() sets it again)
     assert logging.getLogger("spmd_ort.progress").getEffectiveLevel() <= logging.INFO  # shown by default
+
+
+PROGRESS_SCRIPT = """
+import sys
+sys.path.insert(0, {tests!r}); sys.path.insert(0, {root!r})
+import torch, spmd_ort
+from spmd_ort.ort import executor
+from helpers import train_step
+from models import MLP
+executor.PROGRESS_AFTER_S = 0.0
+model = MLP()
+step = spmd_ort.compile(backend="ort")(train_step)
+step(model, torch.optim.AdamW(model.parameters(), lr=1e-2), torch.randn(8, 32), torch.randint(0, 10, (8,)))
+"""
+
+
+def test_progress_lines_carry_the_rank_for_every_handler(fresh_cache, capfd):
+    """`spmd_ort.progress` is a child logger: its records skip the parent's filters, so they lacked `rank` and every
+    handler formatting `%(rank)s` printed `--- Logging error ---` instead of the line."""
+    import io
+
+    from spmd_ort.ort import executor
+
+    # the handler spmd_ort adds itself (a process whose logging is not configured)
+    env = {**os.environ, "SPMD_ORT_CACHE_DIR": str(fresh_cache), "SPMD_ORT_LOG_LEVEL": "WARNING"}
+    proc = subprocess.run([sys.executable, "-c", PROGRESS_SCRIPT.format(tests=str(ROOT / "tests"), root=str(ROOT))],
+                          env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "Logging error" not in proc.stderr, proc.stderr[-3000:]
+    assert "[spmd_ort INFO] exporting ORT segment fused_0 (1 of 1," in proc.stderr, proc.stderr[-3000:]
+    assert "[spmd_ort INFO] exported 1 ORT segment(s) in" in proc.stderr
+    # a user's handler on the root logger that uses %(rank)s, as the README offers
+    stream = io.StringIO()
+    handler = logging.StreamHandler(stream)
+    handler.setFormatter(logging.Formatter("<%(name)s%(rank)s> %(message)s"))
+    root = logging.getLogger()
+    root.addHandler(handler)
+    try:
+        executor.PROGRESS_AFTER_S = 0.0
+        model = MLP()
+        spmd_ort.compile(backend="ort")(train_step)(model, _adamw(model), *_mlp_batches(1)[0])
+    finally:
+        root.removeHandler(handler)
+        executor.PROGRESS_AFTER_S = 2.0
+    assert "Logging error" not in capfd.readouterr().err
+    assert "<spmd_ort.progress> exporting ORT segment fused_0 (1 of 1," in stream.getvalue(), stream.getvalue()
 
 
 def test_stock_exporter_path_gives_the_same_model(fresh_cache):
