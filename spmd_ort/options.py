@@ -58,6 +58,31 @@ class DebugOptions:
     verify: bool = True
     check_passes: bool = False
 
+    def __post_init__(self):
+        """Checked here, where they are given: ``log_level`` is a LogLevel or its name (``"INFO"``), the switches are
+        booleans, ``onnx_prefix`` a file-name prefix.  A bad value is a ConfigError naming the field."""
+        object.__setattr__(self, "log_level", _debug_log_level(self.log_level))
+        for name in ("save_onnx", "verify", "check_passes"):
+            value = getattr(self, name)
+            if not isinstance(value, bool):
+                raise ConfigError(f"DebugOptions({name}={value!r}) is not valid: expected True or False")
+        prefix = self.onnx_prefix
+        if not isinstance(prefix, str) or not prefix or any(sep in prefix for sep in ("/", "\\", os.sep)):
+            raise ConfigError(f"DebugOptions(onnx_prefix={prefix!r}) is not valid: expected a non-empty file-name "
+                              "prefix without path separators (SPMD_ORT_SAVE_ONNX_PATH sets the directory)")
+
+
+def _debug_log_level(value: Any) -> LogLevel:
+    """A LogLevel from a LogLevel, its name in any case, or its number (``logging.INFO``)."""
+    if isinstance(value, LogLevel):
+        return value
+    if isinstance(value, str) and value.strip().upper() in LogLevel.__members__:
+        return LogLevel[value.strip().upper()]
+    if isinstance(value, int) and not isinstance(value, bool) and value in LogLevel._value2member_map_:
+        return LogLevel(value)
+    raise ConfigError(f"DebugOptions(log_level={value!r}) is not valid: expected a spmd_ort.LogLevel or its name "
+                      f"({', '.join(LogLevel.__members__)})")
+
 
 @dataclass(frozen=True, kw_only=True)
 class Options:
@@ -92,7 +117,11 @@ class Options:
         ``DebugOptions`` or the environment turns it on; ``SPMD_ORT_VERIFY``, when set, wins over
         ``DebugOptions.verify`` (so ``SPMD_ORT_VERIFY=0`` opts out everywhere).
         """
-        debug = debug or DebugOptions()
+        if debug is None:
+            debug = DebugOptions()
+        elif not isinstance(debug, DebugOptions):
+            raise ConfigError(f"compile(debug={debug!r}) is not valid: expected a spmd_ort.DebugOptions, e.g. "
+                              f"DebugOptions(log_level='INFO', save_onnx=True), not a {type(debug).__name__}")
         env = from_environment(os.environ if environ is None else environ)
         values: dict[str, Any] = {"log_level": debug.log_level, "save_onnx": debug.save_onnx,
                                   "onnx_prefix": debug.onnx_prefix}
@@ -155,6 +184,17 @@ def _opset(value: str) -> int:
     return v
 
 
+def _directory(value: str) -> Path:
+    """A directory to write into: it may not exist yet (it is created), but no part of it may be a file."""
+    path = Path(value).expanduser()
+    for part in (path, *path.parents):
+        if part.exists():
+            if not part.is_dir():
+                raise ValueError(f"a directory, but {str(part)!r} is a file")
+            break
+    return path
+
+
 def _names(value: str) -> frozenset[str]:
     return frozenset(name.strip() for name in value.split(",") if name.strip())
 
@@ -205,8 +245,9 @@ ENV_VARS: tuple[EnvVar, ...] = (
            "who runs each ORT segment after the first run: `auto` (the faster of ORT and fx, timed on the first "
            "run), `ort` or `fx`"),
     EnvVar("SPMD_ORT_CACHE_DIR", "cache_dir", Path, "`~/.cache/spmd_ort`", "exported-model cache"),
-    EnvVar("SPMD_ORT_SAVE_ONNX_PATH", "save_onnx_path", Path, "working directory",
-           "where `DebugOptions(save_onnx=True)` writes `<onnx_prefix>_<segment>.onnx` (open them in Netron)"),
+    EnvVar("SPMD_ORT_SAVE_ONNX_PATH", "save_onnx_path", _directory, "working directory",
+           "the directory where `DebugOptions(save_onnx=True)` writes `<onnx_prefix>_<segment>.onnx` (open them in "
+           "Netron; created if missing, a file there is a `ConfigError`)"),
     EnvVar("SPMD_ORT_NATIVE", "native", _bool, "`1`",
            "`0`: host optimizer steps use torch's fused kernels instead of building `csrc/`"),
     EnvVar("SPMD_ORT_RETAIN_HOST_MEMORY", "retain_host_memory", _bool, "`1`",

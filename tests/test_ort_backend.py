@@ -254,6 +254,25 @@ def test_save_onnx_and_opset(tmp_path, monkeypatch, fresh_cache):
             spmd_ort.compile(backend="ort")
 
 
+def test_save_onnx_into_a_file_is_a_config_error_not_a_fallback(tmp_path, monkeypatch, fresh_cache):
+    """SPMD_ORT_SAVE_ONNX_PATH naming a file sent every segment to fx (a failed export); it is a ConfigError at
+    compile(), and a directory that cannot be written when the first export saves is one too, changing nothing."""
+    target = tmp_path / "onnx"
+    target.write_text("not a directory")
+    monkeypatch.setenv("SPMD_ORT_SAVE_ONNX_PATH", str(target))
+    with pytest.raises(spmd_ort.ConfigError, match=r"SPMD_ORT_SAVE_ONNX_PATH=.*expected a directory, but .* is a file"):
+        spmd_ort.compile(backend="ort", debug=spmd_ort.DebugOptions(save_onnx=True))
+    target.unlink()
+    step = spmd_ort.compile(backend="ort", debug=spmd_ort.DebugOptions(save_onnx=True))(train_step)
+    target.write_text("made a file after compile()")  # the first export cannot write there
+    model = MLP()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    before = copy.deepcopy(model.state_dict())
+    with pytest.raises(spmd_ort.ConfigError, match=r"could not write segment fused_0 into SPMD_ORT_SAVE_ONNX_PATH="):
+        step(model, opt, torch.randn(4, 32), torch.randint(0, 10, (4,)))
+    assert all(torch.equal(v, model.state_dict()[k]) for k, v in before.items()) and not opt.state
+
+
 def test_host_nodes_are_named():
     """The optimizer update stays on the host, in place; describe() shows segments and host ops."""
     model = MLP()
