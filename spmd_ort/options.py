@@ -131,6 +131,8 @@ class Options:
         if not values.get("custom_autograd", True) and values.get("opaque_functions"):
             raise ConfigError("SPMD_ORT_OPAQUE_AUTOGRAD_FUNCTIONS lists Functions to run opaquely, but "
                               "SPMD_ORT_DISABLE_CUSTOM_AUTOGRAD_SUPPORT=1 runs none opaquely; set one of them")
+        if values.get("opaque_functions"):
+            values["opaque_functions"] = frozenset(resolve_function(n) for n in values["opaque_functions"])
         if backend is not None:
             if backend not in BACKENDS:
                 raise ConfigError(f"backend={backend!r} is not one of {', '.join(BACKENDS)}")
@@ -215,6 +217,48 @@ def _qualified_names(value: str) -> frozenset[str]:
     return names
 
 
+def resolve_function(name: str) -> str:
+    """The qualified name (``module.Class``, as the compiled step matches it) of the autograd.Function that
+    ``SPMD_ORT_OPAQUE_AUTOGRAD_FUNCTIONS`` names as ``name``; a ConfigError when there is none.
+
+    The longest importable prefix of ``name`` is imported and the rest looked up in it, so a name that no
+    Function has fails at compile() instead of running everything traced.  A Function re-exported elsewhere
+    (``pkg.Fn`` for ``pkg.mod.Fn``) is found under its own name.  A class defined in a function
+    (``<locals>`` in the name) cannot be imported: the compiled step warns after its first trace if it met
+    no Function of that name.
+    """
+    import importlib
+
+    import torch
+
+    if "<locals>" in name:
+        return name
+    var = f"SPMD_ORT_OPAQUE_AUTOGRAD_FUNCTIONS names `{name}`"
+    parts = name.split(".")
+    for cut in range(len(parts) - 1, 0, -1):
+        module_name = ".".join(parts[:cut])
+        try:
+            obj = importlib.import_module(module_name)
+        except ModuleNotFoundError as exc:
+            if exc.name is not None and module_name.startswith(exc.name):
+                continue  # not a module: a shorter prefix may be
+            raise ConfigError(f"{var}, but importing `{module_name}` failed: {exc}") from None
+        except Exception as exc:  # noqa: BLE001 - the user's module failed to import
+            raise ConfigError(f"{var}, but importing `{module_name}` failed: {type(exc).__name__}: {exc}") from None
+        for i, attr in enumerate(parts[cut:], start=cut):
+            if not hasattr(obj, attr):
+                raise ConfigError(f"{var}, but `{'.'.join(parts[:i])}` has no attribute `{attr}`. Fix: give the "
+                                  "Function's module and class, e.g. `mypkg.layers.MyFunction`")
+            obj = getattr(obj, attr)
+        if not (isinstance(obj, type) and issubclass(obj, torch.autograd.Function)):
+            what = f"the class `{obj.__module__}.{obj.__qualname__}`" if isinstance(obj, type) else \
+                f"a {type(obj).__name__}"
+            raise ConfigError(f"{var}, which is {what}, not a torch.autograd.Function subclass")
+        return f"{obj.__module__}.{obj.__qualname__}"
+    raise ConfigError(f"{var}, but no module `{parts[0]}` can be imported. Fix: give the Function's module and "
+                      "class, e.g. `mypkg.layers.MyFunction`")
+
+
 @dataclass(frozen=True)
 class EnvVar:
     name: str
@@ -257,7 +301,9 @@ ENV_VARS: tuple[EnvVar, ...] = (
     EnvVar("SPMD_ORT_DISABLE_CUSTOM_AUTOGRAD_SUPPORT", "custom_autograd", _not(_bool), "`0`",
            "`1`: never run an autograd.Function opaquely: it is traced, or the compile fails naming it"),
     EnvVar("SPMD_ORT_OPAQUE_AUTOGRAD_FUNCTIONS", "opaque_functions", _qualified_names, "none",
-           "comma-separated autograd.Functions (`pkg.module.Class`) always run opaquely, as host nodes, untraced"),
+           "comma-separated autograd.Functions (`pkg.module.Class`) always run opaquely, as host nodes, untraced; "
+           "each is imported at `compile()` (a name that is no Function is a `ConfigError`; one defined in a "
+           "function, `<locals>`, gets a WARNING after the first trace if the step applied none of that name)"),
     EnvVar("SPMD_ORT_DYNAMIC", "dynamic", _choice("dynamic", DYNAMIC_MODES), "`auto`",
            "`auto`: the first trace is static, sizes of tensor inputs and int/float arguments that change become "
            "symbolic (one program for all of them); `1`: batch and sequence dims symbolic from the start; "

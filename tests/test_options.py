@@ -45,12 +45,34 @@ def test_bad_value_is_a_config_error_naming_variable_and_allowed_values(monkeypa
 
 def test_opaque_functions_and_disabled_custom_autograd_support_conflict(monkeypatch):
     monkeypatch.setenv("SPMD_ORT_DISABLE_CUSTOM_AUTOGRAD_SUPPORT", "1")
-    monkeypatch.setenv("SPMD_ORT_OPAQUE_AUTOGRAD_FUNCTIONS", "pkg.mod.Fn")
+    monkeypatch.setenv("SPMD_ORT_OPAQUE_AUTOGRAD_FUNCTIONS", "models.ScaleByMax")
     with pytest.raises(spmd_ort.ConfigError, match="set one of them"):
         spmd_ort.compile()
     monkeypatch.delenv("SPMD_ORT_DISABLE_CUSTOM_AUTOGRAD_SUPPORT")
     options = spmd_ort.compile()(train_step).options
-    assert options.opaque_functions == frozenset({"pkg.mod.Fn"}) and options.custom_autograd and options.auto_opaque
+    assert options.opaque_functions == frozenset({"models.ScaleByMax"}) and options.custom_autograd
+    assert options.auto_opaque
+
+
+@pytest.mark.parametrize("name,error", [
+    ("models.NotThere", "names `models.NotThere`, but `models` has no attribute `NotThere`"),
+    ("no_such_package.layers.Fn", "names `no_such_package.layers.Fn`, but no module `no_such_package` can be imported"),
+    ("models.MLP", "names `models.MLP`, which is the class `models.MLP`, not a torch.autograd.Function subclass"),
+    ("models.gpt_batch", "names `models.gpt_batch`, which is a function, not a torch.autograd.Function"),
+])
+def test_opaque_functions_that_do_not_exist_are_config_errors(monkeypatch, name, error):
+    """A name no Function has was accepted silently (the Function then traced as if unlisted)."""
+    monkeypatch.setenv("SPMD_ORT_OPAQUE_AUTOGRAD_FUNCTIONS", f"models.ScaleByMax,{name}")
+    with pytest.raises(spmd_ort.ConfigError, match=f"SPMD_ORT_OPAQUE_AUTOGRAD_FUNCTIONS {error}".replace(".", r"\.")):
+        spmd_ort.compile()
+
+
+def test_opaque_functions_are_found_under_their_own_name(monkeypatch):
+    """A re-exported name is resolved to the Function's module and qualname, which is what tracing matches."""
+    monkeypatch.setenv("SPMD_ORT_OPAQUE_AUTOGRAD_FUNCTIONS", "torch.autograd.Function, models.ScaleByMax, "
+                                                              "tests.fn.<locals>.Local")
+    assert spmd_ort.compile()(train_step).options.opaque_functions == frozenset(
+        {"torch.autograd.function.Function", "models.ScaleByMax", "tests.fn.<locals>.Local"})
 
 
 def test_a_typo_in_disabled_passes_is_an_error_listing_the_passes(monkeypatch):
