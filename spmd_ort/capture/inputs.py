@@ -13,6 +13,7 @@ module.
 from __future__ import annotations
 
 import inspect
+import sys
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -70,6 +71,38 @@ class StepCall:
     @property
     def leaves(self) -> list:
         return pytree.tree_leaves((self.args, self.kwargs))
+
+
+def _torch_compiled(obj: Any) -> bool:
+    """Whether ``obj`` is ``torch.compile(module)``'s wrapper (dynamo's OptimizedModule; none exists before
+    torch._dynamo is imported)."""
+    eval_frame = sys.modules.get("torch._dynamo.eval_frame")
+    return eval_frame is not None and isinstance(obj, eval_frame.OptimizedModule)
+
+
+def unwrap_torch_compiled(args: tuple, kwargs: dict) -> tuple[tuple, dict, list[nn.Module]]:
+    """The call with every ``torch.compile``'d module replaced by the module it wraps (``_orig_mod``), and the
+    wrappers found.
+
+    nanoGPT's train.py compiles its model by default; dynamo cannot run under make_fx, and the wrapper owns no
+    state of its own: the module it wraps holds the parameters the optimizer steps, so compiling that module
+    trains the same parameters, and the wrapper sees every update.
+    """
+    leaves = pytree.tree_leaves((args, kwargs))
+    if not any(_torch_compiled(leaf) for leaf in leaves):
+        return args, kwargs, []
+    wrappers = []
+
+    def unwrap(leaf):
+        if not _torch_compiled(leaf):
+            return leaf
+        wrappers.append(leaf)
+        while _torch_compiled(leaf):  # torch.compile(torch.compile(m)) wraps twice
+            leaf = leaf._orig_mod
+        return leaf
+
+    args, kwargs = pytree.tree_map(unwrap, (args, kwargs))
+    return args, kwargs, wrappers
 
 
 def find_state_owners(args: tuple, kwargs: dict) -> tuple[nn.Module, torch.optim.Optimizer | None, Any]:
