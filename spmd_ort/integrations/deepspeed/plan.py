@@ -111,8 +111,10 @@ class DeepSpeedPlan:
 
         def train_step(model, opt, scaler, micro_batches):
             if len(micro_batches) != accumulation:
-                raise ValueError(f"the DeepSpeed config accumulates {accumulation} micro-batches per step; "
-                                 f"got {len(micro_batches)}")
+                raise ValueError(f"the DeepSpeed config accumulates {accumulation} micro-batches per step "
+                                 f"(gradient_accumulation_steps), but `micro_batches` holds {len(micro_batches)}: "
+                                 f"pass a list of {accumulation} batches, each a tuple of loss_fn's arguments "
+                                 "after the model")
             total = None
             for batch in micro_batches:
                 with self.autocast(device_type):
