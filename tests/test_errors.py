@@ -394,3 +394,27 @@ def test_a_deepspeed_plan_given_the_wrong_number_of_micro_batches_says_so():
                                          r"but `micro_batches` holds 1: pass a list of 2 batches") as info:
         step(model, plan.optimizer, plan.scaler, [(torch.randn(4, 32), torch.randint(0, 10, (4,)))])
     assert "traceable" not in str(info.value) and not plan.optimizer.state
+
+
+@pytest.mark.parametrize("kind", ["numpy", "list"])
+def test_a_batch_that_is_no_tensor_names_the_input_not_a_module(kind, caplog):
+    """A numpy array or a list of numbers as the batch was blamed on the first module it reached (`fc1` "cannot be
+    traced", a WARNING that it runs opaquely, then an error saying to make it traceable)."""
+    import numpy as np
+
+    torch.manual_seed(0)
+    model = MLP()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    before = _snapshot(model, opt)
+    x = np.random.default_rng(0).standard_normal((4, 32), dtype=np.float32)
+    x = x if kind == "numpy" else x.tolist()
+    with caplog.at_level(logging.WARNING, logger="spmd_ort"), pytest.raises(spmd_ort.CompileError) as info:
+        spmd_ort.compile(backend="fx")(classification_step)(model, opt, x, torch.randint(0, 10, (4,)))
+    msg = str(info.value)
+    what = "a numpy.ndarray (shape (4, 32), float32)" if kind == "numpy" else "a list of numbers (4 x 32)"
+    fix = "torch.from_numpy(x)" if kind == "numpy" else "torch.tensor(x)"
+    assert f"the input `x` is {what}, not a torch.Tensor: linear() in module `fc1` rejected it" in msg, msg
+    assert f"Fix: pass a torch.Tensor, e.g. {fix}" in msg and "traceable" not in msg, msg
+    assert info.value.input == "x" and info.value.fqn == "fc1"
+    assert not [r for r in caplog.records if r.levelno >= logging.WARNING]  # fc1 was never made opaque
+    _assert_identical(before, model, opt)

@@ -358,6 +358,10 @@ def _failure(exc: BaseException, frame: Frame | None, watch: OpWatch, plan: Opaq
     """What a trace failure becomes: an error naming the input or the module, or a retry with a new opaque part."""
     what, op, untraceable = _describe_failure(exc)
     failed = None if untraceable else watch.failed
+    fqn = frame.fqn if frame is not None else None
+    not_a_tensor = inputs.not_a_tensor(exc, failed.op if failed else op, fqn)
+    if not_a_tensor is not None:  # a numpy array or a list where a tensor belongs: the input, not the module
+        return not_a_tensor
     if failed is not None and failed.eager_fails:
         # eager rejects these arguments too: an error about the input or the module, never an opaque part
         fqn = frame.fqn if frame is not None else None
