@@ -77,8 +77,8 @@ def as_overrides(module_override: object) -> list[Override]:
         return [module_override]
     example = "e.g. [spmd_ort.OpaqueOverride('model.layers.*.mlp')]"
     if not isinstance(module_override, (list, tuple)):
-        raise TypeError(f"spmd_ort.compile(module_override=...) takes a spmd_ort.Override or a list of them ({example}), "
-                        f"not {type(module_override).__name__}")
+        raise TypeError(f"spmd_ort.compile(module_override=...) takes a spmd_ort.Override or a list of them "
+                        f"({example}), not {type(module_override).__name__}")
     for i, item in enumerate(module_override):
         if not isinstance(item, Override):
             raise TypeError(f"spmd_ort.compile(module_override=...): item {i} is {type(item).__name__} {item!r:.80}, "
