@@ -61,6 +61,16 @@ def qualified_name(cls: type) -> str:
 
 
 # ---------------------------------------------------------------------- where the trace is
+def under_trace() -> bool:
+    """Whether the caller runs under make_fx's proxy mode: in the tracing thread, or in autograd's threads for it.
+
+    The capture's global hooks and its patch of ``Function.apply`` act on every thread of the process;
+    other threads (a compiled step running while another one compiles) run without the mode and are left
+    alone.  One trace at a time holds the mode (``spmd_ort.capture.trace.COMPILE_LOCK``).
+    """
+    return get_proxy_mode() is not None
+
+
 @dataclass(frozen=True)
 class Frame:
     """A module or an autograd.Function running while the step is traced."""
@@ -116,10 +126,14 @@ class CallStack:
     @contextlib.contextmanager
     def installed(self):
         def pre(mod, args):
+            if not under_trace():  # another thread's eager run: not part of this trace
+                return
             name = self.names.get(id(mod), type(mod).__name__)
             self.push(Frame("module", name, name))
 
         def post(mod, args, out):
+            if not under_trace():
+                return
             # always_call: also when forward raised (then ``out`` is None and the exception is being handled)
             self.pop(sys.exc_info()[1] if out is None else None)
 
@@ -268,7 +282,9 @@ class OpaqueCapture:
         patched: list[tuple[nn.Module, Any]] = []
 
         def apply(cls, *args, **kwargs):
-            if self.sampling or cls is _OpaqueApply:
+            # Function.apply is patched for the whole process: a Function another thread runs eagerly meanwhile
+            # (a compiled step's opaque part) is no part of this trace
+            if self.sampling or cls is _OpaqueApply or not under_trace():
                 return original(cls, *args, **kwargs)
             reason = self.plan.function_reason(cls)
             if reason is not None:

@@ -32,6 +32,7 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import logging
+import threading
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -59,6 +60,14 @@ aten = torch.ops.aten
 
 
 TENSOR = object()  # marks where a graph output goes in the step's return value
+
+# torch's tracing machinery keeps process-wide state: torch.fx's patches of nn.Module.__call__ and the
+# flag and current meta of preserve_node_meta, and a trace here patches Function.apply and installs global
+# module hooks.  Two traces at once in one process corrupt each other (torch-internal assertions, or
+# preserve_node_meta left on for every later compile), so every compile in the process holds this lock:
+# trace, passes and executor build (Compiler.compile), and a segment re-traced at new sizes at run time.
+# Running a compiled program does not take it: runs of other steps go on while one step compiles.
+COMPILE_LOCK = threading.RLock()
 _TRACING: contextvars.ContextVar[bool] = contextvars.ContextVar("spmd_ort_tracing", default=False)
 
 
