@@ -22,7 +22,7 @@ from helpers import assert_same_state, train_side_by_side, train_step
 from models import MLP, FunctionMLP, ScaleByMax
 from spmd_ort.debug.timeline import TimedInterpreter
 from spmd_ort.ort.choice import FirstRun
-from spmd_ort.runtime.executor import RunInterpreter
+from spmd_ort.runtime.interpreter import RunInterpreter
 
 STEPS = 2
 

@@ -22,7 +22,7 @@ from pathlib import Path
 from torch import fx
 
 from spmd_ort.runtime import ops
-from spmd_ort.runtime.executor import RunInterpreter
+from spmd_ort.runtime.interpreter import RunInterpreter
 
 LANES = ("compute", "host", "comm")
 

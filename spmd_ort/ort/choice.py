@@ -13,7 +13,7 @@ import time
 from torch import fx
 
 from spmd_ort.ort.session import OrtSegment
-from spmd_ort.runtime.executor import RunInterpreter
+from spmd_ort.runtime.interpreter import RunInterpreter
 from spmd_ort.ort.stats import OrtStats, SegmentChoice
 from spmd_ort.ort.verify import checked_first_run
 

@@ -16,7 +16,7 @@ from torch import fx
 
 from spmd_ort.errors import CompileError
 from spmd_ort.ort.stats import OrtStats
-from spmd_ort.runtime.executor import RunInterpreter
+from spmd_ort.runtime.interpreter import RunInterpreter
 
 logger = logging.getLogger("spmd_ort")
 
