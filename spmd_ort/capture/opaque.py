@@ -45,6 +45,7 @@ from torch.multiprocessing.reductions import StorageWeakRef
 from torch.nn.utils import stateless
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from spmd_ort.capture import presence
 from spmd_ort.runtime import opaque
 from spmd_ort.errors import CompileError
 from spmd_ort.runtime.opaque import OpaqueCall, TensorMeta
@@ -260,7 +261,11 @@ class _OpaqueApply(torch.autograd.Function):
         (token,) = ctx.saved_tensors
         call: OpaqueCall = ctx.call
         wanted = [g for g, d in zip(grads, call.differentiable) if d]
-        got = iter(opaque_backward(token, wanted, call.index))
+        *grads_in, present = opaque_backward(token, wanted, call.index)
+        tracker = presence.current()
+        if tracker is not None:
+            tracker.produced(grads_in, present)
+        got = iter(grads_in)
         return (None, *(next(got) if g else None for g in call.needs_grad))
 
 

@@ -131,11 +131,13 @@ class Preparation:
         elif self.sharding is not None:
             self.sharding.commit()
 
-    def undo_prefill(self) -> None:
-        """Drop the prefilled optimizer state (a parameter got no gradient: eager would create none for it)."""
-        for p in self.prefilled:
+    def undo_prefill(self, params: Sequence[nn.Parameter] | None = None) -> None:
+        """Drop the prefilled optimizer state (a parameter got no gradient: eager would create none for it);
+        of ``params`` only, when given (those the first step skipped, having no gradient on that step)."""
+        dropped = self.prefilled if params is None else [p for p in self.prefilled if any(p is q for q in params)]
+        for p in dropped:
             self.call.opt.state.pop(p, None)
-        self.prefilled = []
+        self.prefilled = [p for p in self.prefilled if not any(p is q for q in dropped)]
 
     def undo(self) -> None:
         self.undo_prefill()

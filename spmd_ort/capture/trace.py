@@ -53,6 +53,7 @@ from spmd_ort.errors import CompileError
 from spmd_ort.capture.inputs import StepInputs
 from spmd_ort.runtime.opaque import OpaqueCall
 from spmd_ort.capture.opaque import CallStack, Frame, OpaqueCapture, OpaquePlan, link_backward
+from spmd_ort.capture.presence import GradPresence, tracking
 from spmd_ort.capture.state import Slot, SlotKind, StateLayout
 
 logger = logging.getLogger("spmd_ort")
@@ -239,7 +240,8 @@ def _trace_once(fn, args: tuple, kwargs: dict, layout: StateLayout, *, sdpa_math
         for pos, src in alias_of.items():
             new_leaves[pos] = new_leaves[src]
         a, kw = pytree.tree_unflatten(new_leaves, spec)
-        with layout.bind(state, tag_grads=tag_grads, mixed_precision=mixed_precision) as bound:
+        with tracking(GradPresence()) as tracker, \
+                layout.bind(state, tag_grads=tag_grads, mixed_precision=mixed_precision, presence=tracker) as bound:
             out = fn(*a, **kw)
             final = bound.final()
         final += [(Slot(SlotKind.INPUT_GRAD, f"{inputs.names[batch_positions[k]]}.grad", k), batch[k].grad)
