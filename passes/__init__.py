@@ -14,7 +14,7 @@ from .cleanup import remove_identity_views_pass, remove_redundant_copies_pass
 from .context import PassContext, PassRecord, PassResult, PassResults
 from .contracts import Invariant
 from .data_parallel import (GradientBuckets, broadcast_buffers_pass, bucket_collectives_pass, dedup_collectives_pass,
-                            expand_data_parallel_pass, schedule_overlap_pass)
+                            expand_data_parallel_pass, reduce_grad_presence_pass, schedule_overlap_pass)
 from .fully_shard import (ShardedParams, complete_found_inf_pass, complete_grad_norms_pass, gather_parameters_pass,
                           propagate_shards_pass, reduce_scatter_gradients_pass, rematerialize_param_views_pass,
                           shard_placeholders_pass)
@@ -40,8 +40,8 @@ __all__ = [
     "expand_data_parallel_pass", "gather_parameters_pass", "gm_transformation_pass", "graph_pass",
     "insert_activation_stats_pass", "keep_tail_gathers_pass", "lower_to_onnx_ops_pass", "offload_optimizer_pass",
     "offload_params_pass", "op_counts", "override_transform_pass", "pass_names", "pipeline_markdown",
-    "plan_memory_pass", "prefetch_gathers_pass", "propagate_shards_pass", "reduce_scatter_gradients_pass",
-    "reinplace_optimizer_pass", "rematerialize_param_views_pass", "remove_identity_views_pass",
-    "remove_redundant_copies_pass", "replace_views_with_reshapes_pass", "run_passes", "schedule_overlap_pass",
-    "shard_placeholders_pass", "write_readme_table",
+    "plan_memory_pass", "prefetch_gathers_pass", "propagate_shards_pass", "reduce_grad_presence_pass",
+    "reduce_scatter_gradients_pass", "reinplace_optimizer_pass", "rematerialize_param_views_pass",
+    "remove_identity_views_pass", "remove_redundant_copies_pass", "replace_views_with_reshapes_pass", "run_passes",
+    "schedule_overlap_pass", "shard_placeholders_pass", "write_readme_table",
 ]

@@ -1,12 +1,14 @@
 """Data-parallel expansion: gradient tags -> bucketed, overlapped, de-duplicated all-reduces.
 
-Pipeline order (:mod:`.pipeline`): expand -> broadcast buffers -> bucket -> dedup -> overlap.
+Pipeline order (:mod:`.pipeline`): expand -> broadcast buffers -> bucket -> reduce gradient presence -> dedup
+-> overlap.
 ``broadcast_buffers_pass``, ``dedup_collectives_pass`` and ``schedule_overlap_pass``
 serve ``fully_shard`` too.
 """
 
 from __future__ import annotations
 
+import logging
 import operator
 from dataclasses import dataclass
 
@@ -15,13 +17,16 @@ from torch import fx
 from torch.fx.passes.tools_common import stable_topological_sort
 
 from spmd_ort.capture.state import SlotKind
-from spmd_ort.runtime.ops import all_gather, all_reduce_, broadcast_, reduce_scatter, wait_
+from spmd_ort.runtime.ops import all_gather, all_reduce_, broadcast_, grads_present, reduce_scatter, wait_
 
 from .context import PassResult
 from .contracts import (BUFFERS_BROADCAST, COLLECTIVES_WAITED, GRADS_TAGGED, NO_DUPLICATE_COLLECTIVES, NO_GRAD_TAGS,
                         OVERLAP_SCHEDULED, PER_GRADIENT_REDUCTIONS, Invariant)
-from .helpers import DEDUP_KEY, GRADIENT_OF, TAG, aten, call, move_after_inputs, nbytes, producers, unpack_chain, val
+from .helpers import (DEDUP_KEY, GRADIENT_OF, TAG, aten, call, calls, move_after_inputs, nbytes, producers,
+                      unpack_chain, val)
 from .runner import graph_pass
+
+logger = logging.getLogger("spmd_ort")
 
 
 @dataclass(frozen=True)
@@ -170,6 +175,53 @@ def bucket_collectives_pass(gm: fx.GraphModule, ctx) -> fx.GraphModule:
     # A gradient read before its bucket is complete (e.g. returned by the step) now reads
     # the unpacked view, defined after the bucket's last gradient: restore topological order.
     stable_topological_sort(gm)
+    return gm
+
+
+def _presence_reduced(gm, ctx):
+    for node in calls(gm, grads_present):
+        if [u.target for u in node.users] != [all_reduce_]:
+            return f"`{node.name}` (which parameters have a gradient) is read before its sum over ranks"
+    return None
+
+
+PRESENCE_REDUCED = Invariant("presence_reduced", "a step's gradient-presence vector is read only summed over ranks",
+                             _presence_reduced)
+
+
+_WARNED: set[tuple[str, ...]] = set()
+
+
+@graph_pass(requires=[COLLECTIVES_WAITED], provides=[PRESENCE_REDUCED, COLLECTIVES_WAITED])
+def reduce_grad_presence_pass(gm: fx.GraphModule, ctx) -> fx.GraphModule:
+    """Which parameters have a gradient this step (``grads_present``, :mod:`spmd_ort.capture.presence`), summed
+    over the ranks: one small all-reduce.
+
+    A parameter only opaque parts use gets a gradient on the ranks whose part used it; with the sum,
+    every rank updates it (with the averaged gradient, this rank's zeros included) when any rank's part
+    used it, and skips it when none did: ``DDP(find_unused_parameters=True)``.  Under fully_shard,
+    FSDP2 differs (a WARNING names the parameters).  After bucketing, so the gradient buckets stay
+    gradients only.
+    """
+    graph = gm.graph
+    for node in calls(gm, grads_present):
+        users = list(node.users)
+        with graph.inserting_after(node):
+            reduced = call(graph, all_reduce_, (node, 1.0), val(node))
+        with graph.inserting_after(reduced):
+            done = call(graph, wait_, (reduced,), val(node))
+        for user in users:
+            user.replace_input_with(node, done)
+    names = tuple(ctx.layout.param_names[i][0] for i in ctx.layout.present_params) if ctx.layout is not None else ()
+    if names and ctx.mode.sharded and names not in _WARNED:
+        _WARNED.add(names)  # once per process, not once per variant
+        logger.warning(
+            "fully_shard: %s get gradients only from opaque parts, which may not use them on every step. A "
+            "step where no rank's part uses one leaves it, its .grad and optimizer state as they were (as eager "
+            "and FSDP2 do); a step where some ranks' parts use it updates it on every rank with the gradient "
+            "averaged over all ranks, zeros included, as DDP(find_unused_parameters=True) does. FSDP2 fails "
+            "there (ranks reduce-scatter different gradients) unless set_reduce_scatter_unused_params(True), "
+            "which then also updates a parameter no rank used, with a zero gradient", ", ".join(names))
     return gm
 
 

@@ -25,7 +25,7 @@ from .activation_stats import insert_activation_stats_pass
 from .analysis import count_collectives_pass, plan_memory_pass
 from .cleanup import remove_identity_views_pass, remove_redundant_copies_pass
 from .data_parallel import (broadcast_buffers_pass, bucket_collectives_pass, dedup_collectives_pass,
-                            expand_data_parallel_pass, schedule_overlap_pass)
+                            expand_data_parallel_pass, reduce_grad_presence_pass, schedule_overlap_pass)
 from .fully_shard import (complete_found_inf_pass, complete_grad_norms_pass, gather_parameters_pass,
                           propagate_shards_pass, reduce_scatter_gradients_pass, rematerialize_param_views_pass,
                           shard_placeholders_pass)
@@ -105,6 +105,7 @@ STAGES: tuple[Step, ...] = (
     Step("fully_shard", complete_found_inf_pass, FULLY_SHARD),
     Step("parallel", broadcast_buffers_pass, SEVERAL_RANKS.note("a no-op without broadcast_buffers")),
     Step("replicate", bucket_collectives_pass, REPLICATE),
+    Step("parallel", reduce_grad_presence_pass, SEVERAL_RANKS.note("a no-op unless only opaque parts make a gradient")),
     Step("parallel", dedup_collectives_pass, SEVERAL_RANKS),
     Step("fully_shard", keep_tail_gathers_pass, RESHARD),
     Step("mixed_precision", cast_params_before_gather_pass, FULLY_SHARD),

@@ -22,7 +22,7 @@ from spmd_ort import passes as P
 from spmd_ort.capture.inputs import StepCall, StepInputs
 from spmd_ort.capture.opaque import OpaquePlan
 from spmd_ort.capture.state import StateLayout
-from spmd_ort.capture.trace import trace_step
+from spmd_ort.capture.trace import COMPILE_LOCK, trace_step
 from spmd_ort.capture.transition import StepKey
 from spmd_ort.capture.dynamic import DynamicDims
 from spmd_ort.runtime.taps import TapRegistry
@@ -80,7 +80,20 @@ class Compiler:
 
     def compile(self, call: StepCall, key: StepKey, *, dynamic: DynamicDims, previous: CompiledProgram | None,
                 reason: str) -> CompiledProgram:
-        """trace -> passes (the one pipeline) -> executor."""
+        """trace -> passes (the one pipeline) -> executor, one compile in the process at a time (COMPILE_LOCK).
+
+        The lock covers only this local work, not the ranks' agreement after it (compile_everywhere): a
+        rank waiting in that collective holds nothing another thread's compile needs.
+        """
+        t_wait = time.perf_counter()
+        with COMPILE_LOCK:
+            waited = time.perf_counter() - t_wait
+            if waited > 0.1:
+                logger.debug("%s waited %.2fs for another compile in this process", self.name, waited)
+            return self._compile(call, key, dynamic=dynamic, previous=previous, reason=reason)
+
+    def _compile(self, call: StepCall, key: StepKey, *, dynamic: DynamicDims, previous: CompiledProgram | None,
+                 reason: str) -> CompiledProgram:
         t0 = time.perf_counter()
         layout = StateLayout.capture(call.module, call.opt, call.rule, call.scaler)
         # Errors rooted in an input name it, and how it differs from the last call that compiled.

@@ -96,6 +96,7 @@ class CompiledStep:
             else:
                 program, key = self._compile(call, key, prep)
                 out = self._first_run(program, call)
+                prep.undo_prefill(program.skipped)  # eager creates no state for what its first step skips
                 self.transitions.insert(key, program)
         if prep.swapped:
             self._overridden.add(id(call.module))

@@ -158,6 +158,35 @@ class MoENet(nn.Module):
         return self.head(h + self.moe(h))
 
 
+class RoutedMoENet(nn.Module):
+    """embed -> Top1MoE -> head, routed by the first ``experts`` input features: expert e gets the tokens whose
+    feature e is the largest of them, so a batch with feature e at -5 everywhere gives expert e no token.
+
+    Nothing but the MoE reads the embedding, so every gradient is accumulated as eager accumulates it
+    (an opaque part's input gradient is not summed with another): compiled fx equals eager bit for bit.
+    """
+
+    def __init__(self, d: int = 16, classes: int = 10, experts: int = 4):
+        super().__init__()
+        self.embed = nn.Linear(d, d)
+        self.moe = Top1MoE(d, experts=experts)
+        self.head = nn.Linear(d, classes)
+        with torch.no_grad():
+            self.embed.weight.copy_(torch.eye(d))
+            self.embed.bias.zero_()
+            self.moe.router.weight.copy_(10 * torch.eye(experts, d))
+
+    def forward(self, x):
+        return self.head(self.moe(self.embed(x)))
+
+
+def starve(x: torch.Tensor, expert: int) -> torch.Tensor:
+    """``x`` with no token for ``expert`` of a :class:`RoutedMoENet` (a copy)."""
+    x = x.clone()
+    x[:, expert] = -5.0
+    return x
+
+
 class GlobalTokenScale(nn.Module):
     """Scales by 1 / (tokens on all ranks): a plain torch.distributed call in forward, outside any Function."""
 

@@ -273,9 +273,9 @@ def test_fully_shard_and_replicate_with_policy_match_fsdp2(two_ranks):
                 assert c["reduce_scatter_bytes"] == 2 * padded  # reduced in param_dtype (FSDP2's default)
             for c in d["comm"].get("replicate", []):
                 assert c["all_reduce_bytes"] == d["fp32_param_bytes"] // 2
-            # fully_shard traces before and after the optimizer state exists; replicate (bf16, no GradScaler)
-            # creates a fresh AdamW's state before its first trace
-            assert d["traces"] == ({"fully_shard": 2} if dtype == "fp16" else {"fully_shard": 2, "replicate": 1})
+            # bf16 (no GradScaler): a fresh AdamW's state is created before the first trace (on the shards under
+            # fully_shard): one trace; fp16's GradScaler may skip the first step, which then creates no state
+            assert d["traces"] == ({"fully_shard": 2} if dtype == "fp16" else {"fully_shard": 1, "replicate": 1})
         fp16 = r["fp16"]
         assert fp16["skipped"][:2] == [True, True] and not all(fp16["skipped"]), fp16["skipped"]
         assert len({s for s, _ in fp16["scales"]}) > 1

@@ -18,13 +18,15 @@ from pathlib import Path
 
 import pytest
 import torch
+import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from spmd_ort.capture.state import SlotKind
 import spmd_ort
-from helpers import assert_ort_report_clean, train_side_by_side, train_step
-from models import FunctionMLP, GlobalCenter, MoENet, NumpyTanh, ScaleByMax, tiny_mixtral_config
+from helpers import assert_ort_report_clean, assert_same_state, train_side_by_side, train_step
+from models import (FunctionMLP, GlobalCenter, MoENet, NumpyTanh, RoutedMoENet, ScaleByMax, starve,
+                    tiny_mixtral_config)
 from spmd_ort.runtime.ops import opaque_backward, opaque_forward
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -271,6 +273,156 @@ def test_top1_moe_module_runs_opaquely_with_one_warning(caplog):
     assert call.kind == "module" and call.fqn == "moe" and call.name == "Top1MoE"
     params = {s.name for s in step.compiled.input_slots if s.kind is SlotKind.PARAM}
     assert {"moe.router.weight", "moe.experts.3.down.bias"} <= params
+
+
+# ---------------------------------------------------------------------- experts that get no tokens
+def _moe_batches(starved: list[bool], seed: int = 1):
+    """RoutedMoENet batches; where ``starved``, expert 3 gets no token (elsewhere at least one)."""
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for s in starved:
+        x, y = torch.randn(16, 16, generator=g), torch.randint(0, 10, (16,), generator=g)
+        if s:
+            x = starve(x, 3)
+        else:
+            x[0, 3] = 5.0
+        out.append((x, y))
+    return out
+
+
+def _step_keeping_grads(model, opt, x, y):
+    """Gradients zeroed before backward and left after the step: its .grad is what this step's backward made."""
+    opt.zero_grad(set_to_none=True)
+    loss = F.cross_entropy(model(x), y)
+    loss.backward()
+    opt.step()
+    return loss
+
+
+def _bitwise(model_e, model_c, opt_e, opt_c, where: str) -> None:
+    for (name, a), b in zip(model_e.named_parameters(), model_c.parameters(), strict=True):
+        assert torch.equal(a, b), f"{where}: {name} differs from eager"
+        assert (a.grad is None) == (b.grad is None) and (a.grad is None or torch.equal(a.grad, b.grad)), \
+            f"{where}: {name}.grad"
+    sa, sb = opt_e.state_dict()["state"], opt_c.state_dict()["state"]
+    assert sa.keys() == sb.keys(), f"{where}: optimizer state for {sorted(sa)} vs {sorted(sb)}"
+    for k in sa:
+        for key, v in sa[k].items():
+            assert torch.equal(v, sb[k][key]), f"{where}: state {k}.{key}"
+
+
+OPTIMIZERS = {
+    "adamw": lambda m: torch.optim.AdamW(m.parameters(), lr=1e-2, weight_decay=0.1, fused=True),
+    # dampening: a first momentum step (buffer = gradient) differs from a later one from a zero buffer.  Not
+    # fused: eager's fused SGD fails on a group where some parameters have a buffer and some do not yet
+    "sgd_momentum": lambda m: torch.optim.SGD(m.parameters(), lr=1e-2, momentum=0.9, dampening=0.1,
+                                              weight_decay=0.1, foreach=False),
+}
+
+
+@pytest.mark.parametrize("opt_name", sorted(OPTIMIZERS))
+@pytest.mark.parametrize("step_fn", [train_step, _step_keeping_grads], ids=["zero_grad_after", "grads_kept"])
+def test_expert_without_tokens_is_left_alone_as_in_eager(opt_name, step_fn):
+    """An expert that gets no tokens has no gradient in eager: the optimizer skips it (value, state, step count
+    unchanged; a first step creates no state for it) and its .grad stays None.  The compiled step does the same,
+    the first step included: bit for bit with fused AdamW; with SGD (momentum, dampening; eager's for-loop
+    kernel rounds differently from the fused one) within the suite's tolerances and the idle expert bit for bit.
+    (Before, its zero gradient moved it by weight decay and momentum: 6.9e-3 after two steps.)"""
+    torch.manual_seed(0)
+    make_opt = OPTIMIZERS[opt_name]
+    model_e = RoutedMoENet()
+    model_c = copy.deepcopy(model_e)
+    opt_e, opt_c = make_opt(model_e), make_opt(model_c)
+    step = spmd_ort.compile(backend="fx")(step_fn)
+    idle = {n: (p, q) for (n, p), q in zip(model_e.named_parameters(), model_c.parameters())
+            if n.startswith("moe.experts.3.")}
+    for i, (x, y) in enumerate(_moe_batches([True, False, True, True, False])):
+        before = {n: (p.detach().clone(), {k: v.clone() for k, v in opt_e.state.get(p, {}).items()})
+                  for n, (p, _) in idle.items()}
+        le = step_fn(model_e, opt_e, x, y)
+        lc = step(model_c, opt_c, x, y)
+        if opt_name == "adamw":
+            assert torch.equal(le.detach(), lc), f"step {i} loss"
+            _bitwise(model_e, model_c, opt_e, opt_c, f"step {i}")
+        else:
+            torch.testing.assert_close(lc, le.detach(), rtol=1e-5, atol=1e-6)
+            assert_same_state(model_e, model_c, opt_e, opt_c, where=f"step {i}")
+        if i in (0, 2, 3):  # eager left the idle expert alone, and so did the compiled step
+            for n, (p, q) in idle.items():
+                value, state = before[n]
+                assert p.grad is None and q.grad is None and torch.equal(p, value) and torch.equal(q, value), n
+                assert opt_c.state.get(q, {}).keys() == state.keys(), n
+                assert all(torch.equal(opt_c.state[q][k], v) for k, v in state.items()), n
+
+
+def test_expert_without_tokens_on_ort():
+    """The same on the ORT backend (every segment in ONNX Runtime, verified): parameters, gradients (None where
+    eager's are) and optimizer state against eager per tensor, and the idle expert bit for bit unchanged."""
+    torch.manual_seed(0)
+    batches = _moe_batches([True, False, True])
+    train_side_by_side(RoutedMoENet, OPTIMIZERS["adamw"], _step_keeping_grads, batches, backend="ort")
+    model = RoutedMoENet()
+    opt = OPTIMIZERS["adamw"](model)
+    step = spmd_ort.compile(backend="ort")(_step_keeping_grads)
+    step(model, opt, *batches[1])
+    before = {n: p.detach().clone() for n, p in model.moe.experts[3].named_parameters()}
+    state = {n: {k: v.clone() for k, v in opt.state[p].items()} for n, p in model.moe.experts[3].named_parameters()}
+    step(model, opt, *batches[0])
+    for n, p in model.moe.experts[3].named_parameters():
+        assert p.grad is None and torch.equal(p, before[n]), n
+        assert all(torch.equal(v, state[n][k]) for k, v in opt.state[p].items()), n
+    assert [id(p) for p in step.compiled.skipped] == [id(p) for p in model.moe.experts[3].parameters()]
+    assert "gradients only opaque parts make (17; " in step.compiled.describe()
+
+
+def test_expert_whose_grad_the_step_replaces_is_named_in_a_warning(caplog):
+    """A .grad the step replaces between backward and the optimizer is no longer what the opaque part made: such
+    parameters are updated on every step, as before, and one WARNING at compile names them."""
+    def step_fn(model, opt, x, y):
+        loss = F.cross_entropy(model(x), y)
+        loss.backward()
+        model.moe.experts[3].up.weight.grad = model.moe.experts[3].up.weight.grad * 1.0
+        opt.step()
+        opt.zero_grad()
+        return loss
+
+    model = RoutedMoENet()
+    with caplog.at_level(logging.WARNING, logger="spmd_ort"):
+        spmd_ort.compile(backend="fx")(step_fn)(model, OPTIMIZERS["adamw"](model), *_moe_batches([True])[0])
+    warned = [r.getMessage() for r in caplog.records if "replaces their .grad" in r.getMessage()]
+    assert len(warned) == 1 and warned[0].startswith("moe.experts.3.up.weight get gradients only from opaque"), \
+        warned
+
+
+@pytest.mark.multiproc
+def test_expert_without_tokens_on_two_ranks_matches_ddp(tmp_path):
+    """2 ranks, expert 3 without tokens on both ranks, on one, on none (tests/dist/unused_params.py checks every
+    step on every rank): replicate equals DDP(find_unused_parameters=True) in parameters, gradients (None where
+    DDP leaves None) and optimizer state; fully_shard equals eager on the global batch and logs one WARNING
+    naming the parameters and how FSDP2 differs.  What DDP did is measured, and the compiled steps did the same."""
+    out = tmp_path / "out"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+           str(ROOT / "tests" / "dist" / "unused_params.py"), "--out", str(out)]
+    proc = subprocess.run(cmd, env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True, text=True,
+                          timeout=400)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-6000:]
+    ranks = [json.loads((out / f"rank{r}.json").read_text()) for r in range(2)]
+    everywhere, somewhere = [0, 3], [1, 4]  # steps whose batches give the expert no token on both ranks / one
+    for r in ranks:
+        ddp, compiled = r["replicate"]["ddp"], r["replicate"]["compiled"]
+        assert compiled == [{**d, "moved": c["moved"]} for d, c in zip(ddp, compiled)]
+        for i in everywhere:  # DDP: no gradient anywhere, so none after the reduction and no update
+            assert ddp[i]["grad_none"] and ddp[i]["moved"] == 0.0 and compiled[i]["moved"] == 0.0
+        assert not ddp[0]["has_state"]  # and no state from a first step that skipped it
+        for i in somewhere:  # the average of one rank's gradient and the other's zeros, on both ranks
+            assert not ddp[i]["grad_none"] and ddp[i]["moved"] > 0
+            assert compiled[i]["moved"] == pytest.approx(ddp[i]["moved"], rel=1e-4)
+        eager, sharded = r["fully_shard"]["eager"], r["fully_shard"]["compiled"]
+        for e, c in zip(eager, sharded, strict=True):
+            assert e["grad_none"] == c["grad_none"] and c["moved"] == pytest.approx(e["moved"], rel=1e-4, abs=0)
+        warned = [w for w in r["fully_shard"]["warnings"] if w.startswith("fully_shard:")]
+        assert len(warned) == 1 and "moe.experts.3.up.weight" in warned[0] and "FSDP2" in warned[0], warned
+        assert not [w for w in r["replicate"].get("warnings", []) if w.startswith("fully_shard:")]
 
 
 def test_auto_opaque_off_is_a_compile_error(monkeypatch):

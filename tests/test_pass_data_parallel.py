@@ -13,7 +13,7 @@ from spmd_ort.passes import (PassContext, broadcast_buffers_pass, bucket_collect
                                  dedup_collectives_pass, expand_data_parallel_pass, op_counts, run_passes,
                                  schedule_overlap_pass)
 from spmd_ort.runtime.context import StepRuntime
-from spmd_ort.capture.state import StateLayout
+from spmd_ort.capture.state import SlotKind, StateLayout
 from spmd_ort.capture.optim import rule_for
 from spmd_ort.capture.trace import trace_step
 from helpers import train_step
@@ -161,3 +161,47 @@ def test_each_runtime_counts_only_its_own_collectives(one_rank):
         t.join()
     for name, (_, _, runtime, grad_bytes) in runs.items():
         assert runtime.comm.step.all_reduce_bytes == 20 * grad_bytes, name
+
+
+def test_gradient_presence_is_summed_over_ranks_after_bucketing(one_rank):
+    """Parameters only an opaque part uses (RoutedMoENet's MoE) have a presence vector (spmd_ort.capture.presence):
+    the pass sums it over the ranks (one all-reduce, after the gradient buckets, which stay gradients only); on
+    one rank the numbers equal the graph before it, an idle expert's entries 0 included."""
+    from spmd_ort.capture.opaque import OpaquePlan
+    from spmd_ort.runtime.ops import grads_present
+    from spmd_ort.passes import reduce_grad_presence_pass
+    from models import RoutedMoENet, starve
+
+    model = RoutedMoENet()
+    opt = torch.optim.AdamW(model.parameters(), lr=0.1)
+    x, y = torch.randn(8, 16), torch.randint(0, 10, (8,))
+    x[:3, :3] += 10 * torch.eye(3)  # a token for each of experts 0-2
+    x = starve(x, 3)
+    layout = StateLayout.capture(model, opt, rule_for(opt))
+    traced = trace_step(train_step, (model, opt, x, y), {}, layout, tag_grads=True, plan=OpaquePlan())
+    names = [layout.param_names[i][0] for i in layout.present_params]
+    assert "moe.experts.3.up.weight" in names and "embed.weight" not in names
+    inputs = layout.gather() + [x, y]
+
+    def run(gm):
+        runtime = StepRuntime()
+        with torch.no_grad(), runtime.active(), runtime.running(tuple(traced.opaque)):
+            out = [o.clone() for o in gm(*[t.detach().clone() for t in inputs])]
+        runtime.comm.finish()
+        return out
+
+    ctx = PassContext(input_slots=list(traced.input_slots), output_slots=list(traced.output_slots), world_size=1,
+                      mode=spmd_ort.DataParallel(), check_contracts=True, layout=layout)
+    gm = run_passes(traced.gm, ctx, [expand_data_parallel_pass, bucket_collectives_pass])
+    expected = run(gm)
+    presence = expected[[s.kind for s in traced.output_slots].index(SlotKind.PRESENCE)]
+    idle = [k for k, n in enumerate(names) if n.startswith("moe.experts.3.")]
+    assert len(idle) == 4 and presence[idle].eq(0).all() and presence.sum() == len(names) - 4
+    before = op_counts(gm)[AR]
+    gm = run_passes(gm, ctx, [reduce_grad_presence_pass])
+    gm.graph.lint()
+    assert op_counts(gm)[AR] == before + 1 and op_counts(gm)[WAIT] == before + 1
+    [node] = [n for n in gm.graph.nodes if n.target is grads_present]
+    assert [u.target for u in node.users] == [all_reduce_]
+    for a, b in zip(run(gm), expected, strict=True):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)

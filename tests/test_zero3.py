@@ -52,7 +52,10 @@ def test_fully_shard_matches_single_process_eager(tmp_path, nproc, reshard, offl
     assert ranks[0]["padded_param_bytes"] > ranks[0]["full_param_bytes"]  # odd sizes: padding exercised
     for r in ranks:
         assert "compile_error" not in r, r.get("compile_error")
-        assert len(r["losses"]) == 10 and r["traces"] <= 2
+        assert len(r["losses"]) == 10
+        # AdamW: its state is created on the shards before the first trace, so one trace serves every step;
+        # SGD with momentum traces twice (its first step sets the buffer to the gradient: another graph)
+        assert r["traces"] == (1 if opt == "adamw" else 2), r["traces"]
         if backend == "ort":
             assert_ort_report_clean(r["ort"])  # every segment ran in ONNX Runtime, on every rank and step
         persistent = r["memory"]["persistent"]

@@ -45,6 +45,7 @@ from torch.multiprocessing.reductions import StorageWeakRef
 from torch.nn.utils import stateless
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from spmd_ort.capture import presence
 from spmd_ort.runtime import opaque
 from spmd_ort.errors import CompileError
 from spmd_ort.runtime.opaque import OpaqueCall, TensorMeta
@@ -61,6 +62,16 @@ def qualified_name(cls: type) -> str:
 
 
 # ---------------------------------------------------------------------- where the trace is
+def under_trace() -> bool:
+    """Whether the caller runs under make_fx's proxy mode: in the tracing thread, or in autograd's threads for it.
+
+    The capture's global hooks and its patch of ``Function.apply`` act on every thread of the process;
+    other threads (a compiled step running while another one compiles) run without the mode and are left
+    alone.  One trace at a time holds the mode (``spmd_ort.capture.trace.COMPILE_LOCK``).
+    """
+    return get_proxy_mode() is not None
+
+
 @dataclass(frozen=True)
 class Frame:
     """A module or an autograd.Function running while the step is traced."""
@@ -116,10 +127,14 @@ class CallStack:
     @contextlib.contextmanager
     def installed(self):
         def pre(mod, args):
+            if not under_trace():  # another thread's eager run: not part of this trace
+                return
             name = self.names.get(id(mod), type(mod).__name__)
             self.push(Frame("module", name, name))
 
         def post(mod, args, out):
+            if not under_trace():
+                return
             # always_call: also when forward raised (then ``out`` is None and the exception is being handled)
             self.pop(sys.exc_info()[1] if out is None else None)
 
@@ -260,7 +275,11 @@ class _OpaqueApply(torch.autograd.Function):
         (token,) = ctx.saved_tensors
         call: OpaqueCall = ctx.call
         wanted = [g for g, d in zip(grads, call.differentiable) if d]
-        got = iter(opaque_backward(token, wanted, call.index))
+        *grads_in, present = opaque_backward(token, wanted, call.index)
+        tracker = presence.current()
+        if tracker is not None:
+            tracker.produced(grads_in, present)
+        got = iter(grads_in)
         return (None, *(next(got) if g else None for g in call.needs_grad))
 
 
@@ -282,7 +301,9 @@ class OpaqueCapture:
         patched: list[tuple[nn.Module, Any]] = []
 
         def apply(cls, *args, **kwargs):
-            if self.sampling or cls is _OpaqueApply:
+            # Function.apply is patched for the whole process: a Function another thread runs eagerly meanwhile
+            # (a compiled step's opaque part) is no part of this trace
+            if self.sampling or cls is _OpaqueApply or not under_trace():
                 return original(cls, *args, **kwargs)
             self.plan.met.add(qualified_name(cls))
             reason = self.plan.function_reason(cls)

@@ -18,7 +18,9 @@ that the ``reinplace_optimizer_pass`` uses when the old state is not read afterw
 
 A GradScaler hands a rule ``opt.found_inf`` (and, for fused optimizers, ``opt.grad_scale``)
 as it hands them to torch's fused optimizers (:func:`amp_arguments`); the op passes
-``found_inf`` to the fused kernel, which skips the update where it is 1.
+``found_inf`` to the fused kernel, which skips the update where it is 1.  A parameter whose gradient
+only an opaque part makes gets a presence entry (``present``; :mod:`spmd_ort.capture.presence`): the op skips
+it on a step where no part made its gradient, as eager's optimizer skips a parameter whose ``.grad`` is None.
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from spmd_ort.capture import presence
 from spmd_ort.runtime import ops
 from spmd_ort.errors import CompileError
 
@@ -129,10 +132,11 @@ def adam_rule(opt: torch.optim.Optimizer) -> None:
             steps=[s["step"] for s in states],
         )
         found_inf = amp_arguments(opt, params)
+        present, present_index = presence.positions(opt, params)
         out = ops.adam(
             params, [p.grad for p in params], lists["exp_avgs"], lists["exp_avg_sqs"],
             lists["max_exp_avg_sqs"], lists["steps"], group[HPARAMS_KEY], bool(amsgrad), bool(group["maximize"]),
-            bool(group.get("decoupled_weight_decay", False)), found_inf)
+            bool(group.get("decoupled_weight_decay", False)), found_inf, present, present_index)
         i = 0
         for name in ("params", "exp_avgs", "exp_avg_sqs", "max_exp_avg_sqs", "steps"):
             n = len(lists[name])
@@ -141,32 +145,45 @@ def adam_rule(opt: torch.optim.Optimizer) -> None:
 
 
 def sgd_rule(opt: torch.optim.Optimizer) -> None:
-    """SGD with momentum, dampening, nesterov, weight decay, maximize."""
+    """SGD with momentum, dampening, nesterov, weight decay, maximize.
+
+    With momentum, parameters that have a buffer and parameters that do not yet (eager's first
+    step for them: the buffer starts as the gradient) are two ops: a group has both after a step
+    that skipped a parameter without a gradient, as eager's SGD does.
+    """
     for gi, group in enumerate(opt.param_groups):
         _check_group(opt, gi, group, ("differentiable",))
         params = _with_grad(group)
         if not params:
             continue
         momentum = float(group["momentum"])
-        bufs = [opt.state[p].get("momentum_buffer") for p in params]
-        have = [b is not None for b in bufs]
-        if momentum != 0 and any(have) and not all(have):
-            raise CompileError(
-                f"SGD param group {gi}: some parameters have a momentum buffer and some do not; "
-                "the compiled step needs all or none", op="SGD.step")
-        bufs = [b for b in bufs if b is not None]
-        found_inf = amp_arguments(opt, params)
-        out = ops.sgd(
-            params, [p.grad for p in params], bufs, group[HPARAMS_KEY], momentum != 0, bool(group["nesterov"]),
-            bool(group["maximize"]), found_inf)
-        _copy_back(params, out[:len(params)])
-        if momentum != 0:
-            new_bufs = out[len(params):]
-            if bufs:
-                _copy_back(bufs, new_bufs)
-            else:
-                for p, b in zip(params, new_bufs):
-                    opt.state[p]["momentum_buffer"] = b
+        if momentum == 0:
+            _sgd_update(opt, group, params, [], False)
+            continue
+        have = [p for p in params if opt.state[p].get("momentum_buffer") is not None]
+        fresh = [p for p in params if opt.state[p].get("momentum_buffer") is None]
+        if have:
+            _sgd_update(opt, group, have, [opt.state[p]["momentum_buffer"] for p in have], True)
+        if fresh:
+            _sgd_update(opt, group, fresh, [], True)
+
+
+def _sgd_update(opt: torch.optim.Optimizer, group: dict, params: list[Tensor], bufs: list[Tensor],
+                has_momentum: bool) -> None:
+    """One ``spmd_ort::sgd`` op over ``params`` (with ``bufs``, or none: their first momentum step)."""
+    found_inf = amp_arguments(opt, params)
+    present, present_index = presence.positions(opt, params)
+    out = ops.sgd(
+        params, [p.grad for p in params], bufs, group[HPARAMS_KEY], has_momentum, bool(group["nesterov"]),
+        bool(group["maximize"]), found_inf, present, present_index)
+    _copy_back(params, out[:len(params)])
+    if has_momentum:
+        new_bufs = out[len(params):]
+        if bufs:
+            _copy_back(bufs, new_bufs)
+        else:
+            for p, b in zip(params, new_bufs):
+                opt.state[p]["momentum_buffer"] = b
 
 
 # Trace-time only: the param-group key under which a rule finds its hparams tensor.

@@ -78,13 +78,14 @@ def shard_if_needed(call: StepCall) -> ShardedModule | None:
 def prefill_optimizer_state(call: StepCall) -> list[nn.Parameter]:
     """Create a fresh optimizer's state as its first step would (where the rule says that is exact).
 
-    Only for an optimizer with no state at all, not under fully_shard (its state is created on
-    shards by the sharding passes), and not with an enabled GradScaler (a first step it skips
-    creates no state in eager).  Returns the parameters given state.
+    Only for an optimizer with no state at all, and not with an enabled GradScaler (a first step it
+    skips creates no state in eager).  Under fully_shard the module is sharded by now (step 2 above),
+    so the state is made like the local shard, as the sharded first step makes it (and as
+    ``ShardedModule`` shards existing state): the first call traces the steady-state step there too.
+    Returns the parameters given state.
     """
-    opt, rule, mode = call.opt, call.rule, call.mode
-    if (opt is None or rule is None or rule.initial_state is None or opt.state or (mode is not None and mode.sharded)
-            or amp.scaler_enabled(call.scaler)):
+    opt, rule = call.opt, call.rule
+    if opt is None or rule is None or rule.initial_state is None or opt.state or amp.scaler_enabled(call.scaler):
         return []
     filled = []
     for group in opt.param_groups:
@@ -130,11 +131,13 @@ class Preparation:
         elif self.sharding is not None:
             self.sharding.commit()
 
-    def undo_prefill(self) -> None:
-        """Drop the prefilled optimizer state (a parameter got no gradient: eager would create none for it)."""
-        for p in self.prefilled:
+    def undo_prefill(self, params: Sequence[nn.Parameter] | None = None) -> None:
+        """Drop the prefilled optimizer state (a parameter got no gradient: eager would create none for it);
+        of ``params`` only, when given (those the first step skipped, having no gradient on that step)."""
+        dropped = self.prefilled if params is None else [p for p in self.prefilled if any(p is q for q in params)]
+        for p in dropped:
             self.call.opt.state.pop(p, None)
-        self.prefilled = []
+        self.prefilled = [p for p in self.prefilled if not any(p is q for q in dropped)]
 
     def undo(self) -> None:
         self.undo_prefill()

@@ -29,6 +29,7 @@ from torch.nn.utils import stateless
 from spmd_ort.capture import amp
 from spmd_ort.runtime.ops import tag_grad
 from spmd_ort.capture.optim import HPARAMS_KEY, OptimizerRule
+from spmd_ort.capture.presence import PRESENT_KEY, GradPresence
 from spmd_ort.distributed.sharding import ShardSpec, is_sharded_state, spec_of
 
 
@@ -46,6 +47,8 @@ class SlotKind(enum.Enum):
     INPUT_GRAD = "input_grad"  # the .grad of an argument that requires grad
     USER = "user"  # a leaf of the step's return value (output only)
     STATS = "stats"  # the statistics of a tapped activation (output only; index: the tap id)
+    # which parameters (StateLayout.present_params) have a gradient this step (output only; spmd_ort.capture.presence)
+    PRESENCE = "presence"
 
     def __str__(self) -> str:
         return self.value
@@ -97,6 +100,8 @@ class StateLayout:
     shard_specs: dict[int, ShardSpec] = field(default_factory=dict)  # fully_shard: param index -> spec
     scaler: amp.GradScaler | None = None  # an enabled GradScaler whose state is lifted
     scaler_initial: list[Tensor] = field(default_factory=list)  # its state before its first scale()
+    # parameters whose gradient only opaque parts make, in the order of the step's PRESENCE output (set by the trace)
+    present_params: tuple[int, ...] = ()
 
     # ------------------------------------------------------------------ capture
     @classmethod
@@ -169,16 +174,23 @@ class StateLayout:
     # ------------------------------------------------------------------ tracing
     @contextlib.contextmanager
     def bind(self, state: list[Tensor], *, tag_grads: bool = False,
-             mixed_precision: amp.MixedPrecisionPolicy | None = None) -> Iterator[BoundState]:
+             mixed_precision: amp.MixedPrecisionPolicy | None = None,
+             presence: GradPresence | None = None) -> Iterator[BoundState]:
         """Put traced tensors where the module, optimizer and GradScaler look for state.
 
         ``tag_grads`` marks each parameter's new gradient with ``spmd_ort::tag_grad``
         (a hook on the leaf, so a tied weight is tagged once, after summation).
         ``mixed_precision``: forward runs on parameters cast as the policy says
-        (:func:`spmd_ort.capture.amp.apply_policy`).
+        (:func:`spmd_ort.capture.amp.apply_policy`).  ``presence`` follows which gradients
+        only opaque parts make (its hooks see each gradient before the tag).
         """
+        presence = presence if presence is not None else GradPresence()
+        presence.names = [n[0] for n in self.param_names]
         it = iter(state)
         params = [next(it) for _ in self.params]
+        for p in params:
+            if p.requires_grad and p.is_leaf:
+                presence.watch(p)
         if tag_grads:
             for i, p in enumerate(params):
                 if p.requires_grad:
@@ -192,13 +204,14 @@ class StateLayout:
         mapping = {n: t for names, t in zip(self.param_names, params) for n in names}
         mapping.update({n: t for names, t in zip(self.buffer_names, buffers) for n in names})
         with stateless._reparametrize_module(self.module, mapping), \
-                self._bind_optimizer(params, opt_vals, hparams) as opt_state, \
+                self._bind_optimizer(params, opt_vals, hparams, presence) as opt_state, \
                 amp.bind_scaler(self.scaler, scaler_vals, self.opt), \
                 amp.apply_policy(self.module, mixed_precision):
-            yield BoundState(self, params, opt_state)
+            yield BoundState(self, params, opt_state, presence)
 
     @contextlib.contextmanager
-    def _bind_optimizer(self, params: list[Tensor], opt_vals: list[Tensor], hparams: list[Tensor]):
+    def _bind_optimizer(self, params: list[Tensor], opt_vals: list[Tensor], hparams: list[Tensor],
+                        presence: GradPresence):
         opt = self.opt
         if opt is None:
             yield {}
@@ -222,7 +235,14 @@ class StateLayout:
             if closure is not None:
                 raise TypeError("optimizer.step(closure) is not supported inside a compiled train step")
             with torch.no_grad():
-                rule.step(opt)
+                # which gradients may not exist this step: the rules skip those parameters where they do not
+                found = presence.at_step(params)
+                if found is not None:
+                    opt.__dict__[PRESENT_KEY] = found
+                try:
+                    rule.step(opt)
+                finally:
+                    opt.__dict__.pop(PRESENT_KEY, None)
 
         def traced_zero_grad(set_to_none: bool = True):
             for g in opt.param_groups:
@@ -244,7 +264,7 @@ class StateLayout:
             opt.__dict__.update(saved_attrs)
 
     # ------------------------------------------------------------------ write back
-    def write_back(self, slots: list[Slot], values: list[Tensor], *, owned: bool = True) -> None:
+    def write_back(self, slots: list[Slot], values: list[Tensor], *, owned: bool = True) -> list[nn.Parameter]:
         """Store a step's new state into the module and optimizer.
 
         A value that *is* the state tensor (updated in place by the graph) is
@@ -252,12 +272,15 @@ class StateLayout:
         references users hold (``model.parameters()``, optimizer state) stay valid.
         State that did not exist before (a first ``.grad``, new optimizer state)
         takes the value itself, or a copy of it when the executor does not
-        ``own`` it (it will reuse the buffer next step).
+        ``own`` it (it will reuse the buffer next step).  A parameter without a gradient this
+        step (:meth:`absent`) keeps ``.grad`` None and gets no new state, as in eager; the
+        parameters skipped so are returned.
         """
         def take(v: Tensor) -> Tensor:
             return v if owned else v.clone()
 
         new_grads: dict[int, Tensor] = {}
+        absent = self.absent(slots, values)
         if self.scaler is not None and self.scaler._scale is None:
             # what the scaler's first scale() does in eager: from now on it holds its state
             for key, t in zip(amp.scaler_keys(self.scaler), self.scaler_initial):
@@ -270,13 +293,17 @@ class StateLayout:
                 elif kind is SlotKind.BUFFER:
                     _store(self.buffers[slot.index], v)
                 elif kind is SlotKind.GRAD:
-                    new_grads[slot.index] = v
+                    if slot.index not in absent:  # eager leaves the .grad of a parameter backward missed None
+                        new_grads[slot.index] = v
                 elif kind is SlotKind.OPT_STATE:
-                    st = self.opt.state[self.params[slot.index]]
+                    p = self.params[slot.index]
+                    st = self.opt.state.get(p, {})  # (opt.state is a defaultdict: a lookup would add an entry)
                     if slot.key in st:
                         _store(st[slot.key], v)
-                    else:
-                        st[slot.key] = take(v)
+                    elif slot.index not in absent:  # the optimizer skipped it: eager creates no state either
+                        self.opt.state[p][slot.key] = take(v)
+                elif kind is SlotKind.PRESENCE:
+                    pass  # read first: ``absent``
                 elif kind is SlotKind.SCALER:
                     _store(self.scaler_state()[slot.index], v)
                 else:
@@ -292,6 +319,14 @@ class StateLayout:
         if self.opt is not None:
             # torch's LR schedulers check that optimizer.step() ran before them.
             self.opt._opt_called = True
+        return [self.params[i] for i in sorted(absent)]
+
+    def absent(self, slots: list[Slot], values: list[Tensor]) -> set[int]:
+        """Parameters (indices) without a gradient this step: no rank's opaque part reached them."""
+        for slot, v in zip(slots, values):
+            if slot.kind is SlotKind.PRESENCE:
+                return {i for i, flag in zip(self.present_params, v.tolist(), strict=True) if flag <= 0}
+        return set()
 
 
 @dataclass
@@ -301,6 +336,7 @@ class BoundState:
     layout: StateLayout
     params: list[Tensor]
     opt_state: dict
+    presence: GradPresence
 
     def final(self) -> list[tuple[Slot, Tensor]]:
         """Every piece of state as it stands now, as (slot, traced tensor)."""
@@ -319,6 +355,9 @@ class BoundState:
         if layout.scaler is not None:
             for i, k in enumerate(amp.scaler_keys(layout.scaler)):
                 out.append((Slot(SlotKind.SCALER, f"scaler._{k}", i, k), getattr(layout.scaler, f"_{k}")))
+        layout.present_params = self.presence.params
+        if self.presence.present is not None:
+            out.append((Slot(SlotKind.PRESENCE, "gradients present", 0), self.presence.present))
         return out
 
 

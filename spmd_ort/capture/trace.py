@@ -32,6 +32,7 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import logging
+import threading
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -52,6 +53,7 @@ from spmd_ort.errors import CompileError
 from spmd_ort.capture.inputs import StepInputs, describe
 from spmd_ort.runtime.opaque import OpaqueCall
 from spmd_ort.capture.opaque import CallStack, Frame, OpaqueCapture, OpaquePlan, link_backward
+from spmd_ort.capture.presence import GradPresence, tracking
 from spmd_ort.capture.state import Slot, SlotKind, StateLayout
 
 logger = logging.getLogger("spmd_ort")
@@ -59,6 +61,14 @@ aten = torch.ops.aten
 
 
 TENSOR = object()  # marks where a graph output goes in the step's return value
+
+# torch's tracing machinery keeps process-wide state: torch.fx's patches of nn.Module.__call__ and the
+# flag and current meta of preserve_node_meta, and a trace here patches Function.apply and installs global
+# module hooks.  Two traces at once in one process corrupt each other (torch-internal assertions, or
+# preserve_node_meta left on for every later compile), so every compile in the process holds this lock:
+# trace, passes and executor build (Compiler.compile), and a segment re-traced at new sizes at run time.
+# Running a compiled program does not take it: runs of other steps go on while one step compiles.
+COMPILE_LOCK = threading.RLock()
 _TRACING: contextvars.ContextVar[bool] = contextvars.ContextVar("spmd_ort_tracing", default=False)
 
 
@@ -248,7 +258,8 @@ def _trace_once(fn, args: tuple, kwargs: dict, layout: StateLayout, *, sdpa_math
         for pos, src in alias_of.items():
             new_leaves[pos] = new_leaves[src]
         a, kw = pytree.tree_unflatten(new_leaves, spec)
-        with layout.bind(state, tag_grads=tag_grads, mixed_precision=mixed_precision) as bound:
+        with tracking(GradPresence()) as tracker, \
+                layout.bind(state, tag_grads=tag_grads, mixed_precision=mixed_precision, presence=tracker) as bound:
             out = fn(*a, **kw)
             final = bound.final()
         final += [(Slot(SlotKind.INPUT_GRAD, f"{inputs.names[batch_positions[k]]}.grad", k), batch[k].grad)

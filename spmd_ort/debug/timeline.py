@@ -22,6 +22,7 @@ from pathlib import Path
 from torch import fx
 
 from spmd_ort.runtime import ops
+from spmd_ort.runtime.interpreter import RunInterpreter
 
 LANES = ("compute", "host", "comm")
 
@@ -60,7 +61,7 @@ class Recorder:
 HOST_TARGETS = frozenset(ops.OPTIMIZER_OPS) | {ops.wait_, ops.broadcast_}
 
 
-class TimedInterpreter(fx.Interpreter):
+class TimedInterpreter(RunInterpreter):
     """Runs a graph node by node, recording segments, host nodes and runs of other ops as spans."""
 
     def __init__(self, gm: fx.GraphModule, recorder: Recorder):

@@ -13,6 +13,7 @@ import time
 from torch import fx
 
 from spmd_ort.ort.session import OrtSegment
+from spmd_ort.runtime.interpreter import RunInterpreter
 from spmd_ort.ort.stats import OrtStats, SegmentChoice
 from spmd_ort.ort.verify import checked_first_run
 
@@ -23,7 +24,7 @@ from spmd_ort.ort.verify import checked_first_run
 TIMED_RUNS, TIMING_BUDGET_S = (2, 5), 0.25
 
 
-class FirstRun(fx.Interpreter):
+class FirstRun(RunInterpreter):
     """Runs every ORT segment and its fx graph, compares and times them; downstream uses the fx result.
 
     ``policy``: ``Options.fallback_policy``; ``verify``: compare outputs; ``segment_executor``:

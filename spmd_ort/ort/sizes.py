@@ -14,6 +14,7 @@ import torch
 from torch import fx, nn
 from torch.fx.experimental.proxy_tensor import make_fx
 
+from spmd_ort.capture.trace import COMPILE_LOCK
 from spmd_ort.errors import CompileError
 from spmd_ort.options import Options
 from spmd_ort.ort.session import DynamicSizes, OrtSegment, StageError, load_segment, open_segment
@@ -122,11 +123,12 @@ class SizedSegments(nn.Module):
                 full[i] = t
             return self.fallback(*full)
 
-        with torch.no_grad():
-            concrete = make_fx(run, tracing_mode="fake")(*[examples[i] for i in positions])
-        name = f"{self.name}_{len(self.sessions)}"
-        return load_segment(name, concrete, self.options, self.stats, threads=self.threads,
-                             providers=self.providers)
+        with COMPILE_LOCK:  # a trace and an export at run time: one compile in the process at a time
+            with torch.no_grad():
+                concrete = make_fx(run, tracing_mode="fake")(*[examples[i] for i in positions])
+            name = f"{self.name}_{len(self.sessions)}"
+            return load_segment(name, concrete, self.options, self.stats, threads=self.threads,
+                                providers=self.providers)
 
 def _tensors(args) -> list[torch.Tensor]:
     return [a for a in args if isinstance(a, torch.Tensor)]

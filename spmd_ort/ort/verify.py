@@ -16,6 +16,7 @@ from torch import fx
 
 from spmd_ort.errors import CompileError
 from spmd_ort.ort.stats import OrtStats
+from spmd_ort.runtime.interpreter import RunInterpreter
 
 logger = logging.getLogger("spmd_ort")
 
@@ -165,7 +166,7 @@ def within_rounding_of_float64(gm: fx.GraphModule, inputs, ort_out, fx_out) -> b
     return True
 
 
-class _Float64(fx.Interpreter):
+class _Float64(RunInterpreter):
     """Runs a graph with every float32 its ops name (a cast's dtype) read as float64; the graph is not changed."""
 
     def call_function(self, target, args, kwargs):

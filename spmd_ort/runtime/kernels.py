@@ -28,8 +28,12 @@ SGD_OUTPUTS = ("params", "momentum_buffers")
 
 # ---------------------------------------------------------------------- Adam / AdamW
 def adam_device(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, steps, hparams, amsgrad, maximize,
-                decoupled, found_inf=None) -> None:
+                decoupled, found_inf=None, present=None, present_index=()) -> None:
     lr, beta1, beta2, weight_decay, eps = hparams.tolist()
+    params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, steps = _present(
+        present, present_index, params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, steps)
+    if not params:
+        return
     found_inf = _on(found_inf, params)
     torch._foreach_add_(steps, 1)
     kernel = torch._fused_adamw_ if decoupled else torch._fused_adam_
@@ -41,8 +45,12 @@ def adam_device(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, steps, hp
 
 
 def adam_host(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, steps, hparams, amsgrad, maximize,
-              decoupled, found_inf=None) -> None:
+              decoupled, found_inf=None, present=None, present_index=()) -> None:
     lr, beta1, beta2, weight_decay, eps = hparams.tolist()
+    params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, steps = _present(
+        present, present_index, params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, steps)
+    if not params:
+        return
     # The native kernel has no found_inf argument: this host op reads the flag (a host tensor, or one
     # copy from the device, which the offloaded update waits for anyway) and skips as the fused kernel does.
     flag = None if found_inf is None else float(found_inf)
@@ -60,28 +68,37 @@ def adam_host(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, steps, hpar
 
 
 def functional_adam(kernel, params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, steps, hparams, amsgrad,
-                    maximize, decoupled, found_inf=None) -> list[Tensor]:
+                    maximize, decoupled, found_inf=None, present=None, present_index=()) -> list[Tensor]:
     """Run an in-place Adam ``kernel`` on copies of the state; the copies, flat, in output layout."""
     out = [[t.clone() for t in ts] for ts in (params, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, steps)]
-    kernel(out[0], grads, out[1], out[2], out[3], out[4], hparams, amsgrad, maximize, decoupled, found_inf)
+    kernel(out[0], grads, out[1], out[2], out[3], out[4], hparams, amsgrad, maximize, decoupled, found_inf, present,
+           present_index)
     return [t for ts in out for t in ts]
 
 
 def adam_fake(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, steps, hparams, amsgrad, maximize, decoupled,
-              found_inf=None):
+              found_inf=None, present=None, present_index=()):
     return [torch.empty_like(t) for ts in (params, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, steps) for t in ts]
 
 
 # ---------------------------------------------------------------------- SGD
-def sgd_device(params, grads, bufs, hparams, nesterov, maximize, first_step, found_inf=None) -> None:
+def sgd_device(params, grads, bufs, hparams, nesterov, maximize, first_step, found_inf=None, present=None,
+               present_index=()) -> None:
     lr, momentum, dampening, weight_decay = hparams.tolist()
+    params, grads, bufs = _present(present, present_index, params, grads, bufs)
+    if not params:
+        return
     torch._fused_sgd_(params, grads, bufs if bufs else [], weight_decay=weight_decay,
                       momentum=momentum, lr=lr, dampening=dampening, nesterov=nesterov,
                       maximize=maximize, is_first_step=first_step, found_inf=_on(found_inf, params))
 
 
-def sgd_host(params, grads, bufs, hparams, nesterov, maximize, first_step, found_inf=None) -> None:
+def sgd_host(params, grads, bufs, hparams, nesterov, maximize, first_step, found_inf=None, present=None,
+             present_index=()) -> None:
     lr, momentum, dampening, weight_decay = hparams.tolist()
+    params, grads, bufs = _present(present, present_index, params, grads, bufs)
+    if not params:
+        return
     if found_inf is not None and float(found_inf) == 1.0:  # see adam_host
         return
     hp, hb = _on_host(params), _on_host(bufs)
@@ -92,30 +109,45 @@ def sgd_host(params, grads, bufs, hparams, nesterov, maximize, first_step, found
 
 
 def functional_sgd(kernel, params, grads, momentum_buffers, hparams, has_momentum, nesterov, maximize,
-                   buffer_device=None, found_inf=None) -> list[Tensor]:
+                   buffer_device=None, found_inf=None, present=None, present_index=()) -> list[Tensor]:
     """Run an in-place SGD ``kernel`` on copies; new params + momentum buffers (first step: new buffers).
 
     A first momentum step that ``found_inf`` skips leaves zero buffers (torch's fused SGD leaves
     the uninitialised memory it allocated); the next step's ``momentum * 0 + grad`` is then what
-    a first step computes.
+    a first step computes.  So do the new buffers of parameters ``present`` skips (the step's write-back drops
+    them: eager creates no state for a parameter without a gradient).
     """
     new_params = [p.clone() for p in params]
     first = has_momentum and not momentum_buffers
     if not has_momentum:
         bufs = []
     elif first:
-        new = torch.zeros_like if found_inf is not None else torch.empty_like
+        new = torch.zeros_like if found_inf is not None or present is not None else torch.empty_like
         bufs = [new(g, device=buffer_device) for g in grads]
     else:
         bufs = [b.clone() for b in momentum_buffers]
-    kernel(new_params, grads, bufs, hparams, nesterov, maximize, first, found_inf)
+    kernel(new_params, grads, bufs, hparams, nesterov, maximize, first, found_inf, present, present_index)
     return new_params + bufs
 
 
 def sgd_fake(params, grads, momentum_buffers, hparams, has_momentum, nesterov, maximize, buffer_device=None,
-             found_inf=None):
+             found_inf=None, present=None, present_index=()):
     bufs = [torch.empty_like(g, device=buffer_device) for g in grads] if has_momentum else []
     return [torch.empty_like(p) for p in params] + bufs
+
+
+def _present(present: Tensor | None, index, *lists: list[Tensor]) -> tuple[list[Tensor], ...]:
+    """``lists`` without the parameters whose gradient does not exist this step (eager skips them).
+
+    ``index[j]`` is parameter j's entry in ``present`` (-1: its gradient always exists); an entry > 0
+    means some rank's opaque part produced it (:mod:`spmd_ort.capture.presence`).  Lists that are not
+    per parameter (empty: no momentum, no amsgrad) pass unchanged.
+    """
+    if present is None:
+        return lists
+    flags = present.tolist()
+    keep = [k < 0 or flags[k] > 0 for k in index]
+    return tuple([t for t, kept in zip(ts, keep, strict=True) if kept] if ts else ts for ts in lists)
 
 
 def _on(flag: Tensor | None, like: list[Tensor]) -> Tensor | None:

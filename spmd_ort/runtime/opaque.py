@@ -11,9 +11,11 @@ At run time the forward op runs the user's code on real tensors with autograd
 on (a Function through its own ``apply``, so its ``ctx`` is real; a module's
 ``forward`` with its parameters bound to the graph's tensors), and the backward
 op runs ``torch.autograd.grad`` on what that forward recorded: the user's
-``backward`` with that same ``ctx``.  What a forward saves for its backward lives
-in the :class:`OpaqueFrame` of the running step (one per step, dropped when the
-step ends), never in a global.
+``backward`` with that same ``ctx``.  It also says which inputs that backward reached:
+an input it did not reach (an MoE expert that got no tokens) gets zeros, where eager
+leaves ``.grad`` None (:mod:`spmd_ort.capture.presence` makes the step skip it as
+eager does).  What a forward saves for its backward lives in the :class:`OpaqueFrame`
+of the running step (one per step, dropped when the step ends), never in a global.
 
 Shapes: the graph needs each opaque output's shape and dtype at trace time,
 without running the user's code on the step's data.  They come from a *sample
@@ -171,11 +173,15 @@ class OpaqueFrame:
         diff = [o for o, d in zip(outs, call.differentiable) if d]
         pairs = [(o, g) for o, g in zip(diff, grads) if o.requires_grad]
         wrt = [leaf for leaf, g in zip(leaves, call.needs_grad) if g]
-        if not pairs:
-            return [torch.zeros_like(w) for w in wrt]
-        with torch.enable_grad():
-            got = torch.autograd.grad([o for o, _ in pairs], wrt, [g for _, g in pairs], allow_unused=True)
-        return [torch.zeros_like(w) if g is None else g.contiguous() for w, g in zip(wrt, got)]
+        if pairs:
+            with torch.enable_grad():
+                got = torch.autograd.grad([o for o, _ in pairs], wrt, [g for _, g in pairs], allow_unused=True)
+        else:
+            got = [None] * len(wrt)
+        # An input backward did not reach (an expert that got no tokens) gets zeros, and a 0 in the presence
+        # vector: eager would leave its .grad None (spmd_ort.capture.presence)
+        present = torch.tensor([float(g is not None) for g in got], device=_device_of(wrt))
+        return [torch.zeros_like(w) if g is None else g.contiguous() for w, g in zip(wrt, got)] + [present]
 
 
 # ---------------------------------------------------------------------- while tracing
@@ -207,6 +213,12 @@ def fake_forward(inputs: list[Tensor], index: int) -> list[Tensor]:
 
 
 def fake_backward(token: Tensor, grads: list[Tensor], index: int) -> list[Tensor]:
-    """Shapes of an opaque backward's outputs: one gradient per input that needs one."""
+    """Shapes of an opaque backward's outputs: one gradient per input that needs one, then their presence vector."""
     call = _traced_call(index)
-    return [m.empty() for m, g in zip(call.inputs, call.needs_grad) if g]
+    wrt = [m.empty() for m, g in zip(call.inputs, call.needs_grad) if g]
+    return wrt + [torch.empty(len(wrt), device=_device_of(wrt))]
+
+
+def _device_of(tensors: list[Tensor]) -> torch.device:
+    """Where a presence vector lives: with the gradients it describes (a collective may sum it over ranks)."""
+    return tensors[0].device if tensors else torch.device("cpu")

@@ -19,7 +19,8 @@ work in the running step's :class:`~spmd_ort.runtime.collectives.Communicator`.
 * opaque parts (:mod:`spmd_ort.runtime.opaque`): ``opaque_forward(inputs, index)`` runs
   call ``index`` of the step's opaque table (user code, eagerly) and returns its
   outputs plus a token; ``opaque_backward(token, grads, index)`` runs its
-  backward and returns one gradient per input that needs one.  Both have side
+  backward and returns one gradient per input that needs one, then which of them its autograd
+  produced (``grads_present`` gathers those flags for the optimizer).  Both have side
   effects (the user's code may run collectives): dead-code elimination keeps them.
 """
 
@@ -85,19 +86,34 @@ opaque_backward = _op("opaque_backward(Tensor token, Tensor[] grads, int index) 
                       lambda token, grads, index: active().opaque_frame().backward(index, grads),
                       opaque.fake_backward)
 OPAQUE_OPS = (opaque_forward, opaque_backward)
+
+
+def _grads_present(vectors: list[Tensor], which: list[int], element: list[int], slot: list[int], n: int) -> Tensor:
+    flags = torch.stack([vectors[v][e] for v, e in zip(which, element)])
+    out = flags.new_zeros(n)
+    return out.scatter_reduce_(0, torch.tensor(slot, device=flags.device), flags, "amax")
+
+
+# entry ``slot[j]`` = the largest of ``vectors[which[j]][element[j]]``: per parameter whose gradient only opaque
+# backwards make, whether one of them made it this step (spmd_ort.capture.presence)
+grads_present = _op("grads_present(Tensor[] vectors, int[] which, int[] element, int[] slot, int n) -> Tensor",
+                    _grads_present, lambda vectors, which, element, slot, n: vectors[0].new_empty(n))
 for _target in OPAQUE_OPS:
     fx.node.has_side_effect(_target)
 
 # ---------------------------------------------------------------------- optimizer updates
+# found_inf: a GradScaler's flag (1 skips the whole update); present / present_index: which parameters have a
+# gradient this step (an entry 0 skips that parameter; index -1: always has one; spmd_ort.capture.presence)
+_SKIPS = "Tensor? found_inf=None, Tensor? present=None, int[] present_index=[]"
 _ADAM_ARGS = ("(Tensor[] params, Tensor[] grads, Tensor[] exp_avgs, Tensor[] exp_avg_sqs, Tensor[] max_exp_avg_sqs, "
-              "Tensor[] steps, Tensor hparams, bool amsgrad, bool maximize, bool decoupled, Tensor? found_inf=None)")
+              f"Tensor[] steps, Tensor hparams, bool amsgrad, bool maximize, bool decoupled, {_SKIPS})")
 _ADAM_ARGS_INPLACE = ("(Tensor(a!)[] params, Tensor[] grads, Tensor(b!)[] exp_avgs, Tensor(c!)[] exp_avg_sqs, "
                       "Tensor(d!)[] max_exp_avg_sqs, Tensor(e!)[] steps, Tensor hparams, bool amsgrad, "
-                      "bool maximize, bool decoupled, Tensor? found_inf=None)")
+                      f"bool maximize, bool decoupled, {_SKIPS})")
 _SGD_ARGS = ("(Tensor[] params, Tensor[] grads, Tensor[] momentum_buffers, Tensor hparams, bool has_momentum, "
-             "bool nesterov, bool maximize, Tensor? found_inf=None)")
+             f"bool nesterov, bool maximize, {_SKIPS})")
 _SGD_ARGS_INPLACE = ("(Tensor(a!)[] params, Tensor[] grads, Tensor(b!)[] momentum_buffers, Tensor hparams, "
-                     "bool has_momentum, bool nesterov, bool maximize, Tensor? found_inf=None)")
+                     f"bool has_momentum, bool nesterov, bool maximize, {_SKIPS})")
 
 # functional op -> (in-place twin, names of the mutated list arguments in output order)
 INPLACE_TWINS: dict = {}
@@ -129,20 +145,21 @@ def _define_sgd(name: str, kernel, buffer_device: str | None = None) -> tuple:
                      functools.partial(_sgd_functional, kernel, buffer_device),
                      functools.partial(_sgd_fake, buffer_device))
     in_place = _op(f"{name}_{_SGD_ARGS_INPLACE} -> ()",
-                   lambda params, grads, bufs, hparams, has_momentum, nesterov, maximize, found_inf=None:
-                   kernel(params, grads, bufs, hparams, nesterov, maximize, False, found_inf), lambda *args: None)
+                   lambda params, grads, bufs, hparams, has_momentum, nesterov, maximize, found_inf=None, present=None,
+                   present_index=(): kernel(params, grads, bufs, hparams, nesterov, maximize, False, found_inf, present,
+                                            present_index), lambda *args: None)
     INPLACE_TWINS[functional] = (in_place, kernels.SGD_OUTPUTS)
     return functional, in_place
 
 
 def _sgd_functional(kernel, buffer_device, params: list[Tensor], grads, momentum_buffers, hparams, has_momentum,
-                    nesterov, maximize, found_inf=None):
+                    nesterov, maximize, found_inf=None, present=None, present_index=()):
     return kernels.functional_sgd(kernel, params, grads, momentum_buffers, hparams, has_momentum, nesterov,
-                                  maximize, buffer_device, found_inf)
+                                  maximize, buffer_device, found_inf, present, present_index)
 
 
 def _sgd_fake(buffer_device, params, grads, momentum_buffers, hparams, has_momentum, nesterov, maximize,
-              found_inf=None):
+              found_inf=None, present=None, present_index=()):
     return kernels.sgd_fake(params, grads, momentum_buffers, hparams, has_momentum, nesterov, maximize,
                             buffer_device)
 

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -55,6 +55,8 @@ class CompiledProgram:
     traced_because: str = ""  # what made the step trace this variant (spmd_ort.capture.transition)
     taps: TapRegistry | None = None  # the step's activation taps (debug subscribers), which its stats outputs feed
     steps_run: int = 0
+    # parameters the last step left alone: no opaque part made their gradient (spmd_ort.capture.presence)
+    skipped: list = field(default_factory=list)
 
     def __post_init__(self):
         # batch tensors whose existing .grad is a graph input, in placeholder order
@@ -102,7 +104,7 @@ class CompiledProgram:
             else:
                 state_slots.append(slot)
                 state_vals.append(value)
-        self.layout.write_back(state_slots, state_vals, owned=owned)
+        self.skipped = self.layout.write_back(state_slots, state_vals, owned=owned)
         for k in self.grad_inputs:
             _write_grad(batch[k], input_grads.get(k), owned)
         if stats and self.taps is not None:
@@ -149,6 +151,10 @@ class CompiledProgram:
             seconds = self.opaque_seconds or (None,) * len(self.opaque)
             lines += [f"  {call.describe()}" + (f"; last step {t * 1e3:.1f} ms" if t is not None else "")
                       for call, t in zip(self.opaque, seconds)]
+        if self.layout.present_params:
+            names = [self.layout.param_names[i][0] for i in self.layout.present_params]
+            lines.append(f"gradients only opaque parts make ({len(names)}; a step where no part makes one skips that "
+                         f"parameter, as eager does): {', '.join(names)}")
         lines += self.results.lines()  # what the passes recorded, as each result renders itself
         lines.append("passes:")
         lines += [f"  {r}" for r in self.passes_applied]
