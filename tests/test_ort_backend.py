@@ -255,7 +255,8 @@ def test_save_onnx_and_opset(tmp_path, monkeypatch, fresh_cache):
 
 
 def test_host_nodes_are_named():
-    """The optimizer update stays on the host, in place; describe() shows segments and host ops."""
+    """The optimizer update stays on the host, in place, and so does the check of the targets' range;
+    describe() shows segments and host ops."""
     model = MLP()
     step = spmd_ort.compile(backend="ort")(train_step)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
@@ -264,7 +265,9 @@ def test_host_nodes_are_named():
     assert_ran_on_ort(step)
     stats = step.compiled.executor.stats
     assert stats.segments == 1
-    assert stats.host_ops == {"spmd_ort.adam_.default": "spmd_ort op (runs in torch)"}
+    assert stats.host_ops == {"spmd_ort.adam_.default": "spmd_ort op (runs in torch)",
+                              "spmd_ort.check_index.default": "eager's bounds check of an index from the inputs "
+                                                              "(runs in torch, before the segments that read it)"}
     text = step.compiled.describe()
     assert "ORT segments: 1" in text and "spmd_ort.adam_.default" in text
 

@@ -10,7 +10,8 @@ Two pieces, as torch.fx's ``CapabilityBasedPartitioner``:
   ops on float64 host scalars, values in a dtype the provider has no kernels
   for (bfloat16 on CPU), and aten ops that do not translate to ONNX
   (:func:`spmd_ort.ort.coverage.why_untranslatable`: the same table the exporter
-  translates with, after ``lower_to_onnx_ops_pass`` has lowered what it can).
+  translates with, after ``lower_to_onnx_ops_pass`` has lowered what it can), and nodes a pass
+  marked :data:`HOST_ONLY` (an index recomputed for its bounds check).
 * the grouping, torch.fx's partitioner: deterministic, largest possible
   segments of connected supported nodes, no cycles through host nodes.
 """
@@ -24,9 +25,9 @@ from torch import fx
 from torch.fx.passes.infra.partitioner import CapabilityBasedPartitioner
 from torch.fx.passes.operator_support import OperatorSupport
 
-from spmd_ort.ort.coverage import why_untranslatable
+from spmd_ort.ort.coverage import HOST_ONLY, why_untranslatable
 from spmd_ort.capture.dynamic import input_symbols
-from spmd_ort.runtime.ops import OPAQUE_OPS, STARTS, wait_
+from spmd_ort.runtime.ops import OPAQUE_OPS, STARTS, check_index, wait_
 
 aten = torch.ops.aten
 
@@ -54,6 +55,8 @@ def why_host(node: fx.Node) -> str | None:
     if node.op != "call_function":
         return "not an op"
     target = node.target
+    if node.meta.get(HOST_ONLY):
+        return node.meta[HOST_ONLY]
     if target is operator.getitem:
         return why_host(node.args[0]) if isinstance(node.args[0], fx.Node) else "getitem of a Python value"
     if not isinstance(target, torch._ops.OpOverload):
@@ -61,6 +64,8 @@ def why_host(node: fx.Node) -> str | None:
     namespace = target.namespace
     if isinstance(node.meta.get("val"), (torch.SymInt, torch.SymFloat, torch.SymBool)):
         return "size arithmetic (symbolic sizes: runs in torch; each segment gets the sizes as values)"
+    if target is check_index:
+        return "eager's bounds check of an index from the inputs (runs in torch, before the segments that read it)"
     if target in OPAQUE_OPS:
         return "opaque part: the user's code, run eagerly (CompiledProgram.describe() lists each)"
     if namespace in HOST_NAMESPACES:
