@@ -20,7 +20,7 @@ from spmd_ort.errors import CompileError, ConfigError
 from spmd_ort.options import Options
 from spmd_ort.ort.export import export_segment, input_position, save_model
 from spmd_ort.ort.stats import OrtStats
-from spmd_ort.ort.verify import op_summary, segment_failure, short_error, verify_tolerance
+from spmd_ort.ort.verify import op_summary, segment_failure, short_error, unordered_topks, verify_tolerance
 
 logger = logging.getLogger("spmd_ort")
 
@@ -81,6 +81,7 @@ class OrtSegment(nn.Module):
         self.runs = 0  # how often ONNX Runtime ran this segment
         self.new_sizes = None  # dynamic shapes: a spmd_ort.ort.sizes.NewSizes checks the first runs at new sizes
         self.tolerance = verify_tolerance(fallback)
+        self.unordered = unordered_topks(fallback)  # outputs in an unsorted topk's order: verified as sets
         metas, self.returns_tuple = _outputs_meta(fallback)
         device = segment_device(fallback)
         self.device_type = "cuda" if device.type == "cuda" else "cpu"
