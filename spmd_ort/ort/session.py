@@ -231,7 +231,7 @@ def load_segment(name: str, sub: fx.GraphModule, options: Options, stats: OrtSta
     except CompileError:
         raise
     except StageError as exc:  # export/load failures fall back per policy
-        segment_failure(name, f"{exc.stage} failed: {type(exc.__cause__).__name__}: {short_error(exc.__cause__)}",
-                 options.fallback_policy, op_summary(sub))
-        stats.fallbacks.append(name)
+        what = f"{exc.stage} failed: {type(exc.__cause__).__name__}: {short_error(exc.__cause__)}"
+        segment_failure(name, what, options.fallback_policy, op_summary(sub))
+        stats.fell_back(name, what)
         return None

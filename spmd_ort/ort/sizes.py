@@ -46,9 +46,9 @@ class NewSizes:
         try:
             return seg.run_ort(*args)
         except Exception as exc:  # noqa: BLE001 - ORT wrote no state: the fx graph runs the step instead
-            segment_failure(seg.name, f"ONNX Runtime failed to run it at new sizes: {short_error(exc)}", self.policy,
-                     op_summary(seg.fallback))
-            self.stats.fallbacks.append(seg.name)
+            what = f"ONNX Runtime failed to run it at new sizes: {short_error(exc)}"
+            segment_failure(seg.name, what, self.policy, op_summary(seg.fallback))
+            self.stats.fell_back(seg.name, what)
             seg.use_fallback = True
             return seg.fallback(*args)
 

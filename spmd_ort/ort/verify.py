@@ -211,8 +211,9 @@ def checked_first_run(name: str, seg, inputs, reference, stats: OrtStats, policy
     try:
         got = seg.run_ort(*inputs)
     except Exception as exc:  # noqa: BLE001 - any ORT failure falls back per policy
-        segment_failure(name, f"ONNX Runtime failed to run it: {short_error(exc)}", policy, op_summary(seg.fallback))
-        stats.fallbacks.append(name)
+        what = f"ONNX Runtime failed to run it: {short_error(exc)}"
+        segment_failure(name, what, policy, op_summary(seg.fallback))
+        stats.fell_back(name, what)
         return None
     ort_s = time.perf_counter() - t0
     if verify:
@@ -230,7 +231,7 @@ def checked_first_run(name: str, seg, inputs, reference, stats: OrtStats, policy
         if diff is not None:
             stats.mismatches.append(f"{name}: {diff}")
             segment_failure(name, f"verification failed: {diff}", policy, op_summary(seg.fallback))
-            stats.fallbacks.append(name)
+            stats.fell_back(name, f"verification failed: {diff}")
             return None
     return ort_s
 
