@@ -207,13 +207,12 @@ def _module_text(node: fx.Node, ctx) -> tuple[str, str]:
     if fqn == "<root>":
         kind = type(ctx.layout.module).__name__ if ctx.layout is not None else "model"
         return fqn, f"in the model ({kind})"
-    kind = ""
-    if ctx.layout is not None:
-        try:
-            kind = f" ({type(ctx.layout.module.get_submodule(fqn)).__name__})"
-        except AttributeError:
-            kind = ""
-    return fqn, f"in module `{fqn}`{kind}"
+    if ctx.layout is None:
+        return fqn, f"in module `{fqn}`"
+    try:
+        return fqn, f"in module `{fqn}` ({type(ctx.layout.module.get_submodule(fqn)).__name__})"
+    except AttributeError:  # a module made while the step runs (named by its class): no FQN
+        return "", f"in a {fqn} that is no submodule of the model (made in forward)"
 
 
 class _Inserter:
@@ -222,6 +221,7 @@ class _Inserter:
     def __init__(self, gm: fx.GraphModule):
         self.graph = gm.graph
         self.anchor = placeholders(gm)[-1]
+        self.top: set[fx.Node] = set(placeholders(gm))  # nodes above the anchor: what the checks may read
         self.made: set[fx.Node] = set()  # every node this pass added
         self.copies: dict[fx.Node, fx.Node] = {}
         self.tips: dict[fx.Node, fx.Node] = {}  # checked value -> the last check of it (checks of one value chain)
@@ -231,14 +231,25 @@ class _Inserter:
         with self.graph.inserting_after(self.anchor):
             node = self.graph.call_function(target, args)
         node.meta["val"] = value
-        self.anchor = node
+        self._placed(node)
         self.made.add(node)
+        return node
+
+    def _placed(self, node: fx.Node) -> None:
+        self.anchor = node
+        self.top.add(node)
+
+    def _lift(self, node: fx.Node) -> fx.Node:
+        """A constant (``get_attr``) the checks read, moved up to the anchor if it is defined further down."""
+        if node.op == "get_attr" and node not in self.top:
+            self.anchor.append(node)
+            self._placed(node)
         return node
 
     def host_copy(self, node: fx.Node) -> fx.Node:
         """``node`` recomputed at the top of the graph from the inputs, on the host (marked for the partitioner)."""
         if node.op != "call_function" or node.target is check_index:
-            return node
+            return self._lift(node)
         if node not in self.copies:
             args = [self.host_copy(a) for a in node.all_input_nodes]
             env = dict(zip(node.all_input_nodes, args))
@@ -246,7 +257,7 @@ class _Inserter:
                 copy = self.graph.node_copy(node, env.__getitem__)
             copy.meta.update({k: v for k, v in node.meta.items() if k in ("val", "tensor_meta", "custom")})
             copy.meta[HOST_ONLY] = "recomputes an index from the inputs for its bounds check (spmd_ort::check_index)"
-            self.anchor = copy
+            self._placed(copy)
             self.made.add(copy)
             self.copies[node] = copy
         return self.copies[node]

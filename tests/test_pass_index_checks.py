@@ -73,6 +73,26 @@ def test_computed_index_is_checked_where_the_op_reads_it():
         gm(w, ids, y)
 
 
+def _step_with_a_constant(w, y):
+    h = torch.tanh(w * 2)
+    target = torch.where(y == 5, torch.tensor(0), y)  # computed from the input and a constant the trace keeps
+    return F.cross_entropy(h, target)
+
+
+def test_a_computed_index_reading_a_constant_defined_further_down_is_checked_at_the_top():
+    """T5 shifts its labels with a tensor constant: the trace keeps it as an attribute read where it is used, and
+    the host copy of the index reads it at the top of the graph."""
+    w, y = torch.randn(4, 6), torch.tensor([1, 5, 2, 3])
+    gm = make_fx(_step_with_a_constant, tracing_mode="fake")(w, y)
+    ctx = PassContext(input_slots=[Slot(SlotKind.PARAM, "w", 0), Slot(SlotKind.BATCH, "y", 0)], output_slots=[None],
+                      check_contracts=True)
+    gm = run_passes(gm, ctx, [insert_index_checks_pass])
+    gm.graph.lint()
+    torch.testing.assert_close(gm(w, y), _step_with_a_constant(w, y))
+    with pytest.raises(spmd_ort.InputIndexError, match="computed from input `y`, hold 6 at \\[3\\]"):
+        gm(w, torch.tensor([1, 5, 2, 6]))
+
+
 # ---------------------------------------------------------------------- compiled steps: eager's errors, state kept
 class Indexed(nn.Module):
     """A parameter read through ``op(weight, idx, src)``: each op of the table as a model uses it."""
