@@ -78,7 +78,10 @@ class OrtSegment(nn.Module):
         self.name = name
         self.fallback = fallback
         self.use_fallback = False
-        self.runs = 0  # how often ONNX Runtime ran this segment
+        # steps whose outputs came from ONNX Runtime; a checked run (the first, or a dynamic segment's first at new
+        # sizes) runs ORT too, but its outputs are only compared and the fx graph's are used: checked_runs
+        self.runs = 0
+        self.checked_runs = 0
         self.new_sizes = None  # dynamic shapes: a spmd_ort.ort.sizes.NewSizes checks the first runs at new sizes
         self.tolerance = verify_tolerance(fallback)
         self.unordered = unordered_topks(fallback)  # outputs in an unsorted topk's order: verified as sets
@@ -147,7 +150,6 @@ class OrtSegment(nn.Module):
         if self.device_type == "cuda":
             torch.cuda.current_stream().synchronize()  # inputs written by torch kernels
         self.session.run_with_iobinding(self.binding)
-        self.runs += 1
         out = tuple(self.outputs)
         return out if self.returns_tuple else out[0]
 
@@ -156,7 +158,12 @@ class OrtSegment(nn.Module):
             return self.fallback(*args)
         if self.new_sizes is not None:
             return self.new_sizes.forward(self, args)
-        return self.run_ort(*args)
+        return self.used(self.run_ort(*args))
+
+    def used(self, outputs):
+        """``outputs`` of ORT, which the step uses: counted in :attr:`runs`."""
+        self.runs += 1
+        return outputs
 
 class DynamicSizes:
     """A dynamic-shape segment's sizes: the symbols its inputs carry, and its output shapes in them.
