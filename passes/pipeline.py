@@ -29,6 +29,7 @@ from .data_parallel import (broadcast_buffers_pass, bucket_collectives_pass, ded
 from .fully_shard import (complete_found_inf_pass, complete_grad_norms_pass, gather_parameters_pass,
                           propagate_shards_pass, reduce_scatter_gradients_pass, rematerialize_param_views_pass,
                           shard_placeholders_pass)
+from .index_checks import insert_index_checks_pass
 from .lowering import lower_to_onnx_ops_pass
 from .mixed_precision import cast_gradient_reductions_pass, cast_params_before_gather_pass
 from .offload import offload_optimizer_pass, offload_params_pass
@@ -118,6 +119,8 @@ STAGES: tuple[Step, ...] = (
     Step(USER_TRANSFORMS, "gm_transformation_pass", When("compile(gm_transformation=...)", lambda s: True)),
     Step("analysis", plan_memory_pass),
     Step("analysis", count_collectives_pass),
+    Step("checks", insert_index_checks_pass,
+         ALWAYS.note("eager's index bounds checks of the batch inputs; ORT's Gather would wrap -1")),
     Step("backend", lower_to_onnx_ops_pass, ORT_BACKEND),
     Step("backend", reinplace_optimizer_pass),
     Step("backend", replace_views_with_reshapes_pass),

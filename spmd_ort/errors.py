@@ -31,6 +31,33 @@ class ConfigError(CompileError, ValueError):
     """
 
 
+class InputIndexError(IndexError, RuntimeError):
+    """An index that the step's inputs feed to an op lies outside the range the op accepts.
+
+    Raised by the compiled step, before anything runs, where eager PyTorch raises too: an
+    ``nn.Embedding`` id, an ``index_select`` / ``gather`` / ``scatter`` / indexing index, a
+    ``cross_entropy`` target (other than its ``ignore_index``) out of range.  ONNX Runtime's
+    gathers would silently read another row for a negative index, so the compiled step checks
+    these indices itself (``insert_index_checks_pass``).  Nothing has run: the model and
+    optimizer are unchanged.  Eager raises ``IndexError`` for some of these ops and
+    ``RuntimeError`` for others (gather, scatter, index_add); this is both.
+
+    ``input``: the input's name in the call (``ids``, ``batch['labels']``); ``op``: the aten op;
+    ``fqn``: the module it runs in (None: the step function); ``value`` and ``position``: the first
+    bad index and where it is; ``low``/``high``: the valid range ``[low, high)``; ``ignore``: the
+    value the op skips (``ignore_index``), if any.
+    """
+
+    def __init__(self, message: str, *, input: str, op: str, fqn: str | None, value: int,  # noqa: A002
+                 position: tuple[int, ...], low: int, high: int, ignore: int | None = None,
+                 rank: int | None = None):
+        if rank is not None:
+            message = f"{message} (rank {rank})"
+        super().__init__(message)
+        self.input, self.op, self.fqn, self.rank = input, op, fqn, rank
+        self.value, self.position, self.low, self.high, self.ignore = value, position, low, high, ignore
+
+
 class CheckpointError(RuntimeError):
     """A checkpoint could not be saved or loaded.
 

@@ -36,7 +36,7 @@ from spmd_ort.debug.explain import explain
 from spmd_ort.debug.profile import Profiler
 from spmd_ort.distributed import parallel
 from spmd_ort.distributed.sharding import persistent_bytes
-from spmd_ort.errors import CollectiveTimeout, CompileError
+from spmd_ort.errors import CollectiveTimeout, CompileError, InputIndexError
 from spmd_ort.options import Options
 from spmd_ort.passes import MemoryPlan
 from spmd_ort.overrides import OpaqueOverride
@@ -156,7 +156,7 @@ class CompiledStep:
         """
         try:
             return self._run(program, call)
-        except (CompileError, CollectiveTimeout):
+        except (CompileError, CollectiveTimeout, InputIndexError):  # InputIndexError names the input itself
             raise
         except Exception as exc:
             previous = self.compiled.key if self.compiled else None

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 
@@ -162,6 +163,54 @@ def test_explain_states_the_plan():
     assert "reinplace_optimizer_pass" in text and "collectives: none (one process)" in text
     assert "fused_0" in text and "100.0% of FLOPs" in text and "spmd_ort.adam_.default" in text
     assert "memory (this rank): persistent" in text
+
+
+def _is_ort(run) -> bool:
+    """Whether FirstRun is timing a segment's ORT session (else its fx graph)."""
+    return getattr(run, "__name__", "") == "run_ort"
+
+
+@pytest.mark.parametrize("case", ["faster", "forced", "failed"])
+def test_explain_says_why_a_segment_runs_on_fx(case, monkeypatch):
+    """A segment on fx is there because it was faster (both times shown), because SPMD_ORT_SEGMENT_EXECUTOR
+    asked for fx, or because ORT failed (the failure shown): explain() says which, not "fallback" for all."""
+    from spmd_ort.ort import choice
+    from spmd_ort.ort.session import OrtSegment
+
+    if case == "faster":
+        monkeypatch.setenv("SPMD_ORT_SEGMENT_EXECUTOR", "auto")
+        # the timings decide; fixed here so that fx is the faster, whatever the machine's load
+        monkeypatch.setattr(choice, "fastest", lambda run, args, first: 2e-3 if _is_ort(run) else 1e-3)
+    elif case == "forced":
+        monkeypatch.setenv("SPMD_ORT_SEGMENT_EXECUTOR", "fx")
+    else:
+        def fail(self, *args):
+            raise RuntimeError("injected ORT failure")
+        monkeypatch.setattr(OrtSegment, "run_ort", fail)
+    torch.manual_seed(0)
+    model = Net()
+    step = spmd_ort.compile(backend="ort")(train_step)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    for _ in range(2):
+        step(model, opt, torch.randn(8, 32), torch.randint(0, 10, (8,)))
+    row = next(line for line in step.explain().splitlines() if line.strip().startswith("fused_0"))
+    assert "fallback)" not in row
+    expected = {"faster": r"fx .*chosen: faster on fx \(ort 2\.00 ms, fx 1\.00 ms; SPMD_ORT_SEGMENT_EXECUTOR=auto\)",
+                "forced": r"fx .*forced: SPMD_ORT_SEGMENT_EXECUTOR=fx",
+                "failed": r"fx .*fell back: ONNX Runtime failed to run it: injected ORT failure"}[case]
+    assert re.search(r"fused_0\s+" + expected, row), row
+
+
+def test_explain_says_a_segment_on_ort_was_timed_faster(monkeypatch):
+    from spmd_ort.ort import choice
+
+    monkeypatch.setenv("SPMD_ORT_SEGMENT_EXECUTOR", "auto")
+    monkeypatch.setattr(choice, "fastest", lambda run, args, first: 1e-3 if _is_ort(run) else 3e-3)
+    model = Net()
+    step = spmd_ort.compile(backend="ort")(train_step)
+    opt = torch.optim.SGD(model.parameters(), lr=1e-2)
+    step(model, opt, torch.randn(8, 32), torch.randint(0, 10, (8,)))
+    assert re.search(r"fused_0\s+ort .*chosen: faster on ort \(ort 1\.00 ms, fx 3\.00 ms", step.explain())
 
 
 def test_profile_writes_a_trace_and_a_picture(tmp_path):

@@ -205,11 +205,16 @@ def test_wrong_target_names_the_target():
         "input batch_size (4) to match target batch_size (3). Fix: pass `y`")
 
 
-def test_input_that_changed_is_named_when_the_graph_fails_at_run_time():
-    """A longer sequence than the position table traces (fake tensors do not see index values) and fails when
-    it runs: the error names the input that changed since the last call that compiled."""
+@pytest.mark.parametrize("index_checks", [True, False])
+def test_input_that_changed_is_named_when_the_graph_fails_at_run_time(index_checks, monkeypatch):
+    """A longer sequence than the position table traces (fake tensors do not see index values): the position
+    ids, computed from the input's length, are out of range.  The index checks name the input and the bad
+    position (an IndexError, as eager's); without them the graph fails when it runs and the error names the
+    input that changed since the last call that compiled."""
     from models import GPT, GPTConfig, gpt_batch
 
+    if not index_checks:
+        monkeypatch.setenv("SPMD_ORT_DISABLE_PASSES", "insert_index_checks_pass")
     cfg = GPTConfig(vocab=16, seq=8, d=8, heads=1, layers=1)
     torch.manual_seed(0)
     model = GPT(cfg)
@@ -218,6 +223,13 @@ def test_input_that_changed_is_named_when_the_graph_fails_at_run_time():
     x, y = gpt_batch(cfg, 2, torch.Generator().manual_seed(0))
     step(model, opt, x, y)
     long_x = torch.randint(0, cfg.vocab, (2, 2 * cfg.seq))
+    if index_checks:
+        with pytest.raises(spmd_ort.InputIndexError) as info:
+            step(model, opt, long_x, long_x)
+        assert str(info.value).startswith(
+            f"the indices that aten.embedding reads, computed from input `x`, hold {cfg.seq} at [{cfg.seq}]: "
+            f"nn.Embedding / F.embedding (aten.embedding) in module `wpe` (Embedding) accepts [0, {cfg.seq})")
+        return
     with pytest.raises(spmd_ort.CompileError) as info:
         step(model, opt, long_x, long_x)
     assert str(info.value).startswith(

@@ -208,7 +208,8 @@ stats = [v.executor.stats for v in step.variants]
 print(json.dumps({{"seconds": time.perf_counter() - t0, "segments": sum(s.segments for s in stats),
                   "hits": sum(s.cache_hits for s in stats), "export_s": sum(s.export_seconds for s in stats),
                   "fallbacks": sum(len(s.fallbacks) for s in stats),
-                  "ort_runs": [seg.runs for v in step.variants for seg in v.executor.segments]}}))
+                  "ort_runs": [seg.runs for v in step.variants for seg in v.executor.segments],
+                  "checked_runs": [seg.checked_runs for v in step.variants for seg in v.executor.segments]}}))
 """
 
 
@@ -228,7 +229,8 @@ def test_concurrent_processes_export_once_and_share_the_cache(fresh_cache):
         assert "torchvision" not in err and "nn_module_stack" not in err, err[-3000:]
         runs.append(json.loads(out.strip().splitlines()[-1]))
     for run in runs:  # both processes ran the segment of their one variant (AdamW) in ORT on both steps
-        assert run["fallbacks"] == 0 and run["ort_runs"] == [2] and run["segments"] == 1, run
+        assert run["fallbacks"] == 0 and run["segments"] == 1, run
+        assert run["checked_runs"] == [1] and run["ort_runs"] == [1], run  # the first checked, the second used
     cold, warm = sorted(runs, key=lambda r: r["hits"])
     assert (cold["hits"], warm["hits"]) == (0, 1), runs
     print(f"exporting process {cold['seconds']:.2f}s (export {cold['export_s']:.2f}s), "
@@ -274,7 +276,8 @@ def test_save_onnx_into_a_file_is_a_config_error_not_a_fallback(tmp_path, monkey
 
 
 def test_host_nodes_are_named():
-    """The optimizer update stays on the host, in place; describe() shows segments and host ops."""
+    """The optimizer update stays on the host, in place, and so does the check of the targets' range;
+    describe() shows segments and host ops."""
     model = MLP()
     step = spmd_ort.compile(backend="ort")(train_step)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
@@ -283,7 +286,9 @@ def test_host_nodes_are_named():
     assert_ran_on_ort(step)
     stats = step.compiled.executor.stats
     assert stats.segments == 1
-    assert stats.host_ops == {"spmd_ort.adam_.default": "spmd_ort op (runs in torch)"}
+    assert stats.host_ops == {"spmd_ort.adam_.default": "spmd_ort op (runs in torch)",
+                              "spmd_ort.check_index.default": "eager's bounds check of an index from the inputs "
+                                                              "(runs in torch, before the segments that read it)"}
     text = step.compiled.describe()
     assert "ORT segments: 1" in text and "spmd_ort.adam_.default" in text
 
@@ -359,7 +364,8 @@ def test_auto_keeps_the_faster_executor_per_segment(monkeypatch, slow):
     assert f"fused_0 runs on {fast} (ort " in compiled.compiled.describe()
     assert not stats.fallbacks and stats.verified == 1
     segment = compiled.compiled.executor.segments[0]
-    assert segment.runs == (1 if fast == "fx" else 3)  # ORT ran the first (checked) step only, or every step
+    # ORT ran the first step (checked: its outputs compared, fx's used) and, chosen, the steps after it
+    assert (segment.checked_runs, segment.runs) == (1, 0 if fast == "fx" else 2)
 
 
 def test_forced_fx_segment_executor(monkeypatch):
@@ -368,7 +374,8 @@ def test_forced_fx_segment_executor(monkeypatch):
                                         expect_clean_ort=False)
     stats = compiled.compiled.executor.stats
     assert str(stats.choices["fused_0"]) == "fx (SPMD_ORT_SEGMENT_EXECUTOR=fx)" and stats.verified == 1
-    assert compiled.compiled.executor.segments[0].runs == 1
+    segment = compiled.compiled.executor.segments[0]
+    assert (segment.checked_runs, segment.runs) == (1, 0)
     monkeypatch.setenv("SPMD_ORT_SEGMENT_EXECUTOR", "fastest")
     with pytest.raises(spmd_ort.ConfigError, match="SPMD_ORT_SEGMENT_EXECUTOR='fastest'.*auto or ort or fx"):
         spmd_ort.compile(backend="ort")

@@ -67,7 +67,7 @@ def test_contracts_are_not_checked_unless_asked():
 
 def test_a_user_transform_that_breaks_what_a_later_pass_needs_names_both():
     """A gm_transformation declares nothing, so what later passes require is checked after it, always (not only
-    with check_passes): here it drops a node's value, which lower_to_onnx_ops_pass (ORT backend) needs."""
+    with check_passes): here it drops a node's value, which insert_index_checks_pass (the next pass that reads values) needs."""
     def forget_a_value(gm):
         node = next(n for n in gm.graph.nodes if n.op == "call_function")
         del node.meta["val"]
@@ -78,7 +78,7 @@ def test_a_user_transform_that_breaks_what_a_later_pass_needs_names_both():
     before = [p.detach().clone() for p in model.parameters()]
     step = spmd_ort.compile(backend="ort", gm_transformation=forget_a_value)(train_step)
     with pytest.raises(PassError, match=r"`gm_transformation_pass` broke `values_known`.*which "
-                                        r"`lower_to_onnx_ops_pass` requires later: node `\w+`.*has no meta\['val'\]"):
+                                        r"`insert_index_checks_pass` requires later: node `\w+`.*has no meta\['val'\]"):
         step(model, opt, torch.randn(4, 32), torch.randint(0, 10, (4,)))
     assert all(torch.equal(a, b) for a, b in zip(before, model.parameters()))
 

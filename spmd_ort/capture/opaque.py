@@ -104,6 +104,9 @@ class CallStack:
         self.names = {id(m): (fqn or "<root>") for fqn, m in module.named_modules(remove_duplicate=False)}
         self.stack: list[Frame] = []
         self.events: list[tuple[int, Frame | None]] = []
+        # (the graph's last node, innermost frame) at each entry and exit: node identities, unlike sizes, stay
+        # right when a symbolic trace inserts size nodes earlier in the graph
+        self.marks: list[tuple[fx.Node | None, Frame | None]] = []
         self.culprits: dict[int, tuple[BaseException, Frame]] = {}
         self.paused = 0
 
@@ -111,10 +114,16 @@ class CallStack:
         mode = get_proxy_mode()
         return len(mode.tracer.graph.nodes) if mode is not None else -1
 
+    def _mark(self) -> None:
+        mode = get_proxy_mode()
+        nodes = mode.tracer.graph.nodes if mode is not None else ()
+        self.marks.append((next(reversed(nodes), None) if nodes else None, self.innermost()))
+
     def push(self, frame: Frame) -> None:
         if not self.paused:
             self.stack.append(frame)
             self.events.append((self._graph_size(), frame))
+            self._mark()
 
     def pop(self, exc: BaseException | None = None) -> None:
         if self.paused or not self.stack:
@@ -123,6 +132,7 @@ class CallStack:
         if exc is not None and id(exc) not in self.culprits:
             self.culprits[id(exc)] = (exc, frame)
         self.events.append((self._graph_size(), self.innermost()))
+        self._mark()
 
     @contextlib.contextmanager
     def installed(self):
@@ -186,6 +196,19 @@ class CallStack:
             frame = f
         return frame
 
+    def tag_modules(self, gm: fx.GraphModule) -> None:
+        """Write the FQN of the module each node was recorded in to ``node.meta["custom"]["module"]``.
+
+        The functionalizing re-trace copies ``custom`` to the nodes it makes (as the phase tags), so
+        passes can name the module an op of the final graph came from (e.g. in an input check's error).
+        Nodes recorded outside any module (the step function, backward) get no entry.
+        """
+        after = dict(self.marks)  # node -> the frame running once it was recorded (the last change wins)
+        frame = after.get(None)
+        for node in gm.graph.nodes:
+            if frame is not None and frame.fqn is not None and node.op == "call_function":
+                node.meta.setdefault("custom", {})["module"] = frame.fqn
+            frame = after.get(node, frame)
 
 # ---------------------------------------------------------------------- what is opaque
 @dataclass

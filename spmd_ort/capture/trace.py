@@ -296,9 +296,12 @@ def _trace_once(fn, args: tuple, kwargs: dict, layout: StateLayout, *, sdpa_math
         _TRACING.reset(token)
 
     phases.tag(gm1)
+    stack.tag_modules(gm1)
     gm2 = _functionalize(gm1, trace_inputs, capture.calls, tracing_mode)
 
-    input_slots = (layout.input_slots() + [Slot(SlotKind.BATCH, f"input[{k}]", k) for k in range(n_batch)]
+    # a batch slot is named as the input is in the call (`ids`, `batch['labels']`): errors about it name it so
+    input_slots = (layout.input_slots() + [Slot(SlotKind.BATCH, inputs.names[pos], k)
+                                           for k, pos in enumerate(batch_positions)]
                    + [Slot(SlotKind.INPUT_GRAD, f"{inputs.names[batch_positions[k]]}.grad", k) for k in grads_in])
     n_user = sum(1 for x in captured["user_leaves"] if x is TENSOR)
     output_slots = [Slot(SlotKind.USER, f"output[{k}]", k) for k in range(n_user)] + captured["final_slots"]

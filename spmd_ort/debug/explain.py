@@ -51,17 +51,48 @@ def _graph_flops(gm: fx.GraphModule) -> int:
     return sum(node_flops(n) for n in gm.graph.nodes if n.op == "call_function")
 
 
+def segment_executor(name: str, sub, stats) -> tuple[str, str]:
+    """(executor, why) for an ORT segment after the first run: ``ort`` or ``fx``, and why it runs there.
+
+    ``fx`` is a fallback (its export, load, run or verification failed: the failure), the faster
+    executor (``SPMD_ORT_SEGMENT_EXECUTOR=auto``: both times) or the one asked for (``ort``/``fx``).
+    """
+    from spmd_ort.ort.session import OrtSegment
+    from spmd_ort.ort.sizes import SizedSegments
+
+    failure = stats.why_fx(name) if stats is not None else None
+    if isinstance(sub, SizedSegments):  # one model per set of sizes: some may run on fx
+        on_fx = sum(1 for s in sub.sessions.values() if s is None)
+        where = f"exported per set of sizes: {len(sub.sessions) - on_fx} on ort, {on_fx} on fx"
+        return ("ort" if on_fx < len(sub.sessions) or not sub.sessions else "fx",
+                where + (f"; fell back: {failure}" if failure else ""))
+    if not isinstance(sub, OrtSegment):  # never became a session
+        return "fx", f"fell back: {failure}" if failure else "fell back"
+    choice = stats.choices.get(name) if stats is not None else None
+    executor = "fx" if sub.use_fallback else "ort"
+    if failure is not None and sub.use_fallback:
+        return executor, f"fell back: {failure}"
+    if choice is None:
+        return executor, ""
+    if choice.ort_ms is None:
+        return executor, f"forced: SPMD_ORT_SEGMENT_EXECUTOR={choice.executor}"
+    return executor, (f"chosen: faster on {choice.executor} (ort {choice.ort_ms:.2f} ms, fx {choice.fx_ms:.2f} ms; "
+                      "SPMD_ORT_SEGMENT_EXECUTOR=auto)")
+
+
 def _segments(program: CompiledProgram) -> list[tuple[str, str, int, int, str]]:
     """(name, where it runs, ops, FLOPs, detail) for each segment and host node of the executed graph."""
     rows = []
     gm = program.gm
+    stats = getattr(program.executor, "stats", None)
     for node in gm.graph.nodes:
         if node.op == "call_module":
             sub = gm.get_submodule(node.target)
             graph = getattr(sub, "fallback", sub)
-            where = "fx (fallback)" if getattr(sub, "use_fallback", False) else program.executor.name
+            where, why = segment_executor(node.target, sub, stats) if program.executor.name == "ort" \
+                else (program.executor.name, "")
             n_ops = sum(1 for n in graph.graph.nodes if n.op == "call_function")
-            rows.append((node.target, where, n_ops, _graph_flops(graph), ""))
+            rows.append((node.target, where, n_ops, _graph_flops(graph), why))
         elif node.op == "call_function" and node.target is not operator.getitem:
             flops = node_flops(node)
             if program.executor.name == "ort" or isinstance(node.target, torch._ops.OpOverload) and \

@@ -43,6 +43,7 @@ class FirstRun(RunInterpreter):
         reference = seg.fallback(*args)
         fx_s = time.perf_counter() - t0
         ort_s = checked_first_run(seg.name, seg, args, reference, self.stats, self.policy, self.verify)
+        seg.checked_runs += 1  # ORT's outputs compared, the fx graph's used
         if seg.new_sizes is not None:
             seg.new_sizes.checked.add(seg.sizes.key(args))
         if ort_s is None:
@@ -58,12 +59,10 @@ class FirstRun(RunInterpreter):
             self.stats.choices[seg.name] = SegmentChoice(mode)
             seg.use_fallback = mode == "fx"
             return
-        ort_runs = seg.runs
         fx_s, ort_s = fastest(seg.fallback, args, first["fx"]), fastest(seg.run_ort, args, first["ort"])
         choice = "fx" if fx_s < ort_s else "ort"
         self.stats.choices[seg.name] = SegmentChoice(choice, ort_ms=ort_s * 1e3, fx_ms=fx_s * 1e3)
         seg.use_fallback = choice == "fx"
-        seg.runs = ort_runs  # timing runs are not steps
 
 
 def fastest(run, args, first: float) -> float:

@@ -35,6 +35,11 @@ from spmd_ort.ort.translations import TRANSLATIONS
 
 aten = torch.ops.aten
 
+# node.meta key: a pass asks that this node run in torch, never in a segment; the value says why (e.g.
+# insert_index_checks_pass's host copies of computed indices: their checks run before every segment).
+# Such a node is not lowered either: torch runs it as it is.
+HOST_ONLY = "host_only"
+
 # op -> why its torchlib translation cannot be used (it is lowered through torch's decomposition instead).
 FIXES: dict = {
     # torchlib's nll_loss_forward returns total_weight = 1.0 whatever the batch, ignore_index or class
@@ -131,7 +136,7 @@ def decomposition_for(node: fx.Node) -> Callable | None:
     decomposition is bad (e.g. the flash attention decomposition's real strides differ from its traced
     ones, which breaks later views when the segment runs on fx).
     """
-    if node.target in TRANSLATIONS or why_untranslatable(node) is None:
+    if node.target in TRANSLATIONS or node.meta.get(HOST_ONLY) or why_untranslatable(node) is None:
         return None
     if isinstance(node.meta.get("val"), (torch.SymInt, torch.SymFloat, torch.SymBool)):
         return None  # size arithmetic (dynamic shapes): runs on the host, never in a segment

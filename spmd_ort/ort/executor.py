@@ -27,6 +27,7 @@ from torch import fx
 
 from spmd_ort.debug.timeline import TimedInterpreter
 from spmd_ort.options import Options, get_logger
+from spmd_ort.ort.coverage import HOST_ONLY
 from spmd_ort.ort.choice import FirstRun
 from spmd_ort.ort.partition import partition_for_ort, why_host
 from spmd_ort.ort.session import OrtSegment, is_symbolic, load_segment, providers_for, segment_device
@@ -95,7 +96,9 @@ def build_ort_executor(gm: fx.GraphModule, options: Options) -> OrtExecutor:
     for node in gm.graph.nodes:
         reason = why_host(node) if node.op == "call_function" else None
         if reason is not None:
-            stats.host_ops[str(node.target)] = reason
+            # a node a pass keeps on the host (HOST_ONLY) is listed apart from the same op elsewhere in the graph
+            where = " (kept on the host by a pass)" if node.meta.get(HOST_ONLY) else ""
+            stats.host_ops[f"{node.target}{where}"] = reason
     fused, names = partition_for_ort(gm)
     stats.segments = len(names)
     threads = torch.get_num_threads()

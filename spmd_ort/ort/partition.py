@@ -8,9 +8,11 @@ Two pieces, as torch.fx's ``CapabilityBasedPartitioner``:
   are reproducible and verifiable), allocations whose value is undefined (the
   buffer a random op fills: exported, it would be a segment output of garbage),
   ops on float64 host scalars, values in a dtype the provider has no kernels
-  for (bfloat16 on CPU), and aten ops that do not translate to ONNX
+  for (bfloat16 on CPU), ops whose translation it has no kernel for in their dtype
+  (:data:`PROVIDER_GAPS`: a Scatter with a reduction in float16 on CPU), and aten ops that do not translate to ONNX
   (:func:`spmd_ort.ort.coverage.why_untranslatable`: the same table the exporter
-  translates with, after ``lower_to_onnx_ops_pass`` has lowered what it can).
+  translates with, after ``lower_to_onnx_ops_pass`` has lowered what it can), and nodes a pass
+  marked :data:`HOST_ONLY` (an index recomputed for its bounds check).
 * the grouping, torch.fx's partitioner: deterministic, largest possible
   segments of connected supported nodes, no cycles through host nodes.
 """
@@ -24,9 +26,9 @@ from torch import fx
 from torch.fx.passes.infra.partitioner import CapabilityBasedPartitioner
 from torch.fx.passes.operator_support import OperatorSupport
 
-from spmd_ort.ort.coverage import why_untranslatable
+from spmd_ort.ort.coverage import HOST_ONLY, why_untranslatable
 from spmd_ort.capture.dynamic import input_symbols
-from spmd_ort.runtime.ops import OPAQUE_OPS, STARTS, wait_
+from spmd_ort.runtime.ops import OPAQUE_OPS, STARTS, check_index, wait_
 
 aten = torch.ops.aten
 
@@ -47,6 +49,19 @@ ONNX_DTYPES = {torch.float32, torch.float16, torch.bfloat16, torch.int64, torch.
 # Cast, Transpose, LayerNormalization and a few predicates (onnxruntime 1.32; no Add, MatMul, Relu), so
 # bf16 compute (autocast, MixedPrecisionPolicy) stays in torch there.  float16 has CPU kernels.
 HOST_DTYPES = {"cpu": {torch.bfloat16}}
+# Ops whose translation is a Scatter with a reduction ('add'), which ORT's CPU provider runs in float32, float64 and
+# integers but not float16 (onnxruntime 1.32: "MLFloat16 data type is not supported with ScatterND opset 16 when
+# reduction is 'add'"): in float16 on CPU they stay in torch, so nothing is attempted (the segment holding one
+# failed on its first run and fell back to fx whole, after ORT printed its error).  op -> whether a node reduces.
+SCATTER_REDUCTIONS = {
+    aten.embedding_dense_backward.default: lambda node: True,
+    aten.scatter_add.default: lambda node: True,
+    aten.scatter_reduce.two: lambda node: True,
+    aten.index_add.default: lambda node: True,
+    aten.max_pool2d_with_indices_backward.default: lambda node: True,
+    aten.index_put.default: lambda node: bool(node.args[3] if len(node.args) > 3 else node.kwargs.get("accumulate")),
+}
+PROVIDER_GAPS = {("cpu", torch.float16): (SCATTER_REDUCTIONS, "a Scatter with reduction='add'")}
 
 
 def why_host(node: fx.Node) -> str | None:
@@ -54,6 +69,8 @@ def why_host(node: fx.Node) -> str | None:
     if node.op != "call_function":
         return "not an op"
     target = node.target
+    if node.meta.get(HOST_ONLY):
+        return node.meta[HOST_ONLY]
     if target is operator.getitem:
         return why_host(node.args[0]) if isinstance(node.args[0], fx.Node) else "getitem of a Python value"
     if not isinstance(target, torch._ops.OpOverload):
@@ -61,6 +78,8 @@ def why_host(node: fx.Node) -> str | None:
     namespace = target.namespace
     if isinstance(node.meta.get("val"), (torch.SymInt, torch.SymFloat, torch.SymBool)):
         return "size arithmetic (symbolic sizes: runs in torch; each segment gets the sizes as values)"
+    if target is check_index:
+        return "eager's bounds check of an index from the inputs (runs in torch, before the segments that read it)"
     if target in OPAQUE_OPS:
         return "opaque part: the user's code, run eagerly (CompiledProgram.describe() lists each)"
     if namespace in HOST_NAMESPACES:
@@ -76,6 +95,10 @@ def why_host(node: fx.Node) -> str | None:
             return f"device {val.device}"
         if val.dtype in HOST_DTYPES.get(val.device.type, ()):
             return f"{val.dtype} on {val.device.type} (ONNX Runtime's {val.device.type} provider lacks its kernels)"
+        ops, what = PROVIDER_GAPS.get((val.device.type, val.dtype), ({}, ""))
+        if target in ops and ops[target](node):
+            return (f"{target} in {val.dtype} on {val.device.type}: its translation is {what}, which ONNX Runtime's "
+                    f"{val.device.type} provider has no {val.dtype} kernel for")
     if namespace != "aten":
         return f"{namespace} op has no ONNX translation"
     return why_untranslatable(node)

@@ -20,7 +20,7 @@ from spmd_ort.errors import CompileError, ConfigError
 from spmd_ort.options import Options
 from spmd_ort.ort.export import export_segment, input_position, save_model
 from spmd_ort.ort.stats import OrtStats
-from spmd_ort.ort.verify import op_summary, segment_failure, short_error, verify_tolerance
+from spmd_ort.ort.verify import op_summary, segment_failure, short_error, unordered_topks, verify_tolerance
 
 logger = logging.getLogger("spmd_ort")
 
@@ -78,9 +78,13 @@ class OrtSegment(nn.Module):
         self.name = name
         self.fallback = fallback
         self.use_fallback = False
-        self.runs = 0  # how often ONNX Runtime ran this segment
+        # steps whose outputs came from ONNX Runtime; a checked run (the first, or a dynamic segment's first at new
+        # sizes) runs ORT too, but its outputs are only compared and the fx graph's are used: checked_runs
+        self.runs = 0
+        self.checked_runs = 0
         self.new_sizes = None  # dynamic shapes: a spmd_ort.ort.sizes.NewSizes checks the first runs at new sizes
         self.tolerance = verify_tolerance(fallback)
+        self.unordered = unordered_topks(fallback)  # outputs in an unsorted topk's order: verified as sets
         metas, self.returns_tuple = _outputs_meta(fallback)
         device = segment_device(fallback)
         self.device_type = "cuda" if device.type == "cuda" else "cpu"
@@ -146,7 +150,6 @@ class OrtSegment(nn.Module):
         if self.device_type == "cuda":
             torch.cuda.current_stream().synchronize()  # inputs written by torch kernels
         self.session.run_with_iobinding(self.binding)
-        self.runs += 1
         out = tuple(self.outputs)
         return out if self.returns_tuple else out[0]
 
@@ -155,7 +158,12 @@ class OrtSegment(nn.Module):
             return self.fallback(*args)
         if self.new_sizes is not None:
             return self.new_sizes.forward(self, args)
-        return self.run_ort(*args)
+        return self.used(self.run_ort(*args))
+
+    def used(self, outputs):
+        """``outputs`` of ORT, which the step uses: counted in :attr:`runs`."""
+        self.runs += 1
+        return outputs
 
 class DynamicSizes:
     """A dynamic-shape segment's sizes: the symbols its inputs carry, and its output shapes in them.
@@ -236,7 +244,7 @@ def load_segment(name: str, sub: fx.GraphModule, options: Options, stats: OrtSta
     except CompileError:
         raise
     except StageError as exc:  # export/load failures fall back per policy
-        segment_failure(name, f"{exc.stage} failed: {type(exc.__cause__).__name__}: {short_error(exc.__cause__)}",
-                 options.fallback_policy, op_summary(sub))
-        stats.fallbacks.append(name)
+        what = f"{exc.stage} failed: {type(exc.__cause__).__name__}: {short_error(exc.__cause__)}"
+        segment_failure(name, what, options.fallback_policy, op_summary(sub))
+        stats.fell_back(name, what)
         return None

@@ -45,16 +45,17 @@ class NewSizes:
         if len(self.checked) < CHECKED_SIZES and key not in self.checked:
             return self._checked(seg, key, args)
         try:
-            return seg.run_ort(*args)
+            return seg.used(seg.run_ort(*args))
         except Exception as exc:  # noqa: BLE001 - ORT wrote no state: the fx graph runs the step instead
-            segment_failure(seg.name, f"ONNX Runtime failed to run it at new sizes: {short_error(exc)}", self.policy,
-                     op_summary(seg.fallback))
-            self.stats.fallbacks.append(seg.name)
+            what = f"ONNX Runtime failed to run it at new sizes: {short_error(exc)}"
+            segment_failure(seg.name, what, self.policy, op_summary(seg.fallback))
+            self.stats.fell_back(seg.name, what)
             seg.use_fallback = True
             return seg.fallback(*args)
 
     def _checked(self, seg: OrtSegment, key: tuple, args):
         self.checked.add(key)
+        seg.checked_runs += 1
         reference = seg.fallback(*args)
         where = f"{seg.name} at sizes {seg.sizes.describe(key)}"
         if checked_first_run(where, seg, args, reference, self.stats, self.policy, self.verify) is None:
@@ -84,7 +85,8 @@ class SizedSegments(nn.Module):
         self.providers = providers
         self.sessions: dict[tuple, OrtSegment | None] = {}  # sizes -> session (None: runs on fx)
         self.sizes = DynamicSizes(fallback)  # names a set of sizes in messages
-        self.runs = 0
+        self.runs = 0  # steps whose outputs came from ONNX Runtime (as OrtSegment.runs)
+        self.checked_runs = 0  # first runs at each set of sizes: compared, the fx graph's outputs used
 
     @staticmethod
     def sizes_of(args) -> tuple:
@@ -101,7 +103,7 @@ class SizedSegments(nn.Module):
                 if checked_first_run(where, segment, _tensors(args), reference, self.stats,
                                       self.options.fallback_policy, self.options.verify) is None:
                     self.sessions[key] = None
-                self.runs += 1
+                self.checked_runs += 1
                 return reference
         segment = self.sessions[key]
         if segment is None:

@@ -27,10 +27,22 @@ class OrtStats:
     host_ops: dict = field(default_factory=dict)  # op -> why it stays on the host
     export_seconds: float = 0.0
     cache_hits: int = 0
-    fallbacks: list = field(default_factory=list)
+    fallbacks: list = field(default_factory=list)  # segments (or "<segment> at sizes ...") that fell back to fx
+    fallback_reasons: dict = field(default_factory=dict)  # each of them -> what failed
     verified: int = 0
     mismatches: list = field(default_factory=list)
     ill_conditioned: list = field(default_factory=list)  # mismatches within rounding of float64: not faults
     choices: dict = field(default_factory=dict)  # segment -> SegmentChoice
     first_run_seconds: float = 0.0  # the checked first run: both executors, comparison, timing
     verify_seconds: float = 0.0  # of which comparing outputs
+
+    def fell_back(self, segment: str, why: str) -> None:
+        """Record that ``segment`` runs on fx because ``why`` (an export, load, run or verification failure)."""
+        self.fallbacks.append(segment)
+        self.fallback_reasons[segment] = why
+
+    def why_fx(self, segment: str) -> str | None:
+        """Why ``segment`` fell back to fx (its own failure, or its failure at some sizes), or None."""
+        return next((why for name, why in self.fallback_reasons.items()
+                     if name == segment or name.startswith(f"{segment} at sizes") or name.startswith(f"{segment}_")),
+                    None)

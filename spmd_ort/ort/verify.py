@@ -10,7 +10,10 @@ A failure falls back to fx or raises, per ``Options.fallback_policy`` (:func:`se
 from __future__ import annotations
 
 import logging
+import operator
 import time
+from dataclasses import dataclass
+
 import torch
 from torch import fx
 
@@ -47,6 +50,110 @@ def verify_tolerance(gm: fx.GraphModule) -> float:
            for v in (n.meta.get("val") if isinstance(n.meta.get("val"), (list, tuple)) else [n.meta.get("val")])
            if isinstance(v, torch.Tensor) and v.dtype.is_floating_point]
     return max([VERIFY_TOLERANCE] + [VERIFY_ULPS * e for e in eps])
+
+@dataclass(frozen=True)
+class UnorderedTopk:
+    """Outputs of a segment laid out in the order of one ``topk(..., sorted=False)`` along ``dim``.
+
+    That order is unspecified (ONNX Runtime returns the same k elements per row as torch, in
+    another order), so these outputs are compared in a defined order: each row sorted by the
+    topk's indices (``indices``: their position among the outputs) with the same permutation for
+    every member, values and indices together; without the indices among the outputs, each member
+    is sorted by itself.  ``members``: positions of the outputs in that order (the indices included).
+    """
+
+    dim: int
+    indices: int | None
+    members: tuple[int, ...]
+
+
+# ops whose output keeps its input's order along every dim (with the other inputs broadcast along the topk dim)
+_ORDER_KEEPING = (torch.ops.aten._to_copy.default, torch.ops.aten.alias.default, torch.ops.aten.detach.default)
+
+
+def unordered_topks(gm: fx.GraphModule) -> tuple[UnorderedTopk, ...]:
+    """The segment's outputs that follow the order of a ``topk(sorted=False)``, found in its graph.
+
+    A value follows a topk's order when it is one of its results, or computed from them elementwise
+    (a pointwise op whose other inputs do not vary along the topk dim) or by a ``gather`` along that dim
+    with them as the index, keeping their shape.  Any other use (a reduction, a reshape) is compared
+    exactly, as every output not in a group.
+    """
+    follows: dict[fx.Node, int] = {}  # node -> its topk (index into tops)
+    tops: list[tuple[int, torch.Size]] = []  # (dim, shape) per topk
+    indices: dict[int, fx.Node] = {}
+    for node in gm.graph.nodes:
+        if node.op != "call_function":
+            continue
+        if node.target is torch.ops.aten.topk.default and not _topk_arg(node, 4, "sorted", True):
+            shape = node.meta["val"][0].shape
+            follows[node] = len(tops)
+            tops.append((_topk_arg(node, 2, "dim", -1) % max(len(shape), 1), shape))
+        elif node.target is operator.getitem and node.args[0] in follows:
+            follows[node] = follows[node.args[0]]
+            if node.args[1] == 1:
+                indices[follows[node]] = node
+        elif (group := _follower_of(node, follows, tops)) is not None:
+            follows[node] = group
+    if not tops:
+        return ()
+    out = gm.graph.output_node().args[0]
+    outputs = list(out) if isinstance(out, (tuple, list)) else [out]
+    groups = []
+    for g, (dim, _) in enumerate(tops):
+        members = tuple(i for i, o in enumerate(outputs) if isinstance(o, fx.Node) and follows.get(o) == g
+                        and o.target is not torch.ops.aten.topk.default)
+        if members:
+            at = next((i for i in members if outputs[i] is indices.get(g)), None)
+            groups.append(UnorderedTopk(dim=dim, indices=at, members=members))
+    return tuple(groups)
+
+
+def _topk_arg(node: fx.Node, position: int, name: str, default):
+    return node.args[position] if len(node.args) > position else node.kwargs.get(name, default)
+
+
+def _follower_of(node: fx.Node, follows: dict, tops: list) -> int | None:
+    """The topk whose order ``node`` keeps (see :func:`unordered_topks`), or None."""
+    groups = {follows[a] for a in node.all_input_nodes if a in follows}
+    val = node.meta.get("val")
+    if len(groups) != 1 or not isinstance(val, torch.Tensor):
+        return None
+    (group,) = groups
+    dim, shape = tops[group]
+    if val.shape != shape:
+        return None
+    target = node.target
+    if target is torch.ops.aten.gather.default:
+        source, along, index = node.args[:3]
+        return group if index in follows and along % len(shape) == dim and source not in follows else None
+    if target in _ORDER_KEEPING or torch.Tag.pointwise in getattr(target, "tags", ()):
+        for a in node.all_input_nodes:
+            v = a.meta.get("val")
+            if a in follows or not isinstance(v, torch.Tensor):
+                continue
+            offset = len(shape) - v.dim()  # broadcast aligns trailing dims
+            if dim >= offset and v.shape[dim - offset] != 1:
+                return None  # varies along the topk dim in its own order
+        return group
+    return None
+
+
+def in_defined_order(outputs, groups: tuple[UnorderedTopk, ...]):
+    """``outputs`` with each :class:`UnorderedTopk` group's members in a defined order (see there)."""
+    if not groups:
+        return outputs
+    vals = list(outputs if isinstance(outputs, (tuple, list)) else (outputs,))
+    for group in groups:
+        if group.indices is not None:
+            order = torch.argsort(vals[group.indices], dim=group.dim, stable=True)
+            for i in group.members:
+                vals[i] = torch.take_along_dim(vals[i], order, dim=group.dim)
+        else:
+            for i in group.members:
+                vals[i] = torch.sort(vals[i], dim=group.dim, stable=True).values
+    return tuple(vals) if isinstance(outputs, (tuple, list)) else vals[0]
+
 
 def first_difference(ort_out, fx_out, tolerance: float = VERIFY_TOLERANCE) -> str | None:
     """Describe the first output that differs beyond ``tolerance`` (relative to the output's max) and beyond
@@ -105,14 +212,17 @@ def checked_first_run(name: str, seg, inputs, reference, stats: OrtStats, policy
     try:
         got = seg.run_ort(*inputs)
     except Exception as exc:  # noqa: BLE001 - any ORT failure falls back per policy
-        segment_failure(name, f"ONNX Runtime failed to run it: {short_error(exc)}", policy, op_summary(seg.fallback))
-        stats.fallbacks.append(name)
+        what = f"ONNX Runtime failed to run it: {short_error(exc)}"
+        segment_failure(name, what, policy, op_summary(seg.fallback))
+        stats.fell_back(name, what)
         return None
     ort_s = time.perf_counter() - t0
     if verify:
         t0 = time.perf_counter()
+        # outputs in the order of an unsorted topk: compared in a defined order (the op defines the set)
+        got, reference = in_defined_order(got, seg.unordered), in_defined_order(reference, seg.unordered)
         diff = first_difference(got, reference, seg.tolerance)
-        if diff is not None and within_rounding_of_float64(seg.fallback, inputs, got, reference):
+        if diff is not None and within_rounding_of_float64(seg.fallback, inputs, got, reference, seg.unordered):
             logger.info("ORT segment %s differs from its fx graph (%s), but no more than the fx graph itself "
                         "differs from float64: an ill-conditioned computation, not a fault", name, diff)
             stats.ill_conditioned.append(name)
@@ -122,11 +232,12 @@ def checked_first_run(name: str, seg, inputs, reference, stats: OrtStats, policy
         if diff is not None:
             stats.mismatches.append(f"{name}: {diff}")
             segment_failure(name, f"verification failed: {diff}", policy, op_summary(seg.fallback))
-            stats.fallbacks.append(name)
+            stats.fell_back(name, f"verification failed: {diff}")
             return None
     return ort_s
 
-def within_rounding_of_float64(gm: fx.GraphModule, inputs, ort_out, fx_out) -> bool:
+def within_rounding_of_float64(gm: fx.GraphModule, inputs, ort_out, fx_out,
+                               unordered: tuple[UnorderedTopk, ...] = ()) -> bool:
     """Whether ORT's outputs are as close to the segment computed in float64 as the fx graph's are.
 
     A verification mismatch may be the rounding of an ill-conditioned float32 computation (a batch
@@ -152,6 +263,7 @@ def within_rounding_of_float64(gm: fx.GraphModule, inputs, ort_out, fx_out) -> b
     try:
         with torch.no_grad():
             exact = _Float64(gm).run(*[t.double() if f else t for t, f in zip(inputs, floats)])
+        exact = in_defined_order(exact, unordered)
     except Exception:  # noqa: BLE001 - no float64 reference: the mismatch stands
         return False
     exact_vals = exact if isinstance(exact, (tuple, list)) else (exact,)

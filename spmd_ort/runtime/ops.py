@@ -16,6 +16,9 @@ work in the running step's :class:`~spmd_ort.runtime.collectives.Communicator`.
   variants ``host_adam(_)`` / ``host_sgd(_)`` run the native kernel
   (``offload_optimizer="cpu"``).  Each takes an optional ``found_inf`` (a GradScaler's
   flag): 1 skips the update, as torch's fused kernels do.
+* ``check_index(index, high, wraps, ignore, op, input, fqn, message)``: eager's bounds check of an
+  index the step's inputs feed to a gather (:mod:`spmd_ort.runtime.checks`); returns ``index`` itself,
+  so the ops that read the index read its output and run after it (``insert_index_checks_pass``).
 * opaque parts (:mod:`spmd_ort.runtime.opaque`): ``opaque_forward(inputs, index)`` runs
   call ``index`` of the step's opaque table (user code, eagerly) and returns its
   outputs plus a token; ``opaque_backward(token, grads, index)`` runs its
@@ -31,7 +34,7 @@ import functools
 import torch
 from torch import Tensor, fx
 
-from spmd_ort.runtime import kernels, opaque
+from spmd_ort.runtime import checks, kernels, opaque
 from spmd_ort.runtime.context import active
 
 _LIB = torch.library.Library("spmd_ort", "DEF")
@@ -54,6 +57,12 @@ tag_grad = _op("tag_grad(Tensor grad, int index) -> Tensor",
 # an activation whose statistics a debug subscriber records (spmd_ort.runtime.taps); identity, also for autograd
 tap = _op("tap(Tensor x, int tap_id) -> Tensor", lambda x, tap_id: x.clone(), lambda x, tap_id: torch.empty_like(x))
 torch.library.register_autograd("spmd_ort::tap", lambda ctx, grad: (grad, None), lib=_LIB)
+
+# ---------------------------------------------------------------------- input checks
+# an alias of its input (no copy); a side effect (it raises), so dead-code elimination keeps it
+check_index = _op("check_index(Tensor(a) index, SymInt high, bool wraps, int? ignore, str op, str input, str fqn, "
+                  "str message) -> Tensor(a)", checks.check_index, lambda index, *rest: index)
+fx.node.has_side_effect(check_index)
 
 # ---------------------------------------------------------------------- random
 # ``t.bernoulli_(p)`` as a functional op: the mask in ``t``'s own layout, filled in its memory order as the
