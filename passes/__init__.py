@@ -19,6 +19,7 @@ from .fully_shard import (ShardedParams, complete_found_inf_pass, complete_grad_
                           propagate_shards_pass, reduce_scatter_gradients_pass, rematerialize_param_views_pass,
                           shard_placeholders_pass)
 from .index_checks import INDEX_RULES, IndexChecks, insert_index_checks_pass
+from .layout import RandomLayouts, pin_random_layouts_pass
 from .lowering import Lowering, lower_to_onnx_ops_pass
 from .mixed_precision import cast_gradient_reductions_pass, cast_params_before_gather_pass
 from .offload import OptimizerOffload, ParamOffload, offload_optimizer_pass, offload_params_pass
@@ -32,17 +33,18 @@ from .user import gm_transformation_pass, override_transform_pass
 from .views import replace_views_with_reshapes_pass
 
 __all__ = [
-    "PARALLEL_STAGES", "STAGES", "CollectiveCounts", "Contract", "GradientBuckets", "GraphPass", "INDEX_RULES", "IndexChecks", "Invariant",
-    "KeptForBackward", "Lowering", "MemoryPlan", "OptimizerOffload", "ParamOffload", "PassContext", "PassError",
-    "PassRecord", "PassResult", "PassResults", "ShardBuckets", "ShardedParams", "broadcast_buffers_pass",
-    "bucket_collectives_pass", "bucket_shard_collectives_pass", "build_pipeline", "cast_gradient_reductions_pass",
-    "cast_params_before_gather_pass", "check_disabled", "check_order", "complete_found_inf_pass",
-    "complete_grad_norms_pass", "contract_of", "count_collectives_pass", "dedup_collectives_pass",
-    "expand_data_parallel_pass", "gather_parameters_pass", "gm_transformation_pass", "graph_pass", "insert_index_checks_pass",
-    "insert_activation_stats_pass", "keep_tail_gathers_pass", "lower_to_onnx_ops_pass", "offload_optimizer_pass",
-    "offload_params_pass", "op_counts", "override_transform_pass", "pass_names", "pipeline_markdown",
-    "plan_memory_pass", "prefetch_gathers_pass", "propagate_shards_pass", "reduce_grad_presence_pass",
-    "reduce_scatter_gradients_pass", "reinplace_optimizer_pass", "rematerialize_param_views_pass",
-    "remove_identity_views_pass", "remove_redundant_copies_pass", "replace_views_with_reshapes_pass", "run_passes",
-    "schedule_overlap_pass", "shard_placeholders_pass", "write_readme_table",
+    "INDEX_RULES", "PARALLEL_STAGES", "STAGES", "CollectiveCounts", "Contract", "GradientBuckets", "GraphPass",
+    "IndexChecks", "Invariant", "KeptForBackward", "Lowering", "MemoryPlan", "OptimizerOffload", "ParamOffload",
+    "PassContext", "PassError", "PassRecord", "PassResult", "PassResults", "RandomLayouts", "ShardBuckets",
+    "ShardedParams", "broadcast_buffers_pass", "bucket_collectives_pass", "bucket_shard_collectives_pass",
+    "build_pipeline", "cast_gradient_reductions_pass", "cast_params_before_gather_pass", "check_disabled",
+    "check_order", "complete_found_inf_pass", "complete_grad_norms_pass", "contract_of", "count_collectives_pass",
+    "dedup_collectives_pass", "expand_data_parallel_pass", "gather_parameters_pass", "gm_transformation_pass",
+    "graph_pass", "insert_activation_stats_pass", "insert_index_checks_pass", "keep_tail_gathers_pass",
+    "lower_to_onnx_ops_pass", "offload_optimizer_pass", "offload_params_pass", "op_counts", "override_transform_pass",
+    "pass_names", "pin_random_layouts_pass", "pipeline_markdown", "plan_memory_pass", "prefetch_gathers_pass",
+    "propagate_shards_pass", "reduce_grad_presence_pass", "reduce_scatter_gradients_pass", "reinplace_optimizer_pass",
+    "rematerialize_param_views_pass", "remove_identity_views_pass", "remove_redundant_copies_pass",
+    "replace_views_with_reshapes_pass", "run_passes", "schedule_overlap_pass", "shard_placeholders_pass",
+    "write_readme_table",
 ]

@@ -23,6 +23,7 @@ import operator
 from collections.abc import Callable
 from dataclasses import dataclass
 
+import torch
 from torch import fx
 
 from spmd_ort.capture.state import SlotKind
@@ -30,8 +31,9 @@ from spmd_ort.ort import coverage
 from spmd_ort.runtime import ops
 
 from .context import PassContext
-from .helpers import (DEDUP_KEY, GRADIENT_OF, PARTIAL_FOUND_INF, PARTIAL_NORM, SHARD_OF, SHARDED_PARAM, TAG, aten,
-                      calls, compute_device, is_dtype_cast, is_view_op, phase, placeholders, val)
+from .helpers import (DEDUP_KEY, EAGER_LAYOUT_UNKNOWN, GRADIENT_OF, PARTIAL_FOUND_INF, PARTIAL_NORM, SHARD_OF,
+                      SHARDED_PARAM, TAG, aten, calls, compute_device, is_dtype_cast, is_random, is_view_op, phase,
+                      placeholders, val)
 
 Check = Callable[[fx.GraphModule, PassContext], "str | None"]
 
@@ -240,6 +242,16 @@ def _views_as_reshapes(gm, ctx):
     return f"{len(left)} view node(s) remain (e.g. `{left[0].name}`)" if left else None
 
 
+def _random_layouts_pinned(gm, ctx):
+    for node in gm.graph.nodes:
+        if not is_random(node) or node.meta.get(EAGER_LAYOUT_UNKNOWN):
+            continue
+        for arg in node.all_input_nodes:
+            if isinstance(arg.meta.get("val"), torch.Tensor) and arg.target is not ops.with_layout:
+                return f"random op `{node.name}` ({node.target}) reads `{arg.name}` without with_layout"
+    return None
+
+
 IO_MATCHES_SLOTS = Invariant("io_matches_slots", "placeholders and outputs match input_slots/output_slots",
                              _io_matches_slots)
 VALUES_KNOWN = Invariant("values_known", "every placeholder and op node has meta['val']", _values_known)
@@ -281,6 +293,9 @@ GATHERS_ON_COMPUTE_DEVICE = Invariant("gathers_on_compute_device", "all-gathers 
                                       _gathers_on_compute_device)
 ONNX_LOWERED = Invariant("onnx_lowered", "no aten op that lacks a direct ONNX translation has a decomposition left",
                          _onnx_lowered)
+RANDOM_LAYOUTS_PINNED = Invariant(
+    "random_layouts_pinned", "every tensor input of a random op is read through with_layout (eager's layout), "
+    "unless no probe could find that layout", _random_layouts_pinned)
 VIEWS_AS_RESHAPES = Invariant("views_as_reshapes", "no aten view remains (views run as reshapes)", _views_as_reshapes)
 
 # checked after every pass when contracts are checked

@@ -22,6 +22,13 @@ PARTIAL_NORM = "partial_norm"  # fully_shard: a 2-norm of a shard (its position 
 DEDUP_KEY = "dedup_key"  # what else two identical collectives must share to be merged (e.g. the phase)
 GRADIENT_OF = "gradient_of"  # a gradient's collective (all-reduce / reduce-scatter): the parameter index
 PARTIAL_FOUND_INF = "partial_found_inf"  # fully_shard: a GradScaler's inf flag over this rank's gradient shards
+EAGER_LAYOUT_UNKNOWN = "eager_layout_unknown"  # a random op whose inputs' eager layout no probe could find
+
+
+def is_random(node: fx.Node) -> bool:
+    """Whether ``node`` is a random op: torch tags its own (``nondeterministic_seeded``), and ours carry the tag."""
+    return (node.op == "call_function" and isinstance(node.target, torch._ops.OpOverload)
+            and ops.RANDOM in node.target.tags)
 
 
 def val(node: fx.Node) -> torch.Tensor:
@@ -141,6 +148,7 @@ def move_after_inputs(node: fx.Node) -> None:
         last.append(node)
 
 
-__all__ = ["AMP_CHECK", "DEDUP_KEY", "GRADIENT_OF", "PACK_OPS", "PARTIAL_FOUND_INF", "PARTIAL_NORM", "SHARDED_PARAM", "SHARD_OF", "TAG", "UNPACK_OPS", "aten", "call",
-           "calls", "fake_mode_of", "is_dtype_cast", "is_view_op", "move_after_inputs", "nbytes", "phase", "placeholders",
+__all__ = ["AMP_CHECK", "DEDUP_KEY", "EAGER_LAYOUT_UNKNOWN", "GRADIENT_OF", "PACK_OPS", "PARTIAL_FOUND_INF",
+           "PARTIAL_NORM", "SHARDED_PARAM", "SHARD_OF", "TAG", "UNPACK_OPS", "aten", "call", "calls", "fake_mode_of",
+           "is_dtype_cast", "is_random", "is_view_op", "move_after_inputs", "nbytes", "phase", "placeholders",
            "producers", "refake", "set_phase", "tensor_bytes", "unpack_chain", "val"]

@@ -30,6 +30,7 @@ from .fully_shard import (complete_found_inf_pass, complete_grad_norms_pass, gat
                           propagate_shards_pass, reduce_scatter_gradients_pass, rematerialize_param_views_pass,
                           shard_placeholders_pass)
 from .index_checks import insert_index_checks_pass
+from .layout import pin_random_layouts_pass
 from .lowering import lower_to_onnx_ops_pass
 from .mixed_precision import cast_gradient_reductions_pass, cast_params_before_gather_pass
 from .offload import offload_optimizer_pass, offload_params_pass
@@ -92,6 +93,7 @@ class Step:
 
 USER_TRANSFORMS = "user transforms"
 STAGES: tuple[Step, ...] = (
+    Step("random", pin_random_layouts_pass, ALWAYS.note("a no-op without random ops")),
     Step("cleanup", remove_redundant_copies_pass),
     Step("cleanup", remove_identity_views_pass),
     Step("debug", insert_activation_stats_pass, ALWAYS.note("a no-op unless a debug subscriber taps activations")),

@@ -116,6 +116,51 @@ def test_train_and_eval_alternately_match_eager_with_dropout_and_batchnorm(backe
         assert_ran_on_ort(step)
 
 
+class DropoutOfInput(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.drop = torch.nn.Dropout(0.5)
+        self.head = torch.nn.Linear(6, 3)
+
+    def forward(self, x):  # (B, T, 6)
+        h = self.drop(x)
+        return self.head(h), h == 0  # the output and where dropout dropped
+
+
+def _step_showing_the_mask(model, opt, x, y):
+    out, dropped = model(x)
+    loss = F.mse_loss(out, y)
+    loss.backward()
+    opt.step()
+    opt.zero_grad()
+    return loss, dropped
+
+
+@pytest.mark.parametrize("backend", ["fx", "ort"])
+def test_a_batch_in_another_memory_layout_retraces_and_draws_eagers_masks(backend, caplog):
+    """Dropout of the batch draws in the batch's memory layout, and each graph fixes the layouts its random ops
+    draw in (pin_random_layouts_pass): a transposed batch of the same shape is another variant, logged."""
+    torch.manual_seed(0)
+    model = DropoutOfInput()
+    eager = copy.deepcopy(model)
+    opt, opt_e = (torch.optim.SGD(m.parameters(), lr=0.1) for m in (model, eager))
+    step = spmd_ort.compile(backend=backend)(_step_showing_the_mask)
+    g = torch.Generator().manual_seed(0)
+    for i in range(4):
+        x = torch.randn(3, 4, 6, generator=g) if i % 2 == 0 else torch.randn(3, 6, 4, generator=g).transpose(1, 2)
+        y = torch.randn(3, 4, 3, generator=g)
+        torch.manual_seed(100 + i)
+        loss_e, dropped_e = _step_showing_the_mask(eager, opt_e, x, y)
+        torch.manual_seed(100 + i)
+        with caplog.at_level(logging.INFO, logger="spmd_ort"):
+            loss, dropped = step(model, opt, x, y)
+        assert torch.equal(dropped, dropped_e), f"step {i}: another mask than eager's"
+        torch.testing.assert_close(loss, loss_e.detach(), rtol=1e-5, atol=0)
+    assert step.transitions.traces == 2 and len(step.variants) == 2
+    assert "re-tracing" in caplog.text and "('layout', (0, 2, 1))" in caplog.text
+    assert_same_state(eager, model, opt_e, opt, normwise=backend == "ort")
+
+
 def test_scheduled_betas_momentum_weight_decay_never_retrace():
     """OneCycleLR cycles Adam's beta1 (and lr) every step; weight decay set by hand: all graph inputs."""
     model, opt, step = _setup(torch.optim.AdamW, lr=1e-3, weight_decay=0.1)

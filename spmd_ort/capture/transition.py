@@ -3,9 +3,10 @@
 A :class:`StepKey` describes everything the traced graph was specialised on:
 the structure, shapes, dtypes, devices and ``requires_grad`` of the inputs
 (for one that requires grad, whether it has a ``.grad``, its shape and dtype;
-which leaves are the same tensor) and their non-tensor values, the module's training modes, its parameters and
-buffers (identity, shape, dtype, whether a gradient is present), its forward
-hooks (they run while tracing), the optimizer's param groups (parameters,
+which leaves are the same tensor; the memory layout of one that is not
+contiguous) and their non-tensor values, the module's training modes, its parameters and
+buffers (identity, shape, dtype, whether a gradient is present, a layout that
+is not contiguous), its forward hooks (they run while tracing), the optimizer's param groups (parameters,
 options baked into the graph) and state layout, and mixed precision: autocast
 entered outside the step and the GradScaler's class, whether it is enabled and
 its update constants (growth and backoff factors, growth interval).  Symbolic
@@ -28,6 +29,7 @@ import torch.utils._pytree as pytree
 from torch import nn
 
 from spmd_ort.capture.dynamic import DynamicDims, abstract_shape
+from spmd_ort.runtime import ops
 
 logger = logging.getLogger("spmd_ort")
 
@@ -39,14 +41,24 @@ def _tensor_desc(t: torch.Tensor) -> tuple:
     return ("tensor", tuple(t.shape), str(t.dtype), str(t.device), bool(t.requires_grad))
 
 
+def _layout_desc(t: torch.Tensor) -> tuple:
+    """A tensor's memory layout when it is not contiguous (nothing when it is, as in keys made before layouts
+    counted): the graph's random ops draw in the layouts eager's kernels make from the inputs' own, found once
+    when the graph is compiled (``pin_random_layouts_pass``), so another layout needs another graph."""
+    if t.is_contiguous():
+        return ()
+    order = ops.memory_order(t)
+    return (("layout", order if order is not None else tuple(t.stride())),)
+
+
 def _input_desc(t: torch.Tensor, dims: frozenset[int] = frozenset()) -> tuple:
-    """A batch tensor: what the graph is specialised on (``None`` for a symbolic size), and for one that
-    requires grad, its ``.grad``."""
+    """A batch tensor: what the graph is specialised on (``None`` for a symbolic size), for one that requires
+    grad, its ``.grad``, and a layout that is not contiguous."""
     desc = ("tensor", abstract_shape(tuple(t.shape), dims), str(t.dtype), str(t.device), bool(t.requires_grad))
     if t.requires_grad:
         g = t.grad if t.is_leaf else None
         desc += (None if g is None else ("grad", tuple(g.shape), str(g.dtype)),)
-    return desc
+    return desc + _layout_desc(t)
 
 
 def _leaf_desc(x: Any) -> Any:
@@ -133,9 +145,9 @@ class StepKey:
         training = tuple((fqn or "<root>", m.training) for fqn, m in module.named_modules())
         params = tuple(
             (name, (tuple(p.shape), str(p.dtype), str(p.device), p.requires_grad,
-                    None if p.grad is None else ("grad", tuple(p.grad.shape), str(p.grad.dtype))))
+                    None if p.grad is None else ("grad", tuple(p.grad.shape), str(p.grad.dtype))) + _layout_desc(p))
             for name, p in module.named_parameters(remove_duplicate=False))
-        buffers = tuple((name, (tuple(b.shape), str(b.dtype), str(b.device)))
+        buffers = tuple((name, (tuple(b.shape), str(b.dtype), str(b.device)) + _layout_desc(b))
                         for name, b in module.named_buffers(remove_duplicate=False))
         identity = (
             ("objects", tuple(id(x) for x in leaves

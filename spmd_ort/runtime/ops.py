@@ -8,6 +8,9 @@ work in the running step's :class:`~spmd_ort.runtime.collectives.Communicator`.
   tracing (identity); the data-parallel passes replace it.
 * ``tap(x, tap_id)``: marks an activation whose statistics a debug subscriber
   records (identity); ``insert_activation_stats_pass`` replaces it.
+* random: ``bernoulli_like(t, p)`` (dropout's in-place fill, functional) and
+  ``with_layout(x, dim_order, values)``, which gives a random op's input the memory
+  layout eager's kernels gave it (``pin_random_layouts_pass``).
 * collectives: ``all_reduce_``, ``wait_``, ``broadcast_`` (in place, returning
   their input, so graph order follows data) and ``all_gather``, ``reduce_scatter``
   (new tensors that ``wait_`` completes); see :mod:`spmd_ort.runtime.collectives`.
@@ -41,11 +44,11 @@ _LIB = torch.library.Library("spmd_ort", "DEF")
 _IMPL = "CompositeExplicitAutograd"  # one body for every device; no autograd formula (graphs run without it)
 
 
-def _op(schema: str, body, fake) -> torch._ops.OpOverload:
+def _op(schema: str, body, fake, tags: tuple = ()) -> torch._ops.OpOverload:
     """Define ``spmd_ort::<schema>`` with ``body`` and its fake (shape-only) implementation."""
     name = schema.split("(", 1)[0]
     qualname = f"spmd_ort::{name}"
-    torch.library.define(qualname, schema[len(name):], lib=_LIB)
+    torch.library.define(qualname, schema[len(name):], lib=_LIB, tags=tags)
     torch.library.impl(qualname, _IMPL, lib=_LIB)(body)
     torch.library.register_fake(qualname, lib=_LIB)(fake)
     return getattr(torch.ops.spmd_ort, name).default
@@ -68,9 +71,51 @@ fx.node.has_side_effect(check_index)
 # ``t.bernoulli_(p)`` as a functional op: the mask in ``t``'s own layout, filled in its memory order as the
 # in-place op fills it (functionalization's ``aten.bernoulli.p`` returns a contiguous tensor filled in
 # logical order: another mask from the same seed when ``t`` is transposed, e.g. dropout after a Conv1d
-# over (B, T, C)).  Runs on the host with torch's RNG, like every random op.
+# over (B, T, C)).  Runs on the host with torch's RNG, like every random op (tagged as torch tags its own).
+RANDOM = torch.Tag.nondeterministic_seeded
 bernoulli_like = _op("bernoulli_like(Tensor t, float p) -> Tensor",
-                     lambda t, p: torch.empty_like(t).bernoulli_(p), lambda t, p: torch.empty_like(t))
+                     lambda t, p: torch.empty_like(t).bernoulli_(p), lambda t, p: torch.empty_like(t), tags=(RANDOM,))
+
+
+def memory_order(t: Tensor) -> tuple[int, ...] | None:
+    """The dims of ``t`` longer than 1, outermost first in memory, when ``t`` is dense (no gaps, no overlap);
+    else None.  A dim of size 1 takes no part: any stride serves it, and a fill never steps along it."""
+    if t.numel() == 0:
+        return tuple(d for d in range(t.dim()) if t.shape[d] != 1)  # nothing is drawn: any order is eager's
+    dims = sorted((d for d in range(t.dim()) if t.shape[d] != 1), key=lambda d: -t.stride(d))
+    expected = 1
+    for d in reversed(dims):
+        if t.stride(d) != expected:
+            return None
+        expected *= t.shape[d]
+    return tuple(dims)
+
+
+def dense_dim_order(t: Tensor) -> tuple[int, ...]:
+    """Every dim of ``torch.empty_like(t)``, outermost first: the layout a random op draws ``t``-shaped values in
+    (``empty_like`` keeps a dense tensor's strides and gives any other the dense layout nearest to them)."""
+    strides = torch.empty_like(t).stride()
+    return tuple(sorted(range(t.dim()), key=lambda d: -strides[d]))  # stable: dims of size 1 in place
+
+
+def _with_layout(x: Tensor, dim_order: list[int], values: bool) -> Tensor:
+    if memory_order(x) == tuple(d for d in dim_order if x.shape[d] != 1):
+        return x  # already laid out as eager had it (the fx executor runs eager's kernels): nothing to do
+    out = torch.empty_permuted(x.shape, dim_order, dtype=x.dtype, device=x.device)
+    return out.copy_(x) if values else out
+
+
+# ``x`` laid out in memory with its dims in ``dim_order`` (outermost first), the layout eager's kernels gave it
+# (found by ``pin_random_layouts_pass``): ``x`` itself when it already is, else a new tensor holding ``x``'s
+# values (``values``) or none (``x`` is an uninitialised allocation a random op fills).  A random op draws in
+# its input's memory order, and an ORT segment's outputs are contiguous whatever eager's kernels return.
+with_layout = _op("with_layout(Tensor x, int[] dim_order, bool values) -> Tensor", _with_layout,
+                  lambda x, dim_order, values: torch.empty_permuted(x.shape, dim_order, dtype=x.dtype,
+                                                                    device=x.device))
+
+# ops whose body reads nothing but its arguments (no step context; random ones draw from torch's RNG): what
+# pin_random_layouts_pass may run on its own tensors to learn the layouts eager's kernels give
+PURE_OPS = (tag_grad, tap, bernoulli_like, with_layout)
 
 # ---------------------------------------------------------------------- collectives
 all_reduce_ = _op("all_reduce_(Tensor(a!) t, float prescale) -> Tensor(a!)",
