@@ -26,9 +26,17 @@ EAGER_LAYOUT_UNKNOWN = "eager_layout_unknown"  # a random op whose inputs' eager
 
 
 def is_random(node: fx.Node) -> bool:
-    """Whether ``node`` is a random op: torch tags its own (``nondeterministic_seeded``), and ours carry the tag."""
-    return (node.op == "call_function" and isinstance(node.target, torch._ops.OpOverload)
-            and ops.RANDOM in node.target.tags)
+    """Whether ``node`` draws random numbers: torch tags its random ops (``nondeterministic_seeded``), ours carry
+    the tag; an op tagged for an optional dropout (attention's ``dropout_p``, ``native_dropout``'s ``p`` or
+    ``train``) draws nothing when that dropout is off."""
+    if not (node.op == "call_function" and isinstance(node.target, torch._ops.OpOverload)
+            and ops.RANDOM in node.target.tags):
+        return False
+    for i, arg in enumerate(node.target._schema.arguments):
+        value = node.args[i] if i < len(node.args) else node.kwargs.get(arg.name, arg.default_value)
+        if (arg.name in ("dropout_p", "p") and value == 0) or (arg.name == "train" and value is False):
+            return False
+    return True
 
 
 def val(node: fx.Node) -> torch.Tensor:

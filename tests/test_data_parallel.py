@@ -131,6 +131,26 @@ def test_an_empty_batch_on_one_rank_fails_on_every_rank_naming_it(tmp_path):
                 assert seen["unchanged"] and seen["unsharded"], (label, seen)
 
 
+def test_an_index_out_of_range_on_one_rank_fails_on_every_rank_at_once(tmp_path):
+    """Rank 1's batch holds an embedding id of -1: every rank raises InputIndexError naming it within
+    seconds (the checks agree with one small all-reduce; before, rank 0 waited in the next collective for
+    the process group's timeout), changes nothing, and the next good step runs (replicate and fully_shard,
+    fx and ORT; tests/dist/bad_index.py)."""
+    out = tmp_path / "out"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+           str(ROOT / "tests" / "dist" / "bad_index.py"), "--out", str(out)]
+    proc = subprocess.run(cmd, env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True, text=True,
+                          timeout=300)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-6000:]
+    for r in range(2):
+        res = json.loads((out / f"rank{r}.json").read_text())
+        for case in ("replicate-fx", "replicate-ort", "fully_shard-fx", "fully_shard-ort"):
+            seen = res[case]
+            assert seen["type"] == "InputIndexError", (case, seen)
+            assert "-1" in seen["error"] and "`x`" in seen["error"] and "rank 1" in seen["error"], (case, seen)
+            assert seen["unchanged"] and seen["seconds"] < 30, (case, seen)
+
+
 def test_a_rank_that_stops_stepping_makes_the_others_raise_within_the_timeout(tmp_path):
     out = tmp_path / "out"
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",

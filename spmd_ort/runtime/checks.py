@@ -22,20 +22,43 @@ def check_index(index: Tensor, high: int, wraps: bool, ignore: int | None, op: s
 
     ``message`` is the error's text with ``{value}`` and ``{position}`` left to fill in.
     """
-    if index.numel() == 0:
+    failure = _first_bad(index, high, wraps, ignore)
+    world = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+    if world > 1:
+        # Every rank runs this check at the same point of the same graph: they agree on whether any of them
+        # failed (one small all-reduce), so every rank raises, and none waits in a collective for the others.
+        flag = torch.tensor([0 if failure is None else 1], dtype=torch.int32)
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        if int(flag) == 0:
+            return index
+        failures: list = [None] * world
+        dist.all_gather_object(failures, failure)
+        bad_rank = next(r for r, f in enumerate(failures) if f is not None)
+        failure = failures[bad_rank]
+    elif failure is None:
         return index
+    else:
+        bad_rank = None
+    low, value, position = failure
+    text = message.replace("{value}", str(value)).replace("{position}", str(list(position)))
+    if bad_rank is not None and bad_rank != dist.get_rank():
+        text = f"rank {bad_rank}'s batch: {text} (this rank, {dist.get_rank()}, raises with it)"
+    raise InputIndexError(text, input=input, op=op, fqn=fqn or None, value=value, position=position, low=low,
+                          high=high, ignore=ignore, rank=bad_rank)
+
+
+def _first_bad(index: Tensor, high: int, wraps: bool, ignore: int | None) -> tuple[int, int, tuple] | None:
+    """(low, the first bad value, its position), or None when every index is in range or ``ignore``."""
+    if index.numel() == 0:
+        return None
     low = -high if wraps else 0
     least, most = torch.aminmax(index)
     if low <= int(least) and int(most) < high:  # one reduction in the common case
-        return index
+        return None
     bad = (index < low) | (index >= high)
     if ignore is not None:
         bad &= index != ignore
     if not bool(bad.any()):
-        return index
+        return None
     position = tuple(int(i) for i in bad.nonzero()[0])
-    value = int(index[position])
-    text = message.replace("{value}", str(value)).replace("{position}", str(list(position)))
-    rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else None
-    raise InputIndexError(text, input=input, op=op, fqn=fqn or None, value=value, position=position, low=low,
-                          high=high, ignore=ignore, rank=rank)
+    return low, int(index[position]), position

@@ -12,6 +12,7 @@ model from another seed, so nothing but the checkpoint can carry the state.
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import sys
 from pathlib import Path
@@ -60,6 +61,10 @@ def main() -> None:
                              for i, st in saved["optim"]["state"].items() for key, v in st.items())
             (out / "reshard.json").write_text(json.dumps({"world": world, "params_equal": same,
                                                           "state_equal": same_state}))
+        # as dist_common.finish: what holds collectives dies before the process group (the exit otherwise
+        # aborted now and then: "terminate called without an active exception", 4 ranks on 2 cores)
+        del step, model, opt, full
+        gc.collect()
         dist.barrier()
         dist.destroy_process_group()
         return
