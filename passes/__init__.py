@@ -13,8 +13,9 @@ from .analysis import CollectiveCounts, MemoryPlan, count_collectives_pass, plan
 from .cleanup import remove_identity_views_pass, remove_redundant_copies_pass
 from .context import PassContext, PassRecord, PassResult, PassResults
 from .contracts import Invariant
-from .data_parallel import (GradientBuckets, broadcast_buffers_pass, bucket_collectives_pass, dedup_collectives_pass,
-                            expand_data_parallel_pass, schedule_overlap_pass)
+from .data_parallel import (GradientBuckets, SummedMicroBatches, broadcast_buffers_pass, bucket_collectives_pass,
+                            dedup_collectives_pass, expand_data_parallel_pass, schedule_overlap_pass,
+                            sum_micro_batch_gradients_pass)
 from .fully_shard import (ShardedParams, complete_found_inf_pass, complete_grad_norms_pass, gather_parameters_pass,
                           propagate_shards_pass, reduce_scatter_gradients_pass, rematerialize_param_views_pass,
                           shard_placeholders_pass)
@@ -33,7 +34,7 @@ from .views import replace_views_with_reshapes_pass
 __all__ = [
     "PARALLEL_STAGES", "STAGES", "CollectiveCounts", "Contract", "GradientBuckets", "GraphPass", "Invariant",
     "KeptForBackward", "Lowering", "MemoryPlan", "OptimizerOffload", "ParamOffload", "PassContext", "PassError",
-    "PassRecord", "PassResult", "PassResults", "ShardBuckets", "ShardedParams", "broadcast_buffers_pass",
+    "PassRecord", "PassResult", "PassResults", "ShardBuckets", "ShardedParams", "SummedMicroBatches", "broadcast_buffers_pass",
     "bucket_collectives_pass", "bucket_shard_collectives_pass", "build_pipeline", "cast_gradient_reductions_pass",
     "cast_params_before_gather_pass", "check_disabled", "check_order", "complete_found_inf_pass",
     "complete_grad_norms_pass", "contract_of", "count_collectives_pass", "dedup_collectives_pass",
@@ -43,5 +44,5 @@ __all__ = [
     "plan_memory_pass", "prefetch_gathers_pass", "propagate_shards_pass", "reduce_scatter_gradients_pass",
     "reinplace_optimizer_pass", "rematerialize_param_views_pass", "remove_identity_views_pass",
     "remove_redundant_copies_pass", "replace_views_with_reshapes_pass", "run_passes", "schedule_overlap_pass",
-    "shard_placeholders_pass", "write_readme_table",
+    "shard_placeholders_pass", "sum_micro_batch_gradients_pass", "write_readme_table",
 ]

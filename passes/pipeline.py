@@ -25,7 +25,7 @@ from .activation_stats import insert_activation_stats_pass
 from .analysis import count_collectives_pass, plan_memory_pass
 from .cleanup import remove_identity_views_pass, remove_redundant_copies_pass
 from .data_parallel import (broadcast_buffers_pass, bucket_collectives_pass, dedup_collectives_pass,
-                            expand_data_parallel_pass, schedule_overlap_pass)
+                            expand_data_parallel_pass, schedule_overlap_pass, sum_micro_batch_gradients_pass)
 from .fully_shard import (complete_found_inf_pass, complete_grad_norms_pass, gather_parameters_pass,
                           propagate_shards_pass, reduce_scatter_gradients_pass, rematerialize_param_views_pass,
                           shard_placeholders_pass)
@@ -94,6 +94,7 @@ STAGES: tuple[Step, ...] = (
     Step("cleanup", remove_redundant_copies_pass),
     Step("cleanup", remove_identity_views_pass),
     Step("debug", insert_activation_stats_pass, ALWAYS.note("a no-op unless a debug subscriber taps activations")),
+    Step("parallel", sum_micro_batch_gradients_pass, SEVERAL_RANKS),
     Step("replicate", expand_data_parallel_pass, REPLICATE),
     Step("fully_shard", shard_placeholders_pass, FULLY_SHARD),
     Step("fully_shard", reduce_scatter_gradients_pass, FULLY_SHARD),

@@ -88,6 +88,22 @@ def test_fully_shard_matches_single_process_eager(tmp_path, nproc, reshard, offl
     assert len({tuple(r["losses"]) for r in ranks}) == 1  # the global loss, all-reduced
 
 
+@pytest.mark.parametrize("backend", ["fx", "ort"])
+def test_gradient_accumulation_reduce_scatters_once_per_step(tmp_path, backend):
+    """Two micro-batches per rank, then one optimizer step: every full parameter and the optimizer state equal
+    eager on the global batch (in the script), and each step reduce-scatters the padded parameter bytes once
+    (twice without sum_micro_batch_gradients_pass), as FSDP2 with set_requires_gradient_sync(False) on all but
+    the last micro-batch."""
+    out = tmp_path / "out"
+    torchrun("zero_parity.py", 2, "--out", str(out), "--steps", "4", "--micro-batches", "2", "--backend", backend)
+    for r in [json.loads((out / f"rank{i}.json").read_text()) for i in range(2)]:
+        assert "compile_error" not in r, r.get("compile_error")
+        assert all(c["reduce_scatter_bytes"] == r["padded_param_bytes"] for c in r["comm"]), r["comm"]
+        assert "summed over 2 micro-batches" in r["describe"]
+        if backend == "ort":
+            assert_ort_report_clean(r["ort"])
+
+
 def _explained_bytes(text: str) -> dict[str, int]:
     import re
 
