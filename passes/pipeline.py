@@ -34,7 +34,8 @@ from .mixed_precision import cast_gradient_reductions_pass, cast_params_before_g
 from .offload import offload_optimizer_pass, offload_params_pass
 from .reinplace import reinplace_optimizer_pass
 from .runner import GraphPass, pass_name
-from .shard_schedule import bucket_shard_collectives_pass, keep_tail_gathers_pass, prefetch_gathers_pass
+from .shard_schedule import (bucket_shard_collectives_pass, carry_first_gather_pass, keep_tail_gathers_pass,
+                             prefetch_gathers_pass)
 from .user import gm_transformation_pass, override_transform_pass
 from .views import replace_views_with_reshapes_pass
 
@@ -114,6 +115,7 @@ STAGES: tuple[Step, ...] = (
     Step("fully_shard", prefetch_gathers_pass, FULLY_SHARD),
     Step("offload", offload_params_pass, OFFLOAD_PARAM),
     Step("offload", offload_optimizer_pass, OFFLOAD_OPTIMIZER),
+    Step("fully_shard", carry_first_gather_pass, FULLY_SHARD.note("a no-op with prefetch=0")),
     Step(USER_TRANSFORMS, "override_transform_pass[<Override>]", ALWAYS.note("each Override, in order")),
     Step(USER_TRANSFORMS, "gm_transformation_pass", When("compile(gm_transformation=...)", lambda s: True)),
     Step("analysis", plan_memory_pass),

@@ -138,7 +138,7 @@ def run(args, rank: int, world: int) -> dict:
         result["comm"].append({"all_gather_calls": c.all_gather_calls, "all_gather_bytes": c.all_gather_bytes,
                                "reduce_scatter_calls": c.reduce_scatter_calls,
                                "reduce_scatter_bytes": c.reduce_scatter_bytes, "all_reduce_bytes": c.all_reduce_bytes,
-                               "overlap": c.overlap})
+                               "carried_gathers": c.carried_gathers, "overlap": c.overlap})
     memory = step.memory()
     padded = sum(p._spmd_ort_shard.padded_numel for p in model.parameters())
     unsharded = spmd_ort.distributed.sharding.persistent_bytes(reference, opt_ref)["total"]
