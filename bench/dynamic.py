@@ -1,14 +1,15 @@
 """Dynamic shapes: 20 distinct sequence lengths, compiled programs, total and steady step time, in one run.
 
-Run:  .venv/bin/python bench/dynamic.py [--lengths 20] [--straggler]
+Run:  .venv/bin/python bench/dynamic.py [--lengths 20] [--warmup 2] [--samples 5] [--straggler]
 
 A small LM (GPT, vocab 512, d 128, 2 layers, batch 8) trains over 20 distinct
 lengths (16..128, shuffled), then over the same lengths again.  Per runner:
 programs compiled (spmd_ort: traced variants; torch.compile: frames compiled),
 the wall time of the first pass (what a new length costs: traces, exports,
-compiles) and the median step over the lengths once each is compiled (each
-length run twice in a row, the second timed: the static runners keep 8
-programs, so the first call may trace again).
+compiles) and the steady step once each length is compiled: per length,
+``--warmup`` untimed calls (the static runners keep 8 programs, so the first
+may trace again) then ``--samples`` timed ones, their median; the table shows
+the median of those over the lengths.
 Runners: ``eager`` (AdamW fused, the baseline); ``fx``/``ort`` with
 ``dynamic=None`` (automatic), ``True`` and ``False`` (one program per shape);
 ``inductor`` (``torch.compile(model, dynamic=None)``).  The runners alternate
@@ -87,7 +88,7 @@ def programs(name: str, fn) -> int:
     return 0
 
 
-def bench(n_lengths: int) -> None:
+def bench(n_lengths: int, warmup: int, n_samples: int) -> None:
     torch.manual_seed(0)
     base = GPT(CFG)
     lengths = random.Random(0).sample(range(16, CFG.seq + 1), n_lengths)
@@ -104,20 +105,25 @@ def bench(n_lengths: int) -> None:
             fn(m, opt, x, y)
             first[k] += time.perf_counter() - t0
     compiled = {k: programs(k, fn) for k, (_m, _o, fn) in rs.items()}
-    # steady: each length twice in a row, the second timed (a static program evicted from the LRU of 8
-    # is traced again by the first call, so every runner is timed on a program it holds)
+    # steady: per length, warm-up calls (a static program evicted from the LRU of 8 is traced again by the
+    # first, so every runner is timed on a program it holds), then timed samples; runners alternate call by call
     steady: dict[str, dict[int, float]] = {k: {} for k in rs}
     for n in lengths:
         x, y = batches[n]
-        for k, (m, opt, fn) in rs.items():
-            fn(m, opt, x, y)
-            time.sleep(0.02)
-            t0 = time.perf_counter()
-            fn(m, opt, x, y)
-            steady[k][n] = time.perf_counter() - t0
+        samples: dict[str, list[float]] = {k: [] for k in rs}
+        for call in range(warmup + n_samples):
+            for k, (m, opt, fn) in rs.items():
+                time.sleep(0.02)
+                t0 = time.perf_counter()
+                fn(m, opt, x, y)
+                if call >= warmup:
+                    samples[k].append(time.perf_counter() - t0)
+        for k in rs:
+            steady[k][n] = statistics.median(samples[k])
     eager = statistics.median(steady["eager"].values())
     print(f"{n_lengths} distinct lengths (16..{CFG.seq}), batch {BATCH}, GPT d={CFG.d} x{CFG.layers} layers, "
-          f"vocab {CFG.vocab}; torch {torch.__version__}, {torch.get_num_threads()} threads")
+          f"vocab {CFG.vocab}; torch {torch.__version__}, {torch.get_num_threads()} threads; steady step: per length "
+          f"the median of {n_samples} calls after {warmup} warm-up, then the median over lengths")
     print("| runner | programs after the first pass | first pass (s) | steady step (ms) | vs eager | "
           "auto / static at the same length |")
     print("|---|---|---|---|---|---|")
@@ -205,6 +211,8 @@ def straggler() -> None:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--lengths", type=int, default=20)
+    ap.add_argument("--warmup", type=int, default=2, help="untimed calls per length and runner before the samples")
+    ap.add_argument("--samples", type=int, default=5, help="timed calls per length and runner (their median)")
     ap.add_argument("--straggler", action="store_true")
     ap.add_argument("--straggler-worker", help=argparse.SUPPRESS)
     args = ap.parse_args()
@@ -213,7 +221,9 @@ def main() -> None:
         return
     print(f"machine: {platform.machine()}, {os.cpu_count()} cores; "
           f"onnxruntime {__import__('onnxruntime').__version__}")
-    bench(args.lengths)
+    if args.warmup < 1 or args.samples < 1:
+        raise SystemExit("--warmup and --samples must be at least 1")
+    bench(args.lengths, args.warmup, args.samples)
     if args.straggler:
         straggler()
 

@@ -97,7 +97,7 @@ def main() -> None:
                                                weight_decay=0.1, eps=1e-8, amsgrad=False, maximize=False), args.reps)
     params = [torch.nn.Parameter(torch.randn(n))]
     params[0].grad = torch.randn(n)
-    foreach_opt = torch.optim.AdamW(params, lr=1e-3, foreach=True)
+    foreach_opt = torch.optim.AdamW(params, lr=1e-3, weight_decay=0.1, foreach=True)  # every row's hyper-parameters
     foreach = timed(foreach_opt.step, args.reps)
     run_onnx, ops = onnx_runner(n, threads)
     onnx_ms = timed(run_onnx, args.reps)

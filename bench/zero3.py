@@ -1,6 +1,7 @@
 """ZeRO-3 on 2 ranks (gloo, CPU): compiled fully_shard vs DeepSpeed ZeRO-3 vs FSDP2 (+ torch.compile).
 
 Run:  .venv/bin/python bench/zero3.py [--steps 5] [--runners spmd-fx,deepspeed,fsdp2,fsdp2+compile]
+                                     [--allocator retain|system]
 
 gpt-mini (4 layers, d=256, seq 128, vocab 8192, 5.3 M params), batch 8 per rank
 (each rank its own), torch AdamW (lr 1e-3, weight decay 0.1) with ``fused=True`` for
@@ -19,12 +20,13 @@ FSDP2's; fp32 master parameters and AdamW state, bf16 compute, all-gathers and
 reduce-scatters): half the collective bytes; on a CPU without bf16 matmul units
 the compute is slower, not faster.
 
-Host allocator: spmd_ort's compiled step keeps freed host memory for reuse
-(``spmd_ort.runtime.memory.retain_host_memory``: glibc mmap threshold 1 GiB, no trimming).
-To show what that setting is worth on its own, any runner takes a suffix:
-``@retain`` runs it with the same glibc setting (``MALLOC_MMAP_THRESHOLD_`` /
-``MALLOC_TRIM_THRESHOLD_``), ``@system`` with glibc's default (for spmd runners,
-``SPMD_ORT_RETAIN_HOST_MEMORY=0``).
+Host allocator: one setting for every runner, as in bench/step.py and bench/dp.py, so that no
+runner is credited with it.  ``--allocator retain`` (the default): every worker keeps freed host
+memory for reuse from its start (``spmd_ort.runtime.memory.retain_host_memory``: glibc mmap
+threshold 1 GiB, no trimming; what the compiled step sets on its first call); ``--allocator
+system``: glibc's default for every runner (``SPMD_ORT_RETAIN_HOST_MEMORY=0`` for spmd_ort).  On
+gpt-mini the setting was worth ~15% of a step (bench/RESULTS.md).  Each worker reports whether
+the setting was in force, and the table's title says which one every runner ran with.
 
 * ms/step: median over ``--steps`` after 3 warm-up steps (compilation excluded);
 * peak RSS per rank (``VmHWM``, max over ranks), which includes the Python
@@ -57,10 +59,9 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 RUNNERS = ("spmd-fx", "spmd-ort", "spmd-fx+keep", "spmd-fx+bf16", "deepspeed", "fsdp2", "fsdp2+compile", "fsdp2+bf16")
-# glibc's own names for what spmd_ort.runtime.memory.retain_host_memory sets with mallopt
-RETAIN_ENV = {"MALLOC_MMAP_THRESHOLD_": str(1 << 30), "MALLOC_TRIM_THRESHOLD_": str((1 << 31) - 1)}
-ALLOCATOR_ENV = {"": {}, "retain": {**RETAIN_ENV, "SPMD_ORT_RETAIN_HOST_MEMORY": "1"},
-                 "system": {"SPMD_ORT_RETAIN_HOST_MEMORY": "0"}}
+# what every runner's worker gets: "retain" calls retain_host_memory() first thing (worker), "system" leaves
+# glibc as it ships, spmd_ort's step included
+ALLOCATORS = {"retain": {"SPMD_ORT_RETAIN_HOST_MEMORY": "1"}, "system": {"SPMD_ORT_RETAIN_HOST_MEMORY": "0"}}
 
 
 # ------------------------------------------------------------------ orchestrator
@@ -72,6 +73,8 @@ def main() -> None:
     ap.add_argument("--nproc", type=int, default=2)
     ap.add_argument("--repeat", type=int, default=1,
                     help="run the whole list this many times, interleaved; ms/step is the median over all runs")
+    ap.add_argument("--allocator", choices=sorted(ALLOCATORS), default="retain",
+                    help="host allocator setting for every runner (default: freed memory retained for reuse)")
     ap.add_argument("--worker", help=argparse.SUPPRESS)
     ap.add_argument("--out", help=argparse.SUPPRESS)
     args = ap.parse_args()
@@ -82,17 +85,17 @@ def main() -> None:
     runs: dict[str, list] = {}
     with tempfile.TemporaryDirectory() as tmp:
         for rep, name in [(r, n) for r in range(args.repeat) for n in args.runners.split(",")]:
-            base, _, allocator = name.partition("@")
-            if allocator not in ALLOCATOR_ENV:
-                raise SystemExit(f"{name}: the allocator suffix is @retain or @system")
+            if "@" in name:
+                raise SystemExit(f"{name}: the allocator is one setting for every runner: --allocator retain|system")
             out = Path(tmp) / f"{name}-{rep}.json"
             cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={args.nproc}",
-                   __file__, "--worker", base, "--steps", str(args.steps), "--out", str(out)]
+                   __file__, "--worker", name, "--steps", str(args.steps), "--allocator", args.allocator,
+                   "--out", str(out)]
             if args.offload:
                 cmd.append("--offload")
-            env = {k: v for k, v in os.environ.items() if not k.startswith("MALLOC_")}
+            env = {k: v for k, v in os.environ.items() if not k.startswith("MALLOC_")}  # no glibc tuning by env
             env.update({"OMP_NUM_THREADS": "1", "DS_ACCELERATOR": "cpu", "SPMD_ORT_LOG_LEVEL": "WARNING",
-                        **ALLOCATOR_ENV[allocator]})
+                        **ALLOCATORS[args.allocator]})
             t0 = time.perf_counter()
             proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
             wall = time.perf_counter() - t0
@@ -110,8 +113,19 @@ def main() -> None:
             results[name] = rs[0]
             continue
         results[name] = {**good[0], "ms": statistics.median(r["ms"] for r in good),
-                         "rss": max(r["rss"] for r in good), "runs_ms": [round(r["ms"]) for r in good]}
+                         "rss": max(r["rss"] for r in good), "runs_ms": [round(r["ms"]) for r in good],
+                         "retained": {r["retained"] for r in good}}
     report(results, args, config)
+
+
+def allocator_title(results: dict, allocator: str) -> str:
+    """What the title says about the host allocator: the setting asked for, or which runners did not get it."""
+    want = allocator == "retain"
+    off = [name for name, r in results.items() if "error" not in r and r["retained"] != {want}]
+    said = "host memory retained" if want else "glibc's default host allocator"
+    if not off:
+        return f"{said} for all runners"
+    return f"{said} asked for all runners, NOT IN FORCE for {', '.join(off)}"
 
 
 def report(results: dict, args, config: Path) -> None:
@@ -120,7 +134,8 @@ def report(results: dict, args, config: Path) -> None:
     floor = 3 * params * 4
     ds = results.get("deepspeed", {}).get("ms")
     print(f"# bench/zero3.py — gpt-mini ({params / 1e6:.2f} M params), {args.nproc} ranks, gloo, 1 thread/rank, "
-          f"{config.relative_to(ROOT)}, median of {args.steps} steps after 3 warm-up, {args.repeat} interleaved run(s)")
+          f"{config.relative_to(ROOT)}, {allocator_title(results, args.allocator)}, median of {args.steps} steps "
+          f"after 3 warm-up, {args.repeat} interleaved run(s)")
     print("| runner | ms/step | x DeepSpeed | peak RSS MiB/rank | persistent MiB/rank | collective MiB/step "
           "| x 3*params |")
     print("|---|---|---|---|---|---|---|")
@@ -149,6 +164,10 @@ def worker(args) -> None:
     from commcount import CommCounter
 
     counter = CommCounter().install()  # before any framework binds the functions
+    from spmd_ort.runtime.memory import host_memory_retained, retain_host_memory
+
+    if args.allocator == "retain":  # every runner from its start, as the compiled step does on its first call
+        retain_host_memory()
     name = args.worker
     config = ROOT / "configs" / ("zero3_offload.json" if args.offload else "zero3.json")
     if name.startswith("deepspeed"):
@@ -158,7 +177,7 @@ def worker(args) -> None:
     else:
         dist.init_process_group("gloo")
     rank = dist.get_rank()
-    from step import gpt_mini, train_step
+    from step import gpt_mini
 
     torch.manual_seed(0)
     model, batch = gpt_mini(seed=rank)  # every rank trains on its own batches
@@ -181,10 +200,14 @@ def worker(args) -> None:
     stats = torch.tensor([statistics.median(times), max_rss_bytes(),
                           persistent(), statistics.median(comm)], dtype=torch.float64)
     dist.all_reduce(stats, op=dist.ReduceOp.MAX)
+    in_force = torch.tensor([float(host_memory_retained())])
+    dist.all_reduce(in_force, op=dist.ReduceOp.MIN)  # retained only if every rank retained
+    retained = bool(in_force.item())
     if rank == 0:
         Path(args.out).write_text(json.dumps({"ms": stats[0].item() * 1e3, "rss": stats[1].item(),
                                               "persistent": stats[2].item(), "comm_bytes": stats[3].item(),
-                                              "params": params, **({"note": note} if note else {})}))
+                                              "params": params, "retained": retained,
+                                              **({"note": note} if note else {})}))
     dist.barrier()
     dist.destroy_process_group()
 

@@ -16,14 +16,14 @@ from torch import fx
 
 from spmd_ort import passes as P
 from spmd_ort.options import DebugOptions, Options, configure_logging
-from spmd_ort.overrides import OpaqueOverride, Override
+from spmd_ort.overrides import OpaqueOverride, Override, as_overrides
 from spmd_ort.step import CompiledStep
 
 __all__ = ["CompiledStep", "OpaqueOverride", "Override", "compile"]
 
 
 def compile(  # noqa: A001 - the reference API's name
-    module_override: list[Override] | None = None,
+    module_override: Override | list[Override] | None = None,
     gm_transformation: Callable[[fx.GraphModule], fx.GraphModule] | None = None,
     parallel_mode: Any = None,
     backend: str | None = None,
@@ -39,7 +39,7 @@ def compile(  # noqa: A001 - the reference API's name
     ``last_train_step=True`` (the reference API's flag; every call already completes its work).
 
     Args:
-        module_override: :class:`Override` objects for submodules that cannot be traced.
+        module_override: an :class:`Override`, or a list of them, for submodules that cannot be traced.
         gm_transformation: ``GraphModule -> GraphModule`` applied once per compiled variant.
         parallel_mode: a :class:`spmd_ort.DataParallel`; ``None`` means DataParallel() when
             torch.distributed is initialized with more than one rank, else a single process.
@@ -56,12 +56,13 @@ def compile(  # noqa: A001 - the reference API's name
     :data:`spmd_ort.options.ENV_VARS`) is read here, once; a bad value is a
     :class:`~spmd_ort.errors.ConfigError` naming it.
     """
+    overrides = as_overrides(module_override)
     options = Options.resolve(debug=debug, backend=backend, dynamic=dynamic)
     configure_logging(options.log_level)
     P.check_disabled(options.disabled_passes)
 
     def decorate(fn: Callable) -> CompiledStep:
-        return CompiledStep(fn, module_override=module_override, gm_transformation=gm_transformation,
+        return CompiledStep(fn, module_override=overrides, gm_transformation=gm_transformation,
                             parallel_mode=parallel_mode, options=options)
 
     return decorate

@@ -94,6 +94,7 @@ class Compiler:
                             mixed_precision=self.mixed_precision,
                             dynamic=None if key.shapes else dynamic,  # key.shapes: guards rejected the sizes
                             taps=self.taps)
+        self.opaque_plan.check_forced_met()
         if traced.symbolic is not None and traced.symbolic.specialised:
             names = {k: inputs.names[pos] for k, pos in enumerate(traced.batch_positions)}
             logger.info("%s: the model fixes %s; those dims stay static", self.name,

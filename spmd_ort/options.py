@@ -58,6 +58,31 @@ class DebugOptions:
     verify: bool = True
     check_passes: bool = False
 
+    def __post_init__(self):
+        """Checked here, where they are given: ``log_level`` is a LogLevel or its name (``"INFO"``), the switches are
+        booleans, ``onnx_prefix`` a file-name prefix.  A bad value is a ConfigError naming the field."""
+        object.__setattr__(self, "log_level", _debug_log_level(self.log_level))
+        for name in ("save_onnx", "verify", "check_passes"):
+            value = getattr(self, name)
+            if not isinstance(value, bool):
+                raise ConfigError(f"DebugOptions({name}={value!r}) is not valid: expected True or False")
+        prefix = self.onnx_prefix
+        if not isinstance(prefix, str) or not prefix or any(sep in prefix for sep in ("/", "\\", os.sep)):
+            raise ConfigError(f"DebugOptions(onnx_prefix={prefix!r}) is not valid: expected a non-empty file-name "
+                              "prefix without path separators (SPMD_ORT_SAVE_ONNX_PATH sets the directory)")
+
+
+def _debug_log_level(value: Any) -> LogLevel:
+    """A LogLevel from a LogLevel, its name in any case, or its number (``logging.INFO``)."""
+    if isinstance(value, LogLevel):
+        return value
+    if isinstance(value, str) and value.strip().upper() in LogLevel.__members__:
+        return LogLevel[value.strip().upper()]
+    if isinstance(value, int) and not isinstance(value, bool) and value in LogLevel._value2member_map_:
+        return LogLevel(value)
+    raise ConfigError(f"DebugOptions(log_level={value!r}) is not valid: expected a spmd_ort.LogLevel or its name "
+                      f"({', '.join(LogLevel.__members__)})")
+
 
 @dataclass(frozen=True, kw_only=True)
 class Options:
@@ -92,7 +117,11 @@ class Options:
         ``DebugOptions`` or the environment turns it on; ``SPMD_ORT_VERIFY``, when set, wins over
         ``DebugOptions.verify`` (so ``SPMD_ORT_VERIFY=0`` opts out everywhere).
         """
-        debug = debug or DebugOptions()
+        if debug is None:
+            debug = DebugOptions()
+        elif not isinstance(debug, DebugOptions):
+            raise ConfigError(f"compile(debug={debug!r}) is not valid: expected a spmd_ort.DebugOptions, e.g. "
+                              f"DebugOptions(log_level='INFO', save_onnx=True), not a {type(debug).__name__}")
         env = from_environment(os.environ if environ is None else environ)
         values: dict[str, Any] = {"log_level": debug.log_level, "save_onnx": debug.save_onnx,
                                   "onnx_prefix": debug.onnx_prefix}
@@ -102,6 +131,8 @@ class Options:
         if not values.get("custom_autograd", True) and values.get("opaque_functions"):
             raise ConfigError("SPMD_ORT_OPAQUE_AUTOGRAD_FUNCTIONS lists Functions to run opaquely, but "
                               "SPMD_ORT_DISABLE_CUSTOM_AUTOGRAD_SUPPORT=1 runs none opaquely; set one of them")
+        if values.get("opaque_functions"):
+            values["opaque_functions"] = frozenset(resolve_function(n) for n in values["opaque_functions"])
         if backend is not None:
             if backend not in BACKENDS:
                 raise ConfigError(f"backend={backend!r} is not one of {', '.join(BACKENDS)}")
@@ -155,6 +186,17 @@ def _opset(value: str) -> int:
     return v
 
 
+def _directory(value: str) -> Path:
+    """A directory to write into: it may not exist yet (it is created), but no part of it may be a file."""
+    path = Path(value).expanduser()
+    for part in (path, *path.parents):
+        if part.exists():
+            if not part.is_dir():
+                raise ValueError(f"a directory, but {str(part)!r} is a file")
+            break
+    return path
+
+
 def _names(value: str) -> frozenset[str]:
     return frozenset(name.strip() for name in value.split(",") if name.strip())
 
@@ -173,6 +215,48 @@ def _qualified_names(value: str) -> frozenset[str]:
         raise ValueError(f"comma-separated qualified class names such as `pkg.module.MyFunction` "
                          f"(not {', '.join(bad)})")
     return names
+
+
+def resolve_function(name: str) -> str:
+    """The qualified name (``module.Class``, as the compiled step matches it) of the autograd.Function that
+    ``SPMD_ORT_OPAQUE_AUTOGRAD_FUNCTIONS`` names as ``name``; a ConfigError when there is none.
+
+    The longest importable prefix of ``name`` is imported and the rest looked up in it, so a name that no
+    Function has fails at compile() instead of running everything traced.  A Function re-exported elsewhere
+    (``pkg.Fn`` for ``pkg.mod.Fn``) is found under its own name.  A class defined in a function
+    (``<locals>`` in the name) cannot be imported: the compiled step warns after its first trace if it met
+    no Function of that name.
+    """
+    import importlib
+
+    import torch
+
+    if "<locals>" in name:
+        return name
+    var = f"SPMD_ORT_OPAQUE_AUTOGRAD_FUNCTIONS names `{name}`"
+    parts = name.split(".")
+    for cut in range(len(parts) - 1, 0, -1):
+        module_name = ".".join(parts[:cut])
+        try:
+            obj = importlib.import_module(module_name)
+        except ModuleNotFoundError as exc:
+            if exc.name is not None and module_name.startswith(exc.name):
+                continue  # not a module: a shorter prefix may be
+            raise ConfigError(f"{var}, but importing `{module_name}` failed: {exc}") from None
+        except Exception as exc:  # noqa: BLE001 - the user's module failed to import
+            raise ConfigError(f"{var}, but importing `{module_name}` failed: {type(exc).__name__}: {exc}") from None
+        for i, attr in enumerate(parts[cut:], start=cut):
+            if not hasattr(obj, attr):
+                raise ConfigError(f"{var}, but `{'.'.join(parts[:i])}` has no attribute `{attr}`. Fix: give the "
+                                  "Function's module and class, e.g. `mypkg.layers.MyFunction`")
+            obj = getattr(obj, attr)
+        if not (isinstance(obj, type) and issubclass(obj, torch.autograd.Function)):
+            what = f"the class `{obj.__module__}.{obj.__qualname__}`" if isinstance(obj, type) else \
+                f"a {type(obj).__name__}"
+            raise ConfigError(f"{var}, which is {what}, not a torch.autograd.Function subclass")
+        return f"{obj.__module__}.{obj.__qualname__}"
+    raise ConfigError(f"{var}, but no module `{parts[0]}` can be imported. Fix: give the Function's module and "
+                      "class, e.g. `mypkg.layers.MyFunction`")
 
 
 @dataclass(frozen=True)
@@ -205,8 +289,9 @@ ENV_VARS: tuple[EnvVar, ...] = (
            "who runs each ORT segment after the first run: `auto` (the faster of ORT and fx, timed on the first "
            "run), `ort` or `fx`"),
     EnvVar("SPMD_ORT_CACHE_DIR", "cache_dir", Path, "`~/.cache/spmd_ort`", "exported-model cache"),
-    EnvVar("SPMD_ORT_SAVE_ONNX_PATH", "save_onnx_path", Path, "working directory",
-           "where `DebugOptions(save_onnx=True)` writes `<onnx_prefix>_<segment>.onnx` (open them in Netron)"),
+    EnvVar("SPMD_ORT_SAVE_ONNX_PATH", "save_onnx_path", _directory, "working directory",
+           "the directory where `DebugOptions(save_onnx=True)` writes `<onnx_prefix>_<segment>.onnx` (open them in "
+           "Netron; created if missing, a file there is a `ConfigError`)"),
     EnvVar("SPMD_ORT_NATIVE", "native", _bool, "`1`",
            "`0`: host optimizer steps use torch's fused kernels instead of building `csrc/`"),
     EnvVar("SPMD_ORT_RETAIN_HOST_MEMORY", "retain_host_memory", _bool, "`1`",
@@ -216,7 +301,9 @@ ENV_VARS: tuple[EnvVar, ...] = (
     EnvVar("SPMD_ORT_DISABLE_CUSTOM_AUTOGRAD_SUPPORT", "custom_autograd", _not(_bool), "`0`",
            "`1`: never run an autograd.Function opaquely: it is traced, or the compile fails naming it"),
     EnvVar("SPMD_ORT_OPAQUE_AUTOGRAD_FUNCTIONS", "opaque_functions", _qualified_names, "none",
-           "comma-separated autograd.Functions (`pkg.module.Class`) always run opaquely, as host nodes, untraced"),
+           "comma-separated autograd.Functions (`pkg.module.Class`) always run opaquely, as host nodes, untraced; "
+           "each is imported at `compile()` (a name that is no Function is a `ConfigError`; one defined in a "
+           "function, `<locals>`, gets a WARNING after the first trace if the step applied none of that name)"),
     EnvVar("SPMD_ORT_DYNAMIC", "dynamic", _choice("dynamic", DYNAMIC_MODES), "`auto`",
            "`auto`: the first trace is static, sizes of tensor inputs and int/float arguments that change become "
            "symbolic (one program for all of them); `1`: batch and sequence dims symbolic from the start; "
@@ -258,7 +345,12 @@ def env_table_markdown() -> str:
 
 
 class _RankFilter(logging.Filter):
-    """Gives every spmd_ort log record ``rank`` (" rank <r>" under torch.distributed with several ranks, else "")."""
+    """Gives every spmd_ort log record ``rank`` (" rank <r>" under torch.distributed with several ranks, else "").
+
+    A logger's filters see only the records made by that logger, not those its children
+    propagate, so every ``spmd_ort`` logger carries one (:func:`get_logger`), and so does the
+    handler :func:`configure_logging` adds.
+    """
 
     def filter(self, record: logging.LogRecord) -> bool:
         record.rank = ""
@@ -272,6 +364,22 @@ class _RankFilter(logging.Filter):
         return True
 
 
+_RANK_FILTER = _RankFilter()
+
+
+def get_logger(name: str = "spmd_ort") -> logging.Logger:
+    """The logger ``name`` (``spmd_ort`` or a child of it), whose records carry ``%(rank)s`` for every handler."""
+    if name != "spmd_ort" and not name.startswith("spmd_ort."):
+        raise ValueError(f"get_logger({name!r}): spmd_ort's loggers are `spmd_ort` and its children")
+    named = logging.getLogger(name)
+    if _RANK_FILTER not in named.filters:
+        named.addFilter(_RANK_FILTER)
+    return named
+
+
+get_logger("spmd_ort")  # records made before any compile() (e.g. while a DeepSpeed config is read) carry it too
+
+
 def configure_logging(level: LogLevel) -> None:
     """The ``spmd_ort`` logger at ``level``; its records carry ``%(rank)s`` for any handler's format.
 
@@ -279,12 +387,12 @@ def configure_logging(level: LogLevel) -> None:
     ERROR or FATAL hide them.
     """
     logger.setLevel(int(level))
-    if not any(isinstance(f, _RankFilter) for f in logger.filters):
-        logger.addFilter(_RankFilter())
-    logging.getLogger("spmd_ort.progress").setLevel(min(int(level), logging.INFO) if level <= LogLevel.WARNING
+    get_logger("spmd_ort")
+    get_logger("spmd_ort.progress").setLevel(min(int(level), logging.INFO) if level <= LogLevel.WARNING
                                                      else int(level))
     # Print on our own only where the application has not configured logging.
     if not logger.handlers and not logging.getLogger().handlers:
         handler = logging.StreamHandler()
         handler.setFormatter(logging.Formatter("[spmd_ort%(rank)s %(levelname)s] %(message)s"))
+        handler.addFilter(_RANK_FILTER)  # also for a child logger made with logging.getLogger, not get_logger
         logger.addHandler(handler)

@@ -63,3 +63,24 @@ class OpaqueOverride(Override):
 
     def __repr__(self) -> str:
         return f"OpaqueOverride({', '.join(map(repr, self.patterns))})"
+
+
+def as_overrides(module_override: object) -> list[Override]:
+    """``compile(module_override=...)`` as a list: None, one :class:`Override`, or a list or tuple of them.
+
+    Anything else is a ``TypeError`` saying what was given (a bare ``OpaqueOverride(...)`` used to fail with
+    "'OpaqueOverride' object is not iterable").
+    """
+    if module_override is None:
+        return []
+    if isinstance(module_override, Override):
+        return [module_override]
+    example = "e.g. [spmd_ort.OpaqueOverride('model.layers.*.mlp')]"
+    if not isinstance(module_override, (list, tuple)):
+        raise TypeError(f"spmd_ort.compile(module_override=...) takes a spmd_ort.Override or a list of them "
+                        f"({example}), not {type(module_override).__name__}")
+    for i, item in enumerate(module_override):
+        if not isinstance(item, Override):
+            raise TypeError(f"spmd_ort.compile(module_override=...): item {i} is {type(item).__name__} {item!r:.80}, "
+                            f"not a spmd_ort.Override (subclass Override, or use OpaqueOverride; {example})")
+    return list(module_override)

@@ -24,7 +24,8 @@ import torch
 from torch import nn
 
 from spmd_ort.capture import amp
-from spmd_ort.capture.inputs import StepCall, StepInputs, bind_arguments, find_state_owners, signature_of
+from spmd_ort.capture.inputs import (StepCall, StepInputs, bind_arguments, find_state_owners, signature_of,
+                                     unwrap_torch_compiled)
 from spmd_ort.capture.opaque import OpaquePlan
 from spmd_ort.capture.optim import rule_for
 from spmd_ort.capture.prepare import Preparation
@@ -81,6 +82,7 @@ class CompiledStep:
         self._started = False
         self._last: tuple | None = None  # (module, optimizer) of the last call
         self._signature = signature_of(fn)
+        self._unwrapped = False  # said once that a torch.compile'd model is compiled through the module it wraps
 
     # ------------------------------------------------------------------ the call
     def __call__(self, *args: Any, last_train_step: bool = False, **kwargs: Any) -> Any:
@@ -107,6 +109,12 @@ class CompiledStep:
 
     def _bind(self, args: tuple, kwargs: dict) -> StepCall:
         bind_arguments(self.fn, args, kwargs, self._signature)  # a call that does not match is no trace failure
+        args, kwargs, wrappers = unwrap_torch_compiled(args, kwargs)
+        if wrappers and not self._unwrapped:
+            self._unwrapped = True
+            logger.info("%s: the model passed is torch.compile'd (%s); spmd_ort compiles the module it wraps (%s) "
+                        "instead: the same parameters, and torch.compile's own compilation is not used",
+                        self.transitions.name, type(wrappers[0]).__name__, type(wrappers[0]._orig_mod).__name__)
         module, opt, scaler = find_state_owners(args, kwargs)
         if not self._started:
             self._started = True
@@ -250,6 +258,7 @@ class CompiledStep:
         (A checkpoint load that fails leaves a fresh model unsharded, as it found it.)
         """
         rank, world_size = parallel.world()
+        (module,), _, _ = unwrap_torch_compiled((module,), {})
         call = StepCall(args=(), kwargs={}, module=module, opt=opt, scaler=None, rule=None,
                         mode=parallel.resolve(self.parallel_mode), rank=rank, world_size=world_size)
         with Preparation(call, prefill=False):

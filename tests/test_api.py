@@ -172,3 +172,32 @@ def test_failing_pass_is_a_compile_error_naming_it(monkeypatch):
     with pytest.raises(spmd_ort.CompileError, match="`broken_pass`.*boom"):
         step(model, torch.optim.SGD(model.parameters(), lr=0.1), torch.randn(4, 32), torch.randint(0, 10, (4,)))
     assert all(torch.equal(a, b) for a, b in zip(before, model.parameters()))
+
+
+@pytest.mark.parametrize("backend", ["fx", "ort"])
+def test_a_torch_compiled_model_is_compiled_through_the_module_it_wraps(backend, caplog):
+    """nanoGPT's train.py passes `torch.compile(model)`: that failed with a CompileError about dynamo whose fix
+    pointed at the model's own forward.  The module it wraps is compiled (one INFO line says so), its parameters
+    are the ones the optimizer steps, and training matches eager step by step."""
+    import logging
+
+    torch.manual_seed(0)
+    model = MLP()
+    eager = copy.deepcopy(model)
+    wrapped = torch.compile(model)  # lazy: nothing is compiled by torch until it is called
+    opt = torch.optim.AdamW(wrapped.parameters(), lr=1e-2)
+    opt_e = torch.optim.AdamW(eager.parameters(), lr=1e-2)
+    step = spmd_ort.compile(backend=backend)(classification_step)
+    g = torch.Generator().manual_seed(1)
+    with caplog.at_level(logging.INFO, logger="spmd_ort"):
+        for i in range(3):
+            x, y = torch.randn(8, 32, generator=g), torch.randint(0, 10, (8,), generator=g)
+            loss_e = classification_step(eager, opt_e, x, y)
+            loss = step(wrapped, opt, x, y)
+            torch.testing.assert_close(loss, loss_e.detach(), rtol=1e-5, atol=1e-6)
+            assert_same_state(eager, model, opt_e, opt, where=f"step {i}", normwise=backend == "ort")
+    said = [r.getMessage() for r in caplog.records if "torch.compile'd" in r.getMessage()]
+    assert len(said) == 1 and "compiles the module it wraps (MLP)" in said[0], said
+    assert len(step.variants) == 1
+    assert all(torch.equal(v, model.state_dict()[k.removeprefix("_orig_mod.")])
+               for k, v in wrapped.state_dict().items())  # the wrapper sees the trained weights

@@ -1,4 +1,8 @@
-"""bench/commcount.py counts each collective call once, with its real payload (one-rank gloo group)."""
+"""bench/commcount.py counts each collective call once, with its real payload, on a 2-rank gloo group.
+
+Two ranks, because on one a gather's output is as large as its input and a reduce-scatter's input as
+large as its output: a counter reading the wrong argument would pass there.
+"""
 
 from __future__ import annotations
 
@@ -8,43 +12,54 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
+import torch.multiprocessing as mp
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "bench"))
-
-from commcount import CommCounter  # noqa: E402
-
-
-@pytest.fixture
-def counter(one_rank):
-    from torch.distributed import distributed_c10d as c10d
-
-    names = [n for n in dir(c10d) if "gather" in n or "scatter" in n or n in ("all_reduce", "broadcast")]
-    saved = {(m, n): getattr(m, n) for m in (dist, c10d) for n in names if hasattr(m, n)}
-    c = CommCounter().install()
-    c.enabled = True
-    yield c
-    for (m, n), fn in saved.items():
-        setattr(m, n, fn)
+BENCH = Path(__file__).resolve().parent.parent / "bench"
+WORLD = 2
+pytestmark = pytest.mark.multiproc
 
 
-def test_each_entry_point_counts_its_payload_once(counter):
-    shard = torch.ones(1000)  # 4000 bytes; world 1: the gathered tensor is as large
-    out = torch.empty(1000)
-    cases = [
-        (lambda: dist.all_gather_into_tensor(out, shard), 4000),  # calls all_gather_single inside
-        (lambda: dist.all_gather_single(out, shard), 4000),
-        (lambda: dist.reduce_scatter_tensor(out, shard), 4000),  # calls reduce_scatter_single inside
-        (lambda: dist.all_reduce(torch.ones(250)), 1000),
-        (lambda: dist.broadcast(torch.ones(10, dtype=torch.float64), src=0), 80),
-        (lambda: dist.all_gather([torch.empty(5)], torch.ones(5)), 20),
-    ]
-    for call, payload in cases:
-        before_bytes, before_calls = counter.bytes, counter.calls
-        call()
-        assert (counter.bytes - before_bytes, counter.calls - before_calls) == (payload, 1)
+def _cases(rank: int):
+    """(name, call, expected bytes): gathers count what they gather, reduce-scatters what goes in."""
+    shard = torch.full((1000,), float(rank + 1))  # 4000 bytes per rank
+    gathered = torch.empty(WORLD * 1000)  # 8000 bytes
+    scattered = torch.empty(1000)
+    whole = torch.ones(WORLD * 1000)
+    return [
+        ("all_gather_into_tensor", lambda: dist.all_gather_into_tensor(gathered, shard), 8000),  # nests below
+        ("all_gather_single", lambda: dist.all_gather_single(gathered, shard), 8000),
+        ("reduce_scatter_tensor", lambda: dist.reduce_scatter_tensor(scattered, whole), 8000),  # nests below
+        ("all_reduce", lambda: dist.all_reduce(torch.ones(250)), 1000),
+        ("broadcast", lambda: dist.broadcast(torch.ones(10, dtype=torch.float64), src=0), 80),
+        ("all_gather", lambda: dist.all_gather([torch.empty(5) for _ in range(WORLD)], torch.ones(5)), 40),
+    ], gathered, scattered
 
 
-def test_nothing_is_counted_while_disabled(counter):
-    counter.enabled = False
-    dist.all_reduce(torch.ones(4))
-    assert counter.bytes == 0 and counter.calls == 0
+def _worker(rank: int, init: str) -> None:
+    sys.path.insert(0, str(BENCH))
+    from commcount import CommCounter
+
+    dist.init_process_group("gloo", init_method=init, rank=rank, world_size=WORLD)
+    try:
+        counter = CommCounter().install()
+        counter.enabled = True
+        cases, gathered, scattered = _cases(rank)
+        for name, call, payload in cases:
+            before_bytes, before_calls = counter.bytes, counter.calls
+            call()
+            got = (counter.bytes - before_bytes, counter.calls - before_calls)
+            assert got == (payload, 1), f"rank {rank} {name}: counted (bytes, calls) {got}, expected {(payload, 1)}"
+        # the collectives ran for real: both shards gathered, the sum of two ranks' ones scattered
+        assert torch.equal(gathered, torch.cat([torch.full((1000,), 1.0), torch.full((1000,), 2.0)]))
+        assert torch.equal(scattered, torch.full((1000,), float(WORLD)))
+        counter.enabled = False
+        before = (counter.bytes, counter.calls)
+        dist.all_reduce(torch.ones(4))
+        assert (counter.bytes, counter.calls) == before, "counted while disabled"
+    finally:
+        dist.destroy_process_group()
+
+
+def test_each_entry_point_counts_its_payload_once_on_two_ranks(tmp_path):
+    # a rank's assertion error is re-raised here with its traceback (ProcessRaisedException)
+    mp.spawn(_worker, args=(f"file://{tmp_path / 'store'}",), nprocs=WORLD, join=True)

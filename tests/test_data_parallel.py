@@ -139,6 +139,27 @@ def test_mismatched_batch_shapes_fail_on_every_rank_quickly(tmp_path):
     assert elapsed < 60, f"took {elapsed:.0f}s"
 
 
+def test_an_empty_batch_on_one_rank_fails_on_every_rank_naming_it(tmp_path):
+    """It gave the raw difference of the ranks' keys (`('tensor', (None, 32), ...)` vs `(0, 32)`); now every rank
+    says that rank 1's input `x` is empty and what to do, changes nothing, and the next good step runs
+    (tests/dist/empty_batch.py: replicate, fully_shard, and replicate with dynamic shapes off)."""
+    out = tmp_path / "out"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+           str(ROOT / "tests" / "dist" / "empty_batch.py"), "--out", str(out)]
+    proc = subprocess.run(cmd, env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True, text=True,
+                          timeout=300)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-6000:]
+    for r in range(2):
+        res = json.loads((out / f"rank{r}.json").read_text())
+        for label in ("replicate", "fully_shard", "static"):
+            for seen in res[label]:
+                msg = seen["error"] or ""
+                assert "rank 1 passes an empty input `x` (shape (0, 32)) where rank 0 passes shape (8, 32)" in msg, \
+                    (label, seen)
+                assert "drop_last=True" in msg and f"this rank is {r}" in msg, (label, msg)
+                assert seen["unchanged"] and seen["unsharded"], (label, seen)
+
+
 def test_a_rank_that_stops_stepping_makes_the_others_raise_within_the_timeout(tmp_path):
     out = tmp_path / "out"
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",

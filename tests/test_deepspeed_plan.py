@@ -226,3 +226,65 @@ def test_auto_values_are_resolved_or_named():
     assert plan.mixed_precision.param_dtype == torch.bfloat16
     with pytest.raises(DeepSpeedConfigError, match="names no 'auto' entry"):
         spmd_ort.from_deepspeed_config(CONFIG, model, world_size=1, auto={"optimizer.params.lr": 1.0})
+
+
+def test_booleans_are_read_as_deepspeed_reads_them():
+    """DeepSpeed validates its config with pydantic models (lax mode): "false", "no", "off", "0" are false there, as
+    JSON templates write them.  Each boolean key read here follows that, and a string DeepSpeed rejects is a
+    ConfigError naming the key."""
+    from spmd_ort.integrations.deepspeed.config import parse_bool
+
+    pydantic = pytest.importorskip("pydantic")  # what DeepSpeed's config models run on
+    adapter = pydantic.TypeAdapter(bool)
+    for value in ("true", "True", "FALSE", "yes", "No", "on", "off", "t", "f", "y", "n", "1", "0", 1, 0, 1.0, 0.0,
+                  True, False, "maybe", "", " true", "2", 2, 0.5, None, [], "auto"):
+        try:
+            expected = adapter.validate_python(value)
+        except pydantic.ValidationError:
+            expected = None
+        assert parse_bool(value) == expected, value
+
+    model = MLP()
+    base = {"train_micro_batch_size_per_gpu": 4, "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}}}
+    off = spmd_ort.from_deepspeed_config({**base, "fp16": {"enabled": "false"}, "bf16": {"enabled": "false"},
+                                          "prescale_gradients": "false", "wall_clock_breakdown": "no"},
+                                         model, world_size=1)
+    assert off.mixed_precision is None and off.scaler is None and off.autocast_dtype is None
+    bf16 = spmd_ort.from_deepspeed_config({**base, "fp16": {"enabled": "false"}, "bf16": {"enabled": "True"}},
+                                          model, world_size=1)
+    assert bf16.mixed_precision.param_dtype == torch.bfloat16 and bf16.scaler is None
+    fp16 = spmd_ort.from_deepspeed_config({**base, "fp16": {"enabled": "yes", "auto_cast": "off",
+                                                            "consecutive_hysteresis": "on"}}, model, world_size=1)
+    assert fp16.mixed_precision.param_dtype == torch.float16 and fp16.autocast_dtype is None
+    assert fp16.scaler._consecutive_hysteresis is True
+    adam = spmd_ort.from_deepspeed_config(
+        {**base, "optimizer": {"type": "Adam", "params": {"lr": 1e-3, "adam_w_mode": "false", "amsgrad": "false",
+                                                          "bias_correction": "true"}}}, model, world_size=1)
+    assert type(adam.optimizer) is torch.optim.Adam and adam.optimizer.defaults["amsgrad"] is False
+    sgd = spmd_ort.from_deepspeed_config(
+        {**base, "optimizer": {"type": "SGD", "params": {"lr": 0.1, "momentum": 0.9, "nesterov": "false"}}},
+        model, world_size=1)
+    assert sgd.optimizer.defaults["nesterov"] is False
+    zero = {"stage": 3, "overlap_comm": "false", "contiguous_gradients": "true", "reduce_scatter": "true",
+            "offload_optimizer": {"device": "cpu", "pin_memory": "true"}}
+    assert spmd_ort.from_deepspeed_config({**base, "zero_optimization": zero}, model, world_size=1) \
+        .parallel_mode.prefetch == 0
+    mode = spmd_ort.DataParallel.from_deepspeed_config({"fp16": {"enabled": "false"}, "zero_optimization": zero})
+    assert mode.prefetch == 0 and mode.offload_optimizer == "cpu"
+    with pytest.raises(DeepSpeedConfigError, match="reduce_scatter=false"):
+        spmd_ort.DataParallel.from_deepspeed_config({"zero_optimization": {"stage": 3, "reduce_scatter": "False"}})
+
+    with pytest.raises(spmd_ort.ConfigError) as err:  # DeepSpeedConfigError is a spmd_ort.ConfigError
+        spmd_ort.from_deepspeed_config(
+            {**base, "fp16": {"enabled": "maybe"}, "bf16": {"immediate_grad_update": "sometimes"},
+             "zero_optimization": {"stage": 3, "overlap_comm": "perhaps"},
+             "optimizer": {"type": "AdamW", "params": {"lr": 1e-3, "amsgrad": "nope"}}}, model, world_size=1)
+    msg = str(err.value)
+    for key in ("fp16.enabled='maybe'", "bf16.immediate_grad_update='sometimes'",
+                "zero_optimization.overlap_comm='perhaps'", "optimizer.params.amsgrad='nope'"):
+        assert f"{key} (a boolean: true or false" in msg, (key, msg)
+    with pytest.raises(DeepSpeedConfigError, match=r"fp16.enabled='yes' and bf16.enabled='1' both turn"):
+        spmd_ort.from_deepspeed_config({**base, "fp16": {"enabled": "yes"}, "bf16": {"enabled": "1"}},
+                                       model, world_size=1)
+    with pytest.raises(DeepSpeedConfigError, match=r"bf16.enabled=\"on\""):
+        spmd_ort.DataParallel.from_deepspeed_config({"bf16": {"enabled": "on"}, "zero_optimization": {"stage": 3}})

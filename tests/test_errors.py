@@ -275,3 +275,146 @@ def test_optimizer_state_of_another_optimizer_is_named():
         "AdamW param group 0, parameter 0: its optimizer state has ['momentum_buffer'] but no ['step', 'exp_avg', "
         "'exp_avg_sq'] (state of another optimizer, loaded or assigned by hand?); eager AdamW fails here too. Fix: "
         "clear it (optimizer.state.clear()) or load a checkpoint saved with AdamW")
+
+
+def _mse_step(model, opt, x, y):
+    loss = F.mse_loss(model(x), y) + F.smooth_l1_loss(model(x), y) + F.huber_loss(model(x), y, delta=0.5)
+    loss.backward()
+    opt.step()
+    opt.zero_grad(set_to_none=True)
+    return loss
+
+
+@pytest.mark.parametrize("backend", ["fx", "ort"])
+def test_a_zero_size_batch_runs_as_eager_runs_it(backend):
+    """Eager trains on an empty batch (NaN loss, zero gradients: AdamW still decays the weights); tracing raised
+    ZeroDivisionError in torch's decompositions of the mse / smooth L1 / Huber loss backward, with "Fix: make the
+    step function traceable"."""
+    torch.manual_seed(0)
+    model = MLP(d_out=4)
+    eager = copy.deepcopy(model)
+    opt, opt_e = (torch.optim.AdamW(m.parameters(), lr=1e-2) for m in (model, eager))
+    step = spmd_ort.compile(backend=backend)(_mse_step)
+    g = torch.Generator().manual_seed(0)
+    for i, rows in enumerate((8, 0, 8, 0)):
+        x, y = torch.randn(rows, 32, generator=g), torch.randn(rows, 4, generator=g)
+        expected = _mse_step(eager, opt_e, x, y)
+        got = step(model, opt, x, y)
+        torch.testing.assert_close(got, expected.detach(), equal_nan=True, rtol=1e-5, atol=1e-6)
+        assert torch.isnan(got).item() == (rows == 0)
+        for (n, p), pe in zip(model.named_parameters(), eager.parameters()):
+            torch.testing.assert_close(p, pe, rtol=1e-5, atol=1e-6, msg=lambda m, n=n: f"step {i} {n}: {m}")
+    backward_ops = {n.target for v in step.variants for n in v.traced_gm.graph.nodes}
+    assert torch.ops.aten.mse_loss_backward.default in backward_ops  # non-empty batches keep eager's kernel
+
+
+def test_tracing_that_divides_by_an_empty_input_names_it(monkeypatch):
+    """Where tracing (not eager) fails on an empty input, the error names the input and why, not the step."""
+    from spmd_ort.capture import trace
+
+    monkeypatch.setattr(trace, "EAGER_DECOMPS", {})  # as before the fix above: torch's decomposition divides by 0
+    model = MLP(d_out=4)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    before = _snapshot(model, opt)
+    with pytest.raises(spmd_ort.CompileError) as info:
+        spmd_ort.compile(backend="fx")(_mse_step)(model, opt, torch.randn(0, 32), torch.randn(0, 4))
+    msg = str(info.value)
+    assert "the input `x` is empty (shape (0, 32), float32)" in msg and "`huber_loss_backward`" in msg, msg
+    assert "drop_last=True" in msg and "traceable" not in msg and info.value.input == "x"
+    _assert_identical(before, model, opt)
+
+
+def _user_error_step(model, opt, x, y):
+    loss = F.cross_entropy(model(x), y)
+    loss.backward()
+    if x.shape[0] % 3:
+        raise ValueError("this step wants a batch that is a multiple of 3")
+    opt.step()
+    return loss
+
+
+def _double_unscale_step(model, opt, scaler, x, y):
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        loss = F.cross_entropy(model(x), y)
+    scaler.scale(loss).backward()
+    scaler.unscale_(opt)
+    scaler.unscale_(opt)
+    scaler.step(opt)
+    scaler.update()
+    return loss
+
+
+class RaisingForward(MLP):
+    def forward(self, x):
+        if x.shape[-1] != 32:
+            raise ValueError(f"expected 32 features, got {x.shape[-1]}")
+        return super().forward(x)
+
+
+OWN_ERRORS = {  # step, model class, the step's extra leading arguments, the batch's features, what eager raises
+    "in the step": (_user_error_step, MLP, (), 32, ValueError, "this step wants a batch that is a multiple of 3"),
+    "unscale_ twice": (_double_unscale_step, MLP, (torch.amp.GradScaler("cpu"),), 32, RuntimeError,
+                       "unscale_() has already been called on this optimizer since the last update()"),
+    "in the model's forward": (classification_step, RaisingForward, (), 31, ValueError, "expected 32 features, got 31"),
+}
+
+
+@pytest.mark.parametrize("case", OWN_ERRORS)
+def test_the_steps_own_errors_are_raised_as_eager_raises_them(case):
+    """An error the step's own code raises (eager raises it too) ended with "Fix: make the step function
+    traceable"; it is now eager's exception, with a note that it is no limit of tracing, and nothing changed."""
+    fn, cls, extra, features, kind, text = OWN_ERRORS[case]
+    torch.manual_seed(0)
+    model = cls()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    x, y = torch.randn(4, 32), torch.randint(0, 10, (4,))
+    F.cross_entropy(model(x), y).backward()  # real gradients and optimizer state exist
+    opt.step()
+    batch = (torch.randn(4, features), y)
+    eager = copy.deepcopy((model, opt, *extra))
+    with pytest.raises(kind) as eager_info:
+        fn(*eager, *batch)
+    before = _snapshot(model, opt)
+    with pytest.raises(kind) as info:
+        spmd_ort.compile(backend="fx")(fn)(model, opt, *extra, *batch)
+    assert not isinstance(info.value, spmd_ort.CompileError)
+    assert str(info.value) == str(eager_info.value) and text in str(info.value)
+    notes = " ".join(getattr(info.value, "__notes__", []))
+    assert "raised this itself" in notes and "no limit of tracing" in notes and "unchanged" in notes, notes
+    _assert_identical(before, model, opt)
+
+
+def test_a_deepspeed_plan_given_the_wrong_number_of_micro_batches_says_so():
+    model = MLP()
+    plan = spmd_ort.from_deepspeed_config({"train_micro_batch_size_per_gpu": 4, "gradient_accumulation_steps": 2,
+                                           "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}}}, model,
+                                          world_size=1)
+    step = spmd_ort.compile(backend="fx")(plan.make_train_step(lambda m, x, y: F.cross_entropy(m(x), y)))
+    with pytest.raises(ValueError, match=r"accumulates 2 micro-batches per step \(gradient_accumulation_steps\), "
+                                         r"but `micro_batches` holds 1: pass a list of 2 batches") as info:
+        step(model, plan.optimizer, plan.scaler, [(torch.randn(4, 32), torch.randint(0, 10, (4,)))])
+    assert "traceable" not in str(info.value) and not plan.optimizer.state
+
+
+@pytest.mark.parametrize("kind", ["numpy", "list"])
+def test_a_batch_that_is_no_tensor_names_the_input_not_a_module(kind, caplog):
+    """A numpy array or a list of numbers as the batch was blamed on the first module it reached (`fc1` "cannot be
+    traced", a WARNING that it runs opaquely, then an error saying to make it traceable)."""
+    import numpy as np
+
+    torch.manual_seed(0)
+    model = MLP()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    before = _snapshot(model, opt)
+    x = np.random.default_rng(0).standard_normal((4, 32), dtype=np.float32)
+    x = x if kind == "numpy" else x.tolist()
+    with caplog.at_level(logging.WARNING, logger="spmd_ort"), pytest.raises(spmd_ort.CompileError) as info:
+        spmd_ort.compile(backend="fx")(classification_step)(model, opt, x, torch.randint(0, 10, (4,)))
+    msg = str(info.value)
+    what = "a numpy.ndarray (shape (4, 32), float32)" if kind == "numpy" else "a list of numbers (4 x 32)"
+    fix = "torch.from_numpy(x)" if kind == "numpy" else "torch.tensor(x)"
+    assert f"the input `x` is {what}, not a torch.Tensor: linear() in module `fc1` rejected it" in msg, msg
+    assert f"Fix: pass a torch.Tensor, e.g. {fix}" in msg and "traceable" not in msg, msg
+    assert info.value.input == "x" and info.value.fqn == "fc1"
+    assert not [r for r in caplog.records if r.levelno >= logging.WARNING]  # fc1 was never made opaque
+    _assert_identical(before, model, opt)

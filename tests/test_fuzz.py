@@ -8,7 +8,7 @@ clipping, accumulation within the step, zero_grad before / after / never with
 set_to_none both ways, an input that requires grad, Python scalars as arguments) and
 :func:`fuzz_cases.run_case` compares every step.
 
-    make test   # the small budget below: a fixed set of examples (derandomized)
+    make test   # the small budget below: the FIXED examples, then a few derandomized draws
     make fuzz   # FUZZ_PROFILE=fuzz: FUZZ_EXAMPLES random examples per backend (default 300 fx, 40 ort)
 
 Every counterexample the fuzzer finds becomes a regular test in ``FOUND`` at the bottom.
@@ -19,7 +19,7 @@ from __future__ import annotations
 import os
 
 import pytest
-from hypothesis import HealthCheck, Phase, given, settings
+from hypothesis import HealthCheck, Phase, example, given, settings
 from hypothesis import strategies as st
 
 from fuzz_cases import ACTIVATIONS, Case, Layer, run_case
@@ -94,16 +94,60 @@ def cases(draw) -> Case:
     )
 
 
+# Run first by both tests under every profile (hypothesis' explicit phase): with the small budget of
+# `make test` the derandomized draws start from the simplest case (no layers, plain SGD; the one ORT draw is
+# exactly that), so these make sure every run trains real layers on both backends.  Each must train (eager
+# accepts it) and, on ORT, run every segment in ONNX Runtime (run_case checks).
+FIXED: tuple[Case, ...] = (
+    # a small GPT: tokens, pre-norm causal attention with 2 heads, residuals, GELU, a tied head; fused AdamW
+    # with weight decay in 2 groups, clipping, 2 micro-batches, a loss scale that changes, the grad norm returned
+    Case(seed=11, tokens=True, width=8, batch=2, seq=3, classes=5,
+         layers=(Layer(kind="layernorm"), Layer(kind="attention", residual=True, causal=True, heads=2),
+                 Layer(kind="linear", residual=True), Layer(kind="act", act="gelu")),
+         tie_head=True, groups=2, optimizer="adamw", impl="fused", weight_decay=0.1, lr=3e-3, clip=0.5,
+         scales=(1.0, 2.0), micro=2, return_extra="grad_norm", steps=3),
+    # a conv net: dropout, Conv1d (kernel 3), BatchNorm (running statistics), a residual Linear, SiLU; nesterov
+    # SGD with weight decay, a frozen parameter, gradients present before the first step, zero_grad at the
+    # start, an input that requires grad (returned, then zeroed), MSE
+    Case(seed=12, d_in=5, width=6, batch=3, seq=4, classes=3,
+         layers=(Layer(kind="dropout"), Layer(kind="conv", kernel=3, bias=False), Layer(kind="batchnorm"),
+                 Layer(kind="linear", residual=True, bias=False), Layer(kind="act", act="silu")),
+         frozen=(1,), warm_grads=True, optimizer="sgd", impl="foreach", momentum=0.9, nesterov=True,
+         weight_decay=0.1, lr=1e-2, zero="start_zero", input_grad=True, clear_input_grad="zero",
+         return_extra="input_grad", loss="mse", steps=3),
+    # nn.MultiheadAttention in a residual, Mish, LayerNorm without affine, Hardswish, a Linear applied twice;
+    # for-loop Adam with amsgrad and maximize in 3 groups, clipping, no zero_grad (gradients accumulate)
+    Case(seed=13, d_in=3, width=4, batch=2, seq=3, classes=4,
+         layers=(Layer(kind="mha", residual=True, heads=2), Layer(kind="act", act="mish"),
+                 Layer(kind="layernorm", bias=False), Layer(kind="act", act="hardswish")),
+         shared=True, groups=3, optimizer="adam", impl="forloop", amsgrad=True, maximize=True, lr=1e-3,
+         clip=10.0, scales=(0.5, 1.0), zero="never", steps=3),
+)
+
+
+def with_fixed_examples(test):
+    for case in reversed(FIXED):
+        test = example(case=case)(test)
+    return test
+
+
+def check(case: Case, backend: str) -> None:
+    refused = run_case(case, backend)
+    assert refused is None or case not in FIXED, f"a fixed example must train, but eager refused it: {refused!r}"
+
+
 @settings(settings.get_profile(PROFILE))
+@with_fixed_examples
 @given(case=cases())
 def test_fuzz_fx(case):
-    run_case(case, "fx")
+    check(case, "fx")
 
 
 @settings(settings.get_profile(PROFILE), max_examples=ORT_EXAMPLES)
+@with_fixed_examples
 @given(case=cases())
 def test_fuzz_ort(case):
-    run_case(case, "ort")
+    check(case, "ort")
 
 
 # Counterexamples the fuzzer found, each fixed and kept as a regular test: (case, backend).  One more lives
@@ -174,4 +218,26 @@ FOUND.update({
 @pytest.mark.parametrize("name", list(FOUND))
 def test_found(name):
     case, backend = FOUND[name]
+    run_case(case, backend)
+
+
+# Found by a FIXED example while it was being written, not fixed yet: dropout right after BatchNorm over
+# (B, T, C) on ORT draws another mask than eager (the loss is 3% off at step 0).  Eager's batch norm returns
+# a contiguous (B, C, T) tensor, so dropout's input (its transpose back) is not contiguous and eager fills
+# the mask in that memory order; the fake kernel keeps the input's strides, so the graph expects a
+# contiguous (B, T, C) input, which is what the ORT segment's output buffer is, and bernoulli_like fills it
+# in logical order.  fx passes (its kernels return eager's strides).  strict: when fixed, this fails, and the
+# case moves into FOUND.
+OPEN = {
+    "ort_dropout_after_batchnorm_of_transposed_input": (Case(
+        seed=12, d_in=5, width=6, batch=3, seq=4, classes=3, layers=(Layer(kind="batchnorm"), Layer(kind="dropout")),
+        optimizer="sgd", lr=1e-2, loss="mse", steps=2), "ort"),
+}
+
+
+@pytest.mark.xfail(strict=True, reason="ORT: dropout's mask after BatchNorm of a transposed input differs from "
+                                       "eager's (tests/test_fuzz.py OPEN)")
+@pytest.mark.parametrize("name", list(OPEN))
+def test_open(name):
+    case, backend = OPEN[name]
     run_case(case, backend)

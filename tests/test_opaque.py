@@ -134,12 +134,56 @@ def test_traceable_function_is_inlined_unless_listed_opaque(monkeypatch):
     torch.manual_seed(0)
     step, _, _ = train_side_by_side(lambda: FunctionMLP(GlobalCenter), _adamw, train_step, _batches(2))
     assert _opaque_nodes(step) == {opaque_forward: 0, opaque_backward: 0} and not step.compiled.opaque
-    monkeypatch.setenv("SPMD_ORT_OPAQUE_AUTOGRAD_FUNCTIONS", "models.GlobalCenter, models.NotUsed")
+    monkeypatch.setenv("SPMD_ORT_OPAQUE_AUTOGRAD_FUNCTIONS", "models.GlobalCenter, models.NumpyTanh")
     torch.manual_seed(0)
     step, _, _ = train_side_by_side(lambda: FunctionMLP(GlobalCenter), _adamw, train_step, _batches(2))
     assert _opaque_nodes(step) == {opaque_forward: 1, opaque_backward: 1}
     assert step.compiled.opaque[0].reason == "listed in SPMD_ORT_OPAQUE_AUTOGRAD_FUNCTIONS"
     assert step.compiled.opaque[0].shapes_from == "fake tensors"
+
+
+def test_a_listed_function_defined_in_a_function_is_checked_after_the_first_trace(monkeypatch, caplog):
+    """`<locals>` names cannot be imported at compile(): one WARNING after the first trace when the step applied no
+    Function of that name; the right name runs the Function opaquely, without a warning."""
+
+    class LocalCenter(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, x):
+            return x - x.mean(dim=0, keepdim=True)
+
+        @staticmethod
+        def backward(ctx, grad):
+            return grad - grad.mean(dim=0, keepdim=True)
+
+    name = f"{LocalCenter.__module__}.{LocalCenter.__qualname__}"
+    assert "<locals>" in name
+    for listed, opaque in ((name.replace("LocalCenter", "LocalCentre"), 0), (name, 1)):
+        monkeypatch.setenv("SPMD_ORT_OPAQUE_AUTOGRAD_FUNCTIONS", listed)
+        caplog.clear()
+        torch.manual_seed(0)
+        with caplog.at_level(logging.WARNING, logger="spmd_ort"):
+            step, _, _ = train_side_by_side(lambda: FunctionMLP(LocalCenter), _adamw, train_step, _batches(2))
+        warned = [r.getMessage() for r in caplog.records if "SPMD_ORT_OPAQUE_AUTOGRAD_FUNCTIONS" in r.getMessage()]
+        assert _opaque_nodes(step)[opaque_forward] == opaque
+        if opaque:
+            assert not warned, warned
+        else:
+            assert len(warned) == 1 and f"names {listed}, but the traced step applied no" in warned[0], warned
+            assert name in warned[0]  # what it did apply
+
+
+def test_a_single_override_needs_no_list():
+    """`module_override=OpaqueOverride(...)` failed with "'OpaqueOverride' object is not iterable"; anything that is
+    not an Override is a TypeError saying what it is."""
+    torch.manual_seed(0)
+    step, _, _ = train_side_by_side(BNNet, _adamw, train_step, _batches(2),
+                                    module_override=spmd_ort.OpaqueOverride("blocks.*.mlp"))
+    assert [c.fqn for c in step.compiled.opaque] == ["blocks.0.mlp", "blocks.1.mlp"]
+    with pytest.raises(TypeError, match=r"module_override=\.\.\.\) takes a spmd_ort.Override or a list of them "
+                                        r"\(e.g. .*\), not str"):
+        spmd_ort.compile(module_override="blocks.*.mlp")
+    with pytest.raises(TypeError, match=r"item 1 is str 'head', not a spmd_ort.Override"):
+        spmd_ort.compile(module_override=[spmd_ort.OpaqueOverride("blocks.*.mlp"), "head"])
 
 
 def test_disabling_custom_autograd_support_makes_an_untraceable_function_an_error(monkeypatch):

@@ -28,6 +28,8 @@ BAD = [
     ("SPMD_ORT_DISABLE_CUSTOM_AUTOGRAD_SUPPORT", "x", "1/0, true/false"),
     ("SPMD_ORT_OPAQUE_AUTOGRAD_FUNCTIONS", "my.Func tion,Plain", "qualified class names such as `pkg.module.MyFunction` "
                                                                 "(not Plain, my.Func tion)"),
+    ("SPMD_ORT_SAVE_ONNX_PATH", __file__, "a directory, but"),
+    ("SPMD_ORT_SAVE_ONNX_PATH", f"{__file__}/onnx", "a directory, but"),
 ]
 
 
@@ -43,12 +45,34 @@ def test_bad_value_is_a_config_error_naming_variable_and_allowed_values(monkeypa
 
 def test_opaque_functions_and_disabled_custom_autograd_support_conflict(monkeypatch):
     monkeypatch.setenv("SPMD_ORT_DISABLE_CUSTOM_AUTOGRAD_SUPPORT", "1")
-    monkeypatch.setenv("SPMD_ORT_OPAQUE_AUTOGRAD_FUNCTIONS", "pkg.mod.Fn")
+    monkeypatch.setenv("SPMD_ORT_OPAQUE_AUTOGRAD_FUNCTIONS", "models.ScaleByMax")
     with pytest.raises(spmd_ort.ConfigError, match="set one of them"):
         spmd_ort.compile()
     monkeypatch.delenv("SPMD_ORT_DISABLE_CUSTOM_AUTOGRAD_SUPPORT")
     options = spmd_ort.compile()(train_step).options
-    assert options.opaque_functions == frozenset({"pkg.mod.Fn"}) and options.custom_autograd and options.auto_opaque
+    assert options.opaque_functions == frozenset({"models.ScaleByMax"}) and options.custom_autograd
+    assert options.auto_opaque
+
+
+@pytest.mark.parametrize("name,error", [
+    ("models.NotThere", "names `models.NotThere`, but `models` has no attribute `NotThere`"),
+    ("no_such_package.layers.Fn", "names `no_such_package.layers.Fn`, but no module `no_such_package` can be imported"),
+    ("models.MLP", "names `models.MLP`, which is the class `models.MLP`, not a torch.autograd.Function subclass"),
+    ("models.gpt_batch", "names `models.gpt_batch`, which is a function, not a torch.autograd.Function"),
+])
+def test_opaque_functions_that_do_not_exist_are_config_errors(monkeypatch, name, error):
+    """A name no Function has was accepted silently (the Function then traced as if unlisted)."""
+    monkeypatch.setenv("SPMD_ORT_OPAQUE_AUTOGRAD_FUNCTIONS", f"models.ScaleByMax,{name}")
+    with pytest.raises(spmd_ort.ConfigError, match=f"SPMD_ORT_OPAQUE_AUTOGRAD_FUNCTIONS {error}".replace(".", r"\.")):
+        spmd_ort.compile()
+
+
+def test_opaque_functions_are_found_under_their_own_name(monkeypatch):
+    """A re-exported name is resolved to the Function's module and qualname, which is what tracing matches."""
+    monkeypatch.setenv("SPMD_ORT_OPAQUE_AUTOGRAD_FUNCTIONS", "torch.autograd.Function, models.ScaleByMax, "
+                                                              "tests.fn.<locals>.Local")
+    assert spmd_ort.compile()(train_step).options.opaque_functions == frozenset(
+        {"torch.autograd.function.Function", "models.ScaleByMax", "tests.fn.<locals>.Local"})
 
 
 def test_a_typo_in_disabled_passes_is_an_error_listing_the_passes(monkeypatch):
@@ -98,3 +122,27 @@ def test_every_variable_sets_an_options_field():
     fields = set(Options.__dataclass_fields__)
     assert all(v.field in fields for v in ENV_VARS)
     assert len({v.name for v in ENV_VARS}) == len(ENV_VARS)
+
+
+def test_debug_options_are_checked_where_given():
+    """DebugOptions accepted any value (verify='maybe' turned verification on; log_level='LOUD' failed later with a
+    raw ValueError; a dict as debug= an AttributeError): a bad one is a ConfigError naming the field and the value."""
+    for kwargs, text in ((dict(verify="maybe"), "DebugOptions(verify='maybe') is not valid: expected True or False"),
+                         (dict(save_onnx=1), "DebugOptions(save_onnx=1)"),
+                         (dict(check_passes=None), "DebugOptions(check_passes=None)"),
+                         (dict(log_level="LOUD"), "DebugOptions(log_level='LOUD') is not valid: expected a "
+                                                  "spmd_ort.LogLevel or its name (VERBOSE, INFO, WARNING"),
+                         (dict(log_level=True), "DebugOptions(log_level=True)"),
+                         (dict(onnx_prefix="runs/a"), "DebugOptions(onnx_prefix='runs/a')"),
+                         (dict(onnx_prefix=""), "DebugOptions(onnx_prefix='')")):
+        with pytest.raises(spmd_ort.ConfigError) as err:
+            spmd_ort.DebugOptions(**kwargs)
+        assert text in str(err.value), (kwargs, str(err.value))
+    assert spmd_ort.DebugOptions(log_level="info").log_level is spmd_ort.LogLevel.INFO
+    assert spmd_ort.DebugOptions(log_level=logging.ERROR).log_level is spmd_ort.LogLevel.ERROR
+    assert spmd_ort.compile(debug=spmd_ort.DebugOptions(log_level="verbose"))(train_step).options.log_level \
+        is spmd_ort.LogLevel.VERBOSE
+    spmd_ort.compile()  # the level back to the default for the tests after this one
+    with pytest.raises(spmd_ort.ConfigError, match=r"compile\(debug=\{'log_level': 'INFO'\}\) is not valid: "
+                                                   r"expected a spmd_ort.DebugOptions.*not a dict"):
+        spmd_ort.compile(debug={"log_level": "INFO"})

@@ -254,6 +254,25 @@ def test_save_onnx_and_opset(tmp_path, monkeypatch, fresh_cache):
             spmd_ort.compile(backend="ort")
 
 
+def test_save_onnx_into_a_file_is_a_config_error_not_a_fallback(tmp_path, monkeypatch, fresh_cache):
+    """SPMD_ORT_SAVE_ONNX_PATH naming a file sent every segment to fx (a failed export); it is a ConfigError at
+    compile(), and a directory that cannot be written when the first export saves is one too, changing nothing."""
+    target = tmp_path / "onnx"
+    target.write_text("not a directory")
+    monkeypatch.setenv("SPMD_ORT_SAVE_ONNX_PATH", str(target))
+    with pytest.raises(spmd_ort.ConfigError, match=r"SPMD_ORT_SAVE_ONNX_PATH=.*expected a directory, but .* is a file"):
+        spmd_ort.compile(backend="ort", debug=spmd_ort.DebugOptions(save_onnx=True))
+    target.unlink()
+    step = spmd_ort.compile(backend="ort", debug=spmd_ort.DebugOptions(save_onnx=True))(train_step)
+    target.write_text("made a file after compile()")  # the first export cannot write there
+    model = MLP()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    before = copy.deepcopy(model.state_dict())
+    with pytest.raises(spmd_ort.ConfigError, match=r"could not write segment fused_0 into SPMD_ORT_SAVE_ONNX_PATH="):
+        step(model, opt, torch.randn(4, 32), torch.randint(0, 10, (4,)))
+    assert all(torch.equal(v, model.state_dict()[k]) for k, v in before.items()) and not opt.state
+
+
 def test_host_nodes_are_named():
     """The optimizer update stays on the host, in place; describe() shows segments and host ops."""
     model = MLP()
@@ -380,7 +399,54 @@ def test_long_export_shows_a_progress_line(monkeypatch, fresh_cache, caplog):
         spmd_ort.compile(backend="ort")(train_step)(model, _adamw(model), *_mlp_batches(1)[0])
     assert "exporting ORT segment fused_0 (1 of 1," in caplog.text
     assert "exported 1 ORT segment(s) in" in caplog.text
+    spmd_ort.compile(backend="ort")  # (caplog restored the level it found; any compile() sets it again)
     assert logging.getLogger("spmd_ort.progress").getEffectiveLevel() <= logging.INFO  # shown by default
+
+
+PROGRESS_SCRIPT = """
+import sys
+sys.path.insert(0, {tests!r}); sys.path.insert(0, {root!r})
+import torch, spmd_ort
+from spmd_ort.ort import executor
+from helpers import train_step
+from models import MLP
+executor.PROGRESS_AFTER_S = 0.0
+model = MLP()
+step = spmd_ort.compile(backend="ort")(train_step)
+step(model, torch.optim.AdamW(model.parameters(), lr=1e-2), torch.randn(8, 32), torch.randint(0, 10, (8,)))
+"""
+
+
+def test_progress_lines_carry_the_rank_for_every_handler(fresh_cache, capfd):
+    """`spmd_ort.progress` is a child logger: its records skip the parent's filters, so they lacked `rank` and every
+    handler formatting `%(rank)s` printed `--- Logging error ---` instead of the line."""
+    import io
+
+    from spmd_ort.ort import executor
+
+    # the handler spmd_ort adds itself (a process whose logging is not configured)
+    env = {**os.environ, "SPMD_ORT_CACHE_DIR": str(fresh_cache), "SPMD_ORT_LOG_LEVEL": "WARNING"}
+    proc = subprocess.run([sys.executable, "-c", PROGRESS_SCRIPT.format(tests=str(ROOT / "tests"), root=str(ROOT))],
+                          env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "Logging error" not in proc.stderr, proc.stderr[-3000:]
+    assert "[spmd_ort INFO] exporting ORT segment fused_0 (1 of 1," in proc.stderr, proc.stderr[-3000:]
+    assert "[spmd_ort INFO] exported 1 ORT segment(s) in" in proc.stderr
+    # a user's handler on the root logger that uses %(rank)s, as the README offers
+    stream = io.StringIO()
+    handler = logging.StreamHandler(stream)
+    handler.setFormatter(logging.Formatter("<%(name)s%(rank)s> %(message)s"))
+    root = logging.getLogger()
+    root.addHandler(handler)
+    try:
+        executor.PROGRESS_AFTER_S = 0.0
+        model = MLP()
+        spmd_ort.compile(backend="ort")(train_step)(model, _adamw(model), *_mlp_batches(1)[0])
+    finally:
+        root.removeHandler(handler)
+        executor.PROGRESS_AFTER_S = 2.0
+    assert "Logging error" not in capfd.readouterr().err
+    assert "<spmd_ort.progress> exporting ORT segment fused_0 (1 of 1," in stream.getvalue(), stream.getvalue()
 
 
 def test_stock_exporter_path_gives_the_same_model(fresh_cache):

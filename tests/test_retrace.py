@@ -10,7 +10,7 @@ import torch
 import torch.nn.functional as F
 
 import spmd_ort
-from helpers import assert_same_state, classification_step
+from helpers import assert_close_normwise, assert_ran_on_ort, assert_same_state, classification_step
 from models import MLP
 
 
@@ -57,16 +57,63 @@ def test_lr_change_never_retraces_and_takes_effect():
     assert_same_state(eager_model, model, eager_opt, opt)
 
 
-def test_training_mode_change_retraces():
-    model, opt, step = _setup()
-    step(model, opt, *_data(8))
-    step(model, opt, *_data(8))
-    model.eval()
-    step(model, opt, *_data(8))
+class DropoutBatchNorm(torch.nn.Module):
+    """Both layers that behave differently in eval(): BatchNorm (running statistics) and dropout."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc1 = torch.nn.Linear(32, 64, bias=False)  # BatchNorm follows: a bias would get a zero gradient
+        self.bn = torch.nn.BatchNorm1d(64)
+        self.drop = torch.nn.Dropout(0.3)
+        self.head = torch.nn.Linear(64, 10)
+
+    def forward(self, x):
+        return self.head(self.drop(torch.relu(self.bn(self.fc1(x)))))
+
+
+def step_with_logits(model, opt, x, y):
+    logits = model(x)
+    loss = F.cross_entropy(logits, y)
+    loss.backward()
+    opt.step()
+    opt.zero_grad(set_to_none=True)
+    return loss, logits.detach()
+
+
+@pytest.mark.parametrize("backend", ["fx", "ort"])
+def test_train_and_eval_alternately_match_eager_with_dropout_and_batchnorm(backend):
+    """model.train() / model.eval() between calls: one variant per mode (the mode is part of the key), and
+    every call equals eager's: in train mode dropout masks and the BatchNorm statistics' update, in eval
+    mode no dropout and the running statistics used and left alone (outputs, loss, parameters, gradients,
+    buffers, optimizer state; fx bit for bit, ORT to its rounding)."""
+    torch.manual_seed(0)
+    model = DropoutBatchNorm()
+    eager = copy.deepcopy(model)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1, fused=True)
+    opt_e = torch.optim.AdamW(eager.parameters(), lr=1e-2, weight_decay=0.1, fused=True)
+    step = spmd_ort.compile(backend=backend)(step_with_logits)
+    modes = ["train", "train", "eval", "eval", "train", "eval", "train"]
+    for i, mode in enumerate(modes):
+        for m in (model, eager):
+            m.train(mode == "train")
+        x, y = _data(8, seed=i)
+        stats_before = eager.bn.running_mean.clone()
+        torch.manual_seed(100 + i)  # the same dropout masks on both sides
+        loss_e, logits_e = step_with_logits(eager, opt_e, x, y)
+        torch.manual_seed(100 + i)
+        loss, logits = step(model, opt, x, y)
+        if backend == "fx":  # eager's kernels, fused AdamW on both sides
+            assert torch.equal(loss, loss_e.detach()) and torch.equal(logits, logits_e), (i, mode)
+        else:
+            torch.testing.assert_close(loss, loss_e.detach(), rtol=1e-5, atol=1e-6)
+            assert_close_normwise(logits, logits_e, msg=f"step {i} ({mode}) logits")
+        assert_same_state(eager, model, opt_e, opt, where=f"step {i} ({mode})", normwise=backend == "ort")
+        # the modes were exercised: the statistics move in train mode only
+        assert torch.equal(eager.bn.running_mean, stats_before) == (mode == "eval"), (i, mode)
+    assert int(model.bn.num_batches_tracked) == modes.count("train")
     assert step.transitions.traces == 2
-    model.train()
-    step(model, opt, *_data(8))
-    assert step.transitions.traces == 2
+    if backend == "ort":
+        assert_ran_on_ort(step)
 
 
 def test_scheduled_betas_momentum_weight_decay_never_retrace():
@@ -149,7 +196,11 @@ def test_automatic_dynamic_shapes_keep_two_variants_for_any_batch_size():
 
 
 def test_non_tensor_argument_change_retraces():
+    """A Python float argument: a constant of the first program; when it changes it becomes a graph input
+    (one more trace, none after it), and every call equals eager's with that value."""
     model, opt, _ = _setup(torch.optim.SGD, lr=0.1)
+    eager = copy.deepcopy(model)
+    opt_e = torch.optim.SGD(eager.parameters(), lr=0.1)
 
     def step_fn(model, opt, x, y, scale):
         loss = F.cross_entropy(model(x), y) * scale
@@ -159,13 +210,12 @@ def test_non_tensor_argument_change_retraces():
         return loss
 
     step = spmd_ort.compile(backend="fx")(step_fn)
-    x, y = _data(8)
-    a = step(model, opt, x, y, 1.0)
-    step(model, opt, x, y, 1.0)
-    assert step.transitions.traces == 1
-    b = step(model, opt, x, y, 2.0)
-    assert step.transitions.traces == 2
-    assert float(b) > float(a)  # the new constant is used
+    for i, (scale, traces) in enumerate([(1.0, 1), (1.0, 1), (2.0, 2), (0.5, 2), (3.0, 2)]):
+        x, y = _data(8, seed=i)
+        want = step_fn(eager, opt_e, x, y, scale).detach()
+        assert torch.equal(step(model, opt, x, y, scale), want), (i, scale)
+        assert step.transitions.traces == traces, (i, scale)
+        assert_same_state(eager, model, opt_e, opt, where=f"call {i} (scale {scale})")
 
 
 def test_adam_state_made_before_the_first_trace_only_for_parameters_that_get_a_gradient():

@@ -14,14 +14,22 @@
 * :func:`quiet_torch_logs`: torch logs every failed fake-tensor op with a
   traceback at ERROR; while tracing, those records go to the ``spmd_ort``
   logger at DEBUG instead of the user's console (the error we raise says it).
+* :func:`raised_by_own_code`: whether a failure is the step's own error (a
+  ``raise`` or ``assert`` in code that eager PyTorch runs the same way: the
+  user's, a library's, a GradScaler used wrongly) rather than a limit of
+  tracing, so that the error says so instead of "make it traceable";
+  :func:`tracing_frame` names the torch function where tracing itself failed.
 """
 
 from __future__ import annotations
 
 import contextlib
+import linecache
 import logging
+import os
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
+from types import TracebackType
 
 import torch
 import torch.nn.functional as F
@@ -53,6 +61,68 @@ def quiet_torch_logs() -> Iterator[None]:
     finally:
         for lg in loggers:
             lg.removeFilter(flt)
+
+
+# ---------------------------------------------------------------------- whose error it is
+_TORCH_DIR = os.path.dirname(os.path.realpath(torch.__file__)) + os.sep
+_SPMD_DIR = os.path.dirname(os.path.dirname(os.path.realpath(__file__))) + os.sep
+_PASSES_DIR = os.path.join(os.path.dirname(_SPMD_DIR.rstrip(os.sep)), "passes") + os.sep
+# torch's Python that raises as eager PyTorch raises (a GradScaler or an optimizer used wrongly, a batch that
+# BatchNorm or a loss rejects); the rest of torch is, while a step is traced, tracing machinery (fake tensors,
+# decompositions, make_fx, functionalization)
+EAGER_TORCH = ("amp" + os.sep, "optim" + os.sep, os.path.join("nn", "functional.py"), os.path.join("nn", "modules"),
+               os.path.join("nn", "utils", "clip_grad.py"))
+# spmd_ort's own code that runs as the user's step would (a DeepSpeed plan's step function)
+EAGER_SPMD = ("integrations" + os.sep,)
+
+
+def _innermost(tb: TracebackType | None) -> TracebackType | None:
+    while tb is not None and tb.tb_next is not None:
+        tb = tb.tb_next
+    return tb
+
+
+def _eager_code(filename: str) -> bool:
+    """Whether code in ``filename`` runs under tracing as it runs eagerly (not torch's or spmd_ort's machinery)."""
+    path = os.path.realpath(filename)
+    if path.startswith(_TORCH_DIR):
+        return path[len(_TORCH_DIR):].startswith(EAGER_TORCH)
+    if path.startswith(_SPMD_DIR):
+        return path[len(_SPMD_DIR):].startswith(EAGER_SPMD)
+    return not path.startswith(_PASSES_DIR)
+
+
+def raised_by_own_code(exc: BaseException) -> tuple[str, int] | None:
+    """(file, line) of the ``raise`` or ``assert`` statement that raised ``exc``, when that is code eager PyTorch
+    runs the same way (the user's step or model, a library, torch's amp / optim / nn Python); else None.
+
+    Such an error is raised by eager PyTorch too: it is no limit of tracing.  An exception raised inside a call
+    into compiled code (a C extension reading a fake tensor's data) has a call, not a raise, on its line; one
+    raised while handling an error of the tracing machinery (``raise X from exc``) is that machinery's.
+    """
+    tb = _innermost(exc.__traceback__)
+    if tb is None:
+        return None
+    filename, line = tb.tb_frame.f_code.co_filename, tb.tb_lineno
+    source = linecache.getline(filename, line).strip()
+    if not source.startswith(("raise", "assert")) or not _eager_code(filename):
+        return None
+    cause = exc.__cause__ or exc.__context__
+    if cause is not None and raised_by_own_code(cause) is None:
+        return None
+    return filename, line
+
+
+def tracing_frame(exc: BaseException) -> str | None:
+    """The innermost torch function of ``exc``'s traceback that is a decomposition or reference of an op
+    (``mse_loss_backward``): where tracing itself failed; None when there is none."""
+    found, tb = None, exc.__traceback__
+    while tb is not None:
+        path = os.path.realpath(tb.tb_frame.f_code.co_filename)
+        if path.startswith(_TORCH_DIR) and path[len(_TORCH_DIR):].startswith(("_decomp", "_refs", "_prims")):
+            found = tb.tb_frame.f_code.co_name
+        tb = tb.tb_next
+    return found
 
 
 # ---------------------------------------------------------------------- dtype rules

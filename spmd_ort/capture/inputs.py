@@ -13,6 +13,8 @@ module.
 from __future__ import annotations
 
 import inspect
+import re
+import sys
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -72,6 +74,38 @@ class StepCall:
         return pytree.tree_leaves((self.args, self.kwargs))
 
 
+def _torch_compiled(obj: Any) -> bool:
+    """Whether ``obj`` is ``torch.compile(module)``'s wrapper (dynamo's OptimizedModule; none exists before
+    torch._dynamo is imported)."""
+    eval_frame = sys.modules.get("torch._dynamo.eval_frame")
+    return eval_frame is not None and isinstance(obj, eval_frame.OptimizedModule)
+
+
+def unwrap_torch_compiled(args: tuple, kwargs: dict) -> tuple[tuple, dict, list[nn.Module]]:
+    """The call with every ``torch.compile``'d module replaced by the module it wraps (``_orig_mod``), and the
+    wrappers found.
+
+    nanoGPT's train.py compiles its model by default; dynamo cannot run under make_fx, and the wrapper owns no
+    state of its own: the module it wraps holds the parameters the optimizer steps, so compiling that module
+    trains the same parameters, and the wrapper sees every update.
+    """
+    leaves = pytree.tree_leaves((args, kwargs))
+    if not any(_torch_compiled(leaf) for leaf in leaves):
+        return args, kwargs, []
+    wrappers = []
+
+    def unwrap(leaf):
+        if not _torch_compiled(leaf):
+            return leaf
+        wrappers.append(leaf)
+        while _torch_compiled(leaf):  # torch.compile(torch.compile(m)) wraps twice
+            leaf = leaf._orig_mod
+        return leaf
+
+    args, kwargs = pytree.tree_map(unwrap, (args, kwargs))
+    return args, kwargs, wrappers
+
+
 def find_state_owners(args: tuple, kwargs: dict) -> tuple[nn.Module, torch.optim.Optimizer | None, Any]:
     """The module, the optimizer (if any) and the GradScaler (if any) among the step's arguments."""
     modules, optimizers, scalers = [], [], []
@@ -118,6 +152,46 @@ def leaf_names(fn, args: tuple, kwargs: dict) -> list[str]:
     return names
 
 
+def _named_values(fn, args: tuple, kwargs: dict) -> list[tuple[str, Any]]:
+    """Every value of the call, containers and their items too, with its path in the call (``x``, ``batch[0]``)."""
+    out: list[tuple[str, Any]] = []
+
+    def walk(name: str, value: Any) -> None:
+        out.append((name, value))
+        if isinstance(value, dict):
+            for k, v in value.items():
+                walk(f"{name}[{k!r}]", v)
+        elif isinstance(value, (list, tuple)) and not _numbers(value):
+            for i, v in enumerate(value):
+                walk(f"{name}[{i}]", v)
+
+    sig = signature_of(fn)
+    positional = [p.name for p in sig.parameters.values() if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)] \
+        if sig is not None else []
+    for i, value in enumerate(args):
+        walk(positional[i] if i < len(positional) else f"args[{i - len(positional)}]", value)
+    for key, value in kwargs.items():
+        walk(key, value)
+    return out
+
+
+def _numbers(value: Any) -> bool:
+    """A non-empty list or tuple of Python numbers (or of such lists): what ``torch.tensor`` makes a tensor of."""
+    if not isinstance(value, (list, tuple)) or not value:
+        return False
+    return all(_numbers(v) if isinstance(v, (list, tuple)) else
+               isinstance(v, (int, float)) and not isinstance(v, bool) for v in value)
+
+
+def _array_kind(value: Any) -> str | None:
+    """``numpy.ndarray``, ``list`` or ``tuple`` for a value that stands for a tensor but is none; else None."""
+    if type(value).__module__ == "numpy" and type(value).__name__ == "ndarray":
+        return "numpy.ndarray"
+    if _numbers(value):
+        return type(value).__name__
+    return None
+
+
 def describe(t: torch.Tensor) -> str:
     return _shape_dtype(tuple(t.shape), str(t.dtype))
 
@@ -133,6 +207,7 @@ class StepInputs:
     names: list[str]
     leaves: list[Any]
     previous: dict[int, tuple[tuple[int, ...], str]] = field(default_factory=dict)
+    values: list[tuple[str, Any]] = field(default_factory=list)  # every value of the call, by path
 
     @classmethod
     def of(cls, fn, args: tuple, kwargs: dict, previous_key=None) -> StepInputs:
@@ -142,7 +217,7 @@ class StepInputs:
             for label, desc in previous_key.inputs:
                 if label.startswith("leaf[") and isinstance(desc, tuple) and desc and desc[0] == "tensor":
                     previous[int(label[5:-1])] = (desc[1], desc[2])
-        return cls(leaf_names(fn, args, kwargs), leaves, previous)
+        return cls(leaf_names(fn, args, kwargs), leaves, previous, _named_values(fn, args, kwargs))
 
     def changed(self, i: int) -> str | None:
         """How leaf ``i`` differs from the last call that compiled, or None."""
@@ -164,6 +239,33 @@ class StepInputs:
                     f"computed by {type(t.grad_fn).__name__} outside the step): the compiled step cannot "
                     "backpropagate into the graph that produced it. Fix: pass `.detach().requires_grad_()` and "
                     f"apply its .grad yourself, or compute it inside the step. {UNCHANGED}", input=self.names[i])
+
+    def not_a_tensor(self, exc: BaseException, op: str | None, fqn: str | None) -> CompileError | None:
+        """The error for an op that rejected an input passed as a numpy array or a list of numbers instead of a
+        tensor (``must be Tensor, not numpy.ndarray``): it names the input, not the module it reached."""
+        if not isinstance(exc, (TypeError, AttributeError)):
+            return None
+        text = str(exc)
+        for name, value in self.values:
+            kind = _array_kind(value)
+            if kind is None or not any(p in text for p in (f"not {kind}", f"'{kind}' object", f"'{kind}'>")):
+                continue
+            if kind == "numpy.ndarray":
+                what, fix = f"a numpy.ndarray (shape {tuple(value.shape)}, {value.dtype})", f"torch.from_numpy({name})"
+            else:
+                dims, item = [], value
+                while isinstance(item, (list, tuple)):
+                    dims.append(str(len(item)))
+                    item = item[0]
+                what, fix = f"a {kind} of numbers ({' x '.join(dims)})", f"torch.tensor({name})"
+            where = f"module `{fqn}`" if fqn and fqn != "<root>" else "the model" if fqn else "the step"
+            called = re.match(r"(\w+)\(\): argument", text)
+            op = op or (f"{called.group(1)}()" if called else "an op")
+            return CompileError(
+                f"the input `{name}` is {what}, not a torch.Tensor: {op} in {where} rejected it "
+                f"({type(exc).__name__}: {text}). Fix: pass a torch.Tensor, e.g. {fix}. {UNCHANGED}",
+                fqn=fqn, op=op, input=name)
+        return None
 
     def blame(self, leaf_indices: list[int], op: str | None, fqn: str | None, what: str,
               module_type: str | None = None, *, running: bool = False) -> CompileError | None:

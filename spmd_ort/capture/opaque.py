@@ -192,6 +192,20 @@ class OpaquePlan:
     patterns: tuple[str, ...] = ()
     functions: dict[str, str] = field(default_factory=dict)
     modules: dict[str, str] = field(default_factory=dict)
+    met: set[str] = field(default_factory=set)  # qualified names of the Functions applied while tracing
+    checked_forced: bool = False
+
+    def check_forced_met(self) -> None:
+        """After the first trace: a WARNING naming the ``forced`` Functions defined in a function (``<locals>``,
+        which compile() could not import and check) that the step never applied: likely a misspelled name."""
+        if self.checked_forced:
+            return
+        self.checked_forced = True
+        unmet = sorted(n for n in self.forced if "<locals>" in n and n not in self.met)
+        if unmet:
+            logger.warning("SPMD_ORT_OPAQUE_AUTOGRAD_FUNCTIONS names %s, but the traced step applied no "
+                           "autograd.Function of that name (it applied %s); check the spelling (module.qualname)",
+                           ", ".join(unmet), ", ".join(sorted(self.met)) or "none")
 
     def function_reason(self, cls: type) -> str | None:
         if not self.custom_autograd:
@@ -270,6 +284,7 @@ class OpaqueCapture:
         def apply(cls, *args, **kwargs):
             if self.sampling or cls is _OpaqueApply:
                 return original(cls, *args, **kwargs)
+            self.plan.met.add(qualified_name(cls))
             reason = self.plan.function_reason(cls)
             if reason is not None:
                 return self._capture_function(cls, args, kwargs, reason)

@@ -27,6 +27,7 @@ from spmd_ort.capture.inputs import StepCall, StepInputs
 from spmd_ort.capture.state import state_device
 from spmd_ort.capture.transition import StepKey, TransitionManager
 from spmd_ort.distributed import parallel
+from spmd_ort.errors import CompileError
 
 logger = logging.getLogger("spmd_ort")
 
@@ -34,10 +35,32 @@ AGREEMENT = "this step's inputs, module and optimizer"
 
 
 def _sizes_differ(gathered: list) -> dict[int, set[int]] | None:
-    """Ranks' ``(key without sizes, leaf descriptions)``: the dims to make symbolic when only sizes differ."""
+    """Ranks' ``(key without sizes, leaf descriptions, shapes)``: the dims to make symbolic when only sizes differ."""
     if any(g is None for g in gathered) or len({g[0] for g in gathered}) != 1:
         return None
     return dims_differing_across([g[1] for g in gathered]) or None
+
+
+def check_empty_inputs(gathered: list, names: list[str], rank: int) -> None:
+    """Raise, on every rank alike, when some rank passes an empty input (a zero-size dim) that another passes
+    with data: each rank's step would be another graph, and no size can be symbolic at 0.
+
+    ``gathered``: every rank's ``(key without sizes, leaf descriptions, shape of each leaf or None)``.
+    """
+    shapes = [g[2] for g in gathered]
+    if len({len(s) for s in shapes}) != 1:
+        return  # another structure: the key's own difference says so
+    for i, name in enumerate(names[:len(shapes[0])]):
+        empty = [r for r, s in enumerate(shapes) if s[i] is not None and 0 in s[i]]
+        full = [r for r, s in enumerate(shapes) if s[i] is not None and 0 not in s[i]]
+        if empty and full:
+            who = f"ranks {empty} pass" if len(empty) > 1 else f"rank {empty[0]} passes"
+            raise CompileError(
+                f"{who} an empty input `{name}` (shape {shapes[empty[0]][i]}) where rank {full[0]} passes shape "
+                f"{shapes[full[0]][i]}: every rank runs the same step (one graph, the same collectives), so a step "
+                "cannot run with data on some ranks only. Fix: give every rank at least one sample per step (e.g. "
+                "DistributedSampler(..., drop_last=True) and DataLoader(..., drop_last=True)), or skip the step on "
+                f"every rank. The model and optimizer are unchanged; this rank is {rank}", rank=rank, input=name)
 
 
 class ShapePolicy:
@@ -88,8 +111,14 @@ class ShapePolicy:
                 key = self.key(call)
         if call.mode is not None:
             # every step: ranks that would run different graphs stop here, all of them
-            sizes = (key.portable(sizes=False), key.leaf_descs()) if self.mode != "0" else None
-            differing = parallel.check_agreement(AGREEMENT, key.portable(), sizes=sizes, reconcile=_sizes_differ)
+            shapes = [tuple(x.shape) if isinstance(x, torch.Tensor) else None for x in call.leaves]
+            sizes = (key.portable(sizes=False), key.leaf_descs(), shapes)
+
+            def reconcile(gathered: list) -> dict[int, set[int]] | None:  # only when the ranks disagree
+                check_empty_inputs(gathered, StepInputs.of(self.fn, call.args, call.kwargs).names, call.rank)
+                return _sizes_differ(gathered) if self.mode != "0" else None
+
+            differing = parallel.check_agreement(AGREEMENT, key.portable(), sizes=sizes, reconcile=reconcile)
             if differing:
                 self.widen(differing, call, "differ between ranks")
                 key = self.key(call)

@@ -46,10 +46,10 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from spmd_ort.runtime import opaque, ops
 from spmd_ort.runtime.taps import TapRegistry, collecting
 from spmd_ort.capture.amp import autocast_disabled
-from spmd_ort.capture.diagnose import OpWatch, quiet_torch_logs
+from spmd_ort.capture.diagnose import OpWatch, quiet_torch_logs, raised_by_own_code, tracing_frame
 from spmd_ort.capture.dynamic import DynamicDims, SymbolicShapes, fake_inputs
 from spmd_ort.errors import CompileError
-from spmd_ort.capture.inputs import StepInputs
+from spmd_ort.capture.inputs import StepInputs, describe
 from spmd_ort.runtime.opaque import OpaqueCall
 from spmd_ort.capture.opaque import CallStack, Frame, OpaqueCapture, OpaquePlan, link_backward
 from spmd_ort.capture.state import Slot, SlotKind, StateLayout
@@ -95,9 +95,27 @@ def _bernoulli_(self, p: float = 0.5, *, generator=None):
     return self.copy_(ops.bernoulli_like(self, p))
 
 
+def _loss_backward_of_empty(grad_output, input, *args):  # noqa: A002 - aten's argument name
+    """The backward of mse / smooth L1 / Huber loss on an empty input: an empty gradient, as eager's kernel gives.
+
+    These ops have no fake-tensor kernel, so tracing runs torch's Python decompositions, which compute a
+    ``mean`` reduction's ``1 / numel`` in Python: a zero-size batch raised ZeroDivisionError while tracing where
+    eager trains (and returns a NaN loss).  Other sizes keep the op itself (``NotImplemented``: the graph runs
+    eager's kernel).  A symbolic size never stands for 0 (torch specialises sizes 0 and 1).
+    """
+    numel = input.numel()
+    if not (isinstance(numel, int) and numel == 0):
+        return NotImplemented
+    return torch.zeros_like(input)
+
+
 # Ops that mutate their arguments but have no functionalization rule of their own (or one that changes
 # their result), mapped to ops that do.  Applied while capturing, so that functionalization sees the result.
 FUNCTIONAL_DECOMPS = {aten.native_batch_norm.default: _native_batch_norm, aten.bernoulli_.float: _bernoulli_}
+# Ops whose tracing (not whose eager kernel) fails on some inputs, mapped to what eager computes for those inputs.
+EAGER_DECOMPS = {op: _loss_backward_of_empty for op in (aten.mse_loss_backward.default,
+                                                        aten.smooth_l1_loss_backward.default,
+                                                        aten.huber_loss_backward.default)}
 
 
 @dataclass
@@ -253,13 +271,16 @@ def _trace_once(fn, args: tuple, kwargs: dict, layout: StateLayout, *, sdpa_math
         attention = sdpa_kernel([SDPBackend.MATH]) if sdpa_math else contextlib.nullcontext()
         with (stack.installed(), capture.installed(), torch.enable_grad(), attention, phases, watch,
               quiet_torch_logs()):
-            gm1 = make_fx(step, decomposition_table=FUNCTIONAL_DECOMPS, tracing_mode=tracing_mode,
-                          _allow_non_fake_inputs=True)(*trace_inputs)
+            gm1 = make_fx(step, decomposition_table={**FUNCTIONAL_DECOMPS, **EAGER_DECOMPS},
+                          tracing_mode=tracing_mode, _allow_non_fake_inputs=True)(*trace_inputs)
         _check_traceable(gm1, captured, stack, plan)
     except (CompileError, _Retry):
         raise
     except Exception as exc:  # noqa: BLE001 - every trace failure becomes an opaque part or a CompileError
-        raise _failure(exc, stack.culprit(exc), watch, plan, layout, inputs, batch_positions, n_state) from exc
+        error = _failure(exc, stack.culprit(exc), watch, plan, layout, inputs, batch_positions, n_state)
+        if error is exc:
+            raise  # the step's own error, as eager raises it
+        raise error from exc
     finally:
         _TRACING.reset(token)
 
@@ -337,6 +358,10 @@ def _failure(exc: BaseException, frame: Frame | None, watch: OpWatch, plan: Opaq
     """What a trace failure becomes: an error naming the input or the module, or a retry with a new opaque part."""
     what, op, untraceable = _describe_failure(exc)
     failed = None if untraceable else watch.failed
+    fqn = frame.fqn if frame is not None else None
+    not_a_tensor = inputs.not_a_tensor(exc, failed.op if failed else op, fqn)
+    if not_a_tensor is not None:  # a numpy array or a list where a tensor belongs: the input, not the module
+        return not_a_tensor
     if failed is not None and failed.eager_fails:
         # eager rejects these arguments too: an error about the input or the module, never an opaque part
         fqn = frame.fqn if frame is not None else None
@@ -350,7 +375,44 @@ def _failure(exc: BaseException, frame: Frame | None, watch: OpWatch, plan: Opaq
         return blamed or _op_error(what, failed.op, fqn, module_type)
     if plan.adopt(frame, what):
         return _Retry()
-    return _trace_error(what, op, frame, plan)
+    if not untraceable and failed is None:
+        own = raised_by_own_code(exc)
+        if own is not None:
+            return _own_error(exc, own, frame)
+    empty = _empty_input_error(exc, inputs, batch_positions, frame)
+    return empty or _trace_error(what, op, frame, plan)
+
+
+def _own_error(exc: Exception, where: tuple[str, int], frame: Frame | None) -> Exception:
+    """The step's own error (:func:`raised_by_own_code`) raised as eager raises it: same exception, same message,
+    and a note saying so; the fix is what it says, never "make it traceable"."""
+    filename, line = where
+    place = f" in module `{frame.fqn}`" if frame is not None and frame.fqn and frame.fqn != "<root>" else ""
+    if hasattr(exc, "add_note"):  # Python 3.11+
+        exc.add_note(f"spmd_ort: the train step raised this itself{place} ({filename}:{line}) while it was traced, "
+                     "as eager PyTorch raises it: this is no limit of tracing; fix what it says. "
+                     "The model and optimizer are unchanged.")
+    return exc
+
+
+def _empty_input_error(exc: Exception, inputs: StepInputs, batch_positions: list[int],
+                       frame: Frame | None) -> CompileError | None:
+    """Tracing failed dividing by an element count while an input is empty: name that input (eager would run it)."""
+    decomposition = tracing_frame(exc)
+    if not isinstance(exc, ZeroDivisionError) or decomposition is None:
+        return None
+    empty = [pos for pos in batch_positions
+             if isinstance(inputs.leaves[pos], torch.Tensor) and inputs.leaves[pos].numel() == 0]
+    if not empty:
+        return None
+    name = inputs.names[empty[0]]
+    where = f" in module `{frame.fqn}`" if frame is not None and frame.fqn and frame.fqn != "<root>" else ""
+    return CompileError(
+        f"the input `{name}` is empty ({describe(inputs.leaves[empty[0]])}), and tracing the step{where} fails on it: "
+        f"torch's decomposition `{decomposition}` divides by its element count in Python ({type(exc).__name__}: "
+        f"{exc}), where eager PyTorch runs the op itself. Fix: skip empty batches (e.g. DataLoader(..., "
+        "drop_last=True)), or give the step at least one sample. The model and optimizer are unchanged.",
+        fqn=frame.fqn if frame is not None else None, input=name)
 
 
 def _state_for_tracing(layout: StateLayout, state_in: list[torch.Tensor]) -> list[torch.Tensor]:

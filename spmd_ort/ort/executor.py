@@ -26,7 +26,7 @@ import torch
 from torch import fx
 
 from spmd_ort.debug.timeline import TimedInterpreter
-from spmd_ort.options import Options
+from spmd_ort.options import Options, get_logger
 from spmd_ort.ort.choice import FirstRun
 from spmd_ort.ort.partition import partition_for_ort, why_host
 from spmd_ort.ort.session import OrtSegment, is_symbolic, load_segment, providers_for, segment_device
@@ -36,7 +36,7 @@ from spmd_ort.runtime.context import active
 
 logger = logging.getLogger("spmd_ort")
 
-progress = logging.getLogger("spmd_ort.progress")  # shown at the default level (options.configure_logging)
+progress = get_logger("spmd_ort.progress")  # shown at the default level (options.configure_logging)
 
 PROGRESS_AFTER_S = 2.0  # an export still running after this long gets a progress line
 

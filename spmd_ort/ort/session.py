@@ -204,7 +204,13 @@ def open_segment(name: str, sub: fx.GraphModule, options: Options, stats: OrtSta
         stats.export_seconds += result.seconds
         stats.cache_hits += int(result.cache_hit)
         if options.save_onnx:
-            path = save_model(result.model, name, options.onnx_prefix, options.save_onnx_path)
+            try:
+                path = save_model(result.model, name, options.onnx_prefix, options.save_onnx_path)
+            except OSError as exc:  # the configuration's fault, not the segment's: no fallback to fx
+                where = (f"SPMD_ORT_SAVE_ONNX_PATH={str(options.save_onnx_path)!r}" if options.save_onnx_path
+                         else "the working directory (SPMD_ORT_SAVE_ONNX_PATH unset)")
+                raise ConfigError(f"DebugOptions(save_onnx=True) could not write segment {name} into {where}: "
+                                  f"{exc}. Fix: set SPMD_ORT_SAVE_ONNX_PATH to a writable directory") from exc
             logger.info("saved %s to %s", name, path)
         stage = "loading the exported model into ONNX Runtime"
         make = lambda data: OrtSegment(name, sub, data, threads=threads,  # noqa: E731

@@ -29,6 +29,11 @@ returns the mode alone: anything else that changes what training computes
 error listing every such key and pointing to ``spmd_ort.from_deepspeed_config``,
 which maps them.  Batch-size keys are accepted (they describe the batch the data
 loader makes).
+
+Booleans are read as DeepSpeed's own config models read them (:func:`config_bool`):
+DeepSpeed validates its config with pydantic models in lax mode, so ``"false"``,
+``"no"``, ``"off"`` and ``"0"`` (as JSON templates write them) are false there and here;
+a string it would reject (``"maybe"``) is an error naming the key.
 """
 
 from __future__ import annotations
@@ -36,6 +41,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 from typing import Any
+
+from spmd_ort.errors import ConfigError
 
 ZERO_KEYS = {"stage", "offload_optimizer", "offload_param", "reduce_bucket_size", "allgather_bucket_size",
              "stage3_prefetch_bucket_size", "overlap_comm", "reduce_scatter", "contiguous_gradients",
@@ -51,10 +58,64 @@ TOP_LEVEL_OK = {"zero_optimization", "train_batch_size", "train_micro_batch_size
                 "zero_force_ds_cpu_optimizer", "dump_state", "comms_logger", "flops_profiler"}
 PRECISION_KEYS = ("fp16", "bf16", "amp")
 BYTES_PER_ELEMENT = 4  # DeepSpeed counts bucket sizes in elements; fp32 here
+# the boolean fields of DeepSpeed's models for the sections read here (checked even where they have no effect,
+# since DeepSpeed rejects a value that is no boolean)
+ZERO_BOOL_KEYS = ("overlap_comm", "reduce_scatter", "contiguous_gradients", "allgather_partitions",
+                  "round_robin_gradients", "stage3_gather_16bit_weights_on_model_save", "memory_efficient_linear",
+                  "load_from_fp32_weights", "elastic_checkpoint", "ignore_unused_parameters")
+OFFLOAD_BOOL_KEYS = ("pin_memory", "fast_init")
+TOP_LEVEL_BOOL_KEYS = ("wall_clock_breakdown", "zero_allow_untested_optimizer", "zero_force_ds_cpu_optimizer",
+                       "dump_state", "memory_breakdown")
+# pydantic's lax parsing of a ``bool`` field (pydantic_core's bool validator), which DeepSpeed's config models use:
+# any case, no surrounding blanks; the numbers 0 and 1 too
+TRUE_STRINGS = frozenset({"1", "on", "t", "true", "y", "yes"})
+FALSE_STRINGS = frozenset({"0", "off", "f", "false", "n", "no"})
 
 
-class DeepSpeedConfigError(ValueError):
-    pass
+class DeepSpeedConfigError(ConfigError):
+    """A DeepSpeed config (or a value in it) that spmd_ort does not accept; the message names every such key."""
+
+
+def parse_bool(value: Any) -> bool | None:
+    """``value`` as a DeepSpeed config model reads a boolean field, or None where it would reject it.
+
+    ``true``/``false``, the numbers 0 and 1, and the strings of :data:`TRUE_STRINGS` / :data:`FALSE_STRINGS`
+    in any case: ``"false"`` is false (``bool("false")`` would be true).
+    """
+    if isinstance(value, bool):
+        return value
+    if isinstance(value, (int, float)) and value in (0, 1):
+        return bool(value)
+    if isinstance(value, str):
+        if value.lower() in TRUE_STRINGS:
+            return True
+        if value.lower() in FALSE_STRINGS:
+            return False
+    return None
+
+
+def config_bool(section: dict, key: str, default: bool, path: str, problems: list[str]) -> bool:
+    """``section[key]`` read as DeepSpeed reads a boolean (:func:`parse_bool`); ``default`` where it is absent.
+
+    A value DeepSpeed would reject is appended to ``problems`` under its dotted ``path``; ``"auto"`` (the HF
+    Trainer's placeholder) is left to the callers, which resolve it or name it.
+    """
+    value = section.get(key, default)
+    if value == "auto":
+        return default
+    parsed = parse_bool(value)
+    if parsed is None:
+        problems.append(f"{path}={value!r} (a boolean: true or false; DeepSpeed also reads the strings "
+                        f"{', '.join(repr(s) for s in sorted(TRUE_STRINGS | FALSE_STRINGS))} and the numbers 0 and 1)")
+        return default
+    return parsed
+
+
+def check_bools(section: dict, keys: tuple[str, ...], prefix: str, problems: list[str]) -> None:
+    """Every boolean of ``keys`` present in ``section`` is one DeepSpeed reads (whether or not it has an effect)."""
+    for key in keys:
+        if key in section:
+            config_bool(section, key, False, f"{prefix}{key}", problems)
 
 
 def load_config(config: str | Path | dict) -> dict:
@@ -81,6 +142,7 @@ def _offload(section: Any, name: str, unsupported: list[str]) -> str | None:
         unsupported.append(f"zero_optimization.{name} (expected an object)")
         return None
     unsupported += [f"zero_optimization.{name}.{k}" for k in section if k not in OFFLOAD_KEYS]
+    check_bools(section, OFFLOAD_BOOL_KEYS, f"zero_optimization.{name}.", unsupported)
     device = str(section.get("device", "none")).lower()
     if device == "none":
         return None
@@ -98,10 +160,11 @@ def data_parallel_settings(config: str | Path | dict) -> dict[str, Any]:
         raise DeepSpeedConfigError("a DeepSpeed config is a JSON object")
     unsupported: list[str] = [f"{path}='auto' (give it a value, or use spmd_ort.from_deepspeed_config(config, "
                               "model), which resolves 'auto')" for path in auto_paths(cfg)]
+    check_bools(cfg, TOP_LEVEL_BOOL_KEYS, "", unsupported)
     for key, value in cfg.items():
         if key in PRECISION_KEYS:
-            if isinstance(value, dict) and value.get("enabled", False):
-                unsupported.append(f"{key}.enabled=true")
+            if isinstance(value, dict) and config_bool(value, "enabled", False, f"{key}.enabled", unsupported):
+                unsupported.append(f"{key}.enabled={json.dumps(value['enabled'])}")
         elif key == "gradient_accumulation_steps":
             if value != 1:
                 unsupported.append(f"gradient_accumulation_steps={value!r} (it changes how many batches make a step)")
@@ -135,7 +198,8 @@ def zero_settings(zero: Any, unsupported: list[str]) -> dict[str, Any]:
     stage = zero.get("stage", 0)
     if stage not in (0, 1, 2, 3):
         unsupported.append(f"zero_optimization.stage={stage!r} (0-3)")
-    if zero.get("reduce_scatter", True) is False:
+    check_bools(zero, ZERO_BOOL_KEYS, "zero_optimization.", unsupported)
+    if not config_bool(zero, "reduce_scatter", True, "zero_optimization.reduce_scatter", []):
         unsupported.append("zero_optimization.reduce_scatter=false (gradients are always reduce-scattered)")
     offload_optimizer = _offload(zero.get("offload_optimizer"), "offload_optimizer", unsupported)
     offload_param = _offload(zero.get("offload_param"), "offload_param", unsupported)
@@ -155,7 +219,7 @@ def zero_settings(zero: Any, unsupported: list[str]) -> dict[str, Any]:
     if not isinstance(zero.get("stage3_prefetch_bucket_size", 0), str) and "stage3_prefetch_bucket_size" in zero \
             and bucket:
         prefetch = max(1, int(float(zero["stage3_prefetch_bucket_size"]) // float(bucket)))
-    if zero.get("overlap_comm", True) is False:
-        prefetch = 0
+    if not config_bool(zero, "overlap_comm", True, "zero_optimization.overlap_comm", []):
+        prefetch = 0  # (a value that is no boolean was reported by check_bools above)
     return {"parallel_style": "fully_shard", "reshard_after_forward": stage == 3, "prefetch": prefetch,
             "offload_optimizer": offload_optimizer, "offload_param": offload_param, **kwargs}

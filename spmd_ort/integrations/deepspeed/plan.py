@@ -32,7 +32,8 @@ does the same).  ``"auto"`` values (the HF Trainer's placeholder) are resolved
 from the other batch sizes, the optimizer's lr, the model's ``config.hidden_size``
 or the ``auto=`` argument, or named in the error.  Every key either changes
 something here, is listed as having no effect (logging, DeepSpeed's own memory
-tuning), or is an error: one error that lists them all.
+tuning), or is an error: one error that lists them all.  Booleans are read as DeepSpeed
+reads them (``"enabled": "false"`` is false: :func:`spmd_ort.integrations.deepspeed.config.config_bool`).
 """
 
 from __future__ import annotations
@@ -49,7 +50,8 @@ from torch import nn
 
 from spmd_ort.distributed import parallel
 from spmd_ort.capture.amp import DynamicLossScaler, MixedPrecisionPolicy
-from spmd_ort.integrations.deepspeed.config import DeepSpeedConfigError, auto_paths, load_config, zero_settings
+from spmd_ort.integrations.deepspeed.config import (TOP_LEVEL_BOOL_KEYS, DeepSpeedConfigError, auto_paths,
+                                                     check_bools, config_bool, load_config, zero_settings)
 from spmd_ort.integrations.deepspeed.schedules import SCHEDULES, build_schedule
 
 # top-level keys with no effect on what is computed (logging, profiling, DeepSpeed's own switches)
@@ -62,6 +64,7 @@ MAPPED = {"zero_optimization", "optimizer", "scheduler", "fp16", "bf16", "gradie
 FP16_KEYS = {"enabled", "auto_cast", "loss_scale", "initial_scale_power", "loss_scale_window", "hysteresis",
              "consecutive_hysteresis", "min_loss_scale"}
 BF16_KEYS = {"enabled", "immediate_grad_update"}
+ADAM_BOOLS = ("adam_w_mode", "amsgrad", "bias_correction", "torch_adam", "fused")
 DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}
 # DeepSpeed's defaults for its Adam (FusedAdam / DeepSpeedCPUAdam) and what each key means here
 ADAM_DEFAULTS = {"lr": 1e-3, "betas": (0.9, 0.999), "eps": 1e-8, "weight_decay": 0.0}
@@ -108,8 +111,10 @@ class DeepSpeedPlan:
 
         def train_step(model, opt, scaler, micro_batches):
             if len(micro_batches) != accumulation:
-                raise ValueError(f"the DeepSpeed config accumulates {accumulation} micro-batches per step; "
-                                 f"got {len(micro_batches)}")
+                raise ValueError(f"the DeepSpeed config accumulates {accumulation} micro-batches per step "
+                                 f"(gradient_accumulation_steps), but `micro_batches` holds {len(micro_batches)}: "
+                                 f"pass a list of {accumulation} batches, each a tuple of loss_fn's arguments "
+                                 "after the model")
             total = None
             for batch in micro_batches:
                 with self.autocast(device_type):
@@ -161,8 +166,9 @@ def from_deepspeed_config(config: str | Path | dict, model: nn.Module, *,
     for key in cfg:
         if key not in MAPPED | NO_EFFECT:
             problems.append(key if key not in ("amp",) else "amp (apex; use fp16 or bf16)")
-    if cfg.get("prescale_gradients") not in (None, False):
-        problems.append("prescale_gradients=true")
+    check_bools(cfg, TOP_LEVEL_BOOL_KEYS, "", problems)
+    if config_bool(cfg, "prescale_gradients", False, "prescale_gradients", problems):
+        problems.append(f"prescale_gradients={cfg['prescale_gradients']!r}")
     batch = _batch_sizes(cfg, world, problems)
     policy, autocast_dtype, scaler = _precision(cfg, problems)
     settings = zero_settings(cfg.get("zero_optimization", {}), problems)
@@ -305,9 +311,14 @@ def _precision(cfg: dict, problems: list[str]):
         problems.append(f"communication_data_type={comm!r} (fp16, bf16 or fp32)")
         comm = None
     reduce_dtype = DTYPES.get(comm) if comm else None
-    on16, onbf = bool(fp16.get("enabled", False)), bool(bf16.get("enabled", False))
+    on16 = config_bool(fp16, "enabled", False, "fp16.enabled", problems)
+    onbf = config_bool(bf16, "enabled", False, "bf16.enabled", problems)
+    check_bools(bf16, ("immediate_grad_update",), "bf16.", problems)
+    auto_cast = config_bool(fp16, "auto_cast", False, "fp16.auto_cast", problems)
+    consecutive = config_bool(fp16, "consecutive_hysteresis", False, "fp16.consecutive_hysteresis", problems)
     if on16 and onbf:
-        problems.append("fp16.enabled and bf16.enabled both true")
+        problems.append(f"fp16.enabled={fp16['enabled']!r} and bf16.enabled={bf16['enabled']!r} both turn their "
+                        "precision on (enable one)")
         return None, None, None
     if onbf:
         return MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=reduce_dtype), None, None
@@ -322,8 +333,8 @@ def _precision(cfg: dict, problems: list[str]):
     scaler = DynamicLossScaler(
         init_scale=2.0 ** fp16.get("initial_scale_power", 16), scale_window=int(fp16.get("loss_scale_window", 1000)),
         hysteresis=int(fp16.get("hysteresis", 2)), min_scale=float(fp16.get("min_loss_scale", 1)),
-        consecutive_hysteresis=bool(fp16.get("consecutive_hysteresis", False)))
-    if fp16.get("auto_cast", False):
+        consecutive_hysteresis=consecutive)
+    if auto_cast:
         policy = MixedPrecisionPolicy(reduce_dtype=reduce_dtype) if reduce_dtype not in (None, torch.float32) else None
         return policy, torch.float16, scaler
     return MixedPrecisionPolicy(param_dtype=torch.float16, reduce_dtype=reduce_dtype), None, scaler
@@ -340,21 +351,28 @@ def _optimizer(section, params: list, problems: list[str]) -> torch.optim.Optimi
     given = dict(section.get("params", {}))
     if kind in ("adam", "adamw"):
         problems += [f"optimizer.params.{k}" for k in given if k not in ADAM_KEYS]
-        if given.get("bias_correction", True) is not True:
-            problems.append("optimizer.params.bias_correction=false")
-        decoupled = given.get("adam_w_mode", True) if kind == "adam" else True
+        check_bools(given, ADAM_BOOLS, "optimizer.params.", problems)
+
+        def flag(key: str, default: bool) -> bool:  # a bad value was reported by check_bools
+            return config_bool(given, key, default, f"optimizer.params.{key}", [])
+
+        if not flag("bias_correction", True):
+            problems.append(f"optimizer.params.bias_correction={given['bias_correction']!r}")
+        decoupled = flag("adam_w_mode", True) if kind == "adam" else True
         defaults = dict(ADAM_DEFAULTS)
-        if given.get("torch_adam", False) and decoupled:
+        if flag("torch_adam", False) and decoupled:
             defaults["weight_decay"] = 0.01  # DeepSpeed then builds torch.optim.AdamW, with torch's default
         kw = {k: given.get(k, v) for k, v in defaults.items()}
         kw["betas"] = tuple(kw["betas"])
         cls = torch.optim.AdamW if decoupled else torch.optim.Adam
-        return _build(cls, params, problems, amsgrad=bool(given.get("amsgrad", False)), fused=True, **kw)
+        return _build(cls, params, problems, amsgrad=flag("amsgrad", False), fused=True, **kw)
     if kind == "sgd":
         problems += [f"optimizer.params.{k}" for k in given if k not in SGD_KEYS]
         if "lr" not in given:
             problems.append("optimizer.params.lr is missing (SGD has no default)")
             return None
+        if "nesterov" in given:
+            given["nesterov"] = config_bool(given, "nesterov", False, "optimizer.params.nesterov", problems)
         return _build(torch.optim.SGD, params, problems, fused=True, **given)
     problems.append(f"optimizer.type={section.get('type')!r} (Adam, AdamW or SGD)")
     return None
