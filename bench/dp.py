@@ -1,6 +1,6 @@
 """Data-parallel step time on 2 ranks (gloo, CPU): compiled DP (ort, fx) vs DDP vs DDP + torch.compile.
 
-Run:  .venv/bin/torchrun --standalone --nproc_per_node=2 bench/dp.py [--steps 7]
+Run:  .venv/bin/torchrun --standalone --nproc_per_node=2 bench/dp.py [--steps 7] [--micro-batches 4]
 
 gpt-mini (4 layers, d=256, seq 128, vocab 8192), batch 8 per rank (each rank draws
 its own batches), clipping at 1.0, AdamW(fused=True) for every runner - the kernel
@@ -11,15 +11,18 @@ the compiled step does).  The runners alternate step by step in one run, with a
 barrier and a short pause before each timed step; rank 0 prints the median
 ms/step, the ratio to DDP, and for the compiled runners the collectives,
 payload bytes and overlap fraction per step (share of the collectives' time in
-flight not spent waiting).
+flight not spent waiting).  ``--micro-batches N``: gradient accumulation in the step
+(N backward passes, one optimizer step); DDP runs ``no_sync`` on all but the last,
+the compiled step sums the micro-batch gradients and all-reduces once.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import copy
+import functools
 import gc
-import os
 import statistics
 import sys
 import time
@@ -27,6 +30,7 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
+import torch.nn.functional as F
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -36,11 +40,29 @@ import spmd_ort  # noqa: E402
 from step import gpt_mini, make_adamw, train_step  # noqa: E402
 
 
+def accumulate(model, opt, x, y, n: int):
+    """nanoGPT's loop: n micro-batches, one backward each (loss / n), then one optimizer step; a DDP model
+    skips its all-reduce (no_sync) on all but the last micro-batch, as DDP users write it."""
+    ddp = getattr(model, "no_sync", None) or getattr(getattr(model, "_orig_mod", None), "no_sync", None)
+    for j, (xm, ym) in enumerate(zip(x.chunk(n), y.chunk(n))):
+        with ddp() if ddp is not None and j + 1 < n else contextlib.nullcontext():
+            out = model(xm)
+            loss = F.cross_entropy(out.flatten(0, -2), ym.flatten()) / n
+            loss.backward()
+    torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+    opt.step()
+    opt.zero_grad(set_to_none=True)
+    return loss
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--steps", type=int, default=7)
     ap.add_argument("--runners", default="ddp,ddp-default,ddp+compile,spmd-fx,spmd-ort")
     ap.add_argument("--bucket-mb", type=float, default=25.0, help="bucket cap for DDP and spmd_ort alike")
+    ap.add_argument("--micro-batches", type=int, default=1,
+                    help="gradient accumulation: each rank's batch in this many micro-batches, one backward each, "
+                         "then one optimizer step (DDP: no_sync on all but the last)")
     args = ap.parse_args()
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
@@ -50,14 +72,15 @@ def main() -> None:
     runners = {}
     for name in args.runners.split(","):
         m = copy.deepcopy(model)
+        step_fn = train_step if args.micro_batches == 1 else functools.partial(accumulate, n=args.micro_batches)
         if name in ("ddp", "ddp-default"):
-            runners[name] = (DDP(m, bucket_cap_mb=args.bucket_mb), train_step, None)
+            runners[name] = (DDP(m, bucket_cap_mb=args.bucket_mb), step_fn, None)
         elif name == "ddp+compile":
-            runners[name] = (torch.compile(DDP(m, bucket_cap_mb=args.bucket_mb)), train_step, None)
+            runners[name] = (torch.compile(DDP(m, bucket_cap_mb=args.bucket_mb)), step_fn, None)
         else:
             backend = name.split("-")[1]
             mode = spmd_ort.DataParallel(bucket_cap_mb=args.bucket_mb)
-            runners[name] = (m, spmd_ort.compile(backend=backend, parallel_mode=mode)(train_step), backend)
+            runners[name] = (m, spmd_ort.compile(backend=backend, parallel_mode=mode)(step_fn), backend)
     opts = {k: make_adamw(m.parameters(), fused=None if k == "ddp-default" else True)
             for k, (m, _, _) in runners.items()}
     times: dict[str, list[float]] = {k: [] for k in runners}
@@ -80,7 +103,8 @@ def main() -> None:
         params = sum(p.numel() for p in model.parameters())
         print(f"# bench/dp.py — gpt-mini ({params / 1e6:.2f} M params, {params * 4 / 2**20:.1f} MiB of fp32 "
               f"gradients), {world} ranks, gloo, {torch.get_num_threads()} thread(s)/rank, buckets <= "
-              f"{args.bucket_mb:g} MiB, median of {args.steps}")
+              f"{args.bucket_mb:g} MiB, {args.micro_batches} micro-batch(es) per step, host memory retained for "
+              f"every runner, median of {args.steps}")
         print("| runner | ms/step | x DDP | all-reduce/step | MiB/step | overlap |")
         print("|---|---|---|---|---|---|")
         for k in runners:

@@ -75,6 +75,10 @@ def main() -> None:
                     help="run the whole list this many times, interleaved; ms/step is the median over all runs")
     ap.add_argument("--allocator", choices=sorted(ALLOCATORS), default="retain",
                     help="host allocator setting for every runner (default: freed memory retained for reuse)")
+    ap.add_argument("--micro-batches", type=int, default=1,
+                    help="gradient accumulation: each rank's batch in this many micro-batches, one backward each, then "
+                         "one optimizer step (FSDP2: set_requires_gradient_sync(False) on all but the last; DeepSpeed: "
+                         "gradient_accumulation_steps)")
     ap.add_argument("--worker", help=argparse.SUPPRESS)
     ap.add_argument("--out", help=argparse.SUPPRESS)
     args = ap.parse_args()
@@ -90,7 +94,7 @@ def main() -> None:
             out = Path(tmp) / f"{name}-{rep}.json"
             cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={args.nproc}",
                    __file__, "--worker", name, "--steps", str(args.steps), "--allocator", args.allocator,
-                   "--out", str(out)]
+                   "--micro-batches", str(args.micro_batches), "--out", str(out)]
             if args.offload:
                 cmd.append("--offload")
             env = {k: v for k, v in os.environ.items() if not k.startswith("MALLOC_")}  # no glibc tuning by env
@@ -134,8 +138,8 @@ def report(results: dict, args, config: Path) -> None:
     floor = 3 * params * 4
     ds = results.get("deepspeed", {}).get("ms")
     print(f"# bench/zero3.py — gpt-mini ({params / 1e6:.2f} M params), {args.nproc} ranks, gloo, 1 thread/rank, "
-          f"{config.relative_to(ROOT)}, {allocator_title(results, args.allocator)}, median of {args.steps} steps "
-          f"after 3 warm-up, {args.repeat} interleaved run(s)")
+          f"{config.relative_to(ROOT)}, {allocator_title(results, args.allocator)}, {args.micro_batches} "
+          f"micro-batch(es) per step, median of {args.steps} steps after 3 warm-up, {args.repeat} interleaved run(s)")
     print("| runner | ms/step | x DeepSpeed | peak RSS MiB/rank | persistent MiB/rank | collective MiB/step "
           "| x 3*params |")
     print("|---|---|---|---|---|---|---|")
@@ -232,7 +236,17 @@ def build(name: str, model, config: Path, args):
         if name.endswith("+bf16"):
             mode = dataclasses.replace(mode, mixed_precision=spmd_ort.MixedPrecisionPolicy(param_dtype=torch.bfloat16))
         opt = make_adamw(model.parameters())
-        compiled = spmd_ort.compile(parallel_mode=mode, backend=backend)(train_step)
+        n = args.micro_batches
+
+        def spmd_step(model, opt, x, y):  # gradient accumulation inside the compiled step
+            for xm, ym in zip(x.chunk(n), y.chunk(n)):
+                out = model(xm)
+                (torch.nn.functional.cross_entropy(out.flatten(0, -2), ym.flatten()) / n).backward()
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+
+        compiled = spmd_ort.compile(parallel_mode=mode, backend=backend)(train_step if n == 1 else spmd_step)
 
         def persistent():
             return spmd_ort.distributed.sharding.persistent_bytes(model, opt)["total"]
@@ -243,14 +257,20 @@ def build(name: str, model, config: Path, args):
 
         cfg = json.loads(config.read_text())
         cfg["gradient_clipping"] = 1.0  # the other runners clip in the step (bench/step.py train_step)
+        n = args.micro_batches
+        if n > 1:  # DeepSpeed's own accumulation: the optimizer steps at every n-th engine.step()
+            cfg["gradient_accumulation_steps"] = n
+            cfg["train_micro_batch_size_per_gpu"] = max(1, cfg.get("train_micro_batch_size_per_gpu", 8) // n)
+            cfg.pop("train_batch_size", None)
         opt = make_adamw(model.parameters())
         engine, optimizer, _, _ = deepspeed.initialize(model=model, optimizer=opt, config=cfg)
 
         def ds_step(x, y):
-            out = engine(x)
-            loss = torch.nn.functional.cross_entropy(out.flatten(0, -2), y.flatten())
-            engine.backward(loss)
-            engine.step()
+            for xm, ym in zip(x.chunk(n), y.chunk(n)):
+                out = engine(xm)
+                loss = torch.nn.functional.cross_entropy(out.flatten(0, -2), ym.flatten())
+                engine.backward(loss)  # (DeepSpeed scales the loss by 1 / gradient_accumulation_steps)
+                engine.step()
 
         def persistent():
             inner = engine.optimizer
@@ -272,10 +292,14 @@ def build(name: str, model, config: Path, args):
         opt = make_adamw(model.parameters())
         fwd = torch.compile(model) if name.endswith("+compile") else model
 
+        n = args.micro_batches
+
         def fsdp_step(x, y):
-            out = fwd(x)
-            loss = torch.nn.functional.cross_entropy(out.flatten(0, -2), y.flatten())
-            loss.backward()
+            for j, (xm, ym) in enumerate(zip(x.chunk(n), y.chunk(n))):
+                model.set_requires_gradient_sync(j + 1 == n)  # reduce-scatter after the last micro-batch only
+                out = fwd(xm)
+                loss = torch.nn.functional.cross_entropy(out.flatten(0, -2), ym.flatten()) / n
+                loss.backward()
             torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
             opt.step()
             opt.zero_grad(set_to_none=True)

@@ -13,8 +13,9 @@ from .analysis import CollectiveCounts, MemoryPlan, count_collectives_pass, plan
 from .cleanup import remove_identity_views_pass, remove_redundant_copies_pass
 from .context import PassContext, PassRecord, PassResult, PassResults
 from .contracts import Invariant
-from .data_parallel import (GradientBuckets, broadcast_buffers_pass, bucket_collectives_pass, dedup_collectives_pass,
-                            expand_data_parallel_pass, reduce_grad_presence_pass, schedule_overlap_pass)
+from .data_parallel import (GradientBuckets, SummedMicroBatches, broadcast_buffers_pass, bucket_collectives_pass,
+                            dedup_collectives_pass, expand_data_parallel_pass, reduce_grad_presence_pass,
+                            schedule_overlap_pass, sum_micro_batch_gradients_pass)
 from .fully_shard import (ShardedParams, complete_found_inf_pass, complete_grad_norms_pass, gather_parameters_pass,
                           propagate_shards_pass, reduce_scatter_gradients_pass, rematerialize_param_views_pass,
                           shard_placeholders_pass)
@@ -27,24 +28,25 @@ from .pipeline import (PARALLEL_STAGES, STAGES, build_pipeline, check_disabled, 
                        write_readme_table)
 from .reinplace import reinplace_optimizer_pass
 from .runner import Contract, GraphPass, PassError, check_order, contract_of, graph_pass, op_counts, run_passes
-from .shard_schedule import (KeptForBackward, ShardBuckets, bucket_shard_collectives_pass, keep_tail_gathers_pass,
-                             prefetch_gathers_pass)
+from .shard_schedule import (CarriedGather, KeptForBackward, ShardBuckets, bucket_shard_collectives_pass,
+                             carry_first_gather_pass, keep_tail_gathers_pass, prefetch_gathers_pass)
 from .user import gm_transformation_pass, override_transform_pass
 from .views import replace_views_with_reshapes_pass
 
 __all__ = [
-    "INDEX_RULES", "PARALLEL_STAGES", "STAGES", "CollectiveCounts", "Contract", "GradientBuckets", "GraphPass",
-    "IndexChecks", "Invariant", "KeptForBackward", "Lowering", "MemoryPlan", "OptimizerOffload", "ParamOffload",
-    "PassContext", "PassError", "PassRecord", "PassResult", "PassResults", "RandomLayouts", "ShardBuckets",
-    "ShardedParams", "broadcast_buffers_pass", "bucket_collectives_pass", "bucket_shard_collectives_pass",
-    "build_pipeline", "cast_gradient_reductions_pass", "cast_params_before_gather_pass", "check_disabled",
-    "check_order", "complete_found_inf_pass", "complete_grad_norms_pass", "contract_of", "count_collectives_pass",
-    "dedup_collectives_pass", "expand_data_parallel_pass", "gather_parameters_pass", "gm_transformation_pass",
-    "graph_pass", "insert_activation_stats_pass", "insert_index_checks_pass", "keep_tail_gathers_pass",
-    "lower_to_onnx_ops_pass", "offload_optimizer_pass", "offload_params_pass", "op_counts", "override_transform_pass",
-    "pass_names", "pin_random_layouts_pass", "pipeline_markdown", "plan_memory_pass", "prefetch_gathers_pass",
+    "INDEX_RULES", "PARALLEL_STAGES", "STAGES", "CarriedGather", "CollectiveCounts", "Contract", "GradientBuckets",
+    "GraphPass", "IndexChecks", "Invariant", "KeptForBackward", "Lowering", "MemoryPlan", "OptimizerOffload",
+    "ParamOffload", "PassContext", "PassError", "PassRecord", "PassResult", "PassResults", "RandomLayouts",
+    "ShardBuckets", "ShardedParams", "SummedMicroBatches", "broadcast_buffers_pass", "bucket_collectives_pass",
+    "bucket_shard_collectives_pass", "build_pipeline", "carry_first_gather_pass", "cast_gradient_reductions_pass",
+    "cast_params_before_gather_pass", "check_disabled", "check_order", "complete_found_inf_pass",
+    "complete_grad_norms_pass", "contract_of", "count_collectives_pass", "dedup_collectives_pass",
+    "expand_data_parallel_pass", "gather_parameters_pass", "gm_transformation_pass", "graph_pass",
+    "insert_activation_stats_pass", "insert_index_checks_pass", "keep_tail_gathers_pass", "lower_to_onnx_ops_pass",
+    "offload_optimizer_pass", "offload_params_pass", "op_counts", "override_transform_pass", "pass_names",
+    "pin_random_layouts_pass", "pipeline_markdown", "plan_memory_pass", "prefetch_gathers_pass",
     "propagate_shards_pass", "reduce_grad_presence_pass", "reduce_scatter_gradients_pass", "reinplace_optimizer_pass",
     "rematerialize_param_views_pass", "remove_identity_views_pass", "remove_redundant_copies_pass",
     "replace_views_with_reshapes_pass", "run_passes", "schedule_overlap_pass", "shard_placeholders_pass",
-    "write_readme_table",
+    "sum_micro_batch_gradients_pass", "write_readme_table",
 ]

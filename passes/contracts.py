@@ -91,13 +91,24 @@ def _grads_tagged(gm, ctx):
     params = {s.index for s in ctx.input_slots if s.kind is SlotKind.PARAM}
     for node in calls(gm, TAG):
         index = node.args[1]
-        if index in seen:
-            return f"parameter {index}'s gradient is tagged twice"
         if index not in params:
             return f"tag_grad names parameter {index}, which is not a graph input"
-        seen.add(index)
+        seen.add(index)  # (once per backward that reaches the parameter: micro-batches tag it several times)
     if not seen:
         return "no gradient is tagged (trace with tag_grads=True)"
+    return None
+
+
+def _tagged_once_per_read(gm, ctx):
+    """No accumulation adds two tagged values: micro-batch gradients are summed before they are tagged."""
+    tagged: set[fx.Node] = set(calls(gm, TAG))
+    for node in gm.graph.nodes:
+        if node.op == "call_function" and node.target is aten.add.Tensor:
+            ins = [a for a in node.args if isinstance(a, fx.Node)]
+            if sum(a in tagged for a in ins) >= 2:
+                return f"`{node.name}` adds two tagged gradients ({', '.join(a.name for a in ins)}): reduced twice"
+            if any(a in tagged for a in ins):
+                tagged.add(node)
     return None
 
 
@@ -256,9 +267,13 @@ IO_MATCHES_SLOTS = Invariant("io_matches_slots", "placeholders and outputs match
                              _io_matches_slots)
 VALUES_KNOWN = Invariant("values_known", "every placeholder and op node has meta['val']", _values_known)
 FUNCTIONAL_ATEN = Invariant("functional_aten", "no aten op mutates its inputs", _functional_aten)
-GRADS_TAGGED = Invariant("grads_tagged", "each parameter gradient is tagged once (trace with tag_grads)",
+GRADS_TAGGED = Invariant("grads_tagged", "parameter gradients are tagged (trace with tag_grads)",
                          _grads_tagged)
 NO_GRAD_TAGS = Invariant("no_grad_tags", "no tag_grad node remains", _no_grad_tags)
+GRADS_SUMMED_BEFORE_REDUCTION = Invariant(
+    "grads_summed_before_reduction",
+    "micro-batch gradients are summed before they are tagged: one reduction per gradient value the step reads",
+    _tagged_once_per_read)
 NO_TAPS = Invariant("no_taps", "no activation tap remains (each became its statistics)", _no_taps)
 COLLECTIVES_WAITED = Invariant("collectives_waited", "every collective start has exactly one wait_",
                                _collectives_waited)

@@ -20,10 +20,11 @@ from spmd_ort.capture.state import SlotKind
 from spmd_ort.runtime.ops import all_gather, all_reduce_, broadcast_, grads_present, reduce_scatter, wait_
 
 from .context import PassResult
-from .contracts import (BUFFERS_BROADCAST, COLLECTIVES_WAITED, GRADS_TAGGED, NO_DUPLICATE_COLLECTIVES, NO_GRAD_TAGS,
+from .contracts import (BUFFERS_BROADCAST, COLLECTIVES_WAITED, GRADS_SUMMED_BEFORE_REDUCTION, GRADS_TAGGED,
+                        NO_DUPLICATE_COLLECTIVES, NO_GRAD_TAGS,
                         OVERLAP_SCHEDULED, PER_GRADIENT_REDUCTIONS, Invariant)
 from .helpers import (DEDUP_KEY, GRADIENT_OF, TAG, aten, call, calls, move_after_inputs, nbytes, producers,
-                      unpack_chain, val)
+                      set_phase, unpack_chain, val)
 from .runner import graph_pass
 
 logger = logging.getLogger("spmd_ort")
@@ -50,6 +51,97 @@ def _one_all_reduce_per_bucket(gm, ctx):
 
 ONE_ALL_REDUCE_PER_BUCKET = Invariant("one_all_reduce_per_bucket", "all-reduces == recorded gradient buckets",
                                       _one_all_reduce_per_bucket)
+
+
+@dataclass(frozen=True)
+class SummedMicroBatches(PassResult):
+    """``sum_micro_batch_gradients_pass``: parameters whose micro-batch gradients are summed before one reduction,
+    the most backward passes that reached one of them, and how many of them the step reads between micro-batches."""
+
+    params: int
+    micro_batches: int
+    read_between: int
+
+    def lines(self) -> list[str]:
+        extra = f"; {self.read_between} read between micro-batches, reduced there too" if self.read_between else ""
+        return [f"gradient accumulation: {self.params} parameters summed over {self.micro_batches} micro-batches, "
+                f"then reduced once{extra}"]
+
+
+def _accumulation(tags: list[fx.Node]) -> list[list[tuple[fx.Node, fx.Node]]]:
+    """One parameter's tags, in graph order, grouped into runs that autograd accumulates into one ``.grad``:
+    each run a list of (tag, the value of ``.grad`` after it).  The value after tag j+1 is
+    ``add(value after tag j, tag j+1)``; a run starts with the tag itself, or ``add(g, tag)`` where ``g`` is a
+    gradient the step started with."""
+    runs: list[list[tuple[fx.Node, fx.Node]]] = []
+    for tag in tags:
+        adds = [u for u in tag.users if u.target is aten.add.Tensor and len(u.args) == 2 and u.args[1] is tag]
+        after = adds[0] if len(adds) == 1 else tag
+        if runs and after is not tag and after.args[0] is runs[-1][-1][1]:
+            runs[-1].append((tag, after))
+        else:
+            runs.append([(tag, after)])
+    return runs
+
+
+def _sum_then_tag(graph: fx.Graph, index: int, run: list[tuple[fx.Node, fx.Node]]) -> int:
+    """Rewrite one run: sum the raw gradients, tag the sum where ``.grad`` is read; returns the reads between
+    micro-batches.  A gradient the step started with stays outside the sum (``add(g, tag(sum))``), as it is
+    outside the reduction with one micro-batch."""
+    tags, values = [t for t, _ in run], [v for _, v in run]
+    readers = [[u for u in v.users if j + 1 == len(values) or u is not values[j + 1]] for j, v in enumerate(values)]
+    base = values[0].args[0] if values[0] is not tags[0] else None
+    sums = list(values)
+    if base is not None:  # the running sum starts at the first micro-batch's gradient
+        values[1].replace_input_with(values[0], tags[0])
+        sums[0] = tags[0]
+    between = 0
+    for j, (total, read) in enumerate(zip(sums, readers)):
+        if not read:
+            continue
+        between += j + 1 < len(values)
+        with graph.inserting_after(total):
+            out = tagged = set_phase(call(graph, TAG, (total, index), val(total)), "backward")
+        if base is not None:
+            with graph.inserting_after(tagged):
+                out = set_phase(call(graph, aten.add.Tensor, (base, tagged), val(values[j])), "backward")
+        for reader in read:
+            reader.replace_input_with(values[j], out)
+    if base is not None:
+        graph.erase_node(values[0])
+    for tag in tags:
+        tag.replace_all_uses_with(tag.args[0])
+        graph.erase_node(tag)
+    return between
+
+
+@graph_pass(requires=[GRADS_TAGGED], provides=[GRADS_TAGGED, GRADS_SUMMED_BEFORE_REDUCTION])
+def sum_micro_batch_gradients_pass(gm: fx.GraphModule, ctx) -> fx.GraphModule:
+    """With several backward passes before one optimizer step (gradient accumulation), reduce the sum once.
+
+    Tracing tags each backward's new gradient, so a step with k micro-batches would reduce each parameter's
+    gradient k times (k times the bytes).  Reduction is linear: here the tags of each run that autograd
+    accumulates into one ``.grad`` are removed, the raw gradients are summed as autograd sums them, and only
+    the accumulated ``.grad`` is tagged where the step reads it: once after the last micro-batch (then the
+    optimizer, clipping, the write-back read the reduced sum, as DDP's ``no_sync`` on all but the last
+    micro-batch gives), and also between micro-batches only where the step reads ``.grad`` there.
+    """
+    graph = gm.graph
+    by_param: dict[int, list[fx.Node]] = {}
+    for node in graph.nodes:
+        if node.op == "call_function" and node.target is TAG:
+            by_param.setdefault(node.args[1], []).append(node)
+    params, most, between = 0, 1, 0
+    for index, tags in by_param.items():
+        for run in _accumulation(tags):
+            if len(run) < 2:
+                continue
+            params += 1
+            most = max(most, len(run))
+            between += _sum_then_tag(graph, index, run)
+    if params:
+        ctx.results.record(SummedMicroBatches(params=params, micro_batches=most, read_between=between))
+    return gm
 
 
 @graph_pass(requires=[GRADS_TAGGED], provides=[NO_GRAD_TAGS, COLLECTIVES_WAITED, PER_GRADIENT_REDUCTIONS],

@@ -25,7 +25,8 @@ from .activation_stats import insert_activation_stats_pass
 from .analysis import count_collectives_pass, plan_memory_pass
 from .cleanup import remove_identity_views_pass, remove_redundant_copies_pass
 from .data_parallel import (broadcast_buffers_pass, bucket_collectives_pass, dedup_collectives_pass,
-                            expand_data_parallel_pass, reduce_grad_presence_pass, schedule_overlap_pass)
+                            expand_data_parallel_pass, reduce_grad_presence_pass, schedule_overlap_pass,
+                            sum_micro_batch_gradients_pass)
 from .fully_shard import (complete_found_inf_pass, complete_grad_norms_pass, gather_parameters_pass,
                           propagate_shards_pass, reduce_scatter_gradients_pass, rematerialize_param_views_pass,
                           shard_placeholders_pass)
@@ -36,7 +37,8 @@ from .mixed_precision import cast_gradient_reductions_pass, cast_params_before_g
 from .offload import offload_optimizer_pass, offload_params_pass
 from .reinplace import reinplace_optimizer_pass
 from .runner import GraphPass, pass_name
-from .shard_schedule import bucket_shard_collectives_pass, keep_tail_gathers_pass, prefetch_gathers_pass
+from .shard_schedule import (bucket_shard_collectives_pass, carry_first_gather_pass, keep_tail_gathers_pass,
+                             prefetch_gathers_pass)
 from .user import gm_transformation_pass, override_transform_pass
 from .views import replace_views_with_reshapes_pass
 
@@ -97,6 +99,7 @@ STAGES: tuple[Step, ...] = (
     Step("cleanup", remove_redundant_copies_pass),
     Step("cleanup", remove_identity_views_pass),
     Step("debug", insert_activation_stats_pass, ALWAYS.note("a no-op unless a debug subscriber taps activations")),
+    Step("parallel", sum_micro_batch_gradients_pass, SEVERAL_RANKS),
     Step("replicate", expand_data_parallel_pass, REPLICATE),
     Step("fully_shard", shard_placeholders_pass, FULLY_SHARD),
     Step("fully_shard", reduce_scatter_gradients_pass, FULLY_SHARD),
@@ -117,6 +120,7 @@ STAGES: tuple[Step, ...] = (
     Step("fully_shard", prefetch_gathers_pass, FULLY_SHARD),
     Step("offload", offload_params_pass, OFFLOAD_PARAM),
     Step("offload", offload_optimizer_pass, OFFLOAD_OPTIMIZER),
+    Step("fully_shard", carry_first_gather_pass, FULLY_SHARD.note("a no-op with prefetch=0")),
     Step(USER_TRANSFORMS, "override_transform_pass[<Override>]", ALWAYS.note("each Override, in order")),
     Step(USER_TRANSFORMS, "gm_transformation_pass", When("compile(gm_transformation=...)", lambda s: True)),
     Step("analysis", plan_memory_pass),

@@ -1,4 +1,5 @@
-"""Scheduling ``fully_shard``'s collectives: tail gathers kept for backward, buckets, prefetch."""
+"""Scheduling ``fully_shard``'s collectives: tail gathers kept for backward, buckets, prefetch (within a step and
+across steps)."""
 
 from __future__ import annotations
 
@@ -13,8 +14,8 @@ from spmd_ort.runtime.ops import all_gather, reduce_scatter, wait_
 from .context import PassResult
 from .contracts import (COLLECTIVES_WAITED, NO_DUPLICATE_COLLECTIVES, OVERLAP_SCHEDULED, PARAMS_GATHERED_BEFORE_USE,
                         PER_GRADIENT_REDUCTIONS, Invariant)
-from .helpers import (GRADIENT_OF, aten, call, calls, is_dtype_cast, phase, producers, set_phase, tensor_bytes,
-                      unpack_chain, val)
+from .helpers import (GRADIENT_OF, aten, call, calls, is_dtype_cast, phase, placeholders, producers, set_phase,
+                      tensor_bytes, unpack_chain, val)
 from .runner import graph_pass
 
 
@@ -234,4 +235,63 @@ def prefetch_gathers_pass(gm: fx.GraphModule, ctx) -> fx.GraphModule:
             for producer in producers(start.args[0]):
                 anchor.prepend(producer)
             anchor.prepend(start)
+    return gm
+
+
+@dataclass(frozen=True)
+class CarriedGather(PassResult):
+    """``carry_first_gather_pass``: the first forward all-gather, issued by the previous step after its optimizer.
+
+    ``recipe`` computes the gather's input from the state placeholders at ``inputs`` (positions among the
+    graph's inputs); ``CompiledProgram.carry_gathers`` runs it after each step and starts the gather.
+    """
+
+    slot: int
+    inputs: tuple[int, ...]
+    recipe: fx.GraphModule
+    world: int
+    nbytes: int
+
+    def lines(self) -> list[str]:
+        return [f"cross-step prefetch: the first forward all-gather ({self.nbytes / 2**20:.2f} MiB) is issued at the "
+                "end of the previous step (not after last_train_step=True)"]
+
+
+def _recipe(gm: fx.GraphModule, x: fx.Node) -> tuple[tuple[int, ...], fx.GraphModule] | None:
+    """The nodes computing ``x`` from placeholders alone (packing ops), as a graph of their own; None otherwise."""
+    order = {n: i for i, n in enumerate(placeholders(gm))}
+    chain = producers(x) if x.op != "placeholder" else []
+    leaves = sorted({a for n in chain for a in n.all_input_nodes if a not in chain} | ({x} if not chain else set()),
+                    key=lambda n: n.name)
+    if any(a not in order for a in leaves):
+        return None
+    graph = fx.Graph()
+    env = {a: graph.placeholder(a.name) for a in sorted(leaves, key=order.get)}
+    for node in chain:
+        env[node] = graph.node_copy(node, lambda a: env[a])
+    graph.output(env[x])
+    return tuple(order[a] for a in sorted(leaves, key=order.get)), fx.GraphModule(gm, graph)
+
+
+@graph_pass(requires=[ONE_SHARD_COLLECTIVE_PER_BUCKET, COLLECTIVES_WAITED], provides=[COLLECTIVES_WAITED])
+def carry_first_gather_pass(gm: fx.GraphModule, ctx) -> fx.GraphModule:
+    """The first forward all-gather of a step is issued by the step before, after its optimizer wrote the shards.
+
+    Every step otherwise starts by waiting for its first bucket of parameters; a whole-step graph knows which
+    bucket that is and how its input is computed from the state (``CarriedGather.recipe``), so the previous
+    call starts it once its shards are final, and it arrives while the host is between steps.  The gather is
+    marked ``carried``: at run time it takes the carried result when every rank's input is still what it
+    gathered (a checkpoint load, an edit under ``no_grad`` or another program in between: it gathers anew, on
+    every rank alike), else it gathers as before.  With ``prefetch=0`` nothing is carried.
+    """
+    if ctx.mode.prefetch == 0:
+        return gm
+    first = next((n for n in calls(gm, all_gather) if phase(n) == "forward"), None)
+    found = _recipe(gm, first.args[0]) if first is not None else None
+    if found is None:
+        return gm
+    inputs, recipe = found
+    first.args = (*first.args[:2], 0)
+    ctx.results.record(CarriedGather(slot=0, inputs=inputs, recipe=recipe, world=ctx.world_size,
+                                     nbytes=tensor_bytes(val(first))))
     return gm

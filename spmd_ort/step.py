@@ -101,10 +101,11 @@ class CompiledStep:
         if prep.swapped:
             self._overridden.add(id(call.module))
         self.compiled, self._last = program, (call.module, call.opt)
-        if last_train_step:
-            # The reference API's drain of deferred work; every call already completes its collectives
-            # (CompiledStep._run), so this finds nothing to wait for.
+        if last_train_step:  # the reference API's drain: nothing is left in flight when training ends
+            self.runtime.comm.drop_carried()
             self.runtime.comm.finish()
+        elif call.mode is not None:
+            program.carry_gathers(self.runtime.comm)  # the next step's first gather starts now
         return out
 
     def _bind(self, args: tuple, kwargs: dict) -> StepCall:
@@ -171,6 +172,7 @@ class CompiledStep:
         comm = self.runtime.comm
         self.profiler.before_run(program.steps_run)
         comm.start_step()
+        comm.owner = program  # its carried gathers are this program's to take
         t0 = time.perf_counter()
         try:
             with self.runtime.active(), amp.autocast_disabled():  # the graph holds autocast's casts already

@@ -69,6 +69,29 @@ def train_step(model, opt, x, y, clip: float | None = None):
 classification_step = lm_step = train_step
 
 
+def accumulation_step(model, opt, xs, ys, read_between: bool = False, no_sync=None):
+    """nanoGPT's loop: one backward per micro-batch (loss divided by their number), then one optimizer step.
+
+    ``read_between``: the step also returns the norm of the first parameter's ``.grad`` after every
+    micro-batch but the last (a step that reads gradients between micro-batches).  ``no_sync``: a DDP
+    module's ``no_sync`` to enter for every micro-batch but the last (eager DDP only)."""
+    import contextlib
+
+    first = next(model.parameters())
+    reads = []
+    for j, (x, y) in enumerate(zip(xs, ys)):
+        last = j + 1 == len(xs)
+        with no_sync() if no_sync is not None and not last else contextlib.nullcontext():
+            out = model(x)
+            loss = F.cross_entropy(out.flatten(0, -2), y.flatten()) / len(xs)
+            loss.backward()
+        if read_between and not last:
+            reads.append(first.grad.norm())
+    opt.step()
+    opt.zero_grad(set_to_none=True)
+    return loss, reads
+
+
 def assert_close_normwise(actual: torch.Tensor, expected: torch.Tensor, *, rtol: float = RTOL, atol: float = ATOL,
                           msg: str = "") -> None:
     """||actual - expected|| <= rtol * ||expected|| + atol * sqrt(n).

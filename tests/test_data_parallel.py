@@ -81,6 +81,35 @@ def test_matches_ddp_every_step(tmp_path, model, opt, backend):
         assert all(c["broadcast_calls"] == 6 for c in ranks[0]["comm"])  # 2 BN x 3 buffers
 
 
+@pytest.mark.parametrize("model,backend,micro", [("mlp", "fx", 2), ("gpt", "ort", 4)])
+def test_gradient_accumulation_reduces_once_per_step(tmp_path, model, backend, micro):
+    """k backward passes, then one optimizer step: the micro-batch gradients are summed, then all-reduced once.
+    Every step equals DDP with no_sync on all but the last micro-batch (checked in the script), and the bytes
+    per step are the gradient bytes once, whatever k (without sum_micro_batch_gradients_pass: k times)."""
+    ranks, _ = torchrun(tmp_path, "--model", model, "--opt", "adamw", "--backend", backend, "--steps", "4",
+                        "--micro-batches", str(micro), "--bucket-mb", "0.05")
+    for r in ranks:
+        assert "compile_error" not in r, r.get("compile_error")
+        assert r["traces"] == 1
+        for c in r["comm"]:
+            assert c["all_reduce_bytes"] == r["grad_bytes"] and c["all_reduce_calls"] == r["buckets"]
+        assert f"gradient accumulation: {r['params']} parameters summed over {micro} micro-batches" in r["describe"]
+        if backend == "ort":
+            assert_ort_report_clean(r["ort"])
+
+
+def test_a_gradient_read_between_micro_batches_is_reduced_there(tmp_path):
+    """The step reads the first parameter's .grad after each micro-batch but the last: it gets the reduced
+    partial sum (what DDP, syncing every micro-batch, holds there; compared in the script); only that
+    parameter is reduced more than once."""
+    ranks, _ = torchrun(tmp_path, "--model", "mlp", "--opt", "sgd", "--backend", "fx", "--steps", "3",
+                        "--micro-batches", "3", "--read-between")
+    for r in ranks:
+        assert "compile_error" not in r, r.get("compile_error")
+        first = r["first_param_bytes"]
+        assert all(c["all_reduce_bytes"] == r["grad_bytes"] + 2 * first for c in r["comm"])
+
+
 def _check_debug_outputs(tmp_path: Path, stderr: str) -> None:
     from spmd_ort.debug import first_divergence, load_run
 

@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import copy
+
 import torch
 import pytest
 from torch import fx
 
-from spmd_ort.passes import GradientBuckets
 import spmd_ort
+from spmd_ort.passes import GradientBuckets, SummedMicroBatches, sum_micro_batch_gradients_pass
 from spmd_ort.runtime.ops import all_reduce_, broadcast_, wait_
 from spmd_ort.passes import (PassContext, broadcast_buffers_pass, bucket_collectives_pass, build_pipeline,
                                  dedup_collectives_pass, expand_data_parallel_pass, op_counts, run_passes,
@@ -16,7 +18,7 @@ from spmd_ort.runtime.context import StepRuntime
 from spmd_ort.capture.state import SlotKind, StateLayout
 from spmd_ort.capture.optim import rule_for
 from spmd_ort.capture.trace import trace_step
-from helpers import train_step
+from helpers import accumulation_step, train_step
 from models import CNN, MLP
 
 AR, WAIT, BCAST = "spmd_ort.all_reduce_.default", "spmd_ort.wait_.default", "spmd_ort.broadcast_.default"
@@ -205,3 +207,49 @@ def test_gradient_presence_is_summed_over_ranks_after_bucketing(one_rank):
     assert [u.target for u in node.users] == [all_reduce_]
     for a, b in zip(run(gm), expected, strict=True):
         torch.testing.assert_close(a, b, rtol=0, atol=0)
+
+
+def _accumulating(model, k: int, *, read_between: bool = False, grads_before: bool = False):
+    """A step with ``k`` micro-batches (helpers.accumulation_step) traced with gradient tags, cleaned up."""
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    if grads_before:  # the step starts with gradients (accumulated by the caller across steps)
+        for p in model.parameters():
+            p.grad = torch.full_like(p, 0.5)
+    layout = StateLayout.capture(model, opt, rule_for(opt))
+    g = torch.Generator().manual_seed(0)
+    xs = [torch.randn(4, 32, generator=g) for _ in range(k)]
+    ys = [torch.randint(0, 10, (4,), generator=g) for _ in range(k)]
+    traced = trace_step(accumulation_step, (model, opt, xs, ys), {"read_between": read_between}, layout,
+                        tag_grads=True)
+    traced.gm = run_passes(traced.gm, _ctx(traced), build_pipeline(None, "fx", stages=("cleanup",)))
+    return traced, layout.gather() + xs + ys
+
+
+@pytest.mark.parametrize("k,read_between,grads_before", [(2, False, False), (3, False, True), (3, True, False)])
+def test_micro_batch_gradients_are_summed_then_tagged_once(one_rank, k, read_between, grads_before):
+    """Before: one tag (one reduction) per parameter and micro-batch; after: one per parameter, plus one per
+    read of .grad between micro-batches; with expand and a 1-rank all-reduce the numbers equal the graph before
+    the pass up to the order of summation (a gradient the step started with is added after the sum)."""
+    model = MLP()
+    traced, inputs = _accumulating(model, k, read_between=read_between, grads_before=grads_before)
+    gm = traced.gm
+    n_params = len(list(model.parameters()))
+    assert op_counts(gm)["spmd_ort.tag_grad.default"] == k * n_params
+    ctx = _ctx(traced, world_size=1)
+    expected = _run(run_passes(copy.deepcopy(gm), _ctx(traced), [expand_data_parallel_pass]), inputs)
+    gm = run_passes(gm, ctx, [sum_micro_batch_gradients_pass])
+    reads = (k - 1) if read_between else 0  # the first parameter's .grad, read after each micro-batch but the last
+    assert op_counts(gm)["spmd_ort.tag_grad.default"] == n_params + reads
+    summary = ctx.results.get(SummedMicroBatches)
+    assert (summary.params, summary.micro_batches, summary.read_between) == (n_params, k, reads)
+    gm = run_passes(gm, ctx, [expand_data_parallel_pass])
+    for a, b in zip(_run(gm, inputs), expected, strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7)
+
+
+def test_one_micro_batch_is_left_alone():
+    traced, _ = _traced(MLP(), torch.randn(8, 32), torch.randint(0, 10, (8,)))
+    code = traced.gm.code
+    ctx = _ctx(traced)
+    gm = run_passes(traced.gm, ctx, [sum_micro_batch_gradients_pass])
+    assert gm.code == code and SummedMicroBatches not in ctx.results

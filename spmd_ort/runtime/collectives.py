@@ -11,6 +11,9 @@ is running (:mod:`spmd_ort.runtime.context`):
 * ``broadcast_(t, src)`` broadcasts ``t`` from rank ``src`` (synchronous);
 * ``all_gather(shard, world)`` starts gathering every rank's ``shard`` into a new
   tensor of ``world`` times its size (rank-major), for ``fully_shard``;
+  ``all_gather(shard, world, carried=k)`` takes instead the gather the previous step issued for
+  slot ``k`` after its optimizer (:meth:`Communicator.carry`: cross-step prefetch), when every
+  rank's shards are still what that gather read (else it gathers anew, on every rank);
 * ``reduce_scatter(t, world)`` starts averaging ``t`` over ranks and returns this
   rank's 1/``world`` slice of the result (a new tensor); float16 is divided by the
   world size first and then summed, so the sum cannot overflow (FSDP2's rule: its
@@ -49,6 +52,7 @@ class StepComm:
     all_gather_bytes: int = 0  # gathered (output) bytes
     reduce_scatter_calls: int = 0
     reduce_scatter_bytes: int = 0  # input bytes
+    carried_gathers: int = 0  # all-gathers served by the one the previous step issued (cross-step prefetch)
     comm_s: float = 0.0  # issue -> completion (the collective's own duration), summed
     blocked_s: float = 0.0  # time the host sat in wait_ (or in a synchronous broadcast)
 
@@ -63,12 +67,25 @@ class StepComm:
 
 
 @dataclass
+class Carried:
+    """A gather issued after one step for the next (cross-step prefetch): its output, work and what it read."""
+
+    out: Tensor
+    shard: Tensor  # this rank's input, as it was when issued
+    world: int
+    owner: object  # the program that issued it (only that program's next run takes it)
+    entry: tuple  # (work, issued at, [completed at], kind), as Communicator.pending holds
+
+
+@dataclass
 class Communicator:
     """Outstanding collectives and per-step accounting of one compiled step."""
 
     pending: dict = field(default_factory=dict)  # data_ptr -> (work, issued at, [completed at], kind)
     step: StepComm = field(default_factory=StepComm)
     recorder: object | None = None  # a spmd_ort.debug.timeline.Recorder while steps are profiled
+    carried: dict = field(default_factory=dict)  # slot -> Carried, issued after the last step for the next
+    owner: object | None = None  # the program running now (whose carried gathers it may take)
 
     def start_step(self) -> None:
         self.step = StepComm()
@@ -86,13 +103,57 @@ class Communicator:
         self.step.all_reduce_bytes += t.numel() * t.element_size()
         return t
 
-    def all_gather(self, shard: Tensor, world: int) -> Tensor:
+    def all_gather(self, shard: Tensor, world: int, carried: int = -1) -> Tensor:
+        if carried >= 0 and self.carried:
+            out = self._take(carried, shard, world)
+            if out is not None:
+                return out
         out = shard.new_empty(shard.numel() * world)
         issued = time.perf_counter()
         self._track(out, issued, dist.all_gather_single(out, shard.contiguous(), async_op=True), "all_gather")
         self.step.all_gather_calls += 1
         self.step.all_gather_bytes += out.numel() * out.element_size()
         return out
+
+    def carry(self, slot: int, shard: Tensor, world: int, owner: object) -> None:
+        """Start, after a step, the gather of ``shard`` that ``owner``'s next run takes at ``slot``."""
+        self.drop_carried()
+        out = shard.new_empty(shard.numel() * world)
+        issued = time.perf_counter()
+        work = dist.all_gather_single(out, shard.contiguous(), async_op=True)
+        done: list[float] = []
+        try:
+            work.get_future().then(lambda fut: done.append(time.perf_counter()))
+        except RuntimeError:
+            pass
+        kind = f"all_gather {out.numel() * out.element_size() / 2**20:.2f} MiB (carried)"
+        self.carried[slot] = Carried(out, shard.detach().clone(), world, owner, (work, issued, done, kind))
+
+    def _take(self, slot: int, shard: Tensor, world: int) -> Tensor | None:
+        """The carried gather for ``slot`` if it is this program's and every rank's shard is unchanged since it
+        was issued (ranks agree: one tiny all-reduce), else None (and it is dropped) -- the caller gathers anew.
+
+        Every rank holds a carried gather or none (the same steps ran everywhere), so all take this path."""
+        c = self.carried.pop(slot)
+        self._wait(*c.entry)  # it ran between the steps; what is left of it is this step's wait
+        fresh = (c.owner is self.owner and c.world == world and c.out.numel() == shard.numel() * world
+                 and c.shard.dtype == shard.dtype and torch.equal(c.shard, shard))
+        if world > 1:
+            flag = torch.tensor([0 if fresh else 1], dtype=torch.int32)
+            dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+            fresh = int(flag) == 0
+        if not fresh:
+            return None
+        self.step.all_gather_calls += 1
+        self.step.all_gather_bytes += c.out.numel() * c.out.element_size()
+        self.step.carried_gathers += 1
+        return c.out  # complete already: its wait_ finds nothing pending
+
+    def drop_carried(self) -> None:
+        """Complete and forget the carried gathers (a new one replaces them; the training ends)."""
+        for c in self.carried.values():
+            self._wait(*c.entry)
+        self.carried.clear()
 
     def reduce_scatter(self, t: Tensor, world: int) -> Tensor:
         if t.numel() % world:

@@ -123,9 +123,10 @@ all_reduce_ = _op("all_reduce_(Tensor(a!) t, float prescale) -> Tensor(a!)",
 wait_ = _op("wait_(Tensor(a!) t) -> Tensor(a!)", lambda t: active().comm.wait(t), lambda t: t)
 broadcast_ = _op("broadcast_(Tensor(a!) t, int src) -> Tensor(a!)",
                  lambda t, src: active().comm.broadcast(t, src), lambda t, src: t)
-all_gather = _op("all_gather(Tensor shard, int world) -> Tensor",
-                 lambda shard, world: active().comm.all_gather(shard, world),
-                 lambda shard, world: shard.new_empty(shard.numel() * world))
+# ``carried``: the slot of a gather the previous step issued for this one (cross-step prefetch), -1: none
+all_gather = _op("all_gather(Tensor shard, int world, int carried=-1) -> Tensor",
+                 lambda shard, world, carried=-1: active().comm.all_gather(shard, world, carried),
+                 lambda shard, world, carried=-1: shard.new_empty(shard.numel() * world))
 reduce_scatter = _op("reduce_scatter(Tensor t, int world) -> Tensor",
                      lambda t, world: active().comm.reduce_scatter(t, world),
                      lambda t, world: t.new_empty(t.numel() // world))

@@ -9,7 +9,7 @@ import torch
 import torch.utils._pytree as pytree
 from torch import fx
 
-from spmd_ort.passes import PassRecord, PassResults, op_counts
+from spmd_ort.passes import CarriedGather, PassRecord, PassResults, op_counts
 
 from spmd_ort.runtime.taps import TapRegistry
 from spmd_ort.capture.dynamic import SymbolicShapes
@@ -112,6 +112,18 @@ class CompiledProgram:
         self.steps_run += 1
         it = iter(user_vals)
         return pytree.tree_unflatten([next(it) if x is TENSOR else x for x in self.user_leaves], self.user_spec)
+
+    def carry_gathers(self, comm) -> None:
+        """After a step: start the gather its next run takes first (``carry_first_gather_pass``), on the state as
+        it now is; a program without one drops what an earlier program carried."""
+        carried = self.results.get(CarriedGather)
+        if carried is None:
+            comm.drop_carried()
+            return
+        state = self.layout.gather()
+        with torch.no_grad():
+            shard = carried.recipe(*[state[i] for i in carried.inputs])
+        comm.carry(carried.slot, shard, carried.world, owner=self)
 
     def updates_state_of(self, params: list) -> bool:
         """Whether the step writes new optimizer state for every one of ``params`` (each got a gradient)."""

@@ -26,9 +26,9 @@ sys.path.insert(0, str(ROOT / "tests"))
 sys.path.insert(0, str(ROOT))
 
 from dist_common import finish  # noqa: E402
-from spmd_ort.passes import GradientBuckets
 import spmd_ort  # noqa: E402
-from helpers import assert_same_state, ort_report, train_step  # noqa: E402
+from spmd_ort.passes import GradientBuckets  # noqa: E402
+from helpers import accumulation_step, assert_same_state, ort_report, train_step  # noqa: E402
 from models import CNN, GPT, MLP, GPTConfig  # noqa: E402
 
 
@@ -63,6 +63,12 @@ def main() -> None:
     ap.add_argument("--profile", help="profile the compiled step's last two steps into this path")
     ap.add_argument("--input-grads", action="store_true",
                     help="the batch requires grad: its .grad accumulates, per rank (never all-reduced), as in DDP")
+    ap.add_argument("--micro-batches", type=int, default=1,
+                    help="gradient accumulation in the step: one backward per micro-batch, then one optimizer step; "
+                         "DDP runs no_sync on all but the last (one all-reduce per step is asserted)")
+    ap.add_argument("--read-between", action="store_true",
+                    help="with --micro-batches: the step reads a gradient between micro-batches (DDP then syncs "
+                         "every micro-batch, and the reads must equal DDP's reduced values)")
     ap.add_argument("--out", required=True)
     args = ap.parse_args()
     dist.init_process_group("gloo")
@@ -80,7 +86,9 @@ def run(args, rank: int, world: int) -> dict:
         opt_ref, opt = make_opt(args.opt, ddp_model.parameters()), make_opt(args.opt, model.parameters())
         mode = spmd_ort.DataParallel(bucket_cap_mb=args.bucket_mb)
         dynamic = {"auto": None, "1": True, "0": False}[args.dynamic]
-        step = spmd_ort.compile(parallel_mode=mode, backend=args.backend, dynamic=dynamic)(train_step)
+        accumulate = args.micro_batches > 1
+        step_fn = accumulation_step if accumulate else train_step
+        step = spmd_ort.compile(parallel_mode=mode, backend=args.backend, dynamic=dynamic)(step_fn)
         if args.stats:  # every rank writes its own directory: <stats>/<run>/rank<r>
             from spmd_ort.debug import GlobalSubscriberManager, StatisticsSubscriber
 
@@ -106,9 +114,21 @@ def run(args, rank: int, world: int) -> dict:
                     x_ref_in.copy_(x)
                 x, x_ref = x_in, x_ref_in
             t0 = time.perf_counter()
-            loss = step(model, opt, x, y)
+            if accumulate:
+                xs, ys = x.chunk(args.micro_batches), y.chunk(args.micro_batches)
+                xs_ref = x_ref.chunk(args.micro_batches)
+                loss, reads = step(model, opt, xs, ys, read_between=args.read_between)
+            else:
+                loss = step(model, opt, x, y)
             result.setdefault("step_s", []).append(time.perf_counter() - t0)
-            ref = train_step(ddp_model, opt_ref, x_ref, y)
+            if accumulate:
+                no_sync = None if args.read_between else ddp_model.no_sync
+                ref, reads_ref = accumulation_step(ddp_model, opt_ref, xs_ref, ys, read_between=args.read_between,
+                                                   no_sync=no_sync)
+                for got, want in zip(reads, reads_ref, strict=True):  # reduced partial sums, as DDP syncs them
+                    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-7)
+            else:
+                ref = train_step(ddp_model, opt_ref, x_ref, y)
             if args.input_grads:
                 torch.testing.assert_close(x.grad, x_ref.grad, rtol=1e-5, atol=1e-7)
                 result.setdefault("input_grad_sums", []).append(float(x.grad.double().sum()))
@@ -130,7 +150,10 @@ def run(args, rank: int, world: int) -> dict:
         result.update(
             losses=losses, comm=comm, traces=step.transitions.traces, ort=ort_report(step),
             grad_bytes=sum(p.numel() * p.element_size() for p in model.parameters()),
-            buckets=len(prog.results.get(GradientBuckets).nbytes), bucket_bytes=list(prog.results.get(GradientBuckets).nbytes),
+            params=sum(1 for _ in model.parameters()),
+            first_param_bytes=next(model.parameters()).numel() * next(model.parameters()).element_size(),
+            buckets=len(prog.results.get(GradientBuckets).nbytes),
+            bucket_bytes=list(prog.results.get(GradientBuckets).nbytes),
             describe=prog.describe())
     except spmd_ort.CompileError as exc:
         result["compile_error"] = str(exc)
