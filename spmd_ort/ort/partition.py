@@ -10,7 +10,8 @@ Two pieces, as torch.fx's ``CapabilityBasedPartitioner``:
   ops on float64 host scalars, values in a dtype the provider has no kernels
   for (bfloat16 on CPU), and aten ops that do not translate to ONNX
   (:func:`spmd_ort.ort.coverage.why_untranslatable`: the same table the exporter
-  translates with, after ``lower_to_onnx_ops_pass`` has lowered what it can).
+  translates with; an op ``lower_to_onnx_ops_pass`` marked with its decomposition
+  runs in ORT when every op of the decomposition does).
 * the grouping, torch.fx's partitioner: deterministic, largest possible
   segments of connected supported nodes, no cycles through host nodes.
 """
@@ -25,6 +26,7 @@ from torch.fx.passes.infra.partitioner import CapabilityBasedPartitioner
 from torch.fx.passes.operator_support import OperatorSupport
 
 from spmd_ort.ort.coverage import why_untranslatable
+from spmd_ort.ort.lowering import DECOMPOSITION, why_not_lowerable
 from spmd_ort.capture.dynamic import input_symbols
 from spmd_ort.runtime.ops import OPAQUE_OPS, STARTS, wait_
 
@@ -78,6 +80,8 @@ def why_host(node: fx.Node) -> str | None:
             return f"{val.dtype} on {val.device.type} (ONNX Runtime's {val.device.type} provider lacks its kernels)"
     if namespace != "aten":
         return f"{namespace} op has no ONNX translation"
+    if DECOMPOSITION in node.meta:  # exported as its decomposition (lower_to_onnx_ops_pass)
+        return why_not_lowerable(node, why_host)
     return why_untranslatable(node)
 
 

@@ -16,6 +16,7 @@ from torch.fx.experimental.proxy_tensor import make_fx
 
 from spmd_ort.errors import CompileError
 from spmd_ort.options import Options
+from spmd_ort.ort import lowering
 from spmd_ort.ort.session import DynamicSizes, OrtSegment, StageError, load_segment, open_segment
 from spmd_ort.ort.stats import OrtStats
 from spmd_ort.ort.verify import checked_first_run, op_summary, segment_failure, short_error
@@ -124,6 +125,7 @@ class SizedSegments(nn.Module):
 
         with torch.no_grad():
             concrete = make_fx(run, tracing_mode="fake")(*[examples[i] for i in positions])
+        lowering.annotate(concrete)  # the re-trace ran the ops; ONNX needs their decompositions again
         name = f"{self.name}_{len(self.sessions)}"
         return load_segment(name, concrete, self.options, self.stats, threads=self.threads,
                              providers=self.providers)
