@@ -353,13 +353,16 @@ def test_auto_keeps_the_faster_executor_per_segment(monkeypatch, slow, whole_cos
     if fast == "fx":  # every segment chose fx: the whole graph runs on fx, unsplit, untimed
         assert str(stats.whole) == "the whole graph runs on fx, unsplit (every segment chose fx)"
         assert segment.runs == 1  # the checked first step only
+        assert segment.session is None and not segment.outputs  # what only ORT needed is freed
     elif whole_cost > cost["ort"]:  # the segments as chosen (ORT) beat the whole graph on fx
         assert stats.whole.executor == "segments", stats.whole
         assert (stats.whole.segments_ms, stats.whole.fx_ms) == pytest.approx((cost["ort"] * 1e3, whole_cost * 1e3))
         assert segment.runs == 3 + choice.WHOLE_RUNS  # every step, and the whole-step timing runs
+        assert segment.session is not None and compiled.compiled.executor.whole is None  # fx candidate freed
     else:  # ORT beat the segment's fx graph, but the whole graph on fx beats both: it runs from step 2 on
         assert stats.whole.executor == "fx" and "the whole graph runs on fx, unsplit (segments" in described
         assert segment.runs == 1 + choice.WHOLE_RUNS
+        assert segment.session is None  # no segment runs again
 
 
 def test_forced_fx_segment_executor(monkeypatch):

@@ -51,7 +51,7 @@ class FirstRun(fx.Interpreter):
         if seg.new_sizes is not None:
             seg.new_sizes.checked.add(seg.sizes.key(args))
         if ort_s is None:
-            seg.use_fallback = True
+            seg.release()
             return reference
         self._choose(seg, args, {"fx": fx_s, "ort": ort_s})
         return reference
@@ -61,14 +61,16 @@ class FirstRun(fx.Interpreter):
         mode = self.segment_executor
         if mode != "auto":
             self.stats.choices[seg.name] = SegmentChoice(mode)
-            seg.use_fallback = mode == "fx"
+            if mode == "fx":
+                seg.release()
             return
         ort_runs = seg.runs
         fx_s, ort_s = fastest(seg.fallback, args, first["fx"]), fastest(seg.run_ort, args, first["ort"])
         choice = "fx" if fx_s < ort_s else "ort"
         self.stats.choices[seg.name] = SegmentChoice(choice, ort_ms=ort_s * 1e3, fx_ms=fx_s * 1e3)
-        seg.use_fallback = choice == "fx"
         seg.runs = ort_runs  # timing runs are not steps
+        if choice == "fx":
+            seg.release()
 
 
 def fastest(run, args, first: float) -> float:

@@ -76,6 +76,11 @@ class OrtExecutor:
                 if self.segment_executor == "auto" and self.whole is not None:
                     out = [o.clone() if isinstance(o, torch.Tensor) else o for o in out]  # (timing reuses buffers)
                     self.runs_whole = choose_whole(self.gm, self.whole, copies, self.stats)
+                    if self.runs_whole:  # no segment runs again: free their sessions and buffers
+                        for segment in self.segments:
+                            segment.release()
+                    else:
+                        self.whole = None  # the losing candidate's graph
                 self.first_run_done = True
                 self.stats.first_run_seconds = time.perf_counter() - t0
                 return list(out)

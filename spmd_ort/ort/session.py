@@ -157,6 +157,13 @@ class OrtSegment(nn.Module):
             return self.new_sizes.forward(self, args)
         return self.run_ort(*args)
 
+    def release(self) -> None:
+        """Run on fx from now on, and free what only ONNX Runtime needed: the session (its arena and
+        initializers), the IO binding and the output buffers."""
+        self.use_fallback = True
+        self.session = self.binding = None
+        self.outputs = []
+
 class DynamicSizes:
     """A dynamic-shape segment's sizes: the symbols its inputs carry, and its output shapes in them.
 

@@ -50,7 +50,7 @@ class NewSizes:
             segment_failure(seg.name, f"ONNX Runtime failed to run it at new sizes: {short_error(exc)}", self.policy,
                      op_summary(seg.fallback))
             self.stats.fallbacks.append(seg.name)
-            seg.use_fallback = True
+            seg.release()
             return seg.fallback(*args)
 
     def _checked(self, seg: OrtSegment, key: tuple, args):
@@ -58,8 +58,9 @@ class NewSizes:
         reference = seg.fallback(*args)
         where = f"{seg.name} at sizes {seg.sizes.describe(key)}"
         if checked_first_run(where, seg, args, reference, self.stats, self.policy, self.verify) is None:
-            seg.use_fallback = True
+            seg.release()
         return reference
+
 
 class SizedSegments(nn.Module):
     """A segment of a program with symbolic sizes: one ONNX model per distinct set of input sizes.
@@ -85,12 +86,15 @@ class SizedSegments(nn.Module):
         self.sessions: dict[tuple, OrtSegment | None] = {}  # sizes -> session (None: runs on fx)
         self.sizes = DynamicSizes(fallback)  # names a set of sizes in messages
         self.runs = 0
+        self.released = False
 
     @staticmethod
     def sizes_of(args) -> tuple:
         return tuple((tuple(a.shape), a.dtype) if isinstance(a, torch.Tensor) else (type(a).__name__, a) for a in args)
 
     def forward(self, *args):
+        if self.released:
+            return self.fallback(*args)
         key = self.sizes_of(args)
         if key not in self.sessions:
             self.sessions[key] = self._specialise(key, args)
@@ -109,6 +113,10 @@ class SizedSegments(nn.Module):
         self.runs += 1
         return segment.run_ort(*_tensors(args))
 
+    def release(self) -> None:
+        """Run on fx from now on, at every size, and free the sessions made so far."""
+        self.released = True
+        self.sessions.clear()
 
     def _specialise(self, key: tuple, args) -> OrtSegment | None:
         """The segment for these sizes: its sizes constants, its inputs the tensors (in order)."""
