@@ -102,7 +102,13 @@ class OrtSupport(OperatorSupport):
 def partition_for_ort(gm: fx.GraphModule) -> tuple[fx.GraphModule, list[str]]:
     """Fuse ORT-supported regions into submodules ``fused_<i>``; returns (graph, their names)."""
     _sizes_from_inputs(gm)
-    partitioner = CapabilityBasedPartitioner(gm, OrtSupport(), allows_single_node_partition=False)
+    return partition_with(gm, OrtSupport())
+
+
+def partition_with(gm: fx.GraphModule, support: OperatorSupport) -> tuple[fx.GraphModule, list[str]]:
+    """Fuse the regions ``support`` accepts into submodules ``fused_<i>`` (largest connected regions, split at
+    collectives, none of views alone; any backend's grouping); returns (graph, their names)."""
+    partitioner = CapabilityBasedPartitioner(gm, support, allows_single_node_partition=False)
     partitions = _split_at_collectives(gm, partitioner.propose_partitions())
     # a segment made only of views/getitems is not worth an ORT call
     partitions = [p for p in partitions if any(_is_compute(n) for n in p.nodes)]
