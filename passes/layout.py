@@ -28,7 +28,7 @@ from spmd_ort.runtime import ops
 from .context import PassResult
 from .contracts import RANDOM_LAYOUTS_PINNED, VALUES_KNOWN
 from .helpers import EAGER_LAYOUT_UNKNOWN, fake_mode_of, is_random, refake
-from .lowering import CARRIED_META
+from spmd_ort.ort.lowering import CARRIED_META
 from .runner import graph_pass
 
 logger = logging.getLogger("spmd_ort")

@@ -23,7 +23,7 @@ from spmd_ort.errors import ConfigError
 
 logger = logging.getLogger("spmd_ort")
 
-BACKENDS = ("ort", "fx")
+BACKENDS = ("ort", "fx", "inductor")
 FALLBACK_POLICIES = ("FALLBACK_TO_FX", "FALLBACK_DISABLE")
 SEGMENT_EXECUTORS = ("auto", "ort", "fx")
 DYNAMIC_MODES = ("auto", "1", "0")  # SPMD_ORT_DYNAMIC; compile(dynamic=None/True/False)
@@ -272,7 +272,7 @@ ENV_VARS: tuple[EnvVar, ...] = (
     EnvVar("SPMD_ORT_LOG_LEVEL", "log_level", _log_level, "`WARNING`",
            "`VERBOSE`, `INFO`, `WARNING`, `ERROR` or `FATAL`; wins over `DebugOptions.log_level`"),
     EnvVar("SPMD_ORT_BACKEND", "backend", _choice("backend", BACKENDS), "`ort`",
-           "`ort` or `fx`: the backend when `compile(backend=None)`"),
+           "`ort`, `fx` or `inductor`: the backend when `compile(backend=None)`"),
     EnvVar("SPMD_ORT_DISABLE_PASSES", "disabled_passes", _names, "none",
            "comma-separated graph pass names to skip (e.g. `reinplace_optimizer_pass`); an unknown name is an error"),
     EnvVar("SPMD_ORT_CHECK_PASSES", "check_passes", _bool, "`0`",

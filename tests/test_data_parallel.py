@@ -110,6 +110,19 @@ def test_a_gradient_read_between_micro_batches_is_reduced_there(tmp_path):
         assert all(c["all_reduce_bytes"] == r["grad_bytes"] + 2 * first for c in r["comm"])
 
 
+def test_automatic_executor_choice_agrees_across_ranks(tmp_path):
+    """SPMD_ORT_SEGMENT_EXECUTOR=auto (the default outside the test suite): each rank times its own segments,
+    but the whole-graph choice (the segments as chosen, or the whole graph on fx) is taken on the ranks' mean
+    times, so both ranks run the same program: no hang, every step equals DDP (checked in the script)."""
+    ranks, _ = torchrun(tmp_path, "--model", "gpt", "--opt", "adamw", "--backend", "ort", "--steps", "4",
+                        env={"SPMD_ORT_SEGMENT_EXECUTOR": "auto"})
+    wholes = []
+    for r in ranks:
+        assert "compile_error" not in r, r.get("compile_error")
+        wholes.append([line for line in r["describe"].splitlines() if "the whole graph runs on" in line])
+    assert len(wholes[0]) == 1 and wholes[0] == wholes[1], wholes
+
+
 def _check_debug_outputs(tmp_path: Path, stderr: str) -> None:
     from spmd_ort.debug import first_divergence, load_run
 

@@ -320,13 +320,16 @@ def test_verification_is_on_by_default(monkeypatch):
     assert compiled.options.verify and compiled.compiled.executor.stats.verified == 1  # assert_ran_on_ort too
 
 
-@pytest.mark.parametrize("slow", ["ort", "fx"])
-def test_auto_keeps_the_faster_executor_per_segment(monkeypatch, slow):
-    """SPMD_ORT_SEGMENT_EXECUTOR=auto times both executors on the first run and keeps the faster; the
-    choice and both times are in describe(); training matches eager either way.  The executors' costs
-    are set on a virtual clock (this machine's load swings a real one by more than any injected delay)."""
+@pytest.mark.parametrize("slow,whole_cost", [("ort", 0.050), ("fx", 0.050), ("fx", 0.020)])
+def test_auto_keeps_the_faster_executor_per_segment(monkeypatch, slow, whole_cost):
+    """SPMD_ORT_SEGMENT_EXECUTOR=auto times both executors on the first run and keeps the faster per segment,
+    then times the step as chosen against the whole graph on fx, unsplit, and keeps the faster; the choices
+    and times are in describe(); training matches eager either way.  The costs are set on a virtual clock
+    (this machine's load swings a real one by more than any injected delay): ``whole_cost`` is the whole
+    graph's on fx."""
     monkeypatch.setenv("SPMD_ORT_SEGMENT_EXECUTOR", "auto")
     from spmd_ort.ort import choice, verify
+    from spmd_ort.ort import executor as executor_module
     from spmd_ort.ort.session import OrtSegment as Segment
 
     class Clock:
@@ -336,7 +339,7 @@ def test_auto_keeps_the_faster_executor_per_segment(monkeypatch, slow):
             return self.now
 
     clock = Clock()
-    monkeypatch.setattr(choice, "time", clock)  # the fx run and the timing runs
+    monkeypatch.setattr(choice, "time", clock)  # the fx run and the timing runs (segments and whole graph)
     monkeypatch.setattr(verify, "time", clock)  # the checked ORT run
     cost = {"ort": 0.050 if slow == "ort" else 0.001, "fx": 0.050 if slow == "fx" else 0.001}
 
@@ -352,20 +355,39 @@ def test_auto_keeps_the_faster_executor_per_segment(monkeypatch, slow):
         init(self, name, fallback, *args, **kwargs)
         self.fallback.forward = costing(self.fallback.forward, cost["fx"])
 
+    def patched_choose(segments, whole, inputs, stats):
+        whole.forward = costing(whole.forward, whole_cost)
+        return choose(segments, whole, inputs, stats)
+
+    choose = choice.choose_whole
     monkeypatch.setattr(Segment, "run_ort", costing(run_ort, cost["ort"]))
     monkeypatch.setattr(Segment, "__init__", patched_init)
+    monkeypatch.setattr(executor_module, "choose_whole", patched_choose)
     compiled, _, _ = train_side_by_side(MLP, _adamw, train_step, _mlp_batches(3), backend="ort",
                                         expect_clean_ort=False)
     stats = compiled.compiled.executor.stats
-    choice = stats.choices["fused_0"]
+    picked = stats.choices["fused_0"]
     fast = "fx" if slow == "ort" else "ort"
-    assert choice.executor == fast, choice
-    assert (choice.ort_ms, choice.fx_ms) == pytest.approx((cost["ort"] * 1e3, cost["fx"] * 1e3))
-    assert f"fused_0 runs on {fast} (ort " in compiled.compiled.describe()
+    assert picked.executor == fast, picked
+    assert (picked.ort_ms, picked.fx_ms) == pytest.approx((cost["ort"] * 1e3, cost["fx"] * 1e3))
+    described = compiled.compiled.describe()
+    assert f"fused_0 runs on {fast} (ort " in described
     assert not stats.fallbacks and stats.verified == 1
     segment = compiled.compiled.executor.segments[0]
-    # ORT ran the first step (checked: its outputs compared, fx's used) and, chosen, the steps after it
-    assert (segment.checked_runs, segment.runs) == (1, 0 if fast == "fx" else 2)
+    assert segment.checked_runs == 1  # ORT ran the first step, checked: its outputs compared, fx's used
+    if fast == "fx":  # every segment chose fx: the whole graph runs on fx, unsplit, untimed
+        assert str(stats.whole) == "the whole graph runs on fx, unsplit (every segment chose fx)"
+        assert segment.runs == 0
+        assert segment.session is None and not segment.outputs  # what only ORT needed is freed
+    elif whole_cost > cost["ort"]:  # the segments as chosen (ORT) beat the whole graph on fx
+        assert stats.whole.executor == "segments", stats.whole
+        assert (stats.whole.segments_ms, stats.whole.fx_ms) == pytest.approx((cost["ort"] * 1e3, whole_cost * 1e3))
+        assert segment.runs == 2  # the steps after the first (timing runs are no steps)
+        assert segment.session is not None and compiled.compiled.executor.whole is None  # fx candidate freed
+    else:  # ORT beat the segment's fx graph, but the whole graph on fx beats both: it runs from step 2 on
+        assert stats.whole.executor == "fx" and "the whole graph runs on fx, unsplit (segments" in described
+        assert segment.runs == 0
+        assert segment.session is None  # no segment runs again
 
 
 def test_forced_fx_segment_executor(monkeypatch):

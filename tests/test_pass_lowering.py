@@ -6,9 +6,9 @@ import torch
 import torch.nn.functional as F
 from torch.fx.experimental.proxy_tensor import make_fx
 
-from spmd_ort.passes import Lowering
-from spmd_ort.ort import coverage
-from spmd_ort.passes import PassContext, lower_to_onnx_ops_pass, op_counts, run_passes
+from spmd_ort.ort import coverage, lowering
+from spmd_ort.ort.partition import why_host
+from spmd_ort.passes import Lowering, PassContext, lower_to_onnx_ops_pass, op_counts, run_passes
 
 
 def _step(x, w, y):
@@ -24,31 +24,52 @@ def _inputs():
         torch.randint(0, 4, (6,), generator=g)
 
 
-def test_ops_without_translation_are_lowered_and_numbers_unchanged():
+def test_ops_without_translation_carry_their_decomposition_and_numbers_unchanged():
+    """The pass marks; the graph keeps its ops (torch runs them); expand() gives what ONNX translates:
+    every op there translates directly, and it computes the same numbers."""
     x, w, y = _inputs()
     gm = make_fx(_step, tracing_mode="fake")(x, w, y)
     before = op_counts(gm)
     assert before["aten.tanh_backward.default"] == before["aten.nll_loss_backward.default"] == 1
     assert before["aten.nll_loss_forward.default"] == 1
     expected = gm(x, w.detach(), y)
+    code = gm.code
     ctx = PassContext(input_slots=[None] * 3, output_slots=[None] * 3, check_contracts=True)
     gm = run_passes(gm, ctx, [lower_to_onnx_ops_pass])
-    gm.graph.lint()
-    after = op_counts(gm)
-    for op in ("aten.tanh_backward.default", "aten.nll_loss_backward.default", "aten.nll_loss_forward.default"):
+    assert gm.code == code  # the op stays: where the graph runs in torch, torch's kernel runs
+    marked = {str(n.target) for n in gm.graph.nodes if lowering.DECOMPOSITION in n.meta}
+    assert marked == {"aten.tanh_backward.default", "aten.nll_loss_backward.default",
+                      "aten.nll_loss_forward.default"}
+    assert ctx.results.get(Lowering).lowered == {"aten.nll_loss_backward.default": 1,
+                                                 "aten.nll_loss_forward.default": 1,
+                                                 "aten.tanh_backward.default": 1}
+    onnx_view = lowering.expand(gm)
+    onnx_view.graph.lint()
+    after = op_counts(onnx_view)
+    for op in marked:
         assert after[op] == 0, op
     assert after["aten._log_softmax_backward_data.default"] == 1  # ours: translated, not lowered
     assert after["aten.cummax.default"] == 1  # nothing to lower it to: stays (on the host)
-    assert ctx.results.get(Lowering).lowered == {"aten.nll_loss_backward.default": 1, "aten.nll_loss_forward.default": 1,
-                                            "aten.tanh_backward.default": 1}
-    for node in gm.graph.nodes:
+    for node in onnx_view.graph.nodes:
         if node.op == "call_function" and getattr(node.target, "namespace", None) == "aten":
             assert "val" in node.meta
             if node.target is not torch.ops.aten.cummax.default:
                 assert coverage.why_untranslatable(node) is None, node.format_node()
-    for a, b in zip(gm(x, w.detach(), y), expected):
+    for a, b in zip(onnx_view(x, w.detach(), y), expected):
         torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7)
-    assert ctx.applied[0].nodes_after > ctx.applied[0].nodes_before
+    assert len(onnx_view.graph.nodes) > len(gm.graph.nodes)
+    assert lowering.expand(gm) is not gm and gm.code == code  # expand works on a copy
+
+
+def test_a_marked_op_runs_in_ort_only_when_its_whole_decomposition_does():
+    x, w, y = _inputs()
+    gm = make_fx(_step, tracing_mode="fake")(x, w, y)
+    run_passes(gm, PassContext(input_slots=[None] * 3, output_slots=[None] * 3), [lower_to_onnx_ops_pass])
+    for node in gm.graph.nodes:
+        if lowering.DECOMPOSITION in node.meta:
+            assert why_host(node) is None, node.format_node()
+    cummax = next(n for n in gm.graph.nodes if n.target is torch.ops.aten.cummax.default)
+    assert "no ONNX translation and no torch decomposition" in why_host(cummax)
 
 
 def test_graph_without_untranslatable_ops_is_unchanged():

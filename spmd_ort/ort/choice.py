@@ -4,18 +4,24 @@
 (:func:`~spmd_ort.ort.verify.checked_first_run`), times both and, with
 ``Options.segment_executor`` = ``auto`` (the default), keeps the faster for the steps
 that follow; downstream nodes read the fx result, so the first step's numbers are eager's.
+Then :func:`choose_whole` times the whole step as chosen against the whole graph on fx,
+unsplit, and keeps the faster: the automatic choice never loses to its own candidates.
 """
 
 from __future__ import annotations
 
+import contextlib
 import time
 
+import torch
+import torch.distributed as dist
 from torch import fx
 
 from spmd_ort.ort.session import OrtSegment
-from spmd_ort.runtime.interpreter import RunInterpreter
-from spmd_ort.ort.stats import OrtStats, SegmentChoice
+from spmd_ort.ort.stats import OrtStats, SegmentChoice, WholeChoice
 from spmd_ort.ort.verify import checked_first_run
+from spmd_ort.runtime.context import active
+from spmd_ort.runtime.interpreter import RunInterpreter
 
 # Timing on the first run: each executor's checked run is its first sample; then it runs the segment back to
 # back (switching between ORT's and torch's thread pools costs more than a small segment: measured up to
@@ -47,7 +53,7 @@ class FirstRun(RunInterpreter):
         if seg.new_sizes is not None:
             seg.new_sizes.checked.add(seg.sizes.key(args))
         if ort_s is None:
-            seg.use_fallback = True
+            seg.release()
             return reference
         self._choose(seg, args, {"fx": fx_s, "ort": ort_s})
         return reference
@@ -57,12 +63,14 @@ class FirstRun(RunInterpreter):
         mode = self.segment_executor
         if mode != "auto":
             self.stats.choices[seg.name] = SegmentChoice(mode)
-            seg.use_fallback = mode == "fx"
+            if mode == "fx":
+                seg.release()
             return
         fx_s, ort_s = fastest(seg.fallback, args, first["fx"]), fastest(seg.run_ort, args, first["ort"])
         choice = "fx" if fx_s < ort_s else "ort"
         self.stats.choices[seg.name] = SegmentChoice(choice, ort_ms=ort_s * 1e3, fx_ms=fx_s * 1e3)
-        seg.use_fallback = choice == "fx"
+        if choice == "fx":
+            seg.release()
 
 
 def fastest(run, args, first: float) -> float:
@@ -74,3 +82,64 @@ def fastest(run, args, first: float) -> float:
         run(*args)
         samples.append(time.perf_counter() - t0)
     return min(samples)
+
+
+# Timing runs of each whole-step candidate, alternating.  A fixed number: every rank must run the same
+# steps (they issue the step's collectives), and the median of 3 is robust to one slow run.
+WHOLE_RUNS = 3
+
+
+def choose_whole(segments: fx.GraphModule, whole: fx.GraphModule, inputs: list, stats: OrtStats) -> bool:
+    """Time the step on ``segments`` (the partitioned graph, each segment where it chose to run) against
+    ``whole`` (the same graph on fx, unsplit) on ``inputs`` (copies: the runs update state in place); True
+    when the whole graph on fx is faster.  Ranks agree (their times are summed), torch's RNG and the
+    step's collective figures are as before, so the timing runs change nothing but the choice."""
+    if _everywhere(all(c.executor == "fx" for c in stats.choices.values())):
+        stats.whole = WholeChoice("fx")  # nothing runs in ORT on any rank: the same ops, without the splits
+        return True
+    times: dict[str, list[float]] = {"segments": [], "fx": []}
+    runs = {m: m.runs for m in segments.modules() if isinstance(getattr(m, "runs", None), int)}
+    with _untouched():
+        for _ in range(WHOLE_RUNS):
+            for name, gm in (("segments", segments), ("fx", whole)):
+                t0 = time.perf_counter()
+                gm(*inputs)
+                active().comm.finish()  # this run's collectives, before the next run issues its own
+                times[name].append(time.perf_counter() - t0)
+    for m, n in runs.items():  # timing runs are no steps (OrtSegment.runs counts steps that used ORT)
+        m.runs = n
+    median = {k: sorted(v)[len(v) // 2] for k, v in times.items()}
+    if _world() > 1:  # every rank decides alike: on the ranks' mean times
+        agreed = torch.tensor([median["segments"], median["fx"]], dtype=torch.float64)
+        dist.all_reduce(agreed)
+        median = {"segments": float(agreed[0]) / _world(), "fx": float(agreed[1]) / _world()}
+    fx_wins = median["fx"] < median["segments"]
+    stats.whole = WholeChoice("fx" if fx_wins else "segments", segments_ms=median["segments"] * 1e3,
+                              fx_ms=median["fx"] * 1e3)
+    return fx_wins
+
+
+def _world() -> int:
+    return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+
+
+def _everywhere(flag: bool) -> bool:
+    """``flag`` holds on every rank (each rank's segment choices are its own)."""
+    if _world() == 1:
+        return flag
+    t = torch.tensor([0 if flag else 1], dtype=torch.int32)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return int(t) == 0
+
+
+@contextlib.contextmanager
+def _untouched():
+    """Timing runs leave no trace: torch's RNG (random ops draw from it) and the step's collective counts."""
+    comm = active().comm
+    rng, counts = torch.get_rng_state(), comm.step
+    comm.step = type(counts)()
+    try:
+        yield
+    finally:
+        torch.set_rng_state(rng)
+        comm.step = counts

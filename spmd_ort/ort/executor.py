@@ -18,6 +18,7 @@ it partitions, exports and runs, and rewrites nothing.
 
 from __future__ import annotations
 
+import copy
 import logging
 import threading
 import time
@@ -27,8 +28,8 @@ from torch import fx
 
 from spmd_ort.debug.timeline import TimedInterpreter
 from spmd_ort.options import Options, get_logger
+from spmd_ort.ort.choice import FirstRun, choose_whole
 from spmd_ort.ort.coverage import HOST_ONLY
-from spmd_ort.ort.choice import FirstRun
 from spmd_ort.ort.partition import partition_for_ort, why_host
 from spmd_ort.ort.session import OrtSegment, is_symbolic, load_segment, providers_for, segment_device
 from spmd_ort.ort.sizes import SizedSegments, dynamic_segment
@@ -47,8 +48,10 @@ class OrtExecutor:
     reuses_buffers = True  # segment outputs live in tensors that the next step overwrites
 
     def __init__(self, gm: fx.GraphModule, *, verify: bool, policy: str, stats: OrtStats,
-                 segment_executor: str = "auto"):
+                 segment_executor: str = "auto", whole: fx.GraphModule | None = None):
         self.gm = gm
+        self.whole = whole  # the same graph unpartitioned: with auto, a candidate for every step
+        self.runs_whole = False  # the whole graph on fx beat the segments as chosen
         self.verify = verify
         self.policy = policy
         self.stats = stats
@@ -69,14 +72,24 @@ class OrtExecutor:
                 t0 = time.perf_counter()
                 first = FirstRun(self.gm, self.stats, policy=self.policy, verify=self.verify,
                                  segment_executor=self.segment_executor)
-                out = first.run(*[t.clone() if isinstance(t, torch.Tensor) else t for t in inputs])
+                copies = [t.clone() if isinstance(t, torch.Tensor) else t for t in inputs]
+                out = first.run(*copies)
+                if self.segment_executor == "auto" and self.whole is not None:
+                    out = [o.clone() if isinstance(o, torch.Tensor) else o for o in out]  # (timing reuses buffers)
+                    self.runs_whole = choose_whole(self.gm, self.whole, copies, self.stats)
+                    if self.runs_whole:  # no segment runs again: free their sessions and buffers
+                        for segment in self.segments:
+                            segment.release()
+                    else:
+                        self.whole = None  # the losing candidate's graph
                 self.first_run_done = True
                 self.stats.first_run_seconds = time.perf_counter() - t0
                 return list(out)
+            gm = self.whole if self.runs_whole else self.gm
             recorder = active().recorder
-            if recorder is not None:  # a profiled step: segment by segment, timed
-                return list(TimedInterpreter(self.gm, recorder).run(*inputs))
-            return list(self.gm(*inputs))
+            if recorder is not None:  # a profiled step: node by node (segment by segment), timed
+                return list(TimedInterpreter(gm, recorder).run(*inputs))
+            return list(gm(*inputs))
 
     def describe(self) -> list[str]:
         stats = self.stats
@@ -84,10 +97,13 @@ class OrtExecutor:
                  f"export {stats.export_seconds:.2f}s, {stats.cache_hits} from cache; first run "
                  f"{stats.first_run_seconds:.2f}s, {stats.verified} verified in {stats.verify_seconds:.2f}s)"]
         lines += [f"  {name} runs on {choice}" for name, choice in stats.choices.items()]
+        if stats.whole is not None:
+            lines.append(f"  {stats.whole}")
         lines += [f"  {name}: differs from fx no more than fx from float64 (ill-conditioned; accepted)"
                   for name in stats.ill_conditioned]
         lines += [f"  host: {op} ({why})" for op, why in stats.host_ops.items()]
         return lines
+
 
 def build_ort_executor(gm: fx.GraphModule, options: Options) -> OrtExecutor:
     """Partition the finished graph ``gm``, export and load each segment into an :class:`OrtExecutor`."""
@@ -99,6 +115,8 @@ def build_ort_executor(gm: fx.GraphModule, options: Options) -> OrtExecutor:
             # a node a pass keeps on the host (HOST_ONLY) is listed apart from the same op elsewhere in the graph
             where = " (kept on the host by a pass)" if node.meta.get(HOST_ONLY) else ""
             stats.host_ops[f"{node.target}{where}"] = reason
+    # the graph before partitioning (which edits it), for the automatic choice's whole-graph candidate
+    whole = fx.GraphModule(gm, copy.deepcopy(gm.graph)) if options.segment_executor == "auto" else None
     fused, names = partition_for_ort(gm)
     stats.segments = len(names)
     threads = torch.get_num_threads()
@@ -114,7 +132,8 @@ def build_ort_executor(gm: fx.GraphModule, options: Options) -> OrtExecutor:
             if segment is not None:
                 setattr(fused, name, segment)
     return OrtExecutor(fused, verify=options.verify, policy=policy, stats=stats,
-                       segment_executor=options.segment_executor)
+                       segment_executor=options.segment_executor, whole=whole)
+
 
 class _Progress:
     """One line when an export takes longer than :data:`PROGRESS_AFTER_S` (big models), and one when all are done."""

@@ -1,8 +1,9 @@
 """Translate one graph segment to ONNX and cache the model on disk.
 
-A segment is already an aten-level graph with a value on every node, lowered by
-``lower_to_onnx_ops_pass`` to ops that translate directly
-(:mod:`spmd_ort.ort.coverage`).  So it is translated as it is: explicit type
+A segment is an aten-level graph with a value on every node, whose ops either
+translate directly (:mod:`spmd_ort.ort.coverage`) or carry the decomposition
+``lower_to_onnx_ops_pass`` traced for them (:mod:`spmd_ort.ort.lowering`: expanded
+here, on a copy).  So it is translated as it is: explicit type
 promotion, then each node through :func:`spmd_ort.ort.coverage.registry`
 (torchlib plus our translations), then constant folding and clean-up.
 ``torch.onnx.export(dynamo=True)`` would first trace the segment again with
@@ -38,7 +39,7 @@ import onnxscript
 import torch
 from torch import fx
 
-from spmd_ort.ort import coverage
+from spmd_ort.ort import coverage, lowering
 from spmd_ort.options import DEFAULT_OPSET
 
 logger = logging.getLogger("spmd_ort")
@@ -189,6 +190,7 @@ def translate(gm: fx.GraphModule, opset: int = DEFAULT_OPSET, *, via_torch_expor
 
     if via_torch_export is None:
         via_torch_export = not has_direct_translator()
+    gm = lowering.expand(gm)  # marked ops as their decompositions: only ops ONNX translates directly
     with _quiet():
         model = _translate_with_torch_export(gm, opset) if via_torch_export else _translate_directly(gm, opset)
         n_inputs = sum(1 for n in gm.graph.nodes if n.op == "placeholder")

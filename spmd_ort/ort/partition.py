@@ -11,7 +11,8 @@ Two pieces, as torch.fx's ``CapabilityBasedPartitioner``:
   for (bfloat16 on CPU), ops whose translation it has no kernel for in their dtype
   (:data:`PROVIDER_GAPS`: a Scatter with a reduction in float16 on CPU), and aten ops that do not translate to ONNX
   (:func:`spmd_ort.ort.coverage.why_untranslatable`: the same table the exporter
-  translates with, after ``lower_to_onnx_ops_pass`` has lowered what it can), and nodes a pass
+  translates with; an op ``lower_to_onnx_ops_pass`` marked with its decomposition
+  runs in ORT when every op of the decomposition does), and nodes a pass
   marked :data:`HOST_ONLY` (an index recomputed for its bounds check).
 * the grouping, torch.fx's partitioner: deterministic, largest possible
   segments of connected supported nodes, no cycles through host nodes.
@@ -27,6 +28,7 @@ from torch.fx.passes.infra.partitioner import CapabilityBasedPartitioner
 from torch.fx.passes.operator_support import OperatorSupport
 
 from spmd_ort.ort.coverage import HOST_ONLY, why_untranslatable
+from spmd_ort.ort.lowering import DECOMPOSITION, why_not_lowerable
 from spmd_ort.capture.dynamic import input_symbols
 from spmd_ort.runtime.ops import OPAQUE_OPS, STARTS, check_index, wait_
 
@@ -101,6 +103,8 @@ def why_host(node: fx.Node) -> str | None:
                     f"{val.device.type} provider has no {val.dtype} kernel for")
     if namespace != "aten":
         return f"{namespace} op has no ONNX translation"
+    if DECOMPOSITION in node.meta:  # exported as its decomposition (lower_to_onnx_ops_pass)
+        return why_not_lowerable(node, why_host)
     return why_untranslatable(node)
 
 
@@ -121,7 +125,13 @@ class OrtSupport(OperatorSupport):
 def partition_for_ort(gm: fx.GraphModule) -> tuple[fx.GraphModule, list[str]]:
     """Fuse ORT-supported regions into submodules ``fused_<i>``; returns (graph, their names)."""
     _sizes_from_inputs(gm)
-    partitioner = CapabilityBasedPartitioner(gm, OrtSupport(), allows_single_node_partition=False)
+    return partition_with(gm, OrtSupport())
+
+
+def partition_with(gm: fx.GraphModule, support: OperatorSupport) -> tuple[fx.GraphModule, list[str]]:
+    """Fuse the regions ``support`` accepts into submodules ``fused_<i>`` (largest connected regions, split at
+    collectives, none of views alone; any backend's grouping); returns (graph, their names)."""
+    partitioner = CapabilityBasedPartitioner(gm, support, allows_single_node_partition=False)
     partitions = _split_at_collectives(gm, partitioner.propose_partitions())
     # a segment made only of views/getitems is not worth an ORT call
     partitions = [p for p in partitions if any(_is_compute(n) for n in p.nodes)]

@@ -165,6 +165,13 @@ class OrtSegment(nn.Module):
         self.runs += 1
         return outputs
 
+    def release(self) -> None:
+        """Run on fx from now on, and free what only ONNX Runtime needed: the session (its arena and
+        initializers), the IO binding and the output buffers."""
+        self.use_fallback = True
+        self.session = self.binding = None
+        self.outputs = []
+
 class DynamicSizes:
     """A dynamic-shape segment's sizes: the symbols its inputs carry, and its output shapes in them.
 

@@ -17,6 +17,7 @@ from torch.fx.experimental.proxy_tensor import make_fx
 from spmd_ort.capture.trace import COMPILE_LOCK
 from spmd_ort.errors import CompileError
 from spmd_ort.options import Options
+from spmd_ort.ort import lowering
 from spmd_ort.ort.session import DynamicSizes, OrtSegment, StageError, load_segment, open_segment
 from spmd_ort.ort.stats import OrtStats
 from spmd_ort.ort.verify import checked_first_run, op_summary, segment_failure, short_error
@@ -50,7 +51,7 @@ class NewSizes:
             what = f"ONNX Runtime failed to run it at new sizes: {short_error(exc)}"
             segment_failure(seg.name, what, self.policy, op_summary(seg.fallback))
             self.stats.fell_back(seg.name, what)
-            seg.use_fallback = True
+            seg.release()
             return seg.fallback(*args)
 
     def _checked(self, seg: OrtSegment, key: tuple, args):
@@ -59,8 +60,9 @@ class NewSizes:
         reference = seg.fallback(*args)
         where = f"{seg.name} at sizes {seg.sizes.describe(key)}"
         if checked_first_run(where, seg, args, reference, self.stats, self.policy, self.verify) is None:
-            seg.use_fallback = True
+            seg.release()
         return reference
+
 
 class SizedSegments(nn.Module):
     """A segment of a program with symbolic sizes: one ONNX model per distinct set of input sizes.
@@ -87,12 +89,15 @@ class SizedSegments(nn.Module):
         self.sizes = DynamicSizes(fallback)  # names a set of sizes in messages
         self.runs = 0  # steps whose outputs came from ONNX Runtime (as OrtSegment.runs)
         self.checked_runs = 0  # first runs at each set of sizes: compared, the fx graph's outputs used
+        self.released = False
 
     @staticmethod
     def sizes_of(args) -> tuple:
         return tuple((tuple(a.shape), a.dtype) if isinstance(a, torch.Tensor) else (type(a).__name__, a) for a in args)
 
     def forward(self, *args):
+        if self.released:
+            return self.fallback(*args)
         key = self.sizes_of(args)
         if key not in self.sessions:
             self.sessions[key] = self._specialise(key, args)
@@ -111,6 +116,10 @@ class SizedSegments(nn.Module):
         self.runs += 1
         return segment.run_ort(*_tensors(args))
 
+    def release(self) -> None:
+        """Run on fx from now on, at every size, and free the sessions made so far."""
+        self.released = True
+        self.sessions.clear()
 
     def _specialise(self, key: tuple, args) -> OrtSegment | None:
         """The segment for these sizes: its sizes constants, its inputs the tensors (in order)."""
@@ -128,6 +137,7 @@ class SizedSegments(nn.Module):
         with COMPILE_LOCK:  # a trace and an export at run time: one compile in the process at a time
             with torch.no_grad():
                 concrete = make_fx(run, tracing_mode="fake")(*[examples[i] for i in positions])
+            lowering.annotate(concrete)  # the re-trace ran the ops; ONNX needs their decompositions again
             name = f"{self.name}_{len(self.sessions)}"
             return load_segment(name, concrete, self.options, self.stats, threads=self.threads,
                                 providers=self.providers)

@@ -21,6 +21,25 @@ class SegmentChoice:
             return f"{self.executor} (SPMD_ORT_SEGMENT_EXECUTOR={self.executor})"
         return f"{self.executor} (ort {self.ort_ms:.2f} ms, fx {self.fx_ms:.2f} ms)"
 
+
+@dataclass(frozen=True)
+class WholeChoice:
+    """After the segments' choices (``auto``): the whole step as chosen against the whole graph on fx, unsplit.
+
+    ``executor`` is ``"segments"`` (as chosen) or ``"fx"``; the times are the median of the timed runs (None:
+    not timed, e.g. every segment already chose fx)."""
+
+    executor: str
+    segments_ms: float | None = None
+    fx_ms: float | None = None
+
+    def __str__(self) -> str:
+        where = "the segments as chosen" if self.executor == "segments" else "fx, unsplit"
+        if self.segments_ms is None:
+            return f"the whole graph runs on {where} (every segment chose fx)"
+        return f"the whole graph runs on {where} (segments {self.segments_ms:.2f} ms, fx {self.fx_ms:.2f} ms)"
+
+
 @dataclass
 class OrtStats:
     segments: int = 0
@@ -33,6 +52,7 @@ class OrtStats:
     mismatches: list = field(default_factory=list)
     ill_conditioned: list = field(default_factory=list)  # mismatches within rounding of float64: not faults
     choices: dict = field(default_factory=dict)  # segment -> SegmentChoice
+    whole: WholeChoice | None = None  # auto: the whole step on the segments as chosen, or on fx unsplit
     first_run_seconds: float = 0.0  # the checked first run: both executors, comparison, timing
     verify_seconds: float = 0.0  # of which comparing outputs
 

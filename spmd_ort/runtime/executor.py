@@ -36,7 +36,14 @@ def _ort(gm: fx.GraphModule, options: Options) -> Executor:
     return build_ort_executor(gm, options)
 
 
-BUILDERS: dict[str, Callable[[fx.GraphModule, Options], Executor]] = {"ort": _ort, "fx": _fx}
+def _inductor(gm: fx.GraphModule, options: Options) -> Executor:
+    from spmd_ort.inductor.executor import build_inductor_executor  # imports torch._inductor: only when asked for
+
+    return build_inductor_executor(gm, options)
+
+
+BUILDERS: dict[str, Callable[[fx.GraphModule, Options], Executor]] = {"ort": _ort, "fx": _fx,
+                                                                      "inductor": _inductor}
 
 
 def build_executor(gm: fx.GraphModule, options: Options) -> Executor:

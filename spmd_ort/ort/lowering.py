@@ -1,0 +1,161 @@
+"""What ONNX gets for an aten op it cannot translate directly: torch's decomposition of it, traced per node.
+
+``lower_to_onnx_ops_pass`` marks each such node with its decomposition (:func:`annotate`): a graph over the
+node's tensor inputs, traced for the node's own shapes with :func:`spmd_ort.ort.coverage.lowering_table`
+applied recursively, so it holds only ops that translate directly (or that have no decomposition).  The
+compiled graph keeps the op itself: where a segment runs in torch (fx, the checked first run, the float64
+re-run), torch's fused kernel runs.  The exporter translates :func:`expand`'s copy of a segment, in which
+every marked node is replaced by its decomposition; the operator-support predicate asks
+:func:`why_not_lowerable` of a marked node.
+"""
+
+from __future__ import annotations
+
+import copy
+import operator
+
+import torch
+from torch import fx
+from torch.fx.experimental.proxy_tensor import make_fx
+
+from spmd_ort.ort import coverage
+
+DECOMPOSITION = "onnx_decomposition"  # node.meta key: the node's decomposition (an fx.GraphModule)
+# node.meta keys carried from a lowered node to the nodes of its decomposition
+CARRIED_META = ("custom", "stack_trace", "nn_module_stack")
+
+
+def annotate(gm: fx.GraphModule) -> dict[str, int]:
+    """Mark every aten node of ``gm`` without a direct translation with its decomposition; counts per op.
+
+    The graph is not changed (only ``node.meta``); decompositions are shared between nodes with the same
+    op, arguments, shapes and strides.
+    """
+    marked: dict[str, int] = {}
+    cache: dict = {}
+    for node in gm.graph.nodes:
+        if node.op != "call_function" or getattr(node.target, "namespace", None) != "aten":
+            continue
+        decomposition = coverage.decomposition_for(node)
+        if decomposition is None:
+            continue
+        key = _signature(node)
+        if key not in cache:
+            cache[key] = _trace_decomposition(node, decomposition)
+        node.meta[DECOMPOSITION] = cache[key]
+        marked[str(node.target)] = marked.get(str(node.target), 0) + 1
+    return dict(sorted(marked.items()))
+
+
+def why_not_lowerable(node: fx.Node, why_host) -> str | None:
+    """None when every op of a marked node's decomposition runs in ORT (``why_host`` of each is None)."""
+    sub = node.meta[DECOMPOSITION]
+    reasons = getattr(sub, "_spmd_ort_host", None)
+    if reasons is None:
+        reasons = [f"{n.target}: {r}" for n in sub.graph.nodes if n.op == "call_function"
+                   if (r := why_host(n)) is not None]
+        sub._spmd_ort_host = reasons
+    return f"its decomposition needs the host ({reasons[0]})" if reasons else None
+
+
+def expand(gm: fx.GraphModule) -> fx.GraphModule:
+    """A copy of ``gm`` with every marked node replaced by its decomposition (what ONNX translates)."""
+    marked = [n for n in gm.graph.nodes if DECOMPOSITION in n.meta]
+    if not marked:
+        return gm
+    out = fx.GraphModule(gm, copy.deepcopy(gm.graph))
+    fake_mode = _fake_mode(out)
+    for node in [n for n in out.graph.nodes if DECOMPOSITION in n.meta]:
+        _inline(out, node, node.meta[DECOMPOSITION], fake_mode)
+    out.graph.eliminate_dead_code()
+    out.recompile()
+    return out
+
+
+def _fake_mode(gm: fx.GraphModule):
+    from torch._guards import detect_fake_mode
+
+    return detect_fake_mode([n.meta.get("val") for n in gm.graph.nodes if n.op == "placeholder"])
+
+
+def _refake(node: fx.Node, fake_mode) -> None:
+    args = fx.map_arg(node.args, lambda n: n.meta["val"])
+    kwargs = fx.map_arg(node.kwargs, lambda n: n.meta["val"])
+    with fake_mode:
+        node.meta["val"] = node.target(*args, **kwargs)
+
+
+def _signature(node: fx.Node) -> tuple:
+    def describe(a):
+        v = a.meta["val"]
+        return ("T", tuple(v.shape), v.dtype, v.device.type, tuple(v.stride())) if isinstance(v, torch.Tensor) \
+            else ("V", repr(v))
+
+    leaves = fx.node.map_aggregate((node.args, node.kwargs),
+                                   lambda a: describe(a) if isinstance(a, fx.Node) else repr(a))
+    return node.target, repr(leaves)
+
+
+def _trace_decomposition(node: fx.Node, decomposition) -> fx.GraphModule:
+    """The decomposition of ``node`` as a graph over its tensor inputs (in ``all_input_nodes`` order)."""
+    inputs = node.all_input_nodes
+
+    def rebuild(*tensors):
+        env = dict(zip(inputs, tensors))
+        args = fx.map_arg(node.args, env.__getitem__)
+        kwargs = fx.map_arg(node.kwargs, env.__getitem__)
+        out = decomposition(*args, **kwargs)
+        return tuple(out) if isinstance(out, tuple) else out  # a plain tuple, not torch's return_types
+
+    vals = [n.meta["val"] for n in inputs]
+    if any(not all(isinstance(s, int) for s in v.shape) for v in vals):
+        # symbolic sizes (dynamic shapes): traced over the graph's own fake values, so the
+        # decomposition's size arithmetic becomes nodes over its inputs' sizes
+        return make_fx(rebuild, decomposition_table=coverage.lowering_table(), tracing_mode="symbolic")(*vals)
+    examples = [torch.empty_strided(v.shape, v.stride(), dtype=v.dtype, device=v.device) for v in vals]
+    return make_fx(rebuild, decomposition_table=coverage.lowering_table(), tracing_mode="fake")(*examples)
+
+
+def _inline(gm: fx.GraphModule, node: fx.Node, sub: fx.GraphModule, fake_mode) -> None:
+    """Copy the decomposition graph ``sub`` in place of ``node``; values recomputed in the graph's fake mode."""
+    graph = gm.graph
+    env: dict[fx.Node, fx.Node] = {}
+    placeholders = iter(node.all_input_nodes)
+    carried = {k: node.meta[k] for k in CARRIED_META if k in node.meta}
+    with graph.inserting_before(node):
+        for n in sub.graph.nodes:
+            if n.op == "placeholder":
+                env[n] = next(placeholders)
+            elif n.op == "get_attr":
+                constant = getattr(sub, n.target)
+                env[n] = graph.get_attr(_fresh_attr(gm, constant))
+                env[n].meta["val"] = fake_mode.from_tensor(constant) if fake_mode is not None else constant
+            elif n.op == "call_function":
+                env[n] = graph.node_copy(n, env.__getitem__)
+                env[n].meta.update(carried)
+                if fake_mode is not None:
+                    _refake(env[n], fake_mode)
+            elif n.op == "output":
+                result = fx.map_arg(n.args[0], env.__getitem__)
+    _replace(node, result)
+
+
+def _fresh_attr(gm: fx.GraphModule, value: torch.Tensor) -> str:
+    i = 0
+    while hasattr(gm, f"_lowered_constant{i}"):
+        i += 1
+    name = f"_lowered_constant{i}"
+    gm.register_buffer(name, value)
+    return name
+
+
+def _replace(node: fx.Node, result) -> None:
+    if isinstance(result, (tuple, list)):
+        for user in list(node.users):
+            if user.target is not operator.getitem:
+                raise RuntimeError(f"{node.format_node()} returns several values but {user.name} reads them whole")
+            user.replace_all_uses_with(result[user.args[1]])
+            user.graph.erase_node(user)
+    else:
+        node.replace_all_uses_with(result)
+    node.graph.erase_node(node)

@@ -1,0 +1,116 @@
+"""The inductor backend: segments compiled by torch's inductor, against eager; compile and verification failures."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import spmd_ort
+from helpers import train_side_by_side, train_step
+from models import CNN, MLP
+
+pytestmark = pytest.mark.skipif(
+    __import__("spmd_ort.inductor.executor", fromlist=["cxx_compiler"]).cxx_compiler() is None,
+    reason="inductor's CPU code needs a C++ compiler")
+
+
+def _adamw(m):
+    return torch.optim.AdamW(m.parameters(), lr=1e-2, weight_decay=0.1, fused=True)
+
+
+def _batches(shape, classes, n=3):
+    g = torch.Generator().manual_seed(0)
+    return [(torch.randn(*shape, generator=g), torch.randint(0, classes, (shape[0],), generator=g)) for _ in range(n)]
+
+
+class DropoutMLP(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc1, self.fc2 = nn.Linear(32, 64), nn.Linear(64, 10)
+
+    def forward(self, x):
+        return self.fc2(F.dropout(torch.relu(self.fc1(x)), 0.3, self.training))
+
+
+@pytest.mark.parametrize("make,shape", [(MLP, (8, 32)), (CNN, (4, 3, 16, 16))], ids=["mlp", "cnn+batchnorm"])
+def test_trains_like_eager(make, shape):
+    """Loss and state per step as eager's to fp32 rounding (inductor's fused loops round differently); the whole
+    forward, backward and clipping in one compiled segment, the optimizer on the host."""
+    torch.manual_seed(0)
+    compiled, losses_e, losses_c = train_side_by_side(
+        make, _adamw, lambda m, o, x, y: train_step(m, o, x, y, clip=1.0), _batches(shape, 10), backend="inductor")
+    executor = compiled.compiled.executor
+    assert executor.name == "inductor" and executor.stats.segments >= 1
+    assert not executor.stats.fallbacks and executor.stats.verified == executor.stats.segments
+    assert all(seg.runs == 2 for seg in executor.segments)  # every step after the checked first one
+    assert "spmd_ort.adam_.default" in executor.stats.host_ops
+
+
+def test_dropout_draws_eagers_masks():
+    """Random ops stay in torch (and compiling draws nothing from torch's RNG): from the same RNG state each
+    step, eager and compiled dropout masks agree, so losses agree to rounding."""
+    torch.manual_seed(0)
+    model = DropoutMLP()
+    twin = __import__("copy").deepcopy(model)
+    opt, opt_c = _adamw(model), _adamw(twin)
+    step = spmd_ort.compile(backend="inductor")(train_step)
+    for x, y in _batches((8, 32), 10, 3):
+        state = torch.get_rng_state()
+        loss = train_step(model, opt, x, y)
+        torch.set_rng_state(state)
+        loss_c = step(twin, opt_c, x, y)
+        torch.testing.assert_close(loss_c, loss.detach(), rtol=1e-5, atol=1e-6)
+    assert "spmd_ort.bernoulli_like.default" in step.compiled.executor.stats.host_ops
+
+
+def test_a_segment_inductor_cannot_compile_runs_on_fx(monkeypatch, caplog):
+    import torch._inductor.compile_fx as cfx
+
+    def refuse(*args, **kwargs):
+        raise RuntimeError("no kernel for this today")
+
+    monkeypatch.setattr(cfx, "compile_fx", refuse)
+    with caplog.at_level(logging.WARNING, logger="spmd_ort"):
+        compiled, _, _ = train_side_by_side(MLP, _adamw, train_step, _batches((8, 32), 10, 2), backend="inductor")
+    assert "inductor could not compile it: no kernel for this today; it runs on the fx executor" in caplog.text
+    assert compiled.compiled.executor.stats.fallbacks == ["fused_0"]
+    monkeypatch.setenv("SPMD_ORT_FALLBACK_POLICY", "FALLBACK_DISABLE")
+    model = MLP()
+    opt = _adamw(model)
+    before = [p.detach().clone() for p in model.parameters()]
+    step = spmd_ort.compile(backend="inductor")(train_step)
+    with pytest.raises(spmd_ort.CompileError, match="inductor segment `fused_0`.*FALLBACK_DISABLE"):
+        step(model, opt, *_batches((8, 32), 10, 1)[0])
+    assert all(torch.equal(a, b) for a, b in zip(before, model.parameters())) and not opt.state
+
+
+def test_a_wrong_compiled_segment_is_caught_on_the_first_run(monkeypatch, caplog):
+    from spmd_ort.inductor.executor import InductorSegment
+
+    right = InductorSegment.run_compiled
+
+    def wrong(self, *args):
+        out = right(self, *args)
+        return tuple(o * 1.001 if o.is_floating_point() else o for o in out) if isinstance(out, tuple) else out * 1.001
+
+    monkeypatch.setattr(InductorSegment, "run_compiled", wrong)
+    with caplog.at_level(logging.WARNING, logger="spmd_ort"):
+        compiled, _, _ = train_side_by_side(MLP, _adamw, train_step, _batches((8, 32), 10, 3), backend="inductor")
+    stats = compiled.compiled.executor.stats
+    assert stats.fallbacks == ["fused_0"] and "verification failed" in caplog.text
+    assert compiled.compiled.executor.segments[0].runs == 0  # fx ran every step: the numbers are eager's
+
+
+def test_without_a_cxx_compiler_it_is_a_config_error(monkeypatch):
+    from spmd_ort.inductor import executor
+
+    monkeypatch.setattr(executor, "cxx_compiler", lambda: None)
+    model = MLP()
+    opt = _adamw(model)
+    with pytest.raises(spmd_ort.ConfigError, match="no C\\+\\+ compiler.*backend='fx' or 'ort'"):
+        spmd_ort.compile(backend="inductor")(train_step)(model, opt, *_batches((8, 32), 10, 1)[0])
+    assert not opt.state
