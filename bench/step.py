@@ -14,9 +14,11 @@ scripts write it: on CPU torch 2.13 picks the for-loop implementation, ~5x
 slower; shown so the gap a kernel choice makes is visible, never used as the
 baseline); ``fx`` / ``ort`` (``spmd_ort.compile``; ``ort`` is the default
 backend as users get it: each segment runs on the faster of ORT and fx, chosen on
-the first run); ``ort-only`` (every segment in ONNX Runtime,
-``SPMD_ORT_SEGMENT_EXECUTOR=ort``); ``inductor`` (``torch.compile(model)`` with the
-fused optimizer).  The runners alternate step by step with a pause between them,
+the first run, then the whole step as chosen or the whole graph on fx, whichever
+is faster); ``ort-only`` (every segment in ONNX Runtime,
+``SPMD_ORT_SEGMENT_EXECUTOR=ort``); ``spmd-inductor`` (``spmd_ort.compile(backend=
+"inductor")``: the whole step's segments compiled by inductor); ``inductor``
+(``torch.compile(model)`` with the fused optimizer).  The runners alternate step by step with a pause between them,
 median of ``--steps`` after 3 warm-up calls.
 
 Models with parts the compiled step runs opaquely (mixtral-tiny: its experts) also get
@@ -148,6 +150,8 @@ def build_runners(model: nn.Module, backends: list[str]) -> dict:
                 del os.environ["SPMD_ORT_SEGMENT_EXECUTOR"]
             else:
                 os.environ["SPMD_ORT_SEGMENT_EXECUTOR"] = previous
+        elif name == "spmd-inductor":  # the whole step's graph, segments compiled by inductor
+            fn = spmd_ort.compile(backend="inductor")(train_step)
         elif name == "inductor":
             compiled_model = torch.compile(m)  # backward through AOT autograd; the fused optimizer
             fn = lambda _m, o, x, y, cm=compiled_model: train_step(cm, o, x, y)  # noqa: E731
@@ -249,7 +253,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--steps", type=int, default=7, help="measured steps per model (median reported)")
     ap.add_argument("--models", default="gpt-mini,mlp,cnn,mixtral-tiny")
-    ap.add_argument("--backends", default="fx,ort,ort-only,inductor")
+    ap.add_argument("--backends", default="fx,ort,ort-only,spmd-inductor,inductor")
     ap.add_argument("--compile", action="store_true", help="also measure cold/warm ORT compile in fresh processes")
     ap.add_argument("--compile-probe", help=argparse.SUPPRESS)
     ap.add_argument("--probe-backend", default="ort", help=argparse.SUPPRESS)

@@ -78,3 +78,17 @@ def test_graph_without_untranslatable_ops_is_unchanged():
     ctx = PassContext(input_slots=[None] * 2, output_slots=[None], check_contracts=True)
     gm = run_passes(gm, ctx, [lower_to_onnx_ops_pass])
     assert gm.code == code and ctx.results.get(Lowering).lowered == {}
+
+
+def test_a_placeholder_carrying_a_mark_is_not_expanded():
+    """The partitioner copies a value's meta onto the segment placeholder that receives it, mark included: only
+    ops are expanded (a placeholder has nothing to replace; found by the dropout parity test on ORT)."""
+    x, w, y = _inputs()
+    gm = make_fx(_step, tracing_mode="fake")(x, w, y)
+    run_passes(gm, PassContext(input_slots=[None] * 3, output_slots=[None] * 3), [lower_to_onnx_ops_pass])
+    marked = next(n for n in gm.graph.nodes if lowering.DECOMPOSITION in n.meta)
+    first = next(n for n in gm.graph.nodes if n.op == "placeholder")
+    first.meta[lowering.DECOMPOSITION] = marked.meta[lowering.DECOMPOSITION]
+    expected = gm(x, w.detach(), y)
+    for a, b in zip(lowering.expand(gm)(x, w.detach(), y), expected):
+        torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7)

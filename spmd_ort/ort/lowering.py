@@ -60,16 +60,21 @@ def why_not_lowerable(node: fx.Node, why_host) -> str | None:
 
 def expand(gm: fx.GraphModule) -> fx.GraphModule:
     """A copy of ``gm`` with every marked node replaced by its decomposition (what ONNX translates)."""
-    marked = [n for n in gm.graph.nodes if DECOMPOSITION in n.meta]
-    if not marked:
+    if not any(_marked(n) for n in gm.graph.nodes):
         return gm
     out = fx.GraphModule(gm, copy.deepcopy(gm.graph))
     fake_mode = _fake_mode(out)
-    for node in [n for n in out.graph.nodes if DECOMPOSITION in n.meta]:
+    for node in [n for n in out.graph.nodes if _marked(n)]:
         _inline(out, node, node.meta[DECOMPOSITION], fake_mode)
     out.graph.eliminate_dead_code()
     out.recompile()
     return out
+
+
+def _marked(node: fx.Node) -> bool:
+    """An op marked with its decomposition (a segment's placeholder for such an op's value carries the mark
+    too: the partitioner copies a value's meta onto the placeholder that receives it)."""
+    return node.op == "call_function" and DECOMPOSITION in node.meta
 
 
 def _fake_mode(gm: fx.GraphModule):

@@ -120,9 +120,16 @@ class CompiledProgram:
         if carried is None:
             comm.drop_carried()
             return
-        state = self.layout.gather()
+        # the recipe reads parameter shards, the first placeholders: read them alone (the rest of the layout's
+        # state may be gone, e.g. optimizer state a skipped parameter lacks: spmd_ort.capture.presence)
+        params = self.layout.params
+        if all(i < len(params) for i in carried.inputs):
+            sources = [params[i] for i in carried.inputs]
+        else:
+            state = self.layout.gather()
+            sources = [state[i] for i in carried.inputs]
         with torch.no_grad():
-            shard = carried.recipe(*[state[i] for i in carried.inputs])
+            shard = carried.recipe(*sources)
         comm.carry(carried.slot, shard, carried.world, owner=self)
 
     def updates_state_of(self, params: list) -> bool:
