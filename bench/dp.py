@@ -13,7 +13,9 @@ ms/step, the ratio to DDP, and for the compiled runners the collectives,
 payload bytes and overlap fraction per step (share of the collectives' time in
 flight not spent waiting).  ``--micro-batches N``: gradient accumulation in the step
 (N backward passes, one optimizer step); DDP runs ``no_sync`` on all but the last,
-the compiled step sums the micro-batch gradients and all-reduces once.
+the compiled step sums the micro-batch gradients and all-reduces once.  ``--bucket-mb``:
+``auto`` (the default) gives spmd_ort ``bucket_cap_mb="auto"`` and DDP its default 25 MiB; a
+runner named ``spmd-fx@4`` (``spmd-ort@25``, ...) has that fixed cap.
 """
 
 from __future__ import annotations
@@ -58,12 +60,16 @@ def accumulate(model, opt, x, y, n: int):
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--steps", type=int, default=7)
-    ap.add_argument("--runners", default="ddp,ddp-default,ddp+compile,spmd-fx,spmd-ort")
-    ap.add_argument("--bucket-mb", type=float, default=25.0, help="bucket cap for DDP and spmd_ort alike")
+    ap.add_argument("--runners", default="ddp,ddp-default,ddp+compile,spmd-fx,spmd-fx@25,spmd-ort,spmd-ort@25")
+    ap.add_argument("--bucket-mb", default="auto",
+                    help="bucket cap (MiB) for DDP and spmd_ort alike; 'auto' (the default): spmd_ort's "
+                         "bucket_cap_mb='auto' (its default) against DDP's default 25 MiB")
     ap.add_argument("--micro-batches", type=int, default=1,
                     help="gradient accumulation: each rank's batch in this many micro-batches, one backward each, "
                          "then one optimizer step (DDP: no_sync on all but the last)")
     args = ap.parse_args()
+    auto = args.bucket_mb == "auto"
+    ddp_cap = 25.0 if auto else float(args.bucket_mb)
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
     spmd_ort.runtime.memory.retain_host_memory()  # every runner, from its first step
@@ -74,18 +80,19 @@ def main() -> None:
         m = copy.deepcopy(model)
         step_fn = train_step if args.micro_batches == 1 else functools.partial(accumulate, n=args.micro_batches)
         if name in ("ddp", "ddp-default"):
-            runners[name] = (DDP(m, bucket_cap_mb=args.bucket_mb), step_fn, None)
+            runners[name] = (DDP(m, bucket_cap_mb=ddp_cap), step_fn, None)
         elif name == "ddp+compile":
-            runners[name] = (torch.compile(DDP(m, bucket_cap_mb=args.bucket_mb)), step_fn, None)
+            runners[name] = (torch.compile(DDP(m, bucket_cap_mb=ddp_cap)), step_fn, None)
         else:
-            backend = name.split("-")[1]
-            mode = spmd_ort.DataParallel(bucket_cap_mb=args.bucket_mb)
+            backend, _, cap = name.split("-")[1].partition("@")  # spmd-fx@4: a fixed 4 MiB cap
+            mode = spmd_ort.DataParallel(bucket_cap_mb=float(cap) if cap else "auto" if auto else ddp_cap)
             runners[name] = (m, spmd_ort.compile(backend=backend, parallel_mode=mode)(step_fn), backend)
     opts = {k: make_adamw(m.parameters(), fused=None if k == "ddp-default" else True)
             for k, (m, _, _) in runners.items()}
     times: dict[str, list[float]] = {k: [] for k in runners}
     comm: dict[str, list] = {k: [] for k in runners}
-    warmup = 3
+    # 'auto' measures TUNE_STEPS steps after the first, then compiles once more (and checks that program's first run)
+    warmup = 3 + (spmd_ort.distributed.buckets.TUNE_STEPS + 2 if auto else 0)
     for i in range(warmup + args.steps):
         x, y = batch()
         for k, (m, fn, backend) in runners.items():
@@ -103,20 +110,27 @@ def main() -> None:
         params = sum(p.numel() for p in model.parameters())
         print(f"# bench/dp.py — gpt-mini ({params / 1e6:.2f} M params, {params * 4 / 2**20:.1f} MiB of fp32 "
               f"gradients), {world} ranks, gloo, {torch.get_num_threads()} thread(s)/rank, buckets <= "
-              f"{args.bucket_mb:g} MiB, {args.micro_batches} micro-batch(es) per step, host memory retained for "
+              f"{'DDP 25 MiB, spmd_ort auto' if auto else f'{ddp_cap:g} MiB'}, {args.micro_batches} micro-batch(es) per step, host memory retained for "
               f"every runner, median of {args.steps}")
-        print("| runner | ms/step | x DDP | all-reduce/step | MiB/step | overlap |")
-        print("|---|---|---|---|---|---|")
+        print("| runner | ms/step | x DDP | all-reduce/step | MiB/step | overlap | bucket cap |")
+        print("|---|---|---|---|---|---|---|")
         for k in runners:
             ms = statistics.median(times[k]) * 1e3
             ratio = f"{ms / (ddp * 1e3):.2f}" if ddp else "-"
             if comm[k]:
                 c = comm[k][-1]
                 overlap = statistics.median(s.overlap for s in comm[k])
-                extra = f"{c.all_reduce_calls} | {c.all_reduce_bytes / 2**20:.2f} | {overlap:.0%}"
+                step = runners[k][1]
+                choice = step.buckets.choice
+                cap = f"{choice.cap_mb:g} MiB (auto)" if choice is not None else f"{step.parallel_mode.bucket_cap_mb:g} MiB"
+                extra = f"{c.all_reduce_calls} | {c.all_reduce_bytes / 2**20:.2f} | {overlap:.0%} | {cap}"
             else:
-                extra = "- | - | -"
+                extra = f"- | - | - | {ddp_cap:g} MiB"
             print(f"| {k} | {ms:.1f} | {ratio} | {extra} |", flush=True)
+    if rank == 0:
+        for k, (m, fn, backend) in runners.items():
+            if backend is not None and fn.buckets.choice is not None:
+                print(f"{k}: " + "; ".join(line.strip() for line in fn.buckets.choice.lines()))
     runners.clear()
     gc.collect()
     dist.barrier()

@@ -78,7 +78,10 @@ def main() -> None:
     sched = torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=3e-3, total_steps=args.steps, pct_start=0.1)
     log(f"model: {sum(p.numel() for p in model.parameters()):,} parameters")
 
-    mode = spmd_ort.DataParallel(parallel_style=args.parallel, bucket_cap_mb=1.0,
+    # replicate: bucket sizes chosen from the first steps' measured costs (the default); fully_shard: 1 MiB
+    # buckets (its all-gathers too), so a model this small still gets several to overlap
+    mode = spmd_ort.DataParallel(parallel_style=args.parallel,
+                                 bucket_cap_mb="auto" if args.parallel == "replicate" else 1.0,
                                  offload_optimizer="cpu" if args.offload else None,
                                  offload_param="cpu" if args.offload else None) if world > 1 else None
 

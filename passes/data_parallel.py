@@ -32,10 +32,12 @@ logger = logging.getLogger("spmd_ort")
 
 @dataclass(frozen=True)
 class GradientBuckets(PassResult):
-    """``bucket_collectives_pass``: gradient node names and payload bytes per all-reduce bucket."""
+    """``bucket_collectives_pass``: gradient node names and payload bytes per all-reduce bucket (and of each
+    gradient, in the order backward produces them: what ``bucket_cap_mb="auto"`` re-plans from)."""
 
     names: tuple[tuple[str, ...], ...]
     nbytes: tuple[int, ...]
+    sizes: tuple[tuple[int, ...], ...] = ()
 
     def lines(self) -> list[str]:
         return [f"gradient buckets: {len(self.nbytes)} ({', '.join(f'{b / 2**20:.2f} MiB' for b in self.nbytes)})"]
@@ -257,10 +259,11 @@ def bucket_collectives_pass(gm: fx.GraphModule, ctx) -> fx.GraphModule:
     """
     mode = ctx.mode
     graph = gm.graph
-    buckets = _plan_buckets(_chains(graph), mode.first_bucket_cap_mb * 2**20, mode.bucket_cap_mb * 2**20)
+    buckets = _plan_buckets(_chains(graph), mode.first_bucket_cap_mb * 2**20, mode.cap_bytes)
     ctx.results.record(GradientBuckets(
         names=tuple(tuple(c[0].args[0].name for c in b) for b in buckets),
-        nbytes=tuple(sum(nbytes(c[0].args[0]) for c in b) for b in buckets)))
+        nbytes=tuple(sum(nbytes(c[0].args[0]) for c in b) for b in buckets),
+        sizes=tuple(tuple(nbytes(c[0].args[0]) for c in b) for b in buckets)))
     for bucket in buckets:
         if len(bucket) > 1:
             _merge_bucket(graph, bucket)

@@ -188,7 +188,7 @@ def bucket_shard_collectives_pass(gm: fx.GraphModule, ctx) -> fx.GraphModule:
     wait_ -> split``.  Buckets hold one dtype and device, at most
     ``bucket_cap_mb`` of unsharded bytes.
     """
-    cap = ctx.mode.bucket_cap_mb * 2**20
+    cap = ctx.mode.cap_bytes
     graph = gm.graph
     world = ctx.world_size
     gathers: dict[str, list] = {}

@@ -35,6 +35,7 @@ from spmd_ort.compiler import Compiler
 from spmd_ort.debug.explain import explain
 from spmd_ort.debug.profile import Profiler
 from spmd_ort.distributed import parallel
+from spmd_ort.distributed.buckets import BucketTuner
 from spmd_ort.distributed.sharding import persistent_bytes
 from spmd_ort.errors import CollectiveTimeout, CompileError, InputIndexError
 from spmd_ort.options import Options
@@ -75,6 +76,7 @@ class CompiledStep:
                                  gm_transformation=gm_transformation, opaque_plan=self.opaque_plan,
                                  taps=self.runtime.taps, mixed_precision=self.mixed_precision)
         self.profiler = Profiler(self.runtime)
+        self.buckets = BucketTuner()  # bucket_cap_mb="auto": measures the first steps, then chooses the cap
         self.compiled: CompiledProgram | None = None
         self.comm: StepComm | None = None  # collectives of the last step
         self._overridden: set[int] = set()  # modules whose Override replacements are in place
@@ -101,10 +103,14 @@ class CompiledStep:
         if prep.swapped:
             self._overridden.add(id(call.module))
         self.compiled, self._last = program, (call.module, call.opt)
+        if call.mode is not None and self.buckets.observe(parallel.resolve(self.parallel_mode), program, self.comm):
+            self.runtime.comm.drop_carried()  # the next call compiles the chosen schedule
+            self.transitions.invalidate(f"bucket_cap_mb='auto' chose {self.buckets.choice.cap_mb:g} MiB buckets "
+                                        "from the measured steps")
         if last_train_step:  # the reference API's drain: nothing is left in flight when training ends
             self.runtime.comm.drop_carried()
             self.runtime.comm.finish()
-        elif call.mode is not None:
+        elif call.mode is not None and self.transitions.variants:
             program.carry_gathers(self.runtime.comm)  # the next step's first gather starts now
         return out
 
@@ -123,7 +129,8 @@ class CompiledStep:
                 retain_host_memory()  # steady-state steps reuse host memory instead of page-faulting
         rank, world_size = parallel.world()
         return StepCall(args=args, kwargs=kwargs, module=module, opt=opt, scaler=scaler,
-                        rule=rule_for(opt) if opt is not None else None, mode=parallel.resolve(self.parallel_mode),
+                        rule=rule_for(opt) if opt is not None else None,
+                        mode=self.buckets.mode(parallel.resolve(self.parallel_mode), module),
                         rank=rank, world_size=world_size)
 
     def _compile(self, call: StepCall, key: StepKey, prep: Preparation) -> tuple[CompiledProgram, StepKey]:
@@ -141,6 +148,8 @@ class CompiledStep:
             prep.undo_prefill()
             key = self.shapes.agreed_key(call)
             program = self._compile_everywhere(call, key)
+        if self.buckets.choice is not None:
+            program.results.record(self.buckets.choice)  # the cap this variant's buckets were built with
         if call.mode is not None and not call.mode.sharded and id(call.module) not in self._synced:
             parallel.broadcast_state(call.module)  # rank 0's weights everywhere, as DDP does
             self._synced.add(id(call.module))
@@ -173,13 +182,15 @@ class CompiledStep:
         self.profiler.before_run(program.steps_run)
         comm.start_step()
         comm.owner = program  # its carried gathers are this program's to take
-        t0 = time.perf_counter()
+        t0, cpu0 = time.perf_counter(), time.thread_time()
         try:
             with self.runtime.active(), amp.autocast_disabled():  # the graph holds autocast's casts already
                 return program.run(call.args, call.kwargs)
         finally:
             self.comm = comm.end_step()
-            self.profiler.after_run(t0, time.perf_counter())
+            t1 = time.perf_counter()
+            self.comm.wall_s, self.comm.cpu_s = t1 - t0, time.thread_time() - cpu0
+            self.profiler.after_run(t0, t1)
 
     # ------------------------------------------------------------------ what users ask of it
     @property

@@ -98,6 +98,25 @@ def test_gradient_accumulation_reduces_once_per_step(tmp_path, model, backend, m
             assert_ort_report_clean(r["ort"])
 
 
+@pytest.mark.parametrize("backend", ["fx", "ort"])
+def test_auto_bucket_cap_is_chosen_from_measured_steps(tmp_path, backend):
+    """bucket_cap_mb="auto" (the default): the steps after the checked first run are measured with small
+    buckets, then every rank chooses the same cap and the schedule is compiled at most once more; every step
+    still equals DDP (checked in the script) and describe() says what was chosen and why."""
+    ranks, _ = torchrun(tmp_path, "--model", "gpt", "--opt", "adamw", "--backend", backend, "--steps", "8",
+                        "--bucket-mb", "auto")
+    choices = []
+    for r in ranks:
+        assert "compile_error" not in r, r.get("compile_error")
+        assert r["bucket_choice"] is not None and "measured over 3 steps" in r["bucket_choice"][0], r["bucket_choice"]
+        assert r["traces"] <= 2  # the measured schedule, then (unless its buckets are the chosen ones) one more
+        assert "bucket_cap_mb='auto'" in r["describe"]
+        assert all(c["all_reduce_bytes"] == r["grad_bytes"] for c in r["comm"])
+        assert r["comm"][-1]["all_reduce_calls"] == r["buckets"]
+        choices.append(r["bucket_choice"][0].split(" (")[0])
+    assert choices[0] == choices[1]  # the ranks agree
+
+
 def test_a_gradient_read_between_micro_batches_is_reduced_there(tmp_path):
     """The step reads the first parameter's .grad after each micro-batch but the last: it gets the reduced
     partial sum (what DDP, syncing every micro-batch, holds there; compared in the script); only that
@@ -121,6 +140,20 @@ def test_automatic_executor_choice_agrees_across_ranks(tmp_path):
         assert "compile_error" not in r, r.get("compile_error")
         wholes.append([line for line in r["describe"].splitlines() if "the whole graph runs on" in line])
     assert len(wholes[0]) == 1 and wholes[0] == wholes[1], wholes
+
+
+def test_segment_executor_choices_agree_across_ranks(tmp_path):
+    """Each rank's segment timings point the other way (rank 0 sees fx 100x slower, rank 1 ORT): the choice is
+    made on the ranks' mean times, so both run every segment on the same executor, and the replicas stay
+    bitwise identical (a parameter update on ORT on one rank and on fx on the other drifts by rounding; the
+    script asserts equal parameters across ranks and DDP's numbers every step)."""
+    ranks, _ = torchrun(tmp_path, "--model", "gpt", "--opt", "adamw", "--backend", "ort", "--steps", "4",
+                        "--skew-timing", env={"SPMD_ORT_SEGMENT_EXECUTOR": "auto"})
+    choices = []
+    for r in ranks:
+        assert "compile_error" not in r, r.get("compile_error")
+        choices.append([line for line in r["describe"].splitlines() if " runs on " in line])
+    assert choices[0] and choices[0] == choices[1], choices
 
 
 def _check_debug_outputs(tmp_path: Path, stderr: str) -> None:

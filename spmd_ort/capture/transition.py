@@ -232,6 +232,7 @@ class TransitionManager(Generic[T]):
         self.traces = 0
         self.reason = ""  # why the last lookup that missed must trace
         self.retrace_counts: dict[str, int] = {}  # what changed (key path) -> re-traces it caused
+        self._invalidated = ""  # why every variant was dropped (the next miss traces for this reason)
 
     REPEATED = 3  # re-traces for the same reason before one WARNING
 
@@ -239,6 +240,9 @@ class TransitionManager(Generic[T]):
         found = self.variants.get(key)
         if found is not None:
             self.variants.move_to_end(key)
+        elif self._invalidated:
+            self.reason, self._invalidated = self._invalidated, ""
+            logger.info("re-tracing %s: %s", self.name, self.reason)
         elif self.last_key is not None:
             self.reason = key.diff(self.last_key)
             logger.info("re-tracing %s: %s", self.name, self.reason)
@@ -265,6 +269,11 @@ class TransitionManager(Generic[T]):
                    "(compile(dynamic=None/True), SPMD_ORT_DYNAMIC=auto/1)")
             logger.warning("%s has re-traced %d times because %s between calls (last: %s -> %s); every new value "
                            "compiles a new program. Fix: %s", self.name, n, what, _short(old), _short(new), fix)
+
+    def invalidate(self, reason: str) -> None:
+        """Drop every variant: the next call compiles anew, for ``reason`` (a schedule choice changed)."""
+        self.variants.clear()
+        self._invalidated = reason
 
     def insert(self, key: StepKey, value: T) -> None:
         self.traces += 1

@@ -30,6 +30,7 @@ from spmd_ort.integrations.deepspeed.config import data_parallel_settings
 from spmd_ort.errors import CollectiveTimeout, CompileError, is_timeout
 
 STYLES = ("replicate", "fully_shard")
+AUTO_START_MB = 25.0  # bucket_cap_mb="auto": the cap of the timed first steps (DDP's default)
 OFFLOAD_DEVICES = (None, "cpu")
 
 
@@ -41,7 +42,11 @@ class DataParallel:
     gathered along a batch dimension).  ``bucket_cap_mb``: gradients
     are all-reduced in buckets of at most this size, in the order backward
     produces them; the first bucket is at most ``first_bucket_cap_mb`` so that
-    communication starts early.  ``broadcast_buffers``: buffers are broadcast
+    communication starts early.  ``"auto"`` (the default): the first steps run
+    with ``AUTO_START_MB`` buckets and are timed, and the cap is then chosen from
+    the measured costs (:mod:`spmd_ort.distributed.buckets`: the schedule is
+    recompiled once, logged; ``describe()`` shows the choice); a number is used
+    as given.  ``broadcast_buffers``: buffers are broadcast
     from rank 0 at the start of every step (DDP's default).
 
     ``fully_shard`` only (see :mod:`spmd_ort.distributed.sharding`):
@@ -66,7 +71,7 @@ class DataParallel:
     """
 
     parallel_style: str = "replicate"
-    bucket_cap_mb: float = 25.0
+    bucket_cap_mb: float | str = "auto"
     first_bucket_cap_mb: float = 1.0
     broadcast_buffers: bool = True
     reshard_after_forward: bool = True
@@ -79,7 +84,10 @@ class DataParallel:
         if self.parallel_style not in STYLES:
             raise ValueError(f"DataParallel(parallel_style={self.parallel_style!r}): supported styles are "
                              f"{', '.join(STYLES)}")
-        if self.bucket_cap_mb <= 0 or self.first_bucket_cap_mb <= 0:
+        cap = self.bucket_cap_mb
+        if cap != "auto" and (isinstance(cap, (str, bool)) or not isinstance(cap, (int, float)) or cap <= 0):
+            raise ValueError(f"DataParallel(bucket_cap_mb={cap!r}): give a positive number of MiB, or 'auto'")
+        if self.first_bucket_cap_mb <= 0:
             raise ValueError("DataParallel: bucket caps must be positive")
         if self.prefetch < 0:
             raise ValueError(f"DataParallel: prefetch={self.prefetch} must be >= 0")
@@ -96,6 +104,16 @@ class DataParallel:
     @property
     def sharded(self) -> bool:
         return self.parallel_style == "fully_shard"
+
+    @property
+    def auto_buckets(self) -> bool:
+        """The bucket cap is chosen from measured costs (``bucket_cap_mb="auto"``)."""
+        return self.bucket_cap_mb == "auto"
+
+    @property
+    def cap_bytes(self) -> float:
+        """The bucket cap the passes use, in bytes (``AUTO_START_MB`` while ``"auto"`` has not chosen)."""
+        return (AUTO_START_MB if self.auto_buckets else float(self.bucket_cap_mb)) * 2**20
 
     @classmethod
     def from_deepspeed_config(cls, config) -> DataParallel:

@@ -4,6 +4,9 @@
 (:func:`~spmd_ort.ort.verify.checked_first_run`), times both and, with
 ``Options.segment_executor`` = ``auto`` (the default), keeps the faster for the steps
 that follow; downstream nodes read the fx result, so the first step's numbers are eager's.
+On several ranks each segment's times are averaged over the ranks and a failure anywhere
+sends the segment to fx everywhere, so every rank runs the same executor per segment:
+replicas compute the same numbers.
 Then :func:`choose_whole` times the whole step as chosen against the whole graph on fx,
 unsplit, and keeps the faster: the automatic choice never loses to its own candidates.
 """
@@ -17,6 +20,7 @@ import torch
 import torch.distributed as dist
 from torch import fx
 
+from spmd_ort.errors import CompileError
 from spmd_ort.ort.session import OrtSegment
 from spmd_ort.ort.stats import OrtStats, SegmentChoice, WholeChoice
 from spmd_ort.ort.verify import checked_first_run
@@ -48,29 +52,61 @@ class FirstRun(RunInterpreter):
         t0 = time.perf_counter()
         reference = seg.fallback(*args)
         fx_s = time.perf_counter() - t0
-        ort_s = checked_first_run(seg.name, seg, args, reference, self.stats, self.policy, self.verify)
+        try:
+            ort_s, error = checked_first_run(seg.name, seg, args, reference, self.stats, self.policy,
+                                             self.verify), None
+        except Exception as exc:  # noqa: BLE001 - re-raised after the ranks' agreement (no rank left waiting)
+            ort_s, error = None, exc
         seg.checked_runs += 1  # ORT's outputs compared, the fx graph's used
         if seg.new_sizes is not None:
             seg.new_sizes.checked.add(seg.sizes.key(args))
-        if ort_s is None:
+        times = {"fx": fx_s, "ort": ort_s}
+        if ort_s is not None and self.segment_executor == "auto":
+            times = {"fx": fastest(seg.fallback, args, fx_s), "ort": fastest(seg.run_ort, args, ort_s)}
+        times, failed_elsewhere = _agreed_times(seg.name, times, error)
+        if ort_s is None or failed_elsewhere:
+            if failed_elsewhere and ort_s is not None:
+                self.stats.fell_back(seg.name, "ONNX Runtime failed or differed on another rank: every rank runs "
+                                               "it on fx, so all compute alike")
             seg.release()
             return reference
-        self._choose(seg, args, {"fx": fx_s, "ort": ort_s})
+        self._choose(seg, times)
         return reference
 
-    def _choose(self, seg: OrtSegment, args, first: dict[str, float]) -> None:
-        """Time both executors on this segment; with ``auto``, keep the faster (ties go to ORT)."""
+    def _choose(self, seg: OrtSegment, times: dict[str, float]) -> None:
+        """With ``auto``, keep the faster executor on the ranks' summed times (ties go to ORT); every rank
+        chooses alike, so replicas compute the same numbers (a parameter update on ORT on one rank and on fx
+        on another would let them drift apart by rounding)."""
         mode = self.segment_executor
         if mode != "auto":
             self.stats.choices[seg.name] = SegmentChoice(mode)
             if mode == "fx":
                 seg.release()
             return
-        fx_s, ort_s = fastest(seg.fallback, args, first["fx"]), fastest(seg.run_ort, args, first["ort"])
-        choice = "fx" if fx_s < ort_s else "ort"
-        self.stats.choices[seg.name] = SegmentChoice(choice, ort_ms=ort_s * 1e3, fx_ms=fx_s * 1e3)
+        choice = "fx" if times["fx"] < times["ort"] else "ort"
+        self.stats.choices[seg.name] = SegmentChoice(choice, ort_ms=times["ort"] * 1e3, fx_ms=times["fx"] * 1e3)
         if choice == "fx":
             seg.release()
+
+
+def _agreed_times(name: str, times: dict, error: Exception | None) -> tuple[dict, bool]:
+    """The ranks' mean times of one segment, and whether ORT failed on another rank; ``error`` (this rank's) is
+    re-raised after the agreement, and a rank whose peer raised raises too: nobody waits for a failed rank."""
+    world = _world()
+    if world == 1:
+        if error is not None:
+            raise error
+        return times, False
+    failed = times["ort"] is None or error is not None
+    t = torch.tensor([times["fx"], 0.0 if failed else times["ort"], float(failed), float(error is not None)],
+                     dtype=torch.float64)
+    dist.all_reduce(t)
+    if error is not None:
+        raise error
+    if t[3] > 0:
+        raise CompileError(f"ORT segment {name} failed on another rank (see its error); every rank stops",
+                           rank=dist.get_rank())
+    return {"fx": float(t[0]) / world, "ort": float(t[1]) / world}, bool(t[2] > 0)
 
 
 def fastest(run, args, first: float) -> float:

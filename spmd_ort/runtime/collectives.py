@@ -55,6 +55,11 @@ class StepComm:
     carried_gathers: int = 0  # all-gathers served by the one the previous step issued (cross-step prefetch)
     comm_s: float = 0.0  # issue -> completion (the collective's own duration), summed
     blocked_s: float = 0.0  # time the host sat in wait_ (or in a synchronous broadcast)
+    # the gradient reductions (all-reduce, reduce-scatter) in issue order: (kind, bytes, issued at, [completed at]);
+    # the completion time is there when the backend's work has a future (gloo's all-reduce, NCCL's all)
+    reductions: list = field(default_factory=list)
+    wall_s: float = 0.0  # the step's duration
+    cpu_s: float = 0.0  # CPU time of the thread that ran it (the rest of wall_s: waits, or other threads on its core)
 
     @property
     def total_bytes(self) -> int:
@@ -98,7 +103,9 @@ class Communicator:
     def all_reduce(self, t: Tensor, prescale: float) -> Tensor:
         if prescale != 1.0:
             t.mul_(prescale)
-        self._track(t, time.perf_counter(), dist.all_reduce(t, op=dist.ReduceOp.SUM, async_op=True), "all_reduce")
+        done = self._track(t, time.perf_counter(), dist.all_reduce(t, op=dist.ReduceOp.SUM, async_op=True),
+                           "all_reduce")
+        self.step.reductions.append(("all_reduce", t.numel() * t.element_size(), self.pending[t.data_ptr()][1], done))
         self.step.all_reduce_calls += 1
         self.step.all_reduce_bytes += t.numel() * t.element_size()
         return t
@@ -164,18 +171,21 @@ class Communicator:
         if t.dtype in SUM_AFTER_DIVIDING:
             t, op = t / world, dist.ReduceOp.SUM
         work = dist.reduce_scatter_single(out, t.contiguous(), op=op, async_op=True)
-        self._track(out, issued, work, "reduce_scatter")
+        done = self._track(out, issued, work, "reduce_scatter")
+        self.step.reductions.append(("reduce_scatter", t.numel() * t.element_size(), issued, done))
         self.step.reduce_scatter_calls += 1
         self.step.reduce_scatter_bytes += t.numel() * t.element_size()
         return out
 
-    def _track(self, t: Tensor, issued: float, work, kind: str) -> None:
+    def _track(self, t: Tensor, issued: float, work, kind: str) -> list[float]:
+        """Hold ``work`` until its wait; returns the list its completion time is appended to (when known)."""
         done: list[float] = []
         try:
             work.get_future().then(lambda fut: done.append(time.perf_counter()))
         except RuntimeError:
             pass  # gloo's all-gather/reduce-scatter work has no future: completion counts at wait
         self.pending[t.data_ptr()] = (work, issued, done, f"{kind} {t.numel() * t.element_size() / 2**20:.2f} MiB")
+        return done
 
     def wait(self, t: Tensor) -> Tensor:
         entry = self.pending.pop(t.data_ptr(), None)

@@ -56,7 +56,7 @@ def main() -> None:
     ap.add_argument("--backend", default="fx")
     ap.add_argument("--steps", type=int, default=10)
     ap.add_argument("--batch", type=int, default=8, help="per rank")
-    ap.add_argument("--bucket-mb", type=float, default=25.0)
+    ap.add_argument("--bucket-mb", type=lambda v: v if v == "auto" else float(v), default=25.0)
     ap.add_argument("--mismatch", action="store_true", help="rank 1 uses another batch size")
     ap.add_argument("--dynamic", choices=["auto", "1", "0"], default="auto", help="compile(dynamic=...)")
     ap.add_argument("--stats", help="write activation statistics of the DDP and the compiled model here")
@@ -69,6 +69,9 @@ def main() -> None:
     ap.add_argument("--read-between", action="store_true",
                     help="with --micro-batches: the step reads a gradient between micro-batches (DDP then syncs "
                          "every micro-batch, and the reads must equal DDP's reduced values)")
+    ap.add_argument("--skew-timing", action="store_true",
+                    help="each rank times its segments as if the other executor were 100x slower (rank 0: fx, rank "
+                         "1: ORT): the ranks would choose differently, and must not")
     ap.add_argument("--out", required=True)
     args = ap.parse_args()
     dist.init_process_group("gloo")
@@ -79,6 +82,11 @@ def main() -> None:
 
 def run(args, rank: int, world: int) -> dict:
     result: dict = {"rank": rank, "world": world}
+    if args.skew_timing:
+        from spmd_ort.ort import choice
+
+        slow, fastest = ("fallback" if rank == 0 else "run_ort"), choice.fastest
+        choice.fastest = lambda run, a, first: fastest(run, a, first) * (100 if getattr(run, "__name__", "fallback") == slow else 1)
     try:
         base, batch_fn = make(args.model, seed=rank)  # a different init on every rank
         ddp_model = DDP(copy.deepcopy(base))  # broadcasts rank 0's weights
@@ -154,7 +162,8 @@ def run(args, rank: int, world: int) -> dict:
             first_param_bytes=next(model.parameters()).numel() * next(model.parameters()).element_size(),
             buckets=len(prog.results.get(GradientBuckets).nbytes),
             bucket_bytes=list(prog.results.get(GradientBuckets).nbytes),
-            describe=prog.describe())
+            describe=prog.describe(),
+            bucket_choice=step.buckets.choice.lines() if step.buckets.choice is not None else None)
     except spmd_ort.CompileError as exc:
         result["compile_error"] = str(exc)
     return result
