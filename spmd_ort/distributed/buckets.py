@@ -1,38 +1,41 @@
 """``DataParallel(bucket_cap_mb="auto")``: the gradient bucket cap chosen from measured costs.
 
-A compiled step under ``replicate`` starts with ``AUTO_START_MB`` buckets.  Its first
-``TUNE_STEPS`` steps after the checked first run are measured as they run (no extra
-runs): the communicator notes each gradient all-reduce's bytes, issue time and
-completion time (:attr:`spmd_ort.runtime.collectives.StepComm.reductions`).  From them:
+A compiled step under ``replicate`` starts with small buckets (a 16th of the parameter bytes,
+at most ``AUTO_START_MB``).  Its first ``TUNE_STEPS`` steps after the checked first run are
+measured as they run: the communicator notes when each gradient all-reduce is issued
+(:attr:`spmd_ort.runtime.collectives.StepComm.reductions`), and the step how much of its
+wall time its thread spent neither computing nor waiting -- off its core, to the
+collectives running beside it (``StepComm.wall_s - blocked_s - cpu_s``).  Then, once, every
+rank together:
 
-* **the collective's cost**, ``a + b * bytes``: least squares over each all-reduce's own
-  duration (completion minus the later of its issue and the previous one's completion:
-  a process group runs its collectives one after another);
+* **the collective's own cost**, ``a + b * bytes``: a probe all-reduces two buffers (64 KiB
+  and 4 MiB, three times each, the fastest counts) while nothing else runs;
 * **when backward produces the gradients**: the bytes issued so far against the issue
-  times, piecewise linear (gradients in between are assumed to arrive at the rate of
-  their neighbours).
+  times, piecewise linear (the latest rank's times: a collective starts when its last
+  rank issues it);
+* **contention**: the measured off-core time per byte all-reduced during backward.  Near 0
+  where collectives run on an accelerator's engines or spare cores; large where gloo's
+  threads compete with the step for the same cores, where hiding communication behind
+  compute does not make it free.
 
-:func:`predict` replays backward for each candidate cap: the greedy buckets the pass
-would build (:func:`spmd_ort.passes.data_parallel._plan_buckets`' rule, on the recorded
-gradient sizes), each issued when its last gradient exists, run one after another at
-the fitted cost.  What remains in flight once backward has issued the last bucket is
-exposed; of the rest, hidden behind compute, the step still pays the measured
-**contention** (:func:`contention`: the share of overlapped collective time the step's
-thread was off its core -- near 0 with an accelerator or spare cores, near 1 with gloo
-on CPU ranks that fill the machine, where small buckets hide communication without
-saving time).  The cap that adds the least wins (ties, within ``TIE_S``: the larger cap,
-fewer collectives); the ranks agree on the measurements first, so every rank computes
-the same choice.  The step then recompiles once with that cap (logged; ``describe()``
-shows :class:`BucketChoice`), unless the buckets would be the ones it has.
+:func:`predict` replays backward for each candidate cap: the greedy buckets the pass would
+build (the rule of :func:`spmd_ort.passes.data_parallel._plan_buckets`, on the recorded
+gradient sizes), each issued when its last gradient exists, run one after another at the
+probed cost.  A step pays what is left in flight once backward has issued its last bucket,
+plus the contention of the bytes reduced before.  The cap that adds the least wins (ties,
+within ``TIE_S``: the larger cap, fewer collectives); every rank computes the same choice
+from the same agreed measurements.  The step then recompiles once with that cap (logged;
+``describe()`` shows :class:`BucketChoice`), unless the buckets would be the ones it has.
 
-Under ``fully_shard`` the cap also sizes the parameter all-gathers, which this model
-does not time: ``"auto"`` keeps ``AUTO_START_MB`` there and says so.
+Under ``fully_shard`` the cap also sizes the parameter all-gathers, which this model does
+not time: ``"auto"`` keeps ``AUTO_START_MB`` there and says so.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import logging
+import time
 from dataclasses import dataclass
 
 import torch
@@ -67,13 +70,14 @@ class BucketChoice(PassResult):
 
 @dataclass
 class Costs:
-    """What the measured steps say: the all-reduce cost ``a + b * bytes`` (seconds) and when backward
-    had produced how many gradient bytes (``ready``: (seconds after the first issue, bytes so far))."""
+    """The measured costs: the all-reduce's own ``a + b * bytes`` (seconds), when backward had produced how many
+    gradient bytes (``ready``: (seconds after the first issue, bytes so far)), and the step time lost per byte
+    all-reduced during backward (``stolen``)."""
 
     a: float
     b: float
     ready: list[tuple[float, float]]
-    contention: float = 0.0  # share of overlapped collective time compute loses (:func:`contention`)
+    stolen: float = 0.0
 
     def time_of(self, nbytes: float) -> float:
         """When backward had produced ``nbytes`` gradient bytes (linear between the measured points)."""
@@ -87,73 +91,71 @@ class Costs:
         return pts[-1][0]
 
 
-def rows_of(reductions: list, nbytes: tuple[int, ...]) -> list[tuple[int, float, float]] | None:
-    """One step's gradient all-reduces (those of the buckets of ``nbytes``, in order) as (bytes, issued,
-    completed), seconds after the first issue; None when one is missing or its completion time is unknown (a
-    backend whose work has no future)."""
+def rows_of(reductions: list, nbytes: tuple[int, ...]) -> list[tuple[int, float]] | None:
+    """One step's gradient all-reduces (those of the buckets of ``nbytes``, in order) as (bytes, issued),
+    seconds after the first issue; None when one is missing."""
     rows, want = [], list(nbytes)
-    for kind, n, issued, done in reductions:
+    for kind, n, issued, _ in reductions:
         if kind == "all_reduce" and want and n == want[0]:
             want.pop(0)
-            rows.append((n, issued, done))
-    if want or not rows or not all(done for _, _, done in rows):
+            rows.append((n, issued))
+    if want or not rows:
         return None
-    origin = rows[0][1]
-    return [(n, issued - origin, done[0] - origin) for n, issued, done in rows]
+    return [(n, issued - rows[0][1]) for n, issued in rows]
 
 
-def contention(comms: list) -> float:
-    """The share of overlapped collective time the step's own thread lost to it, from the measured steps
-    (:class:`StepComm`): its wall time not spent blocked in a wait nor running on its CPU, over the collectives'
-    time in flight while it computed, in [0, 1].  Near 0 where the collectives run on spare cores or an
-    accelerator's engines; near 1 where they compete with the step for the same cores (gloo with a thread per
-    rank on every core): hiding communication behind compute then saves nothing."""
-    stolen = sum(max(c.wall_s - c.blocked_s - c.cpu_s, 0.0) for c in comms)
-    overlapped = sum(max(c.comm_s - c.blocked_s, 0.0) for c in comms)
-    return min(max(stolen / overlapped, 0.0), 1.0) if overlapped > 0 else 0.0
+def off_core_seconds(comms: list) -> float:
+    """Per measured step (:class:`StepComm`), the mean wall time its thread spent neither running nor blocked in
+    a wait: descheduled, its core given to the collectives beside it (or to anything else on the machine)."""
+    return sum(max(c.wall_s - c.blocked_s - c.cpu_s, 0.0) for c in comms) / max(len(comms), 1)
 
 
-def agreed(steps: list, nbytes: tuple[int, ...]) -> list[list[tuple[int, float, float]]] | None:
-    """The measured steps as every rank saw them at the latest: a collective starts when its last rank issues
-    it (the max over ranks of each issue and completion time, relative to each rank's first issue).  The same
-    on every rank; None if any rank could not measure."""
-    t = torch.zeros(len(steps), len(nbytes), 2, dtype=torch.float64)
-    bad = torch.zeros(1, dtype=torch.float64)
+def probe(dtype: torch.dtype, sizes: tuple[int, ...] = (1 << 16, 4 << 20), repeats: int = 3) -> tuple[float, float]:
+    """(a, b): an all-reduce of n bytes takes a + b * n seconds, timed alone (every rank calls it)."""
+    times = []
+    for nbytes in sizes:
+        t = torch.zeros(nbytes // torch.empty((), dtype=dtype).element_size(), dtype=dtype)
+        best = float("inf")
+        for _ in range(repeats):
+            dist.barrier()
+            t0 = time.perf_counter()
+            dist.all_reduce(t)
+            best = min(best, time.perf_counter() - t0)
+        times.append(best)
+    agreed_times = torch.tensor(times, dtype=torch.float64)
+    dist.all_reduce(agreed_times, op=dist.ReduceOp.MAX)  # the same on every rank
+    (n0, n1), (t0, t1) = sizes, agreed_times.tolist()
+    b = max((t1 - t0) / (n1 - n0), 1e-15)
+    return max(t0 - b * n0, 0.0), b
+
+
+def agreed(steps: list, nbytes: tuple[int, ...], off_core: float) -> tuple[list, float] | None:
+    """The measured steps' issue times as the latest rank saw them (a collective starts when its last rank issues
+    it; the max over ranks, relative to each rank's first issue) and the ranks' mean off-core seconds per step:
+    the same on every rank.  None if any rank could not measure."""
+    t = torch.zeros(len(steps), len(nbytes), dtype=torch.float64)
+    extra = torch.tensor([0.0, off_core], dtype=torch.float64)  # (failed, off-core seconds)
     for i, rows in enumerate(steps):
         if rows is None:
-            bad[0] = 1.0
+            extra[0] = 1.0
             continue
-        t[i] = torch.tensor([[issued, done] for _, issued, done in rows], dtype=torch.float64)
-    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        t[i] = torch.tensor([issued for _, issued in rows], dtype=torch.float64)
+    world = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+    if world > 1:
         dist.all_reduce(t, op=dist.ReduceOp.MAX)
-        dist.all_reduce(bad, op=dist.ReduceOp.MAX)
-    if bad[0] > 0:
+        dist.all_reduce(extra)
+    if extra[0] > 0:
         return None
-    return [[(n, float(t[i, j, 0]), float(t[i, j, 1])) for j, n in enumerate(nbytes)] for i in range(len(steps))]
+    return [[(n, float(t[i, j])) for j, n in enumerate(nbytes)] for i in range(len(steps))], float(extra[1]) / world
 
 
-def fit(steps: list[list[tuple[int, float, float]]]) -> Costs | None:
-    """:class:`Costs` from measured steps' all-reduces (bytes, issued, completed); None when backward issued
-    fewer than two buckets (nothing to interpolate)."""
+def ready_curve(steps: list[list[tuple[int, float]]]) -> list[tuple[float, float]] | None:
+    """(seconds after the first issue, gradient bytes issued so far) per bucket, the median over the measured
+    steps; None when backward issued fewer than two buckets (nothing to interpolate)."""
     if not steps or len(steps[0]) < 2 or len({len(rows) for rows in steps}) != 1:
         return None
-    own: list[tuple[float, float]] = []  # (bytes, seconds)
-    for rows in steps:
-        prev_done = float("-inf")
-        for nbytes, issued, done in rows:
-            own.append((nbytes, max(done - max(issued, prev_done), 0.0)))
-            prev_done = done
-    totals = [sum(n for n, _, _ in steps[0][:i + 1]) for i in range(len(steps[0]))]
-    ready = [(sorted(rows[i][1] for rows in steps)[len(steps) // 2], totals[i]) for i in range(len(totals))]
-    x = torch.tensor([n for n, _ in own], dtype=torch.float64)
-    y = torch.tensor([s for _, s in own], dtype=torch.float64)
-    a, b = 0.0, 0.0
-    if len(set(x.tolist())) >= 2:
-        design = torch.stack([torch.ones_like(x), x], dim=1)
-        a, b = torch.linalg.lstsq(design, y.unsqueeze(1)).solution.squeeze(1).tolist()
-    if b <= 0 or a < 0:  # sizes too alike to separate the two terms: all of it per byte
-        a, b = 0.0, float((y / x).median())
-    return Costs(a=a, b=max(b, 1e-15), ready=ready)
+    totals = [sum(n for n, _ in steps[0][:i + 1]) for i in range(len(steps[0]))]
+    return [(sorted(rows[i][1] for rows in steps)[len(steps) // 2], totals[i]) for i in range(len(totals))]
 
 
 def plan(sizes: list[int], first_cap: float, cap: float) -> list[int]:
@@ -172,15 +174,14 @@ def plan(sizes: list[int], first_cap: float, cap: float) -> list[int]:
 
 def predict(costs: Costs, sizes: list[int], first_cap: float, cap: float) -> float:
     """Seconds the all-reduces add to a step with buckets of ``cap``: what is left in flight after backward
-    issues its last bucket, plus the share (``costs.contention``) of the rest that compute loses to them."""
-    done, total, last_issue, busy = float("-inf"), 0, 0.0, 0.0
-    for nbytes in plan(sizes, first_cap, cap):
+    issues its last bucket, plus ``costs.stolen`` for every byte reduced before it."""
+    done, total, last_issue = float("-inf"), 0, 0.0
+    buckets = plan(sizes, first_cap, cap)
+    for nbytes in buckets:
         total += nbytes
         last_issue = costs.time_of(total)
         done = max(last_issue, done) + costs.a + costs.b * nbytes
-        busy += costs.a + costs.b * nbytes
-    exposed = max(0.0, done - last_issue)
-    return exposed + costs.contention * max(busy - exposed, 0.0)
+    return max(0.0, done - last_issue) + costs.stolen * (total - buckets[-1])
 
 
 class BucketTuner:
@@ -223,27 +224,29 @@ class BucketTuner:
         self._comms.append(comm)
         if len(self._steps) < TUNE_STEPS:
             return False
-        steps, stolen = agreed(self._steps, buckets.nbytes), _mean(contention(self._comms))
+        measured = agreed(self._steps, buckets.nbytes, off_core_seconds(self._comms))
         self._steps, self._comms = [], []
-        costs = fit(steps) if steps is not None else None
-        if costs is not None:
-            costs.contention = stolen
-        if costs is None:
+        ready = ready_curve(measured[0]) if measured is not None else None
+        if ready is None:  # the same on every rank: no rank probes alone
             self.choice = BucketChoice(self.start_mb or AUTO_START_MB,
-                                       "the all-reduces' completion times are not observable, or backward issues "
-                                       "a single bucket: the starting cap kept")
+                                       "backward issues a single bucket of gradients: the starting cap kept")
             program.results.record(self.choice)
             return False
+        a, b = probe(_dtype(program))
+        # the off-core time of the measured steps, per byte all-reduced before the last bucket (the rest ran
+        # after backward, beside no compute)
+        overlapped = sum(buckets.nbytes[:-1])
+        costs = Costs(a=a, b=b, ready=ready, stolen=measured[1] / overlapped if overlapped else 0.0)
         sizes = [n for bucket in buckets.sizes for n in bucket]
         first = mode.first_bucket_cap_mb * 2**20
         predicted = [predict(costs, sizes, first, c * 2**20) for c in CANDIDATES_MB]
         best = min(range(len(CANDIDATES_MB)), key=lambda i: (round(predicted[i] / TIE_S), -CANDIDATES_MB[i]))
         cap = CANDIDATES_MB[best]
         same = plan(sizes, first, cap * 2**20) == list(buckets.nbytes)
-        reason = (f"measured over {TUNE_STEPS} steps with {self.start_mb:g} MiB buckets: all-reduce "
+        reason = (f"measured over {TUNE_STEPS} steps with {self.start_mb:g} MiB buckets: all-reduce alone "
                   f"{costs.a * 1e3:.2f} ms + {costs.b * 2**20 * 1e3:.2f} ms/MiB, {sum(sizes) / 2**20:.1f} MiB of "
-                  f"gradients issued over {costs.ready[-1][0] * 1e3:.0f} ms of backward, which loses "
-                  f"{costs.contention:.0%} of the time they overlap it")
+                  f"gradients issued over {costs.ready[-1][0] * 1e3:.0f} ms of backward, "
+                  f"{costs.stolen * 2**20 * 1e3:.2f} ms of the step lost per MiB reduced during backward")
         self.choice = BucketChoice(cap, reason, tuple((c, p * 1e3) for c, p in zip(CANDIDATES_MB, predicted)))
         logger.info("bucket_cap_mb='auto' chose %g MiB (predicted to add %.1f ms to a step; with the %g MiB "
                     "buckets measured: %.1f ms)%s", cap, predicted[best] * 1e3, self.start_mb,
@@ -253,10 +256,11 @@ class BucketTuner:
         return not same
 
 
-def _mean(x: float) -> float:
-    """``x`` averaged over the ranks (the same value on every rank)."""
-    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
-        return x
-    t = torch.tensor([x], dtype=torch.float64)
-    dist.all_reduce(t)
-    return float(t) / dist.get_world_size()
+def _dtype(program) -> torch.dtype:
+    """The dtype of the step's gradient buckets (the first all-reduce's), float32 if none is found."""
+    from spmd_ort.runtime.ops import all_reduce_
+
+    for node in program.gm.graph.nodes:
+        if node.op == "call_function" and node.target is all_reduce_ and "val" in node.meta:
+            return node.meta["val"].dtype
+    return torch.float32

@@ -97,6 +97,9 @@ class InductorSegment(nn.Module):
         out = fallback.graph.output_node().args[0]
         self.returns_tuple = isinstance(out, (tuple, list))
         examples = [_example(n.meta["val"]) for n in fallback.graph.nodes if n.op == "placeholder"]
+        # the code inductor generates asserts its inputs' strides: an input that arrives in another layout (an
+        # opaque part's output, whose layout the trace could not see) is copied into the traced one
+        self.strides = [e.stride() if isinstance(e, torch.Tensor) else None for e in examples]
         from torch._inductor.compile_fx import compile_fx
 
         copy_of = fx.GraphModule(fallback, copy.deepcopy(fallback.graph))  # compile_fx edits the graph it gets
@@ -106,7 +109,7 @@ class InductorSegment(nn.Module):
             self.compiled = compile_fx(copy_of, examples)
 
     def run_compiled(self, *args):
-        out = self.compiled(*args)
+        out = self.compiled(*[_in_layout(a, s) for a, s in zip(args, self.strides)])
         out = tuple(out) if isinstance(out, (list, tuple)) else (out,)
         return out if self.returns_tuple else out[0]
 
@@ -115,6 +118,16 @@ class InductorSegment(nn.Module):
             return self.fallback(*args)
         self.runs += 1
         return self.run_compiled(*args)
+
+
+def _in_layout(t, stride):
+    """``t`` with ``stride`` (a copy when its own differs in a dim longer than 1)."""
+    if stride is None or not isinstance(t, torch.Tensor) or all(
+            a == b or n <= 1 for a, b, n in zip(t.stride(), stride, t.shape)):
+        return t
+    out = torch.empty_strided(t.shape, stride, dtype=t.dtype, device=t.device)
+    out.copy_(t)
+    return out
 
 
 def _example(v) -> torch.Tensor:
