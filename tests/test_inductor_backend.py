@@ -114,3 +114,20 @@ def test_without_a_cxx_compiler_it_is_a_config_error(monkeypatch):
     with pytest.raises(spmd_ort.ConfigError, match="no C\\+\\+ compiler.*backend='fx' or 'ort'"):
         spmd_ort.compile(backend="inductor")(train_step)(model, opt, *_batches((8, 32), 10, 1)[0])
     assert not opt.state
+
+
+def test_an_input_in_another_layout_than_traced_is_copied_into_it():
+    """Inductor's code asserts its inputs' strides; a value whose layout the trace could not see (an opaque part's
+    output: mixtral-tiny's experts) may arrive transposed.  The segment copies it into the traced layout and
+    computes what its fx graph computes."""
+    from spmd_ort.inductor.executor import InductorSegment
+
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    x, w = torch.randn(4, 8), torch.randn(8, 3)
+    gm = make_fx(lambda x, w: torch.relu(x @ w) * 2)(x, w)  # each placeholder's meta["val"]: the traced layout
+    seg = InductorSegment("s", gm)
+    xt = torch.randn(8, 4).t()  # the same shape, transposed strides
+    assert xt.stride() != x.stride()
+    torch.testing.assert_close(seg(xt, w), gm(xt, w))
+    assert seg(xt, w).shape == (4, 3) and seg.runs == 2
