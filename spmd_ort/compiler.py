@@ -12,6 +12,7 @@ and :meth:`Compiler.compile_everywhere` adds the agreement of every rank on the 
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from collections.abc import Callable, Sequence
@@ -77,6 +78,15 @@ class Compiler:
         if error is not None:
             raise error
         return program
+
+    def learn(self, program: CompiledProgram) -> None:
+        """After a run: once the automatic choice of a variant has timed inductor's candidate and kept something
+        else, later variants are compiled without it (its compile costs seconds for every new variant)."""
+        upgrade = getattr(getattr(program.executor, "stats", None), "upgrade", None)
+        if self.options.auto_inductor and upgrade is not None and upgrade.executor != "inductor":
+            self.options = dataclasses.replace(self.options, auto_inductor=False)
+            logger.info("%s: the inductor candidate lost the automatic choice (%s); later variants of this step "
+                        "are compiled without it", self.name, upgrade)
 
     def compile(self, call: StepCall, key: StepKey, *, dynamic: DynamicDims, previous: CompiledProgram | None,
                 reason: str) -> CompiledProgram:

@@ -96,6 +96,7 @@ class Options:
     verify: bool = True
     fallback_policy: str = FALLBACK_POLICIES[0]
     segment_executor: str = SEGMENT_EXECUTORS[0]
+    auto_inductor: bool = True  # with segment_executor auto: the whole graph compiled by inductor is a candidate
     cache_dir: Path = Path.home() / ".cache" / "spmd_ort"
     save_onnx: bool = False
     onnx_prefix: str = "spmd_ort"
@@ -288,6 +289,9 @@ ENV_VARS: tuple[EnvVar, ...] = (
     EnvVar("SPMD_ORT_SEGMENT_EXECUTOR", "segment_executor", _choice("executor", SEGMENT_EXECUTORS), "`auto`",
            "who runs each ORT segment after the first run: `auto` (the faster of ORT and fx, timed on the first "
            "run), `ort` or `fx`"),
+    EnvVar("SPMD_ORT_AUTO_INDUCTOR", "auto_inductor", _bool, "`1`",
+           "with `SPMD_ORT_SEGMENT_EXECUTOR=auto`, the whole graph compiled by inductor is a candidate of the "
+           "automatic choice (where a C++ compiler is found); `0`: only ORT and fx are"),
     EnvVar("SPMD_ORT_CACHE_DIR", "cache_dir", Path, "`~/.cache/spmd_ort`", "exported-model cache"),
     EnvVar("SPMD_ORT_SAVE_ONNX_PATH", "save_onnx_path", _directory, "working directory",
            "the directory where `DebugOptions(save_onnx=True)` writes `<onnx_prefix>_<segment>.onnx` (open them in "

@@ -103,6 +103,7 @@ class CompiledStep:
         if prep.swapped:
             self._overridden.add(id(call.module))
         self.compiled, self._last = program, (call.module, call.opt)
+        self.compiler.learn(program)
         if call.mode is not None and self.buckets.observe(parallel.resolve(self.parallel_mode), program, self.comm):
             self.runtime.comm.drop_carried()  # the next call compiles the chosen schedule
             self.transitions.invalidate(f"bucket_cap_mb='auto' chose {self.buckets.choice.cap_mb:g} MiB buckets "

@@ -131,3 +131,49 @@ def test_an_input_in_another_layout_than_traced_is_copied_into_it():
     assert xt.stride() != x.stride()
     torch.testing.assert_close(seg(xt, w), gm(xt, w))
     assert seg(xt, w).shape == (4, 3) and seg.runs == 2
+
+
+@pytest.mark.parametrize("winner", ["inductor", "segments"])
+def test_the_automatic_choice_times_inductor_as_a_candidate(monkeypatch, winner):
+    """SPMD_ORT_SEGMENT_EXECUTOR=auto (the default outside the suite) on the ORT backend: a program that lives to
+    INDUCTOR_AFTER_STEPS compiles the whole graph with inductor there, checks its first run and times it against
+    what runs; when inductor is faster it runs every later step (the ORT sessions are freed), else it is freed
+    and later variants of the step are compiled without it.  Timings are made up so that each outcome is
+    tested; the numbers match eager every step either way."""
+    monkeypatch.setenv("SPMD_ORT_SEGMENT_EXECUTOR", "auto")
+    from spmd_ort.ort import choice
+    from spmd_ort.ort import executor as executor_module
+
+    monkeypatch.setattr(executor_module, "INDUCTOR_AFTER_STEPS", 3)
+    choose = choice.choose_whole
+
+    def rigged(runners, inputs, stats, field="whole"):
+        if "inductor" in runners:  # the upgrade: make the other one slow
+            slow = lambda fn: lambda *a, **k: (__import__("time").sleep(0.3), fn(*a, **k))[1]  # noqa: E731
+            for name, gm in runners.items():
+                if name != winner and not (winner == "segments" and name != "inductor"):
+                    gm.forward = slow(gm.forward)
+        return choose(runners, inputs, stats, field)
+
+    monkeypatch.setattr(executor_module, "choose_whole", rigged)
+    compiled, _, _ = train_side_by_side(MLP, _adamw, train_step, _batches((8, 32), 10, 5), backend="ort",
+                                        expect_clean_ort=False, dynamic=False)
+    ex = compiled.compiled.executor
+    up = ex.stats.upgrade
+    assert up is not None and [k for k, _ in up.times_ms][1] == "inductor"
+    described = compiled.compiled.describe()
+    assert "at step 3:" in described
+    if winner == "inductor":
+        assert up.executor == "inductor" and ex.runs == "inductor" and ex.whole is None
+        assert all(seg.session is None for seg in ex.segments)
+        assert all(seg.runs == 3 for seg in ex.inductor.segments)  # steps 3 (after the choice), 4 and 5
+        assert "inductor segments:" in described
+    else:
+        assert up.executor != "inductor" and ex.inductor is None
+    # a new variant (another batch size, static shapes) is compiled with inductor's candidate only if it won
+    model, (x, y) = MLP(), _batches((4, 32), 10, 1)[0]
+    opt = _adamw(model)
+    for _ in range(3):
+        compiled(model, opt, x, y)
+    again = compiled.compiled.executor
+    assert again is not ex and (again.stats.upgrade is not None) == (winner == "inductor")

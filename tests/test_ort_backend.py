@@ -355,9 +355,10 @@ def test_auto_keeps_the_faster_executor_per_segment(monkeypatch, slow, whole_cos
         init(self, name, fallback, *args, **kwargs)
         self.fallback.forward = costing(self.fallback.forward, cost["fx"])
 
-    def patched_choose(segments, whole, inputs, stats):
-        whole.forward = costing(whole.forward, whole_cost)
-        return choose(segments, whole, inputs, stats)
+    def patched_choose(runners, inputs, stats, field="whole"):
+        assert set(runners) == {"segments", "fx"}
+        runners["fx"].forward = costing(runners["fx"].forward, whole_cost)
+        return choose(runners, inputs, stats, field)
 
     choose = choice.choose_whole
     monkeypatch.setattr(Segment, "run_ort", costing(run_ort, cost["ort"]))
@@ -381,7 +382,7 @@ def test_auto_keeps_the_faster_executor_per_segment(monkeypatch, slow, whole_cos
         assert segment.session is None and not segment.outputs  # what only ORT needed is freed
     elif whole_cost > cost["ort"]:  # the segments as chosen (ORT) beat the whole graph on fx
         assert stats.whole.executor == "segments", stats.whole
-        assert (stats.whole.segments_ms, stats.whole.fx_ms) == pytest.approx((cost["ort"] * 1e3, whole_cost * 1e3))
+        assert dict(stats.whole.times_ms) == pytest.approx({"segments": cost["ort"] * 1e3, "fx": whole_cost * 1e3})
         assert segment.runs == 2  # the steps after the first (timing runs are no steps)
         assert segment.session is not None and compiled.compiled.executor.whole is None  # fx candidate freed
     else:  # ORT beat the segment's fx graph, but the whole graph on fx beats both: it runs from step 2 on

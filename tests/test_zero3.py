@@ -35,6 +35,7 @@ CASES = [
     (4, 0, "both", "fx", "adamw", "1.0"),
     (4, 1, "both", "fx", "sgd", "0.5"),
     (2, 1, "none", "ort", "adamw", "1.0"),
+    (2, 1, "none", "inductor", "adamw", "1.0"),  # segments between the gathers compiled by inductor
 ]
 
 

@@ -8,7 +8,10 @@ On several ranks each segment's times are averaged over the ranks and a failure 
 sends the segment to fx everywhere, so every rank runs the same executor per segment:
 replicas compute the same numbers.
 Then :func:`choose_whole` times the whole step as chosen against the whole graph on fx,
-unsplit, and keeps the faster: the automatic choice never loses to its own candidates.
+unsplit, and keeps the faster; a program that lives to ``INDUCTOR_AFTER_STEPS``
+(:mod:`spmd_ort.ort.executor`) times the whole graph compiled by inductor against that
+(``Options.auto_inductor``, where a C++ compiler is found): the automatic choice never
+loses to its own candidates.
 """
 
 from __future__ import annotations
@@ -125,41 +128,41 @@ def fastest(run, args, first: float) -> float:
 WHOLE_RUNS = 3
 
 
-def choose_whole(segments: fx.GraphModule, whole: fx.GraphModule, inputs: list, stats: OrtStats) -> bool:
-    """Time the step on ``segments`` (the partitioned graph, each segment where it chose to run) against
-    ``whole`` (the same graph on fx, unsplit) on ``inputs`` (copies: the runs update state in place); True
-    when the whole graph on fx is faster.  Ranks agree (their times are summed), torch's RNG and the
-    step's collective figures are as before, so the timing runs change nothing but the choice."""
-    if _everywhere(all(c.executor == "fx" for c in stats.choices.values())):
-        stats.whole = WholeChoice("fx")  # nothing runs in ORT on any rank: the same ops, without the splits
-        return True
-    times: dict[str, list[float]] = {"segments": [], "fx": []}
-    runs = {m: m.runs for m in segments.modules() if isinstance(getattr(m, "runs", None), int)}
-    with _untouched():
+def choose_whole(runners: dict[str, fx.GraphModule], inputs: list, stats: OrtStats, field: str = "whole") -> str:
+    """Time the step on each of ``runners`` (the partitioned graph with each segment where it chose to run,
+    ``"segments"``; the same graph on fx, unsplit, ``"fx"``; compiled by inductor, ``"inductor"``) on ``inputs``
+    (copies: the runs update state in place) and return the fastest's name; what decided goes to
+    ``stats.<field>``.  Ranks agree (their times are averaged), torch's RNG and the step's collective figures
+    are as before, so the timing runs change nothing but the choice."""
+    if set(runners) == {"segments", "fx"} and everywhere(all(c.executor == "fx" for c in stats.choices.values())):
+        setattr(stats, field, WholeChoice("fx"))  # nothing runs in ORT on any rank: the same ops, without the splits
+        return "fx"
+    times: dict[str, list[float]] = {name: [] for name in runners}
+    runs = {m: m.runs for gm in runners.values() for m in gm.modules() if isinstance(getattr(m, "runs", None), int)}
+    with untouched():
         for _ in range(WHOLE_RUNS):
-            for name, gm in (("segments", segments), ("fx", whole)):
+            for name, gm in runners.items():
                 t0 = time.perf_counter()
                 gm(*inputs)
                 active().comm.finish()  # this run's collectives, before the next run issues its own
                 times[name].append(time.perf_counter() - t0)
-    for m, n in runs.items():  # timing runs are no steps (OrtSegment.runs counts steps that used ORT)
+    for m, n in runs.items():  # timing runs are no steps (a segment's runs count steps that used it)
         m.runs = n
-    median = {k: sorted(v)[len(v) // 2] for k, v in times.items()}
+    median = torch.tensor([sorted(v)[len(v) // 2] for v in times.values()], dtype=torch.float64)
     if _world() > 1:  # every rank decides alike: on the ranks' mean times
-        agreed = torch.tensor([median["segments"], median["fx"]], dtype=torch.float64)
-        dist.all_reduce(agreed)
-        median = {"segments": float(agreed[0]) / _world(), "fx": float(agreed[1]) / _world()}
-    fx_wins = median["fx"] < median["segments"]
-    stats.whole = WholeChoice("fx" if fx_wins else "segments", segments_ms=median["segments"] * 1e3,
-                              fx_ms=median["fx"] * 1e3)
-    return fx_wins
+        dist.all_reduce(median)
+        median /= _world()
+    names = list(times)
+    best = names[int(torch.argmin(median))]
+    setattr(stats, field, WholeChoice(best, tuple((name, float(t) * 1e3) for name, t in zip(names, median))))
+    return best
 
 
 def _world() -> int:
     return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
 
 
-def _everywhere(flag: bool) -> bool:
+def everywhere(flag: bool) -> bool:
     """``flag`` holds on every rank (each rank's segment choices are its own)."""
     if _world() == 1:
         return flag
@@ -169,7 +172,7 @@ def _everywhere(flag: bool) -> bool:
 
 
 @contextlib.contextmanager
-def _untouched():
+def untouched():
     """Timing runs leave no trace: torch's RNG (random ops draw from it) and the step's collective counts."""
     comm = active().comm
     rng, counts = torch.get_rng_state(), comm.step

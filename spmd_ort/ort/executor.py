@@ -19,6 +19,7 @@ it partitions, exports and runs, and rewrites nothing.
 from __future__ import annotations
 
 import copy
+import dataclasses
 import logging
 import threading
 import time
@@ -28,12 +29,13 @@ from torch import fx
 
 from spmd_ort.debug.timeline import TimedInterpreter
 from spmd_ort.options import Options, get_logger
-from spmd_ort.ort.choice import FirstRun, choose_whole
+from spmd_ort.ort.choice import FirstRun, choose_whole, everywhere, untouched
 from spmd_ort.ort.coverage import HOST_ONLY
 from spmd_ort.ort.partition import partition_for_ort, why_host
 from spmd_ort.ort.session import OrtSegment, is_symbolic, load_segment, providers_for, segment_device
 from spmd_ort.ort.sizes import SizedSegments, dynamic_segment
 from spmd_ort.ort.stats import OrtStats
+from spmd_ort.ort.verify import short_error
 from spmd_ort.runtime.context import active
 
 logger = logging.getLogger("spmd_ort")
@@ -43,20 +45,30 @@ progress = get_logger("spmd_ort.progress")  # shown at the default level (option
 PROGRESS_AFTER_S = 2.0  # an export still running after this long gets a progress line
 
 
+# With ``auto``, the whole graph compiled by inductor is timed against what runs at the start of this step of a
+# program (every rank reaches it together): seconds of compile are paid only by a program that lives long.
+INDUCTOR_AFTER_STEPS = 8
+
+
 class OrtExecutor:
     name = "ort"
     reuses_buffers = True  # segment outputs live in tensors that the next step overwrites
 
     def __init__(self, gm: fx.GraphModule, *, verify: bool, policy: str, stats: OrtStats,
-                 segment_executor: str = "auto", whole: fx.GraphModule | None = None):
+                 segment_executor: str = "auto", whole: fx.GraphModule | None = None,
+                 source: fx.GraphModule | None = None, options: Options | None = None):
         self.gm = gm
         self.whole = whole  # the same graph unpartitioned: with auto, a candidate for every step
-        self.runs_whole = False  # the whole graph on fx beat the segments as chosen
+        self.source = source  # with auto and Options.auto_inductor: the graph inductor compiles at INDUCTOR_AFTER_STEPS
+        self.options = options
+        self.inductor = None  # the whole graph compiled by inductor (an InductorExecutor), when it won
+        self.runs = "segments"  # what runs the steps: "segments", "fx" (whole, unsplit) or "inductor"
         self.verify = verify
         self.policy = policy
         self.stats = stats
         self.segment_executor = segment_executor
         self.first_run_done = False
+        self.steps = 0
 
     @property
     def segments(self) -> list[OrtSegment | SizedSegments]:
@@ -64,32 +76,80 @@ class OrtExecutor:
         with dynamic axes, or a :class:`SizedSegments` exported per set of sizes)."""
         return [m for m in self.gm.modules() if isinstance(m, (OrtSegment, SizedSegments))]
 
+    @property
+    def runs_whole(self) -> bool:
+        """A whole-graph candidate (fx, unsplit, or inductor's) beat the segments as chosen."""
+        return self.runs != "segments"
+
+    def _running(self) -> fx.GraphModule:
+        return {"segments": self.gm, "fx": self.whole,
+                "inductor": self.inductor.gm if self.inductor is not None else None}[self.runs]
+
     def run(self, inputs: list[torch.Tensor]) -> list[torch.Tensor]:
         with torch.no_grad():
+            self.steps += 1
             if not self.first_run_done:
-                # On copies: host nodes update state in place, and a segment failing after
-                # them (FALLBACK_DISABLE) must leave the real state untouched.
-                t0 = time.perf_counter()
-                first = FirstRun(self.gm, self.stats, policy=self.policy, verify=self.verify,
-                                 segment_executor=self.segment_executor)
-                copies = [t.clone() if isinstance(t, torch.Tensor) else t for t in inputs]
-                out = first.run(*copies)
-                if self.segment_executor == "auto" and self.whole is not None:
-                    out = [o.clone() if isinstance(o, torch.Tensor) else o for o in out]  # (timing reuses buffers)
-                    self.runs_whole = choose_whole(self.gm, self.whole, copies, self.stats)
-                    if self.runs_whole:  # no segment runs again: free their sessions and buffers
-                        for segment in self.segments:
-                            segment.release()
-                    else:
-                        self.whole = None  # the losing candidate's graph
-                self.first_run_done = True
-                self.stats.first_run_seconds = time.perf_counter() - t0
-                return list(out)
-            gm = self.whole if self.runs_whole else self.gm
+                return self._first_run(inputs)
+            if self.source is not None and self.steps == INDUCTOR_AFTER_STEPS:
+                self._consider_inductor(inputs)
+            gm = self._running()
             recorder = active().recorder
             if recorder is not None:  # a profiled step: node by node (segment by segment), timed
                 return list(TimedInterpreter(gm, recorder).run(*inputs))
             return list(gm(*inputs))
+
+    def _first_run(self, inputs: list) -> list:
+        # On copies: host nodes update state in place, and a segment failing after
+        # them (FALLBACK_DISABLE) must leave the real state untouched.
+        t0 = time.perf_counter()
+        first = FirstRun(self.gm, self.stats, policy=self.policy, verify=self.verify,
+                         segment_executor=self.segment_executor)
+        copies = [t.clone() if isinstance(t, torch.Tensor) else t for t in inputs]
+        out = first.run(*copies)
+        if self.segment_executor == "auto" and self.whole is not None:
+            out = [o.clone() if isinstance(o, torch.Tensor) else o for o in out]  # (timing reuses buffers)
+            self.runs = choose_whole({"segments": self.gm, "fx": self.whole}, copies, self.stats)
+            self._release_losers()
+        self.first_run_done = True
+        self.stats.first_run_seconds = time.perf_counter() - t0
+        return list(out)
+
+    def _release_losers(self) -> None:
+        if self.runs != "segments":  # no segment runs again: free their sessions and buffers
+            for segment in self.segments:
+                segment.release()
+        if self.runs != "fx":
+            self.whole = None  # the losing candidates' graphs and compiled code
+        if self.runs != "inductor":
+            self.inductor = None
+
+    def _consider_inductor(self, inputs: list) -> None:
+        """At step :data:`INDUCTOR_AFTER_STEPS`: compile the whole graph with inductor, check its first run and
+        time it against what runs now, on copies of ``inputs``; keep the faster (every rank alike)."""
+        source, self.source = self.source, None
+        t0 = time.perf_counter()
+        candidate = _inductor_candidate(source, self.options)
+        copies = [t.clone() if isinstance(t, torch.Tensor) else t for t in inputs]
+        ok = False
+        if candidate is not None:
+            try:
+                with untouched():  # torch's RNG and the step's collective counts as they were
+                    candidate.run(copies)  # (its checked first run works on copies of its own)
+                    active().comm.finish()
+                ok = True
+            except Exception as exc:  # noqa: BLE001 - a candidate that fails is no candidate
+                logger.info("the inductor candidate of the automatic choice failed its first run (%s); it is "
+                            "not considered", short_error(exc))
+        if not everywhere(ok):
+            return
+        incumbent = self.runs
+        self.stats.upgrade = None
+        self.runs = choose_whole({incumbent: self._running(), "inductor": candidate.gm}, copies, self.stats,
+                                 field="upgrade")
+        self.stats.upgrade_seconds = time.perf_counter() - t0
+        if self.runs == "inductor":
+            self.inductor = candidate
+            self._release_losers()
 
     def describe(self) -> list[str]:
         stats = self.stats
@@ -99,6 +159,11 @@ class OrtExecutor:
         lines += [f"  {name} runs on {choice}" for name, choice in stats.choices.items()]
         if stats.whole is not None:
             lines.append(f"  {stats.whole}")
+        if stats.upgrade is not None:
+            lines.append(f"  at step {INDUCTOR_AFTER_STEPS}: {stats.upgrade} (inductor compiled and timed in "
+                         f"{stats.upgrade_seconds:.1f}s)")
+        if self.inductor is not None:
+            lines += [f"  {line}" for line in self.inductor.describe()]
         lines += [f"  {name}: differs from fx no more than fx from float64 (ill-conditioned; accepted)"
                   for name in stats.ill_conditioned]
         lines += [f"  host: {op} ({why})" for op, why in stats.host_ops.items()]
@@ -131,8 +196,32 @@ def build_ort_executor(gm: fx.GraphModule, options: Options) -> OrtExecutor:
                 segment = load_segment(name, sub, options, stats, threads=threads, providers=providers)
             if segment is not None:
                 setattr(fused, name, segment)
+    # inductor's candidate (with auto): the whole graph, static shapes only (inductor's executor leaves symbolic
+    # ops on the host), compiled if the program lives to INDUCTOR_AFTER_STEPS
+    source = None
+    if whole is not None and options.auto_inductor and not is_symbolic(whole):
+        source = fx.GraphModule(whole, copy.deepcopy(whole.graph))
     return OrtExecutor(fused, verify=options.verify, policy=policy, stats=stats,
-                       segment_executor=options.segment_executor, whole=whole)
+                       segment_executor=options.segment_executor, whole=whole, source=source, options=options)
+
+
+def _inductor_candidate(whole: fx.GraphModule, options: Options):
+    """``whole`` compiled by inductor, for the automatic choice (``Options.auto_inductor``), or None: no C++
+    compiler (one INFO line), or a compile failure on any rank (every rank then drops it)."""
+    from spmd_ort.inductor.executor import build_inductor_executor, cxx_compiler
+
+    candidate = None
+    if cxx_compiler() is None:
+        logger.info("no C++ compiler found: the automatic choice runs without its inductor candidate "
+                    "(SPMD_ORT_AUTO_INDUCTOR=0 says so once and for all)")
+    else:
+        try:
+            # FALLBACK_TO_FX: a segment inductor cannot compile or run stays on fx inside the candidate
+            candidate = build_inductor_executor(whole, dataclasses.replace(options, fallback_policy="FALLBACK_TO_FX"))
+        except Exception as exc:  # noqa: BLE001 - a candidate that fails is no candidate
+            logger.info("the inductor candidate of the automatic choice failed to compile (%s); it is not "
+                        "considered", short_error(exc))
+    return candidate if everywhere(candidate is not None) else None
 
 
 class _Progress:

@@ -24,20 +24,22 @@ class SegmentChoice:
 
 @dataclass(frozen=True)
 class WholeChoice:
-    """After the segments' choices (``auto``): the whole step as chosen against the whole graph on fx, unsplit.
+    """After the segments' choices (``auto``): the whole step as chosen against the whole graph on fx, unsplit,
+    and compiled by inductor (where it is a candidate).
 
-    ``executor`` is ``"segments"`` (as chosen) or ``"fx"``; the times are the median of the timed runs (None:
-    not timed, e.g. every segment already chose fx)."""
+    ``executor`` is ``"segments"`` (as chosen), ``"fx"`` or ``"inductor"``; ``times_ms``: each candidate's median
+    over the timed runs (empty: not timed, e.g. every segment already chose fx and inductor was no candidate)."""
 
     executor: str
-    segments_ms: float | None = None
-    fx_ms: float | None = None
+    times_ms: tuple[tuple[str, float], ...] = ()
+
+    WHERE = {"segments": "the segments as chosen", "fx": "fx, unsplit", "inductor": "inductor's compiled segments"}
 
     def __str__(self) -> str:
-        where = "the segments as chosen" if self.executor == "segments" else "fx, unsplit"
-        if self.segments_ms is None:
+        where = self.WHERE[self.executor]
+        if not self.times_ms:
             return f"the whole graph runs on {where} (every segment chose fx)"
-        return f"the whole graph runs on {where} (segments {self.segments_ms:.2f} ms, fx {self.fx_ms:.2f} ms)"
+        return f"the whole graph runs on {where} ({', '.join(f'{k} {ms:.2f} ms' for k, ms in self.times_ms)})"
 
 
 @dataclass
@@ -52,6 +54,8 @@ class OrtStats:
     mismatches: list = field(default_factory=list)
     ill_conditioned: list = field(default_factory=list)  # mismatches within rounding of float64: not faults
     choices: dict = field(default_factory=dict)  # segment -> SegmentChoice
+    upgrade: WholeChoice | None = None  # at INDUCTOR_AFTER_STEPS: what ran against inductor's compiled graph
+    upgrade_seconds: float = 0.0  # inductor's compile, checked run and timing
     whole: WholeChoice | None = None  # auto: the whole step on the segments as chosen, or on fx unsplit
     first_run_seconds: float = 0.0  # the checked first run: both executors, comparison, timing
     verify_seconds: float = 0.0  # of which comparing outputs

@@ -125,16 +125,18 @@ class Communicator:
     def carry(self, slot: int, shard: Tensor, world: int, owner: object) -> None:
         """Start, after a step, the gather of ``shard`` that ``owner``'s next run takes at ``slot``."""
         self.drop_carried()
+        shard = shard.detach()  # (a view of a parameter: no autograd history may follow it into the collective)
         out = shard.new_empty(shard.numel() * world)
         issued = time.perf_counter()
-        work = dist.all_gather_single(out, shard.contiguous(), async_op=True)
+        with torch.no_grad():
+            work = dist.all_gather_single(out, shard.contiguous(), async_op=True)
         done: list[float] = []
         try:
             work.get_future().then(lambda fut: done.append(time.perf_counter()))
         except RuntimeError:
             pass
         kind = f"all_gather {out.numel() * out.element_size() / 2**20:.2f} MiB (carried)"
-        self.carried[slot] = Carried(out, shard.detach().clone(), world, owner, (work, issued, done, kind))
+        self.carried[slot] = Carried(out, shard.clone(), world, owner, (work, issued, done, kind))
 
     def _take(self, slot: int, shard: Tensor, world: int) -> Tensor | None:
         """The carried gather for ``slot`` if it is this program's and every rank's shard is unchanged since it
