@@ -192,6 +192,7 @@ class BucketTuner:
         self.start_mb: float | None = None  # the cap of the measured steps
         self._steps: list = []
         self._comms: list = []
+        self._program = None  # the variant whose steps are being measured
 
     def mode(self, mode, module):
         """``mode`` with a number in place of ``"auto"``: the chosen cap, or until then the starting one, a 16th
@@ -220,6 +221,8 @@ class BucketTuner:
         buckets = program.results.get(GradientBuckets)
         if program.steps_run < 2 or buckets is None or not buckets.sizes:
             return False  # the first run is the checked one: not a step to measure
+        if program is not self._program:  # another variant (a new input shape): measure its own steps
+            self._program, self._steps, self._comms = program, [], []
         self._steps.append(rows_of(comm.reductions, buckets.nbytes))
         self._comms.append(comm)
         if len(self._steps) < TUNE_STEPS:
