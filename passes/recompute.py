@@ -1,0 +1,349 @@
+"""Selective activation recomputation: which forward values the backward keeps, which it recomputes.
+
+The whole step is one graph, so the values autograd saved for backward are plain edges: a forward node read
+by a backward node (``phase(node) == "backward"``).  Eager keeps every one of them from the forward until its
+backward use; :func:`recompute_activations_pass` keeps some and recomputes the others, just before their first
+backward use, from values the backward holds anyway.  ``compile(activation_memory_budget=B)`` (torch's name
+for the knob) sets how much: the bytes of the recomputable saved values the backward may keep, as a fraction
+(1.0: what eager keeps, the pass does nothing; 0.0: everything that can be recomputed is).
+
+What is kept, whatever the budget:
+
+* the forward's *spine*: a value that is the only forward value live at its point (a residual stream between
+  blocks).  Recomputation starts from it, so each recomputed stretch is one segment of the forward, recomputed
+  once; without it, the backward of the last block would recompute the whole forward and hold it again;
+* what cannot be recomputed: outputs of random ops (the dropout masks: kept, so every budget draws the same
+  numbers, in the same order, and results are bitwise equal across budgets on fx), opaque parts, collectives,
+  host and other non-aten nodes, mutating ops;
+* a value recomputing which would need such an output that is not kept already (a dropout mask's scaled copy
+  would only trade places with the mask).
+
+Among the rest, a 0/1 knapsack (torch's ``greedy_knapsack``, as its min-cut partitioner uses under
+``activation_memory_budget``) keeps the values with the most recompute time per byte: a value's recompute time
+is the cost of the forward nodes between it and the values kept around it (FLOPs of matmuls and convolutions
+plus bytes moved; torch's FLOP formulas), so matmul outputs are the last to be recomputed.  A user's own
+``torch.utils.checkpoint`` already recomputes in the backward: its recomputation is backward nodes, which this
+pass never touches, and the values it discarded are no saved values here.
+"""
+
+from __future__ import annotations
+
+import logging
+import operator
+from dataclasses import dataclass
+
+import torch
+from torch import fx
+from torch._functorch._activation_checkpointing.knapsack import greedy_knapsack
+from torch.fx.experimental.symbolic_shapes import optimization_hint
+from torch.utils.flop_counter import flop_registry
+
+from spmd_ort.capture.state import SlotKind
+from spmd_ort.runtime import ops
+from spmd_ort.runtime.memory import value_bytes
+
+from .context import PassResult
+from .contracts import FUNCTIONAL_ATEN, VALUES_KNOWN
+from .helpers import is_random, phase, set_phase
+from .runner import graph_pass
+
+logger = logging.getLogger("spmd_ort")
+
+RECOMPUTED = "recomputed"  # node.meta key of a recomputed copy: the name of the forward node it recomputes
+BYTE_COST = 5.0  # recompute cost of moving one byte, in FLOPs (a CPU core: ~50 GFLOP/s against ~10 GB/s)
+NAMESPACES = ("aten", "prims")
+# ops whose output shares its input's storage at run time although their schema does not say so
+RUNTIME_VIEWS = (torch.ops.aten._unsafe_view.default,)
+
+
+@dataclass(frozen=True)
+class Recomputation(PassResult):
+    """``recompute_activations_pass``: the budget, the saved bytes kept and recomputed, and each decision."""
+
+    budget: float
+    kept_bytes: int  # saved-for-backward bytes still kept (spine, random outputs, what the budget keeps)
+    recomputed_bytes: int  # saved-for-backward bytes the backward recomputes instead
+    copies: int  # nodes the backward recomputes
+    recomputed: tuple[str, ...] = ()  # `name` (op, size): why
+    kept: tuple[str, ...] = ()  # `name` (op, size): why (only the recomputable ones the budget kept, and forced)
+
+    def lines(self) -> list[str]:
+        if self.budget >= 1.0:
+            return []
+        mib = 2**20
+        out = [(f"activation memory (activation_memory_budget={self.budget:g}): the backward recomputes "
+                f"{len(self.recomputed)} saved value(s), {self.recomputed_bytes / mib:.2f} MiB ({self.copies} nodes "
+                f"recomputed), and keeps {self.kept_bytes / mib:.2f} MiB")]
+        out += [f"  recomputed {r}" for r in self.recomputed]
+        out += [f"  kept {k}" for k in self.kept]
+        return out
+
+
+@graph_pass(requires=[VALUES_KNOWN, FUNCTIONAL_ATEN])
+def recompute_activations_pass(gm: fx.GraphModule, ctx) -> fx.GraphModule:
+    """Recompute forward values the backward reads instead of keeping them, under
+    ``ctx.activation_memory_budget`` (a :class:`Recomputation`); a no-op at 1.0.
+
+    Each recomputed value is a copy of the forward nodes between it and kept values, placed just before the
+    first backward node that reads it and marked a backward node (``meta["recomputed"]`` names the original):
+    later passes treat it as the backward's own (under ``fully_shard`` it reads the backward's gathered
+    parameters), and the executor frees the forward's original after its last forward use.
+    """
+    budget = ctx.activation_memory_budget
+    if budget >= 1.0:
+        return gm
+    batch = {n for n, s in zip(gm.graph.find_nodes(op="placeholder"), ctx.input_slots)
+             if s.kind in (SlotKind.BATCH, SlotKind.INPUT_GRAD)}
+    plan = _plan(gm, budget, batch)
+    copies = _rewrite(gm, plan)
+    ctx.results.record(plan.result(budget, copies))
+    logger.info("activation memory budget %g: %d saved value(s) recomputed (%.2f MiB), %d kept (%.2f MiB)", budget,
+                len(plan.dropped), plan.dropped_bytes / 2**20, len(plan.kept), plan.kept_bytes / 2**20)
+    return gm
+
+
+# ---------------------------------------------------------------------- the graph's forward and backward
+def _is_backward(node: fx.Node) -> bool:
+    return phase(node) == "backward"
+
+
+def _is_tensor_value(node: fx.Node) -> bool:
+    v = node.meta.get("val")
+    if isinstance(v, torch.Tensor):
+        return True
+    return isinstance(v, (tuple, list)) and bool(v) and all(isinstance(x, torch.Tensor) for x in v)
+
+
+def _is_view(node: fx.Node) -> bool:
+    """Whether ``node``'s output shares its first input's storage (views; getitem of a list of views)."""
+    if node.op != "call_function" or not node.args or not isinstance(node.args[0], fx.Node):
+        return False
+    if node.target is operator.getitem:
+        return _is_view(node.args[0])
+    if node.target in RUNTIME_VIEWS:
+        return True
+    schema = getattr(node.target, "_schema", None)
+    return bool(schema is not None and schema.returns and schema.returns[0].alias_info is not None
+                and not schema.returns[0].alias_info.is_write)
+
+
+def storage_root(node: fx.Node) -> fx.Node:
+    """The node whose output holds ``node``'s storage (itself, unless it is a view)."""
+    while _is_view(node):
+        node = node.args[0]
+    return node
+
+
+def recomputable(node: fx.Node) -> bool:
+    """Whether a forward node may run again in the backward and give the same values: a functional aten/prims op
+    that draws no random numbers (or a getitem of one); never a collective, host node, opaque part or tap."""
+    if node.op != "call_function" or _is_backward(node) or not _is_tensor_value(node):
+        return False
+    if node.target is operator.getitem:
+        return isinstance(node.args[0], fx.Node) and recomputable(node.args[0])
+    target = node.target
+    if not isinstance(target, torch._ops.OpOverload) or target.namespace not in NAMESPACES:
+        return False
+    if target._schema.is_mutable or is_random(node) or ops.RANDOM in target.tags:
+        return False
+    return torch.Tag.nondeterministic_bitwise not in target.tags
+
+
+def _hint(x) -> int:
+    return int(optimization_hint(x, fallback=4096)) if isinstance(x, torch.SymInt) else int(x)
+
+
+def recompute_cost(node: fx.Node) -> float:
+    """What running ``node`` again costs, in FLOP-equivalents: its matmul/convolution FLOPs (torch's formulas)
+    plus the bytes it reads and writes (views cost nothing)."""
+    if node.op != "call_function" or _is_view(node) or node.target is operator.getitem:
+        return 0.0
+    flops = 0
+    formula = flop_registry.get(getattr(node.target, "overloadpacket", None))
+    if formula is not None:
+        try:
+            args, kwargs = fx.map_arg((node.args, node.kwargs), lambda n: n.meta.get("val"))
+            flops = _hint(formula(*args, **kwargs, out_val=node.meta.get("val")))
+        except Exception:  # noqa: BLE001 - a formula that cannot read these sizes: bytes alone
+            flops = 0
+    moved = value_bytes(node.meta.get("val")) + sum(value_bytes(a.meta.get("val")) for a in node.all_input_nodes)
+    return float(flops) + BYTE_COST * moved
+
+
+def spine(forward: list[fx.Node], position: dict[fx.Node, int], batch: set[fx.Node]) -> set[fx.Node]:
+    """Forward values that are the only forward value live at their point (counted by forward uses; values made
+    without the ``batch`` placeholders, from the step's state alone, such as a weight's transpose or a causal mask,
+    are left out)."""
+    state_only: dict[fx.Node, bool] = {}
+    for node in forward:
+        state_only[node] = all((a.op in ("placeholder", "get_attr") and a not in batch) or state_only.get(a, False)
+                               for a in node.all_input_nodes)
+    last: dict[fx.Node, int] = {}
+    for node in forward:
+        if state_only[node] or not _is_tensor_value(node):
+            continue
+        uses = [position[u] for u in node.users if u in state_only]  # forward users
+        if uses and max(uses) > position[node]:
+            last[node] = max(uses)
+    ends: dict[int, int] = {}
+    for i in last.values():
+        ends[i] = ends.get(i, 0) + 1
+    out, live = set(), 0
+    for node in forward:
+        i = position[node]
+        live += node in last
+        live -= ends.get(i, 0)
+        if live == 1 and node in last:
+            out.add(node)
+    return out
+
+
+# ---------------------------------------------------------------------- the plan
+@dataclass
+class _Plan:
+    dropped: dict[fx.Node, str]  # storage roots recomputed -> why
+    kept: dict[fx.Node, str]  # storage roots kept -> why
+    forward: set[fx.Node]
+    dropped_bytes: int = 0
+    kept_bytes: int = 0
+
+    def available(self, node: fx.Node) -> bool:
+        """Whether the backward may read ``node`` itself (not a recomputed copy)."""
+        if node not in self.forward or not _is_tensor_value(node) or not recomputable(node):
+            return True  # the backward's own, not a tensor, or kept because it cannot be recomputed
+        root = storage_root(node)
+        if root in self.dropped:
+            return False
+        return root in self.kept or root not in self.forward  # a kept value or a view of one; of a graph input
+
+    def result(self, budget: float, copies: int) -> Recomputation:
+        return Recomputation(budget=budget, kept_bytes=self.kept_bytes, recomputed_bytes=self.dropped_bytes,
+                             copies=copies, recomputed=tuple(f"{_label(n)}: {why}" for n, why in self.dropped.items()),
+                             kept=tuple(f"{_label(n)}: {why}" for n, why in self.kept.items()
+                                        if not why.startswith("the spine")))
+
+
+def _label(node: fx.Node) -> str:
+    v = node.meta.get("val")
+    shape = tuple(_hint(s) for s in v.shape) if isinstance(v, torch.Tensor) else ()
+    return f"`{node.name}` ({getattr(node.target, '__name__', node.target)}, {shape}, " \
+           f"{value_bytes(v) / 2**20:.2f} MiB)"
+
+
+def _plan(gm: fx.GraphModule, budget: float, batch: set[fx.Node]) -> _Plan:
+    nodes = list(gm.graph.nodes)
+    position = {n: i for i, n in enumerate(nodes)}
+    backward = [n for n in nodes if n.op == "call_function" and _is_backward(n)]
+    if not backward:
+        return _Plan({}, {}, set())
+    last_backward = position[backward[-1]]
+    forward = [n for n in nodes if n.op == "call_function" and not _is_backward(n) and position[n] < last_backward]
+    forward_set = set(forward)
+    saved = [n for n in forward if _is_tensor_value(n) and any(_is_backward(u) for u in n.users)]
+    roots = list(dict.fromkeys(storage_root(n) for n in saved))
+    roots = [r for r in roots if r in forward_set]
+    # a value also read after the backward (an output, the optimizer) stays alive anyway: nothing to gain
+    read_after = set()
+    for n in forward:
+        if any(not _is_backward(u) and position[u] > last_backward for u in n.users):
+            read_after.add(storage_root(n))
+    kept: dict[fx.Node, str] = {}
+    on_spine = spine(forward, position, batch)
+    candidates = []
+    for r in roots:
+        if value_bytes(r.meta.get("val")) == 0:
+            kept[r] = "empty"
+        elif r in on_spine:
+            kept[r] = "the spine: the only forward value live here (recomputation starts from it)"
+        elif not recomputable(r):
+            kept[r] = "not recomputable (" + ("a random op's output: kept so that masks replay exactly"
+                                             if is_random(r) or (r.target is operator.getitem and is_random(r.args[0]))
+                                             else f"{r.target}") + ")"
+        elif r in read_after:
+            kept[r] = "read after the backward anyway"
+        else:
+            candidates.append(r)
+    stop = set(roots) | on_spine
+    items, memory, runtime = [], [], []
+    for r in candidates:
+        chain, extra = _chain(r, stop - {r}, forward_set)
+        saving = value_bytes(r.meta.get("val")) - sum(value_bytes(x.meta.get("val")) for x in extra)
+        if saving <= 0:
+            kept[r] = f"recomputing it needs {', '.join(f'`{x.name}`' for x in extra)}, which cannot be recomputed"
+            continue
+        items.append(r)
+        memory.append(float(saving))
+        runtime.append(sum(recompute_cost(n) for n in chain))
+    dropped: dict[fx.Node, str] = {}
+    if items:
+        total = sum(memory)
+        _, save, recompute = greedy_knapsack([m / total for m in memory], runtime, budget)
+        for i in save:
+            kept[items[i]] = f"kept within the budget: {runtime[i] / memory[i]:.1f} FLOP-eq. per byte to recompute"
+        for i in recompute:
+            dropped[items[i]] = f"{runtime[i] / memory[i]:.1f} FLOP-eq. per byte to recompute"
+    plan = _Plan(dropped, kept, forward_set)
+    plan.dropped_bytes = sum(value_bytes(r.meta.get("val")) for r in dropped)
+    plan.kept_bytes = sum(value_bytes(r.meta.get("val")) for r in kept)
+    return plan
+
+
+def _chain(root: fx.Node, stop: set[fx.Node], forward: set[fx.Node]) -> tuple[list[fx.Node], list[fx.Node]]:
+    """The forward nodes recomputing ``root`` runs (it included), from ``stop`` values, placeholders and values
+    that are no tensors; and the nodes on the way that cannot be recomputed (they would have to be kept)."""
+    chain, extra, seen, todo = [], [], set(), [root]
+    while todo:
+        node = todo.pop()
+        if node in seen:
+            continue
+        seen.add(node)
+        if node not in forward or not _is_tensor_value(node) or (node is not root and storage_root(node) in stop):
+            continue
+        if not recomputable(node):
+            extra.append(node)
+            continue
+        chain.append(node)
+        todo += node.all_input_nodes
+    return chain, extra
+
+
+# ---------------------------------------------------------------------- the rewrite
+def _rewrite(gm: fx.GraphModule, plan: _Plan) -> int:
+    """Give every backward read of a dropped value a copy made just before its first backward reader."""
+    graph = gm.graph
+    copies: dict[fx.Node, fx.Node] = {}
+
+    def materialize(node: fx.Node, before: fx.Node) -> fx.Node:
+        if node in copies:
+            return copies[node]
+        env = {a: a if plan.available(a) else materialize(a, before) for a in node.all_input_nodes}
+        with graph.inserting_before(before):
+            copy = graph.node_copy(node, lambda a: env[a])
+        copy.meta = {k: v for k, v in node.meta.items() if k != "custom"}
+        copy.meta["custom"] = dict(node.meta.get("custom", {}))
+        set_phase(copy, "backward")
+        copy.meta[RECOMPUTED] = node.name
+        copies[node] = copy
+        return copy
+
+    for node in list(graph.nodes):
+        if node.op != "call_function" or not _is_backward(node) or RECOMPUTED in node.meta:
+            continue
+        for arg in node.all_input_nodes:
+            if not plan.available(arg):
+                node.replace_input_with(arg, materialize(arg, node))
+    for node in reversed(list(graph.nodes)):  # forward nodes only the backward read are gone with their reads
+        if node in plan.forward and not node.users and recomputable(node):
+            graph.erase_node(node)
+    return len(copies)
+
+
+__all__ = [
+    "RECOMPUTED",
+    "Recomputation",
+    "recomputable",
+    "recompute_activations_pass",
+    "recompute_cost",
+    "spine",
+    "storage_root",
+]

@@ -1,0 +1,265 @@
+"""recompute_activations_pass: small graphs by hand, then whole train steps against eager (the oracle)."""
+
+from __future__ import annotations
+
+import operator
+
+import pytest
+import torch
+from torch import nn
+from torch.fx.experimental.proxy_tensor import make_fx
+from torch.utils.checkpoint import checkpoint
+
+import spmd_ort
+from spmd_ort.passes import PassContext, Recomputation, op_counts, recompute_activations_pass, run_passes
+from spmd_ort.passes.recompute import RECOMPUTED
+from spmd_ort.runtime import ops
+from tests.helpers import assert_ran_on_ort, lm_step, train_side_by_side, train_step
+from tests.models import GPT, MLP, GPTConfig, ScaleByMax, gpt_batch
+
+
+# ---------------------------------------------------------------------- small graphs by hand
+def _forward_backward(x, w1, w2):
+    """A two-layer MLP's forward and its hand-written backward (the graph a trace of loss.backward() gives)."""
+    h = x @ w1  # (B, H): saved for relu's backward
+    a = torch.relu(h)  # saved for w2's gradient
+    loss = (a @ w2).sum()
+    gy = torch.ones_like(loss).expand(x.shape[0], w2.shape[1])  # the backward starts here
+    gw2 = a.t() @ gy
+    ga = gy @ w2.t()
+    gh = torch.where(h > 0, ga, torch.zeros_like(ga))
+    gw1 = x.t() @ gh
+    return loss, gw1, gw2
+
+
+def _traced(fn, *args, backward_from: str):
+    """``fn`` traced, its nodes from the first ``backward_from`` op on tagged as backward (as trace_step does)."""
+    gm = make_fx(fn, tracing_mode="fake")(*args)
+    tagged = False
+    for node in gm.graph.nodes:
+        tagged = tagged or (node.op == "call_function" and str(node.target) == backward_from)
+        if tagged and node.op == "call_function":
+            node.meta.setdefault("custom", {})["phase"] = "backward"
+    return gm
+
+
+def _run(gm, budget):
+    ctx = PassContext(input_slots=[], output_slots=[], activation_memory_budget=budget)
+    return run_passes(gm, ctx, [recompute_activations_pass]), ctx
+
+
+def _mlp_graph():
+    args = (torch.randn(8, 64), torch.randn(64, 16), torch.randn(16, 3))
+    return _traced(_forward_backward, *args, backward_from="aten.ones_like.default"), args
+
+
+def test_budget_zero_recomputes_relu_before_its_first_backward_use_and_numbers_are_unchanged():
+    gm, args = _mlp_graph()
+    expected = gm(*args)
+    mm_before = op_counts(gm)["aten.mm.default"]
+    gm, ctx = _run(gm, 0.0)
+    gm.graph.lint()
+    copies = [n for n in gm.graph.nodes if RECOMPUTED in n.meta]
+    # relu's output is recomputed (cheap per byte), the matmul output `h` too (nothing is kept at budget 0), and
+    # each copy sits in the backward, before its first reader
+    assert sorted(str(n.target) for n in copies) == ["aten.mm.default", "aten.relu.default"]
+    assert all(n.meta["custom"]["phase"] == "backward" for n in copies)
+    for copy_ in copies:
+        first_reader = min(copy_.users)
+        assert copy_ < first_reader and all(u.meta["custom"]["phase"] == "backward" for u in copy_.users)
+    assert op_counts(gm)["aten.mm.default"] == mm_before + 1
+    for a, b in zip(gm(*args), expected):
+        assert torch.equal(a, b)
+    result = ctx.results.get(Recomputation)
+    assert result.budget == 0.0 and result.copies == 2 and len(result.recomputed) == 2
+
+
+def test_budget_one_changes_nothing():
+    gm, _ = _mlp_graph()
+    before = gm.code
+    gm, ctx = _run(gm, 1.0)
+    assert gm.code == before and Recomputation not in ctx.results
+
+
+def test_a_matmul_output_is_the_last_to_be_recomputed():
+    """At budget 0.5 the relu output (cheap to recompute per byte) goes and the matmul output `h` stays."""
+    gm, args = _mlp_graph()
+    expected = gm(*args)
+    gm, ctx = _run(gm, 0.5)
+    assert [str(n.target) for n in gm.graph.nodes if RECOMPUTED in n.meta] == ["aten.relu.default"]
+    for a, b in zip(gm(*args), expected):
+        assert torch.equal(a, b)
+    assert any("kept within the budget" in k and "`mm`" in k for k in ctx.results.get(Recomputation).kept)
+
+
+def test_random_outputs_are_kept_so_masks_replay_exactly():
+    def fn(x, w):
+        mask = ops.bernoulli_like(x, 0.5)  # a random op: never run twice
+        h = torch.tanh(x * mask) @ w
+        loss = h.sum()
+        g = torch.ones_like(h) @ w.t()
+        return loss, g * mask * (1 - torch.tanh(x * mask) ** 2)
+
+    args = (torch.randn(4, 8), torch.randn(8, 2))
+    gm = _traced(fn, *args, backward_from="aten.ones_like.default")
+    gm, ctx = _run(gm, 0.0)
+    copies = [n for n in gm.graph.nodes if RECOMPUTED in n.meta]
+    assert copies and not any(n.target is ops.bernoulli_like for n in copies)
+    assert op_counts(gm)["spmd_ort.bernoulli_like.default"] == 1
+    torch.manual_seed(0)
+    out = gm(*args)
+    torch.manual_seed(0)
+    for a, b in zip(out, fn(*args)):
+        assert torch.equal(a, b)
+
+
+# ---------------------------------------------------------------------- whole steps: eager is the oracle
+CFG = GPTConfig(vocab=64, seq=32, d=32, heads=4, layers=2, dropout=0.1)
+
+
+def _train(budget, backend="fx", steps=3, cfg=CFG, **kwargs):
+    torch.manual_seed(0)
+    model = GPT(cfg)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, fused=True)
+    step = spmd_ort.compile(backend=backend, activation_memory_budget=budget, **kwargs)(lm_step)
+    g = torch.Generator().manual_seed(0)
+    losses = []
+    for i in range(steps):
+        torch.manual_seed(100 + i)
+        losses.append(step(model, opt, *gpt_batch(cfg, 4, g)).detach())
+    return step, model, opt, losses
+
+
+def test_gpt_with_dropout_is_bitwise_equal_to_eager_at_every_budget_on_fx():
+    """Recomputation replays no random op and runs eager's kernels on the same inputs: the loss and every parameter
+    after three AdamW steps equal eager's bit for bit, at budgets 1.0, 0.5 and 0.0, dropout on."""
+    torch.manual_seed(0)
+    eager = GPT(CFG)
+    opt = torch.optim.AdamW(eager.parameters(), lr=1e-2, fused=True)
+    g = torch.Generator().manual_seed(0)
+    eager_losses = []
+    for i in range(3):
+        x, y = gpt_batch(CFG, 4, g)
+        torch.manual_seed(100 + i)
+        eager_losses.append(lm_step(eager, opt, x, y).detach())
+    planned = {}
+    for budget in (1.0, 0.5, 0.0):
+        step, model, _, losses = _train(budget)
+        assert all(torch.equal(a, b) for a, b in zip(losses, eager_losses)), budget
+        assert all(torch.equal(a, b) for a, b in zip(model.parameters(), eager.parameters())), budget
+        planned[budget] = step.memory()
+    peaks = [planned[b]["planned_activation_peak"] for b in (0.0, 0.5, 1.0)]
+    saved = [planned[b]["planned_saved_for_backward"] for b in (0.0, 0.5, 1.0)]
+    assert peaks[0] < peaks[1] < peaks[2] and saved[0] < saved[1] < saved[2]
+
+
+def test_describe_lists_what_is_recomputed_and_why():
+    step, *_ = _train(0.0, steps=1)
+    text = step.compiled.describe()
+    assert "activation memory (activation_memory_budget=0)" in text
+    assert "recomputed `_safe_softmax`" in text  # attention probabilities: recomputed
+    assert "kept `div`" in text and "bernoulli_like" in text  # the scaled dropout mask: kept with its random op
+    assert "recompute_activations_pass" in text
+    assert "recomputed" in step.explain()
+
+
+def test_ort_backend_at_budget_zero_matches_eager():
+    torch.manual_seed(0)
+    cfg = GPTConfig(vocab=64, seq=16, d=32, heads=4, layers=2)
+    batches = [gpt_batch(cfg, 4, torch.Generator().manual_seed(i)) for i in range(3)]
+    step, *_ = train_side_by_side(lambda: GPT(cfg), lambda m: torch.optim.AdamW(m.parameters(), lr=1e-2), lm_step,
+                                  batches, backend="ort", activation_memory_budget=0.0)
+    assert step.compiled.results.get(Recomputation).copies > 0
+    assert_ran_on_ort(step)
+
+
+def test_dynamic_shapes_at_budget_zero_match_eager():
+    """Symbolic batch and sequence sizes: the recomputed nodes read the forward's symbolic sizes."""
+    torch.manual_seed(0)
+    cfg = GPTConfig(vocab=64, seq=32, d=32, heads=4, layers=2)
+    g = torch.Generator().manual_seed(0)
+    batches = [(torch.randint(0, 64, (b, t), generator=g), torch.randint(0, 64, (b, t), generator=g))
+               for b, t in ((4, 16), (3, 24), (2, 32))]
+    step, *_ = train_side_by_side(lambda: GPT(cfg), lambda m: torch.optim.AdamW(m.parameters(), lr=1e-2), lm_step,
+                                  batches, dynamic=True, activation_memory_budget=0.0)
+    assert len(step.variants) == 1 and step.compiled.symbolic is not None
+    assert step.compiled.results.get(Recomputation).copies > 0
+
+
+class OpaqueNet(nn.Module):
+    """An MLP with a part that cannot be traced (it reads a value as a Python float): it runs opaquely."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc1, self.fc2, self.head = nn.Linear(32, 64), nn.Linear(64, 64), nn.Linear(64, 10)
+
+    def forward(self, x):
+        h = torch.tanh(self.fc1(x))
+        h = ScaleByMax.apply(torch.tanh(self.fc2(h)))
+        return self.head(torch.tanh(h))
+
+
+def test_opaque_parts_are_kept_not_recomputed():
+    torch.manual_seed(0)
+    g = torch.Generator().manual_seed(0)
+    batches = [(torch.randn(8, 32, generator=g), torch.randint(0, 10, (8,), generator=g)) for _ in range(3)]
+    step, *_ = train_side_by_side(OpaqueNet, lambda m: torch.optim.SGD(m.parameters(), lr=0.1), train_step, batches,
+                                  activation_memory_budget=0.0)
+    gm = step.compiled.gm
+    assert len(step.compiled.opaque) == 1
+    assert op_counts(gm)["spmd_ort.opaque_forward.default"] == 1
+    copies = [n for n in gm.graph.nodes if RECOMPUTED in n.meta]
+    assert copies and not any(n.target is operator.getitem and "opaque" in str(n.args[0].target) for n in copies)
+
+
+class CheckpointedMLP(nn.Module):
+    """Blocks the user wrapped in torch.utils.checkpoint: their recomputation is already the backward's."""
+
+    def __init__(self):
+        super().__init__()
+        self.blocks = nn.ModuleList(nn.Sequential(nn.Linear(32, 64), nn.GELU(), nn.Linear(64, 32)) for _ in range(2))
+        self.head = nn.Linear(32, 10)
+
+    def forward(self, x):
+        for block in self.blocks:
+            x = x + checkpoint(block, x, use_reentrant=False)
+        return self.head(x)
+
+
+def test_a_users_checkpoint_is_respected_and_nothing_is_recomputed_twice():
+    torch.manual_seed(0)
+    g = torch.Generator().manual_seed(0)
+    batches = [(torch.randn(8, 32, generator=g), torch.randint(0, 10, (8,), generator=g)) for _ in range(3)]
+    counts = {}
+    for budget in (1.0, 0.0):
+        step, *_ = train_side_by_side(CheckpointedMLP, lambda m: torch.optim.SGD(m.parameters(), lr=0.1),
+                                      train_step, batches, activation_memory_budget=budget)
+        counts[budget] = op_counts(step.compiled.gm)
+        copies = [n for n in step.compiled.gm.graph.nodes if RECOMPUTED in n.meta]
+        assert not any(n.target in (torch.ops.aten.addmm.default, torch.ops.aten.mm.default) for n in copies)
+    # each block's matmuls run twice already (forward, and the checkpoint's recomputation): not a third time
+    assert counts[0.0]["aten.addmm.default"] == counts[1.0]["aten.addmm.default"]
+
+
+# ---------------------------------------------------------------------- configuration
+@pytest.mark.parametrize("value", [1.5, -0.1, "half", True, float("nan")])
+def test_a_bad_budget_is_a_config_error_naming_the_option_and_the_fix(value):
+    with pytest.raises(spmd_ort.ConfigError, match=r"compile\(activation_memory_budget=.*\) is not valid: expected a "
+                                                   r"number from 0\.0 .* to 1\.0"):
+        spmd_ort.compile(activation_memory_budget=value)
+
+
+def test_the_environment_sets_the_budget_and_the_argument_wins(monkeypatch):
+    monkeypatch.setenv("SPMD_ORT_ACTIVATION_MEMORY_BUDGET", "0.25")
+    assert spmd_ort.compile()(train_step).options.activation_memory_budget == 0.25
+    assert spmd_ort.compile(activation_memory_budget=0)(train_step).options.activation_memory_budget == 0.0
+
+
+def test_mlp_at_every_budget_matches_eager():
+    """A model without a spine inside its blocks (a plain stack): parity at every budget."""
+    torch.manual_seed(0)
+    g = torch.Generator().manual_seed(0)
+    batches = [(torch.randn(8, 32, generator=g), torch.randint(0, 10, (8,), generator=g)) for _ in range(2)]
+    for budget in (0.0, 0.5):
+        train_side_by_side(MLP, lambda m: torch.optim.AdamW(m.parameters(), lr=1e-2), train_step, batches,
+                           activation_memory_budget=budget)
