@@ -44,12 +44,13 @@ from spmd_ort.runtime.memory import value_bytes
 
 from .context import PassResult
 from .contracts import FUNCTIONAL_ATEN, VALUES_KNOWN
-from .helpers import is_random, phase, set_phase
+from .helpers import fake_mode_of, is_random, phase, refake, set_phase
 from .runner import graph_pass
 
 logger = logging.getLogger("spmd_ort")
 
 RECOMPUTED = "recomputed"  # node.meta key of a recomputed copy: the name of the forward node it recomputes
+NARROWED_MASK = "narrowed_mask"  # node.meta key of a dropout mask's bool copy (kept): the mask's node name
 BYTE_COST = 5.0  # recompute cost of moving one byte, in FLOPs (a CPU core: ~50 GFLOP/s against ~10 GB/s)
 NAMESPACES = ("aten", "prims")
 # ops whose output shares its input's storage at run time although their schema does not say so
@@ -64,6 +65,7 @@ class Recomputation(PassResult):
     kept_bytes: int  # saved-for-backward bytes still kept (spine, random outputs, what the budget keeps)
     recomputed_bytes: int  # saved-for-backward bytes the backward recomputes instead
     copies: int  # nodes the backward recomputes
+    narrowed_masks: int = 0  # dropout masks kept as bool instead of their float values
     recomputed: tuple[str, ...] = ()  # `name` (op, size): why
     kept: tuple[str, ...] = ()  # `name` (op, size): why (only the recomputable ones the budget kept, and forced)
 
@@ -73,7 +75,8 @@ class Recomputation(PassResult):
         mib = 2**20
         out = [(f"activation memory (activation_memory_budget={self.budget:g}): the backward recomputes "
                 f"{len(self.recomputed)} saved value(s), {self.recomputed_bytes / mib:.2f} MiB ({self.copies} nodes "
-                f"recomputed), and keeps {self.kept_bytes / mib:.2f} MiB")]
+                f"recomputed), and keeps {self.kept_bytes / mib:.2f} MiB"
+                + (f"; {self.narrowed_masks} dropout mask(s) kept as bool" if self.narrowed_masks else ""))]
         out += [f"  recomputed {r}" for r in self.recomputed]
         out += [f"  kept {k}" for k in self.kept]
         return out
@@ -94,9 +97,10 @@ def recompute_activations_pass(gm: fx.GraphModule, ctx) -> fx.GraphModule:
         return gm
     batch = {n for n, s in zip(gm.graph.find_nodes(op="placeholder"), ctx.input_slots)
              if s.kind in (SlotKind.BATCH, SlotKind.INPUT_GRAD)}
+    narrowed = narrow_masks(gm)
     plan = _plan(gm, budget, batch)
     copies = _rewrite(gm, plan)
-    ctx.results.record(plan.result(budget, copies))
+    ctx.results.record(plan.result(budget, copies, narrowed))
     logger.info("activation memory budget %g: %d saved value(s) recomputed (%.2f MiB), %d kept (%.2f MiB)", budget,
                 len(plan.dropped), plan.dropped_bytes / 2**20, len(plan.kept), plan.kept_bytes / 2**20)
     return gm
@@ -137,7 +141,7 @@ def storage_root(node: fx.Node) -> fx.Node:
 def recomputable(node: fx.Node) -> bool:
     """Whether a forward node may run again in the backward and give the same values: a functional aten/prims op
     that draws no random numbers (or a getitem of one); never a collective, host node, opaque part or tap."""
-    if node.op != "call_function" or _is_backward(node) or not _is_tensor_value(node):
+    if node.op != "call_function" or _is_backward(node) or not _is_tensor_value(node) or NARROWED_MASK in node.meta:
         return False
     if node.target is operator.getitem:
         return isinstance(node.args[0], fx.Node) and recomputable(node.args[0])
@@ -168,6 +172,36 @@ def recompute_cost(node: fx.Node) -> float:
             flops = 0
     moved = value_bytes(node.meta.get("val")) + sum(value_bytes(a.meta.get("val")) for a in node.all_input_nodes)
     return float(flops) + BYTE_COST * moved
+
+
+def narrow_masks(gm: fx.GraphModule) -> int:
+    """Keep dropout masks for the backward as bool: each ``bernoulli_like`` mask (exactly 0.0 or 1.0) that the
+    backward reads, directly or through one op, is read through ``_to_copy(_to_copy(mask, bool), dtype)``; the
+    bool copy is what stays (a quarter of a float32 mask's bytes) and the cast back is recomputable, with the
+    same values bit for bit.  Returns how many masks were narrowed."""
+    graph, fake_mode, count = gm.graph, fake_mode_of(gm), 0
+    for mask in list(graph.find_nodes(op="call_function", target=ops.bernoulli_like)):
+        v = mask.meta.get("val")
+        if not (is_random(mask) and isinstance(v, torch.Tensor) and v.dtype.is_floating_point) or _is_backward(mask):
+            continue
+        if not any(_is_backward(u) or any(_is_backward(w) for w in u.users) for u in mask.users):
+            continue  # the backward reads nothing made from it: nothing kept, nothing to narrow
+        users = list(mask.users)
+        with graph.inserting_after(mask):
+            narrow = graph.call_function(torch.ops.aten._to_copy.default, (mask,), {"dtype": torch.bool})
+        with graph.inserting_after(narrow):
+            wide = graph.call_function(torch.ops.aten._to_copy.default, (narrow,), {"dtype": v.dtype})
+        for node in (narrow, wide):
+            node.meta["custom"] = dict(mask.meta.get("custom", {}))
+            if fake_mode is not None:
+                refake(node, fake_mode)
+            else:  # a graph built by hand: plain tensors as values
+                node.meta["val"] = node.args[0].meta["val"].to(node.kwargs["dtype"])
+        narrow.meta[NARROWED_MASK] = mask.name
+        for user in users:
+            user.replace_input_with(mask, wide)
+        count += 1
+    return count
 
 
 def spine(forward: list[fx.Node], position: dict[fx.Node, int], batch: set[fx.Node]) -> set[fx.Node]:
@@ -216,11 +250,19 @@ class _Plan:
             return False
         return root in self.kept or root not in self.forward  # a kept value or a view of one; of a graph input
 
-    def result(self, budget: float, copies: int) -> Recomputation:
+    def result(self, budget: float, copies: int, narrowed: int) -> Recomputation:
         return Recomputation(budget=budget, kept_bytes=self.kept_bytes, recomputed_bytes=self.dropped_bytes,
-                             copies=copies, recomputed=tuple(f"{_label(n)}: {why}" for n, why in self.dropped.items()),
+                             copies=copies, narrowed_masks=narrowed, recomputed=tuple(f"{_label(n)}: {why}" for n, why in self.dropped.items()),
                              kept=tuple(f"{_label(n)}: {why}" for n, why in self.kept.items()
                                         if not why.startswith("the spine")))
+
+
+def _why_not(node: fx.Node) -> str:
+    if NARROWED_MASK in node.meta:
+        return f"the dropout mask `{node.meta[NARROWED_MASK]}` as bool: kept so that masks replay exactly"
+    if is_random(node) or (node.target is operator.getitem and is_random(node.args[0])):
+        return "a random op's output: kept so that masks replay exactly"
+    return str(node.target)
 
 
 def _label(node: fx.Node) -> str:
@@ -256,22 +298,22 @@ def _plan(gm: fx.GraphModule, budget: float, batch: set[fx.Node]) -> _Plan:
         elif r in on_spine:
             kept[r] = "the spine: the only forward value live here (recomputation starts from it)"
         elif not recomputable(r):
-            kept[r] = "not recomputable (" + ("a random op's output: kept so that masks replay exactly"
-                                             if is_random(r) or (r.target is operator.getitem and is_random(r.args[0]))
-                                             else f"{r.target}") + ")"
+            kept[r] = f"not recomputable ({_why_not(r)})"
         elif r in read_after:
             kept[r] = "read after the backward anyway"
         else:
             candidates.append(r)
     stop = set(roots) | on_spine
-    items, memory, runtime = [], [], []
+    items, memory, runtime, extras = [], [], [], []
     for r in candidates:
         chain, extra = _chain(r, stop - {r}, forward_set)
         saving = value_bytes(r.meta.get("val")) - sum(value_bytes(x.meta.get("val")) for x in extra)
         if saving <= 0:
-            kept[r] = f"recomputing it needs {', '.join(f'`{x.name}`' for x in extra)}, which cannot be recomputed"
+            kept[r] = (f"recomputing it needs {', '.join(f'`{x.name}` ({_why_not(x)})' for x in extra)}, "
+                       "which would be kept instead")
             continue
         items.append(r)
+        extras.append(extra)
         memory.append(float(saving))
         runtime.append(sum(recompute_cost(n) for n in chain))
     dropped: dict[fx.Node, str] = {}
@@ -282,6 +324,8 @@ def _plan(gm: fx.GraphModule, budget: float, batch: set[fx.Node]) -> _Plan:
             kept[items[i]] = f"kept within the budget: {runtime[i] / memory[i]:.1f} FLOP-eq. per byte to recompute"
         for i in recompute:
             dropped[items[i]] = f"{runtime[i] / memory[i]:.1f} FLOP-eq. per byte to recompute"
+            for x in extras[i]:  # what recomputing it starts from
+                kept.setdefault(x, f"not recomputable ({_why_not(x)}); `{items[i].name}` is recomputed from it")
     plan = _Plan(dropped, kept, forward_set)
     plan.dropped_bytes = sum(value_bytes(r.meta.get("val")) for r in dropped)
     plan.kept_bytes = sum(value_bytes(r.meta.get("val")) for r in kept)

@@ -12,7 +12,7 @@ from torch.utils.checkpoint import checkpoint
 
 import spmd_ort
 from spmd_ort.passes import PassContext, Recomputation, op_counts, recompute_activations_pass, run_passes
-from spmd_ort.passes.recompute import RECOMPUTED
+from spmd_ort.passes.recompute import NARROWED_MASK, RECOMPUTED
 from spmd_ort.runtime import ops
 from tests.helpers import assert_ran_on_ort, lm_step, train_side_by_side, train_step
 from tests.models import GPT, MLP, GPTConfig, ScaleByMax, gpt_batch
@@ -106,6 +106,11 @@ def test_random_outputs_are_kept_so_masks_replay_exactly():
     copies = [n for n in gm.graph.nodes if RECOMPUTED in n.meta]
     assert copies and not any(n.target is ops.bernoulli_like for n in copies)
     assert op_counts(gm)["spmd_ort.bernoulli_like.default"] == 1
+    # the mask stays as bool; the backward reads it through a recomputed cast back to float
+    [narrow] = [n for n in gm.graph.nodes if NARROWED_MASK in n.meta]
+    assert narrow.meta["val"].dtype == torch.bool and narrow.args[0].target is ops.bernoulli_like
+    assert any(RECOMPUTED in u.meta and u.meta["val"].dtype == torch.float32 for u in narrow.users)
+    assert ctx.results.get(Recomputation).narrowed_masks == 1
     torch.manual_seed(0)
     out = gm(*args)
     torch.manual_seed(0)
@@ -158,7 +163,9 @@ def test_describe_lists_what_is_recomputed_and_why():
     text = step.compiled.describe()
     assert "activation memory (activation_memory_budget=0)" in text
     assert "recomputed `_safe_softmax`" in text  # attention probabilities: recomputed
-    assert "kept `div`" in text and "bernoulli_like" in text  # the scaled dropout mask: kept with its random op
+    # dropout masks stay, as bool (a quarter of the bytes): the scaled mask is recomputed from them
+    assert "4 dropout mask(s) kept as bool" in text and "recomputed `div`" in text
+    assert "the dropout mask `bernoulli_like` as bool: kept so that masks replay exactly" in text
     assert "recompute_activations_pass" in text
     assert "recomputed" in step.explain()
 
