@@ -278,6 +278,31 @@ def test_autocast_bf16_with_dropout_at_budget_zero_is_bitwise_equal_to_eager():
     assert any(n.meta["val"].dtype == torch.bfloat16 for n in copies)
 
 
+def test_gradient_accumulation_recomputes_each_micro_batch_from_its_own_forward():
+    """Two forwards and backwards in one step: each backward recomputes from values of its own forward."""
+    from spmd_ort.capture.trace import phase
+    from tests.helpers import accumulation_step
+
+    cfg = GPTConfig(vocab=64, seq=16, d=32, heads=4, layers=2)
+    g = torch.Generator().manual_seed(0)
+    batches = []
+    for _ in range(2):
+        xs, ys = zip(*(gpt_batch(cfg, 2, g) for _ in range(2)))
+        batches.append((list(xs), list(ys)))
+
+    def step_fn(model, opt, xs, ys):
+        return accumulation_step(model, opt, xs, ys)[0]
+
+    torch.manual_seed(0)
+    step, *_ = train_side_by_side(lambda: GPT(cfg), lambda m: torch.optim.AdamW(m.parameters(), lr=1e-2), step_fn,
+                                  batches, activation_memory_budget=0.0)
+    nodes = list(step.compiled.gm.graph.nodes)
+    backward = [i for i, n in enumerate(nodes) if phase(n) == "backward"]
+    gaps = [i for a, i in zip(backward, backward[1:]) if i != a + 1]  # where the second forward ends
+    copies = [i for i, n in enumerate(nodes) if RECOMPUTED in n.meta]
+    assert gaps and any(i < gaps[0] for i in copies) and any(i > gaps[0] for i in copies)
+
+
 # ---------------------------------------------------------------------- with the parallel passes
 def _sharded_step(budget, reshard):
     """A GPT step traced over rank 0's shards of 2 and put through the cleanup, memory and parallel stages."""
