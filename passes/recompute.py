@@ -67,7 +67,7 @@ class Recomputation(PassResult):
     copies: int  # nodes the backward recomputes
     narrowed_masks: int = 0  # dropout masks kept as bool instead of their float values
     recomputed: tuple[str, ...] = ()  # `name` (op, size): why
-    kept: tuple[str, ...] = ()  # `name` (op, size): why (only the recomputable ones the budget kept, and forced)
+    kept: tuple[str, ...] = ()  # `name` (op, size): why
 
     def lines(self) -> list[str]:
         if self.budget >= 1.0:
@@ -253,8 +253,7 @@ class _Plan:
     def result(self, budget: float, copies: int, narrowed: int) -> Recomputation:
         return Recomputation(budget=budget, kept_bytes=self.kept_bytes, recomputed_bytes=self.dropped_bytes,
                              copies=copies, narrowed_masks=narrowed, recomputed=tuple(f"{_label(n)}: {why}" for n, why in self.dropped.items()),
-                             kept=tuple(f"{_label(n)}: {why}" for n, why in self.kept.items()
-                                        if not why.startswith("the spine")))
+                             kept=tuple(f"{_label(n)}: {why}" for n, why in self.kept.items()))
 
 
 def _why_not(node: fx.Node) -> str:

@@ -167,6 +167,8 @@ def test_describe_lists_what_is_recomputed_and_why():
     # dropout masks stay, as bool (a quarter of the bytes): the scaled mask is recomputed from them
     assert "4 dropout mask(s) kept as bool" in text and "recomputed `div`" in text
     assert "the dropout mask `bernoulli_like` as bool: kept so that masks replay exactly" in text
+    # the residual stream between half-blocks is the spine: kept, recomputation starts from it
+    assert "kept `add_2` (add.Tensor, (4, 32, 32), 0.02 MiB): the spine" in text
     assert "recompute_activations_pass" in text
     assert "recomputed" in step.explain()
 
