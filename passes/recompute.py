@@ -252,7 +252,8 @@ class _Plan:
 
     def result(self, budget: float, copies: int, narrowed: int) -> Recomputation:
         return Recomputation(budget=budget, kept_bytes=self.kept_bytes, recomputed_bytes=self.dropped_bytes,
-                             copies=copies, narrowed_masks=narrowed, recomputed=tuple(f"{_label(n)}: {why}" for n, why in self.dropped.items()),
+                             copies=copies, narrowed_masks=narrowed,
+                             recomputed=tuple(f"{_label(n)}: {why}" for n, why in self.dropped.items()),
                              kept=tuple(f"{_label(n)}: {why}" for n, why in self.kept.items()))
 
 
@@ -272,6 +273,7 @@ def _label(node: fx.Node) -> str:
 
 
 def _plan(gm: fx.GraphModule, budget: float, batch: set[fx.Node]) -> _Plan:
+    """Which storage roots of the saved values are kept and which recomputed, and why."""
     nodes = list(gm.graph.nodes)
     position = {n: i for i, n in enumerate(nodes)}
     backward = [n for n in nodes if n.op == "call_function" and _is_backward(n)]
@@ -279,17 +281,13 @@ def _plan(gm: fx.GraphModule, budget: float, batch: set[fx.Node]) -> _Plan:
         return _Plan({}, {}, set())
     last_backward = position[backward[-1]]
     forward = [n for n in nodes if n.op == "call_function" and not _is_backward(n) and position[n] < last_backward]
-    forward_set = set(forward)
     saved = [n for n in forward if _is_tensor_value(n) and any(_is_backward(u) for u in n.users)]
-    roots = list(dict.fromkeys(storage_root(n) for n in saved))
-    roots = [r for r in roots if r in forward_set]
+    roots = [r for r in dict.fromkeys(storage_root(n) for n in saved) if r in set(forward)]
     # a value also read after the backward (an output, the optimizer) stays alive anyway: nothing to gain
-    read_after = set()
-    for n in forward:
-        if any(not _is_backward(u) and position[u] > last_backward for u in n.users):
-            read_after.add(storage_root(n))
-    kept: dict[fx.Node, str] = {}
+    read_after = {storage_root(n) for n in forward
+                  if any(not _is_backward(u) and position[u] > last_backward for u in n.users)}
     on_spine = spine(forward, position, batch)
+    kept: dict[fx.Node, str] = {}
     candidates = []
     for r in roots:
         if value_bytes(r.meta.get("val")) == 0:
@@ -302,10 +300,20 @@ def _plan(gm: fx.GraphModule, budget: float, batch: set[fx.Node]) -> _Plan:
             kept[r] = "read after the backward anyway"
         else:
             candidates.append(r)
-    stop = set(roots) | on_spine
+    dropped = _choose(candidates, set(roots) | on_spine, set(forward), budget, kept)
+    plan = _Plan(dropped, kept, set(forward))
+    plan.dropped_bytes = sum(value_bytes(r.meta.get("val")) for r in dropped)
+    plan.kept_bytes = sum(value_bytes(r.meta.get("val")) for r in kept)
+    return plan
+
+
+def _choose(candidates: list[fx.Node], stop: set[fx.Node], forward: set[fx.Node], budget: float,
+            kept: dict[fx.Node, str]) -> dict[fx.Node, str]:
+    """The candidates to recompute (-> why), by torch's greedy knapsack over bytes saved and recompute time, each
+    costed as if the other saved values stayed; the rest are added to ``kept``."""
     items, memory, runtime, extras = [], [], [], []
     for r in candidates:
-        chain, extra = _chain(r, stop - {r}, forward_set)
+        chain, extra = _chain(r, stop - {r}, forward)
         saving = value_bytes(r.meta.get("val")) - sum(value_bytes(x.meta.get("val")) for x in extra)
         if saving <= 0:
             kept[r] = (f"recomputing it needs {', '.join(f'`{x.name}` ({_why_not(x)})' for x in extra)}, "
@@ -316,19 +324,17 @@ def _plan(gm: fx.GraphModule, budget: float, batch: set[fx.Node]) -> _Plan:
         memory.append(float(saving))
         runtime.append(sum(recompute_cost(n) for n in chain))
     dropped: dict[fx.Node, str] = {}
-    if items:
-        total = sum(memory)
-        _, save, recompute = greedy_knapsack([m / total for m in memory], runtime, budget)
-        for i in save:
-            kept[items[i]] = f"kept within the budget: {runtime[i] / memory[i]:.1f} FLOP-eq. per byte to recompute"
-        for i in recompute:
-            dropped[items[i]] = f"{runtime[i] / memory[i]:.1f} FLOP-eq. per byte to recompute"
-            for x in extras[i]:  # what recomputing it starts from
-                kept.setdefault(x, f"not recomputable ({_why_not(x)}); `{items[i].name}` is recomputed from it")
-    plan = _Plan(dropped, kept, forward_set)
-    plan.dropped_bytes = sum(value_bytes(r.meta.get("val")) for r in dropped)
-    plan.kept_bytes = sum(value_bytes(r.meta.get("val")) for r in kept)
-    return plan
+    if not items:
+        return dropped
+    total = sum(memory)
+    _, save, recompute = greedy_knapsack([m / total for m in memory], runtime, budget)
+    for i in save:
+        kept[items[i]] = f"kept within the budget: {runtime[i] / memory[i]:.1f} FLOP-eq. per byte to recompute"
+    for i in recompute:
+        dropped[items[i]] = f"{runtime[i] / memory[i]:.1f} FLOP-eq. per byte to recompute"
+        for x in extras[i]:  # what recomputing it starts from
+            kept.setdefault(x, f"not recomputable ({_why_not(x)}); `{items[i].name}` is recomputed from it")
+    return dropped
 
 
 def _chain(root: fx.Node, stop: set[fx.Node], forward: set[fx.Node]) -> tuple[list[fx.Node], list[fx.Node]]:
