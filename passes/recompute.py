@@ -13,8 +13,8 @@ What is kept, whatever the budget:
   blocks).  Recomputation starts from it, so each recomputed stretch is one segment of the forward, recomputed
   once; without it, the backward of the last block would recompute the whole forward and hold it again;
 * what cannot be recomputed: outputs of random ops (the dropout masks: kept, so every budget draws the same
-  numbers, in the same order, and results are bitwise equal across budgets on fx), opaque parts, collectives,
-  host and other non-aten nodes, mutating ops;
+  numbers, in the same order, and results are bitwise equal across budgets on fx; as bool, see
+  :func:`narrow_masks`), opaque parts, collectives, host and other non-aten nodes, mutating ops;
 * a value recomputing which would need such an output that is not kept already (a dropout mask's scaled copy
   would only trade places with the mask).
 
@@ -35,6 +35,7 @@ from dataclasses import dataclass
 import torch
 from torch import fx
 from torch._functorch._activation_checkpointing.knapsack import greedy_knapsack
+from torch._functorch.partitioners import get_default_op_list
 from torch.fx.experimental.symbolic_shapes import optimization_hint
 from torch.utils.flop_counter import flop_registry
 
@@ -55,6 +56,7 @@ BYTE_COST = 5.0  # recompute cost of moving one byte, in FLOPs (a CPU core: ~50 
 NAMESPACES = ("aten", "prims")
 # ops whose output shares its input's storage at run time although their schema does not say so
 RUNTIME_VIEWS = (torch.ops.aten._unsafe_view.default,)
+COMPUTE_INTENSIVE = get_default_op_list().compute_intensive_ops  # mm, bmm, addmm, convolution, fused attention
 
 
 @dataclass(frozen=True)
@@ -97,9 +99,10 @@ def recompute_activations_pass(gm: fx.GraphModule, ctx) -> fx.GraphModule:
         return gm
     batch = {n for n, s in zip(gm.graph.find_nodes(op="placeholder"), ctx.input_slots)
              if s.kind in (SlotKind.BATCH, SlotKind.INPUT_GRAD)}
-    narrowed = narrow_masks(gm)
+    masks = narrow_masks(gm)
     plan = _plan(gm, budget, batch)
     copies = _rewrite(gm, plan)
+    narrowed = _restore_forward_reads(gm.graph, masks)
     ctx.results.record(plan.result(budget, copies, narrowed))
     logger.info("activation memory budget %g: %d saved value(s) recomputed (%.2f MiB), %d kept (%.2f MiB)", budget,
                 len(plan.dropped), plan.dropped_bytes / 2**20, len(plan.kept), plan.kept_bytes / 2**20)
@@ -174,12 +177,18 @@ def recompute_cost(node: fx.Node) -> float:
     return float(flops) + BYTE_COST * moved
 
 
-def narrow_masks(gm: fx.GraphModule) -> int:
+SCALINGS = (torch.ops.aten.div.Scalar, torch.ops.aten.mul.Scalar)  # dropout's scaling of its mask
+
+
+def narrow_masks(gm: fx.GraphModule) -> list[tuple[fx.Node, fx.Node, fx.Node | None]]:
     """Keep dropout masks for the backward as bool: each ``bernoulli_like`` mask (exactly 0.0 or 1.0) that the
-    backward reads, directly or through one op, is read through ``_to_copy(_to_copy(mask, bool), dtype)``; the
-    bool copy is what stays (a quarter of a float32 mask's bytes) and the cast back is recomputable, with the
-    same values bit for bit.  Returns how many masks were narrowed."""
-    graph, fake_mode, count = gm.graph, fake_mode_of(gm), 0
+    backward reads, directly or through one op, gets a bool copy ``narrow`` (kept, a quarter of a float32 mask's
+    bytes); dropout's scaling (``mask / (1 - p)``) reads ``narrow`` itself (bool / scalar computes in the mask's
+    dtype: the same values bit for bit), any other reader a recomputable cast back, ``wide``.
+
+    Returns ``(mask, narrow, wide or None)`` per mask, for :func:`_restore_forward_reads` after the rewrite.
+    """
+    graph, fake_mode, out = gm.graph, fake_mode_of(gm), []
     for mask in list(graph.find_nodes(op="call_function", target=ops.bernoulli_like)):
         v = mask.meta.get("val")
         if not (is_random(mask) and isinstance(v, torch.Tensor) and v.dtype.is_floating_point) or _is_backward(mask):
@@ -188,20 +197,50 @@ def narrow_masks(gm: fx.GraphModule) -> int:
             continue  # the backward reads nothing made from it: nothing kept, nothing to narrow
         users = list(mask.users)
         with graph.inserting_after(mask):
-            narrow = graph.call_function(torch.ops.aten._to_copy.default, (mask,), {"dtype": torch.bool})
-        with graph.inserting_after(narrow):
-            wide = graph.call_function(torch.ops.aten._to_copy.default, (narrow,), {"dtype": v.dtype})
-        for node in (narrow, wide):
-            node.meta["custom"] = dict(mask.meta.get("custom", {}))
-            if fake_mode is not None:
-                refake(node, fake_mode)
-            else:  # a graph built by hand: plain tensors as values
-                node.meta["val"] = node.args[0].meta["val"].to(node.kwargs["dtype"])
+            narrow = _cast(graph, mask, torch.bool, fake_mode)
         narrow.meta[NARROWED_MASK] = mask.name
+        wide = None
         for user in users:
+            if user.target in SCALINGS and user.args[0] is mask and not isinstance(user.args[1], fx.Node) \
+                    and torch.result_type(narrow.meta["val"], user.args[1]) == user.meta["val"].dtype:
+                user.replace_input_with(mask, narrow)
+                continue
+            if wide is None:
+                with graph.inserting_after(narrow):
+                    wide = _cast(graph, narrow, v.dtype, fake_mode)
             user.replace_input_with(mask, wide)
-        count += 1
-    return count
+        out.append((mask, narrow, wide))
+    return out
+
+
+def _cast(graph: fx.Graph, node: fx.Node, dtype: torch.dtype, fake_mode) -> fx.Node:
+    cast = graph.call_function(torch.ops.aten._to_copy.default, (node,), {"dtype": dtype})
+    cast.meta["custom"] = dict(node.meta.get("custom", {}))
+    if fake_mode is not None:
+        refake(cast, fake_mode)
+    else:  # a graph built by hand: plain tensors as values
+        cast.meta["val"] = node.meta["val"].to(dtype)
+    return cast
+
+
+def _restore_forward_reads(graph: fx.Graph, masks: list[tuple[fx.Node, fx.Node, fx.Node | None]]) -> int:
+    """The forward reads a mask itself again where it read the cast back (only the backward's copies need it);
+    casts nothing reads any more are removed.  Returns how many masks stay narrowed for the backward."""
+    kept = 0
+    for mask, narrow, wide in masks:
+        if wide is not None:
+            for user in [u for u in wide.users if not _is_backward(u)]:
+                user.replace_input_with(wide, mask)
+            if not wide.users:
+                graph.erase_node(wide)
+        if narrow.users and all(u.target in SCALINGS and not _is_backward(u) for u in narrow.users):
+            for user in list(narrow.users):  # no backward reads it: the forward scales the float mask, as traced
+                user.replace_input_with(narrow, mask)
+        if not narrow.users:
+            graph.erase_node(narrow)
+        else:
+            kept += 1
+    return kept
 
 
 def spine(forward: list[fx.Node], position: dict[fx.Node, int], batch: set[fx.Node]) -> set[fx.Node]:
@@ -357,22 +396,58 @@ def _chain(root: fx.Node, stop: set[fx.Node], forward: set[fx.Node]) -> tuple[li
 
 
 # ---------------------------------------------------------------------- the rewrite
-def _rewrite(gm: fx.GraphModule, plan: _Plan) -> int:
-    """Give every backward read of a dropped value a copy made just before its first backward reader."""
-    graph = gm.graph
-    copies: dict[fx.Node, fx.Node] = {}
+def _compute_intensive(node: fx.Node) -> bool:
+    """A matmul, convolution or fused attention (torch's partitioner's ``compute_intensive_ops``)."""
+    return getattr(node.target, "overloadpacket", None) in COMPUTE_INTENSIVE
 
-    def materialize(node: fx.Node, before: fx.Node) -> fx.Node:
-        if node in copies:
-            return copies[node]
-        env = {a: a if plan.available(a) else materialize(a, before) for a in node.all_input_nodes}
+
+@dataclass
+class _Copy:
+    node: fx.Node
+    direct: bool  # made for a backward node that reads it (not only as an input of another copy)
+
+
+def _rewrite(gm: fx.GraphModule, plan: _Plan) -> int:
+    """Give every backward read of a dropped value a copy, made just before the backward node that first reads
+    it; returns how many nodes were copied.
+
+    A copy made only as an input of another (a scaled dropout mask for the masked attention probabilities) is
+    not held for a later backward reader when recomputing it again involves no matmul: that reader gets a fresh
+    copy, so large cheap values do not stay alive across the backward ops in between.
+    """
+    graph = gm.graph
+    copies: dict[fx.Node, _Copy] = {}
+    made = 0
+
+    def cheap(node: fx.Node) -> bool:
+        seen, todo = set(), [node]
+        while todo:
+            n = todo.pop()
+            if n in seen or plan.available(n) or (n in copies and copies[n].direct and n is not node):
+                continue
+            seen.add(n)
+            if _compute_intensive(n):
+                return False
+            todo += n.all_input_nodes
+        return True
+
+    def get(node: fx.Node, before: fx.Node, *, direct: bool, fresh: bool = False) -> fx.Node:
+        nonlocal made
+        hit = copies.get(node)
+        if hit is not None and (hit.direct or not (direct or fresh) or not cheap(node)):
+            if direct:
+                hit.direct = True
+            return hit.node
+        again = hit is not None  # a cheap copy made for another value: made again here, with its cheap inputs
+        env = {a: a if plan.available(a) else get(a, before, direct=False, fresh=again) for a in node.all_input_nodes}
         with graph.inserting_before(before):
             copy = graph.node_copy(node, lambda a: env[a])
         copy.meta = {k: v for k, v in node.meta.items() if k != "custom"}
         copy.meta["custom"] = dict(node.meta.get("custom", {}))
         set_phase(copy, "backward")
         copy.meta[RECOMPUTED] = node.name
-        copies[node] = copy
+        copies[node] = _Copy(copy, direct)
+        made += 1
         return copy
 
     for node in list(graph.nodes):
@@ -380,11 +455,11 @@ def _rewrite(gm: fx.GraphModule, plan: _Plan) -> int:
             continue
         for arg in node.all_input_nodes:
             if not plan.available(arg):
-                node.replace_input_with(arg, materialize(arg, node))
+                node.replace_input_with(arg, get(arg, node, direct=True))
     for node in reversed(list(graph.nodes)):  # forward nodes only the backward read are gone with their reads
         if node in plan.forward and not node.users and recomputable(node):
             graph.erase_node(node)
-    return len(copies)
+    return made
 
 
 __all__ = [

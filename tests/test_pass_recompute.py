@@ -112,10 +112,35 @@ def test_random_outputs_are_kept_so_masks_replay_exactly():
     assert narrow.meta["val"].dtype == torch.bool and narrow.args[0].target is ops.bernoulli_like
     assert any(RECOMPUTED in u.meta and u.meta["val"].dtype == torch.float32 for u in narrow.users)
     assert ctx.results.get(Recomputation).narrowed_masks == 1
+    # the forward reads the float mask itself, as traced: only the backward's copies read the bool one
+    [mask] = [n for n in gm.graph.nodes if n.target is ops.bernoulli_like]
+    assert any(u.target is torch.ops.aten.mul.Tensor and RECOMPUTED not in u.meta for u in mask.users)
     torch.manual_seed(0)
     out = gm(*args)
     torch.manual_seed(0)
     for a, b in zip(out, fn(*args)):
+        assert torch.equal(a, b)
+
+
+def test_a_cheap_copy_is_made_again_for_a_later_reader_instead_of_held():
+    """`d` (cheap) is recomputed as an input of `p`'s copy and again before its own later reader; `s` (behind a
+    matmul) is recomputed once and held."""
+    def fn(x, w, z):
+        s = torch.tanh(x @ w)
+        d = z * 3
+        p = s * d
+        loss = p.sum()
+        g = torch.ones_like(p) * p  # the backward reads p first ...
+        g = torch.sin(g) * s  # ... s ...
+        return loss, torch.cos(g) * d  # ... and d last
+
+    args = (torch.randn(8, 64), torch.randn(64, 16), torch.randn(8, 16))
+    gm = _traced(fn, *args, backward_from="aten.ones_like.default")
+    expected = gm(*args)
+    gm, _ = _run(gm, 0.0)
+    copied = [n.meta[RECOMPUTED] for n in gm.graph.nodes if RECOMPUTED in n.meta]
+    assert sorted(copied) == ["mm", "mul", "mul", "mul_1", "tanh"], copied  # d = z * 3 (`mul`) twice
+    for a, b in zip(gm(*args), expected):
         assert torch.equal(a, b)
 
 
@@ -389,6 +414,34 @@ def test_replicate_on_two_ranks_matches_ddp_at_budget_zero(tmp_path):
         assert "compile_error" not in r, r.get("compile_error")
         assert len(r["losses"]) == 3
         assert "activation memory (activation_memory_budget=0): the backward recomputes" in r["describe"]
+
+
+@pytest.mark.multiproc
+def test_fully_shard_on_two_ranks_matches_eager_at_budget_zero_with_the_same_gathers(tmp_path):
+    """tests/dist/zero_parity.py (2 ranks, reshard after forward) checks loss, every full parameter and the AdamW
+    state against eager on the global batch at each step; at budget 0 the communicator counts the all-gathers
+    of budget 1, byte for byte."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    runs = {}
+    for budget in ("1", "0"):
+        out = tmp_path / budget
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+               "tests/dist/zero_parity.py", "--out", str(out), "--steps", "3", "--reshard", "1"]
+        env = {**os.environ, "OMP_NUM_THREADS": "1", "SPMD_ORT_ACTIVATION_MEMORY_BUDGET": budget}
+        proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=400, check=False,
+                              cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+        assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-6000:]
+        runs[budget] = [json.loads((out / f"rank{r}.json").read_text()) for r in range(2)]
+    for r in runs["0"]:
+        assert "compile_error" not in r, r.get("compile_error")
+        assert "activation memory (activation_memory_budget=0): the backward recomputes" in r["describe"]
+    for r0, r1 in zip(runs["0"], runs["1"]):
+        assert [(c["all_gather_calls"], c["all_gather_bytes"]) for c in r0["comm"]] == \
+            [(c["all_gather_calls"], c["all_gather_bytes"]) for c in r1["comm"]]
 
 
 # ---------------------------------------------------------------------- configuration
