@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import itertools
 import operator
 
 import pytest
@@ -325,7 +326,7 @@ def test_gradient_accumulation_recomputes_each_micro_batch_from_its_own_forward(
                                   batches, activation_memory_budget=0.0)
     nodes = list(step.compiled.gm.graph.nodes)
     backward = [i for i, n in enumerate(nodes) if phase(n) == "backward"]
-    gaps = [i for a, i in zip(backward, backward[1:]) if i != a + 1]  # where the second forward ends
+    gaps = [i for a, i in itertools.pairwise(backward) if i != a + 1]  # where the second forward ends
     copies = [i for i, n in enumerate(nodes) if RECOMPUTED in n.meta]
     assert gaps and any(i < gaps[0] for i in copies) and any(i > gaps[0] for i in copies)
 
