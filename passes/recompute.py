@@ -45,7 +45,7 @@ from spmd_ort.runtime.memory import value_bytes
 
 from .context import PassResult
 from .contracts import FUNCTIONAL_ATEN, VALUES_KNOWN
-from .helpers import fake_mode_of, is_random, phase, refake, set_phase
+from .helpers import fake_mode_of, is_random, phase, set_phase
 from .runner import graph_pass
 
 logger = logging.getLogger("spmd_ort")
@@ -67,7 +67,7 @@ class Recomputation(PassResult):
     kept_bytes: int  # saved-for-backward bytes still kept (spine, random outputs, what the budget keeps)
     recomputed_bytes: int  # saved-for-backward bytes the backward recomputes instead
     copies: int  # nodes the backward recomputes
-    narrowed_masks: int = 0  # dropout masks kept as bool instead of their float values
+    narrowed_masks: int = 0  # dropout masks kept compact (packed bits or bool) instead of their float values
     recomputed: tuple[str, ...] = ()  # `name` (op, size): why
     kept: tuple[str, ...] = ()  # `name` (op, size): why
 
@@ -78,7 +78,8 @@ class Recomputation(PassResult):
         out = [(f"activation memory (activation_memory_budget={self.budget:g}): the backward recomputes "
                 f"{len(self.recomputed)} saved value(s), {self.recomputed_bytes / mib:.2f} MiB ({self.copies} nodes "
                 f"recomputed), and keeps {self.kept_bytes / mib:.2f} MiB"
-                + (f"; {self.narrowed_masks} dropout mask(s) kept as bool" if self.narrowed_masks else ""))]
+                + (f"; {self.narrowed_masks} dropout mask(s) kept compact (bits packed, or bool)"
+                   if self.narrowed_masks else ""))]
         out += [f"  recomputed {r}" for r in self.recomputed]
         out += [f"  kept {k}" for k in self.kept]
         return out
@@ -177,16 +178,19 @@ def recompute_cost(node: fx.Node) -> float:
     return float(flops) + BYTE_COST * moved
 
 
-SCALINGS = (torch.ops.aten.div.Scalar, torch.ops.aten.mul.Scalar)  # dropout's scaling of its mask
+aten = torch.ops.aten
+SCALINGS = (aten.div.Scalar, aten.mul.Scalar)  # dropout's scaling of its mask
 
 
-def narrow_masks(gm: fx.GraphModule) -> list[tuple[fx.Node, fx.Node, fx.Node | None]]:
-    """Keep dropout masks for the backward as bool: each ``bernoulli_like`` mask (exactly 0.0 or 1.0) that the
-    backward reads, directly or through one op, gets a bool copy ``narrow`` (kept, a quarter of a float32 mask's
-    bytes); dropout's scaling (``mask / (1 - p)``) reads ``narrow`` itself (bool / scalar computes in the mask's
-    dtype: the same values bit for bit), any other reader a recomputable cast back, ``wide``.
+def narrow_masks(gm: fx.GraphModule) -> list[tuple[fx.Node, list[fx.Node]]]:
+    """Keep dropout masks for the backward in few bytes: each ``bernoulli_like`` mask (exactly 0.0 or 1.0) that
+    the backward reads, directly or through one op, gets a compact copy that stays (``meta["narrowed_mask"]``):
+    its bits packed eight to a byte (1/32 of a float32 mask) when its size is static, a multiple of 8 and it is
+    contiguous, else a bool copy (1/4).  The backward recomputes the bool mask from it; dropout's scaling
+    (``mask / (1 - p)``) reads the bool mask itself (bool / scalar computes in the mask's dtype: the same values
+    bit for bit), any other reader a cast back.
 
-    Returns ``(mask, narrow, wide or None)`` per mask, for :func:`_restore_forward_reads` after the rewrite.
+    Returns ``(mask, nodes made for it)`` per mask, for :func:`_restore_forward_reads` after the rewrite.
     """
     graph, fake_mode, out = gm.graph, fake_mode_of(gm), []
     for mask in list(graph.find_nodes(op="call_function", target=ops.bernoulli_like)):
@@ -196,50 +200,81 @@ def narrow_masks(gm: fx.GraphModule) -> list[tuple[fx.Node, fx.Node, fx.Node | N
         if not any(_is_backward(u) or any(_is_backward(w) for w in u.users) for u in mask.users):
             continue  # the backward reads nothing made from it: nothing kept, nothing to narrow
         users = list(mask.users)
-        with graph.inserting_after(mask):
-            narrow = _cast(graph, mask, torch.bool, fake_mode)
-        narrow.meta[NARROWED_MASK] = mask.name
-        wide = None
-        for user in users:
-            if user.target in SCALINGS and user.args[0] is mask and not isinstance(user.args[1], fx.Node) \
-                    and torch.result_type(narrow.meta["val"], user.args[1]) == user.meta["val"].dtype:
-                user.replace_input_with(mask, narrow)
-                continue
-            if wide is None:
-                with graph.inserting_after(narrow):
-                    wide = _cast(graph, narrow, v.dtype, fake_mode)
-            user.replace_input_with(mask, wide)
-        out.append((mask, narrow, wide))
+        made: list[fx.Node] = []
+
+        def call(target, *args, made=made, mask=mask, **kwargs):
+            node = graph.call_function(target, args, kwargs)
+            node.meta["custom"] = dict(mask.meta.get("custom", {}))
+            node.meta["val"] = _value(target, args, kwargs, fake_mode)
+            made.append(node)
+            return node
+
+        with graph.inserting_before(mask.next):  # in the order they are made, right after the mask
+            bool_mask = _packed_bool_mask(mask, call) if _packable(v) else None
+            if bool_mask is None:
+                bool_mask = call(aten._to_copy.default, mask, dtype=torch.bool)
+                bool_mask.meta[NARROWED_MASK] = mask.name
+            wide = None
+            for user in users:
+                if user.target in SCALINGS and user.args[0] is mask and not isinstance(user.args[1], fx.Node) \
+                        and torch.result_type(bool_mask.meta["val"], user.args[1]) == user.meta["val"].dtype:
+                    user.replace_input_with(mask, bool_mask)
+                    continue
+                if wide is None:
+                    wide = call(aten._to_copy.default, bool_mask, dtype=v.dtype)
+                user.replace_input_with(mask, wide)
+        out.append((mask, made))
     return out
 
 
-def _cast(graph: fx.Graph, node: fx.Node, dtype: torch.dtype, fake_mode) -> fx.Node:
-    cast = graph.call_function(torch.ops.aten._to_copy.default, (node,), {"dtype": dtype})
-    cast.meta["custom"] = dict(node.meta.get("custom", {}))
-    if fake_mode is not None:
-        refake(cast, fake_mode)
-    else:  # a graph built by hand: plain tensors as values
-        cast.meta["val"] = node.meta["val"].to(dtype)
-    return cast
+def _packable(v: torch.Tensor) -> bool:
+    return v.dtype == torch.float32 and all(isinstance(n, int) for n in v.shape) and v.numel() % 8 == 0 \
+        and v.numel() > 0 and v.is_contiguous()
 
 
-def _restore_forward_reads(graph: fx.Graph, masks: list[tuple[fx.Node, fx.Node, fx.Node | None]]) -> int:
-    """The forward reads a mask itself again where it read the cast back (only the backward's copies need it);
-    casts nothing reads any more are removed.  Returns how many masks stay narrowed for the backward."""
+def _packed_bool_mask(mask: fx.Node, call) -> fx.Node:
+    """``mask``'s bits packed into bytes (the kept node), and the bool mask unpacked from them (recomputable).
+
+    Packing is a matmul of each run of 8 mask values (0.0 or 1.0) with the powers of two, exact in float32 in any
+    summation order, cast to uint8; unpacking ANDs each byte with the powers of two.  Every op has an ONNX
+    translation (a ReduceSum or BitShift over uint8 would not).
+    """
+    v = mask.meta["val"]
+    n = v.numel()
+    powers = call(aten.pow.Scalar, 2.0, call(aten.arange.start, 0, 8, dtype=torch.float32, device=v.device))
+    runs = call(aten.view.default, mask, [n // 8, 8])
+    sums = call(aten.mm.default, runs, call(aten.view.default, powers, [8, 1]))  # (n/8, 1): exact small integers
+    packed = call(aten._to_copy.default, call(aten.view.default, sums, [n // 8]), dtype=torch.uint8)
+    packed.meta[NARROWED_MASK] = mask.name
+    bits = call(aten.bitwise_and.Tensor, call(aten.unsqueeze.default, packed, 1),
+                call(aten._to_copy.default, powers, dtype=torch.uint8))
+    return call(aten.view.default, call(aten.ne.Scalar, bits, 0), list(v.shape))
+
+
+def _value(target, args, kwargs, fake_mode):
+    args, kwargs = fx.map_arg((args, kwargs), lambda n: n.meta["val"])
+    if fake_mode is None:  # a graph built by hand: plain tensors as values
+        return target(*args, **kwargs)
+    with fake_mode:
+        return target(*args, **kwargs)
+
+
+def _restore_forward_reads(graph: fx.Graph, masks: list[tuple[fx.Node, list[fx.Node]]]) -> int:
+    """The forward reads each mask itself again where it read it unpacked or cast (only the backward's copies need
+    those); nodes nothing reads any more are removed.  Returns how many masks stay compact for the backward."""
     kept = 0
-    for mask, narrow, wide in masks:
-        if wide is not None:
-            for user in [u for u in wide.users if not _is_backward(u)]:
-                user.replace_input_with(wide, mask)
-            if not wide.users:
-                graph.erase_node(wide)
-        if narrow.users and all(u.target in SCALINGS and not _is_backward(u) for u in narrow.users):
-            for user in list(narrow.users):  # no backward reads it: the forward scales the float mask, as traced
-                user.replace_input_with(narrow, mask)
-        if not narrow.users:
-            graph.erase_node(narrow)
-        else:
-            kept += 1
+    for mask, made in masks:
+        for node in made:
+            if node.meta["val"].shape == mask.meta["val"].shape:
+                for user in [u for u in node.users if not _is_backward(u) and u not in made]:
+                    user.replace_input_with(node, mask)  # the float mask (the scaling of its 0/1 values: the same)
+        left = []
+        for node in reversed(made):
+            if node.users:
+                left.append(node)
+            else:
+                graph.erase_node(node)
+        kept += any(NARROWED_MASK in n.meta for n in left)
     return kept
 
 
@@ -298,7 +333,8 @@ class _Plan:
 
 def _why_not(node: fx.Node) -> str:
     if NARROWED_MASK in node.meta:
-        return f"the dropout mask `{node.meta[NARROWED_MASK]}` as bool: kept so that masks replay exactly"
+        how = "as bool" if node.meta["val"].dtype == torch.bool else "with its bits packed eight to a byte"
+        return f"the dropout mask `{node.meta[NARROWED_MASK]}` {how}: kept so that masks replay exactly"
     if is_random(node) or (node.target is operator.getitem and is_random(node.args[0])):
         return "a random op's output: kept so that masks replay exactly"
     return str(node.target)

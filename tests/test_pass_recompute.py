@@ -16,7 +16,7 @@ import spmd_ort
 from spmd_ort.passes import PassContext, Recomputation, op_counts, recompute_activations_pass, run_passes
 from spmd_ort.passes.recompute import NARROWED_MASK, RECOMPUTED
 from spmd_ort.runtime import ops
-from tests.helpers import assert_ran_on_ort, lm_step, train_side_by_side, train_step
+from tests.helpers import assert_ran_on_ort, assert_same_state, lm_step, train_side_by_side, train_step
 from tests.models import GPT, MLP, GPTConfig, ScaleByMax, gpt_batch
 
 
@@ -94,7 +94,10 @@ def test_a_matmul_output_is_the_last_to_be_recomputed():
     assert any("kept within the budget" in k and "`mm`" in k for k in ctx.results.get(Recomputation).kept)
 
 
-def test_random_outputs_are_kept_so_masks_replay_exactly():
+@pytest.mark.parametrize("shape,kept", [((4, 8), (torch.uint8, (4,))), ((3, 5), (torch.bool, (3, 5)))])
+def test_random_outputs_are_kept_so_masks_replay_exactly(shape, kept):
+    """The mask stays (its bits packed eight to a byte when its size allows, else as bool) and the backward
+    recomputes the float mask from it; the random op runs once."""
     def fn(x, w):
         mask = ops.bernoulli_like(x, 0.5)  # a random op: never run twice
         h = torch.tanh(x * mask) @ w
@@ -102,18 +105,18 @@ def test_random_outputs_are_kept_so_masks_replay_exactly():
         g = torch.ones_like(h) @ w.t()
         return loss, g * mask * (1 - torch.tanh(x * mask) ** 2)
 
-    args = (torch.randn(4, 8), torch.randn(8, 2))
+    args = (torch.randn(*shape), torch.randn(shape[1], 2))
     gm = _traced(fn, *args, backward_from="aten.ones_like.default")
     gm, ctx = _run(gm, 0.0)
     copies = [n for n in gm.graph.nodes if RECOMPUTED in n.meta]
     assert copies and not any(n.target is ops.bernoulli_like for n in copies)
     assert op_counts(gm)["spmd_ort.bernoulli_like.default"] == 1
-    # the mask stays as bool; the backward reads it through a recomputed cast back to float
     [narrow] = [n for n in gm.graph.nodes if NARROWED_MASK in n.meta]
-    assert narrow.meta["val"].dtype == torch.bool and narrow.args[0].target is ops.bernoulli_like
-    assert any(RECOMPUTED in u.meta and u.meta["val"].dtype == torch.float32 for u in narrow.users)
+    assert (narrow.meta["val"].dtype, tuple(narrow.meta["val"].shape)) == kept
+    assert RECOMPUTED not in narrow.meta  # kept; read by the backward's copies (through a view when packed)
+    assert all(RECOMPUTED in u.meta or u.target is torch.ops.aten.unsqueeze.default for u in narrow.users)
     assert ctx.results.get(Recomputation).narrowed_masks == 1
-    # the forward reads the float mask itself, as traced: only the backward's copies read the bool one
+    # the forward reads the float mask itself, as traced: only the backward's copies read the compact one
     [mask] = [n for n in gm.graph.nodes if n.target is ops.bernoulli_like]
     assert any(u.target is torch.ops.aten.mul.Tensor and RECOMPUTED not in u.meta for u in mask.users)
     torch.manual_seed(0)
@@ -190,9 +193,10 @@ def test_describe_lists_what_is_recomputed_and_why():
     text = step.compiled.describe()
     assert "activation memory (activation_memory_budget=0)" in text
     assert "recomputed `_safe_softmax`" in text  # attention probabilities: recomputed
-    # dropout masks stay, as bool (a quarter of the bytes): the scaled mask is recomputed from them
-    assert "4 dropout mask(s) kept as bool" in text and "recomputed `div`" in text
-    assert "the dropout mask `bernoulli_like` as bool: kept so that masks replay exactly" in text
+    # dropout masks stay, their bits packed (1/32 of the bytes): the scaled mask is recomputed from them
+    assert "4 dropout mask(s) kept compact" in text and "recomputed `div`" in text
+    assert "the dropout mask `bernoulli_like` with its bits packed eight to a byte: kept so that masks replay " \
+           "exactly" in text
     # the residual stream between half-blocks is the spine: kept, recomputation starts from it
     assert "kept `add_2` (add.Tensor, (4, 32, 32), 0.02 MiB): the spine" in text
     assert "recompute_activations_pass" in text
@@ -207,6 +211,25 @@ def test_ort_backend_at_budget_zero_matches_eager():
                                   batches, backend="ort", activation_memory_budget=0.0)
     assert step.compiled.results.get(Recomputation).copies > 0
     assert_ran_on_ort(step)
+
+
+def test_ort_backend_with_dropout_at_budget_zero_matches_eager():
+    """Dropout on ORT: the packed masks are unpacked in the backward; losses and state to ORT's rounding."""
+    torch.manual_seed(0)
+    eager = GPT(CFG)
+    model = copy.deepcopy(eager)
+    opts = [torch.optim.AdamW(m.parameters(), lr=1e-2, fused=True) for m in (eager, model)]
+    step = spmd_ort.compile(backend="ort", activation_memory_budget=0.0)(lm_step)
+    g = torch.Generator().manual_seed(0)
+    for i in range(3):
+        x, y = gpt_batch(CFG, 4, g)
+        torch.manual_seed(100 + i)
+        le = lm_step(eager, opts[0], x, y).detach()
+        torch.manual_seed(100 + i)
+        torch.testing.assert_close(step(model, opts[1], x, y), le, rtol=1e-5, atol=0)
+    assert_same_state(eager, model, *opts, normwise=True)
+    assert_ran_on_ort(step)
+    assert step.compiled.results.get(Recomputation).narrowed_masks == 4
 
 
 def test_dynamic_shapes_at_budget_zero_match_eager():

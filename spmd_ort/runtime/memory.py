@@ -36,9 +36,12 @@ from torch import fx
 
 
 def _aliases(node: fx.Node) -> bool:
-    """Whether the node's output shares storage with its first input (views, in-place ops, getitem)."""
+    """Whether the node's output shares storage with its first input (views, in-place ops, an element of a list of
+    views); an element of a multi-output op's results (a layer norm's output, mean and rstd) is storage of its
+    own, freed after its own last use."""
     if node.target is operator.getitem:
-        return True
+        src = node.args[0]
+        return not (isinstance(src, fx.Node) and src.op == "call_function" and not _aliases(src))
     schema = getattr(node.target, "_schema", None)
     return bool(schema is not None and schema.returns and schema.returns[0].alias_info is not None)
 
@@ -81,6 +84,11 @@ def plan_activation_memory(gm: fx.GraphModule) -> ActivationPlan:
             root[node] = root.get(base, base)
         else:
             root[node] = node
+    # a multi-output op holds what no getitem takes out; each element taken out is counted at its getitem
+    own = {n: value_bytes(n.meta.get("val")) for n in nodes if n.op == "call_function" and root[n] is n}
+    for node in nodes:
+        if node.target is operator.getitem and root[node] is node and node.args[0] in own:
+            own[node.args[0]] -= value_bytes(node.meta.get("val"))
     last: dict[fx.Node, int] = {}
     saved: set[fx.Node] = set()  # roots of forward values a backward node reads
     for i, node in enumerate(nodes):
@@ -96,16 +104,16 @@ def plan_activation_memory(gm: fx.GraphModule) -> ActivationPlan:
     for i, node in enumerate(nodes):
         if node.op == "call_function" and root[node] is node:
             live.add(node)
-            size += value_bytes(node.meta.get("val"))
+            size += own[node]
         if size > peak:
             peak = size
-            peak_saved = sum(value_bytes(r.meta.get("val")) for r in live if r in saved)
+            peak_saved = sum(own[r] for r in live if r in saved)
         if node.op == "output":
             continue  # outputs outlive the step
         for r in frees.get(i, []):
             if r.op == "call_function":
                 live.discard(r)
-                size -= value_bytes(r.meta.get("val"))
+                size -= own[r]
     return ActivationPlan(peak=peak, saved_for_backward=peak_saved)
 
 
