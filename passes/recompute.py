@@ -35,7 +35,6 @@ from dataclasses import dataclass
 import torch
 from torch import fx
 from torch._functorch._activation_checkpointing.knapsack import greedy_knapsack
-from torch._functorch.partitioners import get_default_op_list
 from torch.fx.experimental.symbolic_shapes import optimization_hint
 from torch.utils.flop_counter import flop_registry
 
@@ -56,7 +55,6 @@ BYTE_COST = 5.0  # recompute cost of moving one byte, in FLOPs (a CPU core: ~50 
 NAMESPACES = ("aten", "prims")
 # ops whose output shares its input's storage at run time although their schema does not say so
 RUNTIME_VIEWS = (torch.ops.aten._unsafe_view.default,)
-COMPUTE_INTENSIVE = get_default_op_list().compute_intensive_ops  # mm, bmm, addmm, convolution, fused attention
 
 
 @dataclass(frozen=True)
@@ -432,58 +430,23 @@ def _chain(root: fx.Node, stop: set[fx.Node], forward: set[fx.Node]) -> tuple[li
 
 
 # ---------------------------------------------------------------------- the rewrite
-def _compute_intensive(node: fx.Node) -> bool:
-    """A matmul, convolution or fused attention (torch's partitioner's ``compute_intensive_ops``)."""
-    return getattr(node.target, "overloadpacket", None) in COMPUTE_INTENSIVE
-
-
-@dataclass
-class _Copy:
-    node: fx.Node
-    direct: bool  # made for a backward node that reads it (not only as an input of another copy)
-
-
 def _rewrite(gm: fx.GraphModule, plan: _Plan) -> int:
-    """Give every backward read of a dropped value a copy, made just before the backward node that first reads
-    it; returns how many nodes were copied.
-
-    A copy made only as an input of another (a scaled dropout mask for the masked attention probabilities) is
-    not held for a later backward reader when recomputing it again involves no matmul: that reader gets a fresh
-    copy, so large cheap values do not stay alive across the backward ops in between.
-    """
+    """Give every backward read of a dropped value a copy, made just before the backward node that first reads it
+    and reused by later readers; returns how many nodes were copied."""
     graph = gm.graph
-    copies: dict[fx.Node, _Copy] = {}
-    made = 0
+    copies: dict[fx.Node, fx.Node] = {}
 
-    def cheap(node: fx.Node) -> bool:
-        seen, todo = set(), [node]
-        while todo:
-            n = todo.pop()
-            if n in seen or plan.available(n) or (n in copies and copies[n].direct and n is not node):
-                continue
-            seen.add(n)
-            if _compute_intensive(n):
-                return False
-            todo += n.all_input_nodes
-        return True
-
-    def get(node: fx.Node, before: fx.Node, *, direct: bool, fresh: bool = False) -> fx.Node:
-        nonlocal made
-        hit = copies.get(node)
-        if hit is not None and (hit.direct or not (direct or fresh) or not cheap(node)):
-            if direct:
-                hit.direct = True
-            return hit.node
-        again = hit is not None  # a cheap copy made for another value: made again here, with its cheap inputs
-        env = {a: a if plan.available(a) else get(a, before, direct=False, fresh=again) for a in node.all_input_nodes}
+    def materialize(node: fx.Node, before: fx.Node) -> fx.Node:
+        if node in copies:
+            return copies[node]
+        env = {a: a if plan.available(a) else materialize(a, before) for a in node.all_input_nodes}
         with graph.inserting_before(before):
             copy = graph.node_copy(node, lambda a: env[a])
         copy.meta = {k: v for k, v in node.meta.items() if k != "custom"}
         copy.meta["custom"] = dict(node.meta.get("custom", {}))
         set_phase(copy, "backward")
         copy.meta[RECOMPUTED] = node.name
-        copies[node] = _Copy(copy, direct)
-        made += 1
+        copies[node] = copy
         return copy
 
     for node in list(graph.nodes):
@@ -491,11 +454,11 @@ def _rewrite(gm: fx.GraphModule, plan: _Plan) -> int:
             continue
         for arg in node.all_input_nodes:
             if not plan.available(arg):
-                node.replace_input_with(arg, get(arg, node, direct=True))
+                node.replace_input_with(arg, materialize(arg, node))
     for node in reversed(list(graph.nodes)):  # forward nodes only the backward read are gone with their reads
         if node in plan.forward and not node.users and recomputable(node):
             graph.erase_node(node)
-    return made
+    return len(copies)
 
 
 __all__ = [

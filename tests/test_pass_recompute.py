@@ -126,28 +126,6 @@ def test_random_outputs_are_kept_so_masks_replay_exactly(shape, kept):
         assert torch.equal(a, b)
 
 
-def test_a_cheap_copy_is_made_again_for_a_later_reader_instead_of_held():
-    """`d` (cheap) is recomputed as an input of `p`'s copy and again before its own later reader; `s` (behind a
-    matmul) is recomputed once and held."""
-    def fn(x, w, z):
-        s = torch.tanh(x @ w)
-        d = z * 3
-        p = s * d
-        loss = p.sum()
-        g = torch.ones_like(p) * p  # the backward reads p first ...
-        g = torch.sin(g) * s  # ... s ...
-        return loss, torch.cos(g) * d  # ... and d last
-
-    args = (torch.randn(8, 64), torch.randn(64, 16), torch.randn(8, 16))
-    gm = _traced(fn, *args, backward_from="aten.ones_like.default")
-    expected = gm(*args)
-    gm, _ = _run(gm, 0.0)
-    copied = [n.meta[RECOMPUTED] for n in gm.graph.nodes if RECOMPUTED in n.meta]
-    assert sorted(copied) == ["mm", "mul", "mul", "mul_1", "tanh"], copied  # d = z * 3 (`mul`) twice
-    for a, b in zip(gm(*args), expected):
-        assert torch.equal(a, b)
-
-
 # ---------------------------------------------------------------------- whole steps: eager is the oracle
 CFG = GPTConfig(vocab=64, seq=32, d=32, heads=4, layers=2, dropout=0.1)
 
