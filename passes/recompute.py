@@ -13,10 +13,9 @@ What is kept, whatever the budget:
   blocks).  Recomputation starts from it, so each recomputed stretch is one segment of the forward, recomputed
   once; without it, the backward of the last block would recompute the whole forward and hold it again;
 * what cannot be recomputed: outputs of random ops (the dropout masks: kept, so every budget draws the same
-  numbers, in the same order, and results are bitwise equal across budgets on fx; as bool, see
+  numbers, in the same order, and results are bitwise equal across budgets on fx; their bits packed, see
   :func:`narrow_masks`), opaque parts, collectives, host and other non-aten nodes, mutating ops;
-* a value recomputing which would need such an output that is not kept already (a dropout mask's scaled copy
-  would only trade places with the mask).
+* a value recomputing which would need more bytes of such outputs kept than it frees.
 
 Among the rest, a 0/1 knapsack (torch's ``greedy_knapsack``, as its min-cut partitioner uses under
 ``activation_memory_budget``) keeps the values with the most recompute time per byte: a value's recompute time
