@@ -26,6 +26,7 @@ from .mixed_precision import cast_gradient_reductions_pass, cast_params_before_g
 from .offload import OptimizerOffload, ParamOffload, offload_optimizer_pass, offload_params_pass
 from .pipeline import (PARALLEL_STAGES, STAGES, build_pipeline, check_disabled, pass_names, pipeline_markdown,
                        write_readme_table)
+from .recompute import Recomputation, recompute_activations_pass
 from .reinplace import reinplace_optimizer_pass
 from .runner import Contract, GraphPass, PassError, check_order, contract_of, graph_pass, op_counts, run_passes
 from .shard_schedule import (CarriedGather, KeptForBackward, ShardBuckets, bucket_shard_collectives_pass,
@@ -37,6 +38,7 @@ __all__ = [
     "INDEX_RULES", "PARALLEL_STAGES", "STAGES", "CarriedGather", "CollectiveCounts", "Contract", "GradientBuckets",
     "GraphPass", "IndexChecks", "Invariant", "KeptForBackward", "Lowering", "MemoryPlan", "OptimizerOffload",
     "ParamOffload", "PassContext", "PassError", "PassRecord", "PassResult", "PassResults", "RandomLayouts",
+    "Recomputation",
     "ShardBuckets", "ShardedParams", "SummedMicroBatches", "broadcast_buffers_pass", "bucket_collectives_pass",
     "bucket_shard_collectives_pass", "build_pipeline", "carry_first_gather_pass", "cast_gradient_reductions_pass",
     "cast_params_before_gather_pass", "check_disabled", "check_order", "complete_found_inf_pass",
@@ -45,7 +47,7 @@ __all__ = [
     "insert_activation_stats_pass", "insert_index_checks_pass", "keep_tail_gathers_pass", "lower_to_onnx_ops_pass",
     "offload_optimizer_pass", "offload_params_pass", "op_counts", "override_transform_pass", "pass_names",
     "pin_random_layouts_pass", "pipeline_markdown", "plan_memory_pass", "prefetch_gathers_pass",
-    "propagate_shards_pass", "reduce_grad_presence_pass", "reduce_scatter_gradients_pass", "reinplace_optimizer_pass",
+    "propagate_shards_pass", "recompute_activations_pass", "reduce_grad_presence_pass", "reduce_scatter_gradients_pass", "reinplace_optimizer_pass",
     "rematerialize_param_views_pass", "remove_identity_views_pass", "remove_redundant_copies_pass",
     "replace_views_with_reshapes_pass", "run_passes", "schedule_overlap_pass", "shard_placeholders_pass",
     "sum_micro_batch_gradients_pass", "write_readme_table",

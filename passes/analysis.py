@@ -7,7 +7,7 @@ from dataclasses import dataclass
 from torch import fx
 
 from spmd_ort.runtime import ops
-from spmd_ort.runtime.memory import planned_peak_bytes
+from spmd_ort.runtime.memory import plan_activation_memory
 
 from .context import PassResult
 from .contracts import Invariant
@@ -18,12 +18,15 @@ from .runner import graph_pass
 
 @dataclass(frozen=True)
 class MemoryPlan(PassResult):
-    """``plan_memory_pass``: peak bytes of the values the graph creates, freed after their last use."""
+    """``plan_memory_pass``: peak bytes of the values the graph creates, freed after their last use, and the bytes
+    of forward values kept for the backward among those live at that peak."""
 
     planned_peak_bytes: int
+    saved_for_backward_bytes: int = 0
 
     def lines(self) -> list[str]:
-        return [f"planned peak of values the step creates: {self.planned_peak_bytes / 2**20:.2f} MiB"]
+        return [(f"planned peak of values the step creates: {self.planned_peak_bytes / 2**20:.2f} MiB, of which "
+                 f"{self.saved_for_backward_bytes / 2**20:.2f} MiB forward values kept for the backward")]
 
 
 MEMORY_PLANNED = Invariant("memory_planned", "the memory plan is recorded",
@@ -36,7 +39,8 @@ def plan_memory_pass(gm: fx.GraphModule, ctx) -> fx.GraphModule:
 
     Planned on the whole graph, before the backend fuses parts of it into segments.
     """
-    ctx.results.record(MemoryPlan(planned_peak_bytes=planned_peak_bytes(gm)))
+    plan = plan_activation_memory(gm)
+    ctx.results.record(MemoryPlan(planned_peak_bytes=plan.peak, saved_for_backward_bytes=plan.saved_for_backward))
     return gm
 
 

@@ -84,7 +84,8 @@ class PassContext:
     makes the runner check contracts on the graph (:mod:`spmd_ort.passes.contracts`).
     ``facts``: what holds of the graph by the contracts of the passes run so far (None until
     the first :func:`~spmd_ort.passes.runner.run_passes`, which starts from what the trace
-    provides); ``taps``: the activation taps of the step being compiled (debug subscribers).
+    provides); ``taps``: the activation taps of the step being compiled (debug subscribers);
+    ``activation_memory_budget``: what ``recompute_activations_pass`` may keep (1.0: all, as eager).
     """
 
     input_slots: list[Slot]
@@ -100,6 +101,7 @@ class PassContext:
     results: PassResults = field(default_factory=PassResults)
     facts: set | None = None
     taps: TapRegistry | None = None
+    activation_memory_budget: float = 1.0  # share of the recomputable saved bytes the backward keeps
 
     @property
     def sharded(self) -> bool:

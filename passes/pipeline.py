@@ -35,6 +35,7 @@ from .layout import pin_random_layouts_pass
 from .lowering import lower_to_onnx_ops_pass
 from .mixed_precision import cast_gradient_reductions_pass, cast_params_before_gather_pass
 from .offload import offload_optimizer_pass, offload_params_pass
+from .recompute import recompute_activations_pass
 from .reinplace import reinplace_optimizer_pass
 from .runner import GraphPass, pass_name
 from .shard_schedule import (bucket_shard_collectives_pass, carry_first_gather_pass, keep_tail_gathers_pass,
@@ -99,6 +100,9 @@ STAGES: tuple[Step, ...] = (
     Step("cleanup", remove_redundant_copies_pass),
     Step("cleanup", remove_identity_views_pass),
     Step("debug", insert_activation_stats_pass, ALWAYS.note("a no-op unless a debug subscriber taps activations")),
+    Step("memory", recompute_activations_pass,
+         ALWAYS.note("a no-op at activation_memory_budget=1.0; before the parallel passes, which then see "
+                     "recomputed nodes as the backward's own")),
     Step("parallel", sum_micro_batch_gradients_pass, SEVERAL_RANKS),
     Step("replicate", expand_data_parallel_pass, REPLICATE),
     Step("fully_shard", shard_placeholders_pass, FULLY_SHARD),

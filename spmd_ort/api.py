@@ -29,6 +29,7 @@ def compile(  # noqa: A001 - the reference API's name
     backend: str | None = None,
     debug: DebugOptions | None = None,
     dynamic: bool | None = None,
+    activation_memory_budget: float | None = None,
 ) -> Callable[[Callable], CompiledStep]:
     """Compile a whole train step (forward, backward, optimizer step) into one graph.
 
@@ -51,13 +52,18 @@ def compile(  # noqa: A001 - the reference API's name
             them all; ``True``: the
             batch and sequence dims (the first two) of every tensor input are symbolic from the start;
             ``False``: one program per shape.  Default from ``SPMD_ORT_DYNAMIC`` (``auto``/``1``/``0``).
+        activation_memory_budget: from 0.0 to 1.0 (torch's name for the knob), the share of the
+            recomputable saved-for-backward bytes the backward keeps; the rest it recomputes just before
+            use (``recompute_activations_pass``).  1.0 (the default) keeps what eager keeps, 0.0 recomputes
+            all that can be.  Default from ``SPMD_ORT_ACTIVATION_MEMORY_BUDGET``.
 
     The configuration (these arguments and every ``SPMD_ORT_*`` environment variable,
     :data:`spmd_ort.options.ENV_VARS`) is read here, once; a bad value is a
     :class:`~spmd_ort.errors.ConfigError` naming it.
     """
     overrides = as_overrides(module_override)
-    options = Options.resolve(debug=debug, backend=backend, dynamic=dynamic)
+    options = Options.resolve(debug=debug, backend=backend, dynamic=dynamic,
+                              activation_memory_budget=activation_memory_budget)
     configure_logging(options.log_level)
     P.check_disabled(options.disabled_passes)
 

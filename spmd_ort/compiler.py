@@ -128,7 +128,8 @@ class Compiler:
         ctx = P.PassContext(input_slots=list(traced.input_slots), output_slots=list(traced.output_slots),
                             mode=call.mode, world_size=call.world_size, rank=call.rank,
                             shard_specs=layout.shard_specs, layout=layout, disabled=self.options.disabled_passes,
-                            check_contracts=self.options.check_passes, taps=self.taps)
+                            check_contracts=self.options.check_passes, taps=self.taps,
+                            activation_memory_budget=self.options.activation_memory_budget)
         pipeline = P.build_pipeline(call.mode, self.options.backend, overrides=self.overrides,
                                     gm_transformation=self.gm_transformation)
         gm = P.run_passes(traced.gm, ctx, pipeline)

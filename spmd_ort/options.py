@@ -108,13 +108,17 @@ class Options:
     opaque_functions: frozenset[str] = frozenset()  # qualified Function names always run opaquely
     auto_opaque: bool = True  # submodules that cannot be traced run opaquely
     dynamic: str = DYNAMIC_MODES[0]  # "auto": sizes that change become symbolic; "1": from the start; "0": never
+    # saved-for-backward bytes kept, as a fraction of those that can be recomputed (passes/recompute.py)
+    activation_memory_budget: float = 1.0
 
     @classmethod
     def resolve(cls, *, debug: DebugOptions | None = None, backend: str | None = None,
-                dynamic: bool | None = None, environ: Mapping[str, str] | None = None) -> Options:
+                dynamic: bool | None = None, activation_memory_budget: float | None = None,
+                environ: Mapping[str, str] | None = None) -> Options:
         """Options from ``compile``'s arguments and the environment (which wins over ``DebugOptions``).
 
-        ``backend`` wins over ``SPMD_ORT_BACKEND`` and ``dynamic`` (True/False) over ``SPMD_ORT_DYNAMIC``; ``check_passes`` is on when either
+        ``backend`` wins over ``SPMD_ORT_BACKEND``, ``dynamic`` (True/False) over ``SPMD_ORT_DYNAMIC`` and
+        ``activation_memory_budget`` over ``SPMD_ORT_ACTIVATION_MEMORY_BUDGET``; ``check_passes`` is on when either
         ``DebugOptions`` or the environment turns it on; ``SPMD_ORT_VERIFY``, when set, wins over
         ``DebugOptions.verify`` (so ``SPMD_ORT_VERIFY=0`` opts out everywhere).
         """
@@ -142,6 +146,8 @@ class Options:
             if not isinstance(dynamic, bool):
                 raise ConfigError(f"dynamic={dynamic!r} is not one of None (automatic), True, False")
             values["dynamic"] = "1" if dynamic else "0"
+        if activation_memory_budget is not None:
+            values["activation_memory_budget"] = check_budget(activation_memory_budget)
         return cls(**values)
 
     def replace(self, **changes: Any) -> Options:
@@ -184,6 +190,27 @@ def _opset(value: str) -> int:
     if not lo <= v <= hi:
         raise ValueError(f"an integer from {lo} to {hi} (the ONNX exporter implements {lo}+, "
                          f"onnxruntime loads up to {hi})")
+    return v
+
+
+def check_budget(value: Any) -> float:
+    """``compile(activation_memory_budget=...)``: a number from 0 to 1, else a ConfigError naming the fix."""
+    ok = isinstance(value, (int, float)) and not isinstance(value, bool) and 0.0 <= value <= 1.0
+    if not ok:
+        raise ConfigError(f"compile(activation_memory_budget={value!r}) is not valid: expected a number from 0.0 "
+                          "(recompute every activation that can be recomputed) to 1.0 (keep what eager keeps, the "
+                          "default), e.g. activation_memory_budget=0.5")
+    return float(value)
+
+
+def _budget(value: str) -> float:
+    try:
+        v = float(value)
+    except ValueError:
+        raise ValueError("a number from 0.0 (recompute what can be recomputed) to 1.0 (keep what eager keeps)") \
+            from None
+    if not 0.0 <= v <= 1.0:  # (nan fails too)
+        raise ValueError("a number from 0.0 (recompute what can be recomputed) to 1.0 (keep what eager keeps)")
     return v
 
 
@@ -312,6 +339,10 @@ ENV_VARS: tuple[EnvVar, ...] = (
            "`auto`: the first trace is static, sizes of tensor inputs and int/float arguments that change become "
            "symbolic (one program for all of them); `1`: batch and sequence dims symbolic from the start; "
            "`0`: one program per shape. `compile(dynamic=True/False)` wins"),
+    EnvVar("SPMD_ORT_ACTIVATION_MEMORY_BUDGET", "activation_memory_budget", _budget, "`1.0`",
+           "0.0 to 1.0: the share of the recomputable saved-for-backward bytes the backward keeps; the rest is "
+           "recomputed just before its use (`0.0`: all that can be; see `recompute_activations_pass`). "
+           "`compile(activation_memory_budget=...)` wins"),
     EnvVar("SPMD_ORT_AUTO_OPAQUE", "auto_opaque", _bool, "`1`",
            "`0`: a submodule that cannot be traced is a `CompileError` instead of an opaque host node "
            "(`OpaqueOverride` still applies)"),

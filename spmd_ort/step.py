@@ -223,7 +223,10 @@ class CompiledStep:
         ``persistent``: parameters, gradients and optimizer state held between
         steps (``params``, ``grads``, ``opt_state``, ``total``; ``buffers``
         apart); ``peak``: persistent total + buffers + the planned peak of the
-        values the step creates (:func:`spmd_ort.runtime.memory.planned_peak_bytes`);
+        values the step creates (``planned_activation_peak``,
+        :func:`spmd_ort.runtime.memory.plan_activation_memory`), of which
+        ``planned_saved_for_backward`` are forward values kept for the backward at that peak
+        (what ``activation_memory_budget`` trades for recomputation);
         ``max_rss``: the process's peak resident set so far;
         ``host_memory_retained``: whether freed host memory stays in the process
         for reuse (:func:`spmd_ort.runtime.memory.retain_host_memory`).
@@ -232,8 +235,10 @@ class CompiledStep:
             raise RuntimeError("memory(): the step has not run yet")
         module, opt = self._last
         persistent = persistent_bytes(module, opt)
-        planned = self.compiled.results.get(MemoryPlan).planned_peak_bytes
+        plan = self.compiled.results.get(MemoryPlan)
+        planned = plan.planned_peak_bytes
         return {"persistent": persistent, "planned_activation_peak": planned,
+                "planned_saved_for_backward": plan.saved_for_backward_bytes,
                 "peak": persistent["total"] + persistent["buffers"] + planned, "max_rss": max_rss_bytes(),
                 "host_memory_retained": host_memory_retained()}
 

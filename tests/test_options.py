@@ -28,6 +28,9 @@ BAD = [
     ("SPMD_ORT_DISABLE_CUSTOM_AUTOGRAD_SUPPORT", "x", "1/0, true/false"),
     ("SPMD_ORT_OPAQUE_AUTOGRAD_FUNCTIONS", "my.Func tion,Plain", "qualified class names such as `pkg.module.MyFunction` "
                                                                 "(not Plain, my.Func tion)"),
+    ("SPMD_ORT_ACTIVATION_MEMORY_BUDGET", "1.5", "a number from 0.0 (recompute what can be recomputed) to 1.0"),
+    ("SPMD_ORT_ACTIVATION_MEMORY_BUDGET", "half", "a number from 0.0"),
+    ("SPMD_ORT_ACTIVATION_MEMORY_BUDGET", "nan", "a number from 0.0"),
     ("SPMD_ORT_SAVE_ONNX_PATH", __file__, "a directory, but"),
     ("SPMD_ORT_SAVE_ONNX_PATH", f"{__file__}/onnx", "a directory, but"),
 ]

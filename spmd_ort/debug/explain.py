@@ -160,5 +160,6 @@ def explain(step, memory: dict | None = None) -> str:
         lines.append(f"memory (this rank): persistent {p['total'] / MIB:.2f} MiB (params {p['params'] / MIB:.2f}, "
                      f"grads {p['grads'] / MIB:.2f}, optimizer state {p['opt_state'] / MIB:.2f}), buffers "
                      f"{p['buffers'] / MIB:.2f} MiB; planned peak of the step's values "
-                     f"{mem['planned_activation_peak'] / MIB:.2f} MiB; max RSS {mem['max_rss'] / MIB:.0f} MiB")
+                     f"{mem['planned_activation_peak'] / MIB:.2f} MiB (forward values kept for the backward "
+                     f"{mem['planned_saved_for_backward'] / MIB:.2f} MiB of it); max RSS {mem['max_rss'] / MIB:.0f} MiB")
     return "\n".join(lines)

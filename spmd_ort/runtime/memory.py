@@ -28,6 +28,7 @@ import logging
 import operator
 import resource
 import sys
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -35,26 +36,43 @@ from torch import fx
 
 
 def _aliases(node: fx.Node) -> bool:
-    """Whether the node's output shares storage with its first input (views, in-place ops, getitem)."""
+    """Whether the node's output shares storage with its first input (views, in-place ops, an element of a list of
+    views); an element of a multi-output op's results (a layer norm's output, mean and rstd) is storage of its
+    own, freed after its own last use."""
     if node.target is operator.getitem:
-        return True
+        src = node.args[0]
+        return not (isinstance(src, fx.Node) and src.op == "call_function" and not _aliases(src))
     schema = getattr(node.target, "_schema", None)
     return bool(schema is not None and schema.returns and schema.returns[0].alias_info is not None)
 
 
-def _nbytes(val) -> int:
+def value_bytes(val) -> int:
     """Bytes of a value; a symbolic size counts at the size the program was traced with."""
     if isinstance(val, torch.Tensor):
         from torch.fx.experimental.symbolic_shapes import optimization_hint
 
         return optimization_hint(val.numel()) * val.element_size()
     if isinstance(val, (list, tuple)):
-        return sum(_nbytes(v) for v in val)
+        return sum(value_bytes(v) for v in val)
     return 0
 
 
-def planned_peak_bytes(gm: fx.GraphModule) -> int:
-    """Peak bytes of the values the graph creates (inputs excluded), freed after their last use.
+@dataclass(frozen=True)
+class ActivationPlan:
+    """The liveness walk's result: the peak bytes of the values the graph creates, and how many of those live
+    at the peak are forward values kept for the backward (read by a node autograd recorded)."""
+
+    peak: int
+    saved_for_backward: int
+
+
+def _is_backward(node: fx.Node) -> bool:
+    return node.meta.get("custom", {}).get("phase") == "backward"  # the trace's tag (spmd_ort.capture.trace)
+
+
+def plan_activation_memory(gm: fx.GraphModule) -> ActivationPlan:
+    """Peak bytes of the values the graph creates (inputs excluded), freed after their last use, and the bytes of
+    forward values the backward reads among those live at the peak (the first such peak).
 
     With symbolic sizes (dynamic shapes), at the sizes the program was traced with.
     """
@@ -66,24 +84,43 @@ def planned_peak_bytes(gm: fx.GraphModule) -> int:
             root[node] = root.get(base, base)
         else:
             root[node] = node
+    # a multi-output op holds what no getitem takes out; each element taken out is counted at its getitem
+    own = {n: value_bytes(n.meta.get("val")) for n in nodes if n.op == "call_function" and root[n] is n}
+    for node in nodes:
+        if node.target is operator.getitem and root[node] is node and node.args[0] in own:
+            own[node.args[0]] -= value_bytes(node.meta.get("val"))
     last: dict[fx.Node, int] = {}
+    saved: set[fx.Node] = set()  # roots of forward values a backward node reads
     for i, node in enumerate(nodes):
         for arg in node.all_input_nodes:
             last[root[arg]] = i
+            if _is_backward(node) and not _is_backward(arg):
+                saved.add(root[arg])
     frees: dict[int, list[fx.Node]] = {}
     for r, i in last.items():
         frees.setdefault(i, []).append(r)
-    live = peak = 0
+    live: set[fx.Node] = set()
+    size = peak = peak_saved = 0
     for i, node in enumerate(nodes):
         if node.op == "call_function" and root[node] is node:
-            live += _nbytes(node.meta.get("val"))
-        peak = max(peak, live)
+            live.add(node)
+            size += own[node]
+        if size > peak:
+            peak = size
+            peak_saved = sum(own[r] for r in live if r in saved)
         if node.op == "output":
             continue  # outputs outlive the step
         for r in frees.get(i, []):
             if r.op == "call_function":
-                live -= _nbytes(r.meta.get("val"))
-    return peak
+                live.discard(r)
+                size -= own[r]
+    return ActivationPlan(peak=peak, saved_for_backward=peak_saved)
+
+
+def planned_peak_bytes(gm: fx.GraphModule) -> int:
+    """Peak bytes of the values the graph creates (inputs excluded), freed after their last use
+    (:func:`plan_activation_memory`)."""
+    return plan_activation_memory(gm).peak
 
 
 def max_rss_bytes() -> int:
