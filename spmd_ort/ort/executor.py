@@ -76,11 +76,6 @@ class OrtExecutor:
         with dynamic axes, or a :class:`SizedSegments` exported per set of sizes)."""
         return [m for m in self.gm.modules() if isinstance(m, (OrtSegment, SizedSegments))]
 
-    @property
-    def runs_whole(self) -> bool:
-        """A whole-graph candidate (fx, unsplit, or inductor's) beat the segments as chosen."""
-        return self.runs != "segments"
-
     def _running(self) -> fx.GraphModule:
         return {"segments": self.gm, "fx": self.whole,
                 "inductor": self.inductor.gm if self.inductor is not None else None}[self.runs]
