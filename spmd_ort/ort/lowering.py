@@ -19,6 +19,7 @@ from torch import fx
 from torch.fx.experimental.proxy_tensor import make_fx
 
 from spmd_ort.ort import coverage
+from spmd_ort.passes.helpers import fake_mode_of, refake
 
 DECOMPOSITION = "onnx_decomposition"  # node.meta key: the node's decomposition (an fx.GraphModule)
 # node.meta keys carried from a lowered node to the nodes of its decomposition
@@ -63,7 +64,7 @@ def expand(gm: fx.GraphModule) -> fx.GraphModule:
     if not any(_marked(n) for n in gm.graph.nodes):
         return gm
     out = fx.GraphModule(gm, copy.deepcopy(gm.graph))
-    fake_mode = _fake_mode(out)
+    fake_mode = fake_mode_of(out)
     for node in [n for n in out.graph.nodes if _marked(n)]:
         _inline(out, node, node.meta[DECOMPOSITION], fake_mode)
     out.graph.eliminate_dead_code()
@@ -75,19 +76,6 @@ def _marked(node: fx.Node) -> bool:
     """An op marked with its decomposition (a segment's placeholder for such an op's value carries the mark
     too: the partitioner copies a value's meta onto the placeholder that receives it)."""
     return node.op == "call_function" and DECOMPOSITION in node.meta
-
-
-def _fake_mode(gm: fx.GraphModule):
-    from torch._guards import detect_fake_mode
-
-    return detect_fake_mode([n.meta.get("val") for n in gm.graph.nodes if n.op == "placeholder"])
-
-
-def _refake(node: fx.Node, fake_mode) -> None:
-    args = fx.map_arg(node.args, lambda n: n.meta["val"])
-    kwargs = fx.map_arg(node.kwargs, lambda n: n.meta["val"])
-    with fake_mode:
-        node.meta["val"] = node.target(*args, **kwargs)
 
 
 def _signature(node: fx.Node) -> tuple:
@@ -139,7 +127,7 @@ def _inline(gm: fx.GraphModule, node: fx.Node, sub: fx.GraphModule, fake_mode) -
                 env[n] = graph.node_copy(n, env.__getitem__)
                 env[n].meta.update(carried)
                 if fake_mode is not None:
-                    _refake(env[n], fake_mode)
+                    refake(env[n], fake_mode)
             elif n.op == "output":
                 result = fx.map_arg(n.args[0], env.__getitem__)
     _replace(node, result)
