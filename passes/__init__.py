@@ -13,6 +13,7 @@ from .analysis import CollectiveCounts, MemoryPlan, count_collectives_pass, plan
 from .cleanup import remove_identity_views_pass, remove_redundant_copies_pass
 from .context import PassContext, PassRecord, PassResult, PassResults
 from .contracts import Invariant
+from .expand import adopt_dtensor_collectives_pass
 from .data_parallel import (GradientBuckets, SummedMicroBatches, broadcast_buffers_pass, bucket_collectives_pass,
                             dedup_collectives_pass, expand_data_parallel_pass, reduce_grad_presence_pass,
                             schedule_overlap_pass, sum_micro_batch_gradients_pass)
@@ -35,20 +36,19 @@ from .user import gm_transformation_pass, override_transform_pass
 from .views import replace_views_with_reshapes_pass
 
 __all__ = [
-    "INDEX_RULES", "PARALLEL_STAGES", "STAGES", "CarriedGather", "CollectiveCounts", "Contract", "GradientBuckets",
-    "GraphPass", "IndexChecks", "Invariant", "KeptForBackward", "Lowering", "MemoryPlan", "OptimizerOffload",
-    "ParamOffload", "PassContext", "PassError", "PassRecord", "PassResult", "PassResults", "RandomLayouts",
-    "Recomputation",
-    "ShardBuckets", "ShardedParams", "SummedMicroBatches", "broadcast_buffers_pass", "bucket_collectives_pass",
-    "bucket_shard_collectives_pass", "build_pipeline", "carry_first_gather_pass", "cast_gradient_reductions_pass",
-    "cast_params_before_gather_pass", "check_disabled", "check_order", "complete_found_inf_pass",
-    "complete_grad_norms_pass", "contract_of", "count_collectives_pass", "dedup_collectives_pass",
-    "expand_data_parallel_pass", "gather_parameters_pass", "gm_transformation_pass", "graph_pass",
-    "insert_activation_stats_pass", "insert_index_checks_pass", "keep_tail_gathers_pass", "lower_to_onnx_ops_pass",
-    "offload_optimizer_pass", "offload_params_pass", "op_counts", "override_transform_pass", "pass_names",
-    "pin_random_layouts_pass", "pipeline_markdown", "plan_memory_pass", "prefetch_gathers_pass",
-    "propagate_shards_pass", "recompute_activations_pass", "reduce_grad_presence_pass", "reduce_scatter_gradients_pass", "reinplace_optimizer_pass",
-    "rematerialize_param_views_pass", "remove_identity_views_pass", "remove_redundant_copies_pass",
-    "replace_views_with_reshapes_pass", "run_passes", "schedule_overlap_pass", "shard_placeholders_pass",
-    "sum_micro_batch_gradients_pass", "write_readme_table",
+    "CarriedGather", "CollectiveCounts", "Contract", "GradientBuckets", "GraphPass", "INDEX_RULES", "IndexChecks",
+    "Invariant", "KeptForBackward", "Lowering", "MemoryPlan", "OptimizerOffload", "PARALLEL_STAGES", "ParamOffload",
+    "PassContext", "PassError", "PassRecord", "PassResult", "PassResults", "RandomLayouts", "Recomputation",
+    "STAGES", "ShardBuckets", "ShardedParams", "SummedMicroBatches", "adopt_dtensor_collectives_pass",
+    "broadcast_buffers_pass", "bucket_collectives_pass", "bucket_shard_collectives_pass", "build_pipeline",
+    "carry_first_gather_pass", "cast_gradient_reductions_pass", "cast_params_before_gather_pass", "check_disabled",
+    "check_order", "complete_found_inf_pass", "complete_grad_norms_pass", "contract_of", "count_collectives_pass",
+    "dedup_collectives_pass", "expand_data_parallel_pass", "gather_parameters_pass", "gm_transformation_pass",
+    "graph_pass", "insert_activation_stats_pass", "insert_index_checks_pass", "keep_tail_gathers_pass",
+    "lower_to_onnx_ops_pass", "offload_optimizer_pass", "offload_params_pass", "op_counts",
+    "override_transform_pass", "pass_names", "pin_random_layouts_pass", "pipeline_markdown", "plan_memory_pass",
+    "prefetch_gathers_pass", "propagate_shards_pass", "recompute_activations_pass", "reduce_grad_presence_pass",
+    "reduce_scatter_gradients_pass", "reinplace_optimizer_pass", "rematerialize_param_views_pass",
+    "remove_identity_views_pass", "remove_redundant_copies_pass", "replace_views_with_reshapes_pass", "run_passes",
+    "schedule_overlap_pass", "shard_placeholders_pass", "sum_micro_batch_gradients_pass", "write_readme_table",
 ]

@@ -24,6 +24,7 @@ from spmd_ort.distributed.parallel import DataParallel
 from .activation_stats import insert_activation_stats_pass
 from .analysis import count_collectives_pass, plan_memory_pass
 from .cleanup import remove_identity_views_pass, remove_redundant_copies_pass
+from .expand import adopt_dtensor_collectives_pass
 from .data_parallel import (broadcast_buffers_pass, bucket_collectives_pass, dedup_collectives_pass,
                             expand_data_parallel_pass, reduce_grad_presence_pass, schedule_overlap_pass,
                             sum_micro_batch_gradients_pass)
@@ -50,6 +51,7 @@ class Setting:
 
     mode: DataParallel | None
     backend: str
+    expand: bool = False  # the state holds DTensors (expand mode: spmd_ort.distributed.dtensor)
 
 
 @dataclass(frozen=True)
@@ -81,6 +83,8 @@ REDUCE_DTYPE = SEVERAL_RANKS & When(
 OFFLOAD_PARAM = FULLY_SHARD & When("offload_param", lambda s: s.mode.offload_param is not None)
 OFFLOAD_OPTIMIZER = FULLY_SHARD & When("offload_optimizer", lambda s: s.mode.offload_optimizer is not None)
 ORT_BACKEND = When("ort backend", lambda s: s.backend == "ort")
+EXPAND = When("DTensor parameters (expand mode)", lambda s: s.expand)
+COLLECTIVES = When("several ranks or DTensor parameters", lambda s: s.mode is not None or s.expand)
 
 
 @dataclass(frozen=True)
@@ -99,6 +103,7 @@ STAGES: tuple[Step, ...] = (
     Step("random", pin_random_layouts_pass, ALWAYS.note("a no-op without random ops")),
     Step("cleanup", remove_redundant_copies_pass),
     Step("cleanup", remove_identity_views_pass),
+    Step("expand", adopt_dtensor_collectives_pass, EXPAND.note("before recompute: never recomputed")),
     Step("debug", insert_activation_stats_pass, ALWAYS.note("a no-op unless a debug subscriber taps activations")),
     Step("memory", recompute_activations_pass,
          ALWAYS.note("a no-op at activation_memory_budget=1.0; before the parallel passes, which then see "
@@ -116,11 +121,11 @@ STAGES: tuple[Step, ...] = (
     Step("parallel", broadcast_buffers_pass, SEVERAL_RANKS.note("a no-op without broadcast_buffers")),
     Step("replicate", bucket_collectives_pass, REPLICATE),
     Step("parallel", reduce_grad_presence_pass, SEVERAL_RANKS.note("a no-op unless only opaque parts make a gradient")),
-    Step("parallel", dedup_collectives_pass, SEVERAL_RANKS),
+    Step("parallel", dedup_collectives_pass, COLLECTIVES),
     Step("fully_shard", keep_tail_gathers_pass, RESHARD),
     Step("mixed_precision", cast_params_before_gather_pass, FULLY_SHARD),
     Step("fully_shard", bucket_shard_collectives_pass, FULLY_SHARD),
-    Step("parallel", schedule_overlap_pass, SEVERAL_RANKS),
+    Step("parallel", schedule_overlap_pass, COLLECTIVES),
     Step("fully_shard", prefetch_gathers_pass, FULLY_SHARD),
     Step("offload", offload_params_pass, OFFLOAD_PARAM),
     Step("offload", offload_optimizer_pass, OFFLOAD_OPTIMIZER),
@@ -137,16 +142,18 @@ STAGES: tuple[Step, ...] = (
 )
 
 
-PARALLEL_STAGES = ("replicate", "fully_shard", "mixed_precision", "parallel", "offload")
+PARALLEL_STAGES = ("expand", "replicate", "fully_shard", "mixed_precision", "parallel", "offload")
 
 
 def build_pipeline(mode: DataParallel | None, backend: str, *, overrides: Sequence = (),
-                   gm_transformation: Callable | None = None, stages: Sequence[str] | None = None) -> list[GraphPass]:
+                   gm_transformation: Callable | None = None, stages: Sequence[str] | None = None,
+                   expand: bool = False) -> list[GraphPass]:
     """The passes a variant with this parallel mode and backend runs, in order.
 
-    ``stages`` keeps only the passes of those stages (e.g. ``("cleanup", *PARALLEL_STAGES)``).
+    ``stages`` keeps only the passes of those stages (e.g. ``("cleanup", *PARALLEL_STAGES)``); ``expand``: the
+    state holds DTensors.
     """
-    setting = Setting(mode, backend)
+    setting = Setting(mode, backend, expand)
     out: list[GraphPass] = []
     for step in STAGES:
         if not step.when(setting) or (stages is not None and step.stage not in stages):

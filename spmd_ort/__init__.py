@@ -12,6 +12,7 @@ from spmd_ort.overrides import OpaqueOverride, Override
 from spmd_ort.capture.amp import DynamicLossScaler, MixedPrecisionPolicy
 from spmd_ort.distributed.checkpoint import load_checkpoint, load_state_dict, save_checkpoint, state_dict
 from spmd_ort.distributed.parallel import DataParallel
+from spmd_ort.distributed.tensor_parallel import TensorParallel
 from spmd_ort.distributed.sharding import full_state_dict, gathered_parameters
 from spmd_ort.errors import CheckpointError, CollectiveTimeout, CompileError, ConfigError, InputIndexError
 from spmd_ort.integrations.deepspeed.plan import DeepSpeedPlan, from_deepspeed_config
@@ -25,5 +26,6 @@ __version__ = "0.1.0"
 
 __all__ = ["CheckpointError", "CollectiveTimeout", "CompileError", "CompiledProgram", "CompiledStep", "ConfigError",
            "DataParallel", "DebugOptions", "DeepSpeedPlan", "DynamicLossScaler", "InputIndexError", "LogLevel",
-           "MixedPrecisionPolicy", "OpaqueOverride", "Options", "Override", "compile", "from_deepspeed_config", "full_state_dict",
-           "gathered_parameters", "load_checkpoint", "load_state_dict", "save_checkpoint", "state_dict"]
+           "MixedPrecisionPolicy", "OpaqueOverride", "Options", "Override", "TensorParallel", "compile",
+           "from_deepspeed_config", "full_state_dict", "gathered_parameters", "load_checkpoint", "load_state_dict",
+           "save_checkpoint", "state_dict"]

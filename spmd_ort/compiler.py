@@ -28,6 +28,7 @@ from spmd_ort.capture.transition import StepKey
 from spmd_ort.capture.dynamic import DynamicDims
 from spmd_ort.runtime.taps import TapRegistry
 from spmd_ort.distributed import parallel
+from spmd_ort.distributed.dtensor import has_dtensor_state
 from spmd_ort.options import Options
 from spmd_ort.runtime.executor import build_executor
 from spmd_ort.runtime.program import CompiledProgram
@@ -66,7 +67,7 @@ class Compiler:
         A rank whose compile failed still takes part in the agreement, so the
         others fail with it instead of waiting for it in a collective.
         """
-        if call.mode is None:
+        if call.world_size == 1 or (call.mode is None and not has_dtensor_state(call.module)):
             return self.compile(call, key, dynamic=dynamic, previous=previous, reason=reason)
         try:
             program, error = self.compile(call, key, dynamic=dynamic, previous=previous, reason=reason), None
@@ -131,7 +132,7 @@ class Compiler:
                             check_contracts=self.options.check_passes, taps=self.taps,
                             activation_memory_budget=self.options.activation_memory_budget)
         pipeline = P.build_pipeline(call.mode, self.options.backend, overrides=self.overrides,
-                                    gm_transformation=self.gm_transformation)
+                                    gm_transformation=self.gm_transformation, expand=layout.expands)
         gm = P.run_passes(traced.gm, ctx, pipeline)
         executor = build_executor(gm, self.options)
         program = CompiledProgram(

@@ -37,6 +37,7 @@ from spmd_ort.debug.profile import Profiler
 from spmd_ort.distributed import parallel
 from spmd_ort.distributed.buckets import BucketTuner
 from spmd_ort.distributed.sharding import persistent_bytes
+from spmd_ort.distributed.tensor_parallel import TensorParallel
 from spmd_ort.errors import CollectiveTimeout, CompileError, InputIndexError
 from spmd_ort.options import Options
 from spmd_ort.passes import MemoryPlan
@@ -131,8 +132,8 @@ class CompiledStep:
         rank, world_size = parallel.world()
         return StepCall(args=args, kwargs=kwargs, module=module, opt=opt, scaler=scaler,
                         rule=rule_for(opt) if opt is not None else None,
-                        mode=self.buckets.mode(parallel.resolve(self.parallel_mode), module),
-                        rank=rank, world_size=world_size)
+                        mode=self.buckets.mode(parallel.resolve(self.parallel_mode, module), module),
+                        rank=rank, world_size=world_size, tensor_parallel=self._tensor_parallel)
 
     def _compile(self, call: StepCall, key: StepKey, prep: Preparation) -> tuple[CompiledProgram, StepKey]:
         """A new variant for ``key``: compiled on every rank (retried with static dims where new symbolic ones
@@ -192,6 +193,10 @@ class CompiledStep:
             t1 = time.perf_counter()
             self.comm.wall_s, self.comm.cpu_s = t1 - t0, time.thread_time() - cpu0
             self.profiler.after_run(t0, t1)
+
+    @property
+    def _tensor_parallel(self) -> TensorParallel | None:
+        return self.parallel_mode if isinstance(self.parallel_mode, TensorParallel) else None
 
     # ------------------------------------------------------------------ what users ask of it
     @property
@@ -278,6 +283,7 @@ class CompiledStep:
         rank, world_size = parallel.world()
         (module,), _, _ = unwrap_torch_compiled((module,), {})
         call = StepCall(args=(), kwargs={}, module=module, opt=opt, scaler=None, rule=None,
-                        mode=parallel.resolve(self.parallel_mode), rank=rank, world_size=world_size)
+                        mode=parallel.resolve(self.parallel_mode, module), rank=rank, world_size=world_size,
+                        tensor_parallel=self._tensor_parallel)
         with Preparation(call, prefill=False):
             yield

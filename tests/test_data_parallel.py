@@ -19,10 +19,10 @@ pytestmark = pytest.mark.multiproc
 
 
 def torchrun(tmp_path: Path, *args: str, nproc: int = 2, timeout: int = 300, env: dict | None = None,
-             stderr: list | None = None) -> tuple[list[dict], float]:
+             stderr: list | None = None, script: Path = SCRIPT) -> tuple[list[dict], float]:
     out = tmp_path / "out"
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
-           str(SCRIPT), "--out", str(out), *args]
+           str(script), "--out", str(out), *args]
     env = {**os.environ, "OMP_NUM_THREADS": "1", **(env or {})}
     t0 = time.perf_counter()
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout)

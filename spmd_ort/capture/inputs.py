@@ -56,7 +56,7 @@ class StepCall:
     """One call of the compiled step: its arguments, the state owners among them, and what it compiles for.
 
     ``rule``: the optimizer's functional rule (:mod:`spmd_ort.capture.optim`); ``mode``: the resolved
-    parallel mode (None: one process); ``rank`` / ``world_size`` of this process.
+    parallel mode (None: one process, or expand mode); ``rank`` / ``world_size`` of this process.
     """
 
     args: tuple
@@ -68,6 +68,7 @@ class StepCall:
     mode: Any
     rank: int
     world_size: int
+    tensor_parallel: Any = None  # a spmd_ort.TensorParallel to apply at this call (mode is then None)
 
     @property
     def leaves(self) -> list:

@@ -32,6 +32,7 @@ import torch
 from torch import Tensor
 
 from spmd_ort.capture import presence
+from spmd_ort.distributed.dtensor import is_dtensor, local, spec_of, wrap
 from spmd_ort.runtime import ops
 from spmd_ort.errors import CompileError
 
@@ -55,7 +56,13 @@ def _with_grad(group: dict) -> list[Tensor]:
 
 def _copy_back(dst: list[Tensor], src: list[Tensor]) -> None:
     for d, s in zip(dst, src, strict=True):
-        d.copy_(s)
+        local(d).copy_(s)
+
+
+def _locals(ts: list[Tensor]) -> list[Tensor]:
+    """The updates are elementwise over tensors placed alike (a DTensor parameter's gradient and state share its
+    placements): they run on the local tensors."""
+    return [local(t) for t in ts]
 
 
 def amp_arguments(opt: torch.optim.Optimizer, params: list[Tensor]) -> Tensor | None:
@@ -134,8 +141,8 @@ def adam_rule(opt: torch.optim.Optimizer) -> None:
         found_inf = amp_arguments(opt, params)
         present, present_index = presence.positions(opt, params)
         out = ops.adam(
-            params, [p.grad for p in params], lists["exp_avgs"], lists["exp_avg_sqs"],
-            lists["max_exp_avg_sqs"], lists["steps"], group[HPARAMS_KEY], bool(amsgrad), bool(group["maximize"]),
+            _locals(params), _locals([p.grad for p in params]), _locals(lists["exp_avgs"]),
+            _locals(lists["exp_avg_sqs"]), _locals(lists["max_exp_avg_sqs"]), lists["steps"], group[HPARAMS_KEY], bool(amsgrad), bool(group["maximize"]),
             bool(group.get("decoupled_weight_decay", False)), found_inf, present, present_index)
         i = 0
         for name in ("params", "exp_avgs", "exp_avg_sqs", "max_exp_avg_sqs", "steps"):
@@ -174,7 +181,7 @@ def _sgd_update(opt: torch.optim.Optimizer, group: dict, params: list[Tensor], b
     found_inf = amp_arguments(opt, params)
     present, present_index = presence.positions(opt, params)
     out = ops.sgd(
-        params, [p.grad for p in params], bufs, group[HPARAMS_KEY], has_momentum, bool(group["nesterov"]),
+        _locals(params), _locals([p.grad for p in params]), _locals(bufs), group[HPARAMS_KEY], has_momentum, bool(group["nesterov"]),
         bool(group["maximize"]), found_inf, present, present_index)
     _copy_back(params, out[:len(params)])
     if has_momentum:
@@ -183,7 +190,7 @@ def _sgd_update(opt: torch.optim.Optimizer, group: dict, params: list[Tensor], b
             _copy_back(bufs, new_bufs)
         else:
             for p, b in zip(params, new_bufs):
-                opt.state[p]["momentum_buffer"] = b
+                opt.state[p]["momentum_buffer"] = wrap(b, spec_of(p)) if is_dtensor(p) else b
 
 
 # Trace-time only: the param-group key under which a rule finds its hparams tensor.

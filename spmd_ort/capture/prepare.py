@@ -3,7 +3,8 @@
 In order:
 
 1. submodule replacements asked for by ``Override.replacement`` (once per module);
-2. ``fully_shard``: the module's parameters (and the optimizer's state) sharded on first use;
+2. ``TensorParallel``: the plan applied (parameters become DTensors, the optimizer steps them);
+   ``fully_shard``: the module's parameters (and the optimizer's state) sharded on first use;
 3. a fresh optimizer's state created as its first step would (:func:`prefill_optimizer_state`),
    so the first call traces the steady-state step: one variant and one export, not two.
 
@@ -20,7 +21,9 @@ from torch import nn
 
 from spmd_ort.capture import amp
 from spmd_ort.capture.inputs import StepCall
+from spmd_ort.distributed.dtensor import has_dtensor_state
 from spmd_ort.distributed.sharding import ShardedModule, is_sharded, spec_of
+from spmd_ort.distributed.tensor_parallel import AppliedPlan
 from spmd_ort.errors import CompileError
 
 
@@ -75,6 +78,15 @@ def shard_if_needed(call: StepCall) -> ShardedModule | None:
     return sharding
 
 
+def parallelize_if_needed(call: StepCall) -> AppliedPlan | None:
+    """TensorParallel: apply the plan (once: a module whose parameters are DTensors has it); the undo handle."""
+    if call.tensor_parallel is None or has_dtensor_state(call.module):
+        return None
+    applied = AppliedPlan(call.module, call.opt, call.tensor_parallel, call.rank)
+    applied.apply()
+    return applied
+
+
 def prefill_optimizer_state(call: StepCall) -> list[nn.Parameter]:
     """Create a fresh optimizer's state as its first step would (where the rule says that is exact).
 
@@ -109,6 +121,7 @@ class Preparation:
         self.prefill = prefill
         self.swaps = Swaps()
         self.sharding: ShardedModule | None = None
+        self.plan: AppliedPlan | None = None
         self.prefilled: list[nn.Parameter] = []
 
     def __enter__(self) -> Preparation:
@@ -117,6 +130,7 @@ class Preparation:
                 self.swaps.apply(self.call.module, self.overrides)
             if amp.scaler_enabled(self.call.scaler):
                 amp.check_scaler(self.call.scaler)
+            self.plan = parallelize_if_needed(self.call)
             self.sharding = shard_if_needed(self.call)
             if self.prefill:
                 self.prefilled = prefill_optimizer_state(self.call)
@@ -128,8 +142,11 @@ class Preparation:
     def __exit__(self, exc_type, exc, tb) -> None:
         if exc_type is not None:
             self.undo()
-        elif self.sharding is not None:
-            self.sharding.commit()
+        else:
+            if self.sharding is not None:
+                self.sharding.commit()
+            if self.plan is not None:
+                self.plan.commit()
 
     def undo_prefill(self, params: Sequence[nn.Parameter] | None = None) -> None:
         """Drop the prefilled optimizer state (a parameter got no gradient: eager would create none for it);
@@ -144,6 +161,9 @@ class Preparation:
         if self.sharding is not None:
             self.sharding.undo()
             self.sharding = None
+        if self.plan is not None:
+            self.plan.undo()
+            self.plan = None
         self.swaps.undo()
 
     @property

@@ -30,6 +30,7 @@ from spmd_ort.capture import amp
 from spmd_ort.runtime.ops import tag_grad
 from spmd_ort.capture.optim import HPARAMS_KEY, OptimizerRule
 from spmd_ort.capture.presence import PRESENT_KEY, GradPresence
+from spmd_ort.distributed import dtensor
 from spmd_ort.distributed.sharding import ShardSpec, is_sharded_state, spec_of
 
 
@@ -102,6 +103,10 @@ class StateLayout:
     scaler_initial: list[Tensor] = field(default_factory=list)  # its state before its first scale()
     # parameters whose gradient only opaque parts make, in the order of the step's PRESENCE output (set by the trace)
     present_params: tuple[int, ...] = ()
+    # expand mode (spmd_ort.distributed.dtensor): (DTensorSpec, requires_grad) of each state input (None: a plain
+    # tensor), as :meth:`gather` last found them, and the DTensorSpec of each state output the trace made (by slot)
+    in_specs: list = field(default_factory=list)
+    out_specs: dict = field(default_factory=dict)
 
     # ------------------------------------------------------------------ capture
     @classmethod
@@ -152,7 +157,7 @@ class StateLayout:
         return slots
 
     def gather(self) -> list[Tensor]:
-        """The real state tensors, in placeholder order, for this step."""
+        """The real state tensors, in placeholder order, for this step (a DTensor's local tensor)."""
         flat: list[Tensor] = list(self.params) + list(self.buffers)
         flat += [self.params[i].grad for i in self.grad_params]
         if self.opt is not None:
@@ -161,7 +166,16 @@ class StateLayout:
             for t, g in zip(self.hparam_tensors, self.hparam_groups):
                 t.copy_(torch.tensor(self.rule.hparams(groups[g]), dtype=torch.float64))
                 flat.append(t)
-        return flat + self.scaler_state() + self.extra_state
+        flat += self.scaler_state() + self.extra_state
+        if self.expands:
+            self.in_specs = [(dtensor.spec_of(t), t.requires_grad) if dtensor.is_dtensor(t) else None for t in flat]
+            return [dtensor.local(t) for t in flat]
+        return flat
+
+    @functools.cached_property
+    def expands(self) -> bool:
+        """Whether the state holds DTensors: the step is traced through DTensor dispatch (expand mode)."""
+        return dtensor.has_dtensor_state(self.module)
 
     def scaler_state(self) -> list[Tensor]:
         """The lifted GradScaler's state tensors (``[scale, growth_tracker, ...]``; empty without one)."""
@@ -186,6 +200,9 @@ class StateLayout:
         """
         presence = presence if presence is not None else GradPresence()
         presence.names = [n[0] for n in self.param_names]
+        if self.expands:  # the traced locals, wrapped as the DTensors they stand for
+            state = [v if spec is None else dtensor.wrap(v, spec[0], requires_grad=spec[1])
+                     for v, spec in zip(state, self.in_specs + [None] * (len(state) - len(self.in_specs)))]
         it = iter(state)
         params = [next(it) for _ in self.params]
         for p in params:
@@ -263,6 +280,22 @@ class StateLayout:
                 opt.__dict__.pop(k, None)
             opt.__dict__.update(saved_attrs)
 
+    def localize(self, final: list[tuple[Slot, Tensor]]) -> list[tuple[Slot, Tensor]]:
+        """Expand mode: each traced DTensor of the step's final state as its local tensor (the graph's output),
+        its spec kept in :attr:`out_specs`.  A gradient is first placed as its parameter is (a pending sum
+        is reduced), as eager's gradient accumulation leaves it."""
+        if not self.expands:
+            return final
+        out = []
+        for slot, t in final:
+            if dtensor.is_dtensor(t):
+                if slot.kind is SlotKind.GRAD and self.in_specs[slot.index] is not None:
+                    t = dtensor.to_spec(t, self.in_specs[slot.index][0])
+                self.out_specs[slot] = dtensor.spec_of(t)
+                t = dtensor.local(t)
+            out.append((slot, t))
+        return out
+
     # ------------------------------------------------------------------ write back
     def write_back(self, slots: list[Slot], values: list[Tensor], *, owned: bool = True) -> list[nn.Parameter]:
         """Store a step's new state into the module and optimizer.
@@ -276,8 +309,10 @@ class StateLayout:
         step (:meth:`absent`) keeps ``.grad`` None and gets no new state, as in eager; the
         parameters skipped so are returned.
         """
-        def take(v: Tensor) -> Tensor:
-            return v if owned else v.clone()
+        def take(v: Tensor, slot: Slot) -> Tensor:
+            v = v if owned else v.clone()
+            spec = self.out_specs.get(slot)  # expand mode: new state is a DTensor, as eager's would be
+            return v if spec is None else dtensor.wrap(v, spec)
 
         new_grads: dict[int, Tensor] = {}
         absent = self.absent(slots, values)
@@ -294,14 +329,14 @@ class StateLayout:
                     _store(self.buffers[slot.index], v)
                 elif kind is SlotKind.GRAD:
                     if slot.index not in absent:  # eager leaves the .grad of a parameter backward missed None
-                        new_grads[slot.index] = v
+                        new_grads[slot.index] = (slot, v)
                 elif kind is SlotKind.OPT_STATE:
                     p = self.params[slot.index]
                     st = self.opt.state.get(p, {})  # (opt.state is a defaultdict: a lookup would add an entry)
                     if slot.key in st:
                         _store(st[slot.key], v)
                     elif slot.index not in absent:  # the optimizer skipped it: eager creates no state either
-                        self.opt.state[p][slot.key] = take(v)
+                        self.opt.state[p][slot.key] = take(v, slot)
                 elif kind is SlotKind.PRESENCE:
                     pass  # read first: ``absent``
                 elif kind is SlotKind.SCALER:
@@ -309,13 +344,14 @@ class StateLayout:
                 else:
                     raise AssertionError(f"no write-back for {slot}")
             for i, p in enumerate(self.params):
-                g = new_grads.get(i)
+                slot, g = new_grads.get(i, (None, None))
+                old = dtensor.local(p.grad)
                 if g is None:
                     p.grad = None
-                elif p.grad is not None and p.grad.shape == g.shape and p.grad.dtype == g.dtype:
+                elif old is not None and old.shape == g.shape and old.dtype == g.dtype:
                     _store(p.grad, g)
                 else:
-                    p.grad = take(g)
+                    p.grad = take(g, slot)
         if self.opt is not None:
             # torch's LR schedulers check that optimizer.step() ran before them.
             self.opt._opt_called = True
@@ -395,5 +431,6 @@ def _zero_grad(p: Tensor, set_to_none: bool) -> None:
 
 
 def _store(dst: Tensor, src: Tensor) -> None:
+    dst = dtensor.local(dst)  # expand mode: the graph computes a DTensor's local tensor
     if src is not dst:
         dst.copy_(src)

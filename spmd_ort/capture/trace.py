@@ -55,6 +55,7 @@ from spmd_ort.runtime.opaque import OpaqueCall
 from spmd_ort.capture.opaque import CallStack, Frame, OpaqueCapture, OpaquePlan, link_backward
 from spmd_ort.capture.presence import GradPresence, tracking
 from spmd_ort.capture.state import Slot, SlotKind, StateLayout
+from spmd_ort.distributed import dtensor
 
 logger = logging.getLogger("spmd_ort")
 aten = torch.ops.aten
@@ -246,6 +247,8 @@ def _trace_once(fn, args: tuple, kwargs: dict, layout: StateLayout, *, sdpa_math
     n_batch = len(batch_positions)
     state_in = layout.gather()
     n_state = len(state_in)
+    if layout.expands:
+        dtensor.register_sharding_rules()
     captured: dict[str, Any] = {}
 
     def step(*flat):
@@ -261,14 +264,15 @@ def _trace_once(fn, args: tuple, kwargs: dict, layout: StateLayout, *, sdpa_math
         with tracking(GradPresence()) as tracker, \
                 layout.bind(state, tag_grads=tag_grads, mixed_precision=mixed_precision, presence=tracker) as bound:
             out = fn(*a, **kw)
-            final = bound.final()
+            final = layout.localize(bound.final())
         final += [(Slot(SlotKind.INPUT_GRAD, f"{inputs.names[batch_positions[k]]}.grad", k), batch[k].grad)
                   for k in grad_inputs if batch[k].grad is not None]
         out_leaves, out_spec = pytree.tree_flatten(out)
         captured["user_spec"] = out_spec
-        captured["user_leaves"] = [TENSOR if isinstance(x, torch.Tensor) else x for x in out_leaves]
+        captured["user_leaves"] = [_user_leaf(x) for x in out_leaves]
         captured["final_slots"] = [s for s, _ in final]
-        return tuple(x for x in out_leaves if isinstance(x, torch.Tensor)) + tuple(t for _, t in final)
+        return (tuple(dtensor.local(x) for x in out_leaves if isinstance(x, torch.Tensor))
+                + tuple(t for _, t in final))
 
     trace_inputs, fake_mode = _trace_inputs(layout, state_in, batch_tensors, batch_positions, grads_in, dynamic,
                                             inputs)
@@ -303,7 +307,7 @@ def _trace_once(fn, args: tuple, kwargs: dict, layout: StateLayout, *, sdpa_math
     input_slots = (layout.input_slots() + [Slot(SlotKind.BATCH, inputs.names[pos], k)
                                            for k, pos in enumerate(batch_positions)]
                    + [Slot(SlotKind.INPUT_GRAD, f"{inputs.names[batch_positions[k]]}.grad", k) for k in grads_in])
-    n_user = sum(1 for x in captured["user_leaves"] if x is TENSOR)
+    n_user = sum(1 for x in captured["user_leaves"] if is_tensor_leaf(x))
     output_slots = [Slot(SlotKind.USER, f"output[{k}]", k) for k in range(n_user)] + captured["final_slots"]
     _outputs_from_mutations(gm2, input_slots, output_slots)
     symbolic = None
@@ -311,6 +315,19 @@ def _trace_once(fn, args: tuple, kwargs: dict, layout: StateLayout, *, sdpa_math
         symbolic = SymbolicShapes.after_trace(fake_mode, trace_inputs[n_state:n_state + n_batch])
     return TracedStep(gm2, layout, input_slots, output_slots, batch_positions, grad_inputs, captured["user_spec"],
                       captured["user_leaves"], 0.0, tuple(capture.calls), symbolic=symbolic)
+
+
+def _user_leaf(x):
+    """What the program keeps of a leaf of the step's return value: TENSOR where a graph output goes (a
+    DTensor's: its local tensor, wrapped again after the run), the value itself otherwise."""
+    if dtensor.is_dtensor(x):
+        return dtensor.LocalOf(dtensor.spec_of(x))
+    return TENSOR if isinstance(x, torch.Tensor) else x
+
+
+def is_tensor_leaf(x) -> bool:
+    """Whether a kept return-value leaf (:func:`_user_leaf`) is filled from a graph output."""
+    return x is TENSOR or isinstance(x, dtensor.LocalOf)
 
 
 def _functionalize(gm1: fx.GraphModule, trace_inputs: list, calls, tracing_mode: str) -> fx.GraphModule:

@@ -26,6 +26,8 @@ import torch.distributed as dist
 from torch import nn
 
 from spmd_ort.capture.amp import MixedPrecisionPolicy
+from spmd_ort.distributed import dtensor
+from spmd_ort.distributed.tensor_parallel import TensorParallel
 from spmd_ort.integrations.deepspeed.config import data_parallel_settings
 from spmd_ort.errors import CollectiveTimeout, CompileError, is_timeout
 
@@ -128,15 +130,31 @@ def world() -> tuple[int, int]:
     return 0, 1
 
 
-def resolve(mode):
-    """The parallel mode a compile uses: the user's, else DataParallel() on several ranks."""
+def resolve(mode, module: nn.Module | None = None):
+    """The parallel mode a compile uses: the user's, else DataParallel() on several ranks.
+
+    A ``module`` whose parameters are DTensors (expand mode) takes none: its placements say where every
+    tensor lives, and DTensor's sharding propagation adds the collectives.
+    """
     rank, size = world()
+    if isinstance(mode, TensorParallel):
+        if not (dist.is_available() and dist.is_initialized()):
+            raise CompileError("TensorParallel needs torch.distributed initialized (launch with torchrun and call "
+                               "torch.distributed.init_process_group)", rank=rank)
+        return None  # the plan makes the parameters DTensors: expand mode
+    if module is not None and dtensor.has_dtensor_state(module):
+        if mode is None:
+            return None
+        raise CompileError(
+            f"{type(module).__name__}'s parameters are DTensors (a tensor-parallel plan was applied), so the step "
+            f"compiles in expand mode, where their placements decide the parallelism; parallel_mode={mode!r} "
+            "cannot be combined with it. Fix: compile with parallel_mode=None", rank=rank)
     if mode is None:
         return DataParallel() if size > 1 else None
     if isinstance(mode, DataParallel) and size == 1:
         return None  # one rank: nothing to reduce
     if not isinstance(mode, DataParallel):
-        raise TypeError(f"parallel_mode={mode!r} is not a spmd_ort.DataParallel")
+        raise TypeError(f"parallel_mode={mode!r} is not a spmd_ort.DataParallel or spmd_ort.TensorParallel")
     return mode
 
 

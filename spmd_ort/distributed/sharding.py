@@ -216,17 +216,24 @@ def gathered_parameters(module: nn.Module, *, writeback: bool = False):
 
 
 def persistent_bytes(module: nn.Module, optimizer: torch.optim.Optimizer | None = None) -> dict[str, int]:
-    """Bytes this rank holds between steps: parameters, gradients, optimizer state (and buffers)."""
+    """Bytes this rank holds between steps: parameters, gradients, optimizer state (and buffers); of a DTensor,
+    its local tensor."""
+    from spmd_ort.distributed.dtensor import local
+
+    def size(t: Tensor) -> int:
+        t = local(t)
+        return t.numel() * t.element_size()
+
     out = {"params": 0, "grads": 0, "opt_state": 0, "buffers": 0}
     for p in module.parameters():
-        out["params"] += p.numel() * p.element_size()
+        out["params"] += size(p)
         if p.grad is not None:
-            out["grads"] += p.grad.numel() * p.grad.element_size()
+            out["grads"] += size(p.grad)
         if optimizer is not None:
             for v in optimizer.state.get(p, {}).values():
                 if isinstance(v, Tensor):
-                    out["opt_state"] += v.numel() * v.element_size()
+                    out["opt_state"] += size(v)
     for b in module.buffers():
-        out["buffers"] += b.numel() * b.element_size()
+        out["buffers"] += size(b)
     out["total"] = out["params"] + out["grads"] + out["opt_state"]
     return out

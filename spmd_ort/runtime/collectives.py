@@ -82,6 +82,16 @@ class Carried:
     entry: tuple  # (work, issued at, [completed at], kind), as Communicator.pending holds
 
 
+def process_group(name: str):
+    """The process group a collective op names: None (the world) for "", else the group registered under the
+    name (a DTensor mesh dimension's, as its ``_c10d_functional`` ops name it)."""
+    if not name:
+        return None
+    from torch.distributed.distributed_c10d import _resolve_process_group
+
+    return _resolve_process_group(name)
+
+
 @dataclass
 class Communicator:
     """Outstanding collectives and per-step accounting of one compiled step."""
@@ -100,24 +110,25 @@ class Communicator:
             self.finish()
         return self.step
 
-    def all_reduce(self, t: Tensor, prescale: float) -> Tensor:
+    def all_reduce(self, t: Tensor, prescale: float, group: str = "") -> Tensor:
         if prescale != 1.0:
             t.mul_(prescale)
-        done = self._track(t, time.perf_counter(), dist.all_reduce(t, op=dist.ReduceOp.SUM, async_op=True),
-                           "all_reduce")
+        work = dist.all_reduce(t, op=dist.ReduceOp.SUM, group=process_group(group), async_op=True)
+        done = self._track(t, time.perf_counter(), work, "all_reduce")
         self.step.reductions.append(("all_reduce", t.numel() * t.element_size(), self.pending[t.data_ptr()][1], done))
         self.step.all_reduce_calls += 1
         self.step.all_reduce_bytes += t.numel() * t.element_size()
         return t
 
-    def all_gather(self, shard: Tensor, world: int, carried: int = -1) -> Tensor:
+    def all_gather(self, shard: Tensor, world: int, carried: int = -1, group: str = "") -> Tensor:
         if carried >= 0 and self.carried:
             out = self._take(carried, shard, world)
             if out is not None:
                 return out
         out = shard.new_empty(shard.numel() * world)
         issued = time.perf_counter()
-        self._track(out, issued, dist.all_gather_single(out, shard.contiguous(), async_op=True), "all_gather")
+        work = dist.all_gather_single(out, shard.reshape(-1), group=process_group(group), async_op=True)
+        self._track(out, issued, work, "all_gather")
         self.step.all_gather_calls += 1
         self.step.all_gather_bytes += out.numel() * out.element_size()
         return out
@@ -164,15 +175,15 @@ class Communicator:
             self._wait(*c.entry)
         self.carried.clear()
 
-    def reduce_scatter(self, t: Tensor, world: int) -> Tensor:
+    def reduce_scatter(self, t: Tensor, world: int, group: str = "", mean: bool = True) -> Tensor:
         if t.numel() % world:
             raise ValueError(f"reduce_scatter: {t.numel()} elements do not split into {world} shards")
         out = t.new_empty(t.numel() // world)
         issued = time.perf_counter()
-        op = dist.ReduceOp.AVG
-        if t.dtype in SUM_AFTER_DIVIDING:
+        op = dist.ReduceOp.AVG if mean else dist.ReduceOp.SUM
+        if mean and t.dtype in SUM_AFTER_DIVIDING:
             t, op = t / world, dist.ReduceOp.SUM
-        work = dist.reduce_scatter_single(out, t.contiguous(), op=op, async_op=True)
+        work = dist.reduce_scatter_single(out, t.reshape(-1), op=op, group=process_group(group), async_op=True)
         done = self._track(out, issued, work, "reduce_scatter")
         self.step.reductions.append(("reduce_scatter", t.numel() * t.element_size(), issued, done))
         self.step.reduce_scatter_calls += 1

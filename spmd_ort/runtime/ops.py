@@ -118,18 +118,21 @@ with_layout = _op("with_layout(Tensor x, int[] dim_order, bool values) -> Tensor
 PURE_OPS = (tag_grad, tap, bernoulli_like, with_layout)
 
 # ---------------------------------------------------------------------- collectives
-all_reduce_ = _op("all_reduce_(Tensor(a!) t, float prescale) -> Tensor(a!)",
-                  lambda t, prescale: active().comm.all_reduce(t, prescale), lambda t, prescale: t)
+# ``group``: the process group's name ("" is the world; DTensor's mesh dims name theirs, expand mode)
+all_reduce_ = _op('all_reduce_(Tensor(a!) t, float prescale, str group="") -> Tensor(a!)',
+                  lambda t, prescale, group="": active().comm.all_reduce(t, prescale, group),
+                  lambda t, prescale, group="": t)
 wait_ = _op("wait_(Tensor(a!) t) -> Tensor(a!)", lambda t: active().comm.wait(t), lambda t: t)
 broadcast_ = _op("broadcast_(Tensor(a!) t, int src) -> Tensor(a!)",
                  lambda t, src: active().comm.broadcast(t, src), lambda t, src: t)
 # ``carried``: the slot of a gather the previous step issued for this one (cross-step prefetch), -1: none
-all_gather = _op("all_gather(Tensor shard, int world, int carried=-1) -> Tensor",
-                 lambda shard, world, carried=-1: active().comm.all_gather(shard, world, carried),
-                 lambda shard, world, carried=-1: shard.new_empty(shard.numel() * world))
-reduce_scatter = _op("reduce_scatter(Tensor t, int world) -> Tensor",
-                     lambda t, world: active().comm.reduce_scatter(t, world),
-                     lambda t, world: t.new_empty(t.numel() // world))
+all_gather = _op('all_gather(Tensor shard, int world, int carried=-1, str group="") -> Tensor',
+                 lambda shard, world, carried=-1, group="": active().comm.all_gather(shard, world, carried, group),
+                 lambda shard, world, carried=-1, group="": shard.new_empty(shard.numel() * world))
+# ``mean``: the average over the ranks (gradients), else their sum (a DTensor's pending sum)
+reduce_scatter = _op('reduce_scatter(Tensor t, int world, str group="", bool mean=True) -> Tensor',
+                     lambda t, world, group="", mean=True: active().comm.reduce_scatter(t, world, group, mean),
+                     lambda t, world, group="", mean=True: t.new_empty(t.numel() // world))
 # ops that start a collective whose result ``wait_`` completes
 STARTS = (all_reduce_, all_gather, reduce_scatter)
 COLLECTIVES = (*STARTS, wait_, broadcast_)

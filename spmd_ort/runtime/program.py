@@ -19,6 +19,7 @@ from spmd_ort.options import Options
 from spmd_ort.runtime.context import active
 from spmd_ort.capture.state import Slot, SlotKind, StateLayout
 from spmd_ort.capture.trace import TENSOR
+from spmd_ort.distributed import dtensor
 from spmd_ort.capture.transition import StepKey
 
 
@@ -111,7 +112,7 @@ class CompiledProgram:
             self.taps.deliver(stats)
         self.steps_run += 1
         it = iter(user_vals)
-        return pytree.tree_unflatten([next(it) if x is TENSOR else x for x in self.user_leaves], self.user_spec)
+        return pytree.tree_unflatten([_user_value(x, it) for x in self.user_leaves], self.user_spec)
 
     def carry_gathers(self, comm) -> None:
         """After a step: start the gather its next run takes first (``carry_first_gather_pass``), on the state as
@@ -192,3 +193,13 @@ def _write_grad(t: torch.Tensor, g: torch.Tensor | None, owned: bool) -> None:
                 t.grad.copy_(g)
         else:
             t.grad = g if owned else g.clone()
+
+
+def _user_value(leaf, outputs):
+    """A leaf of the step's return value: the next graph output where the trace returned a tensor (wrapped in
+    its DTensorSpec where it was a DTensor), the traced constant otherwise."""
+    if leaf is TENSOR:
+        return next(outputs)
+    if isinstance(leaf, dtensor.LocalOf):
+        return dtensor.wrap(next(outputs), leaf.spec)
+    return leaf

@@ -1,0 +1,208 @@
+"""Run under torchrun: compiled tensor parallelism vs eager DTensor tensor parallelism, step by step.
+
+    torchrun --standalone --nproc_per_node=2 tests/dist/tp_parity.py --backend fx --apply mode --out DIR
+
+A small transformer LM (embedding, pre-norm blocks of attention and MLP, LM head) is parallelized Megatron-style
+with torch's own plan (``ColwiseParallel`` for q/k/v and the MLP's first linear, ``RowwiseParallel`` for the
+projections back) and trained eagerly (``parallelize_module``) and compiled, on the same batch on every rank.
+``--apply mode`` compiles with ``parallel_mode=spmd_ort.TensorParallel(plan)`` (the plan applied at the first call);
+``--apply user`` parallelizes the module first and compiles with ``parallel_mode=None`` (expand mode).
+Loss, parameters, gradients and optimizer state (local shards) are checked after every step; a one-process eager
+run on the same batch bounds the distance.  Writes DIR/rank<r>.json (collectives per step, bytes, placements).
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import fnmatch
+import sys
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import DTensor
+from torch.distributed.tensor.debug import CommDebugMode
+from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT / "tests"))
+sys.path.insert(0, str(ROOT))
+
+from dist_common import finish  # noqa: E402
+import spmd_ort  # noqa: E402
+from helpers import _close  # noqa: E402
+
+VOCAB, DIM, HEADS, SEQ, LAYERS = 64, 32, 4, 16, 2
+
+
+class Attention(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.q, self.k, self.v = (nn.Linear(DIM, DIM) for _ in range(3))
+        self.proj = nn.Linear(DIM, DIM)
+
+    def forward(self, x):
+        b, t, _ = x.shape
+        # -1 heads: under tensor parallelism each rank holds HEADS / tp of them (torchtitan's convention)
+        q, k, v = (lin(x).view(b, t, -1, DIM // HEADS).transpose(1, 2) for lin in (self.q, self.k, self.v))
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return self.proj(y.transpose(1, 2).reshape(b, t, -1))
+
+
+class Block(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.ln1, self.ln2 = nn.LayerNorm(DIM), nn.LayerNorm(DIM)
+        self.attn = Attention()
+        self.fc, self.out = nn.Linear(DIM, 4 * DIM), nn.Linear(4 * DIM, DIM)
+
+    def forward(self, x):
+        x = x + self.attn(self.ln1(x))
+        return x + self.out(F.gelu(self.fc(self.ln2(x))))
+
+
+class LM(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.emb = nn.Embedding(VOCAB, DIM)
+        self.blocks = nn.ModuleList(Block() for _ in range(LAYERS))
+        self.ln = nn.LayerNorm(DIM)
+        self.head = nn.Linear(DIM, VOCAB)
+
+    def forward(self, ids):
+        x = self.emb(ids)
+        for blk in self.blocks:
+            x = blk(x)
+        return self.head(self.ln(x))
+
+
+PLAN = {"blocks.*.attn.q": ColwiseParallel(), "blocks.*.attn.k": ColwiseParallel(),
+        "blocks.*.attn.v": ColwiseParallel(), "blocks.*.attn.proj": RowwiseParallel(),
+        "blocks.*.fc": ColwiseParallel(), "blocks.*.out": RowwiseParallel()}
+ROWWISE = sum(1 for s in PLAN.values() if isinstance(s, RowwiseParallel)) * LAYERS
+COLWISE = sum(1 for s in PLAN.values() if isinstance(s, ColwiseParallel)) * LAYERS
+
+
+def step_fn(model, opt, ids, labels):
+    logits = model(ids)
+    loss = F.cross_entropy(logits.reshape(-1, VOCAB), labels.reshape(-1))
+    loss.backward()
+    opt.step()
+    opt.zero_grad()
+    return loss
+
+
+def local(t):
+    return t.to_local() if isinstance(t, DTensor) else t
+
+
+# the key bias's gradient is analytically zero (softmax is shift-invariant): rounding noise, which Adam turns
+# into +-lr steps in any two implementations; checked to be noise instead of compared
+NOISE = "blocks.*.attn.k.bias"
+
+
+def compare(eager, compiled, eager_opt, compiled_opt, where, normwise):
+    names = [n for n, _ in eager.named_parameters()]
+    for (name, a), (_, b) in zip(eager.named_parameters(), compiled.named_parameters(), strict=True):
+        assert type(a) is type(b) and getattr(a, "placements", None) == getattr(b, "placements", None), name
+        if not fnmatch.fnmatch(name, NOISE):
+            _close(local(b), local(a), "param", normwise, f"{where} param {name}")
+    sa, sb = eager_opt.state_dict()["state"], compiled_opt.state_dict()["state"]
+    assert sa.keys() == sb.keys(), where
+    for k in sa:
+        for key, va in sa[k].items():
+            vb = local(sb[k][key])
+            if fnmatch.fnmatch(names[k], NOISE) and key == "exp_avg":
+                assert max(local(va).abs().max().item(), vb.abs().max().item()) < 1e-8, (where, names[k])
+            elif not fnmatch.fnmatch(names[k], NOISE):
+                _close(vb, local(va), "state", normwise, f"{where} opt state {names[k]}.{key}")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--backend", default="fx")
+    ap.add_argument("--apply", choices=("mode", "user"), default="mode")
+    ap.add_argument("--steps", type=int, default=4)
+    ap.add_argument("--out", required=True)
+    args = ap.parse_args()
+    dist.init_process_group("gloo")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    mesh = init_device_mesh("cpu", (world,))
+    torch.manual_seed(0)
+    base = LM()
+    single = copy.deepcopy(base)
+    eager = parallelize_module(copy.deepcopy(base), mesh, PLAN)
+    compiled = copy.deepcopy(base)
+    make_opt = lambda m: torch.optim.AdamW(m.parameters(), lr=3e-3, weight_decay=0.1)  # noqa: E731
+    opt_s, opt_e = make_opt(single), make_opt(eager)
+    if args.apply == "user":
+        compiled = parallelize_module(compiled, mesh, PLAN)
+        mode = None
+    else:
+        mode = spmd_ort.TensorParallel(PLAN)
+    opt_c = make_opt(compiled)  # built on the plain parameters under --apply mode: the plan moves it to DTensors
+    step = spmd_ort.compile(backend=args.backend, parallel_mode=mode)(step_fn)
+    if args.apply == "mode":
+        # a first call whose compile fails (a numpy batch) leaves the module and optimizer as they were
+        params = list(compiled.parameters())
+        ids = torch.randint(0, VOCAB, (4, SEQ))
+        try:
+            step(compiled, opt_c, ids.numpy(), ids)
+            raise AssertionError("a numpy batch compiled")
+        except spmd_ort.CompileError as exc:
+            assert "ids" in str(exc), exc
+        assert all(type(p) is nn.Parameter and p is q for p, q in zip(compiled.parameters(), params, strict=True))
+        assert opt_c.param_groups[0]["params"] == params and not opt_c.state
+        assert not compiled.blocks[0].fc._forward_pre_hooks, "the plan's hooks were left behind"
+        for a, b in zip(compiled.parameters(), base.parameters()):
+            assert torch.equal(a, b)
+        # a plan key that names no submodule: an error naming it, on every rank
+        bad = spmd_ort.compile(backend=args.backend, parallel_mode=spmd_ort.TensorParallel(
+            {"blocks.*.mlp.fc": ColwiseParallel()}))(step_fn)
+        try:
+            bad(compiled, opt_c, ids, ids)
+            raise AssertionError("a plan naming no submodule compiled")
+        except spmd_ort.CompileError as exc:
+            assert "blocks.*.mlp.fc" in str(exc) and "blocks.0.fc" in str(exc), exc
+    normwise = args.backend != "fx"
+    g = torch.Generator().manual_seed(1)
+    losses = []
+    for i in range(args.steps):
+        ids = torch.randint(0, VOCAB, (4, SEQ), generator=g)
+        labels = torch.randint(0, VOCAB, (4, SEQ), generator=g)
+        ls = step_fn(single, opt_s, ids, labels)
+        with CommDebugMode() as eager_comm:  # the collectives eager DTensor issues in one step
+            le = step_fn(eager, opt_e, ids, labels)
+        lc = step(compiled, opt_c, ids, labels)
+        assert not isinstance(lc, DTensor), type(lc)
+        torch.testing.assert_close(lc.detach(), le.detach(), rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(lc.detach(), ls.detach(), rtol=1e-4, atol=1e-5)
+        compare(eager, compiled, opt_e, opt_c, f"rank {rank} step {i}", normwise)
+        losses.append(float(lc))
+    placements = {n: [str(p) for p in getattr(t, "placements", ())] for n, t in compiled.state_dict().items()}
+    local_bytes = sum(local(p).numel() * local(p).element_size() for p in compiled.parameters())
+    full_bytes = sum(p.numel() * p.element_size() for p in base.parameters())
+    sharded_full = sum(p.numel() * p.element_size() for n, p in compiled.named_parameters()
+                       if isinstance(p, DTensor) and any(pl.is_shard() for pl in p.placements))
+    # eval outside the compiled step: the module's own forward on DTensor parameters, as eager TP runs it
+    with torch.no_grad():
+        ids = torch.randint(0, VOCAB, (2, SEQ), generator=g)
+        torch.testing.assert_close(compiled(ids), eager(ids), rtol=1e-4, atol=1e-5)
+    comm = step.comm
+    finish(args.out, {
+        "losses": losses, "placements": placements, "local_param_bytes": local_bytes,
+        "full_param_bytes": full_bytes, "sharded_param_bytes": sharded_full, "world": world,
+        "eager_collectives": {str(k): v for k, v in eager_comm.get_comm_counts().items()},
+        "all_reduce_calls": comm.all_reduce_calls, "all_reduce_bytes": comm.all_reduce_bytes, "all_gather_calls": comm.all_gather_calls,
+        "reduce_scatter_calls": comm.reduce_scatter_calls, "rowwise": ROWWISE, "colwise": COLWISE,
+        "optimizer_params_are_dtensors": sum(isinstance(p, DTensor) for gr in opt_c.param_groups for p in gr["params"]),
+        "describe": step.explain() if rank == 0 else "",
+    })
+
+
+if __name__ == "__main__":
+    main()
