@@ -21,6 +21,8 @@ class GPTConfig:
     heads: int = 4
     layers: int = 2
     dropout: float = 0.0
+    # separate q, k, v projections (the layout tensor-parallel plans shard column-wise: see tensor_parallel_plan)
+    split_qkv: bool = False
 
 
 class Block(nn.Module):
@@ -30,7 +32,10 @@ class Block(nn.Module):
         # No qkv bias: the key bias has an analytically zero gradient (softmax is
         # shift-invariant), so Adam would turn rounding noise into +-lr steps and
         # any two correct implementations would drift apart on it.
-        self.qkv = nn.Linear(cfg.d, 3 * cfg.d, bias=False)
+        if cfg.split_qkv:
+            self.q, self.k, self.v = (nn.Linear(cfg.d, cfg.d, bias=False) for _ in range(3))
+        else:
+            self.qkv = nn.Linear(cfg.d, 3 * cfg.d, bias=False)
         self.proj = nn.Linear(cfg.d, cfg.d)
         self.ln2 = nn.LayerNorm(cfg.d)
         self.fc = nn.Linear(cfg.d, 4 * cfg.d)
@@ -40,11 +45,13 @@ class Block(nn.Module):
 
     def forward(self, x):  # (B, T, C)
         B, T, C = x.shape
-        q, k, v = self.qkv(self.ln1(x)).split(C, dim=2)
-        q, k, v = (t.view(B, T, self.heads, C // self.heads).transpose(1, 2) for t in (q, k, v))  # (B, H, T, hs)
+        h = self.ln1(x)
+        q, k, v = (self.q(h), self.k(h), self.v(h)) if hasattr(self, "q") else self.qkv(h).split(C, dim=2)
+        # -1 heads: under tensor parallelism a rank's q, k, v hold heads / tp of them
+        q, k, v = (t.view(B, T, -1, C // self.heads).transpose(1, 2) for t in (q, k, v))  # (B, H, T, hs)
         y = F.scaled_dot_product_attention(q, k, v, is_causal=True,
                                            dropout_p=self.dropout if self.training else 0.0)
-        x = x + self.proj(y.transpose(1, 2).reshape(B, T, C))
+        x = x + self.proj(y.transpose(1, 2).reshape(B, T, -1))
         return x + F.dropout(self.out(F.gelu(self.fc(self.ln2(x)))), self.dropout, self.training)
 
 
@@ -88,3 +95,14 @@ class GPT(nn.Module):
             probs = torch.softmax(logits, dim=-1)
             idx = torch.cat([idx, torch.multinomial(probs, 1, generator=generator)], dim=1)
         return idx
+
+
+def tensor_parallel_plan() -> dict:
+    """Megatron's plan for :class:`GPT` built with ``split_qkv=True``: q, k, v and the MLP's first linear split
+    column-wise (each rank a share of the heads and hidden units), the projections back row-wise (one all-reduce
+    each in forward); embeddings, norms and the tied head replicated."""
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
+
+    col, row = ColwiseParallel(), RowwiseParallel()
+    return {"blocks.*.q": col, "blocks.*.k": col, "blocks.*.v": col, "blocks.*.proj": row,
+            "blocks.*.fc": col, "blocks.*.out": row}

@@ -32,7 +32,7 @@ import torch
 from torch import Tensor
 
 from spmd_ort.capture import presence
-from spmd_ort.distributed.dtensor import is_dtensor, local, spec_of, wrap
+from spmd_ort.distributed.dtensor import is_dtensor, local, spec_of, to_spec, wrap
 from spmd_ort.runtime import ops
 from spmd_ort.errors import CompileError
 
@@ -60,9 +60,15 @@ def _copy_back(dst: list[Tensor], src: list[Tensor]) -> None:
 
 
 def _locals(ts: list[Tensor]) -> list[Tensor]:
-    """The updates are elementwise over tensors placed alike (a DTensor parameter's gradient and state share its
+    """The updates are elementwise over tensors placed alike (a DTensor parameter's state shares its
     placements): they run on the local tensors."""
     return [local(t) for t in ts]
+
+
+def _local_grads(params: list[Tensor]) -> list[Tensor]:
+    """Each gradient's local tensor, placed as its parameter first: a replicated parameter used on sharded
+    activations (sequence parallel) gets a pending sum (``Partial``), reduced here as eager's update reduces it."""
+    return [local(to_spec(p.grad, spec_of(p))) for p in params]
 
 
 def amp_arguments(opt: torch.optim.Optimizer, params: list[Tensor]) -> Tensor | None:
@@ -141,7 +147,7 @@ def adam_rule(opt: torch.optim.Optimizer) -> None:
         found_inf = amp_arguments(opt, params)
         present, present_index = presence.positions(opt, params)
         out = ops.adam(
-            _locals(params), _locals([p.grad for p in params]), _locals(lists["exp_avgs"]),
+            _locals(params), _local_grads(params), _locals(lists["exp_avgs"]),
             _locals(lists["exp_avg_sqs"]), _locals(lists["max_exp_avg_sqs"]), lists["steps"], group[HPARAMS_KEY], bool(amsgrad), bool(group["maximize"]),
             bool(group.get("decoupled_weight_decay", False)), found_inf, present, present_index)
         i = 0
@@ -181,7 +187,7 @@ def _sgd_update(opt: torch.optim.Optimizer, group: dict, params: list[Tensor], b
     found_inf = amp_arguments(opt, params)
     present, present_index = presence.positions(opt, params)
     out = ops.sgd(
-        _locals(params), _locals([p.grad for p in params]), _locals(bufs), group[HPARAMS_KEY], has_momentum, bool(group["nesterov"]),
+        _locals(params), _local_grads(params), _locals(bufs), group[HPARAMS_KEY], has_momentum, bool(group["nesterov"]),
         bool(group["maximize"]), found_inf, present, present_index)
     _copy_back(params, out[:len(params)])
     if has_momentum:

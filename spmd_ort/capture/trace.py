@@ -284,8 +284,9 @@ def _trace_once(fn, args: tuple, kwargs: dict, layout: StateLayout, *, sdpa_math
     token = _TRACING.set(True)
     try:
         attention = sdpa_kernel([SDPBackend.MATH]) if sdpa_math else contextlib.nullcontext()
+        clipping = dtensor.mixed_grad_clipping() if layout.expands else contextlib.nullcontext()
         with (stack.installed(), capture.installed(), torch.enable_grad(), attention, phases, watch,
-              quiet_torch_logs()):
+              quiet_torch_logs(), clipping):
             gm1 = make_fx(step, decomposition_table={**FUNCTIONAL_DECOMPS, **EAGER_DECOMPS},
                           tracing_mode=tracing_mode, _allow_non_fake_inputs=True)(*trace_inputs)
         _check_traceable(gm1, captured, stack, plan)

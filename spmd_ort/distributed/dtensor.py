@@ -23,6 +23,8 @@ per-parameter tensor shares the parameter's placement).
 
 from __future__ import annotations
 
+import contextlib
+import functools
 from dataclasses import dataclass
 
 from torch import Tensor, nn
@@ -81,6 +83,40 @@ def _identity_sharding(x, *rest, partial: bool = True):
     """Output placed as the input, whatever that is (the op is elementwise and reads no neighbour)."""
     options = [Replicate()] + [Shard(d) for d in range(x.ndim)] + ([Partial()] if partial else [])
     return [([p], [p] + [None] * len(rest)) for p in options]
+
+
+@contextlib.contextmanager
+def mixed_grad_clipping():
+    """While tracing: ``clip_grad_norm_`` over DTensor and plain gradients completes the norm across both.
+
+    Eager torch raises there (``_foreach_norm`` got mixed torch.Tensor and DTensor). The plain parameters of a
+    tensor-parallel model (norms, embeddings outside the plan) are replicated over the mesh: torch's
+    ``implicit_replication`` treats them so inside torch's own norm and scaling functions, which sums each
+    sharded gradient's squares over its shards and each replicated one once.
+    """
+    from torch.distributed.tensor.experimental import implicit_replication
+    from torch.nn.utils import clip_grad
+
+    names = ("_get_total_norm", "_clip_grads_with_norm_")
+    saved = {n: getattr(clip_grad, n) for n in names if hasattr(clip_grad, n)}
+
+    def replicated(fn):
+        @functools.wraps(fn)
+        def run(*args, **kwargs):
+            # the total norm as a plain tensor (replicated: every rank holds it whole), which scales plain and
+            # DTensor gradients alike, whichever loop torch takes
+            args = tuple(a.full_tensor() if isinstance(a, DTensor) else a for a in args)
+            with implicit_replication():
+                return fn(*args, **kwargs)
+        return run
+
+    for n, fn in saved.items():
+        setattr(clip_grad, n, replicated(fn))
+    try:
+        yield
+    finally:
+        for n, fn in saved.items():
+            setattr(clip_grad, n, fn)
 
 
 _REGISTERED = False

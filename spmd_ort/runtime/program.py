@@ -16,6 +16,7 @@ from spmd_ort.capture.dynamic import SymbolicShapes
 from spmd_ort.runtime.executor import Executor
 from spmd_ort.runtime.opaque import OpaqueCall
 from spmd_ort.options import Options
+from spmd_ort.runtime import ops
 from spmd_ort.runtime.context import active
 from spmd_ort.capture.state import Slot, SlotKind, StateLayout
 from spmd_ort.capture.trace import TENSOR
@@ -140,9 +141,17 @@ class CompiledProgram:
         return all(index.get(id(p)) in updated for p in params)
 
     def signature(self) -> str:
-        """What every rank must agree on: the final graph and its IO (no values, no object ids)."""
+        """What every rank must agree on: the final graph and its IO (no values, no object ids).
+
+        In expand mode (DTensor state) each rank's graph is its own: DTensor's expansion bakes the rank's
+        offsets into it (a vocabulary-sharded embedding subtracts its first row) and picks its piece of a split.
+        What the ranks must share there is the collectives, in order, with their sizes: the agreement is on those.
+        """
         io = [f"{s.kind} {s.name}" for s in self.input_slots + self.output_slots]
-        return self.gm.code + "\n" + "\n".join(io)
+        code = self.gm.code if not self.layout.expands else "\n".join(
+            _collective_line(n) for n in self.gm.graph.nodes
+            if n.target in ops.COLLECTIVES or getattr(n.target, "namespace", None) == "_c10d_functional")
+        return code + "\n" + "\n".join(io)
 
     def describe(self) -> str:
         """A human-readable summary: IO map, op counts, passes."""
@@ -193,6 +202,14 @@ def _write_grad(t: torch.Tensor, g: torch.Tensor | None, owned: bool) -> None:
                 t.grad.copy_(g)
         else:
             t.grad = g if owned else g.clone()
+
+
+def _collective_line(node: fx.Node) -> str:
+    """A collective as the ranks must agree on it: the op, its non-tensor arguments, what it moves."""
+    args = [a for a in node.args if not isinstance(a, fx.Node)]
+    v = node.meta.get("val")
+    moved = f"{tuple(v.shape)} {v.dtype}" if isinstance(v, torch.Tensor) else ""
+    return f"{node.target} {args} {moved}"
 
 
 def _user_value(leaf, outputs):

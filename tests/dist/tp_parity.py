@@ -26,7 +26,10 @@ from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.debug import CommDebugMode
-from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+from torch.distributed.tensor.experimental import implicit_replication
+from torch.distributed.tensor import Replicate, Shard
+from torch.distributed.tensor.parallel import (ColwiseParallel, PrepareModuleInput, RowwiseParallel, SequenceParallel,
+                                               parallelize_module)
 
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "tests"))
@@ -83,6 +86,14 @@ class LM(nn.Module):
 PLAN = {"blocks.*.attn.q": ColwiseParallel(), "blocks.*.attn.k": ColwiseParallel(),
         "blocks.*.attn.v": ColwiseParallel(), "blocks.*.attn.proj": RowwiseParallel(),
         "blocks.*.fc": ColwiseParallel(), "blocks.*.out": RowwiseParallel()}
+# sequence parallel (torchtitan's plan): the residual stream is split along the sequence; norms run on the shards
+SP_PLAN = {"emb": RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1)),
+           "blocks.*.ln1": SequenceParallel(), "blocks.*.ln2": SequenceParallel(),
+           "blocks.*.attn": PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)),
+           "blocks.*.attn.q": ColwiseParallel(), "blocks.*.attn.k": ColwiseParallel(),
+           "blocks.*.attn.v": ColwiseParallel(), "blocks.*.attn.proj": RowwiseParallel(output_layouts=Shard(1)),
+           "blocks.*.fc": ColwiseParallel(input_layouts=Shard(1)), "blocks.*.out": RowwiseParallel(output_layouts=Shard(1)),
+           "ln": SequenceParallel(), "head": ColwiseParallel(input_layouts=Shard(1), output_layouts=Replicate())}
 ROWWISE = sum(1 for s in PLAN.values() if isinstance(s, RowwiseParallel)) * LAYERS
 COLWISE = sum(1 for s in PLAN.values() if isinstance(s, ColwiseParallel)) * LAYERS
 
@@ -91,6 +102,9 @@ def step_fn(model, opt, ids, labels):
     logits = model(ids)
     loss = F.cross_entropy(logits.reshape(-1, VOCAB), labels.reshape(-1))
     loss.backward()
+    # over DTensor and plain gradients: eager raises unless under implicit_replication (as eager_step runs it);
+    # the compiled step completes the norm across both by itself
+    torch.nn.utils.clip_grad_norm_(model.parameters(), 0.5)
     opt.step()
     opt.zero_grad()
     return loss
@@ -126,6 +140,7 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--backend", default="fx")
     ap.add_argument("--apply", choices=("mode", "user"), default="mode")
+    ap.add_argument("--plan", choices=("megatron", "sequence"), default="megatron")
     ap.add_argument("--steps", type=int, default=4)
     ap.add_argument("--out", required=True)
     args = ap.parse_args()
@@ -135,26 +150,27 @@ def main() -> None:
     torch.manual_seed(0)
     base = LM()
     single = copy.deepcopy(base)
-    eager = parallelize_module(copy.deepcopy(base), mesh, PLAN)
+    plan = PLAN if args.plan == "megatron" else SP_PLAN
+    eager = parallelize_module(copy.deepcopy(base), mesh, plan)
     compiled = copy.deepcopy(base)
     make_opt = lambda m: torch.optim.AdamW(m.parameters(), lr=3e-3, weight_decay=0.1)  # noqa: E731
     opt_s, opt_e = make_opt(single), make_opt(eager)
     if args.apply == "user":
-        compiled = parallelize_module(compiled, mesh, PLAN)
+        compiled = parallelize_module(compiled, mesh, plan)
         mode = None
     else:
-        mode = spmd_ort.TensorParallel(PLAN)
+        mode = spmd_ort.TensorParallel(plan)
     opt_c = make_opt(compiled)  # built on the plain parameters under --apply mode: the plan moves it to DTensors
     step = spmd_ort.compile(backend=args.backend, parallel_mode=mode)(step_fn)
     if args.apply == "mode":
-        # a first call whose compile fails (a numpy batch) leaves the module and optimizer as they were
+        # a first call whose compile fails (numpy labels) leaves the module and optimizer as they were
         params = list(compiled.parameters())
         ids = torch.randint(0, VOCAB, (4, SEQ))
         try:
-            step(compiled, opt_c, ids.numpy(), ids)
-            raise AssertionError("a numpy batch compiled")
+            step(compiled, opt_c, ids, ids.numpy())
+            raise AssertionError("numpy labels compiled")
         except spmd_ort.CompileError as exc:
-            assert "ids" in str(exc), exc
+            assert "labels" in str(exc), exc
         assert all(type(p) is nn.Parameter and p is q for p, q in zip(compiled.parameters(), params, strict=True))
         assert opt_c.param_groups[0]["params"] == params and not opt_c.state
         assert not compiled.blocks[0].fc._forward_pre_hooks, "the plan's hooks were left behind"
@@ -175,7 +191,7 @@ def main() -> None:
         ids = torch.randint(0, VOCAB, (4, SEQ), generator=g)
         labels = torch.randint(0, VOCAB, (4, SEQ), generator=g)
         ls = step_fn(single, opt_s, ids, labels)
-        with CommDebugMode() as eager_comm:  # the collectives eager DTensor issues in one step
+        with CommDebugMode() as eager_comm, implicit_replication():  # eager DTensor's collectives in one step
             le = step_fn(eager, opt_e, ids, labels)
         lc = step(compiled, opt_c, ids, labels)
         assert not isinstance(lc, DTensor), type(lc)
@@ -198,7 +214,8 @@ def main() -> None:
         "full_param_bytes": full_bytes, "sharded_param_bytes": sharded_full, "world": world,
         "eager_collectives": {str(k): v for k, v in eager_comm.get_comm_counts().items()},
         "all_reduce_calls": comm.all_reduce_calls, "all_reduce_bytes": comm.all_reduce_bytes, "all_gather_calls": comm.all_gather_calls,
-        "reduce_scatter_calls": comm.reduce_scatter_calls, "rowwise": ROWWISE, "colwise": COLWISE,
+        "reduce_scatter_calls": comm.reduce_scatter_calls,
+        "bytes": comm.all_reduce_bytes + comm.all_gather_bytes + comm.reduce_scatter_bytes, "rowwise": ROWWISE, "colwise": COLWISE,
         "optimizer_params_are_dtensors": sum(isinstance(p, DTensor) for gr in opt_c.param_groups for p in gr["params"]),
         "describe": step.explain() if rank == 0 else "",
     })

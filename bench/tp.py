@@ -1,0 +1,127 @@
+"""Tensor-parallel step time on 2 ranks (gloo, CPU): compiled (fx, ort) vs eager DTensor tensor parallelism.
+
+Run:  .venv/bin/torchrun --standalone --nproc_per_node=2 bench/tp.py [--steps 7]
+
+gpt-mini (4 layers, d=256, seq 128, vocab 8192, separate q/k/v) parallelized Megatron-style with torch's own plan
+(``examples.gpt.tensor_parallel_plan``: q/k/v and the MLP's first linear column-wise, the projections back
+row-wise), batch 8, the same batch on every rank (one model per tensor-parallel group), AdamW(fused=True) for
+every runner.  ``eager`` runs ``parallelize_module`` and the step as written (DTensor dispatch on every op of every
+step); ``spmd-fx`` / ``spmd-ort`` compile the same step with ``parallel_mode=spmd_ort.TensorParallel(plan)``.
+The runners alternate step by step in one run, with a barrier and a short pause before each timed step; rank 0
+prints the median ms/step, the ratio to eager, the collectives and bytes per step (eager's counted with
+``CommDebugMode`` on an untimed step) and the bytes each rank holds between steps.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import gc
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor.debug import CommDebugMode
+from torch.distributed.tensor.parallel import parallelize_module
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+import spmd_ort  # noqa: E402
+from examples.gpt import GPT, GPTConfig, tensor_parallel_plan  # noqa: E402
+from spmd_ort.distributed.sharding import persistent_bytes  # noqa: E402
+from step import make_adamw  # noqa: E402
+
+
+def train_step(model, opt, x, y):
+    out = model(x)
+    loss = F.cross_entropy(out.flatten(0, -2), y.flatten())
+    loss.backward()
+    opt.step()
+    opt.zero_grad(set_to_none=True)
+    return loss
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--steps", type=int, default=7)
+    ap.add_argument("--runners", default="eager,spmd-fx,spmd-ort")
+    args = ap.parse_args()
+    dist.init_process_group("gloo")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    spmd_ort.runtime.memory.retain_host_memory()  # every runner, from its first step
+    cfg = GPTConfig(vocab=8192, seq=128, d=256, heads=4, layers=4, split_qkv=True)
+    torch.manual_seed(0)
+    model = GPT(cfg)
+    g = torch.Generator().manual_seed(0)  # the same batches on every rank
+
+    def batch():
+        return (torch.randint(0, cfg.vocab, (8, cfg.seq), generator=g),
+                torch.randint(0, cfg.vocab, (8, cfg.seq), generator=g))
+
+    mesh = init_device_mesh("cpu", (world,))
+    plan = tensor_parallel_plan()
+    runners = {}
+    for name in args.runners.split(","):
+        m = copy.deepcopy(model)
+        if name == "eager":
+            m = parallelize_module(m, mesh, plan)
+            runners[name] = (m, train_step, None)
+        else:
+            backend = name.split("-")[1]
+            step = spmd_ort.compile(backend=backend, parallel_mode=spmd_ort.TensorParallel(plan, mesh=mesh))
+            runners[name] = (m, step(train_step), backend)
+    opts = {k: make_adamw(m.parameters()) for k, (m, _, _) in runners.items()}
+    times: dict[str, list[float]] = {k: [] for k in runners}
+    warmup = 3
+    eager_comm = None
+    for i in range(warmup + args.steps):
+        x, y = batch()
+        for k, (m, fn, backend) in runners.items():
+            dist.barrier()
+            time.sleep(0.05)
+            if k == "eager" and i == 1:  # an untimed step, counted
+                with CommDebugMode() as eager_comm:
+                    fn(m, opts[k], x, y)
+                continue
+            t0 = time.perf_counter()
+            fn(m, opts[k], x, y)
+            dt = time.perf_counter() - t0
+            if i >= warmup:
+                times[k].append(dt)
+    if rank == 0:
+        base = statistics.median(times["eager"]) if "eager" in times else None
+        params = sum(p.numel() for p in model.parameters())
+        print(f"# bench/tp.py — gpt-mini split q/k/v ({params / 1e6:.2f} M params), tensor parallel over {world} "
+              f"ranks, gloo, {torch.get_num_threads()} thread(s)/rank, the same batch of 8 on every rank, host "
+              f"memory retained for every runner, median of {args.steps}")
+        print("| runner | ms/step | x eager TP | collectives/step | MiB/step | persistent MiB/rank |")
+        print("|---|---|---|---|---|---|")
+        for k, (m, fn, backend) in runners.items():
+            ms = statistics.median(times[k]) * 1e3
+            ratio = f"{ms / (base * 1e3):.2f}" if base else "-"
+            if backend is None:
+                counts = eager_comm.get_comm_counts() if eager_comm is not None else {}
+                calls = ", ".join(f"{str(op).split('.')[-1]} x{n}" for op, n in counts.items()) or "-"
+                mib = "-"
+            else:
+                c = fn.comm
+                calls = ", ".join(f"{kind} x{n}" for kind, n in (("all_reduce", c.all_reduce_calls),
+                                                                  ("all_gather", c.all_gather_calls),
+                                                                  ("reduce_scatter", c.reduce_scatter_calls)) if n)
+                mib = f"{(c.all_reduce_bytes + c.all_gather_bytes + c.reduce_scatter_bytes) / 2**20:.2f}"
+            held = persistent_bytes(m, opts[k])["total"] / 2**20
+            print(f"| {k} | {ms:.1f} | {ratio} | {calls} | {mib} | {held:.1f} |", flush=True)
+    runners.clear()
+    gc.collect()
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
