@@ -6,7 +6,7 @@ STAMP  := $(VENV)/.installed
 TORCH  ?= torch==2.13.0
 NPROC  ?= 2
 
-.PHONY: setup test test-fast fuzz demo demo-zero3 bench bench-zero3 clean
+.PHONY: setup test test-fast fuzz demo demo-zero3 demo-tp bench bench-zero3 clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -34,6 +34,9 @@ demo: setup
 
 demo-zero3: setup
 	$(VENV)/bin/torchrun --standalone --nproc_per_node=$(NPROC) examples/train_char_gpt.py --parallel fully_shard
+
+demo-tp: setup
+	$(VENV)/bin/torchrun --standalone --nproc_per_node=$(NPROC) examples/train_char_gpt.py --parallel tp
 
 bench: setup
 	$(PY) bench/step.py --compile

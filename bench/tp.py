@@ -27,6 +27,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor.debug import CommDebugMode
+from torch.distributed.tensor.experimental import implicit_replication
 from torch.distributed.tensor.parallel import parallelize_module
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -45,6 +46,13 @@ def train_step(model, opt, x, y):
     opt.step()
     opt.zero_grad(set_to_none=True)
     return loss
+
+
+def eager_step(model, opt, x, y):
+    """The step as eager tensor parallelism runs it: the fused AdamW kernel takes one list of parameters, DTensor
+    and plain (norms, embeddings) together, which DTensor accepts only with the plain ones implicitly replicated."""
+    with implicit_replication():
+        return train_step(model, opt, x, y)
 
 
 def main() -> None:
@@ -71,7 +79,7 @@ def main() -> None:
         m = copy.deepcopy(model)
         if name == "eager":
             m = parallelize_module(m, mesh, plan)
-            runners[name] = (m, train_step, None)
+            runners[name] = (m, eager_step, None)
         else:
             backend = name.split("-")[1]
             step = spmd_ort.compile(backend=backend, parallel_mode=spmd_ort.TensorParallel(plan, mesh=mesh))

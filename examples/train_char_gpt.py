@@ -4,12 +4,17 @@ Run:  make demo           (sets up .venv, then runs this file on 2 ranks)
   or: torchrun --standalone --nproc_per_node=2 examples/train_char_gpt.py [--steps 300] [--backend fx]
   or: python examples/train_char_gpt.py      (one process)
   or: make demo-zero3   (2 ranks, ZeRO-3: --parallel fully_shard [--offload])
+  or: torchrun --standalone --nproc_per_node=2 examples/train_char_gpt.py --parallel tp   (tensor parallel)
 
 Under torchrun every rank trains on its own batches; the compiled step averages
 gradients over ranks (spmd_ort.DataParallel, the default with several ranks), so
 the model stays identical everywhere.  With ``--parallel fully_shard`` each rank
 holds 1/N of the parameters and optimizer state (ZeRO-3); evaluation and
-sampling then run inside ``spmd_ort.gathered_parameters``.  Rank 0 prints.
+sampling then run inside ``spmd_ort.gathered_parameters``.  With ``--parallel tp``
+torch's Megatron plan (``examples.gpt.tensor_parallel_plan``) splits attention
+heads and MLP units over the ranks (``spmd_ort.TensorParallel``): every rank
+trains on the same batches, holds DTensor parameters, and evaluates and samples
+with the model as it is.  Rank 0 prints.
 
 The corpus is the repository's Python sources and docs, so nothing is
 downloaded.  It prints loss and steps/s as it goes and a sample at the end; the
@@ -34,7 +39,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 import spmd_ort  # noqa: E402
-from examples.gpt import GPT, GPTConfig  # noqa: E402
+from examples.gpt import GPT, GPTConfig, tensor_parallel_plan  # noqa: E402
 
 
 def load_corpus() -> str:
@@ -50,7 +55,7 @@ def main() -> None:
     ap.add_argument("--seq", type=int, default=64)
     ap.add_argument("--backend", default=None, help="fx (default from SPMD_ORT_BACKEND)")
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--parallel", default="replicate", choices=["replicate", "fully_shard"])
+    ap.add_argument("--parallel", default="replicate", choices=["replicate", "fully_shard", "tp"])
     ap.add_argument("--offload", action="store_true", help="fully_shard: optimizer and parameters on the host")
     ap.add_argument("--timeline", default=str(ROOT / "out" / "demo_timeline"),
                     help="where the profile of the last two steps goes (<path>.json, <path>.png)")
@@ -72,7 +77,8 @@ def main() -> None:
     train, val = data[:split], data[split:]
     log(f"corpus: {len(text):,} characters of this repository, vocabulary {len(chars)}; {world} rank(s)")
 
-    cfg = GPTConfig(vocab=len(chars), seq=args.seq, d=128, heads=4, layers=3)
+    tp = world > 1 and args.parallel == "tp"
+    cfg = GPTConfig(vocab=len(chars), seq=args.seq, d=128, heads=4, layers=3, split_qkv=tp)
     model = GPT(cfg)
     opt = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.1, betas=(0.9, 0.95))
     sched = torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=3e-3, total_steps=args.steps, pct_start=0.1)
@@ -80,10 +86,13 @@ def main() -> None:
 
     # replicate: bucket sizes chosen from the first steps' measured costs (the default); fully_shard: 1 MiB
     # buckets (its all-gathers too), so a model this small still gets several to overlap
-    mode = spmd_ort.DataParallel(parallel_style=args.parallel,
-                                 bucket_cap_mb="auto" if args.parallel == "replicate" else 1.0,
-                                 offload_optimizer="cpu" if args.offload else None,
-                                 offload_param="cpu" if args.offload else None) if world > 1 else None
+    if tp:  # q, k, v and the MLP's first linear column-wise, the projections back row-wise
+        mode = spmd_ort.TensorParallel(tensor_parallel_plan())
+    else:
+        mode = spmd_ort.DataParallel(parallel_style=args.parallel,
+                                     bucket_cap_mb="auto" if args.parallel == "replicate" else 1.0,
+                                     offload_optimizer="cpu" if args.offload else None,
+                                     offload_param="cpu" if args.offload else None) if world > 1 else None
 
     @spmd_ort.compile(backend=args.backend, parallel_mode=mode)
     def train_step(model, opt, x, y):
@@ -94,7 +103,8 @@ def main() -> None:
         opt.zero_grad(set_to_none=True)
         return loss
 
-    g = torch.Generator().manual_seed(args.seed + rank)  # every rank draws its own batches
+    # data parallel: every rank draws its own batches; tensor parallel: the ranks compute one model, on one batch
+    g = torch.Generator().manual_seed(args.seed + (0 if tp else rank))
 
     def batch(source: torch.Tensor):
         ix = torch.randint(len(source) - args.seq - 1, (args.batch,), generator=g)
@@ -120,6 +130,8 @@ def main() -> None:
             if world > 1 and args.parallel == "fully_shard":
                 extra = (f"  {comm.all_gather_calls} all-gather + {comm.reduce_scatter_calls} reduce-scatter/step, "
                          f"{comm.total_bytes / 2**20:.2f} MiB, {comm.overlap:.0%} overlapped")
+            elif tp:
+                extra = f"  {comm.all_reduce_calls} all-reduce/step (Megatron), {comm.all_reduce_bytes / 2**20:.2f} MiB"
             elif world > 1:
                 extra = (f"  {comm.all_reduce_calls} all-reduce/step, {comm.all_reduce_bytes / 2**20:.2f} MiB, "
                          f"{comm.overlap:.0%} overlapped")
@@ -146,7 +158,12 @@ def main() -> None:
             val_loss = F.cross_entropy(model(vx).flatten(0, 1), vy.flatten()).item()
         log(f"validation loss {val_loss:.3f}; {args.steps} steps in {time.perf_counter() - t0:.1f}s "
             f"({train_step.transitions.traces} traces)")
-        if world > 1:
+        if tp:
+            memory = train_step.memory()["persistent"]
+            log(f"tensor parallel: {memory['params'] / 2**20:.2f} MiB of parameters on this rank "
+                f"({sum(p.numel() for p in model.parameters()) * 4 / 2**20:.2f} MiB in all); "
+                f"blocks.0.q.weight is a DTensor {tuple(model.blocks[0].q.weight.placements)}")
+        elif world > 1:
             flat = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
             copies = [torch.empty_like(flat) for _ in range(world)]
             dist.all_gather(copies, flat)
