@@ -91,7 +91,8 @@ class PassContext:
     input_slots: list[Slot]
     output_slots: list[Slot]
     mode: DataParallel | None = None
-    world_size: int = 1
+    world_size: int = 1  # the ranks the data-parallel passes reduce over (2-D: the dp dim's)
+    group: str = ""  # their process group's name ("": the world; 2-D: the dp dim's group)
     rank: int = 0
     shard_specs: dict[int, ShardSpec] = field(default_factory=dict)  # fully_shard: param index -> spec
     layout: StateLayout | None = None

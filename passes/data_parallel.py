@@ -47,11 +47,12 @@ def _one_all_reduce_per_bucket(gm, ctx):
     buckets = ctx.results.get(GradientBuckets)
     if buckets is None:
         return "no gradient buckets recorded"
-    n = sum(1 for node in gm.graph.nodes if node.op == "call_function" and node.target is all_reduce_)
-    return None if n == len(buckets.nbytes) else f"{n} all-reduces for {len(buckets.nbytes)} buckets"
+    n = sum(1 for node in gm.graph.nodes
+            if node.op == "call_function" and node.target is all_reduce_ and GRADIENT_OF in node.meta)
+    return None if n == len(buckets.nbytes) else f"{n} gradient all-reduces for {len(buckets.nbytes)} buckets"
 
 
-ONE_ALL_REDUCE_PER_BUCKET = Invariant("one_all_reduce_per_bucket", "all-reduces == recorded gradient buckets",
+ONE_ALL_REDUCE_PER_BUCKET = Invariant("one_all_reduce_per_bucket", "gradient all-reduces == recorded buckets",
                                       _one_all_reduce_per_bucket)
 
 
@@ -161,7 +162,7 @@ def expand_data_parallel_pass(gm: fx.GraphModule, ctx) -> fx.GraphModule:
             grad, index = node.args
             with graph.inserting_before(node):
                 copy = call(graph, aten.clone.default, (grad,), val(node))
-                reduced = call(graph, all_reduce_, (copy, prescale), val(node))
+                reduced = call(graph, all_reduce_, (copy, prescale, ctx.group), val(node))
                 done = call(graph, wait_, (reduced,), val(node))
             reduced.meta[GRADIENT_OF] = index
             node.replace_all_uses_with(done)
@@ -191,10 +192,11 @@ def broadcast_buffers_pass(gm: fx.GraphModule, ctx) -> fx.GraphModule:
 
 
 def _chains(graph: fx.Graph) -> list[tuple[fx.Node, fx.Node, fx.Node]]:
-    """(clone, all_reduce_, wait_) chains of single gradients, in graph order."""
+    """(clone, all_reduce_, wait_) chains of single gradients, in graph order (not other all-reduces: a tensor-
+    parallel layer's, adopted from DTensor, reduces an activation)."""
     out = []
     for node in graph.nodes:
-        if node.op == "call_function" and node.target is all_reduce_:
+        if node.op == "call_function" and node.target is all_reduce_ and GRADIENT_OF in node.meta:
             src = node.args[0]
             waits = [u for u in node.users if u.target is wait_]
             if src.target is aten.clone.default and len(src.users) == 1 and len(waits) == 1 \
@@ -234,7 +236,7 @@ def _merge_bucket(graph: fx.Graph, bucket: list) -> None:
     with graph.inserting_before(last.next):  # (inserting_after would reverse the sequence)
         flats = [call(graph, aten.reshape.default, (g, [-1]), v.reshape(-1)) for g, v in zip(grads, vals)]
         cat = call(graph, aten.cat.default, (flats,), flat_val)
-        reduced = call(graph, all_reduce_, (cat, bucket[0][1].args[1]), flat_val)
+        reduced = call(graph, all_reduce_, (cat, *bucket[0][1].args[1:]), flat_val)  # its prescale and group
         reduced.meta[GRADIENT_OF] = tuple(c[1].meta.get(GRADIENT_OF) for c in bucket)
         done = call(graph, wait_, (reduced,), flat_val)
         sizes = [v.numel() for v in vals]

@@ -126,8 +126,12 @@ class Compiler:
                                   f"dim {d} of `{names[k]}` at {size}"
                                   for (k, d), size in sorted(traced.symbolic.specialised.items(), key=str)))
         traced_gm = snapshot(traced.gm)
+        world, group = call.world_size, ""
+        dp_group = call.tensor_parallel.dp_group() if call.tensor_parallel is not None else None
+        if dp_group is not None:  # 2-D: the data-parallel passes reduce over the dp dim
+            world, group = dp_group.size(), dp_group.group_name
         ctx = P.PassContext(input_slots=list(traced.input_slots), output_slots=list(traced.output_slots),
-                            mode=call.mode, world_size=call.world_size, rank=call.rank,
+                            mode=call.mode, world_size=world, group=group, rank=call.rank,
                             shard_specs=layout.shard_specs, layout=layout, disabled=self.options.disabled_passes,
                             check_contracts=self.options.check_passes, taps=self.taps,
                             activation_memory_budget=self.options.activation_memory_budget)

@@ -153,7 +153,9 @@ class CompiledStep:
         if self.buckets.choice is not None:
             program.results.record(self.buckets.choice)  # the cap this variant's buckets were built with
         if call.mode is not None and not call.mode.sharded and id(call.module) not in self._synced:
-            parallel.broadcast_state(call.module)  # rank 0's weights everywhere, as DDP does
+            tp = self._tensor_parallel
+            # rank 0's weights everywhere, as DDP does (2-D: within each data-parallel group)
+            parallel.broadcast_state(call.module, group=tp.dp_group() if tp is not None else None)
             self._synced.add(id(call.module))
         return program, key
 

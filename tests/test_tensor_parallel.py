@@ -4,7 +4,8 @@ The script (tests/dist/tp_parity.py) checks loss, parameters and optimizer state
 ``parallelize_module`` with the same plan after every step (gradients clipped over DTensor and plain
 gradients), the loss against one-process eager, and an evaluation forward outside the step; these tests check
 what it reports: the collectives against eager DTensor's (``CommDebugMode``), the bytes each rank holds, the
-parameters' placements, and (``TensorParallel``) that a failed first call left the model as it was.
+parameters' placements, and (``TensorParallel``) that a failed first call left the model as it was.  2-D (4 ranks,
+dp x tp) is checked against eager tensor parallelism on the global batch (the dp replicas' batches together).
 """
 
 from __future__ import annotations
@@ -17,23 +18,26 @@ SCRIPT = ROOT / "tests" / "dist" / "tp_parity.py"
 pytestmark = pytest.mark.multiproc
 
 CASES = [
-    ("fx", "mode", "megatron"),  # TensorParallel(plan) applied at the first call, after a failed one was undone
-    ("ort", "user", "megatron"),  # parallelize_module by the user, then parallel_mode=None
-    ("ort", "mode", "sequence"),  # sequence parallel: all-gathers, reduce-scatters, partial gradients of norms
+    ("fx", "mode", "megatron", 1),  # TensorParallel(plan) applied at the first call, after a failed one was undone
+    ("ort", "user", "megatron", 1),  # parallelize_module by the user, then parallel_mode=None
+    ("ort", "mode", "sequence", 1),  # sequence parallel: all-gathers, reduce-scatters, partial gradients of norms
+    # 2-D, 4 ranks (dp 2 x tp 2): DataParallel(replicate) on the dp dim, against eager TP on the global batch
+    ("ort", "mode", "sequence", 2),
 ]
 
 
-@pytest.mark.parametrize("backend,apply,plan", CASES)
-def test_matches_eager_tensor_parallel(tmp_path, backend, apply, plan):
+@pytest.mark.parametrize("backend,apply,plan,dp", CASES)
+def test_matches_eager_tensor_parallel(tmp_path, backend, apply, plan, dp):
     results, _ = torchrun(tmp_path, "--backend", backend, "--apply", apply, "--plan", plan, "--steps", "3",
-                          script=SCRIPT)
+                          "--dp", str(dp), nproc=2 * dp, script=SCRIPT)
     for r in results:
-        assert r["losses"] == results[0]["losses"]  # the ranks of a TP group compute one model
+        # the ranks of a TP group compute one model on one batch
+        assert r["losses"] == results[r["tp"] * (results.index(r) // r["tp"])]["losses"]
         eager = {k.split(".")[-1]: n for k, n in r["eager_collectives"].items()}
         if plan == "megatron":
             # one all-reduce per row-wise layer forward and per column-wise layer backward, and the gradient
-            # norm's: what eager DTensor issues
-            assert r["all_reduce_calls"] == r["rowwise"] + r["colwise"] + 1 == eager["all_reduce"]
+            # norm's: what eager DTensor issues (2-D: and the gradients' over dp, one bucket)
+            assert r["all_reduce_calls"] == r["rowwise"] + r["colwise"] + 1 + (dp > 1) == eager["all_reduce"] + (dp > 1)
             assert r["all_gather_calls"] == r["reduce_scatter_calls"] == 0
             assert set(eager) == {"all_reduce"}
         else:
@@ -44,7 +48,7 @@ def test_matches_eager_tensor_parallel(tmp_path, backend, apply, plan):
             assert r["all_reduce_calls"] < eager["all_reduce"]
         # each rank holds its shard of the sharded parameters and all of the replicated ones
         replicated = r["full_param_bytes"] - r["sharded_param_bytes"]
-        assert r["local_param_bytes"] == r["sharded_param_bytes"] // r["world"] + replicated
+        assert r["local_param_bytes"] == r["sharded_param_bytes"] // r["tp"] + replicated
         assert r["optimizer_params_are_dtensors"] == sum(1 for p in r["placements"].values() if p)
         assert r["placements"]["blocks.0.attn.q.weight"] == ["S(0)"]
         assert r["placements"]["blocks.1.out.weight"] == ["S(1)"]

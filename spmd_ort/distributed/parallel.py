@@ -141,7 +141,8 @@ def resolve(mode, module: nn.Module | None = None):
         if not (dist.is_available() and dist.is_initialized()):
             raise CompileError("TensorParallel needs torch.distributed initialized (launch with torchrun and call "
                                "torch.distributed.init_process_group)", rank=rank)
-        return None  # the plan makes the parameters DTensors: expand mode
+        # the plan makes the parameters DTensors (expand mode); 2-D: data parallel on the dp dim as well
+        return mode.data_parallel_mode()
     if module is not None and dtensor.has_dtensor_state(module):
         if mode is None:
             return None
@@ -232,11 +233,13 @@ def _first_diff(a: str, b: str) -> str:
     return f"{len(la)} vs {len(lb)} lines"
 
 
-def broadcast_state(module: nn.Module) -> None:
-    """Rank 0's parameters and buffers on every rank (as DDP does at construction)."""
+def broadcast_state(module: nn.Module, group=None) -> None:
+    """Rank 0's parameters and buffers on every rank (as DDP does at construction); with ``group`` (2-D: the
+    data-parallel replicas of this rank's shards), its first rank's, within it."""
+    src = 0 if group is None else dist.get_global_rank(group, 0)
     with torch.no_grad():
         seen: set[int] = set()
         for t in list(module.parameters()) + list(module.buffers()):
             if id(t) not in seen:
                 seen.add(id(t))
-                dist.broadcast(t.data, src=0)
+                dist.broadcast(dtensor.local(t.data), src=src, group=group)

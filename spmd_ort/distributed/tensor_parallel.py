@@ -33,16 +33,24 @@ class TensorParallel:
 
     ``plan``: ``{fqn or glob: ParallelStyle}`` as ``torch.distributed.tensor.parallel.parallelize_module`` takes
     it (``"blocks.*.mlp.fc"``); every key must name at least one submodule.  ``mesh``: a 1-D
-    ``DeviceMesh`` (default: every rank, on the parameters' device type).  Every rank passes the same batch
-    (the ranks of a tensor-parallel group compute one model), as in eager tensor parallelism.
+    ``DeviceMesh`` (default: every rank, on the parameters' device type).  The ranks of a tensor-parallel group
+    compute one model and pass the same batch, as in eager tensor parallelism.
+
+    2-D: ``mesh=init_device_mesh(device, (dp, tp), mesh_dim_names=("dp", "tp"))`` and
+    ``data_parallel=DataParallel(parallel_style="replicate", ...)``: the plan shards over ``tp``, and gradients
+    are averaged over ``dp`` (each dp replica passes its own batch) by the data-parallel passes, on the dp
+    group.  ``bucket_cap_mb="auto"`` keeps its 25 MiB starting cap there.
     """
 
     plan: Mapping[str, Any]
     mesh: Any = None
+    data_parallel: Any = None
 
     def __post_init__(self):
         from torch.distributed.device_mesh import DeviceMesh
         from torch.distributed.tensor.parallel import ParallelStyle
+
+        from spmd_ort.distributed.parallel import DataParallel
 
         if not isinstance(self.plan, Mapping) or not self.plan:
             raise TypeError(f"TensorParallel(plan={self.plan!r}): give a non-empty dict of module FQN (or glob) -> "
@@ -51,13 +59,50 @@ class TensorParallel:
             if not isinstance(fqn, str) or not isinstance(style, ParallelStyle):
                 raise TypeError(f"TensorParallel plan entry {fqn!r}: {style!r} is not a torch.distributed.tensor."
                                 "parallel.ParallelStyle (ColwiseParallel(), RowwiseParallel(), ...)")
-        if self.mesh is not None and (not isinstance(self.mesh, DeviceMesh) or self.mesh.ndim != 1):
-            raise TypeError(f"TensorParallel(mesh={self.mesh!r}): give a 1-D DeviceMesh (or None: every rank)")
+        if self.data_parallel is None:
+            if self.mesh is not None and (not isinstance(self.mesh, DeviceMesh) or self.mesh.ndim != 1):
+                raise TypeError(f"TensorParallel(mesh={self.mesh!r}): give a 1-D DeviceMesh (or None: every rank), "
+                                "or a 2-D one named ('dp', 'tp') with data_parallel=DataParallel(...)")
+            return
+        if not isinstance(self.data_parallel, DataParallel):
+            raise TypeError(f"TensorParallel(data_parallel={self.data_parallel!r}): give a spmd_ort.DataParallel")
+        if self.data_parallel.sharded:
+            raise TypeError("TensorParallel(data_parallel=DataParallel(parallel_style='fully_shard')): 2-D with "
+                            "fully_shard is not supported; use parallel_style='replicate' on the dp dim")
+        if self.data_parallel.mixed_precision is not None:
+            raise TypeError("TensorParallel(data_parallel=DataParallel(mixed_precision=...)): mixed precision is not "
+                            "supported with tensor parallelism")
+        if not (isinstance(self.mesh, DeviceMesh) and self.mesh.ndim == 2
+                and tuple(self.mesh.mesh_dim_names or ()) == ("dp", "tp")):
+            raise TypeError(f"TensorParallel(mesh={self.mesh!r}, data_parallel=...): give a 2-D DeviceMesh with "
+                            "mesh_dim_names=('dp', 'tp'), e.g. init_device_mesh('cpu', (dp, tp), "
+                            "mesh_dim_names=('dp', 'tp'))")
+
+    @property
+    def tp_mesh(self):
+        """The mesh the plan shards over: ``mesh`` (1-D), or its ``tp`` dim (2-D)."""
+        return self.mesh["tp"] if self.data_parallel is not None else self.mesh
+
+    def dp_group(self):
+        """2-D: the process group of this rank's data-parallel replicas (the ``dp`` dim); None on a 1-D mesh."""
+        return self.mesh["dp"].get_group() if self.data_parallel is not None else None
+
+    def data_parallel_mode(self):
+        """2-D: the data-parallel mode on the ``dp`` dim, with a fixed bucket cap in place of ``"auto"`` (its
+        measurements time collectives over every rank, not over one dp group); None on a 1-D mesh."""
+        import dataclasses
+
+        from spmd_ort.distributed.parallel import AUTO_START_MB
+
+        dp = self.data_parallel
+        if dp is None or not dp.auto_buckets:
+            return dp
+        return dataclasses.replace(dp, bucket_cap_mb=AUTO_START_MB)
 
     def mesh_for(self, module: nn.Module):
         """The mesh to apply the plan on: the given one, else 1-D over the world on the module's device type."""
         if self.mesh is not None:
-            return self.mesh
+            return self.tp_mesh
         import torch.distributed as dist
         from torch.distributed.device_mesh import init_device_mesh
 

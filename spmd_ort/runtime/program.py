@@ -205,8 +205,13 @@ def _write_grad(t: torch.Tensor, g: torch.Tensor | None, owned: bool) -> None:
 
 
 def _collective_line(node: fx.Node) -> str:
-    """A collective as the ranks must agree on it: the op, its non-tensor arguments, what it moves."""
-    args = [a for a in node.args if not isinstance(a, fx.Node)]
+    """A collective as the ranks must agree on it: the op, its non-tensor arguments, what it moves.  A process
+    group by its size: ranks of different groups of one mesh dim (2-D) name different groups."""
+    from spmd_ort.runtime.collectives import process_group
+
+    names = [a.name for a in node.target._schema.arguments] if hasattr(node.target, "_schema") else []
+    args = [f"group of {process_group(a).size()}" if i < len(names) and names[i] in ("group", "group_name") and a
+            else a for i, a in enumerate(node.args) if not isinstance(a, fx.Node)]
     v = node.meta.get("val")
     moved = f"{tuple(v.shape)} {v.dtype}" if isinstance(v, torch.Tensor) else ""
     return f"{node.target} {args} {moved}"

@@ -142,11 +142,14 @@ def main() -> None:
     ap.add_argument("--apply", choices=("mode", "user"), default="mode")
     ap.add_argument("--plan", choices=("megatron", "sequence"), default="megatron")
     ap.add_argument("--steps", type=int, default=4)
+    ap.add_argument("--dp", type=int, default=1, help="2-D: data-parallel replicas (mesh dp x tp), replicate")
     ap.add_argument("--out", required=True)
     args = ap.parse_args()
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
-    mesh = init_device_mesh("cpu", (world,))
+    mesh2d = init_device_mesh("cpu", (args.dp, world // args.dp), mesh_dim_names=("dp", "tp")) if args.dp > 1 else None
+    mesh = mesh2d["tp"] if mesh2d is not None else init_device_mesh("cpu", (world,))
+    dp_rank = mesh2d["dp"].get_local_rank() if mesh2d is not None else 0
     torch.manual_seed(0)
     base = LM()
     single = copy.deepcopy(base)
@@ -159,7 +162,8 @@ def main() -> None:
         compiled = parallelize_module(compiled, mesh, plan)
         mode = None
     else:
-        mode = spmd_ort.TensorParallel(plan)
+        mode = spmd_ort.TensorParallel(plan) if mesh2d is None else spmd_ort.TensorParallel(
+            plan, mesh=mesh2d, data_parallel=spmd_ort.DataParallel())
     opt_c = make_opt(compiled)  # built on the plain parameters under --apply mode: the plan moves it to DTensors
     step = spmd_ort.compile(backend=args.backend, parallel_mode=mode)(step_fn)
     if args.apply == "mode":
@@ -184,17 +188,24 @@ def main() -> None:
             raise AssertionError("a plan naming no submodule compiled")
         except spmd_ort.CompileError as exc:
             assert "blocks.*.mlp.fc" in str(exc) and "blocks.0.fc" in str(exc), exc
-    normwise = args.backend != "fx"
+    # 2-D: eager and one process train on the global batch; the compiled step on its dp replica's share, its
+    # gradients averaged over dp: the same sums in another order
+    normwise = args.backend != "fx" or args.dp > 1
     g = torch.Generator().manual_seed(1)
     losses = []
     for i in range(args.steps):
-        ids = torch.randint(0, VOCAB, (4, SEQ), generator=g)
-        labels = torch.randint(0, VOCAB, (4, SEQ), generator=g)
+        ids = torch.randint(0, VOCAB, (4 * args.dp, SEQ), generator=g)
+        labels = torch.randint(0, VOCAB, (4 * args.dp, SEQ), generator=g)
+        mine = slice(4 * dp_rank, 4 * (dp_rank + 1))  # this dp replica's share of the global batch
         ls = step_fn(single, opt_s, ids, labels)
         with CommDebugMode() as eager_comm, implicit_replication():  # eager DTensor's collectives in one step
             le = step_fn(eager, opt_e, ids, labels)
-        lc = step(compiled, opt_c, ids, labels)
+        lc = step(compiled, opt_c, ids[mine], labels[mine])
         assert not isinstance(lc, DTensor), type(lc)
+        if mesh2d is not None:  # the mean over the dp replicas' losses: the global batch's
+            lc = lc.detach().clone()
+            dist.all_reduce(lc, group=mesh2d["dp"].get_group())
+            lc /= args.dp
         torch.testing.assert_close(lc.detach(), le.detach(), rtol=1e-5, atol=1e-6)
         torch.testing.assert_close(lc.detach(), ls.detach(), rtol=1e-4, atol=1e-5)
         compare(eager, compiled, opt_e, opt_c, f"rank {rank} step {i}", normwise)
@@ -211,7 +222,8 @@ def main() -> None:
     comm = step.comm
     finish(args.out, {
         "losses": losses, "placements": placements, "local_param_bytes": local_bytes,
-        "full_param_bytes": full_bytes, "sharded_param_bytes": sharded_full, "world": world,
+        "full_param_bytes": full_bytes, "sharded_param_bytes": sharded_full, "world": world, "tp": world // args.dp,
+        "dp": args.dp,
         "eager_collectives": {str(k): v for k, v in eager_comm.get_comm_counts().items()},
         "all_reduce_calls": comm.all_reduce_calls, "all_reduce_bytes": comm.all_reduce_bytes, "all_gather_calls": comm.all_gather_calls,
         "reduce_scatter_calls": comm.reduce_scatter_calls,
