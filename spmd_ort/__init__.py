@@ -11,8 +11,7 @@ from spmd_ort.api import compile
 from spmd_ort.overrides import OpaqueOverride, Override
 from spmd_ort.capture.amp import DynamicLossScaler, MixedPrecisionPolicy
 from spmd_ort.distributed.checkpoint import load_checkpoint, load_state_dict, save_checkpoint, state_dict
-from spmd_ort.distributed.parallel import DataParallel
-from spmd_ort.distributed.tensor_parallel import TensorParallel
+from spmd_ort.distributed.parallel import DataParallel, TensorParallel
 from spmd_ort.distributed.sharding import full_state_dict, gathered_parameters
 from spmd_ort.errors import CheckpointError, CollectiveTimeout, CompileError, ConfigError, InputIndexError
 from spmd_ort.integrations.deepspeed.plan import DeepSpeedPlan, from_deepspeed_config

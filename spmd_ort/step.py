@@ -37,7 +37,7 @@ from spmd_ort.debug.profile import Profiler
 from spmd_ort.distributed import parallel
 from spmd_ort.distributed.buckets import BucketTuner
 from spmd_ort.distributed.sharding import persistent_bytes
-from spmd_ort.distributed.tensor_parallel import TensorParallel
+from spmd_ort.distributed.parallel import TensorParallel
 from spmd_ort.errors import CollectiveTimeout, CompileError, InputIndexError
 from spmd_ort.options import Options
 from spmd_ort.passes import MemoryPlan
