@@ -75,6 +75,7 @@ def shard_if_needed(call: StepCall) -> ShardedModule | None:
         return None
     sharding = ShardedModule(module, call.opt, call.rank, call.world_size, offload_param=mode.offload_param)
     sharding.shard()
+    sharding.gather_outside_steps()
     return sharding
 
 

@@ -95,6 +95,7 @@ class ShardedModule:
         self.module, self.opt, self.rank, self.world = module, opt, rank, world
         self.home = offload_param  # device the parameter shards live on (None: where the parameter is)
         self._undo: list = []
+        self._hooks: list = []
 
     def shard(self) -> None:
         """Rank 0's parameters and buffers everywhere, then every rank keeps its shard.
@@ -129,6 +130,9 @@ class ShardedModule:
                 self._undo.append(("buffer", b, saved, None))
 
     def undo(self) -> None:
+        for handle in self._hooks:
+            handle.remove()
+        self._hooks.clear()
         with torch.no_grad():
             for kind, t, a, b in reversed(self._undo):
                 if kind == "param":
@@ -144,6 +148,14 @@ class ShardedModule:
 
     def commit(self) -> None:
         self._undo.clear()
+        self._hooks.clear()  # the hooks stay with the sharded module
+
+    def gather_outside_steps(self) -> None:
+        """``module(x)`` outside the compiled step (evaluation, generation) runs on the full parameters, gathered
+        before its forward and resharded after it, as FSDP2's hooks do (collective: every rank calls it)."""
+        m = self.module
+        self._hooks += [m.register_forward_pre_hook(_gather_before_forward),
+                        m.register_forward_hook(_reshard_after_forward, always_call=True)]
 
 
 def gather_full(p: Tensor) -> Tensor:
@@ -213,6 +225,27 @@ def gathered_parameters(module: nn.Module, *, writeback: bool = False):
                 p.data = shards[id(p)]
                 if writeback:
                     p.data.copy_(spec_of(p).shard_of(full))
+
+
+_GATHERED = "_spmd_ort_gathered_for_forward"
+
+
+def _gather_before_forward(module: nn.Module, args) -> None:
+    # a trace puts full-shape traced tensors in the module (it is not sharded then); inside a run of a compiled
+    # step (an opaque part) the step's own gathers serve it
+    from spmd_ort.runtime.context import in_step
+
+    if not is_sharded(module) or module.__dict__.get(_GATHERED) is not None or in_step():
+        return
+    block = gathered_parameters(module)
+    block.__enter__()
+    module.__dict__[_GATHERED] = block
+
+
+def _reshard_after_forward(module: nn.Module, args, output) -> None:
+    block = module.__dict__.pop(_GATHERED, None)
+    if block is not None:
+        block.__exit__(None, None, None)
 
 
 def persistent_bytes(module: nn.Module, optimizer: torch.optim.Optimizer | None = None) -> dict[str, int]:

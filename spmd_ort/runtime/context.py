@@ -53,6 +53,11 @@ class StepRuntime:
         return self.opaque
 
 
+def in_step() -> bool:
+    """Whether a compiled step's graph is running in this context (its opaque parts call modules from it)."""
+    return _ACTIVE.get() is not None
+
+
 def active() -> StepRuntime:
     """The runtime of the step whose graph is running; host ops call this."""
     rt = _ACTIVE.get()

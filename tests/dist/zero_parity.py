@@ -139,6 +139,17 @@ def run(args, rank: int, world: int) -> dict:
                                "reduce_scatter_calls": c.reduce_scatter_calls,
                                "reduce_scatter_bytes": c.reduce_scatter_bytes, "all_reduce_bytes": c.all_reduce_bytes,
                                "carried_gathers": c.carried_gathers, "overlap": c.overlap})
+    # evaluation outside the compiled step: the module's own forward gathers the full parameters and reshards
+    # after (as FSDP2's hooks do); it equals the eager reference's, and the shards are as they were
+    shards = [p.detach().clone() for p in model.parameters()]
+    x = torch.randint(0, CFG.vocab, (2, CFG.seq), generator=torch.Generator().manual_seed(7))
+    model.eval()
+    reference.eval()
+    with torch.no_grad():
+        assert_close_normwise(model(x), reference(x), msg=f"rank {rank} eval forward outside the step")
+    model.train()
+    reference.train()
+    assert all(torch.equal(a, b) for a, b in zip(shards, model.parameters(), strict=True))
     memory = step.memory()
     padded = sum(p._spmd_ort_shard.padded_numel for p in model.parameters())
     unsharded = spmd_ort.distributed.sharding.persistent_bytes(reference, opt_ref)["total"]
