@@ -143,6 +143,8 @@ def main() -> None:
     ap.add_argument("--plan", choices=("megatron", "sequence"), default="megatron")
     ap.add_argument("--steps", type=int, default=4)
     ap.add_argument("--dp", type=int, default=1, help="2-D: data-parallel replicas (mesh dp x tp), replicate")
+    ap.add_argument("--vary-batch", action="store_true", help="batch sizes 4, 3, 2, ...: dynamic shapes")
+    ap.add_argument("--checkpoint", default=None, help="save the DTensor state with DCP here and load it back")
     ap.add_argument("--out", required=True)
     args = ap.parse_args()
     dist.init_process_group("gloo")
@@ -194,9 +196,10 @@ def main() -> None:
     g = torch.Generator().manual_seed(1)
     losses = []
     for i in range(args.steps):
-        ids = torch.randint(0, VOCAB, (4 * args.dp, SEQ), generator=g)
-        labels = torch.randint(0, VOCAB, (4 * args.dp, SEQ), generator=g)
-        mine = slice(4 * dp_rank, 4 * (dp_rank + 1))  # this dp replica's share of the global batch
+        b = (4, 3, 2)[i % 3] if args.vary_batch else 4
+        ids = torch.randint(0, VOCAB, (b * args.dp, SEQ), generator=g)
+        labels = torch.randint(0, VOCAB, (b * args.dp, SEQ), generator=g)
+        mine = slice(b * dp_rank, b * (dp_rank + 1))  # this dp replica's share of the global batch
         ls = step_fn(single, opt_s, ids, labels)
         with CommDebugMode() as eager_comm, implicit_replication():  # eager DTensor's collectives in one step
             le = step_fn(eager, opt_e, ids, labels)
@@ -220,7 +223,18 @@ def main() -> None:
         ids = torch.randint(0, VOCAB, (2, SEQ), generator=g)
         torch.testing.assert_close(compiled(ids), eager(ids), rtol=1e-4, atol=1e-5)
     comm = step.comm
+    if args.checkpoint:  # torch's DCP on the DTensor state dict, into a freshly parallelized model
+        import torch.distributed.checkpoint as dcp
+
+        dcp.save({"model": compiled.state_dict()}, checkpoint_id=args.checkpoint)
+        fresh = parallelize_module(copy.deepcopy(base), mesh, plan)
+        state = {"model": fresh.state_dict()}
+        dcp.load(state, checkpoint_id=args.checkpoint)
+        fresh.load_state_dict(state["model"])
+        for (name, a), (_, b) in zip(compiled.named_parameters(), fresh.named_parameters(), strict=True):
+            assert type(a) is type(b) and torch.equal(local(a), local(b)), name
     finish(args.out, {
+        "traces": step.transitions.traces,
         "losses": losses, "placements": placements, "local_param_bytes": local_bytes,
         "full_param_bytes": full_bytes, "sharded_param_bytes": sharded_full, "world": world, "tp": world // args.dp,
         "dp": args.dp,
