@@ -4,7 +4,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import torch
 from torch import fx
+from torch.fx.experimental.symbolic_shapes import optimization_hint
 
 from spmd_ort.runtime import ops
 from spmd_ort.runtime.memory import plan_activation_memory
@@ -68,7 +70,9 @@ def count_collectives_pass(gm: fx.GraphModule, ctx) -> fx.GraphModule:
     """Record how many collectives of each kind one step issues, and their bytes (a :class:`CollectiveCounts`).
 
     Counted on the finished distributed graph, so ``describe()`` and ``explain()`` show what runs, next to
-    the communicator's measured figures.  All-gathers are told apart by phase (forward, backward).
+    the communicator's measured figures.  All-gathers are told apart by phase (forward, backward).  A payload
+    whose size is symbolic (a tensor-parallel layer's activations under dynamic shapes) counts at the sizes the
+    program was traced with.
     """
     calls: dict[str, int] = {}
     nbytes: dict[str, int] = {}
@@ -80,6 +84,7 @@ def count_collectives_pass(gm: fx.GraphModule, ctx) -> fx.GraphModule:
         if node.target is ops.all_gather:
             kind = f"{kind} ({phase(node)})"
         calls[kind] = calls.get(kind, 0) + 1
-        nbytes[kind] = nbytes.get(kind, 0) + nbytes_of(payload)
+        size = nbytes_of(payload)
+        nbytes[kind] = nbytes.get(kind, 0) + (int(optimization_hint(size)) if isinstance(size, torch.SymInt) else size)
     ctx.results.record(CollectiveCounts(calls=dict(sorted(calls.items())), nbytes=dict(sorted(nbytes.items()))))
     return gm

@@ -14,6 +14,7 @@ import operator
 
 import torch
 from torch import fx
+from torch.fx.experimental.symbolic_shapes import optimization_hint
 
 from spmd_ort.passes.analysis import CollectiveCounts
 from spmd_ort.runtime.program import CompiledProgram
@@ -48,7 +49,9 @@ def node_flops(node: fx.Node) -> int:
 
 
 def _graph_flops(gm: fx.GraphModule) -> int:
-    return sum(node_flops(n) for n in gm.graph.nodes if n.op == "call_function")
+    """The graph's matmul FLOPs; with symbolic sizes (dynamic shapes), at the sizes it was traced with."""
+    total = sum(node_flops(n) for n in gm.graph.nodes if n.op == "call_function")
+    return int(optimization_hint(total)) if isinstance(total, torch.SymInt) else total
 
 
 def segment_executor(name: str, sub, stats) -> tuple[str, str]:
@@ -95,6 +98,7 @@ def _segments(program: CompiledProgram) -> list[tuple[str, str, int, int, str]]:
             rows.append((node.target, where, n_ops, _graph_flops(graph), why))
         elif node.op == "call_function" and node.target is not operator.getitem:
             flops = node_flops(node)
+            flops = int(optimization_hint(flops)) if isinstance(flops, torch.SymInt) else flops
             if program.executor.name == "ort" or isinstance(node.target, torch._ops.OpOverload) and \
                     node.target.namespace == "spmd_ort":
                 rows.append((node.name, "host", 1, flops, str(node.target)))

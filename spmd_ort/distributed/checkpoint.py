@@ -46,6 +46,7 @@ from spmd_ort.distributed.checkpoint_check import (Problem, check_checkpoint, ch
                                                        read_checkpoint)
 from spmd_ort.errors import CheckpointError
 from spmd_ort.capture.optim import initial_step
+from spmd_ort.distributed.dtensor import is_dtensor
 from spmd_ort.distributed.sharding import ShardSpec, is_sharded_state, spec_of
 
 NOTHING_CHANGED = "Nothing was loaded: the model, optimizer and step are unchanged."
@@ -123,6 +124,8 @@ def load_state_dict(train_step, sd: dict, model: nn.Module, optimizer: torch.opt
                     mine[k] = v
                 elif k in mine:
                     _store(mine[k], v, spec_of(p) if is_sharded_state(mine[k]) else None)
+                elif is_dtensor(p) and isinstance(v, Tensor) and v.dim() > 0:
+                    mine[k] = _placed_like(v, p).clone()
                 else:
                     mine[k] = _local(v, spec_of(p) if is_sharded_state(v) else None).clone()
         for group, saved in zip(optimizer.param_groups, sd["optim"]["param_groups"]):
@@ -146,9 +149,32 @@ def _local(value, spec: ShardSpec | None) -> Tensor:
     return value
 
 
+def _placed_like(value: Tensor, like, *, allocate: bool = False):
+    """``value`` (a full tensor, or a DTensor) as a DTensor placed like ``like``: no communication for a full
+    tensor (each rank keeps its piece) or one already placed so.  ``allocate``: a new, empty DTensor of
+    ``value``'s dtype (a target for DCP to read into)."""
+    from torch.distributed.tensor import DTensor, distribute_tensor
+
+    if allocate:
+        piece = torch.empty(like.to_local().shape, dtype=value.dtype, device=like.to_local().device)
+        return DTensor.from_local(piece, like.device_mesh, like.placements, run_check=False, shape=like.shape,
+                                  stride=like.stride())
+    if isinstance(value, DTensor):
+        if tuple(value.placements) != tuple(like.placements):
+            value = value.redistribute(like.device_mesh, like.placements)
+        return value
+    return distribute_tensor(value.to(like.to_local().device), like.device_mesh, like.placements,
+                             src_data_rank=None)
+
+
 def _store(dst: Tensor, value, spec: ShardSpec | None) -> None:
     from torch.distributed.tensor import DTensor
 
+    if is_dtensor(dst):  # DTensor state (tensor parallel): local piece to local piece
+        src, mine = _placed_like(value, dst).to_local(), dst.to_local()
+        if src.data_ptr() != mine.data_ptr():
+            mine.copy_(src.reshape(mine.shape))
+        return
     if isinstance(value, DTensor) and spec is not None:
         local = value.to_local()
         if local.numel() and local.data_ptr() == dst.data_ptr():
@@ -275,6 +301,9 @@ def _staging(found, model: nn.Module, optimizer) -> tuple[dict, Callable[[], Non
     def target(like: Tensor, spec: ShardSpec | None, saved: tuple[int, ...], dtype: torch.dtype):
         """A new tensor DCP reads ``saved``-shaped data into, and a function giving it in the live layout
         (``like``'s full shape; this rank's shard of it where ``spec`` says the live tensor is sharded)."""
+        if is_dtensor(like):  # DTensor state (tensor parallel): DCP reads this rank's piece, resharding as needed
+            target_dt = _placed_like(torch.empty(saved, dtype=dtype, device="meta"), like, allocate=True)
+            return target_dt, lambda: target_dt
         if spec is not None and saved == (spec.numel,):  # sharded here and in the checkpoint
             local = torch.zeros(spec.shard_numel, dtype=dtype, device=like.device)
             return _dtensor(local, spec, mesh), lambda: local

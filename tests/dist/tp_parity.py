@@ -233,6 +233,17 @@ def main() -> None:
         fresh.load_state_dict(state["model"])
         for (name, a), (_, b) in zip(compiled.named_parameters(), fresh.named_parameters(), strict=True):
             assert type(a) is type(b) and torch.equal(local(a), local(b)), name
+        # spmd_ort's own checkpoint: resuming from it continues bit for bit
+        spmd_ort.save_checkpoint(f"{args.checkpoint}_spmd", step, compiled, opt_c)
+        ids = torch.randint(0, VOCAB, (4, SEQ), generator=g)
+        want = step(compiled, opt_c, ids, ids)
+        resumed = copy.deepcopy(base)
+        opt_r = make_opt(resumed)
+        step_r = spmd_ort.compile(backend=args.backend, parallel_mode=mode)(step_fn)
+        spmd_ort.load_checkpoint(f"{args.checkpoint}_spmd", step_r, resumed, opt_r)
+        assert torch.equal(step_r(resumed, opt_r, ids, ids), want)
+        for (name, a), (_, b) in zip(compiled.named_parameters(), resumed.named_parameters(), strict=True):
+            assert type(a) is type(b) and torch.equal(local(a), local(b)), f"resumed {name}"
     finish(args.out, {
         "traces": step.transitions.traces,
         "losses": losses, "placements": placements, "local_param_bytes": local_bytes,
