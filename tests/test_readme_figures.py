@@ -76,6 +76,9 @@ CLAIMS: list[tuple[str, Source]] = [
     ("DDP on fx and {0.97×} on ORT", Cell(DP_TABLE, "spmd-ort", "x DDP")),
     ("`\"auto\"` keeps {25 MiB} there and says so",
      Code("spmd_ort/distributed/parallel.py", r"^AUTO_START_MB = (\d+\.\d+)  #")),
+    ("(`\"auto\"` keeps its {25 MiB} start: its probe times collectives over every rank)",
+     Code("spmd_ort/distributed/parallel.py", r"^AUTO_START_MB = (\d+\.\d+)  #")),
+    ("Tested on 4 ranks ({2 x} 2, sequence parallel, ORT)", Fact("the 2-D test's mesh: dp 2 x tp 2 (CASES)")),
     # ZeRO-3
     ("one reduce-scatter of every gradient: {3x} the parameter bytes",
      Fact("two all-gathers of every parameter and one reduce-scatter of every gradient, each its size")),
