@@ -235,11 +235,17 @@ def _gather_before_forward(module: nn.Module, args) -> None:
     # step (an opaque part) the step's own gathers serve it
     from spmd_ort.runtime.context import in_step
 
-    if not is_sharded(module) or module.__dict__.get(_GATHERED) is not None or in_step():
-        return
+    if not is_sharded(module) or module.__dict__.get(_GATHERED) is not None or in_step() or not _holds_shards(module):
+        return  # (inside gathered_parameters the module holds its full parameters already)
     block = gathered_parameters(module)
     block.__enter__()
     module.__dict__[_GATHERED] = block
+
+
+def _holds_shards(module: nn.Module) -> bool:
+    """Whether every sharded parameter of ``module`` holds its shard now (not its full value)."""
+    return all(p.dim() == 1 and p.numel() == spec_of(p).shard_numel
+               for p in module.parameters() if spec_of(p) is not None)
 
 
 def _reshard_after_forward(module: nn.Module, args, output) -> None:

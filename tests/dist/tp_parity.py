@@ -235,13 +235,13 @@ def main() -> None:
             assert type(a) is type(b) and torch.equal(local(a), local(b)), name
         # spmd_ort's own checkpoint: resuming from it continues bit for bit
         spmd_ort.save_checkpoint(f"{args.checkpoint}_spmd", step, compiled, opt_c)
-        ids = torch.randint(0, VOCAB, (4, SEQ), generator=g)
-        want = step(compiled, opt_c, ids, ids)
+        ids, labels = (torch.randint(0, VOCAB, (4, SEQ), generator=g) for _ in range(2))
+        want = step(compiled, opt_c, ids, labels)
         resumed = copy.deepcopy(base)
         opt_r = make_opt(resumed)
         step_r = spmd_ort.compile(backend=args.backend, parallel_mode=mode)(step_fn)
         spmd_ort.load_checkpoint(f"{args.checkpoint}_spmd", step_r, resumed, opt_r)
-        assert torch.equal(step_r(resumed, opt_r, ids, ids), want)
+        assert torch.equal(step_r(resumed, opt_r, ids, labels), want)
         for (name, a), (_, b) in zip(compiled.named_parameters(), resumed.named_parameters(), strict=True):
             assert type(a) is type(b) and torch.equal(local(a), local(b)), f"resumed {name}"
     finish(args.out, {
