@@ -16,7 +16,7 @@ import spmd_ort
 from spmd_ort.passes import PassContext, Recomputation, op_counts, recompute_activations_pass, run_passes
 from spmd_ort.passes.recompute import NARROWED_MASK, RECOMPUTED
 from spmd_ort.runtime import ops
-from tests.helpers import assert_ran_on_ort, assert_same_state, lm_step, train_side_by_side, train_step
+from tests.helpers import ATOL, RTOL, assert_ran_on_ort, assert_same_state, lm_step, train_side_by_side, train_step
 from tests.models import GPT, MLP, GPTConfig, ScaleByMax, gpt_batch
 
 
@@ -221,6 +221,43 @@ def test_dynamic_shapes_at_budget_zero_match_eager():
                                   batches, dynamic=True, activation_memory_budget=0.0)
     assert len(step.variants) == 1 and step.compiled.symbolic is not None
     assert step.compiled.results.get(Recomputation).copies > 0
+
+
+def test_dynamic_shapes_with_dropout_recompute_and_are_bitwise_equal_across_budgets():
+    """A symbolic trace with dropout: the backward's nodes keep their phase tags (make_fx drops the trace's dead
+    size nodes after tracing; tags placed by position once fell off the graph, and nothing was recomputed).
+    Budget 0 gives budget 1's losses and parameters bit for bit, and eager's to the usual tolerance."""
+    from spmd_ort.capture.trace import phase
+
+    g = torch.Generator().manual_seed(0)
+    batches = [(torch.randint(0, 64, (b, t), generator=g), torch.randint(0, 64, (b, t), generator=g))
+               for b, t in ((4, 16), (3, 24), (2, 32))]
+    torch.manual_seed(0)
+    base = GPT(CFG)
+    runs = {}
+    for budget in ("eager", 1.0, 0.0):
+        model = copy.deepcopy(base)
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-2, fused=True)
+        step = lm_step if budget == "eager" else \
+            spmd_ort.compile(backend="fx", dynamic=True, activation_memory_budget=budget)(lm_step)
+        losses = []
+        for i, (x, y) in enumerate(batches):
+            torch.manual_seed(100 + i)
+            losses.append(step(model, opt, x, y).detach())
+        runs[budget] = (losses, model, opt)
+    assert len(step.variants) == 1 and step.compiled.symbolic is not None
+    nodes = step.compiled.gm.graph.nodes
+    assert all(phase(n) == "backward" for n in nodes if str(n.target) == "aten.native_dropout_backward.default")
+    result = step.compiled.results.get(Recomputation)
+    assert result.copies > 0 and result.recomputed_bytes > 0
+    assert any("_safe_softmax" in r for r in result.recomputed)  # attention probabilities: recomputed
+    (l0, m0, _), (l1, m1, _) = runs[0.0], runs[1.0]
+    assert all(torch.equal(a, b) for a, b in zip(l0, l1))
+    assert all(torch.equal(a, b) for a, b in zip(m0.parameters(), m1.parameters()))
+    (le, me, oe) = runs["eager"]
+    for i, (a, b) in enumerate(zip(l0, le)):
+        torch.testing.assert_close(a, b, rtol=RTOL, atol=ATOL, msg=lambda m, i=i: f"step {i} loss: {m}")
+    assert_same_state(me, m0, oe, runs[0.0][2])
 
 
 class OpaqueNet(nn.Module):
