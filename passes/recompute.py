@@ -439,7 +439,13 @@ def _rewrite(gm: fx.GraphModule, plan: _Plan) -> int:
         if node in copies:
             return copies[node]
         env = {a: a if plan.available(a) else materialize(a, before) for a in node.all_input_nodes}
-        with graph.inserting_before(before):
+        # a getitem of a recomputed multi-output op goes right after it, as a trace places it, even when a later
+        # reader asks for it: the ORT partition splits segments at collectives in graph order, and a tuple
+        # crossing segments has no ONNX type
+        source = node.args[0] if node.target is operator.getitem else None
+        where = graph.inserting_after(env[source]) if source is not None and env[source] is not source \
+            else graph.inserting_before(before)
+        with where:
             copy = graph.node_copy(node, lambda a: env[a])
         copy.meta = {k: v for k, v in node.meta.items() if k != "custom"}
         copy.meta["custom"] = dict(node.meta.get("custom", {}))

@@ -456,6 +456,51 @@ def test_replicate_on_two_ranks_matches_ddp_at_budget_zero(tmp_path):
 
 
 @pytest.mark.multiproc
+def test_replicate_on_ort_on_two_ranks_matches_ddp_and_budget_one_at_budget_zero(tmp_path):
+    """tests/dist/dp_parity.py --budget 0 on ORT: every step equals DDP and a copy compiled at budget 1.0 (to the
+    usual tolerances, checked in the script), and every segment runs in ONNX Runtime: a recomputed multi-output
+    op's getitems stay next to it, so no tuple crosses the segments split at the gradient all-reduces."""
+    from tests.helpers import assert_ort_report_clean
+    from tests.test_data_parallel import torchrun
+
+    ranks, _ = torchrun(tmp_path, "--model", "gpt", "--opt", "adamw", "--backend", "ort", "--steps", "3",
+                        "--bucket-mb", "0.05", "--budget", "0")
+    for r in ranks:
+        assert "compile_error" not in r, r.get("compile_error")
+        assert len(r["losses"]) == 3 and r["recomputed_copies"] > 0
+        assert_ort_report_clean(r["ort"])
+
+
+def _amp_parity(tmp_path, *args: str) -> list[dict]:
+    """tests/dist/amp_parity.py on 2 ranks (gloo); each rank's result."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    out = tmp_path / "out"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+           "tests/dist/amp_parity.py", "--out", str(out), *args]
+    proc = subprocess.run(cmd, env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True, text=True,
+                          timeout=400, check=False, cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-6000:]
+    return [json.loads((out / f"rank{r}.json").read_text()) for r in range(2)]
+
+
+@pytest.mark.multiproc
+def test_replicate_with_a_bf16_policy_on_two_ranks_is_bitwise_equal_to_fsdp2_and_budget_one_at_budget_zero(tmp_path):
+    """A MixedPrecisionPolicy (bf16 compute and reductions): replicate at budget 0 recomputes the bf16 casts and
+    activations, and every step's loss and parameters equal torch FSDP2's with the same policy and the copy
+    compiled at budget 1.0 bit for bit (checked in tests/dist/amp_parity.py).  DDP's own mixed precision needs
+    CUDA events, so FSDP2 is the eager oracle here, as in tests/test_amp.py."""
+    ranks = _amp_parity(tmp_path, "--suite", "bf16", "--styles", "replicate", "--steps", "3", "--budget", "0")
+    for r in ranks:
+        d = r["bf16"]
+        assert len(d["losses"]) == 3 and d["max_param_diff"] == {"replicate": 0.0, "replicate@1.0": 0.0}
+        assert d["recomputed_copies"]["replicate"] > 0 and d["recomputed_copies"]["replicate@1.0"] == 0
+
+
+@pytest.mark.multiproc
 def test_fully_shard_on_two_ranks_matches_eager_at_budget_zero_with_the_same_gathers(tmp_path):
     """tests/dist/zero_parity.py (2 ranks, reshard after forward) checks loss, every full parameter and the AdamW
     state against eager on the global batch at each step; at budget 0 the communicator counts the all-gather calls
