@@ -94,6 +94,31 @@ def test_a_matmul_output_is_the_last_to_be_recomputed():
     assert any("kept within the budget" in k and "`mm`" in k for k in ctx.results.get(Recomputation).kept)
 
 
+def test_the_cost_model_charges_fresh_memory_and_widening_a_bool_mask():
+    """Measured in bench/memory.py's step: recomputing ``gelu`` takes ~0.33 ms per MiB (nearly all of it the fresh
+    output), ``bool_mask / 0.9`` 0.63: a byte-count model that charged writes like reads ranked them the other
+    way round (25 against 40 per element)."""
+    from spmd_ort.passes.recompute import recompute_cost
+
+    def fn(x, m):
+        return torch.nn.functional.gelu(x), m / 0.9
+
+    gm = make_fx(fn, tracing_mode="fake")(torch.randn(64, 64), torch.rand(64, 64) > 0.1)
+    cost = {n.target: recompute_cost(n) for n in gm.graph.nodes if n.op == "call_function"}
+    assert cost[torch.ops.aten.div.Tensor] > 1.4 * cost[torch.ops.aten.gelu.default]
+
+
+def test_at_budget_half_the_scaled_dropout_masks_are_kept_and_cheaper_values_recomputed():
+    """A dropout mask's scaled values recomputed from its packed bits cost ~3x a GELU output per byte (unpacking,
+    then widening bool to float): at budget 0.5 the GPT keeps them, masks unpacked, and recomputes the masked
+    attention probabilities and GELU outputs instead."""
+    step, *_ = _train(0.5, steps=1)
+    result = step.compiled.results.get(Recomputation)
+    recomputed = {r.split("(")[1].split(",")[0] for r in result.recomputed}
+    assert {"mul.Tensor", "gelu.default"} <= recomputed and "div.Scalar" not in recomputed, recomputed
+    assert result.narrowed_masks == 0
+
+
 @pytest.mark.parametrize("shape,kept", [((4, 8), (torch.uint8, (4,))), ((3, 5), (torch.bool, (3, 5)))])
 def test_random_outputs_are_kept_so_masks_replay_exactly(shape, kept):
     """The mask stays (its bits packed eight to a byte when its size allows, else as bool) and the backward
