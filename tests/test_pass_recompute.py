@@ -256,9 +256,9 @@ def test_dynamic_shapes_with_dropout_recompute_and_are_bitwise_equal_across_budg
 
     g = torch.Generator().manual_seed(0)
     batches = [(torch.randint(0, 64, (b, t), generator=g), torch.randint(0, 64, (b, t), generator=g))
-               for b, t in ((4, 16), (3, 24), (2, 32))]
+               for b, t in ((4, 16), (3, 24))]
     torch.manual_seed(0)
-    base = GPT(CFG)
+    base = GPT(GPTConfig(vocab=64, seq=32, d=32, heads=4, layers=1, dropout=0.1))
     runs = {}
     for budget in ("eager", 1.0, 0.0):
         model = copy.deepcopy(base)
