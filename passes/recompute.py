@@ -19,8 +19,10 @@ What is kept, whatever the budget:
 
 Among the rest, a 0/1 knapsack (torch's ``greedy_knapsack``, as its min-cut partitioner uses under
 ``activation_memory_budget``) keeps the values with the most recompute time per byte: a value's recompute time
-is the cost of the forward nodes between it and the values kept around it (FLOPs of matmuls and convolutions
-plus bytes moved; torch's FLOP formulas), so matmul outputs are the last to be recomputed.  A user's own
+is the cost of the forward nodes between it and the values kept around it (FLOPs of matmuls and convolutions,
+torch's FLOP formulas; bytes read; bytes written, each a fresh allocation that page-faults, several times a read;
+and elements converted between bool and float: :func:`recompute_cost`), so matmul outputs are the last to be recomputed, and a
+dropout mask's scaled values, unpacked and widened, come after plain elementwise outputs.  A user's own
 ``torch.utils.checkpoint`` already recomputes in the backward: its recomputation is backward nodes, which this
 pass never touches, and the values it discarded are no saved values here.
 """
@@ -50,7 +52,11 @@ logger = logging.getLogger("spmd_ort")
 
 RECOMPUTED = "recomputed"  # node.meta key of a recomputed copy: the name of the forward node it recomputes
 NARROWED_MASK = "narrowed_mask"  # node.meta key of a dropout mask's bool copy (kept): the mask's node name
-BYTE_COST = 5.0  # recompute cost of moving one byte, in FLOPs (a CPU core: ~50 GFLOP/s against ~10 GB/s)
+# Recompute costs in FLOP-equivalents (matmuls here run at ~30-60 GFLOP/s: 1 FLOP-eq. ~ 0.02 ns), measured on a
+# 2-core EPYC with freed memory returned to the system, where every recomputed value is fresh memory:
+READ_COST = 5.0  # per byte read (~10 GB/s)
+WRITE_COST = 25.0  # per byte written: fresh pages faulted in, later unmapped (~0.4 ms/MiB; the arithmetic ~0.04)
+CAST_COST = 75.0  # per element an op widens from a 1-byte dtype or narrows to one (bool -> float: ~1.2 ns more)
 NAMESPACES = ("aten", "prims")
 # ops whose output shares its input's storage at run time although their schema does not say so
 RUNTIME_VIEWS = (torch.ops.aten._unsafe_view.default,)
@@ -159,8 +165,12 @@ def _hint(x) -> int:
 
 
 def recompute_cost(node: fx.Node) -> float:
-    """What running ``node`` again costs, in FLOP-equivalents: its matmul/convolution FLOPs (torch's formulas)
-    plus the bytes it reads and writes (views cost nothing)."""
+    """What running ``node`` again costs, in FLOP-equivalents: its matmul/convolution FLOPs (torch's formulas),
+    the bytes it reads, the bytes it writes (fresh memory: several times a read) and, for an op converting
+    between a 1-byte dtype and a wider one (scaling a bool dropout mask), each element converted (views cost
+    nothing).  Measured in the bench's GPT step (bench/memory.py): recomputed ``gelu`` and layer norms take
+    ~0.33 ms per MiB, nearly all of it fresh memory, ``bool_mask / (1 - p)`` 0.63, and a dropout mask's scaled
+    values recomputed from its packed bits 0.92 per MiB saved."""
     if node.op != "call_function" or _is_view(node) or node.target is operator.getitem:
         return 0.0
     flops = 0
@@ -171,8 +181,19 @@ def recompute_cost(node: fx.Node) -> float:
             flops = _hint(formula(*args, **kwargs, out_val=node.meta.get("val")))
         except Exception:  # noqa: BLE001 - a formula that cannot read these sizes: bytes alone
             flops = 0
-    moved = value_bytes(node.meta.get("val")) + sum(value_bytes(a.meta.get("val")) for a in node.all_input_nodes)
-    return float(flops) + BYTE_COST * moved
+    out = node.meta.get("val")
+    read = sum(value_bytes(a.meta.get("val")) for a in node.all_input_nodes)
+    return float(flops) + READ_COST * read + WRITE_COST * value_bytes(out) + CAST_COST * _converted(node, out)
+
+
+def _converted(node: fx.Node, out) -> int:
+    """Elements ``node`` converts between a 1-byte dtype (bool, uint8, int8) and a wider one, or 0: such loops run
+    element by element (a uint8 -> bool compare or a float op does not)."""
+    if not isinstance(out, torch.Tensor):
+        return 0
+    sizes = {out.dtype.itemsize} | {a.meta["val"].dtype.itemsize for a in node.all_input_nodes
+                                    if isinstance(a.meta.get("val"), torch.Tensor) and a.meta["val"].numel() > 1}
+    return _hint(out.numel()) if 1 in sizes and len(sizes) > 1 else 0
 
 
 aten = torch.ops.aten
@@ -439,7 +460,13 @@ def _rewrite(gm: fx.GraphModule, plan: _Plan) -> int:
         if node in copies:
             return copies[node]
         env = {a: a if plan.available(a) else materialize(a, before) for a in node.all_input_nodes}
-        with graph.inserting_before(before):
+        # a getitem of a recomputed multi-output op goes right after it, as a trace places it, even when a later
+        # reader asks for it: the ORT partition splits segments at collectives in graph order, and a tuple
+        # crossing segments has no ONNX type
+        source = node.args[0] if node.target is operator.getitem else None
+        where = graph.inserting_after(env[source]) if source is not None and env[source] is not source \
+            else graph.inserting_before(before)
+        with where:
             copy = graph.node_copy(node, lambda a: env[a])
         copy.meta = {k: v for k, v in node.meta.items() if k != "custom"}
         copy.meta["custom"] = dict(node.meta.get("custom", {}))

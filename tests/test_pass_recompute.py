@@ -16,7 +16,7 @@ import spmd_ort
 from spmd_ort.passes import PassContext, Recomputation, op_counts, recompute_activations_pass, run_passes
 from spmd_ort.passes.recompute import NARROWED_MASK, RECOMPUTED
 from spmd_ort.runtime import ops
-from tests.helpers import assert_ran_on_ort, assert_same_state, lm_step, train_side_by_side, train_step
+from tests.helpers import ATOL, RTOL, assert_ran_on_ort, assert_same_state, lm_step, train_side_by_side, train_step
 from tests.models import GPT, MLP, GPTConfig, ScaleByMax, gpt_batch
 
 
@@ -92,6 +92,31 @@ def test_a_matmul_output_is_the_last_to_be_recomputed():
     for a, b in zip(gm(*args), expected):
         assert torch.equal(a, b)
     assert any("kept within the budget" in k and "`mm`" in k for k in ctx.results.get(Recomputation).kept)
+
+
+def test_the_cost_model_charges_fresh_memory_and_widening_a_bool_mask():
+    """Measured in bench/memory.py's step: recomputing ``gelu`` takes ~0.33 ms per MiB (nearly all of it the fresh
+    output), ``bool_mask / 0.9`` 0.63: a byte-count model that charged writes like reads ranked them the other
+    way round (25 against 40 per element)."""
+    from spmd_ort.passes.recompute import recompute_cost
+
+    def fn(x, m):
+        return torch.nn.functional.gelu(x), m / 0.9
+
+    gm = make_fx(fn, tracing_mode="fake")(torch.randn(64, 64), torch.rand(64, 64) > 0.1)
+    cost = {n.target: recompute_cost(n) for n in gm.graph.nodes if n.op == "call_function"}
+    assert cost[torch.ops.aten.div.Tensor] > 1.4 * cost[torch.ops.aten.gelu.default]
+
+
+def test_at_budget_half_the_scaled_dropout_masks_are_kept_and_cheaper_values_recomputed():
+    """A dropout mask's scaled values recomputed from its packed bits cost ~3x a GELU output per byte (unpacking,
+    then widening bool to float): at budget 0.5 the GPT keeps them, masks unpacked, and recomputes the masked
+    attention probabilities and GELU outputs instead."""
+    step, *_ = _train(0.5, steps=1)
+    result = step.compiled.results.get(Recomputation)
+    recomputed = {r.split("(")[1].split(",")[0] for r in result.recomputed}
+    assert {"mul.Tensor", "gelu.default"} <= recomputed and "div.Scalar" not in recomputed, recomputed
+    assert result.narrowed_masks == 0
 
 
 @pytest.mark.parametrize("shape,kept", [((4, 8), (torch.uint8, (4,))), ((3, 5), (torch.bool, (3, 5)))])
@@ -221,6 +246,43 @@ def test_dynamic_shapes_at_budget_zero_match_eager():
                                   batches, dynamic=True, activation_memory_budget=0.0)
     assert len(step.variants) == 1 and step.compiled.symbolic is not None
     assert step.compiled.results.get(Recomputation).copies > 0
+
+
+def test_dynamic_shapes_with_dropout_recompute_and_are_bitwise_equal_across_budgets():
+    """A symbolic trace with dropout: the backward's nodes keep their phase tags (make_fx drops the trace's dead
+    size nodes after tracing; tags placed by position once fell off the graph, and nothing was recomputed).
+    Budget 0 gives budget 1's losses and parameters bit for bit, and eager's to the usual tolerance."""
+    from spmd_ort.capture.trace import phase
+
+    g = torch.Generator().manual_seed(0)
+    batches = [(torch.randint(0, 64, (b, t), generator=g), torch.randint(0, 64, (b, t), generator=g))
+               for b, t in ((4, 16), (3, 24))]
+    torch.manual_seed(0)
+    base = GPT(GPTConfig(vocab=64, seq=32, d=32, heads=4, layers=1, dropout=0.1))
+    runs = {}
+    for budget in ("eager", 1.0, 0.0):
+        model = copy.deepcopy(base)
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-2, fused=True)
+        step = lm_step if budget == "eager" else \
+            spmd_ort.compile(backend="fx", dynamic=True, activation_memory_budget=budget)(lm_step)
+        losses = []
+        for i, (x, y) in enumerate(batches):
+            torch.manual_seed(100 + i)
+            losses.append(step(model, opt, x, y).detach())
+        runs[budget] = (losses, model, opt)
+    assert len(step.variants) == 1 and step.compiled.symbolic is not None
+    nodes = step.compiled.gm.graph.nodes
+    assert all(phase(n) == "backward" for n in nodes if str(n.target) == "aten.native_dropout_backward.default")
+    result = step.compiled.results.get(Recomputation)
+    assert result.copies > 0 and result.recomputed_bytes > 0
+    assert any("_safe_softmax" in r for r in result.recomputed)  # attention probabilities: recomputed
+    (l0, m0, _), (l1, m1, _) = runs[0.0], runs[1.0]
+    assert all(torch.equal(a, b) for a, b in zip(l0, l1))
+    assert all(torch.equal(a, b) for a, b in zip(m0.parameters(), m1.parameters()))
+    (le, me, oe) = runs["eager"]
+    for i, (a, b) in enumerate(zip(l0, le)):
+        torch.testing.assert_close(a, b, rtol=RTOL, atol=ATOL, msg=lambda m, i=i: f"step {i} loss: {m}")
+    assert_same_state(me, m0, oe, runs[0.0][2])
 
 
 class OpaqueNet(nn.Module):
@@ -416,6 +478,51 @@ def test_replicate_on_two_ranks_matches_ddp_at_budget_zero(tmp_path):
         assert "compile_error" not in r, r.get("compile_error")
         assert len(r["losses"]) == 3
         assert "activation memory (activation_memory_budget=0): the backward recomputes" in r["describe"]
+
+
+@pytest.mark.multiproc
+def test_replicate_on_ort_on_two_ranks_matches_ddp_and_budget_one_at_budget_zero(tmp_path):
+    """tests/dist/dp_parity.py --budget 0 on ORT: every step equals DDP and a copy compiled at budget 1.0 (to the
+    usual tolerances, checked in the script), and every segment runs in ONNX Runtime: a recomputed multi-output
+    op's getitems stay next to it, so no tuple crosses the segments split at the gradient all-reduces."""
+    from tests.helpers import assert_ort_report_clean
+    from tests.test_data_parallel import torchrun
+
+    ranks, _ = torchrun(tmp_path, "--model", "gpt", "--opt", "adamw", "--backend", "ort", "--steps", "3",
+                        "--bucket-mb", "0.05", "--budget", "0")
+    for r in ranks:
+        assert "compile_error" not in r, r.get("compile_error")
+        assert len(r["losses"]) == 3 and r["recomputed_copies"] > 0
+        assert_ort_report_clean(r["ort"])
+
+
+def _amp_parity(tmp_path, *args: str) -> list[dict]:
+    """tests/dist/amp_parity.py on 2 ranks (gloo); each rank's result."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    out = tmp_path / "out"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+           "tests/dist/amp_parity.py", "--out", str(out), *args]
+    proc = subprocess.run(cmd, env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True, text=True,
+                          timeout=400, check=False, cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-6000:]
+    return [json.loads((out / f"rank{r}.json").read_text()) for r in range(2)]
+
+
+@pytest.mark.multiproc
+def test_replicate_with_a_bf16_policy_on_two_ranks_is_bitwise_equal_to_fsdp2_and_budget_one_at_budget_zero(tmp_path):
+    """A MixedPrecisionPolicy (bf16 compute and reductions): replicate at budget 0 recomputes the bf16 casts and
+    activations, and every step's loss and parameters equal torch FSDP2's with the same policy and the copy
+    compiled at budget 1.0 bit for bit (checked in tests/dist/amp_parity.py).  DDP's own mixed precision needs
+    CUDA events, so FSDP2 is the eager oracle here, as in tests/test_amp.py."""
+    ranks = _amp_parity(tmp_path, "--suite", "bf16", "--styles", "replicate", "--steps", "3", "--budget", "0")
+    for r in ranks:
+        d = r["bf16"]
+        assert len(d["losses"]) == 3 and d["max_param_diff"] == {"replicate": 0.0, "replicate@1.0": 0.0}
+        assert d["recomputed_copies"]["replicate"] > 0 and d["recomputed_copies"]["replicate@1.0"] == 0
 
 
 @pytest.mark.multiproc

@@ -150,35 +150,33 @@ class _Retry(Exception):
 
 
 class _Phases(torch.overrides.TorchFunctionMode):
-    """Records which stretches of the capture graph ``Tensor.backward`` / ``autograd.grad`` produced.
+    """Tags the capture graph's nodes that ``Tensor.backward`` / ``autograd.grad`` recorded.
 
     Nodes recorded while backward runs get ``node.meta["custom"]["phase"] =
     "backward"``; the functionalizing re-trace copies the tag to the nodes it
-    creates, so passes (e.g. re-gathering sharded parameters for backward) can
-    tell forward from backward uses.
+    creates, so passes (e.g. re-gathering sharded parameters for backward,
+    recomputing activations) can tell forward from backward uses.
+
+    The tag is written when backward returns, on the nodes themselves: make_fx
+    removes dead nodes once the trace ends, and a symbolic trace leaves many
+    (size arithmetic nothing reads, dropout's above all), so positions counted
+    during the trace name other nodes, or none, in the graph it returns.
     """
 
     BACKWARD = (torch.Tensor.backward, torch.autograd.backward, torch.autograd.grad)
 
-    def __init__(self):
-        super().__init__()
-        self.ranges: list[tuple[int, int]] = []
-
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        if func not in self.BACKWARD:
+        mode = get_proxy_mode() if func in self.BACKWARD else None
+        if mode is None:
             return func(*args, **kwargs)
-        mode = get_proxy_mode()
-        start = len(mode.tracer.graph.nodes) if mode is not None else -1
+        graph = mode.tracer.graph
+        before = set(graph.nodes)
         out = func(*args, **kwargs)
-        if mode is not None:
-            self.ranges.append((start, len(mode.tracer.graph.nodes)))
-        return out
-
-    def tag(self, gm: fx.GraphModule) -> None:
-        for i, node in enumerate(gm.graph.nodes):
-            if any(a <= i < b for a, b in self.ranges):
+        for node in graph.nodes:
+            if node not in before:
                 node.meta.setdefault("custom", {})["phase"] = "backward"
+        return out
 
 
 def phase(node: fx.Node) -> str:
@@ -300,7 +298,6 @@ def _trace_once(fn, args: tuple, kwargs: dict, layout: StateLayout, *, sdpa_math
     finally:
         _TRACING.reset(token)
 
-    phases.tag(gm1)
     stack.tag_modules(gm1)
     gm2 = _functionalize(gm1, trace_inputs, capture.calls, tracing_mode)
 

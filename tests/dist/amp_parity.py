@@ -1,6 +1,6 @@
 """Run under torchrun: mixed precision on 2 ranks against torch's own, step by step.
 
-    torchrun --standalone --nproc_per_node=2 tests/dist/amp_parity.py [--suite ddp|fsdp2|all] --out DIR
+    torchrun --standalone --nproc_per_node=2 tests/dist/amp_parity.py [--suite ddp|fsdp2|bf16|all] --out DIR
 
 ``--suite ddp``: compiled ``replicate`` + ``torch.autocast(float16)`` + ``GradScaler`` (a huge
 initial scale: the first steps overflow; clipping after ``unscale_``) against torch DDP with the
@@ -15,6 +15,10 @@ both ranks see it and skip together, in both runs.
   found_inf is combined across ranks, every rank skips together, the scales agree;
 * ``bf16``: compiled ``fully_shard`` and compiled ``replicate`` with
   ``MixedPrecisionPolicy(param_dtype=bfloat16)`` vs FSDP2 with the same policy.
+
+``--suite bf16`` runs the bf16 part alone (``--styles`` picks the compiled styles, ``--steps`` how many);
+``--budget B`` compiles those runs with ``activation_memory_budget=B`` and, below 1.0, each style at
+1.0 beside them: both equal FSDP2 bit for bit, so each other too (asserted as well).
 
 Checked every step on every rank: loss, the GradScaler's scale and growth tracker (exactly),
 which steps were skipped, and every full parameter (normwise, see ``TOLERANCE``); the
@@ -39,6 +43,7 @@ sys.path.insert(0, str(ROOT))
 
 from dist_common import finish  # noqa: E402
 import spmd_ort  # noqa: E402
+from spmd_ort.passes import Recomputation  # noqa: E402
 from helpers import assert_close_normwise, assert_same_state, scaled_update  # noqa: E402
 from models import GPT, GPTConfig  # noqa: E402
 
@@ -145,31 +150,35 @@ def full_params(model) -> dict[str, torch.Tensor]:
             for n, p in model.named_parameters()}
 
 
-def fsdp2_suite(rank: int, world: int, dtype: torch.dtype) -> dict:
+def fsdp2_suite(rank: int, world: int, dtype: torch.dtype, styles: list[str] | None = None, steps: int = STEPS,
+                budget: float | None = None) -> dict:
     torch.manual_seed(0)
     base = GPT(CFG)
     ref = fsdp2_reference(copy.deepcopy(base), dtype)
     scaled = dtype == torch.float16
     opt_ref = make_opt(ref.parameters(), fused=not scaled)
     policy = spmd_ort.MixedPrecisionPolicy(param_dtype=dtype)
-    styles = ["fully_shard"] if dtype == torch.float16 else ["fully_shard", "replicate"]
+    styles = styles or (["fully_shard"] if dtype == torch.float16 else ["fully_shard", "replicate"])
+    beside = budget is not None and budget < 1.0  # each style also at budget 1.0: the same bits
     runs = {}
     for style in styles:
-        model = copy.deepcopy(base)
-        mode = spmd_ort.DataParallel(parallel_style=style, mixed_precision=policy, bucket_cap_mb=0.01)
-        runs[style] = (model, make_opt(model.parameters(), fused=not scaled), spmd_ort.compile(parallel_mode=mode, backend="fx")(policy_step))
+        for key, b in ((style, budget), (f"{style}@1.0", 1.0)) if beside else ((style, budget),):
+            model = copy.deepcopy(base)
+            mode = spmd_ort.DataParallel(parallel_style=style, mixed_precision=policy, bucket_cap_mb=0.01)
+            step = spmd_ort.compile(parallel_mode=mode, backend="fx", activation_memory_budget=b)(policy_step)
+            runs[key] = (model, make_opt(model.parameters(), fused=not scaled), step)
     if scaled:
         from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
 
         scaler_ref = ShardedGradScaler(device="cpu", init_scale=2.0**19, growth_interval=2)
-        scalers = {s: torch.amp.GradScaler("cpu", init_scale=2.0**19, growth_interval=2) for s in styles}
+        scalers = {s: torch.amp.GradScaler("cpu", init_scale=2.0**19, growth_interval=2) for s in runs}
     else:
-        scaler_ref, scalers = None, dict.fromkeys(styles)
-    out: dict = {"losses": [], "scales": [], "skipped": [], "comm": {s: [] for s in styles},
-                 "max_param_diff": dict.fromkeys(styles, 0.0)}
+        scaler_ref, scalers = None, dict.fromkeys(runs)
+    out: dict = {"losses": [], "scales": [], "skipped": [], "comm": {s: [] for s in runs},
+                 "max_param_diff": dict.fromkeys(runs, 0.0)}
     fp32_param_bytes = sum(p.numel() * 4 for p in base.parameters())
     padded = None
-    for i in range(STEPS):
+    for i in range(steps):
         x, y = batch(i, rank)
         before = full_params(ref)
         loss_ref = policy_step(ref, opt_ref, scaler_ref, x, y).detach()
@@ -178,8 +187,10 @@ def fsdp2_suite(rank: int, world: int, dtype: torch.dtype) -> dict:
         if scaled:
             out["scales"].append(scaler_state(scaler_ref))
         out["losses"].append(float(loss_ref))
+        losses = {}
         for style, (model, opt, step) in runs.items():
             loss = step(model, opt, scalers[style], x, y)
+            losses[style] = loss
             torch.testing.assert_close(loss, loss_ref, rtol=TOLERANCE[dtype], atol=0,
                                        msg=lambda m: f"rank {rank} {style} step {i} loss: {m}")
             assert TOLERANCE[dtype] or torch.equal(loss, loss_ref), (style, i)
@@ -199,21 +210,31 @@ def fsdp2_suite(rank: int, world: int, dtype: torch.dtype) -> dict:
                                        "all_reduce_bytes": c.all_reduce_bytes})
             if style == "fully_shard" and padded is None:
                 padded = sum(p._spmd_ort_shard.padded_numel for p in model.parameters())
+        for style in styles if beside else ():
+            assert torch.equal(losses[style], losses[f"{style}@1.0"]), (style, i)
+            for (name, p), q in zip(runs[style][0].named_parameters(), runs[f"{style}@1.0"][0].parameters(),
+                                    strict=True):
+                assert torch.equal(p, q), f"rank {rank} {style} step {i}: {name} differs from budget 1.0's"
     out["fp32_param_bytes"] = fp32_param_bytes
     out["padded_numel"] = padded
-    # the same step without a policy, for the bytes it gathers in fp32
-    model = copy.deepcopy(base)
-    plain = spmd_ort.compile(parallel_mode=spmd_ort.DataParallel(parallel_style="fully_shard", bucket_cap_mb=0.01),
-                             backend="fx")(policy_step)
-    plain(model, make_opt(model.parameters()), None, *batch(0, rank))
-    out["fp32_all_gather_bytes"] = plain.comm.all_gather_bytes
+    if "fully_shard" in styles:  # the same step without a policy, for the bytes it gathers in fp32
+        model = copy.deepcopy(base)
+        plain = spmd_ort.compile(parallel_mode=spmd_ort.DataParallel(parallel_style="fully_shard",
+                                                                     bucket_cap_mb=0.01), backend="fx")(policy_step)
+        plain(model, make_opt(model.parameters()), None, *batch(0, rank))
+        out["fp32_all_gather_bytes"] = plain.comm.all_gather_bytes
     out["traces"] = {s: r[2].transitions.traces for s, r in runs.items()}
+    out["recomputed_copies"] = {s: (r.copies if (r := run[2].compiled.results.get(Recomputation)) else 0)
+                                for s, run in runs.items()}
     return out
 
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--suite", choices=["ddp", "fsdp2", "all"], default="all")
+    ap.add_argument("--suite", choices=["ddp", "fsdp2", "bf16", "all"], default="all")
+    ap.add_argument("--styles", help="--suite bf16: the compiled styles, comma-separated (default: both)")
+    ap.add_argument("--steps", type=int, default=STEPS, help="--suite bf16: steps")
+    ap.add_argument("--budget", type=float, help="--suite bf16: compile(activation_memory_budget=...)")
     ap.add_argument("--out", required=True)
     args = ap.parse_args()
     dist.init_process_group("gloo")
@@ -223,6 +244,9 @@ def main() -> None:
         result["ddp"] = ddp_suite(rank, world)
     if args.suite in ("fsdp2", "all"):
         result.update(fp16=fsdp2_suite(rank, world, torch.float16), bf16=fsdp2_suite(rank, world, torch.bfloat16))
+    if args.suite == "bf16":
+        styles = args.styles.split(",") if args.styles else None
+        result["bf16"] = fsdp2_suite(rank, world, torch.bfloat16, styles, args.steps, args.budget)
     finish(args.out, result)
 
 

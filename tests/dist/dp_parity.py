@@ -7,6 +7,10 @@ must broadcast rank 0's weights), trains a DDP copy and a compiled copy on its o
 shard of the same global batches, checks loss, parameters and optimizer state
 after every step and that the compiled parameters are identical on all ranks,
 and writes DIR/rank<r>.json.  Any mismatch raises (non-zero exit).
+
+``--budget B`` compiles with ``activation_memory_budget=B`` and trains a second compiled copy at 1.0
+beside it: on fx the two agree bit for bit (recomputation replays eager's kernels on the same
+inputs), on ORT to the tolerances of every comparison here.
 """
 
 from __future__ import annotations
@@ -27,7 +31,7 @@ sys.path.insert(0, str(ROOT))
 
 from dist_common import finish  # noqa: E402
 import spmd_ort  # noqa: E402
-from spmd_ort.passes import GradientBuckets  # noqa: E402
+from spmd_ort.passes import GradientBuckets, Recomputation  # noqa: E402
 from helpers import accumulation_step, assert_same_state, ort_report, train_step  # noqa: E402
 from models import CNN, GPT, MLP, GPTConfig  # noqa: E402
 
@@ -72,6 +76,8 @@ def main() -> None:
     ap.add_argument("--skew-timing", action="store_true",
                     help="each rank times its segments as if the other executor were 100x slower (rank 0: fx, rank "
                          "1: ORT): the ranks would choose differently, and must not")
+    ap.add_argument("--budget", type=float, help="compile(activation_memory_budget=...); below 1.0 a copy "
+                    "compiled at 1.0 trains beside it and must agree (fx: bit for bit)")
     ap.add_argument("--out", required=True)
     args = ap.parse_args()
     dist.init_process_group("gloo")
@@ -96,7 +102,16 @@ def run(args, rank: int, world: int) -> dict:
         dynamic = {"auto": None, "1": True, "0": False}[args.dynamic]
         accumulate = args.micro_batches > 1
         step_fn = accumulation_step if accumulate else train_step
-        step = spmd_ort.compile(parallel_mode=mode, backend=args.backend, dynamic=dynamic)(step_fn)
+
+        def compiled(budget):
+            return spmd_ort.compile(parallel_mode=mode, backend=args.backend, dynamic=dynamic,
+                                    activation_memory_budget=budget)(step_fn)
+
+        step = compiled(args.budget)
+        full = None  # (model, optimizer, step) compiled at budget 1.0, beside one below it
+        if args.budget is not None and args.budget < 1.0:
+            full_model = copy.deepcopy(base)
+            full = (full_model, make_opt(args.opt, full_model.parameters()), compiled(1.0))
         if args.stats:  # every rank writes its own directory: <stats>/<run>/rank<r>
             from spmd_ort.debug import GlobalSubscriberManager, StatisticsSubscriber
 
@@ -143,6 +158,16 @@ def run(args, rank: int, world: int) -> dict:
             torch.testing.assert_close(loss, ref.detach(), rtol=1e-5, atol=1e-6)
             assert_same_state(ddp_model.module, model, opt_ref, opt, where=f"rank {rank} step {i}",
                               normwise=args.backend != "fx")
+            if full is not None:
+                full_loss = full[2](full[0], full[1], x, y)
+                if args.backend == "fx":
+                    assert torch.equal(loss, full_loss), (rank, i, float(loss), float(full_loss))
+                    for (name, p), q in zip(model.named_parameters(), full[0].parameters(), strict=True):
+                        assert torch.equal(p, q), f"rank {rank} step {i}: {name} differs from budget 1.0's"
+                else:
+                    torch.testing.assert_close(loss, full_loss, rtol=1e-5, atol=1e-6)
+                    assert_same_state(full[0], model, full[1], opt, where=f"rank {rank} step {i} (budget 1.0)",
+                                      normwise=True)
             losses.append(float(loss))
             c = step.comm
             comm.append({"all_reduce_calls": c.all_reduce_calls, "all_reduce_bytes": c.all_reduce_bytes,
@@ -163,6 +188,7 @@ def run(args, rank: int, world: int) -> dict:
             buckets=len(prog.results.get(GradientBuckets).nbytes),
             bucket_bytes=list(prog.results.get(GradientBuckets).nbytes),
             describe=prog.describe(),
+            recomputed_copies=recomputed.copies if (recomputed := prog.results.get(Recomputation)) else 0,
             bucket_choice=step.buckets.choice.lines() if step.buckets.choice is not None else None)
     except spmd_ort.CompileError as exc:
         result["compile_error"] = str(exc)
