@@ -27,6 +27,7 @@ from spmd_ort.capture.inputs import StepCall, StepInputs
 from spmd_ort.capture.state import state_device
 from spmd_ort.capture.transition import StepKey, TransitionManager
 from spmd_ort.distributed import parallel
+from spmd_ort.distributed.dtensor import has_dtensor_state
 from spmd_ort.errors import CompileError
 
 logger = logging.getLogger("spmd_ort")
@@ -97,26 +98,36 @@ class ShapePolicy:
                           **common)
 
     def agreed_key(self, call: StepCall) -> StepKey:
-        """The key of ``call``, dims widened where sizes changed (or differ between ranks), agreed by every rank."""
+        """The key of ``call``, dims widened where sizes changed (or differ between ranks), agreed by every rank.
+
+        Expand mode (DTensor state) stays static: DTensor's sharding propagation fixes every size a symbolic
+        trace shows it, so a symbolic program would serve no size but its first (one program per shape).
+        """
         self._widened_from = None
-        if self.mode == "1" and not self.dynamic:
+        expands = has_dtensor_state(call.module)
+        if expands and self.transitions.static_reason is None:
+            self.transitions.static_reason = ("the parameters are DTensors, whose sharding propagation fixes the "
+                                              "sizes it traces: one program per shape")
+            if self.mode != "0":
+                logger.info("%s: %s", self.name, self.transitions.static_reason)
+        if self.mode == "1" and not self.dynamic and not expands:
             self.dynamic = leading_dims(call.leaves)
         key = self.key(call)
         last = self.transitions.last_key
-        if (self.mode == "auto" and key not in self.transitions.variants and last is not None
+        if (self.mode == "auto" and not expands and key not in self.transitions.variants and last is not None
                 and key.portable(sizes=False) == last.portable(sizes=False)):
             changed = changed_dims(last.leaf_descs(), key.leaf_descs())
             if changed:
                 self.widen(changed, call, "changed since the last call")
                 key = self.key(call)
-        if call.mode is not None:
+        if call.mode is not None or (expands and call.world_size > 1):
             # every step: ranks that would run different graphs stop here, all of them
             shapes = [tuple(x.shape) if isinstance(x, torch.Tensor) else None for x in call.leaves]
             sizes = (key.portable(sizes=False), key.leaf_descs(), shapes)
 
             def reconcile(gathered: list) -> dict[int, set[int]] | None:  # only when the ranks disagree
                 check_empty_inputs(gathered, StepInputs.of(self.fn, call.args, call.kwargs).names, call.rank)
-                return _sizes_differ(gathered) if self.mode != "0" else None
+                return _sizes_differ(gathered) if self.mode != "0" and not expands else None
 
             differing = parallel.check_agreement(AGREEMENT, key.portable(), sizes=sizes, reconcile=reconcile)
             if differing:
