@@ -147,9 +147,10 @@ def adam_rule(opt: torch.optim.Optimizer) -> None:
         found_inf = amp_arguments(opt, params)
         present, present_index = presence.positions(opt, params)
         out = ops.adam(
-            _locals(params), _local_grads(params), _locals(lists["exp_avgs"]),
-            _locals(lists["exp_avg_sqs"]), _locals(lists["max_exp_avg_sqs"]), lists["steps"], group[HPARAMS_KEY], bool(amsgrad), bool(group["maximize"]),
-            bool(group.get("decoupled_weight_decay", False)), found_inf, present, present_index)
+            _locals(params), _local_grads(params), _locals(lists["exp_avgs"]), _locals(lists["exp_avg_sqs"]),
+            _locals(lists["max_exp_avg_sqs"]), lists["steps"], group[HPARAMS_KEY], bool(amsgrad),
+            bool(group["maximize"]), bool(group.get("decoupled_weight_decay", False)), found_inf, present,
+            present_index)
         i = 0
         for name in ("params", "exp_avgs", "exp_avg_sqs", "max_exp_avg_sqs", "steps"):
             n = len(lists[name])
@@ -187,8 +188,8 @@ def _sgd_update(opt: torch.optim.Optimizer, group: dict, params: list[Tensor], b
     found_inf = amp_arguments(opt, params)
     present, present_index = presence.positions(opt, params)
     out = ops.sgd(
-        _locals(params), _local_grads(params), _locals(bufs), group[HPARAMS_KEY], has_momentum, bool(group["nesterov"]),
-        bool(group["maximize"]), found_inf, present, present_index)
+        _locals(params), _local_grads(params), _locals(bufs), group[HPARAMS_KEY], has_momentum,
+        bool(group["nesterov"]), bool(group["maximize"]), found_inf, present, present_index)
     _copy_back(params, out[:len(params)])
     if has_momentum:
         new_bufs = out[len(params):]

@@ -282,8 +282,9 @@ class StateLayout:
 
     def localize(self, final: list[tuple[Slot, Tensor]]) -> list[tuple[Slot, Tensor]]:
         """Expand mode: each traced DTensor of the step's final state as its local tensor (the graph's output),
-        its spec kept in :attr:`out_specs`.  A gradient is first placed as its parameter is (a pending sum
-        is reduced), as eager's gradient accumulation leaves it."""
+        its spec kept in :attr:`out_specs`.  A gradient is first placed as its parameter is: a pending sum
+        (``Partial``, a replicated norm under sequence parallel) is reduced, so ``.grad`` holds the whole
+        gradient (eager leaves it ``Partial``; its ``full_tensor()`` is the same)."""
         if not self.expands:
             return final
         out = []

@@ -92,7 +92,8 @@ SP_PLAN = {"emb": RowwiseParallel(input_layouts=Replicate(), output_layouts=Shar
            "blocks.*.attn": PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)),
            "blocks.*.attn.q": ColwiseParallel(), "blocks.*.attn.k": ColwiseParallel(),
            "blocks.*.attn.v": ColwiseParallel(), "blocks.*.attn.proj": RowwiseParallel(output_layouts=Shard(1)),
-           "blocks.*.fc": ColwiseParallel(input_layouts=Shard(1)), "blocks.*.out": RowwiseParallel(output_layouts=Shard(1)),
+           "blocks.*.fc": ColwiseParallel(input_layouts=Shard(1)),
+           "blocks.*.out": RowwiseParallel(output_layouts=Shard(1)),
            "ln": SequenceParallel(), "head": ColwiseParallel(input_layouts=Shard(1), output_layouts=Replicate())}
 ROWWISE = sum(1 for s in PLAN.values() if isinstance(s, RowwiseParallel)) * LAYERS
 COLWISE = sum(1 for s in PLAN.values() if isinstance(s, ColwiseParallel)) * LAYERS
