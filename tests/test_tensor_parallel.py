@@ -19,7 +19,8 @@ pytestmark = pytest.mark.multiproc
 
 CASES = [
     ("fx", "mode", "megatron", 1),  # TensorParallel(plan) applied at the first call, after a failed one was undone
-    ("ort", "user", "megatron", 1),  # parallelize_module by the user, then parallel_mode=None
+    # parallelize_module by the user, then parallel_mode=None; activation_memory_budget=0 (recompute under TP)
+    ("ort", "user", "megatron", 1),
     ("ort", "mode", "sequence", 1),  # sequence parallel: all-gathers, reduce-scatters, partial gradients of norms
     # 2-D, 4 ranks (dp 2 x tp 2): DataParallel(replicate) on the dp dim, against eager TP on the global batch
     ("ort", "mode", "sequence", 2),
@@ -29,8 +30,12 @@ CASES = [
 @pytest.mark.parametrize("backend,apply,plan,dp", CASES)
 def test_matches_eager_tensor_parallel(tmp_path, backend, apply, plan, dp):
     extra = ("--vary-batch", "--checkpoint", str(tmp_path / "dcp")) if (backend, plan) == ("fx", "megatron") else ()
+    budget = "0" if apply == "user" else "1"
     results, _ = torchrun(tmp_path, "--backend", backend, "--apply", apply, "--plan", plan, "--steps", "3",
-                          "--dp", str(dp), *extra, nproc=2 * dp, script=SCRIPT)
+                          "--dp", str(dp), *extra, nproc=2 * dp, script=SCRIPT,
+                          env={"SPMD_ORT_ACTIVATION_MEMORY_BUDGET": budget})
+    recomputed = "the backward recomputes" in results[0]["describe"]
+    assert recomputed == (budget == "0"), results[0]["describe"]
     # batch sizes 4, 3, 2 (every step checked against eager inside the script): one static program per size,
     # since DTensor's sharding propagation fixes the sizes a symbolic trace shows it (no wasted symbolic trace;
     # the resume step reuses the batch-4 program), a DCP round trip of the DTensor state, and a resume from
