@@ -63,15 +63,6 @@ def has_dtensor_state(module: nn.Module) -> bool:
     return any(isinstance(t, DTensor) for t in list(module.parameters()) + list(module.buffers()))
 
 
-def meshes_of(module: nn.Module) -> list:
-    """The distinct device meshes the module's DTensor parameters live on."""
-    seen: list = []
-    for p in module.parameters():
-        if isinstance(p, DTensor) and all(p.device_mesh is not m for m in seen):
-            seen.append(p.device_mesh)
-    return seen
-
-
 def to_spec(t, spec):
     """Traced DTensor ``t`` redistributed to ``spec``'s placements (a collective where they differ)."""
     if not isinstance(t, DTensor) or spec is None or tuple(t.placements) == tuple(spec.placements):
