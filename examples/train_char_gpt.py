@@ -148,7 +148,9 @@ def main() -> None:
     if world > 1 and args.parallel == "fully_shard":
         memory = train_step.memory()
         log(f"fully_shard: {memory['persistent']['total'] / 2**20:.2f} MiB of parameters + optimizer state per rank "
-            f"(unsharded: {memory['persistent']['total'] * world / 2**20:.2f} MiB)")
+            f"(unsharded: {memory['persistent']['total'] * world / 2**20:.2f} MiB); wte.weight is a DTensor "
+            f"{tuple(model.wte.weight.placements)} of shape {tuple(model.wte.weight.shape)}, "
+            f"{tuple(model.wte.weight.to_local().shape)} on this rank")
     sharded = world > 1 and args.parallel == "fully_shard"
     full = spmd_ort.gathered_parameters(model) if sharded else contextlib.nullcontext()
     with full:  # fully_shard: the full weights, for evaluation and sampling

@@ -156,7 +156,8 @@ def test_checkpoint_round_trip_resumes_the_exact_trajectory(tmp_path):
     # the 2-rank checkpoint loads into 4 ranks (DCP reshards): the state is the saved one
     torchrun("zero_checkpoint.py", 4, "--phase", "reshard", "--ckpt", str(ckpt), "--out", str(out))
     res = json.loads((out / "reshard.json").read_text())
-    assert res == {"world": 4, "params_equal": True, "state_equal": True}, res
+    assert res == {"world": 4, "params_equal": True, "state_equal": True, "legacy_params_equal": True,
+                   "legacy_state_equal": True, "fsdp2_params_equal": True}, res
 
 
 def test_failed_compile_leaves_every_rank_unchanged_and_full_weights_are_reachable(tmp_path):

@@ -31,7 +31,7 @@ from spmd_ort.runtime.ops import tag_grad
 from spmd_ort.capture.optim import HPARAMS_KEY, OptimizerRule
 from spmd_ort.capture.presence import PRESENT_KEY, GradPresence
 from spmd_ort.distributed import dtensor
-from spmd_ort.distributed.sharding import ShardSpec, is_sharded_state, spec_of
+from spmd_ort.distributed.sharding import ShardSpec, flat_of, is_sharded_state, spec_of, state_like
 
 
 class SlotKind(enum.Enum):
@@ -157,11 +157,13 @@ class StateLayout:
         return slots
 
     def gather(self) -> list[Tensor]:
-        """The real state tensors, in placeholder order, for this step (a DTensor's local tensor)."""
-        flat: list[Tensor] = list(self.params) + list(self.buffers)
-        flat += [self.params[i].grad for i in self.grad_params]
+        """The real state tensors, in placeholder order, for this step (a DTensor's local tensor; under
+        ``fully_shard``, the flat shard buffer behind a sharded parameter, gradient or optimizer state)."""
+        held = self.held
+        flat: list[Tensor] = [held(i, p) for i, p in enumerate(self.params)] + list(self.buffers)
+        flat += [held(i, self.params[i].grad) for i in self.grad_params]
         if self.opt is not None:
-            flat += [self.opt.state[self.params[i]][k] for i, k in self.opt_entries]
+            flat += [held(i, self.opt.state[self.params[i]][k]) for i, k in self.opt_entries]
             groups = self.opt.param_groups
             for t, g in zip(self.hparam_tensors, self.hparam_groups):
                 t.copy_(torch.tensor(self.rule.hparams(groups[g]), dtype=torch.float64))
@@ -171,6 +173,12 @@ class StateLayout:
             self.in_specs = [(dtensor.spec_of(t), t.requires_grad) if dtensor.is_dtensor(t) else None for t in flat]
             return [dtensor.local(t) for t in flat]
         return flat
+
+    def held(self, index: int, t: Tensor) -> Tensor:
+        """What the step computes on for state ``t`` of parameter ``index``: the flat shard buffer of a
+        sharded tensor (not a scalar), else ``t``."""
+        spec = self.shard_specs.get(index)
+        return flat_of(t, spec) if spec is not None and is_sharded_state(t) else t
 
     @functools.cached_property
     def expands(self) -> bool:
@@ -312,8 +320,13 @@ class StateLayout:
         """
         def take(v: Tensor, slot: Slot) -> Tensor:
             v = v if owned else v.clone()
+            shard = self.shard_specs.get(slot.index) if slot.kind.per_parameter and is_sharded_state(v) else None
+            if shard is not None:  # fully_shard: new sharded state takes the parameter's form (a DTensor)
+                return state_like(self.params[slot.index], v, shard)
             spec = self.out_specs.get(slot)  # expand mode: new state is a DTensor, as eager's would be
             return v if spec is None else dtensor.wrap(v, spec)
+
+        held = self.held
 
         new_grads: dict[int, Tensor] = {}
         absent = self.absent(slots, values)
@@ -325,7 +338,7 @@ class StateLayout:
             for slot, v in zip(slots, values):
                 kind = slot.kind
                 if kind is SlotKind.PARAM:
-                    _store(self.params[slot.index], v)
+                    _store(held(slot.index, self.params[slot.index]), v)
                 elif kind is SlotKind.BUFFER:
                     _store(self.buffers[slot.index], v)
                 elif kind is SlotKind.GRAD:
@@ -335,7 +348,7 @@ class StateLayout:
                     p = self.params[slot.index]
                     st = self.opt.state.get(p, {})  # (opt.state is a defaultdict: a lookup would add an entry)
                     if slot.key in st:
-                        _store(st[slot.key], v)
+                        _store(held(slot.index, st[slot.key]), v)
                     elif slot.index not in absent:  # the optimizer skipped it: eager creates no state either
                         self.opt.state[p][slot.key] = take(v, slot)
                 elif kind is SlotKind.PRESENCE:
@@ -346,11 +359,11 @@ class StateLayout:
                     raise AssertionError(f"no write-back for {slot}")
             for i, p in enumerate(self.params):
                 slot, g = new_grads.get(i, (None, None))
-                old = dtensor.local(p.grad)
+                old = dtensor.local(held(i, p.grad)) if p.grad is not None else None
                 if g is None:
                     p.grad = None
                 elif old is not None and old.shape == g.shape and old.dtype == g.dtype:
-                    _store(p.grad, g)
+                    _store(old, g)
                 else:
                     p.grad = take(g, slot)
         if self.opt is not None:

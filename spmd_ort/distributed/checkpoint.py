@@ -1,9 +1,11 @@
 """Checkpoints of a compiled train step through ``torch.distributed.checkpoint`` (DCP).
 
 Under ``fully_shard`` each rank saves only its shards: every sharded parameter
-and optimizer-state tensor goes into the state dict as a DTensor (``Shard(0)``
-of the flattened tensor, the layout of :mod:`spmd_ort.distributed.sharding`), so DCP writes
-each rank's piece once and can load into another world size.  Scalars (Adam's
+and optimizer-state tensor is a DTensor (``Shard(0)`` of the full shape, as FSDP2
+saves it; :mod:`spmd_ort.distributed.sharding`), so DCP writes each rank's piece once
+and can load into another world size, or into an FSDP2 model.  Checkpoints saved
+before parameters were DTensors hold the flattened tensor (``Shard(0)`` of its
+``numel``): they still load.  Scalars (Adam's
 ``step``), buffers and replicated tensors are plain tensors; hyper-parameters
 travel in ``param_groups``.  Keys are module FQNs, as in ``model.state_dict()``.
 
@@ -78,16 +80,16 @@ def state_dict(train_step, model: nn.Module, optimizer: torch.optim.Optimizer | 
     mesh = _mesh(specs[0].world) if specs else None
     model_sd = {}
     for name, t in model.state_dict(keep_vars=True).items():
-        spec = spec_of(t)
-        model_sd[name] = _dtensor(t, spec, mesh) if spec is not None else t.detach()
+        spec = spec_of(t)  # (a sharded parameter is a DTensor already, but a 0-d one: its flat shard)
+        model_sd[name] = _dtensor(t, spec, mesh) if spec is not None and not is_dtensor(t) else t.detach()
     out = {"model": model_sd}
     if optimizer is not None:
         names = _names(model)
         state = {}
         for p, st in optimizer.state.items():
             spec = spec_of(p)
-            state[names[id(p)]] = {k: (_dtensor(v, spec, mesh) if spec is not None and is_sharded_state(v) else v)
-                                   for k, v in st.items()}
+            state[names[id(p)]] = {k: (_dtensor(v, spec, mesh) if spec is not None and is_sharded_state(v)
+                                       and not is_dtensor(v) else v) for k, v in st.items()}
         groups = []
         for g in optimizer.param_groups:
             entry = {k: v for k, v in g.items() if k != "params"}
@@ -301,9 +303,13 @@ def _staging(found, model: nn.Module, optimizer) -> tuple[dict, Callable[[], Non
     def target(like: Tensor, spec: ShardSpec | None, saved: tuple[int, ...], dtype: torch.dtype):
         """A new tensor DCP reads ``saved``-shaped data into, and a function giving it in the live layout
         (``like``'s full shape; this rank's shard of it where ``spec`` says the live tensor is sharded)."""
-        if is_dtensor(like):  # DTensor state (tensor parallel): DCP reads this rank's piece, resharding as needed
+        if is_dtensor(like) and saved == tuple(like.shape):
+            # DTensor state (fully_shard, tensor parallel): DCP reads this rank's piece, resharding as needed
             target_dt = _placed_like(torch.empty(saved, dtype=dtype, device="meta"), like, allocate=True)
             return target_dt, lambda: target_dt
+        if is_dtensor(like):  # a flat entry (fully_shard before its parameters were DTensors): read whole, cut
+            buf = torch.empty(saved, dtype=dtype, device=like.to_local().device)
+            return buf, lambda: _placed_like(buf.reshape(like.shape), like)
         if spec is not None and saved == (spec.numel,):  # sharded here and in the checkpoint
             local = torch.zeros(spec.shard_numel, dtype=dtype, device=like.device)
             return _dtensor(local, spec, mesh), lambda: local

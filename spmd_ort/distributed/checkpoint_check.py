@@ -123,10 +123,11 @@ def _fits(saved_meta, live_shape: tuple[int, ...]) -> bool:
     return saved == (numel,) and (len(saved_meta.chunks) > 1 or numel <= 1)
 
 
-def _saved(meta) -> str:
-    """A checkpoint entry's shape as the user knows it (a sharded save is flat: say so)."""
+def _saved(meta, live: tuple[int, ...]) -> str:
+    """A checkpoint entry's shape as the user knows it (a flat entry of a tensor that is not 1-D was saved
+    sharded before fully_shard parameters were DTensors: say so)."""
     size = _shape(meta.size)
-    if len(size) == 1 and len(meta.chunks) > 1:
+    if len(size) == 1 and len(meta.chunks) > 1 and len(live) != 1:
         return f"{size[0]} elements (saved sharded, flattened)"
     return f"shape {size}"
 
@@ -189,7 +190,7 @@ def _check_model(found: Found, model: nn.Module) -> list[Problem]:
             continue
         shape = _full_shape(t)
         if not _fits(meta, shape):
-            out.append(Problem(f"`{key}` has {_saved(meta)} in the checkpoint but {_live(shape, meta)} in {mtype}",
+            out.append(Problem(f"`{key}` has {_saved(meta, shape)} in the checkpoint but {_live(shape, meta)} in {mtype}",
                                rebuild, key))
         elif meta.properties.dtype != t.dtype:
             out.append(Problem(
@@ -239,7 +240,7 @@ def _check_optimizer(found: Found, model: nn.Module, optimizer) -> list[Problem]
             if allowed is not None and key not in allowed:
                 out.append(Problem(f"`{flat}` is not {live_kind} state", rebuild, flat))
             elif _shape(meta.size) and not _fits(meta, _full_shape(p)):
-                out.append(Problem(f"`{flat}` has {_saved(meta)} in the checkpoint but the parameter has "
+                out.append(Problem(f"`{flat}` has {_saved(meta, _full_shape(p))} in the checkpoint but the parameter has "
                                    f"{_live(_full_shape(p), meta)}", rebuild, flat))
             elif _shape(meta.size) and meta.properties.dtype != p.dtype:
                 out.append(Problem(f"`{flat}` is {_dtype(meta.properties.dtype)} in the checkpoint but the parameter "

@@ -59,8 +59,12 @@ class LocalOf:
 
 
 def has_dtensor_state(module: nn.Module) -> bool:
-    """Whether any parameter or buffer of ``module`` is a DTensor (the step compiles in expand mode)."""
-    return any(isinstance(t, DTensor) for t in list(module.parameters()) + list(module.buffers()))
+    """Whether any parameter or buffer of ``module`` is a DTensor (the step compiles in expand mode); the
+    ``Shard(0)`` DTensors of ``fully_shard`` (:mod:`spmd_ort.distributed.sharding`) do not count: that mode
+    computes on their flat shard buffers."""
+    from spmd_ort.distributed.sharding import spec_of
+
+    return any(isinstance(t, DTensor) and spec_of(t) is None for t in list(module.parameters()) + list(module.buffers()))
 
 
 def to_spec(t, spec):

@@ -1,18 +1,27 @@
 """Parameter sharding for ``DataParallel(parallel_style="fully_shard")`` (ZeRO stage 3).
 
-Every parameter is flattened and split into ``world`` equal shards, the last
-ones padded with zeros (``shard_numel = ceil(numel / world)``): rank ``r`` holds
-elements ``[r * shard_numel, (r + 1) * shard_numel)``.  This is the layout of
-``torch.chunk`` and of DTensor's ``Shard(0)``, which the checkpoints use.
+Every parameter is split along dim 0 into ``world`` chunks of ``ceil(rows / world)``
+rows, as ``torch.chunk`` and DTensor's ``Shard(0)`` (and FSDP2) split it: rank ``r``
+holds rows ``[r * c, (r + 1) * c)``.  Inside the compiled step each rank's chunk is
+one flat buffer of ``shard_numel = c * prod(shape[1:])`` elements, padded with zeros
+past the last row (a trailing rank may hold padding only), so that the rank-major
+concatenation of the buffers (what an all-gather returns) begins with the full
+tensor, flattened.
 
-Between steps the module's parameters *are* the local shards: ``p.data`` is a
-1-D tensor of ``shard_numel`` elements and ``p._spmd_ort_shard`` (a
-:class:`ShardSpec`) remembers the full shape.  Gradients and optimizer state
-(every non-scalar entry) are sharded the same way; scalars (Adam's ``step``)
-are replicated.  To reach the full weights:
+Between steps the module's parameters are DTensors, ``Shard(0)`` over the ranks, as
+under FSDP2: ``model.state_dict()``, ``p.full_tensor()``, ``torch.save`` and DCP see
+the parameter's global shape, and each DTensor's local tensor is a view of the
+rank's flat buffer (:func:`flat_of`), which the step reads and writes in place.
+``p._spmd_ort_shard`` (a :class:`ShardSpec`) remembers the layout.  Gradients and
+optimizer state (every non-scalar entry) are DTensors of the same layout; scalars
+(Adam's ``step``) are replicated plain tensors.  A 0-d parameter has no dim to
+split: it stays a plain 1-element shard.  To reach the full weights:
 
-* :func:`full_state_dict` gathers every parameter and buffer (on rank 0, or
-  everywhere) under the module's usual FQNs, e.g. for export;
+* ``p.full_tensor()`` (collective), or :func:`full_state_dict`, which gathers
+  every parameter and buffer (on rank 0, or everywhere) under the module's usual
+  FQNs, e.g. for export;
+* ``model(x)`` outside the compiled step gathers the full parameters before the
+  forward and reshards after it, as FSDP2's hooks do;
 * :func:`gathered_parameters` puts the full parameters into the module for
   the duration of a ``with`` block (evaluation, inspection), then restores the
   shards (changes made inside are discarded unless ``writeback=True``).
@@ -31,6 +40,7 @@ import torch.distributed as dist
 from torch import Tensor, nn
 
 SHARD_ATTR = "_spmd_ort_shard"
+FLAT_ATTR = "_spmd_ort_flat"  # on a sharded DTensor: the padded flat buffer its local tensor views
 
 
 @dataclass(frozen=True)
@@ -43,8 +53,27 @@ class ShardSpec:
     rank: int
 
     @property
+    def row_numel(self) -> int:
+        """Elements per dim-0 row (1 for a 0-d tensor)."""
+        n = 1
+        for d in self.shape[1:]:
+            n *= d
+        return n
+
+    @property
     def shard_numel(self) -> int:
-        return max(1, -(-self.numel // self.world))
+        if not self.shape:
+            return max(1, -(-self.numel // self.world))
+        return max(1, -(-self.shape[0] // self.world) * self.row_numel)
+
+    @property
+    def as_dtensor(self) -> bool:
+        """Whether the shards are handed out as ``Shard(0)`` DTensors (every parameter with a dim 0 and rows)."""
+        return bool(self.shape) and self.row_numel > 0
+
+    def local_shape(self, rank: int | None = None) -> tuple[int, ...]:
+        """The shape of ``rank``'s chunk (DTensor ``Shard(0)``: ``torch.chunk`` rows, possibly none)."""
+        return (self.valid(rank) // self.row_numel, *self.shape[1:])
 
     @property
     def padded_numel(self) -> int:
@@ -78,6 +107,66 @@ def spec_of(p: Tensor) -> ShardSpec | None:
     return getattr(p, SHARD_ATTR, None)
 
 
+def _mesh(device_type: str, world: int):
+    """The 1-D mesh over every rank (over the default process group: nothing is created)."""
+    from torch.distributed.device_mesh import DeviceMesh
+
+    key = (device_type, world)
+    if key not in _MESHES:
+        _MESHES[key] = DeviceMesh(device_type, torch.arange(world))
+    return _MESHES[key]
+
+
+_MESHES: dict = {}
+
+
+def as_shard(flat: Tensor, spec: ShardSpec, *, requires_grad: bool = False) -> Tensor:
+    """The state tensor users see for a flat shard buffer: a ``Shard(0)`` DTensor of the full shape whose
+    local tensor views ``flat`` (no copy), or ``flat`` itself where the spec has no dim 0 to split."""
+    if not spec.as_dtensor:
+        return flat
+    from torch.distributed.tensor import DTensor, Shard
+
+    piece = flat[:spec.valid()].view(spec.local_shape())
+    stride = torch.empty(spec.shape, device="meta").stride()
+    out = DTensor.from_local(piece, _mesh(flat.device.type, spec.world), [Shard(0)], run_check=False,
+                             shape=torch.Size(spec.shape), stride=stride)
+    if requires_grad:
+        out.requires_grad_(True)
+    out.__dict__[FLAT_ATTR] = flat
+    return out
+
+
+def flat_of(t: Tensor, spec: ShardSpec) -> Tensor:
+    """The padded flat buffer behind a sharded state tensor, which the compiled step reads and writes in place.
+
+    A DTensor made elsewhere (``zeros_like`` of a parameter, a clone, a loaded value) is given one: its local
+    tensor is copied into a new padded buffer and becomes a view of it, so later writes reach the DTensor.
+    A plain tensor is the flat buffer itself.
+    """
+    from torch.distributed.tensor import DTensor
+
+    if not isinstance(t, DTensor):
+        return t
+    piece = t._local_tensor
+    flat = t.__dict__.get(FLAT_ATTR)
+    if flat is None or flat.untyped_storage().data_ptr() != piece.untyped_storage().data_ptr() \
+            or flat.dtype != piece.dtype:
+        flat = piece.new_zeros(spec.shard_numel)
+        flat[:piece.numel()].copy_(piece.detach().reshape(-1))
+        t._local_tensor = flat[:piece.numel()].view(piece.shape)
+        t.__dict__[FLAT_ATTR] = flat
+    return flat
+
+
+def state_like(t: Tensor, flat: Tensor, spec: ShardSpec) -> Tensor:
+    """New sharded state (a gradient, optimizer state) in the form the parameter ``t`` has: a DTensor over
+    ``flat`` when the parameter is one, else ``flat``."""
+    from torch.distributed.tensor import DTensor
+
+    return as_shard(flat, spec) if isinstance(t, DTensor) else flat
+
+
 def is_sharded_state(value) -> bool:
     """Whether an optimizer-state entry of a sharded parameter is sharded: every non-scalar one is."""
     return isinstance(value, Tensor) and value.dim() > 0
@@ -94,60 +183,82 @@ class ShardedModule:
                  offload_param: str | None = None):
         self.module, self.opt, self.rank, self.world = module, opt, rank, world
         self.home = offload_param  # device the parameter shards live on (None: where the parameter is)
-        self._undo: list = []
+        self._saved: tuple | None = None
+        self._buffers: list = []
         self._hooks: list = []
 
     def shard(self) -> None:
         """Rank 0's parameters and buffers everywhere, then every rank keeps its shard.
 
-        The module's own tensors are not written: each parameter gets new data
-        (``p.data = shard``), so :meth:`undo` can restore the originals exactly.
+        Each parameter is replaced, in every module that holds it (a tied weight stays one parameter),
+        by a new ``Shard(0)`` DTensor parameter over this rank's flat shard buffer; the optimizer's
+        param groups and state move to the new parameters (state sharded alike).  The original
+        parameters are not written, so :meth:`undo` puts them back exactly.
         """
+        if any(spec_of(p) is not None for p in self.module.parameters()):
+            raise RuntimeError("parameter is already sharded")
+        modules = list(self.module.modules())
+        self._saved = ([(m, dict(m._parameters)) for m in modules],
+                       None if self.opt is None else ([list(g["params"]) for g in self.opt.param_groups],
+                                                      self.opt.state))
+        swap: dict[int, nn.Parameter] = {}
         with torch.no_grad():
             for p in self.module.parameters():  # each tied parameter once
-                if spec_of(p) is not None:
-                    raise RuntimeError("parameter is already sharded")
                 full = p.detach().clone()
                 dist.broadcast(full, src=0)
                 spec = ShardSpec(tuple(p.shape), p.numel(), self.world, self.rank)
-                old_data, old_grad = p.data, p.grad
                 shard = spec.shard_of(full)
-                p.data = shard if self.home is None else shard.to(self.home)
-                if old_grad is not None:
-                    p.grad = spec.shard_of(old_grad)
-                setattr(p, SHARD_ATTR, spec)
-                self._undo.append(("param", p, old_data, old_grad))
-                if self.opt is not None and p in self.opt.state:
-                    st = self.opt.state[p]
-                    saved = dict(st)
-                    for k, v in st.items():
-                        if is_sharded_state(v):
-                            st[k] = spec.shard_of(v)
-                    self._undo.append(("opt", p, saved, None))
+                new = _shard_param(shard if self.home is None else shard.to(self.home), spec, p.requires_grad)
+                if p.grad is not None:
+                    new.grad = state_like(new, spec.shard_of(p.grad), spec)
+                swap[id(p)] = new
+            for m in modules:
+                for name, p in list(m._parameters.items()):
+                    if p is not None and id(p) in swap:
+                        m._parameters[name] = swap[id(p)]
+            if self.opt is not None:
+                self._move_optimizer(swap)
             for b in self.module.buffers():
                 saved = b.detach().clone()
                 dist.broadcast(b.data, src=0)
-                self._undo.append(("buffer", b, saved, None))
+                self._buffers.append((b, saved))
+
+    def _move_optimizer(self, swap: dict[int, nn.Parameter]) -> None:
+        from collections import defaultdict
+
+        for group in self.opt.param_groups:
+            group["params"] = [swap.get(id(p), p) for p in group["params"]]
+        state = defaultdict(dict)
+        for p, st in self.opt.state.items():
+            q = swap.get(id(p), p)
+            spec = spec_of(q)
+            state[q] = {k: (state_like(q, spec.shard_of(v), spec) if spec is not None and is_sharded_state(v) else v)
+                        for k, v in st.items()}
+        self.opt.state = state
 
     def undo(self) -> None:
         for handle in self._hooks:
             handle.remove()
         self._hooks.clear()
+        if self._saved is not None:
+            modules, opt_saved = self._saved
+            for m, params in modules:
+                m._parameters.clear()
+                m._parameters.update(params)
+            if opt_saved is not None:
+                groups, state = opt_saved
+                for g, params in zip(self.opt.param_groups, groups):
+                    g["params"] = params
+                self.opt.state = state
+            self._saved = None
         with torch.no_grad():
-            for kind, t, a, b in reversed(self._undo):
-                if kind == "param":
-                    t.data = a
-                    t.grad = b
-                    delattr(t, SHARD_ATTR)
-                elif kind == "opt":
-                    self.opt.state[t].clear()
-                    self.opt.state[t].update(a)
-                else:
-                    t.copy_(a)
-        self._undo.clear()
+            for b, saved in reversed(self._buffers):
+                b.copy_(saved)
+        self._buffers.clear()
 
     def commit(self) -> None:
-        self._undo.clear()
+        self._saved = None
+        self._buffers.clear()
         self._hooks.clear()  # the hooks stay with the sharded module
 
     def gather_outside_steps(self) -> None:
@@ -158,15 +269,29 @@ class ShardedModule:
                         m.register_forward_hook(_reshard_after_forward, always_call=True)]
 
 
+def _shard_param(flat: Tensor, spec: ShardSpec, requires_grad: bool) -> nn.Parameter:
+    """A sharded parameter over ``flat``: a ``Shard(0)`` DTensor parameter (a plain 1-element one for a 0-d
+    parameter), marked with its spec."""
+    p = nn.Parameter(as_shard(flat, spec), requires_grad=requires_grad)
+    if spec.as_dtensor:
+        # the step takes the flat buffer as the parameter (requiring grad as it does); nn.Parameter made a new
+        # DTensor over the same local view
+        p.__dict__[FLAT_ATTR] = flat.requires_grad_(requires_grad)
+    setattr(p, SHARD_ATTR, spec)
+    return p
+
+
 def gather_full(p: Tensor) -> Tensor:
     """The full value of a sharded parameter (or state tensor of its shape), on every rank (collective)."""
     spec = spec_of(p)
     if spec is None:
         return p.detach()
-    return gather_tensor(p.detach(), spec)
+    return gather_tensor(flat_of(p, spec).detach(), spec)
 
 
 def gather_tensor(shard: Tensor, spec: ShardSpec) -> Tensor:
+    """The full tensor from every rank's shard (a sharded DTensor, or its flat buffer) of layout ``spec``."""
+    shard = flat_of(shard, spec).detach()
     out = shard.new_empty(spec.padded_numel)
     dist.all_gather_single(out, shard.contiguous())
     return spec.unshard(out)
@@ -195,7 +320,7 @@ def full_state_dict(module: nn.Module, optimizer: torch.optim.Optimizer | None =
             st = {}
             for k, v in optimizer.state.get(p, {}).items():
                 if spec is not None and is_sharded_state(v):
-                    v = gather_tensor(v.detach(), spec)
+                    v = gather_tensor(flat_of(v, spec).detach(), spec)
                 st[k] = v.clone() if isinstance(v, Tensor) else v
             if st:
                 state[i] = st
@@ -207,24 +332,31 @@ def full_state_dict(module: nn.Module, optimizer: torch.optim.Optimizer | None =
 def gathered_parameters(module: nn.Module, *, writeback: bool = False):
     """Full parameters in ``module`` inside the block (collective on entry and exit).
 
-    With ``writeback=True`` each rank keeps its shard of whatever the block
-    left in the full parameters (every rank must make the same change).
+    Each sharded parameter is stood in for, in every module that holds it, by a plain parameter with its
+    full value (tied weights stay tied).  With ``writeback=True`` each rank keeps its shard of whatever
+    the block left in the full parameters (every rank must make the same change).
     """
-    params = [p for p in module.parameters() if spec_of(p) is not None]
-    shards = {}
+    sharded = [p for p in module.parameters() if spec_of(p) is not None]
+    full: dict[int, nn.Parameter] = {}
     with torch.no_grad():
-        for p in params:
-            shards[id(p)] = p.data
-            p.data = gather_full(p).clone()
+        for p in sharded:
+            full[id(p)] = nn.Parameter(gather_full(p).clone(), requires_grad=p.requires_grad)
+    swapped = []
+    for m in module.modules():
+        for name, p in list(m._parameters.items()):
+            if p is not None and id(p) in full:
+                swapped.append((m, name, p))
+                m._parameters[name] = full[id(p)]
     try:
         yield module
     finally:
-        with torch.no_grad():
-            for p in params:
-                full = p.data
-                p.data = shards[id(p)]
-                if writeback:
-                    p.data.copy_(spec_of(p).shard_of(full))
+        for m, name, p in reversed(swapped):
+            m._parameters[name] = p
+        if writeback:
+            with torch.no_grad():
+                for p in sharded:
+                    spec = spec_of(p)
+                    flat_of(p, spec).copy_(spec.shard_of(full[id(p)]))
 
 
 _GATHERED = "_spmd_ort_gathered_for_forward"
@@ -235,17 +367,12 @@ def _gather_before_forward(module: nn.Module, args) -> None:
     # step (an opaque part) the step's own gathers serve it
     from spmd_ort.runtime.context import in_step
 
-    if not is_sharded(module) or module.__dict__.get(_GATHERED) is not None or in_step() or not _holds_shards(module):
-        return  # (inside gathered_parameters the module holds its full parameters already)
+    # (inside gathered_parameters the module holds full parameters, not sharded ones, already)
+    if not is_sharded(module) or module.__dict__.get(_GATHERED) is not None or in_step():
+        return
     block = gathered_parameters(module)
     block.__enter__()
     module.__dict__[_GATHERED] = block
-
-
-def _holds_shards(module: nn.Module) -> bool:
-    """Whether every sharded parameter of ``module`` holds its shard now (not its full value)."""
-    return all(p.dim() == 1 and p.numel() == spec_of(p).shard_numel
-               for p in module.parameters() if spec_of(p) is not None)
 
 
 def _reshard_after_forward(module: nn.Module, args, output) -> None:
@@ -256,11 +383,11 @@ def _reshard_after_forward(module: nn.Module, args, output) -> None:
 
 def persistent_bytes(module: nn.Module, optimizer: torch.optim.Optimizer | None = None) -> dict[str, int]:
     """Bytes this rank holds between steps: parameters, gradients, optimizer state (and buffers); of a DTensor,
-    its local tensor."""
-    from spmd_ort.distributed.dtensor import local
+    its local tensor (of a sharded one, the padded flat buffer behind it)."""
+    from torch.distributed.tensor import DTensor
 
     def size(t: Tensor) -> int:
-        t = local(t)
+        t = t.__dict__.get(FLAT_ATTR, t._local_tensor if isinstance(t, DTensor) else t)
         return t.numel() * t.element_size()
 
     out = {"params": 0, "grads": 0, "opt_state": 0, "buffers": 0}

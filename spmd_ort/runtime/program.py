@@ -126,7 +126,7 @@ class CompiledProgram:
         # state may be gone, e.g. optimizer state a skipped parameter lacks: spmd_ort.capture.presence)
         params = self.layout.params
         if all(i < len(params) for i in carried.inputs):
-            sources = [params[i] for i in carried.inputs]
+            sources = [self.layout.held(i, params[i]) for i in carried.inputs]
         else:
             state = self.layout.gather()
             sources = [state[i] for i in carried.inputs]

@@ -32,7 +32,7 @@ sys.path.insert(0, str(ROOT))
 from dist_common import finish  # noqa: E402
 import spmd_ort  # noqa: E402
 from helpers import RTOL, assert_close_relmax, ort_report  # noqa: E402
-from spmd_ort.distributed.sharding import gather_tensor, spec_of  # noqa: E402
+from spmd_ort.distributed.sharding import spec_of  # noqa: E402
 from models import GPT, GPTConfig  # noqa: E402
 
 CFG = GPTConfig(vocab=64, seq=24, d=32, heads=2, layers=2)
@@ -61,7 +61,7 @@ def full_values(model, opt) -> dict[str, torch.Tensor]:
     out = {f"param {n}": full["model"][n] for n, _ in model.named_parameters()}
     for n, p in model.named_parameters():
         spec = spec_of(p)
-        out[f"grad {n}"] = p.grad.detach().clone() if spec is None else gather_tensor(p.grad.detach(), spec)
+        out[f"grad {n}"] = p.grad.detach().clone() if spec is None else p.grad.full_tensor()  # (Shard(0) DTensor)
     for i, st in full["optim"]["state"].items():
         out.update((f"state {i}.{k}", v) for k, v in st.items())
     return out

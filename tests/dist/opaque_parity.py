@@ -29,6 +29,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
+from torch.distributed.tensor import Shard
 
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "tests"))
@@ -133,7 +134,7 @@ def mixtral_shard(rank: int, world: int) -> dict:
                 assert_close_normwise(full["optim"]["state"][k][key], want, atol=0.0,
                                       msg=f"rank {rank} step {i} state {k}.{key}")
         losses.append(float(global_loss / world))
-    assert all(p.dim() == 1 for p in model.parameters())  # shards between steps
+    assert all(p.placements == (Shard(0),) for p in model.parameters())  # Shard(0) DTensors between steps
     return {"losses": losses, **summary(step)}
 
 

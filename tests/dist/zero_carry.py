@@ -77,7 +77,7 @@ def run(args, rank: int, world: int) -> dict:
         elif event == "one rank edits":  # the others' shards are as carried: all must gather anew anyway
             if rank == 1:
                 with torch.no_grad():
-                    next(model.parameters()).view(-1)[0] += 1.0
+                    next(model.parameters()).to_local().view(-1)[0] += 1.0  # (its Shard(0) piece)
             diverged = True  # from eager, which has no such edit
         x, y = batches(CFG, i, batch * world)
         mine = slice(rank * batch, (rank + 1) * batch)

@@ -17,6 +17,7 @@ import sys
 from pathlib import Path
 
 import torch
+from torch.distributed.tensor import DTensor, Shard
 import torch.distributed as dist
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -78,7 +79,9 @@ def main() -> None:
         result["full_inside"] = all(torch.equal(p, full[n]) for n, p in model.named_parameters())
         with torch.no_grad():
             result["eval_shape"] = list(model(x).shape)
-    result["sharded_after"] = all(p.dim() == 1 for p in model.parameters())
+    # the shards again after the block: Shard(0) DTensors of the full shape, as FSDP2's parameters
+    result["sharded_after"] = all(isinstance(p, DTensor) and p.placements == (Shard(0),) and p.shape == full[n].shape
+                                  for n, p in model.named_parameters())
     finish(args.out, result)
 
 

@@ -21,6 +21,7 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
+from torch.distributed.tensor import DTensor, Shard
 
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "tests"))
@@ -131,8 +132,16 @@ def run(args, rank: int, world: int) -> dict:
             for key, want in st.items():
                 assert_close_normwise(full["optim"]["state"][k][key], want, atol=0.0,
                                       msg=f"rank {rank} step {i} state {k}.{key}")
-        for p in model.parameters():  # between steps: shards only
-            assert p.dim() == 1 and p.numel() == -(-p._spmd_ort_shard.numel // world), p.shape
+        for name, p in model.named_parameters():  # between steps: Shard(0) DTensors of the full shape, as FSDP2's
+            spec = p._spmd_ort_shard
+            assert isinstance(p, DTensor) and p.placements == (Shard(0),) and tuple(p.shape) == spec.shape, name
+            rows = -(-spec.shape[0] // world)
+            assert p.to_local().shape[0] == max(0, min(rows, spec.shape[0] - rank * rows)), (name, p.to_local().shape)
+        for name, t in model.state_dict().items():  # nothing in it whose shape is not the parameter's
+            assert tuple(t.shape) == tuple(reference.state_dict()[name].shape), name
+        for st in opt.state.values():
+            for key, v in st.items():
+                assert v.dim() == 0 or isinstance(v, DTensor), key
         c = step.comm
         result["losses"].append(float(global_loss))
         result["comm"].append({"all_gather_calls": c.all_gather_calls, "all_gather_bytes": c.all_gather_bytes,
@@ -149,7 +158,10 @@ def run(args, rank: int, world: int) -> dict:
         assert_close_normwise(model(x), reference(x), msg=f"rank {rank} eval forward outside the step")
     model.train()
     reference.train()
-    assert all(torch.equal(a, b) for a, b in zip(shards, model.parameters(), strict=True))
+    assert all(torch.equal(a.to_local(), b.to_local()) for a, b in zip(shards, model.parameters(), strict=True))
+    # a parameter's full_tensor() is the full weight, as the gathered state dict has it
+    for name, p in model.named_parameters():
+        assert torch.equal(p.full_tensor(), full["model"][name]), name
     memory = step.memory()
     padded = sum(p._spmd_ort_shard.padded_numel for p in model.parameters())
     unsharded = spmd_ort.distributed.sharding.persistent_bytes(reference, opt_ref)["total"]
