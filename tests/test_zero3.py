@@ -171,3 +171,4 @@ def test_failed_compile_leaves_every_rank_unchanged_and_full_weights_are_reachab
         assert res["unchanged"] and res["unsharded"] and res["no_opt_state"], res
         assert "sharded" in (res["mode_error"] or ""), res["mode_error"]
         assert res["full_inside"] and res["eval_shape"] == [4, 16, 67] and res["sharded_after"], res
+        assert res["saved_dtensors"] and res["load_full_and_saved"], res

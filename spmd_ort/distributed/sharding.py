@@ -263,10 +263,12 @@ class ShardedModule:
 
     def gather_outside_steps(self) -> None:
         """``module(x)`` outside the compiled step (evaluation, generation) runs on the full parameters, gathered
-        before its forward and resharded after it, as FSDP2's hooks do (collective: every rank calls it)."""
+        before its forward and resharded after it, as FSDP2's hooks do (collective: every rank calls it); and
+        ``module.load_state_dict`` takes full tensors for the sharded parameters (each rank keeps its piece)."""
         m = self.module
         self._hooks += [m.register_forward_pre_hook(_gather_before_forward),
-                        m.register_forward_hook(_reshard_after_forward, always_call=True)]
+                        m.register_forward_hook(_reshard_after_forward, always_call=True),
+                        m._register_load_state_dict_pre_hook(_place_full_tensors, with_module=True)]
 
 
 def _shard_param(flat: Tensor, spec: ShardSpec, requires_grad: bool) -> nn.Parameter:
@@ -373,6 +375,20 @@ def _gather_before_forward(module: nn.Module, args) -> None:
     block = gathered_parameters(module)
     block.__enter__()
     module.__dict__[_GATHERED] = block
+
+
+def _place_full_tensors(module: nn.Module, state_dict: dict, prefix: str, *args) -> None:
+    """``module.load_state_dict`` with full (plain) tensors for sharded parameters, e.g. a ``full_state_dict`` or
+    an unsharded model's state dict: each rank keeps its piece (no communication), as ``Shard(0)`` DTensors."""
+    from torch.distributed.tensor import DTensor, distribute_tensor
+
+    for name, p in module.named_parameters(remove_duplicate=False):
+        key = prefix + name
+        value = state_dict.get(key)
+        if isinstance(p, DTensor) and spec_of(p) is not None and isinstance(value, Tensor) \
+                and not isinstance(value, DTensor) and tuple(value.shape) == tuple(p.shape):
+            state_dict[key] = distribute_tensor(value.detach().to(p.to_local().device), p.device_mesh, p.placements,
+                                                src_data_rank=None)
 
 
 def _reshard_after_forward(module: nn.Module, args, output) -> None:

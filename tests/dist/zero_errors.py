@@ -6,6 +6,8 @@
 2. After a good step, the same model under a replicate step is refused (it is sharded).
 3. ``gathered_parameters`` gives the module its full weights for an eager forward, equal
    to ``full_state_dict``, and restores the shards on exit.
+4. ``torch.save(model.state_dict())`` holds ``Shard(0)`` DTensors of the full shapes; ``model.load_state_dict``
+   takes them back, and takes full plain tensors (each rank keeps its rows).
 
 Writes DIR/rank<r>.json with what each check saw.
 """
@@ -79,6 +81,20 @@ def main() -> None:
         result["full_inside"] = all(torch.equal(p, full[n]) for n, p in model.named_parameters())
         with torch.no_grad():
             result["eval_shape"] = list(model(x).shape)
+    # torch.save of the sharded state dict and back, and load_state_dict of full (plain) tensors: each rank keeps
+    # its piece, as with FSDP2's DTensors
+    path = Path(args.out) / f"sd{rank}.pt"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    torch.save(model.state_dict(), path)
+    saved = torch.load(path, weights_only=False)
+    result["saved_dtensors"] = all(isinstance(v, DTensor) and v.shape == full[k].shape for k, v in saved.items()
+                                   if k in dict(model.named_parameters()))
+    with torch.no_grad():
+        model.load_state_dict({k: v * 0.5 for k, v in full.items()})
+        halved = all(torch.equal(p.full_tensor(), full[n] * 0.5) for n, p in model.named_parameters())
+        model.load_state_dict(saved)
+    result["load_full_and_saved"] = halved and all(torch.equal(p.full_tensor(), full[n])
+                                                   for n, p in model.named_parameters())
     # the shards again after the block: Shard(0) DTensors of the full shape, as FSDP2's parameters
     result["sharded_after"] = all(isinstance(p, DTensor) and p.placements == (Shard(0),) and p.shape == full[n].shape
                                   for n, p in model.named_parameters())
