@@ -49,16 +49,9 @@ from spmd_ort.distributed.checkpoint_check import (Problem, check_checkpoint, ch
 from spmd_ort.errors import CheckpointError
 from spmd_ort.capture.optim import initial_step
 from spmd_ort.distributed.dtensor import is_dtensor
-from spmd_ort.distributed.sharding import ShardSpec, is_sharded_state, spec_of
+from spmd_ort.distributed.sharding import ShardSpec, is_sharded_state, mesh_over, spec_of
 
 NOTHING_CHANGED = "Nothing was loaded: the model, optimizer and step are unchanged."
-
-
-def _mesh(world: int):
-    """The 1-D mesh over every rank (it uses the default process group: nothing is created or cached)."""
-    from torch.distributed.device_mesh import DeviceMesh
-
-    return DeviceMesh("cpu", torch.arange(world))
 
 
 def _dtensor(local: Tensor, spec: ShardSpec, mesh):
@@ -77,7 +70,7 @@ def state_dict(train_step, model: nn.Module, optimizer: torch.optim.Optimizer | 
     """``{"model": ..., "optim": ...}`` for DCP: sharded tensors as DTensors over the live shards."""
     train_step.prepare(model, optimizer)
     specs = [spec_of(p) for p in model.parameters() if spec_of(p) is not None]
-    mesh = _mesh(specs[0].world) if specs else None
+    mesh = mesh_over("cpu", specs[0].world) if specs else None
     model_sd = {}
     for name, t in model.state_dict(keep_vars=True).items():
         spec = spec_of(t)  # (a sharded parameter is a DTensor already, but a 0-d one: its flat shard)
@@ -298,7 +291,7 @@ def load_checkpoint(path: str | Path, train_step, model: nn.Module,
 def _staging(found, model: nn.Module, optimizer) -> tuple[dict, Callable[[], None]]:
     """The DCP target (new tensors in the layout the checkpoint was saved in) and the commit that copies it in."""
     specs = [spec_of(p) for p in model.parameters() if spec_of(p) is not None]
-    mesh = _mesh(specs[0].world) if specs else None
+    mesh = mesh_over("cpu", specs[0].world) if specs else None
 
     def target(like: Tensor, spec: ShardSpec | None, saved: tuple[int, ...], dtype: torch.dtype):
         """A new tensor DCP reads ``saved``-shaped data into, and a function giving it in the live layout

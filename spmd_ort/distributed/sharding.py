@@ -107,7 +107,7 @@ def spec_of(p: Tensor) -> ShardSpec | None:
     return getattr(p, SHARD_ATTR, None)
 
 
-def _mesh(device_type: str, world: int):
+def mesh_over(device_type: str, world: int):
     """The 1-D mesh over every rank (over the default process group: nothing is created)."""
     from torch.distributed.device_mesh import DeviceMesh
 
@@ -120,7 +120,7 @@ def _mesh(device_type: str, world: int):
 _MESHES: dict = {}
 
 
-def as_shard(flat: Tensor, spec: ShardSpec, *, requires_grad: bool = False) -> Tensor:
+def as_shard(flat: Tensor, spec: ShardSpec) -> Tensor:
     """The state tensor users see for a flat shard buffer: a ``Shard(0)`` DTensor of the full shape whose
     local tensor views ``flat`` (no copy), or ``flat`` itself where the spec has no dim 0 to split."""
     if not spec.as_dtensor:
@@ -129,10 +129,8 @@ def as_shard(flat: Tensor, spec: ShardSpec, *, requires_grad: bool = False) -> T
 
     piece = flat[:spec.valid()].view(spec.local_shape())
     stride = torch.empty(spec.shape, device="meta").stride()
-    out = DTensor.from_local(piece, _mesh(flat.device.type, spec.world), [Shard(0)], run_check=False,
+    out = DTensor.from_local(piece, mesh_over(flat.device.type, spec.world), [Shard(0)], run_check=False,
                              shape=torch.Size(spec.shape), stride=stride)
-    if requires_grad:
-        out.requires_grad_(True)
     out.__dict__[FLAT_ATTR] = flat
     return out
 
