@@ -6,7 +6,7 @@ STAMP  := $(VENV)/.installed
 TORCH  ?= torch==2.13.0
 NPROC  ?= 2
 
-.PHONY: setup test test-fast fuzz demo demo-zero3 demo-tp bench bench-zero3 clean
+.PHONY: setup test test-fast fuzz demo demo-zero3 demo-tp demo-2d bench bench-zero3 clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -37,6 +37,9 @@ demo-zero3: setup
 
 demo-tp: setup
 	$(VENV)/bin/torchrun --standalone --nproc_per_node=$(NPROC) examples/train_char_gpt.py --parallel tp
+
+demo-2d: setup
+	$(VENV)/bin/torchrun --standalone --nproc_per_node=4 examples/train_char_gpt.py --parallel 2d
 
 bench: setup
 	$(PY) bench/step.py --compile

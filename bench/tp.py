@@ -1,6 +1,11 @@
-"""Tensor-parallel step time on 2 ranks (gloo, CPU): compiled (fx, ort) vs eager DTensor tensor parallelism.
+"""Tensor-parallel step time (gloo, CPU): compiled (fx, ort) vs eager DTensor tensor parallelism, 1-D or 2-D.
 
 Run:  .venv/bin/torchrun --standalone --nproc_per_node=2 bench/tp.py [--steps 7]
+      .venv/bin/torchrun --standalone --nproc_per_node=4 bench/tp.py --dp 2   # 2-D: dp 2 x tp 2
+
+2-D (``--dp 2``): the plan over ``tp``; the compiled runners average gradients over ``dp`` (``TensorParallel(plan,
+mesh, data_parallel=DataParallel())``, bucketed all-reduces), ``eager`` is FSDP2 + TP as torchtitan builds it
+(``fully_shard`` of every block and the root on the dp dim of the same mesh); each dp replica draws its own batch.
 
 gpt-mini (4 layers, d=256, seq 128, vocab 8192, separate q/k/v) parallelized Megatron-style with torch's own plan
 (``examples.gpt.tensor_parallel_plan``: q/k/v and the MLP's first linear column-wise, the projections back
@@ -59,6 +64,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--steps", type=int, default=7)
     ap.add_argument("--runners", default="eager,spmd-fx,spmd-ort")
+    ap.add_argument("--dp", type=int, default=1, help="2-D: data-parallel replicas (mesh dp x tp)")
     args = ap.parse_args()
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
@@ -66,23 +72,33 @@ def main() -> None:
     cfg = GPTConfig(vocab=8192, seq=128, d=256, heads=4, layers=4, split_qkv=True)
     torch.manual_seed(0)
     model = GPT(cfg)
-    g = torch.Generator().manual_seed(0)  # the same batches on every rank
+    mesh2d = init_device_mesh("cpu", (args.dp, world // args.dp), mesh_dim_names=("dp", "tp")) if args.dp > 1 else None
+    dp_rank = mesh2d["dp"].get_local_rank() if mesh2d is not None else 0
+    g = torch.Generator().manual_seed(dp_rank)  # the same batches on every rank of a tensor-parallel group
 
     def batch():
         return (torch.randint(0, cfg.vocab, (8, cfg.seq), generator=g),
                 torch.randint(0, cfg.vocab, (8, cfg.seq), generator=g))
 
-    mesh = init_device_mesh("cpu", (world,))
+    mesh = mesh2d["tp"] if mesh2d is not None else init_device_mesh("cpu", (world,))
     plan = tensor_parallel_plan()
     runners = {}
     for name in args.runners.split(","):
         m = copy.deepcopy(model)
         if name == "eager":
             m = parallelize_module(m, mesh, plan)
+            if mesh2d is not None:  # FSDP2 + TP
+                from torch.distributed.fsdp import fully_shard
+
+                for block in m.blocks:
+                    fully_shard(block, mesh=mesh2d["dp"])
+                fully_shard(m, mesh=mesh2d["dp"])
             runners[name] = (m, eager_step, None)
         else:
             backend = name.split("-")[1]
-            step = spmd_ort.compile(backend=backend, parallel_mode=spmd_ort.TensorParallel(plan, mesh=mesh))
+            mode = spmd_ort.TensorParallel(plan, mesh=mesh) if mesh2d is None else spmd_ort.TensorParallel(
+                plan, mesh=mesh2d, data_parallel=spmd_ort.DataParallel())
+            step = spmd_ort.compile(backend=backend, parallel_mode=mode)
             runners[name] = (m, step(train_step), backend)
     opts = {k: make_adamw(m.parameters()) for k, (m, _, _) in runners.items()}
     times: dict[str, list[float]] = {k: [] for k in runners}
@@ -105,10 +121,13 @@ def main() -> None:
     if rank == 0:
         base = statistics.median(times["eager"]) if "eager" in times else None
         params = sum(p.numel() for p in model.parameters())
-        print(f"# bench/tp.py — gpt-mini split q/k/v ({params / 1e6:.2f} M params), tensor parallel over {world} "
-              f"ranks, gloo, {torch.get_num_threads()} thread(s)/rank, the same batch of 8 on every rank, host "
-              f"memory retained for every runner, median of {args.steps}")
-        print("| runner | ms/step | x eager TP | collectives/step | MiB/step | persistent MiB/rank |")
+        layout = (f"tensor parallel over {world} ranks, the same batch of 8 on every rank" if mesh2d is None else
+                  f"2-D: dp {args.dp} x tp {world // args.dp} ({world} ranks), a batch of 8 per dp replica; eager is "
+                  "FSDP2 + TP")
+        print(f"# bench/tp.py — gpt-mini split q/k/v ({params / 1e6:.2f} M params), {layout}, gloo, "
+              f"{torch.get_num_threads()} thread(s)/rank, host memory retained for every runner, median of "
+              f"{args.steps}")
+        print("| runner | ms/step | x eager | collectives/step | MiB/step | persistent MiB/rank |")
         print("|---|---|---|---|---|---|")
         for k, (m, fn, backend) in runners.items():
             ms = statistics.median(times[k]) * 1e3

@@ -5,6 +5,7 @@ Run:  make demo           (sets up .venv, then runs this file on 2 ranks)
   or: python examples/train_char_gpt.py      (one process)
   or: make demo-zero3   (2 ranks, ZeRO-3: --parallel fully_shard [--offload])
   or: torchrun --standalone --nproc_per_node=2 examples/train_char_gpt.py --parallel tp   (tensor parallel)
+  or: torchrun --standalone --nproc_per_node=4 examples/train_char_gpt.py --parallel 2d   (2 x 2: dp x tp)
 
 Under torchrun every rank trains on its own batches; the compiled step averages
 gradients over ranks (spmd_ort.DataParallel, the default with several ranks), so
@@ -14,7 +15,9 @@ sampling then run inside ``spmd_ort.gathered_parameters``.  With ``--parallel tp
 torch's Megatron plan (``examples.gpt.tensor_parallel_plan``) splits attention
 heads and MLP units over the ranks (``spmd_ort.TensorParallel``): every rank
 trains on the same batches, holds DTensor parameters, and evaluates and samples
-with the model as it is.  Rank 0 prints.
+with the model as it is.  ``--parallel 2d`` (4 ranks) does both on a (dp, tp) mesh:
+the plan over ``tp``, gradients averaged over ``dp``; each dp replica draws its
+own batches.  Rank 0 prints.
 
 The corpus is the repository's Python sources and docs, so nothing is
 downloaded.  It prints loss and steps/s as it goes and a sample at the end; the
@@ -55,7 +58,7 @@ def main() -> None:
     ap.add_argument("--seq", type=int, default=64)
     ap.add_argument("--backend", default=None, help="fx (default from SPMD_ORT_BACKEND)")
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--parallel", default="replicate", choices=["replicate", "fully_shard", "tp"])
+    ap.add_argument("--parallel", default="replicate", choices=["replicate", "fully_shard", "tp", "2d"])
     ap.add_argument("--offload", action="store_true", help="fully_shard: optimizer and parameters on the host")
     ap.add_argument("--timeline", default=str(ROOT / "out" / "demo_timeline"),
                     help="where the profile of the last two steps goes (<path>.json, <path>.png)")
@@ -77,7 +80,9 @@ def main() -> None:
     train, val = data[:split], data[split:]
     log(f"corpus: {len(text):,} characters of this repository, vocabulary {len(chars)}; {world} rank(s)")
 
-    tp = world > 1 and args.parallel == "tp"
+    tp = world > 1 and args.parallel in ("tp", "2d")
+    if args.parallel == "2d" and (world < 4 or world % 2):
+        raise SystemExit(f"--parallel 2d needs an even number of ranks, at least 4 (dp x tp with tp = 2); got {world}")
     cfg = GPTConfig(vocab=len(chars), seq=args.seq, d=128, heads=4, layers=3, split_qkv=tp)
     model = GPT(cfg)
     opt = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.1, betas=(0.9, 0.95))
@@ -86,7 +91,14 @@ def main() -> None:
 
     # replicate: bucket sizes chosen from the first steps' measured costs (the default); fully_shard: 1 MiB
     # buckets (its all-gathers too), so a model this small still gets several to overlap
-    if tp:  # q, k, v and the MLP's first linear column-wise, the projections back row-wise
+    dp_rank = 0
+    if tp and args.parallel == "2d":  # tp = 2 within each pair of ranks, data parallel across the pairs
+        from torch.distributed.device_mesh import init_device_mesh
+
+        mesh = init_device_mesh("cpu", (world // 2, 2), mesh_dim_names=("dp", "tp"))
+        mode = spmd_ort.TensorParallel(tensor_parallel_plan(), mesh=mesh, data_parallel=spmd_ort.DataParallel())
+        dp_rank = mesh.get_local_rank("dp")
+    elif tp:  # q, k, v and the MLP's first linear column-wise, the projections back row-wise
         mode = spmd_ort.TensorParallel(tensor_parallel_plan())
     else:
         mode = spmd_ort.DataParallel(parallel_style=args.parallel,
@@ -104,7 +116,8 @@ def main() -> None:
         return loss
 
     # data parallel: every rank draws its own batches; tensor parallel: the ranks compute one model, on one batch
-    g = torch.Generator().manual_seed(args.seed + (0 if tp else rank))
+    # (2-D: one batch per dp replica)
+    g = torch.Generator().manual_seed(args.seed + (dp_rank if args.parallel == "2d" else 0 if tp else rank))
 
     def batch(source: torch.Tensor):
         ix = torch.randint(len(source) - args.seq - 1, (args.batch,), generator=g)
@@ -131,7 +144,8 @@ def main() -> None:
                 extra = (f"  {comm.all_gather_calls} all-gather + {comm.reduce_scatter_calls} reduce-scatter/step, "
                          f"{comm.total_bytes / 2**20:.2f} MiB, {comm.overlap:.0%} overlapped")
             elif tp:
-                extra = f"  {comm.all_reduce_calls} all-reduce/step (Megatron), {comm.all_reduce_bytes / 2**20:.2f} MiB"
+                extra = (f"  {comm.all_reduce_calls} all-reduce/step (Megatron{' + dp' if args.parallel == '2d' else ''}), "
+                         f"{comm.all_reduce_bytes / 2**20:.2f} MiB")
             elif world > 1:
                 extra = (f"  {comm.all_reduce_calls} all-reduce/step, {comm.all_reduce_bytes / 2**20:.2f} MiB, "
                          f"{comm.overlap:.0%} overlapped")

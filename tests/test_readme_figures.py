@@ -78,6 +78,10 @@ CLAIMS: list[tuple[str, Source]] = [
      Code("spmd_ort/distributed/parallel.py", r"^AUTO_START_MB = (\d+\.\d+)  #")),
     ("(`\"auto\"` keeps its {25 MiB} start: its probe times collectives over every rank)",
      Code("spmd_ort/distributed/parallel.py", r"^AUTO_START_MB = (\d+\.\d+)  #")),
+    ("times it against FSDP2 + TP (bench/RESULTS.md: {0.82×} on fx, 0.84× on ORT)",
+     Cell("### 2-D on 4 ranks: dp 2 × tp 2", "spmd-fx", "x eager")),
+    ("times it against FSDP2 + TP (bench/RESULTS.md: 0.82× on fx, {0.84×} on ORT)",
+     Cell("### 2-D on 4 ranks: dp 2 × tp 2", "spmd-ort", "x eager")),
     ("Tested on 4 ranks ({2 x} 2, sequence parallel, ORT)", Fact("the 2-D test's mesh: dp 2 x tp 2 (CASES)")),
     # ZeRO-3
     ("one reduce-scatter of every gradient: {3x} the parameter bytes",

@@ -5,7 +5,8 @@ The script (tests/dist/tp_parity.py) checks loss, parameters and optimizer state
 gradients), the loss against one-process eager, and an evaluation forward outside the step; these tests check
 what it reports: the collectives against eager DTensor's (``CommDebugMode``), the bytes each rank holds, the
 parameters' placements, and (``TensorParallel``) that a failed first call left the model as it was.  2-D (4 ranks,
-dp x tp) is checked against eager tensor parallelism on the global batch (the dp replicas' batches together).
+dp x tp) is checked against eager tensor parallelism on the global batch (the dp replicas' batches together), and
+with a bf16 ``MixedPrecisionPolicy`` against FSDP2 + TP under the same policy.
 """
 
 from __future__ import annotations
@@ -24,12 +25,17 @@ CASES = [
     ("ort", "mode", "sequence", 1),  # sequence parallel: all-gathers, reduce-scatters, partial gradients of norms
     # 2-D, 4 ranks (dp 2 x tp 2): DataParallel(replicate) on the dp dim, against eager TP on the global batch
     ("ort", "mode", "sequence", 2),
+    # 2-D with a bf16 MixedPrecisionPolicy on the dp dim, against FSDP2 + TP with the same policy
+    ("ort", "mode", "megatron", "2-mp"),
 ]
 
 
 @pytest.mark.parametrize("backend,apply,plan,dp", CASES)
 def test_matches_eager_tensor_parallel(tmp_path, backend, apply, plan, dp):
+    mp = dp == "2-mp"
+    dp = int(str(dp).split("-")[0])
     extra = ("--vary-batch", "--checkpoint", str(tmp_path / "dcp")) if (backend, plan) == ("fx", "megatron") else ()
+    extra += ("--mp",) if mp else ()
     budget = "0" if apply == "user" else "1"
     results, _ = torchrun(tmp_path, "--backend", backend, "--apply", apply, "--plan", plan, "--steps", "3",
                           "--dp", str(dp), *extra, nproc=2 * dp, script=SCRIPT,
@@ -40,13 +46,16 @@ def test_matches_eager_tensor_parallel(tmp_path, backend, apply, plan, dp):
     # since DTensor's sharding propagation fixes the sizes a symbolic trace shows it (no wasted symbolic trace;
     # the resume step reuses the batch-4 program), a DCP round trip of the DTensor state, and a resume from
     # spmd_ort.save_checkpoint that continues bit for bit
-    if extra:
+    if "--vary-batch" in extra:
         assert results[0]["traces"] == 3
     for r in results:
         # the ranks of a TP group compute one model on one batch
         assert r["losses"] == results[r["tp"] * (results.index(r) // r["tp"])]["losses"]
         eager = {k.split(".")[-1]: n for k, n in r["eager_collectives"].items()}
-        if plan == "megatron":
+        if mp:  # eager is FSDP2 + TP (all-gathers and reduce-scatters over dp); ours: Megatron's + one dp bucket
+            assert r["all_reduce_calls"] == r["rowwise"] + r["colwise"] + 1 + 1
+            assert r["all_gather_calls"] == r["reduce_scatter_calls"] == 0
+        elif plan == "megatron":
             # one all-reduce per row-wise layer forward and per column-wise layer backward, and the gradient
             # norm's: what eager DTensor issues (2-D: and the gradients' over dp, one bucket)
             assert r["all_reduce_calls"] == r["rowwise"] + r["colwise"] + 1 + (dp > 1) == eager["all_reduce"] + (dp > 1)

@@ -165,14 +165,17 @@ class TensorParallel:
         if self.data_parallel.sharded:
             raise TypeError("TensorParallel(data_parallel=DataParallel(parallel_style='fully_shard')): 2-D with "
                             "fully_shard is not supported; use parallel_style='replicate' on the dp dim")
-        if self.data_parallel.mixed_precision is not None:
-            raise TypeError("TensorParallel(data_parallel=DataParallel(mixed_precision=...)): mixed precision is not "
-                            "supported with tensor parallelism")
         if not (isinstance(self.mesh, DeviceMesh) and self.mesh.ndim == 2
                 and tuple(self.mesh.mesh_dim_names or ()) == ("dp", "tp")):
             raise TypeError(f"TensorParallel(mesh={self.mesh!r}, data_parallel=...): give a 2-D DeviceMesh with "
                             "mesh_dim_names=('dp', 'tp'), e.g. init_device_mesh('cpu', (dp, tp), "
                             "mesh_dim_names=('dp', 'tp'))")
+
+    @property
+    def mixed_precision(self):
+        """2-D: the data-parallel mode's MixedPrecisionPolicy (forward on parameters cast to ``param_dtype``, DTensor
+        ones included; gradients averaged over dp in ``reduce_dtype``); None on a 1-D mesh."""
+        return self.data_parallel.mixed_precision if self.data_parallel is not None else None
 
     @property
     def tp_mesh(self):

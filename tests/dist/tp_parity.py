@@ -9,6 +9,8 @@ projections back) and trained eagerly (``parallelize_module``) and compiled, on 
 ``--apply user`` parallelizes the module first and compiles with ``parallel_mode=None`` (expand mode).
 Loss, parameters, gradients and optimizer state (local shards) are checked after every step; a one-process eager
 run on the same batch bounds the distance.  Writes DIR/rank<r>.json (collectives per step, bytes, placements).
+``--mp`` (2-D only): a bf16 ``MixedPrecisionPolicy`` on the dp dim, against FSDP2 + TP with the same policy (FSDP2's
+``fully_shard`` of every block and the root on the dp dim), each dp replica on its share of the batch.
 """
 
 from __future__ import annotations
@@ -99,16 +101,29 @@ ROWWISE = sum(1 for s in PLAN.values() if isinstance(s, RowwiseParallel)) * LAYE
 COLWISE = sum(1 for s in PLAN.values() if isinstance(s, ColwiseParallel)) * LAYERS
 
 
-def step_fn(model, opt, ids, labels):
+def step_fn(model, opt, ids, labels, clip=torch.nn.utils.clip_grad_norm_):
     logits = model(ids)
     loss = F.cross_entropy(logits.reshape(-1, VOCAB), labels.reshape(-1))
     loss.backward()
     # over DTensor and plain gradients: eager raises unless under implicit_replication (as eager_step runs it);
     # the compiled step completes the norm across both by itself
-    torch.nn.utils.clip_grad_norm_(model.parameters(), 0.5)
+    clip(model.parameters(), 0.5)
     opt.step()
     opt.zero_grad()
     return loss
+
+
+@torch.no_grad()
+def clip_across_meshes(params, max_norm):
+    """clip_grad_norm_ for FSDP2 + TP, whose gradients live on two meshes (dp, and dp x tp), which torch's own
+    refuses to stack: each gradient's norm made whole first (as torchtitan does), then torch's formula."""
+    grads = [p.grad for p in params if p.grad is not None]
+    norms = [torch.linalg.vector_norm(g) for g in grads]
+    total = torch.stack([n.full_tensor() if isinstance(n, DTensor) else n for n in norms]).norm()
+    coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
+    for g in grads:
+        g.mul_(coef)
+    return total
 
 
 def local(t):
@@ -137,6 +152,20 @@ def compare(eager, compiled, eager_opt, compiled_opt, where, normwise):
                 _close(vb, local(va), "state", normwise, f"{where} opt state {names[k]}.{key}")
 
 
+def compare_full(eager, compiled, eager_opt, compiled_opt, where):
+    """FSDP2 + TP (2-D DTensors) against the compiled 2-D step (tp DTensors, replicated over dp): full values."""
+    full = lambda t: t.full_tensor() if isinstance(t, DTensor) else t  # noqa: E731
+    names = [n for n, _ in eager.named_parameters()]
+    for (name, a), (_, b) in zip(eager.named_parameters(), compiled.named_parameters(), strict=True):
+        if not fnmatch.fnmatch(name, NOISE):
+            _close(full(b).detach(), full(a).detach(), "param", True, f"{where} param {name}")
+    sa, sb = eager_opt.state_dict()["state"], compiled_opt.state_dict()["state"]
+    for k in sa:
+        for key, va in sa[k].items():
+            if not fnmatch.fnmatch(names[k], NOISE):
+                _close(full(sb[k][key]), full(va), "state", True, f"{where} opt state {names[k]}.{key}")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--backend", default="fx")
@@ -146,8 +175,11 @@ def main() -> None:
     ap.add_argument("--dp", type=int, default=1, help="2-D: data-parallel replicas (mesh dp x tp), replicate")
     ap.add_argument("--vary-batch", action="store_true", help="batch sizes 4, 3, 2, ...: dynamic shapes")
     ap.add_argument("--checkpoint", default=None, help="save the DTensor state with DCP here and load it back")
+    ap.add_argument("--mp", action="store_true", help="2-D: bf16 MixedPrecisionPolicy, against FSDP2 + TP")
     ap.add_argument("--out", required=True)
     args = ap.parse_args()
+    if args.mp and args.dp < 2:
+        ap.error("--mp compares against FSDP2 + TP: give --dp 2")
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
     mesh2d = init_device_mesh("cpu", (args.dp, world // args.dp), mesh_dim_names=("dp", "tp")) if args.dp > 1 else None
@@ -158,6 +190,14 @@ def main() -> None:
     single = copy.deepcopy(base)
     plan = PLAN if args.plan == "megatron" else SP_PLAN
     eager = parallelize_module(copy.deepcopy(base), mesh, plan)
+    dp_mode = spmd_ort.DataParallel()
+    if args.mp:  # FSDP2 + TP with the policy, as torchtitan builds it
+        from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+        for blk in eager.blocks:
+            fully_shard(blk, mesh=mesh2d["dp"], mp_policy=MixedPrecisionPolicy(param_dtype=torch.bfloat16))
+        fully_shard(eager, mesh=mesh2d["dp"], mp_policy=MixedPrecisionPolicy(param_dtype=torch.bfloat16))
+        dp_mode = spmd_ort.DataParallel(mixed_precision=spmd_ort.MixedPrecisionPolicy(param_dtype=torch.bfloat16))
     compiled = copy.deepcopy(base)
     make_opt = lambda m: torch.optim.AdamW(m.parameters(), lr=3e-3, weight_decay=0.1)  # noqa: E731
     opt_s, opt_e = make_opt(single), make_opt(eager)
@@ -166,7 +206,7 @@ def main() -> None:
         mode = None
     else:
         mode = spmd_ort.TensorParallel(plan) if mesh2d is None else spmd_ort.TensorParallel(
-            plan, mesh=mesh2d, data_parallel=spmd_ort.DataParallel())
+            plan, mesh=mesh2d, data_parallel=dp_mode)
     opt_c = make_opt(compiled)  # built on the plain parameters under --apply mode: the plan moves it to DTensors
     step = spmd_ort.compile(backend=args.backend, parallel_mode=mode)(step_fn)
     if args.apply == "mode":
@@ -203,9 +243,15 @@ def main() -> None:
         mine = slice(b * dp_rank, b * (dp_rank + 1))  # this dp replica's share of the global batch
         ls = step_fn(single, opt_s, ids, labels)
         with CommDebugMode() as eager_comm, implicit_replication():  # eager DTensor's collectives in one step
-            le = step_fn(eager, opt_e, ids, labels)
+            # (FSDP2 + TP: each dp replica on its share)
+            le = step_fn(eager, opt_e, ids[mine], labels[mine], clip_across_meshes) if args.mp else step_fn(eager, opt_e, ids, labels)
         lc = step(compiled, opt_c, ids[mine], labels[mine])
         assert not isinstance(lc, DTensor), type(lc)
+        if args.mp:  # bf16 forward on both sides: the same policy, the same casts
+            torch.testing.assert_close(lc.detach(), le.detach(), rtol=1e-3, atol=1e-3)
+            compare_full(eager, compiled, opt_e, opt_c, f"rank {rank} step {i}")
+            losses.append(float(lc))
+            continue
         if mesh2d is not None:  # the mean over the dp replicas' losses: the global batch's
             lc = lc.detach().clone()
             dist.all_reduce(lc, group=mesh2d["dp"].get_group())
@@ -220,9 +266,11 @@ def main() -> None:
     sharded_full = sum(p.numel() * p.element_size() for n, p in compiled.named_parameters()
                        if isinstance(p, DTensor) and any(pl.is_shard() for pl in p.placements))
     # eval outside the compiled step: the module's own forward on DTensor parameters, as eager TP runs it
+    # (--mp: FSDP2's forward runs in bf16, the module's own in fp32: not compared)
     with torch.no_grad():
         ids = torch.randint(0, VOCAB, (2, SEQ), generator=g)
-        torch.testing.assert_close(compiled(ids), eager(ids), rtol=1e-4, atol=1e-5)
+        if not args.mp:
+            torch.testing.assert_close(compiled(ids), eager(ids), rtol=1e-4, atol=1e-5)
     comm = step.comm
     if args.checkpoint:  # torch's DCP on the DTensor state dict, into a freshly parallelized model
         import torch.distributed.checkpoint as dcp
