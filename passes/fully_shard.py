@@ -47,7 +47,7 @@ from .contracts import (BACKWARD_VIEWS_REMATERIALIZED, COLLECTIVES_WAITED, FOUND
                         GRADS_TAGGED, NO_GRAD_TAGS, PARAMS_GATHERED_BEFORE_USE, PER_GRADIENT_REDUCTIONS,
                         SHARDED_PLACEHOLDERS, SHARDS_PROPAGATED)
 from .helpers import (AMP_CHECK, DEDUP_KEY, GRADIENT_OF, PARTIAL_FOUND_INF, PARTIAL_NORM, SHARD_OF, SHARDED_PARAM, TAG,
-                      aten, call, fake_mode_of, is_dtype_cast, is_view_op, phase, placeholders, refake, set_phase, val)
+                      aten, call, fake_mode_of, group_of, is_dtype_cast, is_view_op, phase, placeholders, refake, set_phase, val)
 from .runner import graph_pass
 
 # ops whose output has the shape of their (first) input: as valid on a shard as on the whole
@@ -129,7 +129,7 @@ def reduce_scatter_gradients_pass(gm: fx.GraphModule, ctx) -> fx.GraphModule:
             if spec.pad:
                 flat = call(graph, aten.constant_pad_nd.default, (flat, [0, spec.pad]), v.new_empty(spec.padded_numel))
             shard = v.new_empty(spec.shard_numel)
-            rs = call(graph, reduce_scatter, (flat, ctx.world_size), shard)
+            rs = call(graph, reduce_scatter, (flat, ctx.world_size, ctx.group), shard)
             done = call(graph, wait_, (rs,), shard)
         for n in (flat, rs, done):
             set_phase(n, "backward")
@@ -218,6 +218,14 @@ def _shard_safe(node: fx.Node) -> bool:
     return True
 
 
+def _other_group_sum(node: fx.Node, ctx) -> bool:
+    """2-D: a tensor-parallel group's sum (DTensor reducing a norm's ``Partial`` gradient over tp) of a gradient
+    shard, or its wait: elementwise across ranks, so as valid on the dp shard as on the whole."""
+    if node.target is wait_:
+        return node.args[0].target is all_reduce_ and _other_group_sum(node.args[0], ctx)
+    return node.target is all_reduce_ and group_of(node) != ctx.group
+
+
 @graph_pass(requires=[SHARDED_PLACEHOLDERS, NO_GRAD_TAGS], provides=[SHARDS_PROPAGATED])
 def propagate_shards_pass(gm: fx.GraphModule, ctx) -> fx.GraphModule:
     """Mark every value computed from shards, check that it is valid on shards, and recompute its shape.
@@ -253,7 +261,7 @@ def propagate_shards_pass(gm: fx.GraphModule, ctx) -> fx.GraphModule:
                 if user.target is operator.getitem:
                     user.meta[PARTIAL_NORM] = norms
                     norms += 1
-        elif _shard_safe(node):
+        elif _shard_safe(node) or _other_group_sum(node, ctx):
             node.meta[SHARD_OF] = sources[0]
         else:
             fqn = names[sources[0]]
@@ -313,7 +321,7 @@ def gather_parameters_pass(gm: fx.GraphModule, ctx) -> fx.GraphModule:
                     full_val = torch.empty(spec.shape, dtype=val(p).dtype, device=val(p).device)
             flat_val = full_val.new_empty(spec.padded_numel)
             with graph.inserting_before(user):
-                ag = call(graph, all_gather, (p, ctx.world_size), flat_val)
+                ag = call(graph, all_gather, (p, ctx.world_size, -1, ctx.group), flat_val)
                 done = call(graph, wait_, (ag,), flat_val)
                 piece = call(graph, aten.slice.Tensor, (done, 0, 0, spec.numel), full_val.reshape(-1))
                 full = call(graph, aten.view.default, (piece, list(spec.shape)), full_val)
@@ -345,7 +353,7 @@ def complete_grad_norms_pass(gm: fx.GraphModule, ctx) -> fx.GraphModule:
         with graph.inserting_after(stacked):
             squares = call(graph, aten.mul.Tensor, (stacked, stacked), vec)
         with graph.inserting_after(squares):
-            reduced = call(graph, all_reduce_, (squares, 1.0), vec)
+            reduced = call(graph, all_reduce_, (squares, 1.0, ctx.group), vec)
         with graph.inserting_after(reduced):
             done = call(graph, wait_, (reduced,), vec)
         with graph.inserting_after(done):
@@ -376,7 +384,7 @@ def complete_found_inf_pass(gm: fx.GraphModule, ctx) -> fx.GraphModule:
         with graph.inserting_after(flag):
             copy = call(graph, aten.clone.default, (flag,), v)
         with graph.inserting_after(copy):
-            reduced = call(graph, all_reduce_, (copy, 1.0), v)
+            reduced = call(graph, all_reduce_, (copy, 1.0, ctx.group), v)
         with graph.inserting_after(reduced):
             done = call(graph, wait_, (reduced,), v)
         with graph.inserting_after(done):

@@ -62,6 +62,24 @@ def calls(gm: fx.GraphModule, *targets) -> list[fx.Node]:
     return [n for n in gm.graph.nodes if n.op == "call_function" and n.target in targets]
 
 
+# where each collective op takes its process group's name ("": the world)
+_GROUP_ARG = {ops.all_gather: 3, ops.reduce_scatter: 2, ops.all_reduce_: 2}
+
+
+def group_of(node: fx.Node) -> str:
+    """The process group a collective node runs on, by name ("": the world)."""
+    pos = _GROUP_ARG.get(node.target)
+    if pos is None:
+        return ""
+    return node.args[pos] if len(node.args) > pos else node.kwargs.get("group", "")
+
+
+def shard_calls(gm: fx.GraphModule, ctx, *targets) -> list[fx.Node]:
+    """``calls`` of the data-parallel group's collectives only: in 2-D the graph also holds the tensor-parallel
+    group's (DTensor's), which the fully_shard passes neither bucket, prefetch nor carry."""
+    return [n for n in calls(gm, *targets) if group_of(n) == ctx.group]
+
+
 def placeholders(gm: fx.GraphModule) -> list[fx.Node]:
     return [n for n in gm.graph.nodes if n.op == "placeholder"]
 

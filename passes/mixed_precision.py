@@ -23,7 +23,7 @@ from spmd_ort.runtime.ops import all_gather, all_reduce_, reduce_scatter, wait_
 
 from .contracts import COLLECTIVES_WAITED, NO_DUPLICATE_COLLECTIVES, PARAMS_GATHERED_BEFORE_USE, PER_GRADIENT_REDUCTIONS
 from .helpers import (GRADIENT_OF, SHARD_OF, aten, calls, fake_mode_of, is_dtype_cast, phase, refake, set_phase,
-                      unpack_chain, val)
+                      shard_calls, unpack_chain, val)
 from .runner import graph_pass
 
 
@@ -110,7 +110,7 @@ def cast_params_before_gather_pass(gm: fx.GraphModule, ctx) -> fx.GraphModule:
     """
     graph = gm.graph
     fake_mode = fake_mode_of(gm)
-    for gather in calls(gm, all_gather):
+    for gather in shard_calls(gm, ctx, all_gather):  # the parameters' (2-D: not DTensor's activations')
         shard = gather.args[0]
         found = _cast_uses(gather)
         if found is None:

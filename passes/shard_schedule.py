@@ -14,7 +14,8 @@ from spmd_ort.runtime.ops import all_gather, reduce_scatter, wait_
 from .context import PassResult
 from .contracts import (COLLECTIVES_WAITED, NO_DUPLICATE_COLLECTIVES, OVERLAP_SCHEDULED, PARAMS_GATHERED_BEFORE_USE,
                         PER_GRADIENT_REDUCTIONS, Invariant)
-from .helpers import (GRADIENT_OF, aten, call, calls, is_dtype_cast, phase, placeholders, producers, set_phase,
+from .helpers import (GRADIENT_OF, aten, call, calls, group_of, is_dtype_cast, phase, placeholders, producers,
+                      set_phase, shard_calls,
                       tensor_bytes, unpack_chain, val)
 from .runner import graph_pass
 
@@ -45,7 +46,7 @@ def _one_shard_collective_per_bucket(gm, ctx):
     buckets = ctx.results.get(ShardBuckets)
     if buckets is None:
         return "no shard buckets recorded"
-    gathers, scatters = len(calls(gm, all_gather)), len(calls(gm, reduce_scatter))
+    gathers, scatters = len(shard_calls(gm, ctx, all_gather)), len(shard_calls(gm, ctx, reduce_scatter))
     if (gathers, scatters) != (len(buckets.all_gather), len(buckets.reduce_scatter)):
         return (f"{gathers} all-gathers / {scatters} reduce-scatters for {len(buckets.all_gather)} / "
                 f"{len(buckets.reduce_scatter)} buckets")
@@ -81,7 +82,7 @@ def keep_tail_gathers_pass(gm: fx.GraphModule, ctx) -> fx.GraphModule:
     after it, such parameters' backward uses read the forward gather.
     """
     graph = gm.graph
-    gathers: dict[tuple, fx.Node] = {(n.args, phase(n)): n for n in calls(gm, all_gather)}
+    gathers: dict[tuple, fx.Node] = {(n.args, phase(n)): n for n in shard_calls(gm, ctx, all_gather)}
     forward_waits = [w for (args, ph), g in gathers.items() if ph == "forward" for w in g.users]
     if not forward_waits:
         return gm
@@ -118,7 +119,7 @@ def _buckets(pairs: list, cap: float) -> list[list]:
     return buckets
 
 
-def _merge_gathers(graph: fx.Graph, bucket: list, world: int) -> None:
+def _merge_gathers(graph: fx.Graph, bucket: list, world: int, group: str) -> None:
     if len(bucket) == 1:
         return
     shards = [start.args[0] for start, _ in bucket]
@@ -128,7 +129,7 @@ def _merge_gathers(graph: fx.Graph, bucket: list, world: int) -> None:
     ph = phase(bucket[0][0])
     with graph.inserting_before(bucket[0][0]):
         cat = call(graph, aten.cat.default, (shards,), v.new_empty(total))
-        start = call(graph, all_gather, (cat, world), v.new_empty(total * world))
+        start = call(graph, all_gather, (cat, world, -1, group), v.new_empty(total * world))
         done = call(graph, wait_, (start,), v.new_empty(total * world))
         table = call(graph, aten.view.default, (done, [world, total]), v.new_empty(world, total))
         new = [cat, start, done, table]
@@ -146,7 +147,7 @@ def _merge_gathers(graph: fx.Graph, bucket: list, world: int) -> None:
         graph.erase_node(old_start)
 
 
-def _merge_scatters(graph: fx.Graph, bucket: list, world: int) -> None:
+def _merge_scatters(graph: fx.Graph, bucket: list, world: int, group: str) -> None:
     if len(bucket) == 1:
         return
     inputs = [start.args[0] for start, _ in bucket]
@@ -159,7 +160,7 @@ def _merge_scatters(graph: fx.Graph, bucket: list, world: int) -> None:
                   for x, s in zip(inputs, sizes)]
         cat = call(graph, aten.cat.default, (tables, 1), v.new_empty(world, total))
         flat = call(graph, aten.view.default, (cat, [-1]), v.new_empty(world * total))
-        start = call(graph, reduce_scatter, (flat, world), v.new_empty(total))
+        start = call(graph, reduce_scatter, (flat, world, group), v.new_empty(total))
         start.meta[GRADIENT_OF] = tuple(old_start.meta.get(GRADIENT_OF) for old_start, _ in bucket)
         done = call(graph, wait_, (start,), v.new_empty(total))
         parts = call(graph, aten.split_with_sizes.default, (done, sizes), list(v.new_empty(total).split(sizes)))
@@ -193,7 +194,7 @@ def bucket_shard_collectives_pass(gm: fx.GraphModule, ctx) -> fx.GraphModule:
     world = ctx.world_size
     gathers: dict[str, list] = {}
     scatters = []
-    for node in calls(gm, all_gather, reduce_scatter):
+    for node in shard_calls(gm, ctx, all_gather, reduce_scatter):
         waits = [u for u in node.users if u.target is wait_]
         if len(waits) == 1 and len(node.users) == 1:
             if node.target is all_gather:
@@ -204,11 +205,11 @@ def bucket_shard_collectives_pass(gm: fx.GraphModule, ctx) -> fx.GraphModule:
     for pairs in gathers.values():
         for bucket in _buckets(pairs, cap):
             gather_bytes.append(sum(tensor_bytes(val(w)) for _, w in bucket))
-            _merge_gathers(graph, bucket, world)
+            _merge_gathers(graph, bucket, world, ctx.group)
     scatters.sort(key=lambda pair: pair[0].args[0])
     for bucket in _buckets(scatters, cap):
         scatter_bytes.append(sum(tensor_bytes(val(start.args[0])) for start, _ in bucket))
-        _merge_scatters(graph, bucket, world)
+        _merge_scatters(graph, bucket, world, ctx.group)
     ctx.results.record(ShardBuckets(all_gather=tuple(gather_bytes), reduce_scatter=tuple(scatter_bytes)))
     stable_topological_sort(gm)
     return gm
@@ -226,7 +227,7 @@ def prefetch_gathers_pass(gm: fx.GraphModule, ctx) -> fx.GraphModule:
     """
     by_phase: dict[str, list] = {}
     for node in calls(gm, wait_):
-        if node.args[0].target is all_gather:
+        if node.args[0].target is all_gather and group_of(node.args[0]) == ctx.group:
             by_phase.setdefault(phase(node), []).append(node)
     for waits in by_phase.values():
         for k, wait in enumerate(waits):
@@ -251,6 +252,7 @@ class CarriedGather(PassResult):
     recipe: fx.GraphModule
     world: int
     nbytes: int
+    group: str = ""
 
     def lines(self) -> list[str]:
         return [f"cross-step prefetch: the first forward all-gather ({self.nbytes / 2**20:.2f} MiB) is issued at the "
@@ -286,12 +288,12 @@ def carry_first_gather_pass(gm: fx.GraphModule, ctx) -> fx.GraphModule:
     """
     if ctx.mode.prefetch == 0:
         return gm
-    first = next((n for n in calls(gm, all_gather) if phase(n) == "forward"), None)
+    first = next((n for n in shard_calls(gm, ctx, all_gather) if phase(n) == "forward"), None)
     found = _recipe(gm, first.args[0]) if first is not None else None
     if found is None:
         return gm
     inputs, recipe = found
-    first.args = (*first.args[:2], 0)
-    ctx.results.record(CarriedGather(slot=0, inputs=inputs, recipe=recipe, world=ctx.world_size,
+    first.args = (*first.args[:2], 0, ctx.group)
+    ctx.results.record(CarriedGather(slot=0, inputs=inputs, recipe=recipe, world=ctx.world_size, group=ctx.group,
                                      nbytes=tensor_bytes(val(first))))
     return gm

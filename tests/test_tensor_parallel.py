@@ -27,14 +27,20 @@ CASES = [
     ("ort", "mode", "sequence", 2),
     # 2-D with a bf16 MixedPrecisionPolicy on the dp dim, against FSDP2 + TP with the same policy
     ("ort", "mode", "megatron", "2-mp"),
+    # 2-D fully_shard (FSDP2 + TP): against FSDP2 + TP, parameters 2-D DTensors as FSDP2's, DCP into FSDP2 + TP and
+    # a bitwise resume; sequence parallel on ORT
+    ("fx", "mode", "megatron", "2-fully-shard"),
+    ("ort", "mode", "sequence", "2-fully-shard"),
 ]
 
 
 @pytest.mark.parametrize("backend,apply,plan,dp", CASES)
 def test_matches_eager_tensor_parallel(tmp_path, backend, apply, plan, dp):
-    mp = dp == "2-mp"
+    mp, fsdp = dp == "2-mp", dp == "2-fully-shard"
     dp = int(str(dp).split("-")[0])
-    extra = ("--vary-batch", "--checkpoint", str(tmp_path / "dcp")) if (backend, plan) == ("fx", "megatron") else ()
+    extra = ("--vary-batch", "--checkpoint", str(tmp_path / "dcp")) if (backend, plan, dp) == ("fx", "megatron", 1) \
+        else ("--checkpoint", str(tmp_path / "dcp"), "--fully-shard") if fsdp and plan == "megatron" \
+        else ("--fully-shard",) if fsdp else ()
     extra += ("--mp",) if mp else ()
     budget = "0" if apply == "user" else "1"
     results, _ = torchrun(tmp_path, "--backend", backend, "--apply", apply, "--plan", plan, "--steps", "3",
@@ -52,6 +58,17 @@ def test_matches_eager_tensor_parallel(tmp_path, backend, apply, plan, dp):
         # the ranks of a TP group compute one model on one batch
         assert r["losses"] == results[r["tp"] * (results.index(r) // r["tp"])]["losses"]
         eager = {k.split(".")[-1]: n for k, n in r["eager_collectives"].items()}
+        if fsdp:  # FSDP2 + TP's layout: each rank holds its dp piece of its tp piece, as FSDP2 + TP does
+            replicated = r["full_param_bytes"] - r["sharded_param_bytes"]
+            assert r["local_param_bytes"] == r["eager_local_param_bytes"] == (
+                r["sharded_param_bytes"] // r["tp"] + replicated) // dp
+            assert r["all_gather_calls"] > 0 and r["reduce_scatter_calls"] > 0
+            if plan == "megatron":  # Megatron's, the tp norm's, and the dp shards' norm completion
+                assert r["all_reduce_calls"] == r["rowwise"] + r["colwise"] + 1 + 1
+            assert r["placements"]["blocks.0.attn.q.weight"] == ["_S(0, 2)", "S(0)"]
+            assert r["placements"]["blocks.1.out.weight"] == ["S(0)", "S(1)"]
+            assert r["placements"]["blocks.1.ln1.weight"] == (["S(0)"] if plan == "megatron" else ["S(0)", "R"])
+            continue
         if mp:  # eager is FSDP2 + TP (all-gathers and reduce-scatters over dp); ours: Megatron's + one dp bucket
             assert r["all_reduce_calls"] == r["rowwise"] + r["colwise"] + 1 + 1
             assert r["all_gather_calls"] == r["reduce_scatter_calls"] == 0

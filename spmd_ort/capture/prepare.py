@@ -66,14 +66,17 @@ def shard_if_needed(call: StepCall) -> ShardedModule | None:
                 "parallel_style='fully_shard' on every rank, or load a full state dict into a fresh model",
                 rank=call.rank)
         return None
+    tp = call.tensor_parallel  # 2-D: shards over the dp dim of each tensor-parallel local tensor
+    mesh = tp.mesh if tp is not None else None
+    rank, world = (mesh.get_local_rank("dp"), mesh.size(0)) if mesh is not None else (call.rank, call.world_size)
     if sharded:
         spec = next(spec_of(p) for p in module.parameters() if spec_of(p) is not None)
-        if spec.world != call.world_size:
+        if spec.world != world:
             raise CompileError(f"the module was sharded over {spec.world} ranks but the world is now "
-                               f"{call.world_size}; save a checkpoint (spmd_ort.state_dict) and load it into a "
+                               f"{world}; save a checkpoint (spmd_ort.state_dict) and load it into a "
                                "model built for the new world", rank=call.rank)
         return None
-    sharding = ShardedModule(module, call.opt, call.rank, call.world_size, offload_param=mode.offload_param)
+    sharding = ShardedModule(module, call.opt, rank, world, offload_param=mode.offload_param, mesh=mesh)
     sharding.shard()
     sharding.gather_outside_steps()
     return sharding

@@ -170,9 +170,17 @@ class StateLayout:
                 flat.append(t)
         flat += self.scaler_state() + self.extra_state
         if self.expands:
-            self.in_specs = [(dtensor.spec_of(t), t.requires_grad) if dtensor.is_dtensor(t) else None for t in flat]
+            self.in_specs = [self._in_spec(slot, t) for slot, t in zip(self.input_slots(), flat)]
             return [dtensor.local(t) for t in flat]
         return flat
+
+    def _in_spec(self, slot: Slot, t: Tensor):
+        """Expand mode: the (DTensorSpec, requires_grad) the trace wraps state input ``t`` in (None: plain).  A 2-D
+        fully_shard shard (a flat buffer) stands for the tensor-parallel local tensor: its plan's spec."""
+        if slot.kind.per_parameter and self.is_sharded(slot, t):
+            tp = self.shard_specs[slot.index].tp_spec
+            return None if tp is None else (tp, t.requires_grad)
+        return (dtensor.spec_of(t), t.requires_grad) if dtensor.is_dtensor(t) else None
 
     def held(self, index: int, t: Tensor) -> Tensor:
         """What the step computes on for state ``t`` of parameter ``index``: the flat shard buffer of a
@@ -219,7 +227,14 @@ class StateLayout:
         if tag_grads:
             for i, p in enumerate(params):
                 if p.requires_grad:
-                    p.register_hook(functools.partial(tag_grad, index=i))
+                    shard = self.shard_specs.get(i)
+                    if shard is not None and shard.tp_spec is not None:
+                        # 2-D fully_shard: the gradient in the parameter's placements (DTensor's reduction of
+                        # a Partial one over tp first), so that the tag's reduce-scatter splits the local
+                        # tensor the shard is a piece of
+                        p.register_hook(functools.partial(_tag_placed, spec=shard.tp_spec, index=i))
+                    else:
+                        p.register_hook(functools.partial(tag_grad, index=i))
         buffers = [next(it) for _ in self.buffers]
         for i in self.grad_params:
             params[i].grad = next(it)
@@ -377,6 +392,10 @@ class StateLayout:
             if slot.kind is SlotKind.PRESENCE:
                 return {i for i, flag in zip(self.present_params, v.tolist(), strict=True) if flag <= 0}
         return set()
+
+
+def _tag_placed(grad: Tensor, *, spec, index: int) -> Tensor:
+    return tag_grad(dtensor.to_spec(grad, spec), index=index)
 
 
 @dataclass

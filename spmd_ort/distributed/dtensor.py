@@ -61,10 +61,14 @@ class LocalOf:
 def has_dtensor_state(module: nn.Module) -> bool:
     """Whether any parameter or buffer of ``module`` is a DTensor (the step compiles in expand mode); the
     ``Shard(0)`` DTensors of ``fully_shard`` (:mod:`spmd_ort.distributed.sharding`) do not count: that mode
-    computes on their flat shard buffers."""
+    computes on their flat shard buffers (2-D ones do: their tensor-parallel placements expand the step)."""
     from spmd_ort.distributed.sharding import spec_of
 
-    return any(isinstance(t, DTensor) and spec_of(t) is None for t in list(module.parameters()) + list(module.buffers()))
+    def expands(t) -> bool:
+        spec = spec_of(t)
+        return isinstance(t, DTensor) and (spec is None or spec.tp_spec is not None)
+
+    return any(expands(t) for t in list(module.parameters()) + list(module.buffers()))
 
 
 def to_spec(t, spec):

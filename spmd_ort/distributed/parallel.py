@@ -134,9 +134,10 @@ class TensorParallel:
     compute one model and pass the same batch, as in eager tensor parallelism.
 
     2-D: ``mesh=init_device_mesh(device, (dp, tp), mesh_dim_names=("dp", "tp"))`` and
-    ``data_parallel=DataParallel(parallel_style="replicate", ...)``: the plan shards over ``tp``, and gradients
-    are averaged over ``dp`` (each dp replica passes its own batch) by the data-parallel passes, on the dp
-    group.  ``bucket_cap_mb="auto"`` keeps its 25 MiB starting cap there.
+    ``data_parallel=DataParallel(parallel_style="replicate" | "fully_shard", ...)``: the plan shards over ``tp``,
+    and gradients are averaged over ``dp`` (each dp replica passes its own batch) by the data-parallel passes, on
+    the dp group; ``fully_shard`` also splits each tensor-parallel local tensor over ``dp`` (FSDP2 + TP: the
+    parameters are DTensors on the 2-D mesh).  ``bucket_cap_mb="auto"`` keeps its 25 MiB starting cap there.
     """
 
     plan: Mapping[str, Any]
@@ -162,9 +163,10 @@ class TensorParallel:
             return
         if not isinstance(self.data_parallel, DataParallel):
             raise TypeError(f"TensorParallel(data_parallel={self.data_parallel!r}): give a spmd_ort.DataParallel")
-        if self.data_parallel.sharded:
-            raise TypeError("TensorParallel(data_parallel=DataParallel(parallel_style='fully_shard')): 2-D with "
-                            "fully_shard is not supported; use parallel_style='replicate' on the dp dim")
+        offload = [n for n in ("offload_optimizer", "offload_param") if getattr(self.data_parallel, n) is not None]
+        if offload:
+            raise TypeError(f"TensorParallel(data_parallel=DataParallel({offload[0]}=...)): offload is not supported "
+                            "in 2-D; drop it (fully_shard on the dp dim already divides the state by dp)")
         if not (isinstance(self.mesh, DeviceMesh) and self.mesh.ndim == 2
                 and tuple(self.mesh.mesh_dim_names or ()) == ("dp", "tp")):
             raise TypeError(f"TensorParallel(mesh={self.mesh!r}, data_parallel=...): give a 2-D DeviceMesh with "

@@ -33,7 +33,7 @@ supported optimizers keep them zero (a zero gradient on a zero weight moves noth
 from __future__ import annotations
 
 import contextlib
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
@@ -45,12 +45,49 @@ FLAT_ATTR = "_spmd_ort_flat"  # on a sharded DTensor: the padded flat buffer its
 
 @dataclass(frozen=True)
 class ShardSpec:
-    """How one parameter is split: full ``shape``, ``world`` shards of ``shard_numel`` elements."""
+    """How one parameter is split: full ``shape``, ``world`` shards of ``shard_numel`` elements.
+
+    2-D (``TensorParallel(..., data_parallel=DataParallel(parallel_style="fully_shard"))``): what is split over
+    the ``dp`` dim is the tensor-parallel local tensor (``shape`` is its shape); ``tp_spec`` is the DTensorSpec of
+    the tensor-parallel parameter (None for a parameter the plan leaves plain), ``mesh`` the mesh the parameter's
+    DTensor lives on (the 2-D mesh, or its ``dp`` dim for a plain one) and ``group`` the dp group's name.
+    """
 
     shape: tuple[int, ...]
     numel: int
     world: int
     rank: int
+    group: str = ""
+    tp_spec: object = field(default=None, compare=False, repr=False)
+    mesh: object = field(default=None, compare=False, repr=False)
+
+    @property
+    def placements(self) -> tuple:
+        """The parameter's DTensor placements: ``Shard(0)`` over the ranks (2-D: over dp, then the plan's over tp;
+        a plan's ``Shard(0)`` makes dp's a strided shard of the tp-local rows, as FSDP2 + TP does)."""
+        from torch.distributed.tensor import Shard
+        from torch.distributed.tensor.placement_types import _StridedShard
+
+        if self.tp_spec is None:
+            return (Shard(0),)
+        tp = tuple(self.tp_spec.placements)
+        dp = _StridedShard(0, split_factor=self.tp_spec.mesh.size()) if any(
+            pl.is_shard(0) for pl in tp) else Shard(0)
+        return (dp, *tp)
+
+    def dtensor_mesh(self, device_type: str):
+        return self.mesh if self.mesh is not None else mesh_over(device_type, self.world)
+
+    def tp_local(self, local: Tensor) -> Tensor:
+        """A tensor-parallel local tensor (gathered over dp) as the parameter the plan made: a DTensor on the tp
+        mesh (``local`` itself for a parameter the plan leaves plain)."""
+        if self.tp_spec is None:
+            return local
+        from torch.distributed.tensor import DTensor
+
+        spec = self.tp_spec
+        return DTensor.from_local(local, spec.mesh, spec.placements, run_check=False, shape=spec.shape,
+                                  stride=spec.stride)
 
     @property
     def row_numel(self) -> int:
@@ -125,12 +162,15 @@ def as_shard(flat: Tensor, spec: ShardSpec) -> Tensor:
     local tensor views ``flat`` (no copy), or ``flat`` itself where the spec has no dim 0 to split."""
     if not spec.as_dtensor:
         return flat
-    from torch.distributed.tensor import DTensor, Shard
+    from torch.distributed.tensor import DTensor
 
     piece = flat[:spec.valid()].view(spec.local_shape())
-    stride = torch.empty(spec.shape, device="meta").stride()
-    out = DTensor.from_local(piece, mesh_over(flat.device.type, spec.world), [Shard(0)], run_check=False,
-                             shape=torch.Size(spec.shape), stride=stride)
+    if spec.tp_spec is not None:  # 2-D: the tensor-parallel parameter's global shape
+        shape, stride = spec.tp_spec.shape, spec.tp_spec.stride
+    else:
+        shape, stride = torch.Size(spec.shape), torch.empty(spec.shape, device="meta").stride()
+    out = DTensor.from_local(piece, spec.dtensor_mesh(flat.device.type), spec.placements, run_check=False,
+                             shape=shape, stride=stride)
     out.__dict__[FLAT_ATTR] = flat
     return out
 
@@ -178,8 +218,11 @@ class ShardedModule:
     """Shards a module's parameters, gradients and optimizer state in place (undoable until committed)."""
 
     def __init__(self, module: nn.Module, opt: torch.optim.Optimizer | None, rank: int, world: int, *,
-                 offload_param: str | None = None):
+                 offload_param: str | None = None, mesh=None):
+        """``rank``/``world``: within the ranks the parameters are sharded over; ``mesh``: 2-D, the ``("dp", "tp")``
+        DeviceMesh (shards over ``dp`` of each tensor-parallel local tensor; ``rank``/``world`` are dp's)."""
         self.module, self.opt, self.rank, self.world = module, opt, rank, world
+        self.mesh = mesh
         self.home = offload_param  # device the parameter shards live on (None: where the parameter is)
         self._saved: tuple | None = None
         self._buffers: list = []
@@ -200,15 +243,17 @@ class ShardedModule:
                        None if self.opt is None else ([list(g["params"]) for g in self.opt.param_groups],
                                                       self.opt.state))
         swap: dict[int, nn.Parameter] = {}
+        group = self.mesh["dp"].get_group() if self.mesh is not None else None
+        src = 0 if group is None else dist.get_global_rank(group, 0)
         with torch.no_grad():
             for p in self.module.parameters():  # each tied parameter once
-                full = p.detach().clone()
-                dist.broadcast(full, src=0)
-                spec = ShardSpec(tuple(p.shape), p.numel(), self.world, self.rank)
+                full = _local(p).detach().clone()  # 2-D: the tensor-parallel shard, split over dp
+                dist.broadcast(full, src=src, group=group)  # (2-D: within the dp group)
+                spec = self._spec(p, full)
                 shard = spec.shard_of(full)
                 new = _shard_param(shard if self.home is None else shard.to(self.home), spec, p.requires_grad)
                 if p.grad is not None:
-                    new.grad = state_like(new, spec.shard_of(p.grad), spec)
+                    new.grad = state_like(new, spec.shard_of(_local(p.grad)), spec)
                 swap[id(p)] = new
             for m in modules:
                 for name, p in list(m._parameters.items()):
@@ -218,8 +263,18 @@ class ShardedModule:
                 self._move_optimizer(swap)
             for b in self.module.buffers():
                 saved = b.detach().clone()
-                dist.broadcast(b.data, src=0)
+                dist.broadcast(_local(b.data), src=src, group=group)
                 self._buffers.append((b, saved))
+
+    def _spec(self, p: Tensor, local: Tensor) -> ShardSpec:
+        from torch.distributed.tensor import DTensor
+
+        if self.mesh is None:
+            return ShardSpec(tuple(local.shape), local.numel(), self.world, self.rank)
+        tp_spec = p._spec if isinstance(p, DTensor) else None
+        return ShardSpec(tuple(local.shape), local.numel(), self.world, self.rank,
+                         group=self.mesh["dp"].get_group().group_name, tp_spec=tp_spec,
+                         mesh=self.mesh if tp_spec is not None else self.mesh["dp"])
 
     def _move_optimizer(self, swap: dict[int, nn.Parameter]) -> None:
         from collections import defaultdict
@@ -230,7 +285,8 @@ class ShardedModule:
         for p, st in self.opt.state.items():
             q = swap.get(id(p), p)
             spec = spec_of(q)
-            state[q] = {k: (state_like(q, spec.shard_of(v), spec) if spec is not None and is_sharded_state(v) else v)
+            state[q] = {k: (state_like(q, spec.shard_of(_local(v)), spec) if spec is not None and is_sharded_state(v)
+                            else v)
                         for k, v in st.items()}
         self.opt.state = state
 
@@ -281,20 +337,37 @@ def _shard_param(flat: Tensor, spec: ShardSpec, requires_grad: bool) -> nn.Param
     return p
 
 
+def _local(t):
+    from torch.distributed.tensor import DTensor
+
+    return t._local_tensor if isinstance(t, DTensor) else t
+
+
 def gather_full(p: Tensor) -> Tensor:
-    """The full value of a sharded parameter (or state tensor of its shape), on every rank (collective)."""
+    """The full value of a sharded parameter (or state tensor of its shape), on every rank (collective); 2-D:
+    gathered over dp, the tensor-parallel DTensor the plan made (``full_tensor()`` of it is the whole)."""
     spec = spec_of(p)
     if spec is None:
         return p.detach()
-    return gather_tensor(flat_of(p, spec).detach(), spec)
+    return spec.tp_local(gather_tensor(flat_of(p, spec).detach(), spec))
 
 
 def gather_tensor(shard: Tensor, spec: ShardSpec) -> Tensor:
-    """The full tensor from every rank's shard (a sharded DTensor, or its flat buffer) of layout ``spec``."""
+    """The full tensor from every rank's shard (a sharded DTensor, or its flat buffer) of layout ``spec`` (2-D: the
+    tensor-parallel local tensor, gathered over dp)."""
+    from spmd_ort.runtime.collectives import process_group
+
     shard = flat_of(shard, spec).detach()
     out = shard.new_empty(spec.padded_numel)
-    dist.all_gather_single(out, shard.contiguous())
+    dist.all_gather_single(out, shard.contiguous(), group=process_group(spec.group))
     return spec.unshard(out)
+
+
+def _whole(t: Tensor) -> Tensor:
+    """A tensor-parallel DTensor's full value (collective); a plain tensor as it is."""
+    from torch.distributed.tensor import DTensor
+
+    return t.full_tensor() if isinstance(t, DTensor) else t
 
 
 def full_state_dict(module: nn.Module, optimizer: torch.optim.Optimizer | None = None, *,
@@ -306,7 +379,7 @@ def full_state_dict(module: nn.Module, optimizer: torch.optim.Optimizer | None =
     """
     rank = dist.get_rank() if dist.is_initialized() else 0
     keep = not rank0_only or rank == 0
-    full = {id(p): gather_full(p) for p in module.parameters()}
+    full = {id(p): _whole(gather_full(p)) for p in module.parameters()}
     model_sd = {}
     for name, t in module.state_dict(keep_vars=True).items():
         model_sd[name] = full.get(id(t), t.detach()).clone() if keep else None
@@ -320,7 +393,7 @@ def full_state_dict(module: nn.Module, optimizer: torch.optim.Optimizer | None =
             st = {}
             for k, v in optimizer.state.get(p, {}).items():
                 if spec is not None and is_sharded_state(v):
-                    v = gather_tensor(flat_of(v, spec).detach(), spec)
+                    v = _whole(spec.tp_local(gather_tensor(flat_of(v, spec).detach(), spec)))
                 st[k] = v.clone() if isinstance(v, Tensor) else v
             if st:
                 state[i] = st
@@ -356,7 +429,7 @@ def gathered_parameters(module: nn.Module, *, writeback: bool = False):
             with torch.no_grad():
                 for p in sharded:
                     spec = spec_of(p)
-                    flat_of(p, spec).copy_(spec.shard_of(full[id(p)]))
+                    flat_of(p, spec).copy_(spec.shard_of(_local(full[id(p)])))
 
 
 _GATHERED = "_spmd_ort_gathered_for_forward"
@@ -383,10 +456,16 @@ def _place_full_tensors(module: nn.Module, state_dict: dict, prefix: str, *args)
     for name, p in module.named_parameters(remove_duplicate=False):
         key = prefix + name
         value = state_dict.get(key)
-        if isinstance(p, DTensor) and spec_of(p) is not None and isinstance(value, Tensor) \
+        spec = spec_of(p)
+        if isinstance(p, DTensor) and spec is not None and isinstance(value, Tensor) \
                 and not isinstance(value, DTensor) and tuple(value.shape) == tuple(p.shape):
-            state_dict[key] = distribute_tensor(value.detach().to(p.to_local().device), p.device_mesh, p.placements,
-                                                src_data_rank=None)
+            value = value.detach().to(p.to_local().device)
+            if spec.tp_spec is None:
+                state_dict[key] = distribute_tensor(value, p.device_mesh, p.placements, src_data_rank=None)
+            else:  # 2-D: the plan's piece of it, then this rank's rows of that (DTensor cannot distribute there)
+                tp = spec.tp_spec
+                local = distribute_tensor(value, tp.mesh, tp.placements, src_data_rank=None).to_local()
+                state_dict[key] = as_shard(spec.shard_of(local), spec)
 
 
 def _reshard_after_forward(module: nn.Module, args, output) -> None:

@@ -80,6 +80,7 @@ class Carried:
     world: int
     owner: object  # the program that issued it (only that program's next run takes it)
     entry: tuple  # (work, issued at, [completed at], kind), as Communicator.pending holds
+    group: str = ""  # the process group it gathers over ("": the world)
 
 
 def process_group(name: str):
@@ -122,7 +123,7 @@ class Communicator:
 
     def all_gather(self, shard: Tensor, world: int, carried: int = -1, group: str = "") -> Tensor:
         if carried >= 0 and self.carried:
-            out = self._take(carried, shard, world)
+            out = self._take(carried, shard, world, group)
             if out is not None:
                 return out
         out = shard.new_empty(shard.numel() * world)
@@ -133,30 +134,31 @@ class Communicator:
         self.step.all_gather_bytes += out.numel() * out.element_size()
         return out
 
-    def carry(self, slot: int, shard: Tensor, world: int, owner: object) -> None:
+    def carry(self, slot: int, shard: Tensor, world: int, owner: object, group: str = "") -> None:
         """Start, after a step, the gather of ``shard`` that ``owner``'s next run takes at ``slot``."""
         self.drop_carried()
         shard = shard.detach()  # (a view of a parameter: no autograd history may follow it into the collective)
         out = shard.new_empty(shard.numel() * world)
         issued = time.perf_counter()
         with torch.no_grad():
-            work = dist.all_gather_single(out, shard.contiguous(), async_op=True)
+            work = dist.all_gather_single(out, shard.contiguous(), group=process_group(group), async_op=True)
         done: list[float] = []
         try:
             work.get_future().then(lambda fut: done.append(time.perf_counter()))
         except RuntimeError:
             pass
         kind = f"all_gather {out.numel() * out.element_size() / 2**20:.2f} MiB (carried)"
-        self.carried[slot] = Carried(out, shard.clone(), world, owner, (work, issued, done, kind))
+        self.carried[slot] = Carried(out, shard.clone(), world, owner, (work, issued, done, kind), group)
 
-    def _take(self, slot: int, shard: Tensor, world: int) -> Tensor | None:
+    def _take(self, slot: int, shard: Tensor, world: int, group: str = "") -> Tensor | None:
         """The carried gather for ``slot`` if it is this program's and every rank's shard is unchanged since it
         was issued (ranks agree: one tiny all-reduce), else None (and it is dropped) -- the caller gathers anew.
 
         Every rank holds a carried gather or none (the same steps ran everywhere), so all take this path."""
         c = self.carried.pop(slot)
         self._wait(*c.entry)  # it ran between the steps; what is left of it is this step's wait
-        fresh = (c.owner is self.owner and c.world == world and c.out.numel() == shard.numel() * world
+        fresh = (c.owner is self.owner and c.world == world and c.group == group
+                 and c.out.numel() == shard.numel() * world
                  and c.shard.dtype == shard.dtype and torch.equal(c.shard, shard))
         if world > 1:
             flag = torch.tensor([0 if fresh else 1], dtype=torch.int32)

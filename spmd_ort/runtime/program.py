@@ -132,7 +132,7 @@ class CompiledProgram:
             sources = [state[i] for i in carried.inputs]
         with torch.no_grad():
             shard = carried.recipe(*sources)
-        comm.carry(carried.slot, shard, carried.world, owner=self)
+        comm.carry(carried.slot, shard, carried.world, owner=self, group=carried.group)
 
     def updates_state_of(self, params: list) -> bool:
         """Whether the step writes new optimizer state for every one of ``params`` (each got a gradient)."""

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import dataclasses
 import fnmatch
 import sys
 from pathlib import Path
@@ -176,10 +177,12 @@ def main() -> None:
     ap.add_argument("--vary-batch", action="store_true", help="batch sizes 4, 3, 2, ...: dynamic shapes")
     ap.add_argument("--checkpoint", default=None, help="save the DTensor state with DCP here and load it back")
     ap.add_argument("--mp", action="store_true", help="2-D: bf16 MixedPrecisionPolicy, against FSDP2 + TP")
+    ap.add_argument("--fully-shard", action="store_true", help="2-D: fully_shard on the dp dim, against FSDP2 + TP")
     ap.add_argument("--out", required=True)
     args = ap.parse_args()
-    if args.mp and args.dp < 2:
-        ap.error("--mp compares against FSDP2 + TP: give --dp 2")
+    fsdp = args.mp or args.fully_shard  # eager is FSDP2 + TP
+    if fsdp and args.dp < 2:
+        ap.error("--mp / --fully-shard compare against FSDP2 + TP: give --dp 2")
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
     mesh2d = init_device_mesh("cpu", (args.dp, world // args.dp), mesh_dim_names=("dp", "tp")) if args.dp > 1 else None
@@ -190,14 +193,17 @@ def main() -> None:
     single = copy.deepcopy(base)
     plan = PLAN if args.plan == "megatron" else SP_PLAN
     eager = parallelize_module(copy.deepcopy(base), mesh, plan)
-    dp_mode = spmd_ort.DataParallel()
-    if args.mp:  # FSDP2 + TP with the policy, as torchtitan builds it
+    dp_mode = spmd_ort.DataParallel(parallel_style="fully_shard" if args.fully_shard else "replicate")
+    if fsdp:  # FSDP2 + TP (with the policy), as torchtitan builds it
         from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
+        policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16 if args.mp else None)
         for blk in eager.blocks:
-            fully_shard(blk, mesh=mesh2d["dp"], mp_policy=MixedPrecisionPolicy(param_dtype=torch.bfloat16))
-        fully_shard(eager, mesh=mesh2d["dp"], mp_policy=MixedPrecisionPolicy(param_dtype=torch.bfloat16))
-        dp_mode = spmd_ort.DataParallel(mixed_precision=spmd_ort.MixedPrecisionPolicy(param_dtype=torch.bfloat16))
+            fully_shard(blk, mesh=mesh2d["dp"], mp_policy=policy)
+        fully_shard(eager, mesh=mesh2d["dp"], mp_policy=policy)
+        if args.mp:
+            dp_mode = dataclasses.replace(dp_mode, mixed_precision=spmd_ort.MixedPrecisionPolicy(
+                param_dtype=torch.bfloat16))
     compiled = copy.deepcopy(base)
     make_opt = lambda m: torch.optim.AdamW(m.parameters(), lr=3e-3, weight_decay=0.1)  # noqa: E731
     opt_s, opt_e = make_opt(single), make_opt(eager)
@@ -244,11 +250,13 @@ def main() -> None:
         ls = step_fn(single, opt_s, ids, labels)
         with CommDebugMode() as eager_comm, implicit_replication():  # eager DTensor's collectives in one step
             # (FSDP2 + TP: each dp replica on its share)
-            le = step_fn(eager, opt_e, ids[mine], labels[mine], clip_across_meshes) if args.mp else step_fn(eager, opt_e, ids, labels)
+            le = step_fn(eager, opt_e, ids[mine], labels[mine], clip_across_meshes) if fsdp else step_fn(
+                eager, opt_e, ids, labels)
         lc = step(compiled, opt_c, ids[mine], labels[mine])
         assert not isinstance(lc, DTensor), type(lc)
-        if args.mp:  # bf16 forward on both sides: the same policy, the same casts
-            torch.testing.assert_close(lc.detach(), le.detach(), rtol=1e-3, atol=1e-3)
+        if fsdp:  # each dp replica's loss against FSDP2 + TP's on the same share (bf16: the same policy, casts)
+            tol = dict(rtol=1e-3, atol=1e-3) if args.mp else dict(rtol=1e-5, atol=1e-6)
+            torch.testing.assert_close(lc.detach(), le.detach(), **tol)
             compare_full(eager, compiled, opt_e, opt_c, f"rank {rank} step {i}")
             losses.append(float(lc))
             continue
@@ -262,9 +270,25 @@ def main() -> None:
         losses.append(float(lc))
     placements = {n: [str(p) for p in getattr(t, "placements", ())] for n, t in compiled.state_dict().items()}
     local_bytes = sum(local(p).numel() * local(p).element_size() for p in compiled.parameters())
+    if args.fully_shard:  # FSDP2 + TP's state dict: 2-D DTensors of the global shapes, each rank its piece
+        for (name, a), (_, b) in zip(eager.state_dict().items(), compiled.state_dict().items(), strict=True):
+            assert isinstance(b, DTensor) and b.shape == a.shape and b.placements == a.placements, \
+                (name, b.shape, a.shape, getattr(b, "placements", None), a.placements)
+        # full_state_dict gathers both dims; load_state_dict takes those full plain tensors back (each rank its
+        # piece of its tensor-parallel piece), changing nothing
+        whole = spmd_ort.full_state_dict(compiled, rank0_only=False)["model"]
+        before = {n: local(t).clone() for n, t in compiled.state_dict().items()}
+        for name, t in eager.state_dict().items():
+            if not fnmatch.fnmatch(name, NOISE):
+                _close(whole[name], t.full_tensor(), "param", True, f"full_state_dict {name}")
+        compiled.load_state_dict(whole)
+        for name, t in compiled.state_dict().items():
+            assert isinstance(t, DTensor) and torch.equal(local(t), before[name]), f"load_state_dict {name}"
     full_bytes = sum(p.numel() * p.element_size() for p in base.parameters())
     sharded_full = sum(p.numel() * p.element_size() for n, p in compiled.named_parameters()
-                       if isinstance(p, DTensor) and any(pl.is_shard() for pl in p.placements))
+                       if isinstance(p, DTensor) and p.placements[-1].is_shard()
+                       and p.device_mesh.ndim == (2 if args.fully_shard else 1))  # (2-D fully_shard: 2-D ones)
+    eager_local_bytes = sum(local(p).numel() * local(p).element_size() for p in eager.parameters())
     # eval outside the compiled step: the module's own forward on DTensor parameters, as eager TP runs it
     # (--mp: FSDP2's forward runs in bf16, the module's own in fp32: not compared)
     with torch.no_grad():
@@ -277,6 +301,12 @@ def main() -> None:
 
         dcp.save({"model": compiled.state_dict()}, checkpoint_id=args.checkpoint)
         fresh = parallelize_module(copy.deepcopy(base), mesh, plan)
+        if fsdp:  # into FSDP2 + TP
+            from torch.distributed.fsdp import fully_shard
+
+            for blk in fresh.blocks:
+                fully_shard(blk, mesh=mesh2d["dp"])
+            fully_shard(fresh, mesh=mesh2d["dp"])
         state = {"model": fresh.state_dict()}
         dcp.load(state, checkpoint_id=args.checkpoint)
         fresh.load_state_dict(state["model"])
@@ -296,7 +326,7 @@ def main() -> None:
     finish(args.out, {
         "traces": step.transitions.traces,
         "losses": losses, "placements": placements, "local_param_bytes": local_bytes,
-        "full_param_bytes": full_bytes, "sharded_param_bytes": sharded_full, "world": world, "tp": world // args.dp,
+        "full_param_bytes": full_bytes, "eager_local_param_bytes": eager_local_bytes, "sharded_param_bytes": sharded_full, "world": world, "tp": world // args.dp,
         "dp": args.dp,
         "eager_collectives": {str(k): v for k, v in eager_comm.get_comm_counts().items()},
         "all_reduce_calls": comm.all_reduce_calls, "all_reduce_bytes": comm.all_reduce_bytes, "all_gather_calls": comm.all_gather_calls,
