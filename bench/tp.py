@@ -4,8 +4,10 @@ Run:  .venv/bin/torchrun --standalone --nproc_per_node=2 bench/tp.py [--steps 7]
       .venv/bin/torchrun --standalone --nproc_per_node=4 bench/tp.py --dp 2   # 2-D: dp 2 x tp 2
 
 2-D (``--dp 2``): the plan over ``tp``; the compiled runners average gradients over ``dp`` (``TensorParallel(plan,
-mesh, data_parallel=DataParallel())``, bucketed all-reduces), ``eager`` is FSDP2 + TP as torchtitan builds it
-(``fully_shard`` of every block and the root on the dp dim of the same mesh); each dp replica draws its own batch.
+mesh, data_parallel=DataParallel())``, bucketed all-reduces; ``spmd-fx+fsdp`` / ``spmd-ort+fsdp``:
+``DataParallel(parallel_style="fully_shard")``, FSDP2 + TP compiled), ``eager`` is FSDP2 + TP as torchtitan
+builds it (``fully_shard`` of every block and the root on the dp dim of the same mesh); each dp replica draws its
+own batch.
 
 gpt-mini (4 layers, d=256, seq 128, vocab 8192, separate q/k/v) parallelized Megatron-style with torch's own plan
 (``examples.gpt.tensor_parallel_plan``: q/k/v and the MLP's first linear column-wise, the projections back
@@ -95,9 +97,10 @@ def main() -> None:
                 fully_shard(m, mesh=mesh2d["dp"])
             runners[name] = (m, eager_step, None)
         else:
-            backend = name.split("-")[1]
+            backend, _, style = name.split("-")[1].partition("+")  # spmd-fx, spmd-ort+fsdp (2-D: fully_shard)
+            dp_mode = spmd_ort.DataParallel(parallel_style="fully_shard" if style == "fsdp" else "replicate")
             mode = spmd_ort.TensorParallel(plan, mesh=mesh) if mesh2d is None else spmd_ort.TensorParallel(
-                plan, mesh=mesh2d, data_parallel=spmd_ort.DataParallel())
+                plan, mesh=mesh2d, data_parallel=dp_mode)
             step = spmd_ort.compile(backend=backend, parallel_mode=mode)
             runners[name] = (m, step(train_step), backend)
     opts = {k: make_adamw(m.parameters()) for k, (m, _, _) in runners.items()}

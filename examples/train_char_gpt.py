@@ -5,7 +5,8 @@ Run:  make demo           (sets up .venv, then runs this file on 2 ranks)
   or: python examples/train_char_gpt.py      (one process)
   or: make demo-zero3   (2 ranks, ZeRO-3: --parallel fully_shard [--offload])
   or: torchrun --standalone --nproc_per_node=2 examples/train_char_gpt.py --parallel tp   (tensor parallel)
-  or: torchrun --standalone --nproc_per_node=4 examples/train_char_gpt.py --parallel 2d   (2 x 2: dp x tp)
+  or: torchrun --standalone --nproc_per_node=4 examples/train_char_gpt.py --parallel 2d [--dp-style fully_shard]
+      (2 x 2: dp x tp; fully_shard on dp is FSDP2 + TP)
 
 Under torchrun every rank trains on its own batches; the compiled step averages
 gradients over ranks (spmd_ort.DataParallel, the default with several ranks), so
@@ -59,6 +60,8 @@ def main() -> None:
     ap.add_argument("--backend", default=None, help="fx (default from SPMD_ORT_BACKEND)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--parallel", default="replicate", choices=["replicate", "fully_shard", "tp", "2d"])
+    ap.add_argument("--dp-style", default="replicate", choices=["replicate", "fully_shard"],
+                    help="--parallel 2d: what the dp dim does (fully_shard: FSDP2 + TP)")
     ap.add_argument("--offload", action="store_true", help="fully_shard: optimizer and parameters on the host")
     ap.add_argument("--timeline", default=str(ROOT / "out" / "demo_timeline"),
                     help="where the profile of the last two steps goes (<path>.json, <path>.png)")
@@ -96,7 +99,8 @@ def main() -> None:
         from torch.distributed.device_mesh import init_device_mesh
 
         mesh = init_device_mesh("cpu", (world // 2, 2), mesh_dim_names=("dp", "tp"))
-        mode = spmd_ort.TensorParallel(tensor_parallel_plan(), mesh=mesh, data_parallel=spmd_ort.DataParallel())
+        mode = spmd_ort.TensorParallel(tensor_parallel_plan(), mesh=mesh,
+                                       data_parallel=spmd_ort.DataParallel(parallel_style=args.dp_style))
         dp_rank = mesh.get_local_rank("dp")
     elif tp:  # q, k, v and the MLP's first linear column-wise, the projections back row-wise
         mode = spmd_ort.TensorParallel(tensor_parallel_plan())
@@ -146,6 +150,9 @@ def main() -> None:
             elif tp:
                 extra = (f"  {comm.all_reduce_calls} all-reduce/step (Megatron{' + dp' if args.parallel == '2d' else ''}), "
                          f"{comm.all_reduce_bytes / 2**20:.2f} MiB")
+                if comm.all_gather_calls:  # 2-D fully_shard: the dp group's gathers and reduce-scatters
+                    extra += (f"; dp: {comm.all_gather_calls} all-gather + {comm.reduce_scatter_calls} "
+                              "reduce-scatter/step")
             elif world > 1:
                 extra = (f"  {comm.all_reduce_calls} all-reduce/step, {comm.all_reduce_bytes / 2**20:.2f} MiB, "
                          f"{comm.overlap:.0%} overlapped")

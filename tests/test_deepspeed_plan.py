@@ -191,6 +191,11 @@ def test_config_errors_name_every_key():
     # the mode-only API never ignores accumulation, and says where it is mapped
     with pytest.raises(DeepSpeedConfigError, match="gradient_accumulation_steps=4.*spmd_ort.from_deepspeed_config"):
         spmd_ort.DataParallel.from_deepspeed_config({"gradient_accumulation_steps": 4, "zero_optimization": {"stage": 3}})
+    # a tensor-parallel plan needs its 2-D (dp, tp) mesh, and a mesh needs a plan (4 ranks: tests/dist/tp_parity.py)
+    with pytest.raises(TypeError, match="mesh_dim_names=\\('dp', 'tp'\\)"):
+        spmd_ort.from_deepspeed_config(CONFIG, model, tensor_parallel_plan={"fc1": object()})
+    with pytest.raises(TypeError, match="a mesh goes with tensor_parallel_plan"):
+        spmd_ort.from_deepspeed_config(CONFIG, model, mesh=object())
 
 
 def test_auto_values_are_resolved_or_named():

@@ -82,6 +82,10 @@ CLAIMS: list[tuple[str, Source]] = [
      Cell("### 2-D on 4 ranks: dp 2 × tp 2", "spmd-fx", "x eager")),
     ("times it against FSDP2 + TP (bench/RESULTS.md: 0.82× on fx, {0.84×} on ORT)",
      Cell("### 2-D on 4 ranks: dp 2 × tp 2", "spmd-ort", "x eager")),
+    ("Under `fully_shard` it runs at {0.84×} on fx and 0.91× on ORT",
+     Cell("### 2-D on 4 ranks: dp 2 × tp 2", "spmd-fx+fsdp", "x eager")),
+    ("Under `fully_shard` it runs at 0.84× on fx and {0.91×} on ORT",
+     Cell("### 2-D on 4 ranks: dp 2 × tp 2", "spmd-ort+fsdp", "x eager")),
     ("Tested on 4 ranks ({2 x} 2, sequence parallel, ORT)", Fact("the 2-D test's mesh: dp 2 x tp 2 (CASES)")),
     # ZeRO-3
     ("one reduce-scatter of every gradient: {3x} the parameter bytes",

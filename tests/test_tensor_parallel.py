@@ -31,16 +31,18 @@ CASES = [
     # a bitwise resume; sequence parallel on ORT
     ("fx", "mode", "megatron", "2-fully-shard"),
     ("ort", "mode", "sequence", "2-fully-shard"),
+    # a DeepSpeed ZeRO-3 config with the plan (from_deepspeed_config(..., tensor_parallel_plan=, mesh=)): ZeRO on dp
+    ("fx", "mode", "megatron", "2-deepspeed3"),
 ]
 
 
 @pytest.mark.parametrize("backend,apply,plan,dp", CASES)
 def test_matches_eager_tensor_parallel(tmp_path, backend, apply, plan, dp):
-    mp, fsdp = dp == "2-mp", dp == "2-fully-shard"
+    mp, fsdp, ds = dp == "2-mp", dp in ("2-fully-shard", "2-deepspeed3"), dp == "2-deepspeed3"
     dp = int(str(dp).split("-")[0])
     extra = ("--vary-batch", "--checkpoint", str(tmp_path / "dcp")) if (backend, plan, dp) == ("fx", "megatron", 1) \
-        else ("--checkpoint", str(tmp_path / "dcp"), "--fully-shard") if fsdp and plan == "megatron" \
-        else ("--fully-shard",) if fsdp else ()
+        else ("--checkpoint", str(tmp_path / "dcp"), "--fully-shard") if fsdp and not ds and plan == "megatron" \
+        else ("--deepspeed", "3") if ds else ("--fully-shard",) if fsdp else ()
     extra += ("--mp",) if mp else ()
     budget = "0" if apply == "user" else "1"
     results, _ = torchrun(tmp_path, "--backend", backend, "--apply", apply, "--plan", plan, "--steps", "3",

@@ -28,6 +28,13 @@ split: it stays a plain 1-element shard.  To reach the full weights:
 
 Padding elements are zero in parameters, gradients and optimizer state, and the
 supported optimizers keep them zero (a zero gradient on a zero weight moves nothing).
+
+2-D (``TensorParallel(plan, mesh, data_parallel=DataParallel(parallel_style="fully_shard"))``, FSDP2 + TP):
+what is split over the ``dp`` dim is each parameter's tensor-parallel local tensor, and the parameter is a
+DTensor on the 2-D mesh with FSDP2 + TP's placements (a strided ``Shard(0)`` over dp where the plan shards
+dim 0 over tp; a parameter the plan leaves plain is ``Shard(0)`` on the dp mesh).  The step is traced on the
+tensor-parallel DTensors (expand mode) and the ZeRO passes work on the dp group; gathering a parameter outside
+the step yields the tensor-parallel DTensor the plan made.
 """
 
 from __future__ import annotations

@@ -178,9 +178,13 @@ def main() -> None:
     ap.add_argument("--checkpoint", default=None, help="save the DTensor state with DCP here and load it back")
     ap.add_argument("--mp", action="store_true", help="2-D: bf16 MixedPrecisionPolicy, against FSDP2 + TP")
     ap.add_argument("--fully-shard", action="store_true", help="2-D: fully_shard on the dp dim, against FSDP2 + TP")
+    ap.add_argument("--deepspeed", type=int, default=None, metavar="STAGE",
+                    help="2-D: a DeepSpeed config of this ZeRO stage with the plan (from_deepspeed_config), against "
+                         "FSDP2 + TP")
     ap.add_argument("--out", required=True)
     args = ap.parse_args()
-    fsdp = args.mp or args.fully_shard  # eager is FSDP2 + TP
+    fsdp = args.mp or args.fully_shard or args.deepspeed is not None  # eager is FSDP2 + TP
+    sharded = args.fully_shard or (args.deepspeed or 0) > 0  # the compiled side: fully_shard on dp
     if fsdp and args.dp < 2:
         ap.error("--mp / --fully-shard compare against FSDP2 + TP: give --dp 2")
     dist.init_process_group("gloo")
@@ -215,7 +219,24 @@ def main() -> None:
             plan, mesh=mesh2d, data_parallel=dp_mode)
     opt_c = make_opt(compiled)  # built on the plain parameters under --apply mode: the plan moves it to DTensors
     step = spmd_ort.compile(backend=args.backend, parallel_mode=mode)(step_fn)
-    if args.apply == "mode":
+    run = step
+    if args.deepspeed is not None:  # the DeepSpeed engine's step from a config, its ZeRO stage on the dp dim
+        config = {"train_micro_batch_size_per_gpu": 4, "gradient_accumulation_steps": 1, "gradient_clipping": 0.5,
+                  "optimizer": {"type": "AdamW", "params": {"lr": 3e-3, "weight_decay": 0.1}},
+                  "zero_optimization": {"stage": args.deepspeed, "reduce_bucket_size": 2**20}}
+        ds = spmd_ort.from_deepspeed_config(config, compiled, tensor_parallel_plan=plan, mesh=mesh2d)
+        assert ds.train_batch_size == 4 * args.dp and isinstance(ds.parallel_mode, spmd_ort.TensorParallel)
+        assert ds.parallel_mode.data_parallel.sharded == (args.deepspeed > 0)
+        opt_c = ds.optimizer
+
+        def loss_fn(model, ids, labels):
+            return F.cross_entropy(model(ids).reshape(-1, VOCAB), labels.reshape(-1))
+
+        step = spmd_ort.compile(backend=args.backend, parallel_mode=ds.parallel_mode)(ds.make_train_step(loss_fn))
+
+        def run(model, opt, ids, labels):
+            return step(model, opt, None, [(ids, labels)])
+    if args.apply == "mode" and args.deepspeed is None:
         # a first call whose compile fails (numpy labels) leaves the module and optimizer as they were
         params = list(compiled.parameters())
         ids = torch.randint(0, VOCAB, (4, SEQ))
@@ -252,7 +273,7 @@ def main() -> None:
             # (FSDP2 + TP: each dp replica on its share)
             le = step_fn(eager, opt_e, ids[mine], labels[mine], clip_across_meshes) if fsdp else step_fn(
                 eager, opt_e, ids, labels)
-        lc = step(compiled, opt_c, ids[mine], labels[mine])
+        lc = run(compiled, opt_c, ids[mine], labels[mine])
         assert not isinstance(lc, DTensor), type(lc)
         if fsdp:  # each dp replica's loss against FSDP2 + TP's on the same share (bf16: the same policy, casts)
             tol = dict(rtol=1e-3, atol=1e-3) if args.mp else dict(rtol=1e-5, atol=1e-6)
@@ -270,7 +291,7 @@ def main() -> None:
         losses.append(float(lc))
     placements = {n: [str(p) for p in getattr(t, "placements", ())] for n, t in compiled.state_dict().items()}
     local_bytes = sum(local(p).numel() * local(p).element_size() for p in compiled.parameters())
-    if args.fully_shard:  # FSDP2 + TP's state dict: 2-D DTensors of the global shapes, each rank its piece
+    if sharded:  # FSDP2 + TP's state dict: 2-D DTensors of the global shapes, each rank its piece
         for (name, a), (_, b) in zip(eager.state_dict().items(), compiled.state_dict().items(), strict=True):
             assert isinstance(b, DTensor) and b.shape == a.shape and b.placements == a.placements, \
                 (name, b.shape, a.shape, getattr(b, "placements", None), a.placements)
@@ -287,7 +308,7 @@ def main() -> None:
     full_bytes = sum(p.numel() * p.element_size() for p in base.parameters())
     sharded_full = sum(p.numel() * p.element_size() for n, p in compiled.named_parameters()
                        if isinstance(p, DTensor) and p.placements[-1].is_shard()
-                       and p.device_mesh.ndim == (2 if args.fully_shard else 1))  # (2-D fully_shard: 2-D ones)
+                       and p.device_mesh.ndim == (2 if sharded else 1))  # (2-D fully_shard: 2-D ones)
     eager_local_bytes = sum(local(p).numel() * local(p).element_size() for p in eager.parameters())
     # eval outside the compiled step: the module's own forward on DTensor parameters, as eager TP runs it
     # (--mp: FSDP2's forward runs in bf16, the module's own in fp32: not compared)

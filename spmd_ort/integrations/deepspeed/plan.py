@@ -77,7 +77,7 @@ BATCH_KEYS = ("train_batch_size", "train_micro_batch_size_per_gpu", "gradient_ac
 class DeepSpeedPlan:
     """What a DeepSpeed config asks for, as the parts of a PyTorch train step (see the module docstring)."""
 
-    parallel_mode: parallel.DataParallel
+    parallel_mode: parallel.DataParallel | parallel.TensorParallel  # (with a tensor-parallel plan: 2-D)
     optimizer: torch.optim.Optimizer
     scheduler: torch.optim.lr_scheduler.LRScheduler | None = None
     scaler: DynamicLossScaler | None = None
@@ -147,21 +147,39 @@ class DeepSpeedPlan:
 
 def from_deepspeed_config(config: str | Path | dict, model: nn.Module, *,
                           model_parameters: Iterable | None = None, world_size: int | None = None,
-                          auto: dict[str, Any] | None = None) -> DeepSpeedPlan:
+                          auto: dict[str, Any] | None = None, tensor_parallel_plan: dict | None = None,
+                          mesh=None) -> DeepSpeedPlan:
     """The :class:`DeepSpeedPlan` of a DeepSpeed config (a dict or a JSON path) for ``model``.
 
     ``model_parameters``: what the optimizer gets (default ``model.parameters()``; param
     groups as for ``deepspeed.initialize``).  ``world_size``: default torch.distributed's.
     ``auto``: values for ``"auto"`` entries by dotted path, e.g. ``{"optimizer.params.lr": 3e-4}``.
     Unsupported settings raise one :class:`DeepSpeedConfigError` listing all of them.
+
+    ``tensor_parallel_plan`` (torch's parallel styles by module FQN) with ``mesh`` (a 2-D ``("dp", "tp")``
+    DeviceMesh): tensor parallelism over ``tp`` and the config's ZeRO stage over ``dp`` (as DeepSpeed runs
+    ZeRO on the data-parallel group of a tensor-parallel model): ``parallel_mode`` is
+    ``TensorParallel(plan, mesh, data_parallel=<the config's DataParallel>)``, and the batch sizes count the dp
+    ranks only (the ranks of one tensor-parallel group pass the same batch).
     """
     if not isinstance(model, nn.Module):
         raise TypeError(f"from_deepspeed_config(config, model): model must be an nn.Module, not {type(model).__name__}")
     cfg = load_config(config)
     if not isinstance(cfg, dict):
         raise DeepSpeedConfigError("a DeepSpeed config is a JSON object")
-    world = world_size if world_size is not None else parallel.world()[1]
     problems: list[str] = []
+    if tensor_parallel_plan is not None:
+        from torch.distributed.device_mesh import DeviceMesh
+
+        if not (isinstance(mesh, DeviceMesh) and mesh.ndim == 2 and tuple(mesh.mesh_dim_names or ()) == ("dp", "tp")):
+            raise TypeError(f"from_deepspeed_config(..., tensor_parallel_plan=..., mesh={mesh!r}): give a 2-D "
+                            "DeviceMesh with mesh_dim_names=('dp', 'tp'), e.g. init_device_mesh('cpu', (dp, tp), "
+                            "mesh_dim_names=('dp', 'tp'))")
+        world = mesh.size(0)  # the batch sizes count the data-parallel ranks
+    elif mesh is not None:
+        raise TypeError("from_deepspeed_config(..., mesh=...): a mesh goes with tensor_parallel_plan=...")
+    else:
+        world = world_size if world_size is not None else parallel.world()[1]
     cfg = _resolve_auto(cfg, model, dict(auto or {}), world, problems)
     for key in cfg:
         if key not in MAPPED | NO_EFFECT:
@@ -184,6 +202,11 @@ def from_deepspeed_config(config: str | Path | dict, model: nn.Module, *,
         raise DeepSpeedConfigError("DeepSpeed config: unsupported settings: " + "; ".join(problems))
     scheduler = _scheduler(scheduler_cfg, opt)
     mode = parallel.DataParallel(**settings, mixed_precision=policy)
+    if tensor_parallel_plan is not None:
+        try:
+            mode = parallel.TensorParallel(tensor_parallel_plan, mesh=mesh, data_parallel=mode)
+        except TypeError as exc:  # e.g. offload, which 2-D does not take
+            raise DeepSpeedConfigError(f"DeepSpeed config with a tensor-parallel plan: {exc}") from exc
     return DeepSpeedPlan(parallel_mode=mode, optimizer=opt, scheduler=scheduler, scaler=scaler,
                          autocast_dtype=autocast_dtype, gradient_clipping=float(clip) or None,
                          gradient_accumulation_steps=batch[2], train_micro_batch_size_per_gpu=batch[1],
