@@ -388,6 +388,15 @@ def _failure(exc: BaseException, frame: Frame | None, watch: OpWatch, plan: Opaq
     what, op, untraceable = _describe_failure(exc)
     failed = None if untraceable else watch.failed
     fqn = frame.fqn if frame is not None else None
+    if "spmd_ort.opaque_" in str(exc) and "sharding strategy" in str(exc):
+        # DTensor dispatch reached an opaque part: it has no sharding rule (a module run eagerly has none)
+        where = f"`{fqn}`" if fqn and fqn != "<root>" else "a part of the model"
+        return CompileError(
+            f"{where} runs opaquely (an OpaqueOverride, or a module that cannot be traced), but its inputs or "
+            "parameters are DTensors (tensor parallelism), and opaque parts do not take DTensors: DTensor has no "
+            f"sharding rule for a module run eagerly. Fix: make {where} traceable (drop its OpaqueOverride, or give "
+            "an Override.replacement that traces), or keep it out of the tensor-parallel plan and its inputs "
+            "plain. The model and optimizer are unchanged.", fqn=fqn, op=op)
     not_a_tensor = inputs.not_a_tensor(exc, failed.op if failed else op, fqn)
     if not_a_tensor is not None:  # a numpy array or a list where a tensor belongs: the input, not the module
         return not_a_tensor

@@ -49,16 +49,18 @@ from spmd_ort.distributed.checkpoint_check import (Problem, check_checkpoint, ch
 from spmd_ort.errors import CheckpointError
 from spmd_ort.capture.optim import initial_step
 from spmd_ort.distributed.dtensor import is_dtensor
-from spmd_ort.distributed.sharding import ShardSpec, is_sharded_state, mesh_over, spec_of
+from spmd_ort.distributed.sharding import ShardSpec, is_sharded_state, place_full, spec_of
 
 NOTHING_CHANGED = "Nothing was loaded: the model, optimizer and step are unchanged."
 
 
-def _dtensor(local: Tensor, spec: ShardSpec, mesh):
+def _dtensor(local: Tensor, spec: ShardSpec):
+    """A flat shard as a flat ``Shard(0)`` DTensor over the ranks it is split over (2-D: the dp group)."""
     from torch.distributed.tensor import DTensor, Shard
 
     flat = local.detach().reshape(-1)[:spec.valid()]
-    return DTensor.from_local(flat, mesh, [Shard(0)], run_check=False, shape=torch.Size([spec.numel]), stride=(1,))
+    return DTensor.from_local(flat, spec.dtensor_mesh(flat.device.type), [Shard(0)], run_check=False,
+                              shape=torch.Size([spec.numel]), stride=(1,))
 
 
 def _names(model: nn.Module) -> dict[int, str]:
@@ -69,19 +71,17 @@ def _names(model: nn.Module) -> dict[int, str]:
 def state_dict(train_step, model: nn.Module, optimizer: torch.optim.Optimizer | None = None) -> dict:
     """``{"model": ..., "optim": ...}`` for DCP: sharded tensors as DTensors over the live shards."""
     train_step.prepare(model, optimizer)
-    specs = [spec_of(p) for p in model.parameters() if spec_of(p) is not None]
-    mesh = mesh_over("cpu", specs[0].world) if specs else None
     model_sd = {}
     for name, t in model.state_dict(keep_vars=True).items():
         spec = spec_of(t)  # (a sharded parameter is a DTensor already, but a 0-d one: its flat shard)
-        model_sd[name] = _dtensor(t, spec, mesh) if spec is not None and not is_dtensor(t) else t.detach()
+        model_sd[name] = _dtensor(t, spec) if spec is not None and not is_dtensor(t) else t.detach()
     out = {"model": model_sd}
     if optimizer is not None:
         names = _names(model)
         state = {}
         for p, st in optimizer.state.items():
             spec = spec_of(p)
-            state[names[id(p)]] = {k: (_dtensor(v, spec, mesh) if spec is not None and is_sharded_state(v)
+            state[names[id(p)]] = {k: (_dtensor(v, spec) if spec is not None and is_sharded_state(v)
                                        and not is_dtensor(v) else v) for k, v in st.items()}
         groups = []
         for g in optimizer.param_groups:
@@ -148,7 +148,7 @@ def _placed_like(value: Tensor, like, *, allocate: bool = False):
     """``value`` (a full tensor, or a DTensor) as a DTensor placed like ``like``: no communication for a full
     tensor (each rank keeps its piece) or one already placed so.  ``allocate``: a new, empty DTensor of
     ``value``'s dtype (a target for DCP to read into)."""
-    from torch.distributed.tensor import DTensor, distribute_tensor
+    from torch.distributed.tensor import DTensor
 
     if allocate:
         piece = torch.empty(like.to_local().shape, dtype=value.dtype, device=like.to_local().device)
@@ -158,8 +158,7 @@ def _placed_like(value: Tensor, like, *, allocate: bool = False):
         if tuple(value.placements) != tuple(like.placements):
             value = value.redistribute(like.device_mesh, like.placements)
         return value
-    return distribute_tensor(value.to(like.to_local().device), like.device_mesh, like.placements,
-                             src_data_rank=None)
+    return place_full(value, like)
 
 
 def _store(dst: Tensor, value, spec: ShardSpec | None) -> None:
@@ -290,9 +289,6 @@ def load_checkpoint(path: str | Path, train_step, model: nn.Module,
 
 def _staging(found, model: nn.Module, optimizer) -> tuple[dict, Callable[[], None]]:
     """The DCP target (new tensors in the layout the checkpoint was saved in) and the commit that copies it in."""
-    specs = [spec_of(p) for p in model.parameters() if spec_of(p) is not None]
-    mesh = mesh_over("cpu", specs[0].world) if specs else None
-
     def target(like: Tensor, spec: ShardSpec | None, saved: tuple[int, ...], dtype: torch.dtype):
         """A new tensor DCP reads ``saved``-shaped data into, and a function giving it in the live layout
         (``like``'s full shape; this rank's shard of it where ``spec`` says the live tensor is sharded)."""
@@ -305,7 +301,7 @@ def _staging(found, model: nn.Module, optimizer) -> tuple[dict, Callable[[], Non
             return buf, lambda: _placed_like(buf.reshape(like.shape), like)
         if spec is not None and saved == (spec.numel,):  # sharded here and in the checkpoint
             local = torch.zeros(spec.shard_numel, dtype=dtype, device=like.device)
-            return _dtensor(local, spec, mesh), lambda: local
+            return _dtensor(local, spec), lambda: local
         buf = torch.empty(saved, dtype=dtype, device=like.device)
         if spec is not None:  # a full tensor in the checkpoint: this rank's shard of it
             return buf, lambda: spec.shard_of(buf)

@@ -24,6 +24,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from spmd_ort.distributed.dtensor import is_dtensor
 from spmd_ort.distributed.sharding import spec_of
 
 OPTIMIZER_STATE_KEYS = {"SGD": {"momentum_buffer"}, "Adam": {"step", "exp_avg", "exp_avg_sq", "max_exp_avg_sq"}}
@@ -110,8 +111,12 @@ def read_checkpoint(path: str) -> tuple[Found | None, list[Problem]]:
 
 
 def _full_shape(t: Tensor) -> tuple[int, ...]:
+    """The shape a checkpoint holds ``t`` in: a DTensor's global one (2-D fully_shard included), else the
+    parameter's (a plain flat shard of a 0-d one)."""
     spec = spec_of(t)
-    return spec.shape if spec is not None else tuple(t.shape)
+    if spec is None or is_dtensor(t):
+        return tuple(t.shape)
+    return spec.shape
 
 
 def _fits(saved_meta, live_shape: tuple[int, ...]) -> bool:

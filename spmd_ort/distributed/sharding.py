@@ -389,7 +389,8 @@ def full_state_dict(module: nn.Module, optimizer: torch.optim.Optimizer | None =
     full = {id(p): _whole(gather_full(p)) for p in module.parameters()}
     model_sd = {}
     for name, t in module.state_dict(keep_vars=True).items():
-        model_sd[name] = full.get(id(t), t.detach()).clone() if keep else None
+        value = full[id(t)] if id(t) in full else _whole(t.detach())  # (collective for a DTensor: every rank)
+        model_sd[name] = value.clone() if keep else None
     out = {"model": model_sd}
     if optimizer is not None:
         sd = optimizer.state_dict()
@@ -401,6 +402,8 @@ def full_state_dict(module: nn.Module, optimizer: torch.optim.Optimizer | None =
             for k, v in optimizer.state.get(p, {}).items():
                 if spec is not None and is_sharded_state(v):
                     v = _whole(spec.tp_local(gather_tensor(flat_of(v, spec).detach(), spec)))
+                elif isinstance(v, Tensor):
+                    v = _whole(v)  # (tensor parallel: a DTensor's full value)
                 st[k] = v.clone() if isinstance(v, Tensor) else v
             if st:
                 state[i] = st
@@ -455,24 +458,39 @@ def _gather_before_forward(module: nn.Module, args) -> None:
     module.__dict__[_GATHERED] = block
 
 
+def place_full(value: Tensor, like: Tensor) -> Tensor:
+    """Full plain tensor ``value`` as a DTensor placed like the DTensor ``like``: each rank keeps its piece (no
+    communication).  FSDP2 + TP's strided dp shard (which ``distribute_tensor`` does not take) is cut as it is
+    made: the plan's piece over tp first, then this rank's rows of it over dp."""
+    from torch.distributed.tensor import DTensor, distribute_tensor
+    from torch.distributed.tensor.placement_types import _StridedShard
+
+    value = value.detach().to(like.to_local().device)
+    placements, mesh = tuple(like.placements), like.device_mesh
+    if not any(isinstance(pl, _StridedShard) for pl in placements):
+        return distribute_tensor(value, mesh, placements, src_data_rank=None)
+    if not (mesh.ndim == 2 and isinstance(placements[0], _StridedShard) and mesh.mesh_dim_names):
+        raise ValueError(f"cannot place a full tensor as {placements} on {mesh}: only (dp, tp) meshes with a strided "
+                         "dp shard (FSDP2 + TP) are supported")
+    local = distribute_tensor(value, mesh[mesh.mesh_dim_names[1]], placements[1:], src_data_rank=None).to_local()
+    dim, rank = placements[0].dim, mesh.get_local_rank(0)
+    chunks = torch.chunk(local, mesh.size(0), dim=dim)
+    piece = chunks[rank] if rank < len(chunks) else local.narrow(dim, 0, 0)
+    return DTensor.from_local(piece.contiguous(), mesh, placements, run_check=False, shape=like.shape,
+                              stride=like.stride())
+
+
 def _place_full_tensors(module: nn.Module, state_dict: dict, prefix: str, *args) -> None:
     """``module.load_state_dict`` with full (plain) tensors for sharded parameters, e.g. a ``full_state_dict`` or
     an unsharded model's state dict: each rank keeps its piece (no communication), as ``Shard(0)`` DTensors."""
-    from torch.distributed.tensor import DTensor, distribute_tensor
+    from torch.distributed.tensor import DTensor
 
     for name, p in module.named_parameters(remove_duplicate=False):
         key = prefix + name
         value = state_dict.get(key)
-        spec = spec_of(p)
-        if isinstance(p, DTensor) and spec is not None and isinstance(value, Tensor) \
+        if isinstance(p, DTensor) and spec_of(p) is not None and isinstance(value, Tensor) \
                 and not isinstance(value, DTensor) and tuple(value.shape) == tuple(p.shape):
-            value = value.detach().to(p.to_local().device)
-            if spec.tp_spec is None:
-                state_dict[key] = distribute_tensor(value, p.device_mesh, p.placements, src_data_rank=None)
-            else:  # 2-D: the plan's piece of it, then this rank's rows of that (DTensor cannot distribute there)
-                tp = spec.tp_spec
-                local = distribute_tensor(value, tp.mesh, tp.placements, src_data_rank=None).to_local()
-                state_dict[key] = as_shard(spec.shard_of(local), spec)
+            state_dict[key] = place_full(value, p)
 
 
 def _reshard_after_forward(module: nn.Module, args, output) -> None:

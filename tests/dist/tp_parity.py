@@ -161,6 +161,7 @@ def compare_full(eager, compiled, eager_opt, compiled_opt, where):
         if not fnmatch.fnmatch(name, NOISE):
             _close(full(b).detach(), full(a).detach(), "param", True, f"{where} param {name}")
     sa, sb = eager_opt.state_dict()["state"], compiled_opt.state_dict()["state"]
+    assert sa.keys() == sb.keys() and all(sa[k].keys() == sb[k].keys() for k in sa), (where, sa.keys(), sb.keys())
     for k in sa:
         for key, va in sa[k].items():
             if not fnmatch.fnmatch(names[k], NOISE):
@@ -258,6 +259,15 @@ def main() -> None:
             raise AssertionError("a plan naming no submodule compiled")
         except spmd_ort.CompileError as exc:
             assert "blocks.*.mlp.fc" in str(exc) and "blocks.0.fc" in str(exc), exc
+        # an opaque part under a tensor-parallel plan: an error naming it and the fix, the module unchanged
+        opaque = spmd_ort.compile(backend=args.backend, parallel_mode=mode,
+                                  module_override=[spmd_ort.OpaqueOverride("blocks.0.fc")])(step_fn)
+        try:
+            opaque(compiled, opt_c, ids, ids)
+            raise AssertionError("an opaque part with DTensor parameters compiled")
+        except spmd_ort.CompileError as exc:
+            assert "`blocks.0.fc` runs opaquely" in str(exc) and "do not take DTensors" in str(exc), exc
+        assert all(type(p) is nn.Parameter and p is q for p, q in zip(compiled.parameters(), params, strict=True))
     # 2-D: eager and one process train on the global batch; the compiled step on its dp replica's share, its
     # gradients averaged over dp: the same sums in another order
     normwise = args.backend != "fx" or args.dp > 1
@@ -305,6 +315,9 @@ def main() -> None:
         compiled.load_state_dict(whole)
         for name, t in compiled.state_dict().items():
             assert isinstance(t, DTensor) and torch.equal(local(t), before[name]), f"load_state_dict {name}"
+        spmd_ort.load_state_dict(step, {"model": whole}, compiled)  # spmd_ort's own, full tensors too
+        for name, t in compiled.state_dict().items():
+            assert torch.equal(local(t), before[name]), f"spmd_ort.load_state_dict {name}"
     full_bytes = sum(p.numel() * p.element_size() for p in base.parameters())
     sharded_full = sum(p.numel() * p.element_size() for n, p in compiled.named_parameters()
                        if isinstance(p, DTensor) and p.placements[-1].is_shard()
@@ -342,6 +355,9 @@ def main() -> None:
         step_r = spmd_ort.compile(backend=args.backend, parallel_mode=mode)(step_fn)
         spmd_ort.load_checkpoint(f"{args.checkpoint}_spmd", step_r, resumed, opt_r)
         assert torch.equal(step_r(resumed, opt_r, ids, labels), want)
+        # and into the model that saved it (sharded already, a step further): back to the saved state
+        spmd_ort.load_checkpoint(f"{args.checkpoint}_spmd", step, compiled, opt_c)
+        assert torch.equal(step(compiled, opt_c, ids, labels), want)
         for (name, a), (_, b) in zip(compiled.named_parameters(), resumed.named_parameters(), strict=True):
             assert type(a) is type(b) and torch.equal(local(a), local(b)), f"resumed {name}"
     finish(args.out, {
