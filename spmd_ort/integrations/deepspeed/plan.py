@@ -176,6 +176,10 @@ def from_deepspeed_config(config: str | Path | dict, model: nn.Module, *,
                             "DeviceMesh with mesh_dim_names=('dp', 'tp'), e.g. init_device_mesh('cpu', (dp, tp), "
                             "mesh_dim_names=('dp', 'tp'))")
         world = mesh.size(0)  # the batch sizes count the data-parallel ranks
+        if world_size is not None and world_size != world:
+            raise TypeError(f"from_deepspeed_config(..., world_size={world_size}, tensor_parallel_plan=..., mesh=...): "
+                            f"with a tensor-parallel plan the batch sizes count the mesh's {world} dp ranks; drop "
+                            "world_size")
     elif mesh is not None:
         raise TypeError("from_deepspeed_config(..., mesh=...): a mesh goes with tensor_parallel_plan=...")
     else:
