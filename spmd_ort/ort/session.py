@@ -21,6 +21,7 @@ from spmd_ort.options import Options
 from spmd_ort.ort.export import export_segment, input_position, save_model
 from spmd_ort.ort.stats import OrtStats
 from spmd_ort.ort.verify import op_summary, segment_failure, short_error, unordered_topks, verify_tolerance
+from spmd_ort.runtime.memory import host_memory_retained
 
 logger = logging.getLogger("spmd_ort")
 
@@ -99,6 +100,13 @@ class OrtSegment(nn.Module):
         # the cores busy after a run, while torch runs host nodes; measured, not assumed.
         options.add_session_config_entry("session.intra_op.allow_spinning", "1" if allow_spinning else "0")
         options.add_session_config_entry("session.force_spinning_stop", "1")  # ...and stop when Run returns
+        if self.device_type == "cpu" and host_memory_retained():
+            # The process keeps freed memory for reuse (spmd_ort.runtime.memory.retain_host_memory), so malloc
+            # is already an arena: ORT's own arena and memory pattern only hold a second copy of the step's
+            # values (gpt-mini: peak RSS 1146 -> 856 MiB, step time unchanged). Without retained memory each
+            # large allocation would be a fresh mmap, page-faulted every step: ORT's arena stays then.
+            options.enable_cpu_mem_arena = False
+            options.enable_mem_pattern = False
         self.session = ort.InferenceSession(model, options, providers=providers or providers_for(device))
         n_inputs = sum(1 for n in fallback.graph.nodes if n.op == "placeholder")
         self.input_names = [i.name for i in self.session.get_inputs()]
