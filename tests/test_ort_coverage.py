@@ -189,3 +189,30 @@ def test_float16_scatter_reduction_stays_on_the_host_and_onnxruntime_prints_no_e
     reason = compiled.compiled.executor.stats.host_ops["aten.embedding_dense_backward.default"]
     assert "torch.float16 on cpu: its translation is a Scatter with reduction='add'" in reason, reason
     assert "onnxruntime" not in capfd.readouterr().err
+
+
+def test_registered_names_kept_in_the_cache_directory(tmp_path, monkeypatch):
+    """The predicate's op names come from a file in the export cache when there is one (a warm compile does not
+    build torchlib's registry, ~1 s); they equal the registry's; a damaged file is rebuilt."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    monkeypatch.setenv("SPMD_ORT_CACHE_DIR", str(tmp_path))
+    names = coverage.registered_names()
+    [path] = list(tmp_path.glob("torchlib-ops-*.json"))
+    reg = coverage.registry()
+    assert names == {k for k, v in reg.functions.items() if isinstance(k, str) and v}
+    assert all(coverage._registered(op) == reg.is_registered(op)
+               for op in [*coverage._torch_decompositions(), *coverage.TRANSLATIONS] if hasattr(op, "_schema"))
+    path.write_text("{not json")
+    coverage._registered_names.cache_clear()
+    assert coverage.registered_names() == names
+    assert json.loads(path.read_text()) == sorted(names)
+    # a fresh process with the file: predicate and lowering table answer, the registry is never built
+    code = ("import torch; from spmd_ort.ort import coverage as c; aten = torch.ops.aten; "
+            "assert c._registered(aten.mm.default) and not c._registered(aten.nll_loss_forward.default); "
+            "assert aten.nll_loss_forward.default in c.lowering_table(); "
+            "assert c._registry.cache_info().currsize == 0, 'registry built'")
+    subprocess.run([sys.executable, "-c", code], check=True, env=dict(os.environ))

@@ -23,8 +23,11 @@ import contextlib
 import functools
 import hashlib
 import inspect
+import json
 import logging
+import os
 from collections.abc import Callable
+from pathlib import Path
 
 import torch
 from torch import fx
@@ -92,7 +95,53 @@ def _registry(opset: int, table: tuple):
 
 
 def _registered(target) -> bool:
+    """Whether :func:`registry` translates ``target`` (what ``registry().is_registered`` says), without building
+    the registry for an op overload: its name is looked up in :func:`registered_names`."""
+    if isinstance(target, torch._ops.OpOverload):
+        return target.name() in registered_names()
     return registry().is_registered(target)
+
+
+def registered_names() -> frozenset[str]:
+    """The names of the op overloads :func:`registry` translates (the registry's keys for them).
+
+    Building the registry takes ~1 s, a third of a warm compile, and a compile whose segments all come from the
+    export cache needs only this set (to partition and lower), not the translations: it is kept in the export
+    cache directory (``SPMD_ORT_CACHE_DIR``), under a name made of what decides it (torch's and onnxscript's
+    versions, the opset, our translations' and fixes' ops). A file that cannot be read or written only costs
+    the build.
+    """
+    return _registered_names(_names_key(), _cache_dir())
+
+
+def _names_key() -> str:
+    import onnxscript
+
+    parts = [torch.__version__, onnxscript.__version__, str(DEFAULT_OPSET),
+             *sorted(op.name() for op in TRANSLATIONS), "fixes", *sorted(op.name() for op in FIXES)]
+    return hashlib.sha256("\n".join(parts).encode()).hexdigest()[:24]
+
+
+def _cache_dir() -> Path:
+    from spmd_ort.options import Options
+
+    return Path(os.environ.get("SPMD_ORT_CACHE_DIR") or Options.cache_dir)
+
+
+@functools.lru_cache(maxsize=4)
+def _registered_names(key: str, cache_dir: Path) -> frozenset[str]:
+    path = cache_dir / f"torchlib-ops-{key}.json"
+    with contextlib.suppress(OSError, ValueError):
+        names = json.loads(path.read_text())
+        if isinstance(names, list) and all(isinstance(n, str) for n in names):
+            return frozenset(names)
+    names = frozenset(k for k, v in registry().functions.items() if isinstance(k, str) and v)
+    with contextlib.suppress(OSError):
+        cache_dir.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(f".{os.getpid()}.tmp")
+        tmp.write_text(json.dumps(sorted(names)))
+        tmp.replace(path)  # atomic: a process reading it meanwhile sees the whole file or none
+    return names
 
 
 @functools.lru_cache(maxsize=1)
@@ -104,13 +153,13 @@ def _torch_decompositions() -> dict:
 
 def lowering_table() -> dict:
     """op -> torch decomposition, for every op that has no direct translation (what make_fx applies, recursively)."""
-    return _lowering_table(registry())
+    return _lowering_table(registered_names())
 
 
 @functools.lru_cache(maxsize=8)
-def _lowering_table(reg) -> dict:
+def _lowering_table(names: frozenset[str]) -> dict:
     return {op: fn for op, fn in _torch_decompositions().items()
-            if hasattr(op, "_schema") and (op in FIXES or not reg.is_registered(op))}
+            if isinstance(op, torch._ops.OpOverload) and (op in FIXES or op.name() not in names)}
 
 
 def why_untranslatable(node: fx.Node) -> str | None:
