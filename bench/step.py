@@ -232,7 +232,8 @@ def compile_probe(name: str, backend: str) -> None:
                       compile_s=sum(v.compile_seconds for v in step.variants),
                       first_run_s=sum(s.first_run_seconds for s in stats),
                       verify_s=sum(s.verify_seconds for s in stats),
-                      choices=[str(c) for s in stats for c in s.choices.values()])
+                      choices=[str(c) for s in stats for c in s.choices.values()],
+                      fell_back=[f"{name} fell back to fx: {why}" for s in stats for name, why in s.fallback_reasons.items()])
     print(json.dumps(result))
 
 
@@ -255,7 +256,7 @@ def compile_times(name: str) -> str:
                      f"{r['hits']}/{r['segments']} cached), first run {r['first_run_s']:.1f} s (verify "
                      f"{r['verify_s']:.2f} s); peak RSS {r['rss_mib']:.0f} MiB "
                      f"({r['rss_mib'] / eager['rss_mib']:.2f}x eager)")
-    return f"| {name} | {eager['rss_mib']:.0f} MiB | " + " | ".join(cells) + f" | {'; '.join(r['choices'])} |"
+    return f"| {name} | {eager['rss_mib']:.0f} MiB | " + " | ".join(cells) + f" | {'; '.join(r['choices'] + r['fell_back'])} |"
 
 
 def main() -> None:

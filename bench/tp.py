@@ -2,6 +2,7 @@
 
 Run:  .venv/bin/torchrun --standalone --nproc_per_node=2 bench/tp.py [--steps 7]
       .venv/bin/torchrun --standalone --nproc_per_node=4 bench/tp.py --dp 2   # 2-D: dp 2 x tp 2
+      .venv/bin/python bench/tp.py --peak-rss [--nproc 4 --dp 2]            # peak RSS, one torchrun per runner
 
 2-D (``--dp 2``): the plan over ``tp``; the compiled runners average gradients over ``dp`` (``TensorParallel(plan,
 mesh, data_parallel=DataParallel())``, bucketed all-reduces; ``spmd-fx+fsdp`` / ``spmd-ort+fsdp``:
@@ -17,6 +18,11 @@ step); ``spmd-fx`` / ``spmd-ort`` compile the same step with ``parallel_mode=spm
 The runners alternate step by step in one run, with a barrier and a short pause before each timed step; rank 0
 prints the median ms/step, the ratio to eager, the collectives and bytes per step (eager's counted with
 ``CommDebugMode`` on an untimed step) and the bytes each rank holds between steps.
+
+Peak RSS (``--peak-rss``, run with ``python``, not ``torchrun``): the runners share one process in the timed run,
+so each runner's peak resident memory is measured apart: one ``torchrun`` per runner (the same model, plan, mesh
+and steps), each rank's ``VmHWM`` after its steps, the largest over the ranks. It includes the Python process,
+torch, the framework and compilation, as a user's process would.
 """
 
 from __future__ import annotations
@@ -24,8 +30,12 @@ from __future__ import annotations
 import argparse
 import copy
 import gc
+import json
+import os
 import statistics
+import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -67,7 +77,13 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=7)
     ap.add_argument("--runners", default="eager,spmd-fx,spmd-ort")
     ap.add_argument("--dp", type=int, default=1, help="2-D: data-parallel replicas (mesh dp x tp)")
+    ap.add_argument("--peak-rss", action="store_true", help="peak RSS per runner, each in its own torchrun")
+    ap.add_argument("--nproc", type=int, default=2, help="--peak-rss: ranks per torchrun")
+    ap.add_argument("--rss-out", help=argparse.SUPPRESS)  # a --peak-rss worker: where rank 0 writes its result
     args = ap.parse_args()
+    if args.peak_rss:
+        peak_rss(args)
+        return
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
     spmd_ort.runtime.memory.retain_host_memory()  # every runner, from its first step
@@ -121,7 +137,15 @@ def main() -> None:
             dt = time.perf_counter() - t0
             if i >= warmup:
                 times[k].append(dt)
-    if rank == 0:
+    if args.rss_out:  # a --peak-rss worker: the largest peak over the ranks, and this run's step time
+        from spmd_ort.runtime.memory import max_rss_bytes
+
+        peak = torch.tensor([max_rss_bytes()], dtype=torch.float64)
+        dist.all_reduce(peak, op=dist.ReduceOp.MAX)
+        if rank == 0:
+            [k] = runners
+            Path(args.rss_out).write_text(json.dumps({"rss": peak.item(), "ms": statistics.median(times[k]) * 1e3}))
+    elif rank == 0:
         base = statistics.median(times["eager"]) if "eager" in times else None
         params = sum(p.numel() for p in model.parameters())
         layout = (f"tensor parallel over {world} ranks, the same batch of 8 on every rank" if mesh2d is None else
@@ -151,6 +175,32 @@ def main() -> None:
     gc.collect()
     dist.barrier()
     dist.destroy_process_group()
+
+
+def peak_rss(args) -> None:
+    """One ``torchrun`` per runner (``--rss-out``); a table of each one's peak RSS per rank against eager's."""
+    results = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        for name in args.runners.split(","):
+            out = Path(tmp) / f"{name}.json"
+            cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={args.nproc}",
+                   __file__, "--runners", name, "--steps", str(args.steps), "--dp", str(args.dp),
+                   "--rss-out", str(out)]
+            env = {**os.environ, "OMP_NUM_THREADS": "1", "SPMD_ORT_LOG_LEVEL": "WARNING"}
+            proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
+            if proc.returncode != 0 or not out.exists():
+                raise SystemExit(f"{name} failed:\n{(proc.stderr or proc.stdout)[-2000:]}")
+            results[name] = json.loads(out.read_text())
+    layout = f"tensor parallel over {args.nproc} ranks" if args.dp == 1 else \
+        f"2-D: dp {args.dp} x tp {args.nproc // args.dp} ({args.nproc} ranks); eager is FSDP2 + TP"
+    print(f"# bench/tp.py --peak-rss — gpt-mini split q/k/v, {layout}, one torchrun per runner, "
+          f"{args.steps} steps after 3 warm-up, 1 thread/rank")
+    print("| runner | peak RSS MiB/rank | x eager | ms/step (alone, not interleaved) |")
+    print("|---|---|---|---|")
+    base = results.get("eager", {}).get("rss")
+    for name, r in results.items():
+        ratio = f"{r['rss'] / base:.2f}" if base else "-"
+        print(f"| {name} | {r['rss'] / 2**20:.0f} | {ratio} | {r['ms']:.1f} |", flush=True)
 
 
 if __name__ == "__main__":
