@@ -222,7 +222,9 @@ def _split_at_collectives(gm: fx.GraphModule, partitions: list) -> list:
     Without this, all of backward would be one segment and every all-reduce would
     start after it (and a parameter all-gather's wait would hold back compute
     that does not need the parameter).  Parts are contiguous in graph order, so splitting keeps the
-    partitions acyclic.
+    partitions acyclic.  A getitem stays with the op whose tuple it reads (its only input), wherever it
+    stands: a segment returns tensors, never a multi-output op's tuple (``native_layer_norm_backward``'s
+    bias gradient read after a collective began, under sequence parallelism).
     """
     from torch.fx.passes.infra.partitioner import Partition
 
@@ -230,7 +232,8 @@ def _split_at_collectives(gm: fx.GraphModule, partitions: list) -> list:
     for node in gm.graph.nodes:
         if node.op == "call_function" and (node.target in STARTS or node.target is wait_):
             stage += 1
-        stages[node] = stage
+        source = node.args[0] if node.target is operator.getitem and node.args else None
+        stages[node] = stages[source] if isinstance(source, fx.Node) and source in stages else stage
     if stage == 0:
         return partitions
     out, next_id = [], 0

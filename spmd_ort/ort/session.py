@@ -1,8 +1,9 @@
 """An ORT session standing in for one graph segment, run through IO binding.
 
-:class:`OrtSegment` binds its inputs to the torch tensors' own memory and writes its
-outputs into tensors allocated once (per set of sizes in a dynamic-shape segment,
-:class:`DynamicSizes`), so a step copies and allocates nothing for them.
+:class:`OrtSegment` binds its inputs to the torch tensors' own memory. On CPU, ORT allocates
+each run's outputs and torch takes them over without a copy (DLPack), so they live as long as
+the step uses them; on CUDA it writes them into tensors allocated once (per set of sizes in a
+dynamic-shape segment, :class:`DynamicSizes`). No input or output is copied.
 :func:`open_segment` exports a segment (through the on-disk cache, :mod:`spmd_ort.ort.export`)
 and opens it; :func:`load_segment` does the same and falls back to fx per policy.
 """
@@ -87,6 +88,8 @@ class OrtSegment(nn.Module):
         self.tolerance = verify_tolerance(fallback)
         self.unordered = unordered_topks(fallback)  # outputs in an unsorted topk's order: verified as sets
         metas, self.returns_tuple = _outputs_meta(fallback)
+        if odd := [type(m).__name__ for m in metas if not isinstance(m, torch.Tensor)]:
+            raise RuntimeError(f"segment {name} returns a {odd[0]}, not tensors only")  # the partitioner's fault
         device = segment_device(fallback)
         self.device_type = "cuda" if device.type == "cuda" else "cpu"
         self.device_id = device.index or 0
@@ -122,8 +125,38 @@ class OrtSegment(nn.Module):
         self.sizes = DynamicSizes(fallback, metas) if is_symbolic(fallback) else None
         self.sizes_key: tuple | None = None
         self.binding = self.session.io_binding()
-        if self.sizes is None:
+        # On CPU, ORT allocates each run's outputs and torch takes them without a copy (DLPack): a segment's
+        # outputs then live as long as the step uses them, as the fx graph's do. Buffers bound once would hold
+        # every segment's outputs at once, for good (the sum of all values crossing segment boundaries: with
+        # tensor parallelism's 48 segments on gpt-mini, most of the step's values). On CUDA the outputs are
+        # bound once (per set of sizes) to tensors allocated by torch, in torch's caching allocator.
+        self.ort_allocates = self.device_type == "cpu"
+        self.outputs: list[torch.Tensor] = []
+        if self.ort_allocates:
+            self._bind_fresh_outputs()
+        elif self.sizes is None:
             self._bind_outputs([tuple(m.shape) for m in metas])
+
+    def _bind_fresh_outputs(self) -> None:
+        """Let ORT allocate the next run's outputs (a binding that holds outputs would write into them again)."""
+        self.binding.clear_binding_outputs()
+        for name in self.output_names:
+            self.binding.bind_output(name, self.device_type, self.device_id)
+
+    def _take_outputs(self) -> list[torch.Tensor]:
+        """This run's outputs, allocated by ORT, as torch tensors on the same memory; the binding is cleared for
+        the next run. An output sharing memory with another (ORT may return one value under two names) is
+        copied, so no in-place update of one (an all-reduce of a gradient) reaches the other."""
+        outs = [torch.from_dlpack(v) for v in self.binding.get_outputs()]
+        self._bind_fresh_outputs()
+        seen: set[int] = set()
+        for k, t in enumerate(outs):
+            if t.numel() == 0:
+                continue
+            if t.data_ptr() in seen:
+                outs[k] = t.clone()
+            seen.add(outs[k].data_ptr())
+        return outs
 
     def _bind_outputs(self, shapes: list[tuple[int, ...]]) -> None:
         """Allocate the output tensors ORT writes into (once, or per set of sizes in a dynamic segment)."""
@@ -136,7 +169,7 @@ class OrtSegment(nn.Module):
                                      tuple(t.shape), t.data_ptr())
 
     def run_ort(self, *args: torch.Tensor | int):
-        if self.sizes is not None:  # dynamic shapes: outputs sized for this call's sizes
+        if self.sizes is not None and not self.ort_allocates:  # dynamic shapes: outputs sized for this call's sizes
             key = self.sizes.key(args)
             if key != self.sizes_key:
                 self._bind_outputs(self.sizes.output_shapes(key))
@@ -158,7 +191,7 @@ class OrtSegment(nn.Module):
         if self.device_type == "cuda":
             torch.cuda.current_stream().synchronize()  # inputs written by torch kernels
         self.session.run_with_iobinding(self.binding)
-        out = tuple(self.outputs)
+        out = tuple(self._take_outputs() if self.ort_allocates else self.outputs)
         return out if self.returns_tuple else out[0]
 
     def forward(self, *args: torch.Tensor | int):
