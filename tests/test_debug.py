@@ -204,8 +204,27 @@ def test_explain_says_why_a_segment_runs_on_fx(case, monkeypatch):
 def test_explain_says_a_segment_on_ort_was_timed_faster(monkeypatch):
     from spmd_ort.ort import choice
 
+    import time
+
+    from spmd_ort.ort import executor as executor_module
+
     monkeypatch.setenv("SPMD_ORT_SEGMENT_EXECUTOR", "auto")
     monkeypatch.setattr(choice, "fastest", lambda run, args, first: 1e-3 if _is_ort(run) else 3e-3)
+    choose = choice.choose_whole
+
+    def whole_fx_slower(runners, inputs, stats, field="whole"):
+        """The whole graph on fx, the whole step's other candidate, timed slower too (really: on so small a net
+        the measured times are a coin toss)."""
+        forward = runners["fx"].forward
+
+        def slow(*args):
+            time.sleep(0.02)
+            return forward(*args)
+
+        runners["fx"].forward = slow
+        return choose(runners, inputs, stats, field)
+
+    monkeypatch.setattr(executor_module, "choose_whole", whole_fx_slower)
     model = Net()
     step = spmd_ort.compile(backend="ort")(train_step)
     opt = torch.optim.SGD(model.parameters(), lr=1e-2)
