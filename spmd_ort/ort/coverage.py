@@ -2,7 +2,7 @@
 
 An aten node translates to ONNX **directly** when
 
-* :data:`spmd_ort.ort.translations.TRANSLATIONS` has our translation of its op and
+* :data:`spmd_ort.ort.translation_table.TRANSLATIONS` has our translation of its op and
   that translation accepts the node's arguments, or
 * onnxscript's torchlib translates its op and the op is not in :data:`FIXES`
   (stock translations known to be wrong, which are removed from the registry).
@@ -27,14 +27,14 @@ import json
 import logging
 import os
 from collections.abc import Callable
+from importlib.metadata import version
 from pathlib import Path
 
 import torch
 from torch import fx
 
-from spmd_ort.ort import translations
 from spmd_ort.options import DEFAULT_OPSET
-from spmd_ort.ort.translations import TRANSLATIONS
+from spmd_ort.ort.translation_table import TRANSLATIONS
 
 aten = torch.ops.aten
 
@@ -114,10 +114,9 @@ def registered_names() -> frozenset[str]:
     return _registered_names(_names_key(), _cache_dir())
 
 
+@functools.lru_cache(maxsize=1)
 def _names_key() -> str:
-    import onnxscript
-
-    parts = [torch.__version__, onnxscript.__version__, str(DEFAULT_OPSET),
+    parts = [torch.__version__, version("onnxscript"), str(DEFAULT_OPSET),
              *sorted(op.name() for op in TRANSLATIONS), "fixes", *sorted(op.name() for op in FIXES)]
     return hashlib.sha256("\n".join(parts).encode()).hexdigest()[:24]
 
@@ -194,10 +193,15 @@ def decomposition_for(node: fx.Node) -> Callable | None:
 
 def table_fingerprint() -> str:
     """Changes whenever what we translate changes: part of the exported-model cache key."""
-    h = hashlib.sha256(inspect.getsource(translations).encode())
+    h = hashlib.sha256()
+    for module in ("translations.py", "translation_table.py"):  # their source, read (not imported: onnxscript)
+        h.update(Path(__file__).with_name(module).read_bytes())
     for op, t in sorted(TRANSLATIONS.items(), key=lambda kv: str(kv[0])):
-        h.update(f"{op}:{t.function.__module__}.{t.function.__qualname__}".encode())
+        if not callable(t.impl):  # a function of spmd_ort.ort.translations, whose source is hashed above
+            h.update(f"{op}:{t.impl}".encode())
+            continue
+        h.update(f"{op}:{t.impl.__module__}.{t.impl.__qualname__}".encode())  # one put in the table otherwise
         with contextlib.suppress(OSError, TypeError):
-            h.update(inspect.getsource(t.function).encode())
+            h.update(inspect.getsource(t.impl).encode())
     h.update(",".join(sorted(map(str, FIXES))).encode())
     return h.hexdigest()[:16]

@@ -33,9 +33,9 @@ import warnings
 from dataclasses import dataclass
 from pathlib import Path
 
-import onnx
+from importlib.metadata import version
+
 import onnxruntime
-import onnxscript
 import torch
 from torch import fx
 
@@ -76,8 +76,8 @@ class ExportResult:
 def segment_key(gm: fx.GraphModule, opset: int) -> str:
     """Hash of everything the exported model depends on."""
     h = hashlib.sha256()
-    for part in (gm.code, str(opset), torch.__version__, onnx.__version__, onnxruntime.__version__,
-                 onnxscript.__version__, str(FORMAT_VERSION), coverage.table_fingerprint()):
+    for part in (gm.code, str(opset), torch.__version__, version("onnx"), onnxruntime.__version__,
+                 version("onnxscript"), str(FORMAT_VERSION), coverage.table_fingerprint()):
         h.update(part.encode())
     for node in gm.graph.nodes:
         val = node.meta.get("val")

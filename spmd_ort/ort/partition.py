@@ -64,6 +64,12 @@ SCATTER_REDUCTIONS = {
     aten.index_put.default: lambda node: bool(node.args[3] if len(node.args) > 3 else node.kwargs.get("accumulate")),
 }
 PROVIDER_GAPS = {("cpu", torch.float16): (SCATTER_REDUCTIONS, "a Scatter with reduction='add'")}
+# Ops whose (torchlib) translation is a ScatterND with reduction 'add'.  ONNX Runtime's CPU ScatterND splits the
+# updates over its threads, and two updates of one element race: repeated indices are summed wrongly, now and then
+# (onnxruntime 1.32, 2 threads: 6 runs in 200; tests/test_translations.py).  On CPU they stay in torch (our
+# embedding_dense_backward is a ScatterElements, which sums alike every run).  op -> whether a node reduces.
+_ACCUMULATES = SCATTER_REDUCTIONS[aten.index_put.default]
+RACY_SCATTERS = {aten.index_put.default: _ACCUMULATES, aten._unsafe_index_put.default: _ACCUMULATES}
 
 
 def why_host(node: fx.Node) -> str | None:
@@ -101,6 +107,9 @@ def why_host(node: fx.Node) -> str | None:
         if target in ops and ops[target](node):
             return (f"{target} in {val.dtype} on {val.device.type}: its translation is {what}, which ONNX Runtime's "
                     f"{val.device.type} provider has no {val.dtype} kernel for")
+    if target in RACY_SCATTERS and RACY_SCATTERS[target](node) and any(v.device.type == "cpu" for v in _vals(node)):
+        return (f"{target} with accumulate=True: its translation, a ScatterND with reduction='add', sums repeated "
+                "indices wrongly now and then on ONNX Runtime's CPU provider (its threads race)")
     if namespace != "aten":
         return f"{namespace} op has no ONNX translation"
     if DECOMPOSITION in node.meta:  # exported as its decomposition (lower_to_onnx_ops_pass)

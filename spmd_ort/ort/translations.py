@@ -4,10 +4,10 @@ Each function is traced by the exporter like a torchlib function: it receives
 ``onnx_ir`` values for tensor arguments (with dtypes, and shapes whose dims are
 ints or, in a dynamic-shape segment, symbolic: :func:`_shape` builds a shape
 from both) and Python values for the rest, in the aten schema's order, and builds ONNX nodes
-with ``op``.  :data:`TRANSLATIONS` maps each op to its :class:`Translation`;
-``accepts(node)`` says (with a reason) when a node's arguments are outside what
-the function implements, so the predicate of :mod:`spmd_ort.ort.coverage` and the
-exporter agree node by node.  Verification (:mod:`spmd_ort.ort.executor`)
+with ``op``.  :data:`~spmd_ort.ort.translation_table.TRANSLATIONS` (in a module of its
+own, without onnxscript) maps each op to its :class:`~spmd_ort.ort.translation_table.Translation`:
+the function's name here, and ``accepts(node)``, which says when a node's arguments are
+outside what the function implements.  Verification (:mod:`spmd_ort.ort.executor`)
 checks every translation against torch on the first run; ``tests/test_translations.py``
 checks each one against eager on its own.
 """
@@ -15,15 +15,13 @@ checks each one against eager on its own.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from collections.abc import Sequence
 from typing import Optional
 
 import onnx_ir as ir
 import torch
 from onnxscript import opset18 as op
 from onnxscript.function_libs.torch_lib.tensor_typing import INT64, TFloat, TTensor
-from torch import fx
 
 aten = torch.ops.aten
 
@@ -151,7 +149,13 @@ def squeeze_dims(self: TTensor, dim: Sequence[int]) -> TTensor:
 # ---------------------------------------------------------------- embedding
 def embedding_dense_backward(grad_output: TFloat, indices: INT64, num_weights: int, padding_idx: int,
                              scale_grad_by_freq: bool) -> TFloat:
-    """Rows of the gradient summed into the rows their indices name (ScatterND, reduction add)."""
+    """Rows of the gradient summed into the rows their indices name (ScatterElements, reduction add).
+
+    Not ScatterND: ONNX Runtime's CPU ScatterND with reduction add splits the updates over its threads, and two
+    updates of one row (a token seen twice) then race: with 2 threads, 6 runs in 200 summed a 1024-token batch
+    wrongly (onnxruntime 1.32; tests/test_translations.py repeats the run). Its ScatterElements sums alike on
+    every run.
+    """
     dim = grad_output.shape[-1]
     grad = op.Reshape(grad_output, _ints([-1, dim]))  # (n, D)
     idx = op.Reshape(indices, _ints([-1, 1]))  # (n, 1)
@@ -159,12 +163,14 @@ def embedding_dense_backward(grad_output: TFloat, indices: INT64, num_weights: i
         keep = op.Not(op.Equal(idx, op.Constant(value=ir.tensor([padding_idx], dtype=indices.dtype))))
         grad = op.Where(keep, grad, _const(0.0, grad_output))
     if scale_grad_by_freq:
-        ones = op.Expand(_const(1.0, grad_output), op.Shape(idx, start=0, end=1))
-        counts = op.ScatterND(op.Expand(_const(0.0, grad_output), _ints([num_weights])), idx, ones,
-                              reduction="add")
-        grad = grad / op.Unsqueeze(op.GatherND(counts, idx), _ints([1]))
+        flat = op.Reshape(idx, _ints([-1]))  # (n,)
+        ones = op.Expand(_const(1.0, grad_output), op.Shape(flat))
+        counts = op.ScatterElements(op.Expand(_const(0.0, grad_output), _ints([num_weights])), flat, ones,
+                                    axis=0, reduction="add")
+        grad = grad / op.Unsqueeze(op.Gather(counts, flat, axis=0), _ints([1]))
     zeros = op.Expand(_const(0.0, grad_output), _ints([num_weights, dim]))
-    return op.ScatterND(zeros, idx, grad, reduction="add")
+    rows = op.Expand(idx, op.Shape(grad))  # (n, D): row idx[i] for every element of update row i
+    return op.ScatterElements(zeros, rows, grad, axis=0, reduction="add")
 
 
 # ---------------------------------------------------------------- normalization
@@ -436,84 +442,4 @@ def _scaled_dot_product_flash_attention_for_cpu_backward(
     return grad_query, _sum_heads(grad_key, heads, kv), _sum_heads(grad_value, heads, value_in)
 
 
-# ---------------------------------------------------------------- the table
-Accepts = Callable[[fx.Node], "str | None"]
-
-
-def _always(node: fx.Node) -> str | None:
-    return None
-
-
-def _arg(node: fx.Node, index: int, name: str, default=None):
-    if len(node.args) > index:
-        return node.args[index]
-    return node.kwargs.get(name, default)
-
-
-def _conv_accepts(node: fx.Node) -> str | None:
-    if _arg(node, 7, "transposed"):
-        return "the gradient of a transposed convolution is not translated"
-    return None
-
-
-def _avg_pool_accepts(node: fx.Node) -> str | None:
-    if _arg(node, 5, "ceil_mode"):
-        return "avg_pool2d_backward with ceil_mode=True is not translated"
-    if _arg(node, 7, "divisor_override") is not None:
-        return "avg_pool2d_backward with divisor_override is not translated"
-    if len(node.args[1].meta["val"].shape) not in (3, 4):
-        return "avg_pool2d_backward of an input that is not (N, C, H, W) or (C, H, W)"
-    return None
-
-
-def _attention_check(node: fx.Node, query: fx.Node, key: fx.Node, dropout_p) -> str | None:
-    if dropout_p:
-        return "attention with dropout stays in torch (its RNG)"
-    q, k = query.meta["val"], key.meta["val"]
-    if q.dim() < 3 or k.dim() < 3 or q.shape[-3] % k.shape[-3]:
-        return f"attention over query {tuple(q.shape)} and key {tuple(k.shape)} is not translated"
-    return None
-
-
-def _attention_accepts(node: fx.Node) -> str | None:
-    return _attention_check(node, node.args[0], node.args[1], _arg(node, 3, "dropout_p", 0.0))
-
-
-def _attention_backward_accepts(node: fx.Node) -> str | None:
-    return _attention_check(node, node.args[1], node.args[2], _arg(node, 6, "dropout_p", 0.0))
-
-
-@dataclass(frozen=True)
-class Translation:
-    function: Callable
-    why: str  # why ours rather than torchlib's or a torch decomposition
-    accepts: Accepts = _always
-
-
-TRANSLATIONS: dict = {
-    aten.elu.default: Translation(elu, "ONNX's Elu computes exp(x) - 1, which cancels for small |x| (1.6% off at "
-                                  "-1.8e-6 in onnxruntime 1.32)"),
-    aten.silu_backward.default: Translation(silu_backward, "torchlib has none; torch's decomposition is not applied"
-                                            " by the exporter"),
-    aten.gelu_backward.default: Translation(gelu_backward, "one elementwise pass instead of the decomposition's"),
-    aten._softmax_backward_data.default: Translation(_softmax_backward_data, "torchlib has none"),
-    aten._log_softmax_backward_data.default: Translation(_log_softmax_backward_data, "torchlib has none"),
-    aten.embedding_dense_backward.default: Translation(embedding_dense_backward, "one ScatterND(add)"),
-    aten.squeeze.dims: Translation(squeeze_dims, "torch's decomposition produces prims ops"),
-    aten.var_mean.correction: Translation(var_mean, "torch's decomposition produces prims ops"),
-    aten.native_layer_norm_backward.default: Translation(native_layer_norm_backward, "torchlib has none"),
-    aten.native_batch_norm_backward.default: Translation(native_batch_norm_backward, "torchlib has none"),
-    aten.max_pool2d_with_indices_backward.default: Translation(max_pool2d_with_indices_backward,
-                                                               "torchlib and torch's decomposition table have none"),
-    aten.avg_pool2d_backward.default: Translation(avg_pool2d_backward, "no translation or decomposition exists",
-                                                  _avg_pool_accepts),
-    aten.convolution_backward.default: Translation(convolution_backward, "no translation or decomposition exists",
-                                                   _conv_accepts),
-    aten._scaled_dot_product_flash_attention_for_cpu.default: Translation(
-        _scaled_dot_product_flash_attention_for_cpu, "the fused CPU kernel's forward, with the log-sum-exp",
-        _attention_accepts),
-    aten._scaled_dot_product_flash_attention_for_cpu_backward.default: Translation(
-        _scaled_dot_product_flash_attention_for_cpu_backward, "no translation or decomposition exists",
-        _attention_backward_accepts),
-}
-
+from spmd_ort.ort.translation_table import TRANSLATIONS, Translation  # noqa: E402,F401 - the table of these functions
