@@ -111,13 +111,14 @@ def registered_names() -> frozenset[str]:
     versions, the opset, our translations' and fixes' ops). A file that cannot be read or written only costs
     the build.
     """
-    return _registered_names(_names_key(), _cache_dir())
+    return _registered_names(_names_key(frozenset(TRANSLATIONS), frozenset(FIXES)), _cache_dir())
 
 
-@functools.lru_cache(maxsize=1)
-def _names_key() -> str:
+@functools.lru_cache(maxsize=8)
+def _names_key(translated: frozenset, fixes: frozenset) -> str:
+    """Keyed by the tables, as :func:`registry` is: a translation put in the table later gets its own names."""
     parts = [torch.__version__, version("onnxscript"), str(DEFAULT_OPSET),
-             *sorted(op.name() for op in TRANSLATIONS), "fixes", *sorted(op.name() for op in FIXES)]
+             *sorted(op.name() for op in translated), "fixes", *sorted(op.name() for op in fixes)]
     return hashlib.sha256("\n".join(parts).encode()).hexdigest()[:24]
 
 
