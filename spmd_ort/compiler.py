@@ -18,12 +18,13 @@ import time
 from collections.abc import Callable, Sequence
 
 from torch import fx
+from torch.fx._lazy_graph_module import _LazyGraphModule
 
 from spmd_ort import passes as P
 from spmd_ort.capture.inputs import StepCall, StepInputs
 from spmd_ort.capture.opaque import OpaquePlan
 from spmd_ort.capture.state import StateLayout
-from spmd_ort.capture.trace import COMPILE_LOCK, trace_step
+from spmd_ort.capture.trace import COMPILE_LOCK, gc_paused, trace_step
 from spmd_ort.capture.transition import StepKey
 from spmd_ort.capture.dynamic import DynamicDims
 from spmd_ort.runtime.taps import TapRegistry
@@ -41,7 +42,7 @@ def snapshot(gm: fx.GraphModule) -> fx.GraphModule:
     graph = fx.Graph()
     out = graph.graph_copy(gm.graph, {})
     graph.output(out)
-    return fx.GraphModule(gm, graph)
+    return _LazyGraphModule(gm, graph)  # its code generated if it ever runs (debug tools), not here
 
 
 class Compiler:
@@ -97,7 +98,7 @@ class Compiler:
         rank waiting in that collective holds nothing another thread's compile needs.
         """
         t_wait = time.perf_counter()
-        with COMPILE_LOCK:
+        with COMPILE_LOCK, gc_paused():
             waited = time.perf_counter() - t_wait
             if waited > 0.1:
                 logger.debug("%s waited %.2fs for another compile in this process", self.name, waited)

@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import gc
 import logging
 import threading
 import time
@@ -71,6 +72,24 @@ TENSOR = object()  # marks where a graph output goes in the step's return value
 # Running a compiled program does not take it: runs of other steps go on while one step compiles.
 COMPILE_LOCK = threading.RLock()
 _TRACING: contextvars.ContextVar[bool] = contextvars.ContextVar("spmd_ort_tracing", default=False)
+
+
+@contextlib.contextmanager
+def gc_paused():
+    """Python's cyclic garbage collector off while a compile runs (as torch's DCP state_dict does).
+
+    A trace makes objects by the hundred thousand (fake tensors, proxies, nodes, their metadata), so
+    the collector runs some 190 times in a gpt-mini compile, each pass walking every object the process
+    holds: 0.2-0.3 s of a 2 s warm compile.  The garbage a compile leaves is collected after it, as usual;
+    tensors are freed by reference counting either way.  A collector the user turned off stays off.
+    """
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if enabled:
+            gc.enable()
 
 
 def is_tracing() -> bool:

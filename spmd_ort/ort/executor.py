@@ -26,6 +26,7 @@ import time
 
 import torch
 from torch import fx
+from torch.fx._lazy_graph_module import _LazyGraphModule
 
 from spmd_ort.debug.timeline import TimedInterpreter
 from spmd_ort.options import Options, get_logger
@@ -123,6 +124,7 @@ class OrtExecutor:
         time it against what runs now, on copies of ``inputs``; keep the faster (every rank alike)."""
         source, self.source = self.source, None
         t0 = time.perf_counter()
+        source = fx.GraphModule(source, source.graph)  # a plain module (kept lazy until now: its code made here)
         candidate = _inductor_candidate(source, self.options)
         copies = [t.clone() if isinstance(t, torch.Tensor) else t for t in inputs]
         ok = False
@@ -195,7 +197,7 @@ def build_ort_executor(gm: fx.GraphModule, options: Options) -> OrtExecutor:
     # ops on the host), compiled if the program lives to INDUCTOR_AFTER_STEPS
     source = None
     if whole is not None and options.auto_inductor and not is_symbolic(whole):
-        source = fx.GraphModule(whole, copy.deepcopy(whole.graph))
+        source = _LazyGraphModule(whole, copy.deepcopy(whole.graph))  # code generated only if inductor needs it
     return OrtExecutor(fused, verify=options.verify, policy=policy, stats=stats,
                        segment_executor=options.segment_executor, whole=whole, source=source, options=options)
 

@@ -14,7 +14,7 @@ import torch
 from torch import fx, nn
 from torch.fx.experimental.proxy_tensor import make_fx
 
-from spmd_ort.capture.trace import COMPILE_LOCK
+from spmd_ort.capture.trace import COMPILE_LOCK, gc_paused
 from spmd_ort.errors import CompileError
 from spmd_ort.options import Options
 from spmd_ort.ort import lowering
@@ -134,7 +134,7 @@ class SizedSegments(nn.Module):
                 full[i] = t
             return self.fallback(*full)
 
-        with COMPILE_LOCK:  # a trace and an export at run time: one compile in the process at a time
+        with COMPILE_LOCK, gc_paused():  # a trace and an export at run time: one compile in the process at a time
             with torch.no_grad():
                 concrete = make_fx(run, tracing_mode="fake")(*[examples[i] for i in positions])
             lowering.annotate(concrete)  # the re-trace ran the ops; ONNX needs their decompositions again
