@@ -180,6 +180,19 @@ def test_pooling_backwards(kernel, stride, padding):
     _check(aten.avg_pool2d_backward.default, (g3, x3, [kernel], [stride], [padding], False, True, None))
 
 
+@pytest.mark.parametrize("kernel,stride,padding,dilation,ceil", [
+    (2, 2, 0, 1, False), (3, 2, 1, 1, False), (3, 1, 1, 1, False), (3, 2, 1, 2, True), ([3, 2], [2, 1], [1, 0], 1, True)])
+def test_max_pool_forward_gives_torch_indices(kernel, stride, padding, dilation, ceil):
+    """Values and torch's per-plane indices (ONNX's are flat over the whole tensor), batched and not;
+    ties (a ReLU's zeros) pick the window's first maximum, as torch does."""
+    as_list = lambda v: v if isinstance(v, list) else [v]  # noqa: E731
+    args = (as_list(kernel), as_list(stride), as_list(padding), as_list(dilation), ceil)
+    for x in (_randn(2, 3, 9, 8), F.relu(_randn(2, 3, 9, 8)), _randn(3, 7, 9)):
+        _check(aten.max_pool2d_with_indices.default, (x, *args))
+    _check(aten.max_pool2d_with_indices.default, (_randn(2, 3, 9, 9), *args),
+           resized=((_randn(3, 2, 11, 10), *args), {}))
+
+
 CONVS = {  # name: (input shape, weight shape, stride, padding, dilation, groups)
     "2d": ((2, 4, 9, 9), (6, 4, 3, 3), [2], [1], [1], 1),
     "2d-groups-dilation": ((2, 4, 8, 8), (6, 2, 3, 3), [1], [2], [2], 2),

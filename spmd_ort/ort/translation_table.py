@@ -95,6 +95,8 @@ TRANSLATIONS: dict = {
     aten.var_mean.correction: Translation("var_mean", "torch's decomposition produces prims ops"),
     aten.native_layer_norm_backward.default: Translation("native_layer_norm_backward", "torchlib has none"),
     aten.native_batch_norm_backward.default: Translation("native_batch_norm_backward", "torchlib has none"),
+    aten.max_pool2d_with_indices.default: Translation(
+        "max_pool2d_with_indices", "torchlib's runs a second full MaxPool to make the indices torch's"),
     aten.max_pool2d_with_indices_backward.default: Translation("max_pool2d_with_indices_backward",
                                                                "torchlib and torch's decomposition table have none"),
     aten.avg_pool2d_backward.default: Translation("avg_pool2d_backward", "no translation or decomposition exists",

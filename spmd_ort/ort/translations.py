@@ -14,6 +14,7 @@ checks each one against eager on its own.
 
 from __future__ import annotations
 
+import itertools
 import math
 from collections.abc import Sequence
 from typing import Optional
@@ -259,6 +260,32 @@ def native_batch_norm_backward(grad_out: TFloat, input: TFloat, weight: Optional
 
 
 # ---------------------------------------------------------------- pooling
+def max_pool2d_with_indices(self: TFloat, kernel_size: Sequence[int], stride: Sequence[int] = (),
+                            padding: Sequence[int] = (0,), dilation: Sequence[int] = (1,),
+                            ceil_mode: bool = False) -> tuple[TFloat, INT64]:
+    """MaxPool, its indices made torch's: ONNX's flat position in the whole tensor less its (N, C) plane's offset.
+
+    torchlib reads each plane's offset from a second MaxPool over the whole input (kernel 1, with indices):
+    a full pass as slow as the pooling itself (8 of the 75 ms of bench/step.py's CNN on ORT).  The offset
+    is ``(n * C + c) * H * W``, computed here from the shape.
+    """
+    kernel = _expand(kernel_size, 2)
+    strides = _expand(stride, 2) if stride else kernel
+    pads, dilations = _expand(padding, 2), _expand(dilation, 2)
+    batched = len(self.shape) == 4
+    x = self if batched else op.Unsqueeze(self, _ints([0]))
+    out, flat = op.MaxPool(x, ceil_mode=int(ceil_mode), dilations=dilations, kernel_shape=kernel, pads=pads + pads,
+                           strides=strides)
+    planes = _shape([(self, 0), (self, 1)] if batched else [1, (self, 0)])
+    one = op.Constant(value=ir.tensor(1, dtype=ir.DataType.INT64))
+    first = op.Range(op.Constant(value=ir.tensor(0, dtype=ir.DataType.INT64)), op.ReduceProd(planes, keepdims=0), one)
+    first = first * op.ReduceProd(op.Shape(self, start=-2), keepdims=1)  # each plane's first flat position
+    indices = flat - op.Reshape(first, op.Concat(planes, _ints([1, 1]), axis=0))
+    if not batched:
+        out, indices = op.Squeeze(out, _ints([0])), op.Squeeze(indices, _ints([0]))
+    return out, indices
+
+
 def max_pool2d_with_indices_backward(grad_output: TFloat, self: TFloat, kernel_size: Sequence[int],
                                      stride: Sequence[int], padding: Sequence[int], dilation: Sequence[int],
                                      ceil_mode: bool, indices: INT64) -> TFloat:
@@ -339,7 +366,9 @@ def convolution_backward(grad_output: TFloat, input: TFloat, weight: TFloat, bia
         grad_input = _fit_end_to(op.ConvTranspose(grad_output, weight, strides=s, pads=p + [0] * spatial,
                                                   dilations=d, group=groups), input, 2 + spatial, spatial)
     grad_weight = _unused(input)
-    if output_mask[1]:
+    if output_mask[1] and groups == 1 and all(_static(v) for v in in_sp + out_sp):
+        grad_weight = _conv_weight_grad_gemm(grad_output, input, k, s, p, d, out_sp)
+    elif output_mask[1]:
         g, cg, cog = groups, c_in // groups, c_out // groups
         tail = list(range(3, 3 + spatial))
         # x: (N, G*Cg, *S) -> (Cg, G*N, *S): a batch of Cg images with G*N channels
@@ -357,6 +386,33 @@ def convolution_backward(grad_output: TFloat, input: TFloat, weight: TFloat, bia
     if output_mask[2]:
         grad_bias = op.ReduceSum(grad_output, _ints([0, *range(2, 2 + spatial)]), keepdims=0)
     return grad_input, grad_weight, grad_bias
+
+
+def _conv_weight_grad_gemm(grad_output, input, k: list[int], s: list[int], p: list[int], d: list[int],
+                           out_sp: list[int]):
+    """The weight gradient of an ungrouped convolution as one GEMM per kernel offset (im2col, an offset at a time).
+
+    For each kernel offset ``o``, ``dW[:, :, o] = dY (Cout, N*So) @ X_o (Cin, N*So)^T``, where ``X_o`` is
+    the input window the offset reads (a strided slice of the padded input, channels first).  The
+    convolution form (the input as a batch of Cin images, ``dY`` as the kernel) is a GEMM only 9 columns
+    wide for a 3x3 kernel, which ORT's CPU convolution runs at a tenth of its GEMM rate: 20 ms against
+    torch's ~2 ms on bench/step.py's CNN.  One offset at a time, the extra memory is one input-sized slice.
+    """
+    spatial = len(k)
+    c_in, c_out = input.shape[1], grad_output.shape[1]
+    axes = list(range(2, 2 + spatial))
+    x = op.Pad(input, _ints([0, 0, *p, 0, 0, *p])) if any(p) else input
+    xt = op.Transpose(x, perm=[1, 0, *axes])  # (Cin, N, *padded sizes)
+    dy = op.Reshape(op.Transpose(grad_output, perm=[1, 0, *axes]), _ints([c_out, -1]))  # (Cout, N*So)
+    pieces = []
+    for offsets in itertools.product(*(range(n) for n in k)):
+        starts = [o * di for o, di in zip(offsets, d)]
+        ends = [st + (n - 1) * si + 1 for st, n, si in zip(starts, out_sp, s)]
+        window = op.Reshape(op.Slice(xt, _ints(starts), _ints(ends), _ints(axes), _ints(s)), _ints([c_in, -1]))
+        pieces.append(op.Gemm(dy, window, transB=1))  # (Cout, Cin)
+    gw = op.Concat(*pieces, axis=1)  # (Cout, prod(k) * Cin): offset-major
+    gw = op.Transpose(op.Reshape(gw, _ints([c_out, math.prod(k), c_in])), perm=[0, 2, 1])
+    return op.Reshape(gw, _ints([c_out, c_in, *k]))
 
 
 def _expand(values: Sequence[int], n: int) -> list[int]:
