@@ -180,6 +180,17 @@ def test_pooling_backwards(kernel, stride, padding):
     _check(aten.avg_pool2d_backward.default, (g3, x3, [kernel], [stride], [padding], False, True, None))
 
 
+@pytest.mark.parametrize("exponent", [2, 2.0, 3, 0.5, -0.5, -1, -2.0, 1, 0, 1.7, -3])
+def test_pow_with_a_scalar_exponent(exponent):
+    """The exponents torch's CPU kernel special-cases (products, square roots, reciprocals) and the rest (Pow),
+    negative bases and zeros included; an integer base goes to torchlib's translation."""
+    x = _randn(4, 5)
+    x[0, :3] = torch.tensor([0.0, -0.0, 1e-30] if exponent >= 0 else [-0.5, 2.0, 1e-3])  # no infinities
+    _check(aten.pow.Tensor_Scalar, (x.abs() if exponent in (0.5, -0.5, 1.7) else x, exponent))
+    if isinstance(exponent, int) and exponent >= 0:
+        _check(aten.pow.Tensor_Scalar, (torch.randint(-3, 4, (4, 5), generator=G), exponent))
+
+
 @pytest.mark.parametrize("kernel,stride,padding,dilation,ceil", [
     (2, 2, 0, 1, False), (3, 2, 1, 1, False), (3, 1, 1, 1, False), (3, 2, 1, 2, True), ([3, 2], [2, 1], [1, 0], 1, True)])
 def test_max_pool_forward_gives_torch_indices(kernel, stride, padding, dilation, ceil):

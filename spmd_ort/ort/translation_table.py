@@ -91,6 +91,8 @@ TRANSLATIONS: dict = {
     aten._log_softmax_backward_data.default: Translation("_log_softmax_backward_data", "torchlib has none"),
     aten.embedding_dense_backward.default: Translation("embedding_dense_backward",
                                                        "one ScatterElements(add): race-free, unlike ScatterND(add)"),
+    aten.pow.Tensor_Scalar: Translation("pow_tensor_scalar",
+                                        "ONNX Pow is slow on ORT's CPU; torch's kernel special-cases 2, 0.5, -1, ..."),
     aten.squeeze.dims: Translation("squeeze_dims", "torch's decomposition produces prims ops"),
     aten.var_mean.correction: Translation("var_mean", "torch's decomposition produces prims ops"),
     aten.native_layer_norm_backward.default: Translation("native_layer_norm_backward", "torchlib has none"),
