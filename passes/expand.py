@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from torch import fx
 
+from spmd_ort.capture.dynamic import SizeEmitter
 from spmd_ort.runtime.ops import all_gather, all_reduce_, reduce_scatter, wait_
 
 from .contracts import COLLECTIVES_WAITED
@@ -52,6 +53,7 @@ def adopt_dtensor_collectives_pass(gm: fx.GraphModule, ctx) -> fx.GraphModule:
     The functional op's ``wait_tensor`` users read the new ``wait_``.
     """
     graph = gm.graph
+    sizes = SizeEmitter.of(gm)  # a symbolic size (a shard of a dynamic length): read from the inputs' sizes
     for node in list(graph.nodes):
         if node.op != "call_function" or node.target not in (ALL_REDUCE, ALL_GATHER, REDUCE_SCATTER):
             continue
@@ -71,7 +73,7 @@ def adopt_dtensor_collectives_pass(gm: fx.GraphModule, ctx) -> fx.GraphModule:
             with graph.inserting_before(node):
                 started = call(graph, all_gather, (x, size, -1, group), flat)
                 waited = call(graph, wait_, (started,), flat)
-                done = call(graph, aten.view.default, (waited, list(out.shape)), out)
+                done = call(graph, aten.view.default, (waited, [sizes.size(d) for d in out.shape]), out)
         else:
             x, op, size, group = node.args
             if op not in REDUCTIONS:
@@ -80,7 +82,7 @@ def adopt_dtensor_collectives_pass(gm: fx.GraphModule, ctx) -> fx.GraphModule:
             with graph.inserting_before(node):
                 started = call(graph, reduce_scatter, (x, size, group, op == "avg"), flat)
                 waited = call(graph, wait_, (started,), flat)
-                done = call(graph, aten.view.default, (waited, list(out.shape)), out)
+                done = call(graph, aten.view.default, (waited, [sizes.size(d) for d in out.shape]), out)
         for n in {started, done, *started.all_input_nodes, *done.all_input_nodes} - {x}:
             n.meta.update({k: v for k, v in node.meta.items() if k != "val"})  # phase, module path
         for user in list(node.users):

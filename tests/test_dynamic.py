@@ -202,6 +202,21 @@ def test_guards_send_other_sizes_to_another_program():
     assert step.transitions.traces == 2
 
 
+def test_sizes_the_guards_reject_reuse_the_first_static_program():
+    """dynamic=None: length 14 is traced statically, 4 makes the length symbolic (the program guards it <= 10);
+    14 again runs the first call's static program instead of tracing it a second time."""
+    model = Branchy()
+    model_e = copy.deepcopy(model)
+    opt, opt_e = torch.optim.SGD(model.parameters(), lr=0.1), torch.optim.SGD(model_e.parameters(), lr=0.1)
+    step, g = spmd_ort.compile(backend="fx", dynamic=None)(lm_step), torch.Generator().manual_seed(0)
+    for n in (14, 4, 14, 6, 14):
+        x, y = torch.randint(0, 16, (2, n), generator=g), torch.randint(0, 16, (2, n), generator=g)
+        torch.testing.assert_close(step(model, opt, x, y), lm_step(model_e, opt_e, x, y).detach(), rtol=1e-6, atol=0)
+        assert_same_state(model_e, model, opt_e, opt, where=f"length {n}")
+    assert step.transitions.traces == 2
+    assert sorted(p.symbolic is not None for p in step.variants) == [False, True]
+
+
 class FixedLength(nn.Module):
     """Adds a position table of a fixed length: the model itself fixes the sequence dim."""
 

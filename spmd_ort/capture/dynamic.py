@@ -23,9 +23,11 @@ new sizes (:meth:`SymbolicShapes.accepts`).
 from __future__ import annotations
 
 import logging
+import operator
 from dataclasses import dataclass, field
 
 import torch
+from torch import fx
 
 logger = logging.getLogger("spmd_ort")
 
@@ -145,6 +147,73 @@ def input_symbols(gm) -> dict:
             if isinstance(size, torch.SymInt) and isinstance(size.node.expr, sympy.Symbol):
                 out.setdefault(size.node.expr, (node, dim, size))
     return out
+
+
+class SizeEmitter:
+    """Host nodes at the top of ``graph`` computing a size expression from reads of the inputs' sizes."""
+
+    def __init__(self, graph: fx.Graph, after: fx.Node, sources: dict):
+        self.graph, self.anchor, self.sources, self.made = graph, after, sources, {}
+
+    @classmethod
+    def of(cls, gm: fx.GraphModule) -> SizeEmitter:
+        """An emitter after ``gm``'s inputs, reading every symbol they carry (tensor dims and lifted ints)."""
+        placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+        return cls(gm.graph, placeholders[-1] if placeholders else None, input_symbols(gm))
+
+    def size(self, value):
+        """``value`` (an int, or a SymInt of the inputs' sizes) as a node argument: an int, or a node computing it.
+        Raises ValueError where the inputs' sizes cannot rebuild it."""
+        if not isinstance(value, torch.SymInt):
+            return value
+        if not value.node.expr.free_symbols:
+            return int(value)
+        made = self(value.node.expr) if self.anchor is not None else None
+        if made is None:
+            raise ValueError(f"the size {value.node.expr} is not computed from the graph inputs' sizes")
+        return made
+
+    def __call__(self, expr) -> fx.Node | int | None:
+        import sympy
+        from torch.utils._sympy.functions import FloorDiv
+
+        if expr in self.made:
+            return self.made[expr]
+        if isinstance(expr, sympy.Integer):
+            return int(expr)
+        if isinstance(expr, sympy.Symbol):
+            if expr not in self.sources:
+                return None
+            node, d, _ = self.sources[expr]
+            if d is None:  # the input is the size itself (a lifted int)
+                return node
+            return self._add(expr, torch.ops.aten.sym_size.int, (node, d))
+        if isinstance(expr, (sympy.Mul, sympy.Add)):
+            combine = operator.mul if isinstance(expr, sympy.Mul) else operator.add
+            parts = [self(a) for a in expr.args]
+            if any(p is None for p in parts):
+                return None
+            out = parts[0]
+            for i, part in enumerate(parts[1:], 2):
+                out = self._add(expr.func(*expr.args[:i]), combine, (out, part))
+            return out
+        if isinstance(expr, FloorDiv):
+            a, b = self(expr.args[0]), self(expr.args[1])
+            return None if a is None or b is None else self._add(expr, operator.floordiv, (a, b))
+        return None
+
+    def _add(self, expr, target, args) -> fx.Node:
+        """A node for ``expr``; its value is the same arithmetic on the inputs' symbolic sizes."""
+        if expr in self.made:
+            return self.made[expr]
+        with self.graph.inserting_after(self.anchor):
+            node = self.graph.call_function(target, args)
+        if target is torch.ops.aten.sym_size.int:
+            node.meta["val"] = self.sources[expr][2]
+        else:
+            node.meta["val"] = target(*[a.meta["val"] if isinstance(a, fx.Node) else a for a in args])
+        self.anchor = self.made[expr] = node
+        return node
 
 
 def fake_inputs(state: list[torch.Tensor], batch: list, batch_dims: list[frozenset[int]], names: list[str]):

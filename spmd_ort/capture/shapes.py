@@ -92,6 +92,9 @@ class ShapePolicy:
                         for x in program.batch_inputs(call.args, call.kwargs)]
         if program.symbolic.accepts(batch_shapes):
             return key
+        static = StepKey.of(call.module, call.opt, call.args, call.kwargs, **common)
+        if static in self.transitions.variants:  # traced for exactly these sizes before they became symbolic
+            return static
         logger.info("%s: sizes %s fail the guards of the symbolic program; tracing them statically",
                     self.name, batch_shapes)
         return StepKey.of(call.module, call.opt, call.args, call.kwargs, shapes=(("static", tuple(batch_shapes)),),
@@ -100,21 +103,16 @@ class ShapePolicy:
     def agreed_key(self, call: StepCall) -> StepKey:
         """The key of ``call``, dims widened where sizes changed (or differ between ranks), agreed by every rank.
 
-        Expand mode (DTensor state) stays static: DTensor's sharding propagation fixes every size a symbolic
-        trace shows it, so a symbolic program would serve no size but its first (one program per shape).
+        Expand mode (DTensor state) too: DTensor's sharding propagation runs on the symbolic sizes, and the
+        guards it records (a size that must divide by the mesh, say) are the program's, checked on every call.
         """
         self._widened_from = None
         expands = has_dtensor_state(call.module)
-        if expands and self.transitions.static_reason is None:
-            self.transitions.static_reason = ("the parameters are DTensors, whose sharding propagation fixes the "
-                                              "sizes it traces: one program per shape")
-            if self.mode != "0":
-                logger.info("%s: %s", self.name, self.transitions.static_reason)
-        if self.mode == "1" and not self.dynamic and not expands:
+        if self.mode == "1" and not self.dynamic:
             self.dynamic = leading_dims(call.leaves)
         key = self.key(call)
         last = self.transitions.last_key
-        if (self.mode == "auto" and not expands and key not in self.transitions.variants and last is not None
+        if (self.mode == "auto" and key not in self.transitions.variants and last is not None
                 and key.portable(sizes=False) == last.portable(sizes=False)):
             changed = changed_dims(last.leaf_descs(), key.leaf_descs())
             if changed:
@@ -127,7 +125,7 @@ class ShapePolicy:
 
             def reconcile(gathered: list) -> dict[int, set[int]] | None:  # only when the ranks disagree
                 check_empty_inputs(gathered, StepInputs.of(self.fn, call.args, call.kwargs).names, call.rank)
-                return _sizes_differ(gathered) if self.mode != "0" and not expands else None
+                return _sizes_differ(gathered) if self.mode != "0" else None
 
             differing = parallel.check_agreement(AGREEMENT, key.portable(), sizes=sizes, reconcile=reconcile)
             if differing:

@@ -233,7 +233,6 @@ class TransitionManager(Generic[T]):
         self.reason = ""  # why the last lookup that missed must trace
         self.retrace_counts: dict[str, int] = {}  # what changed (key path) -> re-traces it caused
         self._invalidated = ""  # why every variant was dropped (the next miss traces for this reason)
-        self.static_reason: str | None = None  # why sizes cannot be symbolic for this step (expand mode), if so
 
     REPEATED = 3  # re-traces for the same reason before one WARNING
 
@@ -268,8 +267,6 @@ class TransitionManager(Generic[T]):
                    "int or float that changes one; or pass it as a tensor, or keep it constant"
                    if scalar else "keep it constant between calls, or let sizes be symbolic "
                    "(compile(dynamic=None/True), SPMD_ORT_DYNAMIC=auto/1)")
-            if not scalar and self.static_reason is not None:  # sizes cannot be symbolic here
-                fix = f"keep it constant between calls ({self.static_reason}); e.g. pad to a few fixed sizes"
             logger.warning("%s has re-traced %d times because %s between calls (last: %s -> %s); every new value "
                            "compiles a new program. Fix: %s", self.name, n, what, _short(old), _short(new), fix)
 

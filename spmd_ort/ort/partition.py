@@ -29,7 +29,7 @@ from torch.fx.passes.operator_support import OperatorSupport
 
 from spmd_ort.ort.coverage import HOST_ONLY, why_untranslatable
 from spmd_ort.ort.lowering import DECOMPOSITION, why_not_lowerable
-from spmd_ort.capture.dynamic import input_symbols
+from spmd_ort.capture.dynamic import SizeEmitter, input_symbols
 from spmd_ort.runtime.ops import OPAQUE_OPS, STARTS, check_index, wait_
 
 aten = torch.ops.aten
@@ -165,7 +165,7 @@ def _sizes_from_inputs(gm: fx.GraphModule) -> None:
     if not sources:
         return
     graph = gm.graph
-    emit = _SizeEmitter(graph, placeholders[-1], sources)
+    emit = SizeEmitter(graph, placeholders[-1], sources)
     for node in list(graph.nodes):
         if node.op != "call_function" or node.target is not aten.sym_size.int or node.args[0].op == "placeholder":
             continue
@@ -176,53 +176,6 @@ def _sizes_from_inputs(gm: fx.GraphModule) -> None:
             graph.erase_node(node)
     graph.lint()
     gm.recompile()
-
-
-class _SizeEmitter:
-    """Host nodes at the top of ``graph`` computing a size expression from reads of the inputs' sizes."""
-
-    def __init__(self, graph: fx.Graph, after: fx.Node, sources: dict):
-        self.graph, self.anchor, self.sources, self.made = graph, after, sources, {}
-
-    def __call__(self, expr) -> fx.Node | int | None:
-        import sympy
-        from torch.utils._sympy.functions import FloorDiv
-
-        if expr in self.made:
-            return self.made[expr]
-        if isinstance(expr, sympy.Integer):
-            return int(expr)
-        if isinstance(expr, sympy.Symbol):
-            if expr not in self.sources:
-                return None
-            node, d, _ = self.sources[expr]
-            return self._add(expr, aten.sym_size.int, (node, d))
-        if isinstance(expr, (sympy.Mul, sympy.Add)):
-            combine = operator.mul if isinstance(expr, sympy.Mul) else operator.add
-            parts = [self(a) for a in expr.args]
-            if any(p is None for p in parts):
-                return None
-            out = parts[0]
-            for i, part in enumerate(parts[1:], 2):
-                out = self._add(expr.func(*expr.args[:i]), combine, (out, part))
-            return out
-        if isinstance(expr, FloorDiv):
-            a, b = self(expr.args[0]), self(expr.args[1])
-            return None if a is None or b is None else self._add(expr, operator.floordiv, (a, b))
-        return None
-
-    def _add(self, expr, target, args) -> fx.Node:
-        """A node for ``expr``; its value is the same arithmetic on the inputs' symbolic sizes."""
-        if expr in self.made:
-            return self.made[expr]
-        with self.graph.inserting_after(self.anchor):
-            node = self.graph.call_function(target, args)
-        if target is aten.sym_size.int:
-            node.meta["val"] = self.sources[expr][2]
-        else:
-            node.meta["val"] = target(*[a.meta["val"] if isinstance(a, fx.Node) else a for a in args])
-        self.anchor = self.made[expr] = node
-        return node
 
 
 def _split_at_collectives(gm: fx.GraphModule, partitions: list) -> list:
