@@ -424,8 +424,9 @@ def _conv_weight_grad_gemm(grad_output, input, k: list[int], s: list[int], p: li
     For each kernel offset ``o``, ``dW[:, :, o] = dY (Cout, N*So) @ X_o (Cin, N*So)^T``, where ``X_o`` is
     the input window the offset reads (a strided slice of the padded input, channels first).  The
     convolution form (the input as a batch of Cin images, ``dY`` as the kernel) is a GEMM only 9 columns
-    wide for a 3x3 kernel, which ORT's CPU convolution runs at a tenth of its GEMM rate: 20 ms against
-    torch's ~2 ms on bench/step.py's CNN.  One offset at a time, the extra memory is one input-sized slice.
+    wide for a 3x3 kernel, which ORT's CPU convolution runs at a tenth of its GEMM rate: bench/step.py's
+    CNN spent 25 ms per step in its two weight gradients that way, ~14 ms as GEMMs (and slices).  One
+    offset at a time, the extra memory is one input-sized slice.
     """
     spatial = len(k)
     c_in, c_out = input.shape[1], grad_output.shape[1]
