@@ -1,6 +1,7 @@
 """Dynamic shapes: 20 distinct sequence lengths, compiled programs, total and steady step time, in one run.
 
 Run:  .venv/bin/python bench/dynamic.py [--lengths 20] [--warmup 2] [--samples 5] [--straggler]
+      .venv/bin/python bench/dynamic.py --tp [--lengths 8]
 
 A small LM (GPT, vocab 512, d 128, 2 layers, batch 8) trains over 20 distinct
 lengths (16..128, shuffled), then over the same lengths again.  Per runner:
@@ -16,6 +17,11 @@ Runners: ``eager`` (AdamW fused, the baseline); ``fx``/``ort`` with
 step by step.  The last column is the median over lengths of the automatic
 program's step over the static program's step at the same length.
 
+``--tp``: the same over tensor parallelism on 2 ranks (torchrun, gloo, one thread each; ``--lengths`` of
+them): the model with separate q/k/v under Megatron's plan (``examples.gpt.tensor_parallel_plan``), eager
+DTensor tensor parallelism against the compiled step with ``TensorParallel(plan)``, ``dynamic=None`` and
+``False``, on fx and ORT; the same batch on both ranks.
+
 ``--straggler``: 2 ranks (torchrun, gloo, one thread each) train the compiled
 step (fx, replicate) on a dataset of lengths drawn from a long-tailed
 distribution, one epoch with ``DistributedSampler`` and one with
@@ -27,6 +33,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import dataclasses
 import json
 import os
 import platform
@@ -88,18 +95,14 @@ def programs(name: str, fn) -> int:
     return 0
 
 
-def bench(n_lengths: int, warmup: int, n_samples: int) -> None:
-    torch.manual_seed(0)
-    base = GPT(CFG)
-    lengths = random.Random(0).sample(range(16, CFG.seq + 1), n_lengths)
-    g = torch.Generator().manual_seed(0)
-    batches = {n: (torch.randint(0, CFG.vocab, (BATCH, n), generator=g),
-                   torch.randint(0, CFG.vocab, (BATCH, n), generator=g)) for n in lengths}
-    rs = runners(base)
+def measure(rs: dict, lengths: list[int], batches: dict, warmup: int, n_samples: int, sync=lambda: None) -> dict:
+    """The first pass over ``lengths`` (every length new) and the steady step per length, runners alternating;
+    ``sync`` runs before each timed call (the ranks' barrier)."""
     first = {k: 0.0 for k in rs}
     for n in lengths:  # the first pass: every length is new
         x, y = batches[n]
         for k, (m, opt, fn) in rs.items():
+            sync()
             time.sleep(0.02)
             t0 = time.perf_counter()
             fn(m, opt, x, y)
@@ -113,6 +116,7 @@ def bench(n_lengths: int, warmup: int, n_samples: int) -> None:
         samples: dict[str, list[float]] = {k: [] for k in rs}
         for call in range(warmup + n_samples):
             for k, (m, opt, fn) in rs.items():
+                sync()
                 time.sleep(0.02)
                 t0 = time.perf_counter()
                 fn(m, opt, x, y)
@@ -120,22 +124,96 @@ def bench(n_lengths: int, warmup: int, n_samples: int) -> None:
                     samples[k].append(time.perf_counter() - t0)
         for k in rs:
             steady[k][n] = statistics.median(samples[k])
+    return {"first": first, "compiled": compiled, "steady": {k: {str(n): t for n, t in v.items()}
+                                                             for k, v in steady.items()}, "lengths": lengths}
+
+
+def print_table(r: dict) -> None:
+    lengths, steady = r["lengths"], r["steady"]
     eager = statistics.median(steady["eager"].values())
-    print(f"{n_lengths} distinct lengths (16..{CFG.seq}), batch {BATCH}, GPT d={CFG.d} x{CFG.layers} layers, "
-          f"vocab {CFG.vocab}; torch {torch.__version__}, {torch.get_num_threads()} threads; steady step: per length "
-          f"the median of {n_samples} calls after {warmup} warm-up, then the median over lengths")
     print("| runner | programs after the first pass | first pass (s) | steady step (ms) | vs eager | "
           "auto / static at the same length |")
     print("|---|---|---|---|---|---|")
-    for k, (m, opt, fn) in rs.items():
+    for k in steady:
         med = statistics.median(steady[k].values())
         ratio = ""
         if k.endswith("-auto"):
             static = k.replace("-auto", "-false")
             # same lengths, each step against the static program's step at that length
-            ratio = f"{statistics.median(steady[k][n] / steady[static][n] for n in lengths):.2f}"
-        print(f"| {k} | {compiled[k]} | {first[k]:.1f} | {med * 1e3:.1f} | {med / eager:.2f} | {ratio} |",
+            ratio = f"{statistics.median(steady[k][str(n)] / steady[static][str(n)] for n in lengths):.2f}"
+        print(f"| {k} | {r['compiled'][k]} | {r['first'][k]:.1f} | {med * 1e3:.1f} | {med / eager:.2f} | {ratio} |",
               flush=True)
+
+
+def length_batches(cfg: GPTConfig, n_lengths: int) -> tuple[list[int], dict]:
+    lengths = random.Random(0).sample(range(16, cfg.seq + 1), n_lengths)
+    g = torch.Generator().manual_seed(0)  # (under --tp: the same batches on every rank)
+    return lengths, {n: (torch.randint(0, cfg.vocab, (BATCH, n), generator=g),
+                         torch.randint(0, cfg.vocab, (BATCH, n), generator=g)) for n in lengths}
+
+
+def bench(n_lengths: int, warmup: int, n_samples: int) -> None:
+    torch.manual_seed(0)
+    base = GPT(CFG)
+    lengths, batches = length_batches(CFG, n_lengths)
+    r = measure(runners(base), lengths, batches, warmup, n_samples)
+    print(f"{n_lengths} distinct lengths (16..{CFG.seq}), batch {BATCH}, GPT d={CFG.d} x{CFG.layers} layers, "
+          f"vocab {CFG.vocab}; torch {torch.__version__}, {torch.get_num_threads()} threads; steady step: per length "
+          f"the median of {n_samples} calls after {warmup} warm-up, then the median over lengths")
+    print_table(r)
+
+
+# ---------------------------------------------------------------------- tensor parallelism (2 ranks)
+def tp_worker(out: Path, n_lengths: int, warmup: int, n_samples: int) -> None:
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor.experimental import implicit_replication
+    from torch.distributed.tensor.parallel import parallelize_module
+
+    from examples.gpt import tensor_parallel_plan
+
+    dist.init_process_group("gloo")
+    spmd_ort.runtime.memory.retain_host_memory()  # every runner, from its first step
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+    cfg = dataclasses.replace(CFG, split_qkv=True)
+    torch.manual_seed(0)
+    base = GPT(cfg)
+    lengths, batches = length_batches(cfg, n_lengths)
+
+    def eager_step(model, opt, x, y):  # the fused AdamW takes DTensor and plain parameters in one list
+        with implicit_replication():
+            return train_step(model, opt, x, y)
+
+    rs = {}
+    for name in ("eager", "fx-auto", "fx-false", "ort-auto", "ort-false"):
+        m = copy.deepcopy(base)
+        if name == "eager":
+            m = parallelize_module(m, mesh, tensor_parallel_plan())
+            fn = eager_step
+        else:
+            backend, dyn = name.split("-")
+            fn = spmd_ort.compile(backend=backend, dynamic={"auto": None, "false": False}[dyn],
+                                  parallel_mode=spmd_ort.TensorParallel(tensor_parallel_plan(), mesh=mesh))(train_step)
+        rs[name] = (m, torch.optim.AdamW(m.parameters(), lr=1e-3, weight_decay=0.1, fused=True), fn)
+    r = measure(rs, lengths, batches, warmup, n_samples, sync=dist.barrier)
+    if dist.get_rank() == 0:
+        out.write_text(json.dumps(r))
+    dist.destroy_process_group()
+
+
+def tensor_parallel(n_lengths: int, warmup: int, n_samples: int) -> None:
+    with tempfile.TemporaryDirectory() as tmp:
+        out = Path(tmp) / "tp.json"
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", __file__,
+               "--tp-worker", str(out), "--lengths", str(n_lengths), "--warmup", str(warmup),
+               "--samples", str(n_samples)]
+        subprocess.run(cmd, check=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
+        r = json.loads(out.read_text())
+    print(f"\ntensor parallelism, 2 ranks (gloo, 1 thread each): {n_lengths} distinct lengths (16..{CFG.seq}), "
+          f"batch {BATCH} (the same on both ranks), GPT d={CFG.d} x{CFG.layers} layers with separate q/k/v, vocab "
+          f"{CFG.vocab}, Megatron's plan; eager = DTensor tensor parallelism (parallelize_module); steady step: per "
+          f"length the median of {n_samples} calls after {warmup} warm-up, then the median over lengths")
+    print_table(r)
 
 
 # ---------------------------------------------------------------------- straggler (2 ranks)
@@ -214,15 +292,23 @@ def main() -> None:
     ap.add_argument("--warmup", type=int, default=2, help="untimed calls per length and runner before the samples")
     ap.add_argument("--samples", type=int, default=5, help="timed calls per length and runner (their median)")
     ap.add_argument("--straggler", action="store_true")
+    ap.add_argument("--tp", action="store_true", help="only the tensor-parallel table (2 ranks)")
     ap.add_argument("--straggler-worker", help=argparse.SUPPRESS)
+    ap.add_argument("--tp-worker", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.straggler_worker:
         straggler_worker(Path(args.straggler_worker))
+        return
+    if args.tp_worker:
+        tp_worker(Path(args.tp_worker), args.lengths, args.warmup, args.samples)
         return
     print(f"machine: {platform.machine()}, {os.cpu_count()} cores; "
           f"onnxruntime {__import__('onnxruntime').__version__}")
     if args.warmup < 1 or args.samples < 1:
         raise SystemExit("--warmup and --samples must be at least 1")
+    if args.tp:
+        tensor_parallel(args.lengths, args.warmup, args.samples)
+        return
     bench(args.lengths, args.warmup, args.samples)
     if args.straggler:
         straggler()
