@@ -350,3 +350,20 @@ def test_mixed_dtypes_are_promoted_explicitly():
     got = OrtSegment("probe", gm, translate(gm), threads=1, allow_spinning=False).run_ort(x, i)
     for g, e in zip(got, fn(x, i)):
         assert g.dtype == e.dtype and torch.equal(g, e)
+
+
+def test_split_by_a_size_known_at_run_time_exports_one_model(caplog):
+    """onnxscript's constant folder fails on a SplitToSequence whose size is not a constant (sequence parallel's
+    shards of a symbolic length); the folding stops there and the model is exported as it is, one for every size."""
+    def halves(x):
+        return tuple(aten.split.Tensor(x, x.shape[1] // 2, 1))
+
+    _, _, fakes = fake_inputs([], [_randn(2, 8)], [frozenset({0, 1})], ["x"])
+    gm = make_fx(halves, tracing_mode="symbolic", _allow_non_fake_inputs=True)(*fakes)
+    assert is_symbolic(gm) and any(n.target is aten.split.Tensor for n in gm.graph.nodes), gm.code
+    with caplog.at_level("INFO", logger="spmd_ort"):
+        segment = OrtSegment("probe", gm, translate(gm), threads=1, allow_spinning=False)
+    assert "constant folding stopped early" in caplog.text  # said, not silent
+    for x in (_randn(2, 8), _randn(3, 12)):
+        for got, want in zip(segment.run_ort(x), halves(x), strict=True):
+            assert torch.equal(got, want)

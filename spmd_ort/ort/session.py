@@ -219,21 +219,44 @@ class DynamicSizes:
     Each symbol is read from the first input that has it as a dim (or is it: a size
     the host computed); :meth:`key` is their values for a call and
     :meth:`output_shapes` evaluates each output dim's expression (``s0*s1``) there.
-    A symbol an output needs and no input carries is a ValueError (the segment is
-    then exported per set of sizes, :class:`SizedSegments`).
+    An input size that is an expression of symbols no input carries alone (a shard of a symbolic
+    length under sequence parallelism: ``(s0 + 1)//2``) is read whole, where the outputs' sizes are
+    written in it.  A symbol an output needs otherwise is a ValueError (the segment is then exported
+    per set of sizes, :class:`SizedSegments`).
     """
 
     def __init__(self, gm: fx.GraphModule, metas: list[torch.Tensor] | None = None):
-        position = {n: i for i, n in enumerate(n for n in gm.graph.nodes if n.op == "placeholder")}
+        import sympy
+
+        placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+        position = {n: i for i, n in enumerate(placeholders)}
         symbols = input_symbols(gm)
         self.symbols: list = list(symbols)
         # (input position, dim; None: the input is the size)
         self.sources: list[tuple[int, int | None]] = [(position[node], dim) for node, dim, _ in symbols.values()]
         self.shapes = [tuple(int(d) if not isinstance(d, torch.SymInt) else d.node.expr for d in m.shape)
                        for m in metas or []]
-        needed = set().union(*[d.free_symbols for shape in self.shapes for d in shape if not isinstance(d, int)])
-        if missing := needed - set(self.symbols):
-            raise ValueError(f"output sizes in {sorted(map(str, missing))} follow from no input's size")
+        if missing := self._needed() - set(self.symbols):
+            whole: dict = {}  # expression -> (input position, dim), each read as one size
+            for node in placeholders:
+                val = node.meta.get("val")
+                found = [(None, val)] if isinstance(val, torch.SymInt) else \
+                    list(enumerate(val.shape)) if isinstance(val, torch.Tensor) else []
+                for dim, size in found:
+                    expr = size.node.expr if isinstance(size, torch.SymInt) else None
+                    if expr is not None and not isinstance(expr, sympy.Symbol) and expr.free_symbols & missing:
+                        whole.setdefault(expr, (position[node], dim))
+            names = {expr: sympy.Symbol(str(expr)) for expr in whole}
+            self.shapes = [tuple(d if isinstance(d, int) else d.xreplace(names) for d in shape)
+                           for shape in self.shapes]
+            for expr, source in whole.items():
+                self.symbols.append(names[expr])
+                self.sources.append(source)
+            if missing := self._needed() - set(self.symbols):
+                raise ValueError(f"output sizes in {sorted(map(str, missing))} follow from no input's size")
+
+    def _needed(self) -> set:
+        return set().union(*[d.free_symbols for shape in self.shapes for d in shape if not isinstance(d, int)])
 
     def key(self, args) -> tuple[int, ...]:
         return tuple(int(args[pos]) if dim is None else args[pos].shape[dim] for pos, dim in self.sources)
