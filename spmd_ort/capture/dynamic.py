@@ -137,6 +137,15 @@ def input_symbols(gm) -> dict:
     import sympy
 
     out: dict = {}
+    for node, dim, size in input_sizes(gm):
+        if isinstance(size.node.expr, sympy.Symbol):
+            out.setdefault(size.node.expr, (node, dim, size))
+    return out
+
+
+def input_sizes(gm):
+    """Every symbolic size of a graph's inputs, in order: ``(placeholder, dim, SymInt)``, ``dim`` None where the
+    input is the size itself."""
     for node in gm.graph.nodes:
         if node.op != "placeholder":
             continue
@@ -144,9 +153,8 @@ def input_symbols(gm) -> dict:
         found = [(None, val)] if isinstance(val, torch.SymInt) else \
             list(enumerate(val.shape)) if isinstance(val, torch.Tensor) else []
         for dim, size in found:
-            if isinstance(size, torch.SymInt) and isinstance(size.node.expr, sympy.Symbol):
-                out.setdefault(size.node.expr, (node, dim, size))
-    return out
+            if isinstance(size, torch.SymInt):
+                yield node, dim, size
 
 
 class SizeEmitter:

@@ -16,7 +16,7 @@ import onnxruntime as ort
 import torch
 from torch import fx, nn
 
-from spmd_ort.capture.dynamic import input_symbols
+from spmd_ort.capture.dynamic import input_sizes, input_symbols
 from spmd_ort.errors import CompileError, ConfigError
 from spmd_ort.options import Options
 from spmd_ort.ort.export import export_segment, input_position, save_model
@@ -228,8 +228,7 @@ class DynamicSizes:
     def __init__(self, gm: fx.GraphModule, metas: list[torch.Tensor] | None = None):
         import sympy
 
-        placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
-        position = {n: i for i, n in enumerate(placeholders)}
+        position = {n: i for i, n in enumerate(n for n in gm.graph.nodes if n.op == "placeholder")}
         symbols = input_symbols(gm)
         self.symbols: list = list(symbols)
         # (input position, dim; None: the input is the size)
@@ -238,14 +237,10 @@ class DynamicSizes:
                        for m in metas or []]
         if missing := self._needed() - set(self.symbols):
             whole: dict = {}  # expression -> (input position, dim), each read as one size
-            for node in placeholders:
-                val = node.meta.get("val")
-                found = [(None, val)] if isinstance(val, torch.SymInt) else \
-                    list(enumerate(val.shape)) if isinstance(val, torch.Tensor) else []
-                for dim, size in found:
-                    expr = size.node.expr if isinstance(size, torch.SymInt) else None
-                    if expr is not None and not isinstance(expr, sympy.Symbol) and expr.free_symbols & missing:
-                        whole.setdefault(expr, (position[node], dim))
+            for node, dim, size in input_sizes(gm):
+                expr = size.node.expr
+                if not isinstance(expr, sympy.Symbol) and expr.free_symbols & missing:
+                    whole.setdefault(expr, (position[node], dim))
             names = {expr: sympy.Symbol(str(expr)) for expr in whole}
             self.shapes = [tuple(d if isinstance(d, int) else d.xreplace(names) for d in shape)
                            for shape in self.shapes]
