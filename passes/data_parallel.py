@@ -23,8 +23,8 @@ from .context import PassResult
 from .contracts import (BUFFERS_BROADCAST, COLLECTIVES_WAITED, GRADS_SUMMED_BEFORE_REDUCTION, GRADS_TAGGED,
                         NO_DUPLICATE_COLLECTIVES, NO_GRAD_TAGS,
                         OVERLAP_SCHEDULED, PER_GRADIENT_REDUCTIONS, Invariant)
-from .helpers import (DEDUP_KEY, GRADIENT_OF, TAG, aten, call, calls, move_after_inputs, nbytes, producers,
-                      set_phase, unpack_chain, val)
+from .helpers import (ACTIVATION_COLLECTIVE, DEDUP_KEY, GRADIENT_OF, TAG, aten, call, calls, is_random,
+                      move_after_inputs, nbytes, producers, set_phase, unpack_chain, val)
 from .runner import graph_pass
 
 logger = logging.getLogger("spmd_ort")
@@ -356,6 +356,41 @@ def dedup_collectives_pass(gm: fx.GraphModule, ctx) -> fx.GraphModule:
     return gm
 
 
+def _movable(node: fx.Node) -> bool:
+    """A pure compute node, free to change places with others of its kind: an aten op that draws no random
+    numbers, or an item of one's outputs (collectives, waits, host ops and random ops keep their order)."""
+    if node.op != "call_function":
+        return False
+    if node.target is operator.getitem:
+        return _movable(node.args[0])
+    return isinstance(node.target, torch._ops.OpOverload) and node.target.namespace == "aten" and not is_random(node)
+
+
+def _issue_before_independent_compute(collective: fx.Node) -> None:
+    """Move the compute between the last non-movable node before ``collective`` and it that its input does not
+    depend on to just after it, in order (its users are after it, or move with it: a user of a node that
+    does not lead to the collective does not lead to it either)."""
+    region: list[fx.Node] = []
+    node = collective.prev
+    while _movable(node):
+        region.append(node)
+        node = node.prev
+    if not region:
+        return
+    inside = set(region)
+    leads, todo = set(), [a for a in collective.all_input_nodes if a in inside]
+    while todo:
+        n = todo.pop()
+        if n not in leads:
+            leads.add(n)
+            todo += [a for a in n.all_input_nodes if a in inside]
+    anchor = collective
+    for n in reversed(region):  # graph order
+        if n not in leads:
+            anchor.append(n)
+            anchor = n
+
+
 @graph_pass(requires=[COLLECTIVES_WAITED], provides=[COLLECTIVES_WAITED, OVERLAP_SCHEDULED])
 def schedule_overlap_pass(gm: fx.GraphModule, ctx) -> fx.GraphModule:
     """Issue each reduction early; wait only just before the result is needed.
@@ -363,6 +398,10 @@ def schedule_overlap_pass(gm: fx.GraphModule, ctx) -> fx.GraphModule:
     * gradient all-reduces and reduce-scatters are issued as soon as their
       input exists, so between issue and ``wait_`` lies all the compute that
       does not need the result (the rest of backward);
+    * a collective the step computes on (expand mode: a tensor-parallel all-reduce of an activation or of its
+      gradient) is issued before the compute that does not lead to it: between the host node before it and
+      the collective, what its input does not depend on (a layer's weight gradients, computed after its input
+      gradient's all-reduce starts) moves below the collective, into its flight;
     * every ``wait_`` moves down together with the split/slice/view nodes that
       unpack its bucket, each to just before its first user.
 
@@ -374,6 +413,9 @@ def schedule_overlap_pass(gm: fx.GraphModule, ctx) -> fx.GraphModule:
             for producer in producers(node.args[0]):
                 move_after_inputs(producer)
             move_after_inputs(node)
+    for node in list(graph.nodes):
+        if node.op == "call_function" and node.meta.get(ACTIVATION_COLLECTIVE):
+            _issue_before_independent_compute(node)
     sinkable = set()
     for node in graph.nodes:
         if node.op == "call_function" and node.target is wait_:

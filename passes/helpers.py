@@ -21,6 +21,7 @@ SHARDED_PARAM = "sharded_param"  # fully_shard: a parameter placeholder that hol
 PARTIAL_NORM = "partial_norm"  # fully_shard: a 2-norm of a shard (its position among the step's norms)
 DEDUP_KEY = "dedup_key"  # what else two identical collectives must share to be merged (e.g. the phase)
 GRADIENT_OF = "gradient_of"  # a gradient's collective (all-reduce / reduce-scatter): the parameter index
+ACTIVATION_COLLECTIVE = "activation_collective"  # expand mode: a collective whose result the step computes on
 PARTIAL_FOUND_INF = "partial_found_inf"  # fully_shard: a GradScaler's inf flag over this rank's gradient shards
 EAGER_LAYOUT_UNKNOWN = "eager_layout_unknown"  # a random op whose inputs' eager layout no probe could find
 
@@ -174,7 +175,7 @@ def move_after_inputs(node: fx.Node) -> None:
         last.append(node)
 
 
-__all__ = ["AMP_CHECK", "DEDUP_KEY", "EAGER_LAYOUT_UNKNOWN", "GRADIENT_OF", "PACK_OPS", "PARTIAL_FOUND_INF",
+__all__ = ["ACTIVATION_COLLECTIVE", "AMP_CHECK", "DEDUP_KEY", "EAGER_LAYOUT_UNKNOWN", "GRADIENT_OF", "PACK_OPS", "PARTIAL_FOUND_INF",
            "PARTIAL_NORM", "SHARDED_PARAM", "SHARD_OF", "TAG", "UNPACK_OPS", "aten", "call", "calls", "fake_mode_of",
            "is_dtype_cast", "is_random", "is_view_op", "move_after_inputs", "nbytes", "phase", "placeholders",
            "producers", "refake", "set_phase", "tensor_bytes", "unpack_chain", "val"]

@@ -11,7 +11,8 @@ import torch.distributed as dist
 import torch.distributed._functional_collectives as funcol
 from torch.fx.experimental.proxy_tensor import make_fx
 
-from spmd_ort.passes import PassContext, adopt_dtensor_collectives_pass, count_collectives_pass
+from spmd_ort.passes import (PassContext, adopt_dtensor_collectives_pass, count_collectives_pass,
+                             merge_summed_all_reduces_pass, schedule_overlap_pass)
 from spmd_ort.passes.expand import FUNCOL
 from spmd_ort.runtime import ops
 from spmd_ort.runtime.context import StepRuntime
@@ -61,3 +62,67 @@ def test_other_reductions_stay_as_traced(one_rank):
     gm = _traced(lambda x: funcol.all_reduce(x, "max", group), torch.randn(3))
     gm = adopt_dtensor_collectives_pass(gm, PassContext(input_slots=[], output_slots=[]))
     assert FUNCOL.all_reduce.default in _targets(gm) and ops.all_reduce_ not in _targets(gm)
+
+
+def _adopted(step, *inputs):
+    gm = adopt_dtensor_collectives_pass(_traced(step, *inputs), PassContext(input_slots=[], output_slots=[]))
+    return gm
+
+
+def _run(gm, *inputs):
+    runtime = StepRuntime()
+    with torch.no_grad(), runtime.active():
+        out = gm(*inputs)
+        comm = runtime.comm.end_step()
+    return out, comm
+
+
+def test_summed_all_reduces_become_one(one_rank):
+    """Three partial sums all-reduced and added (q, k and v's input gradients) -> one all-reduce of their sum;
+    a reduction with another reader, or on another group, keeps its own."""
+    group, other = dist.group.WORLD.group_name, dist.new_group([0]).group_name
+
+    def step(x, w):
+        qkv = [funcol.all_reduce(x @ w[i], "sum", group) for i in range(3)]
+        merged = (qkv[0] + qkv[1]) + qkv[2]
+        read = funcol.all_reduce(x @ w[3], "sum", group)  # also returned: the sum alone cannot replace it
+        elsewhere = funcol.all_reduce(x @ w[4], "sum", other)  # another group than the one beside it
+        return merged, read + funcol.all_reduce(x, "sum", group), read, elsewhere + funcol.all_reduce(x, "sum", group)
+
+    x, w = torch.randn(4, 4), torch.randn(5, 4, 4)
+    gm = _adopted(step, x, w)
+    expected, before = _run(gm, x, w)
+    assert before.all_reduce_calls == 7
+    gm = merge_summed_all_reduces_pass(gm, PassContext(input_slots=[], output_slots=[], check_contracts=True))
+    gm.graph.lint()
+    got, after = _run(gm, x, w)
+    assert after.all_reduce_calls == 5  # q + k + v as one; the rest as traced
+    assert [n for n in gm.graph.nodes if n.target is ops.all_reduce_][0].args[1:] == (1.0, group)
+    for a, b in zip(got, expected, strict=True):
+        torch.testing.assert_close(a, b)
+
+
+def test_compute_independent_of_a_collective_runs_in_its_flight(one_rank):
+    """schedule_overlap_pass: between the last host node and an activation all-reduce, what its input does not
+    depend on (a weight gradient) moves below it; the numbers stay."""
+    group = dist.group.WORLD.group_name
+
+    def step(g, x, w):
+        dw = g.t() @ x  # the weight gradient: independent of the all-reduce
+        dx = funcol.all_reduce(g @ w, "sum", group)  # the input gradient, completed across ranks
+        return dx * 2, dw
+
+    g, x, w = torch.randn(8, 4), torch.randn(8, 6), torch.randn(4, 6)
+    gm = _adopted(step, g, x, w)
+    expected, _ = _run(gm, g, x, w)
+    ctx = PassContext(input_slots=[], output_slots=[], check_contracts=True)
+    gm = schedule_overlap_pass(gm, ctx)
+    gm.graph.lint()
+    order = [n for n in gm.graph.nodes if n.op == "call_function"]
+    started = next(i for i, n in enumerate(order) if n.target is ops.all_reduce_)
+    waited = next(i for i, n in enumerate(order) if n.target is ops.wait_)
+    mms = [i for i, n in enumerate(order) if n.target is torch.ops.aten.mm.default]
+    assert mms[0] < started < mms[1] < waited  # dx's matmul before the issue, dw's in flight
+    got, _ = _run(gm, g, x, w)
+    for a, b in zip(got, expected, strict=True):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)

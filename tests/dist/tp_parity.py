@@ -100,6 +100,9 @@ SP_PLAN = {"emb": RowwiseParallel(input_layouts=Replicate(), output_layouts=Shar
            "ln": SequenceParallel(), "head": ColwiseParallel(input_layouts=Shard(1), output_layouts=Replicate())}
 ROWWISE = sum(1 for s in PLAN.values() if isinstance(s, RowwiseParallel)) * LAYERS
 COLWISE = sum(1 for s in PLAN.values() if isinstance(s, ColwiseParallel)) * LAYERS
+# the activations the column-wise layers read (ln1's output: q, k and v; ln2's: fc): eager DTensor all-reduces
+# each layer's input gradient, the compiled step their sum (merge_summed_all_reduces_pass)
+COLWISE_INPUTS = 2 * LAYERS
 
 
 def step_fn(model, opt, ids, labels, clip=torch.nn.utils.clip_grad_norm_):
@@ -371,7 +374,7 @@ def main() -> None:
         "eager_collectives": {str(k): v for k, v in eager_comm.get_comm_counts().items()},
         "all_reduce_calls": comm.all_reduce_calls, "all_reduce_bytes": comm.all_reduce_bytes, "all_gather_calls": comm.all_gather_calls,
         "reduce_scatter_calls": comm.reduce_scatter_calls,
-        "bytes": comm.all_reduce_bytes + comm.all_gather_bytes + comm.reduce_scatter_bytes, "rowwise": ROWWISE, "colwise": COLWISE,
+        "bytes": comm.all_reduce_bytes + comm.all_gather_bytes + comm.reduce_scatter_bytes, "rowwise": ROWWISE, "colwise": COLWISE, "colwise_inputs": COLWISE_INPUTS,
         "optimizer_params_are_dtensors": sum(isinstance(p, DTensor) for gr in opt_c.param_groups for p in gr["params"]),
         "describe": step.explain() if rank == 0 else "",
     })
