@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 from torch.fx.experimental.proxy_tensor import make_fx
 
+from spmd_ort.ort import verify
 from spmd_ort.ort.verify import first_difference, in_defined_order, unordered_topks
 
 
@@ -57,3 +59,32 @@ def test_same_sets_in_another_order_verify_and_other_differences_still_fail():
     other[0][0, 0] = 7 if int(other[0][0, 0]) != 7 else 6
     assert first_difference(in_defined_order(other, groups), in_defined_order(reference, groups)) == \
         "output 0: integer values differ"
+
+
+@pytest.mark.parametrize("layout", ["contiguous", "transposed", "scalar"])
+def test_outputs_compared_piece_by_piece_decide_as_whole_tensors(monkeypatch, layout):
+    """first_difference compares VERIFY_CHUNK elements at a time (bounded temporaries on logits-sized outputs):
+    a difference, a one-sided NaN or a large value in any piece counts as it would in the whole tensor."""
+    monkeypatch.setattr(verify, "VERIFY_CHUNK", 7)
+    g = torch.Generator().manual_seed(0)
+
+    def shaped(t):
+        return t.reshape(()) if layout == "scalar" else t.reshape(6, 5).t() if layout == "transposed" else t
+
+    n = 1 if layout == "scalar" else 30
+    base = torch.randn(n, generator=g)
+    assert first_difference((shaped(base.clone()),), (shaped(base),)) is None
+    last = base.clone()
+    last[-1] += 1.0  # in the last piece only
+    assert first_difference((shaped(last),), (shaped(base),)).startswith("output 0")
+    nan = base.clone()
+    nan[-1] = float("nan")
+    assert first_difference((shaped(nan),), (shaped(base),)) == "output 0: NaN in one and not the other"
+    assert first_difference((shaped(nan),), (shaped(nan.clone()),)) is None  # NaN where both have it
+    if layout != "scalar":
+        # a small difference relative to a large value in another piece is within tolerance, as in the whole
+        scaled, near = base.clone(), base.clone()
+        scaled[0] = near[0] = 1e6
+        near[-1] += 1.0
+        assert first_difference((shaped(near),), (shaped(scaled),)) is None
+        assert first_difference((shaped(near),), (shaped(scaled),), tolerance=1e-7) is not None

@@ -155,16 +155,44 @@ def in_defined_order(outputs, groups: tuple[UnorderedTopk, ...]):
     return tuple(vals) if isinstance(outputs, (tuple, list)) else vals[0]
 
 
+# Elements compared at a time: the check's temporaries (|a - b|, |b|, NaN masks) stay a few MiB whatever an
+# output's size.  Whole-tensor temporaries of a loss head's logits (8 M elements) held ~250 MiB beside the two
+# executors' outputs in a tensor-parallel first run (the process's peak).
+VERIFY_CHUNK = 1 << 20
+
+
+def _pieces(*tensors: torch.Tensor):
+    """The same consecutive pieces of equally shaped tensors, about :data:`VERIFY_CHUNK` elements each: flat views
+    when all are contiguous, else slices of dim 0."""
+    first = tensors[0]
+    if first.dim() == 0:
+        yield tensors
+    elif all(t.is_contiguous() for t in tensors):
+        flat = [t.view(-1) for t in tensors]
+        for start in range(0, first.numel(), VERIFY_CHUNK):
+            yield tuple(f[start:start + VERIFY_CHUNK] for f in flat)
+    else:
+        rows = max(1, VERIFY_CHUNK // max(1, first[0].numel()))
+        for start in range(0, first.shape[0], rows):
+            yield tuple(t[start:start + rows] for t in tensors)
+
+
+def _finite_abs_max(t: torch.Tensor) -> float:
+    """max |t| over its finite elements (0 where there are none), piece by piece."""
+    return max(torch.nan_to_num(p.abs(), nan=0.0, posinf=0.0).max().item() for (p,) in _pieces(t))
+
+
 def first_difference(ort_out, fx_out, tolerance: float = VERIFY_TOLERANCE) -> str | None:
     """Describe the first output that differs beyond ``tolerance`` (relative to the output's max) and beyond
-    rounding noise (:data:`VERIFY_ABS_FLOOR`, :data:`NOISE_ULPS` of the segment's largest output), or None."""
+    rounding noise (:data:`VERIFY_ABS_FLOOR`, :data:`NOISE_ULPS` of the segment's largest output), or None.
+
+    Compared :data:`VERIFY_CHUNK` elements at a time (maxima: the same result as whole tensors)."""
     ort_vals = ort_out if isinstance(ort_out, tuple) else (ort_out,)
     fx_vals = fx_out if isinstance(fx_out, (tuple, list)) else (fx_out,)
     largest: dict[torch.dtype, float] = {}  # per dtype: the largest |value| among the segment's outputs
     for b in fx_vals:
         if isinstance(b, torch.Tensor) and b.dtype.is_floating_point and b.numel():
-            top = torch.nan_to_num(b.abs(), nan=0.0, posinf=0.0).max().item()
-            largest[b.dtype] = max(largest.get(b.dtype, 0.0), top)
+            largest[b.dtype] = max(largest.get(b.dtype, 0.0), _finite_abs_max(b))
     for i, (a, b) in enumerate(zip(ort_vals, fx_vals)):
         if a.shape != b.shape or a.dtype != b.dtype:
             return f"output {i}: shape/dtype {tuple(a.shape)}/{a.dtype} vs {tuple(b.shape)}/{b.dtype}"
@@ -174,14 +202,17 @@ def first_difference(ort_out, fx_out, tolerance: float = VERIFY_TOLERANCE) -> st
             continue
         if b.numel() == 0:
             continue
-        diff = (a - b).abs()  # NaN where either is NaN (or both are the same infinity)
-        if torch.isnan(diff).any():
-            same = (torch.isnan(a) & torch.isnan(b)) | (a == b)
-            if not torch.equal(torch.isnan(diff), torch.isnan(diff) & same):
-                return f"output {i}: NaN in one and not the other"
-            diff = torch.nan_to_num(diff, nan=0.0)
-        err = diff.max().item()
-        scale = torch.nan_to_num(b.abs(), nan=0.0, posinf=0.0).max().item()
+        err = 0.0
+        for pa, pb in _pieces(a, b):
+            diff = (pa - pb).abs()  # NaN where either is NaN (or both are the same infinity)
+            nan = torch.isnan(diff)
+            if nan.any():
+                same = (torch.isnan(pa) & torch.isnan(pb)) | (pa == pb)
+                if not torch.equal(nan, nan & same):
+                    return f"output {i}: NaN in one and not the other"
+                diff = torch.nan_to_num(diff, nan=0.0)
+            err = max(err, diff.max().item())
+        scale = _finite_abs_max(b)
         floor = max(VERIFY_ABS_FLOOR.get(a.dtype, 1e-9), NOISE_ULPS * torch.finfo(a.dtype).eps * largest[a.dtype])
         if err > tolerance * scale and err > floor:
             return (f"output {i} (shape {tuple(b.shape)}): max |ort - fx| = {err:.3g}, "
