@@ -170,17 +170,24 @@ def _is_ort(run) -> bool:
     return getattr(run, "__name__", "") == "run_ort"
 
 
+def _fix_times(monkeypatch, ort_s: float, fx_s: float) -> None:
+    """FirstRun's timings of a segment, fixed (ORT's through ``fastest``, fx's through ``timed_fx_runs``)."""
+    from spmd_ort.ort import choice
+
+    monkeypatch.setattr(choice, "fastest", lambda run, args, first: ort_s if _is_ort(run) else fx_s)
+    monkeypatch.setattr(choice, "timed_fx_runs", lambda run, args, repeat: (fx_s, run(*args)))
+
+
 @pytest.mark.parametrize("case", ["faster", "forced", "failed"])
 def test_explain_says_why_a_segment_runs_on_fx(case, monkeypatch):
     """A segment on fx is there because it was faster (both times shown), because SPMD_ORT_SEGMENT_EXECUTOR
     asked for fx, or because ORT failed (the failure shown): explain() says which, not "fallback" for all."""
-    from spmd_ort.ort import choice
     from spmd_ort.ort.session import OrtSegment
 
     if case == "faster":
         monkeypatch.setenv("SPMD_ORT_SEGMENT_EXECUTOR", "auto")
         # the timings decide; fixed here so that fx is the faster, whatever the machine's load
-        monkeypatch.setattr(choice, "fastest", lambda run, args, first: 2e-3 if _is_ort(run) else 1e-3)
+        _fix_times(monkeypatch, ort_s=2e-3, fx_s=1e-3)
     elif case == "forced":
         monkeypatch.setenv("SPMD_ORT_SEGMENT_EXECUTOR", "fx")
     else:
@@ -209,7 +216,7 @@ def test_explain_says_a_segment_on_ort_was_timed_faster(monkeypatch):
     from spmd_ort.ort import executor as executor_module
 
     monkeypatch.setenv("SPMD_ORT_SEGMENT_EXECUTOR", "auto")
-    monkeypatch.setattr(choice, "fastest", lambda run, args, first: 1e-3 if _is_ort(run) else 3e-3)
+    _fix_times(monkeypatch, ort_s=1e-3, fx_s=3e-3)
     choose = choice.choose_whole
 
     def whole_fx_slower(runners, inputs, stats, field="whole"):

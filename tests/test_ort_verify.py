@@ -88,3 +88,28 @@ def test_outputs_compared_piece_by_piece_decide_as_whole_tensors(monkeypatch, la
         near[-1] += 1.0
         assert first_difference((shaped(near),), (shaped(scaled),)) is None
         assert first_difference((shaped(near),), (shaped(scaled),), tolerance=1e-7) is not None
+
+
+def test_fx_timing_runs_hold_one_set_of_outputs():
+    """The automatic choice times a segment's fx graph several times before its ORT run: each run's outputs are
+    freed before the next run computes them again (a logits-sized set held per run would add to the peak)."""
+    import weakref
+
+    from spmd_ort.ort.choice import TIMED_RUNS, timed_fx_runs
+
+    outputs: list = []
+    alive_at_start: list[int] = []
+
+    def run(x):
+        alive_at_start.append(sum(ref() is not None for ref in outputs))
+        out = x * 2
+        outputs.append(weakref.ref(out))
+        return out
+
+    x = torch.randn(1000)
+    seconds, last = timed_fx_runs(run, (x,), repeat=True)
+    assert len(outputs) >= TIMED_RUNS[0] and seconds >= 0
+    assert alive_at_start == [0] * len(outputs)  # no earlier run's outputs alive when a run starts
+    assert torch.equal(last, x * 2) and outputs[-1]() is last
+    _, once = timed_fx_runs(run, (x,), repeat=False)
+    assert len(outputs) == len(alive_at_start) and torch.equal(once, x * 2)
