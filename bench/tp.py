@@ -2,6 +2,7 @@
 
 Run:  .venv/bin/torchrun --standalone --nproc_per_node=2 bench/tp.py [--steps 7]
       .venv/bin/torchrun --standalone --nproc_per_node=4 bench/tp.py --dp 2   # 2-D: dp 2 x tp 2
+      .venv/bin/torchrun --standalone --nproc_per_node=2 bench/tp.py --loss-parallel   # head split over the vocab
       .venv/bin/python bench/tp.py --peak-rss [--nproc 4 --dp 2]            # peak RSS, one torchrun per runner
 
 2-D (``--dp 2``): the plan over ``tp``; the compiled runners average gradients over ``dp`` (``TensorParallel(plan,
@@ -28,6 +29,7 @@ torch, the framework and compilation, as a user's process would.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import copy
 import gc
 import json
@@ -45,7 +47,7 @@ import torch.nn.functional as F
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor.debug import CommDebugMode
 from torch.distributed.tensor.experimental import implicit_replication
-from torch.distributed.tensor.parallel import parallelize_module
+from torch.distributed.tensor.parallel import loss_parallel, parallelize_module
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
@@ -56,10 +58,14 @@ from spmd_ort.distributed.sharding import persistent_bytes  # noqa: E402
 from step import make_adamw  # noqa: E402
 
 
+LOSS_PARALLEL = False  # --loss-parallel: the head split over the vocabulary, the loss under loss_parallel()
+
+
 def train_step(model, opt, x, y):
     out = model(x)
-    loss = F.cross_entropy(out.flatten(0, -2), y.flatten())
-    loss.backward()
+    with loss_parallel() if LOSS_PARALLEL else contextlib.nullcontext():
+        loss = F.cross_entropy(out.flatten(0, -2), y.flatten())
+        loss.backward()
     opt.step()
     opt.zero_grad(set_to_none=True)
     return loss
@@ -79,6 +85,8 @@ def main() -> None:
     ap.add_argument("--dp", type=int, default=1, help="2-D: data-parallel replicas (mesh dp x tp)")
     ap.add_argument("--peak-rss", action="store_true", help="peak RSS per runner, each in its own torchrun")
     ap.add_argument("--nproc", type=int, default=2, help="--peak-rss: ranks per torchrun")
+    ap.add_argument("--loss-parallel", action="store_true",
+                    help="the head untied and split over the vocabulary, the loss under loss_parallel() (every runner)")
     ap.add_argument("--rss-out", help=argparse.SUPPRESS)  # a --peak-rss worker: where rank 0 writes its result
     args = ap.parse_args()
     if args.peak_rss:
@@ -87,7 +95,9 @@ def main() -> None:
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
     spmd_ort.runtime.memory.retain_host_memory()  # every runner, from its first step
-    cfg = GPTConfig(vocab=8192, seq=128, d=256, heads=4, layers=4, split_qkv=True)
+    global LOSS_PARALLEL
+    LOSS_PARALLEL = args.loss_parallel
+    cfg = GPTConfig(vocab=8192, seq=128, d=256, heads=4, layers=4, split_qkv=True, tie_head=not args.loss_parallel)
     torch.manual_seed(0)
     model = GPT(cfg)
     mesh2d = init_device_mesh("cpu", (args.dp, world // args.dp), mesh_dim_names=("dp", "tp")) if args.dp > 1 else None
@@ -99,7 +109,7 @@ def main() -> None:
                 torch.randint(0, cfg.vocab, (8, cfg.seq), generator=g))
 
     mesh = mesh2d["tp"] if mesh2d is not None else init_device_mesh("cpu", (world,))
-    plan = tensor_parallel_plan()
+    plan = tensor_parallel_plan(loss_parallel=args.loss_parallel)
     runners = {}
     for name in args.runners.split(","):
         m = copy.deepcopy(model)
@@ -151,7 +161,8 @@ def main() -> None:
         layout = (f"tensor parallel over {world} ranks, the same batch of 8 on every rank" if mesh2d is None else
                   f"2-D: dp {args.dp} x tp {world // args.dp} ({world} ranks), a batch of 8 per dp replica; eager is "
                   "FSDP2 + TP")
-        print(f"# bench/tp.py — gpt-mini split q/k/v ({params / 1e6:.2f} M params), {layout}, gloo, "
+        head = ", untied head split over the vocabulary, loss_parallel()" if args.loss_parallel else ""
+        print(f"# bench/tp.py — gpt-mini split q/k/v{head} ({params / 1e6:.2f} M params), {layout}, gloo, "
               f"{torch.get_num_threads()} thread(s)/rank, host memory retained for every runner, median of "
               f"{args.steps}")
         print("| runner | ms/step | x eager | collectives/step | MiB/step | persistent MiB/rank |")
@@ -185,7 +196,7 @@ def peak_rss(args) -> None:
             out = Path(tmp) / f"{name}.json"
             cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={args.nproc}",
                    __file__, "--runners", name, "--steps", str(args.steps), "--dp", str(args.dp),
-                   "--rss-out", str(out)]
+                   "--rss-out", str(out), *(["--loss-parallel"] if args.loss_parallel else [])]
             env = {**os.environ, "OMP_NUM_THREADS": "1", "SPMD_ORT_LOG_LEVEL": "WARNING"}
             proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
             if proc.returncode != 0 or not out.exists():

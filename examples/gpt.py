@@ -23,6 +23,9 @@ class GPTConfig:
     dropout: float = 0.0
     # separate q, k, v projections (the layout tensor-parallel plans shard column-wise: see tensor_parallel_plan)
     split_qkv: bool = False
+    # the LM head shares the token embedding's weight (GPT-2); untied, a tensor-parallel plan can shard the head
+    # over the vocabulary on its own (tensor_parallel_plan(loss_parallel=True))
+    tie_head: bool = True
 
 
 class Block(nn.Module):
@@ -66,7 +69,8 @@ class GPT(nn.Module):
         self.blocks = nn.ModuleList(Block(cfg) for _ in range(cfg.layers))
         self.ln_f = nn.LayerNorm(cfg.d)
         self.head = nn.Linear(cfg.d, cfg.vocab, bias=False)
-        self.head.weight = self.wte.weight  # tied
+        if cfg.tie_head:
+            self.head.weight = self.wte.weight  # tied
         self.apply(self._init)
         for name, p in self.named_parameters():
             if name.endswith("out.weight"):  # residual projections, scaled as in GPT-2
@@ -97,12 +101,21 @@ class GPT(nn.Module):
         return idx
 
 
-def tensor_parallel_plan() -> dict:
+def tensor_parallel_plan(loss_parallel: bool = False) -> dict:
     """Megatron's plan for :class:`GPT` built with ``split_qkv=True``: q, k, v and the MLP's first linear split
     column-wise (each rank a share of the heads and hidden units), the projections back row-wise (one all-reduce
-    each in forward); embeddings, norms and the tied head replicated."""
+    each in forward); embeddings, norms and the tied head replicated.
+
+    ``loss_parallel``: for a model built with ``tie_head=False``, the head split column-wise too, its logits left
+    sharded over the vocabulary (a DTensor), for a cross-entropy run under torch's
+    ``torch.distributed.tensor.parallel.loss_parallel()`` (the loss and its backward: each rank computes its
+    share of the vocabulary, and no rank holds all the logits)."""
+    from torch.distributed.tensor import Shard
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
 
     col, row = ColwiseParallel(), RowwiseParallel()
-    return {"blocks.*.q": col, "blocks.*.k": col, "blocks.*.v": col, "blocks.*.proj": row,
+    plan = {"blocks.*.q": col, "blocks.*.k": col, "blocks.*.v": col, "blocks.*.proj": row,
             "blocks.*.fc": col, "blocks.*.out": row}
+    if loss_parallel:
+        plan["head"] = ColwiseParallel(output_layouts=Shard(-1), use_local_output=False)
+    return plan

@@ -22,7 +22,9 @@ CASES = [
     ("fx", "mode", "megatron", 1),  # TensorParallel(plan) applied at the first call, after a failed one was undone
     # parallelize_module by the user, then parallel_mode=None; activation_memory_budget=0 (recompute under TP)
     ("ort", "user", "megatron", 1),
-    ("ort", "mode", "sequence", 1),  # sequence parallel: all-gathers, reduce-scatters, partial gradients of norms
+    # sequence parallel: all-gathers, reduce-scatters, partial gradients of norms; the logits sharded over the
+    # vocabulary and the loss under torch's loss_parallel() (torchtitan's default), eagerly and compiled
+    ("ort", "mode", "sequence", 1),
     # 2-D, 4 ranks (dp 2 x tp 2): DataParallel(replicate) on the dp dim, against eager TP on the global batch
     ("ort", "mode", "sequence", 2),
     # 2-D with a bf16 MixedPrecisionPolicy on the dp dim, against FSDP2 + TP with the same policy
@@ -54,6 +56,7 @@ def test_matches_eager_tensor_parallel(tmp_path, backend, apply, plan, dp):
     # sequence lengths 16, 12, 10: one static program, then one symbolic program for every later length (DTensor's
     # sharding propagation runs on the symbolic sizes; sequence parallel's shards of them included)
     extra += ("--vary-seq",) if vary_seq else ()
+    extra += ("--loss-parallel",) if (plan, dp) == ("sequence", 1) else ()
     budget = "0" if apply == "user" else "1"
     results, _ = torchrun(tmp_path, "--backend", backend, "--apply", apply, "--plan", plan, "--steps", "3",
                           "--dp", str(dp), *extra, nproc=2 * dp, script=SCRIPT,

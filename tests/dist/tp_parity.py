@@ -11,11 +11,14 @@ Loss, parameters, gradients and optimizer state (local shards) are checked after
 run on the same batch bounds the distance.  Writes DIR/rank<r>.json (collectives per step, bytes, placements).
 ``--mp`` (2-D only): a bf16 ``MixedPrecisionPolicy`` on the dp dim, against FSDP2 + TP with the same policy (FSDP2's
 ``fully_shard`` of every block and the root on the dp dim), each dp replica on its share of the batch.
+``--loss-parallel`` (sequence plan): the head's logits stay sharded over the vocabulary and the cross-entropy runs
+under torch's ``loss_parallel()`` (torchtitan's default), eagerly and compiled.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import copy
 import dataclasses
 import fnmatch
@@ -32,7 +35,7 @@ from torch.distributed.tensor.debug import CommDebugMode
 from torch.distributed.tensor.experimental import implicit_replication
 from torch.distributed.tensor import Replicate, Shard
 from torch.distributed.tensor.parallel import (ColwiseParallel, PrepareModuleInput, RowwiseParallel, SequenceParallel,
-                                               parallelize_module)
+                                               loss_parallel, parallelize_module)
 
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "tests"))
@@ -105,10 +108,17 @@ COLWISE = sum(1 for s in PLAN.values() if isinstance(s, ColwiseParallel)) * LAYE
 COLWISE_INPUTS = 2 * LAYERS
 
 
+# --loss-parallel: the head's output stays a DTensor sharded over the vocabulary, and the loss and its backward run
+# under loss_parallel() (on the one-process model's plain logits it changes nothing)
+LP_HEAD = ColwiseParallel(input_layouts=Shard(1), output_layouts=Shard(-1), use_local_output=False)
+LOSS_PARALLEL = False
+
+
 def step_fn(model, opt, ids, labels, clip=torch.nn.utils.clip_grad_norm_):
     logits = model(ids)
-    loss = F.cross_entropy(logits.reshape(-1, VOCAB), labels.reshape(-1))
-    loss.backward()
+    with loss_parallel() if LOSS_PARALLEL else contextlib.nullcontext():
+        loss = F.cross_entropy(logits.reshape(-1, VOCAB), labels.reshape(-1))
+        loss.backward()
     # over DTensor and plain gradients: eager raises unless under implicit_replication (as eager_step runs it);
     # the compiled step completes the norm across both by itself
     clip(model.parameters(), 0.5)
@@ -186,6 +196,8 @@ def main() -> None:
     ap.add_argument("--deepspeed", type=int, default=None, metavar="STAGE",
                     help="2-D: a DeepSpeed config of this ZeRO stage with the plan (from_deepspeed_config), against "
                          "FSDP2 + TP")
+    ap.add_argument("--loss-parallel", action="store_true", help="sequence plan: vocabulary-sharded logits and "
+                    "loss_parallel(), eagerly and compiled")
     ap.add_argument("--out", required=True)
     args = ap.parse_args()
     fsdp = args.mp or args.fully_shard or args.deepspeed is not None  # eager is FSDP2 + TP
@@ -201,6 +213,11 @@ def main() -> None:
     base = LM()
     single = copy.deepcopy(base)
     plan = PLAN if args.plan == "megatron" else SP_PLAN
+    if args.loss_parallel:
+        if args.plan != "sequence":
+            ap.error("--loss-parallel goes with --plan sequence (its head is column-wise)")
+        global LOSS_PARALLEL
+        LOSS_PARALLEL, plan = True, {**SP_PLAN, "head": LP_HEAD}
     eager = parallelize_module(copy.deepcopy(base), mesh, plan)
     dp_mode = spmd_ort.DataParallel(parallel_style="fully_shard" if args.fully_shard else "replicate")
     if fsdp:  # FSDP2 + TP (with the policy), as torchtitan builds it
@@ -290,7 +307,11 @@ def main() -> None:
             le = step_fn(eager, opt_e, ids[mine], labels[mine], clip_across_meshes) if fsdp else step_fn(
                 eager, opt_e, ids, labels)
         lc = run(compiled, opt_c, ids[mine], labels[mine])
-        assert not isinstance(lc, DTensor), type(lc)
+        # what eager returns: a plain loss, or under loss_parallel a replicated DTensor (compared whole)
+        assert isinstance(lc, DTensor) == isinstance(le, DTensor) == args.loss_parallel, (type(lc), type(le))
+        if args.loss_parallel:
+            assert lc.placements == le.placements, (lc.placements, le.placements)
+            lc, le = lc.full_tensor(), le.full_tensor()
         if fsdp:  # each dp replica's loss against FSDP2 + TP's on the same share (bf16: the same policy, casts)
             tol = dict(rtol=1e-3, atol=1e-3) if args.mp else dict(rtol=1e-5, atol=1e-6)
             torch.testing.assert_close(lc.detach(), le.detach(), **tol)
