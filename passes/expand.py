@@ -103,9 +103,17 @@ def adopt_dtensor_collectives_pass(gm: fx.GraphModule, ctx) -> fx.GraphModule:
 MERGED_DTYPES = (torch.float32, torch.float64)
 
 
+def _same_shape(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Equal shapes, symbolic sizes included, decided without adding a guard to the program."""
+    from torch.fx.experimental.symbolic_shapes import statically_known_true
+
+    return a.dim() == b.dim() and all(statically_known_true(x == y) for x, y in zip(a.shape, b.shape))
+
+
 def _lone_all_reduce(node) -> fx.Node | None:
     """The ``all_reduce_`` whose ``wait_`` ``node`` is, when both are used only along this chain (the all-reduce
-    by its wait, the wait by one node), it reduces a value of its own (a clone, or the sum of a merge), and it is not a gradient's."""
+    by its wait, the wait by one node), it reduces a value of its own (a clone, or the sum of a merge), and it is
+    not a gradient's."""
     if not (isinstance(node, fx.Node) and node.op == "call_function" and node.target is wait_
             and len(node.users) == 1):
         return None
@@ -152,8 +160,8 @@ def merge_summed_all_reduces_pass(gm: fx.GraphModule, ctx) -> fx.GraphModule:
                 continue
             a, b = _reduced(left), _reduced(right)
             out = val(node)
-            if not (val(a).shape == val(b).shape == out.shape and val(a).dtype == val(b).dtype == out.dtype
-                    and out.dtype in MERGED_DTYPES):
+            if not (_same_shape(val(a), out) and _same_shape(val(b), out)
+                    and val(a).dtype == val(b).dtype == out.dtype and out.dtype in MERGED_DTYPES):
                 continue
             waits = [node.args[0], node.args[1]]
             with graph.inserting_before(node):
