@@ -162,12 +162,16 @@ class InductorExecutor:
     def segments(self) -> list[InductorSegment]:
         return [m for m in self.gm.modules() if isinstance(m, InductorSegment)]
 
-    def run(self, inputs: list[torch.Tensor]) -> list[torch.Tensor]:
+    def run(self, inputs: list[torch.Tensor], *, copies: bool = False) -> list[torch.Tensor]:
+        """One step on ``inputs``; ``copies``: they are the caller's copies of the step's values, which the first
+        run may update in place (the automatic choice's candidate: no second copy of the state)."""
         with torch.no_grad():
             if not self.first_run_done:
                 # on copies: host nodes update state in place, and a failure after them must change nothing
                 t0 = time.perf_counter()
-                out = _CheckedRun(self).run(*[t.clone() if isinstance(t, torch.Tensor) else t for t in inputs])
+                if not copies:
+                    inputs = [t.clone() if isinstance(t, torch.Tensor) else t for t in inputs]
+                out = _CheckedRun(self).run(*inputs)
                 self.first_run_done = True
                 self.stats.first_run_seconds = time.perf_counter() - t0
                 return list(out)

@@ -131,7 +131,7 @@ class OrtExecutor:
         if candidate is not None:
             try:
                 with untouched():  # torch's RNG and the step's collective counts as they were
-                    candidate.run(copies)  # (its checked first run works on copies of its own)
+                    candidate.run(copies, copies=True)  # its checked first run updates these copies in place
                     active().comm.finish()
                 ok = True
             except Exception as exc:  # noqa: BLE001 - a candidate that fails is no candidate
