@@ -273,7 +273,9 @@ def run_case(case: Case, backend: str) -> Exception | None:
     compiled = copy.deepcopy(eager)
     for a, b in zip(eager.parameters(), compiled.parameters()):
         b.grad = None if a.grad is None else a.grad.clone()
-    exact = copy.deepcopy(eager).double()  # the float64 twin (Module.double converts the grads too)
+    exact = copy.deepcopy(eager).double()  # the float64 twin
+    for a, b in zip(eager.parameters(), exact.parameters()):  # (deepcopy of a Parameter leaves its .grad behind)
+        b.grad = None if a.grad is None else a.grad.double()
     opt_e, opt_c, opt_x = (make_optimizer(case, m) for m in (eager, compiled, exact))
     fn = make_step(case)
     step = spmd_ort.compile(backend=backend)(fn)
