@@ -26,18 +26,7 @@ PARTIAL_FOUND_INF = "partial_found_inf"  # fully_shard: a GradScaler's inf flag 
 EAGER_LAYOUT_UNKNOWN = "eager_layout_unknown"  # a random op whose inputs' eager layout no probe could find
 
 
-def is_random(node: fx.Node) -> bool:
-    """Whether ``node`` draws random numbers: torch tags its random ops (``nondeterministic_seeded``), ours carry
-    the tag; an op tagged for an optional dropout (attention's ``dropout_p``, ``native_dropout``'s ``p`` or
-    ``train``) draws nothing when that dropout is off."""
-    if not (node.op == "call_function" and isinstance(node.target, torch._ops.OpOverload)
-            and ops.RANDOM in node.target.tags):
-        return False
-    for i, arg in enumerate(node.target._schema.arguments):
-        value = node.args[i] if i < len(node.args) else node.kwargs.get(arg.name, arg.default_value)
-        if (arg.name in ("dropout_p", "p") and value == 0) or (arg.name == "train" and value is False):
-            return False
-    return True
+is_random = ops.draws_random  # whether a node draws random numbers (one definition, shared with the partitioner)
 
 
 def val(node: fx.Node) -> torch.Tensor:

@@ -30,7 +30,7 @@ from torch.fx.passes.operator_support import OperatorSupport
 from spmd_ort.ort.coverage import HOST_ONLY, why_untranslatable
 from spmd_ort.ort.lowering import DECOMPOSITION, why_not_lowerable
 from spmd_ort.capture.dynamic import SizeEmitter, input_symbols
-from spmd_ort.runtime.ops import OPAQUE_OPS, STARTS, check_index, wait_
+from spmd_ort.runtime.ops import OPAQUE_OPS, STARTS, check_index, draws_random, wait_
 
 aten = torch.ops.aten
 
@@ -179,20 +179,23 @@ def _sizes_from_inputs(gm: fx.GraphModule) -> None:
 
 
 def _split_at_collectives(gm: fx.GraphModule, partitions: list) -> list:
-    """No segment spans a collective's issue or wait point, so compute overlaps the collective.
+    """No segment spans a collective's issue or wait point, so compute overlaps the collective; and none spans
+    a random draw, so the draws keep their order.
 
-    Without this, all of backward would be one segment and every all-reduce would
+    Without the first, all of backward would be one segment and every all-reduce would
     start after it (and a parameter all-gather's wait would hold back compute
-    that does not need the parameter).  Parts are contiguous in graph order, so splitting keeps the
-    partitions acyclic.  A getitem stays with the op whose tuple it reads (its only input), wherever it
-    stands: a segment returns tensors, never a multi-output op's tuple (``native_layer_norm_backward``'s
-    bias gradient read after a collective began, under sequence parallelism).
+    that does not need the parameter).  Without the second, a segment fusing independent regions between
+    draws (two micro-batches' dropouts: the first's second mask and the second's first) makes the host run
+    the draws in another order than eager, which changes every mask.  Parts are contiguous in graph order, so
+    splitting keeps the partitions acyclic.  A getitem stays with the op whose tuple it reads (its only input),
+    wherever it stands: a segment returns tensors, never a multi-output op's tuple
+    (``native_layer_norm_backward``'s bias gradient read after a collective began, under sequence parallelism).
     """
     from torch.fx.passes.infra.partitioner import Partition
 
     stage, stages = 0, {}
     for node in gm.graph.nodes:
-        if node.op == "call_function" and (node.target in STARTS or node.target is wait_):
+        if node.op == "call_function" and (node.target in STARTS or node.target is wait_ or draws_random(node)):
             stage += 1
         source = node.args[0] if node.target is operator.getitem and node.args else None
         stages[node] = stages[source] if isinstance(source, fx.Node) and source in stages else stage

@@ -77,6 +77,20 @@ bernoulli_like = _op("bernoulli_like(Tensor t, float p) -> Tensor",
                      lambda t, p: torch.empty_like(t).bernoulli_(p), lambda t, p: torch.empty_like(t), tags=(RANDOM,))
 
 
+def draws_random(node: fx.Node) -> bool:
+    """Whether ``node`` draws random numbers: torch tags its random ops (``nondeterministic_seeded``), ours carry
+    the tag; an op tagged for an optional dropout (attention's ``dropout_p``, ``native_dropout``'s ``p`` or
+    ``train``) draws nothing when that dropout is off."""
+    if not (node.op == "call_function" and isinstance(node.target, torch._ops.OpOverload)
+            and RANDOM in node.target.tags):
+        return False
+    for i, arg in enumerate(node.target._schema.arguments):
+        value = node.args[i] if i < len(node.args) else node.kwargs.get(arg.name, arg.default_value)
+        if (arg.name in ("dropout_p", "p") and value == 0) or (arg.name == "train" and value is False):
+            return False
+    return True
+
+
 def memory_order(t: Tensor) -> tuple[int, ...] | None:
     """The dims of ``t`` longer than 1, outermost first in memory, when ``t`` is dense (no gaps, no overlap);
     else None.  A dim of size 1 takes no part: any stride serves it, and a fill never steps along it."""
