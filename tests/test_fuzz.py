@@ -248,7 +248,7 @@ FOUND.update({
     # A real fault (the same `make fuzz` run): two dropouts, two micro-batches, ORT backend: the loss 19% off at
     # step 0. The partitioner fused the two micro-batches' independent regions into one segment each, so the host
     # drew the masks in another order (the first micro-batch's first mask, the second's first, ...) than eager.
-    # Segments now end at every random draw, as at collectives (spmd_ort.ort.partition._split_at_collectives).
+    # Segments now end at every random draw, as at collectives (spmd_ort.ort.partition._split_at_host_points).
     "ort_dropouts_of_two_micro_batches": (Case(
         seed=0, d_in=2, width=4, batch=1, seq=2, classes=2, layers=(_DROPOUT, _DROPOUT), optimizer="sgd", lr=1e-3,
         micro=2, zero="end_none", loss="ce", steps=2), "ort"),

@@ -112,11 +112,17 @@ def _agreed_times(name: str, times: dict, error: Exception | None) -> tuple[dict
     return {"fx": float(t[0]) / world, "ort": float(t[1]) / world}, bool(t[2] > 0)
 
 
+def _wants_more(samples: list[float]) -> bool:
+    """Whether a timing has too few samples yet: fewer than :data:`TIMED_RUNS`' least, or fewer than its most
+    while within :data:`TIMING_BUDGET_S`."""
+    least, most = TIMED_RUNS
+    return len(samples) < least or (len(samples) < most and sum(samples) < TIMING_BUDGET_S)
+
+
 def fastest(run, args, first: float) -> float:
     """The fastest of ``first`` (the checked run's time) and further runs of ``run``."""
-    least, most = TIMED_RUNS
     samples: list[float] = [first]
-    while len(samples) < least or (len(samples) < most and sum(samples) < TIMING_BUDGET_S):
+    while _wants_more(samples):
         t0 = time.perf_counter()
         run(*args)
         samples.append(time.perf_counter() - t0)
@@ -127,11 +133,10 @@ def timed_fx_runs(run, args, repeat: bool) -> tuple[float, object]:
     """Run ``run`` (an fx graph: new output tensors each run) on ``args``; with ``repeat``, again as
     :func:`fastest` does, each run's outputs dropped before the next computes them again.  Returns the fastest
     run's seconds and the last run's outputs (only this frame holds them: the drop frees them)."""
-    least, most = TIMED_RUNS
     t0 = time.perf_counter()
     result = run(*args)
     samples: list[float] = [time.perf_counter() - t0]
-    while repeat and (len(samples) < least or (len(samples) < most and sum(samples) < TIMING_BUDGET_S)):
+    while repeat and _wants_more(samples):
         result = None  # noqa: F841 - freed before the run that replaces it
         t0 = time.perf_counter()
         result = run(*args)

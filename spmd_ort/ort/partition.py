@@ -141,7 +141,7 @@ def partition_with(gm: fx.GraphModule, support: OperatorSupport) -> tuple[fx.Gra
     """Fuse the regions ``support`` accepts into submodules ``fused_<i>`` (largest connected regions, split at
     collectives, none of views alone; any backend's grouping); returns (graph, their names)."""
     partitioner = CapabilityBasedPartitioner(gm, support, allows_single_node_partition=False)
-    partitions = _split_at_collectives(gm, partitioner.propose_partitions())
+    partitions = _split_at_host_points(gm, partitioner.propose_partitions())
     # a segment made only of views/getitems is not worth an ORT call
     partitions = [p for p in partitions if any(_is_compute(n) for n in p.nodes)]
     fused = partitioner.fuse_partitions(partitions)
@@ -178,7 +178,7 @@ def _sizes_from_inputs(gm: fx.GraphModule) -> None:
     gm.recompile()
 
 
-def _split_at_collectives(gm: fx.GraphModule, partitions: list) -> list:
+def _split_at_host_points(gm: fx.GraphModule, partitions: list) -> list:
     """No segment spans a collective's issue or wait point, so compute overlaps the collective; and none spans
     a random draw, so the draws keep their order.
 
