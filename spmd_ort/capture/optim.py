@@ -198,6 +198,36 @@ def _sgd_update(opt: torch.optim.Optimizer, group: dict, params: list[Tensor], b
         else:
             for p, b in zip(params, new_bufs):
                 opt.state[p]["momentum_buffer"] = wrap(b, spec_of(p)) if is_dtensor(p) else b
+        if group["nesterov"] and not group["maximize"] and _eager_foreach(group, params):
+            _nesterov_grads_as_foreach(group, params, new_bufs)
+
+
+def _eager_foreach(group: dict, params: list[Tensor]) -> bool:
+    """Whether eager ``step()`` runs this group with torch's foreach implementation (``foreach=True``, or
+    neither flag set and every parameter on a device with foreach kernels: torch's own default)."""
+    if group.get("fused"):
+        return False
+    if group.get("foreach") is not None:
+        return bool(group["foreach"])
+    from torch.utils._foreach_utils import _get_foreach_kernels_supported_devices
+    devices = _get_foreach_kernels_supported_devices()
+    return not group.get("differentiable") and all(local(p).device.type in devices for p in params)
+
+
+def _nesterov_grads_as_foreach(group: dict, params: list[Tensor], new_bufs: list[Tensor]) -> None:
+    """Eager's foreach SGD with nesterov (no weight decay, no maximize) adds ``momentum * buf`` to the
+    gradients in place (``torch._foreach_add_(device_grads, bufs, alpha=momentum)``), so ``p.grad`` after
+    ``step()`` is the nesterov direction, which a step that keeps its gradients accumulates into.  The graph
+    does the same; weight decay (a hyper-parameter input, so a schedule never re-traces) selects it per step,
+    as eager's foreach path adds to a new tensor when it is not 0."""
+    hparams = group[HPARAMS_KEY]
+    for p, buf in zip(params, new_bufs, strict=True):
+        if is_dtensor(p.grad) and spec_of(p.grad) != spec_of(p):
+            continue  # a pending (Partial) gradient: eager's foreach add would redistribute it first
+        grad = local(p.grad)
+        momentum, weight_decay = (hparams[i].to(grad.device) for i in (1, 3))
+        moved = grad + (buf.to(grad.device) * momentum.to(grad.dtype))
+        grad.copy_(torch.where(weight_decay == 0, moved, grad))
 
 
 # Trace-time only: the param-group key under which a rule finds its hparams tensor.
