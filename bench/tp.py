@@ -3,6 +3,8 @@
 Run:  .venv/bin/torchrun --standalone --nproc_per_node=2 bench/tp.py [--steps 7]
       .venv/bin/torchrun --standalone --nproc_per_node=4 bench/tp.py --dp 2   # 2-D: dp 2 x tp 2
       .venv/bin/torchrun --standalone --nproc_per_node=2 bench/tp.py --loss-parallel   # head split over the vocab
+      .venv/bin/torchrun --standalone --nproc_per_node=2 bench/tp.py --runners eager,spmd-fx,spmd-fx-nosplit
+                                            # A/B: a runner without split_replicated_matmuls_pass
       .venv/bin/python bench/tp.py --peak-rss [--nproc 4 --dp 2]            # peak RSS, one torchrun per runner
 
 2-D (``--dp 2``): the plan over ``tp``; the compiled runners average gradients over ``dp`` (``TensorParallel(plan,
@@ -78,6 +80,21 @@ def eager_step(model, opt, x, y):
         return train_step(model, opt, x, y)
 
 
+@contextlib.contextmanager
+def _environ(**values):
+    """Environment variables set (an empty value: left unset) while the block runs."""
+    saved = {k: os.environ.get(k) for k in values}
+    os.environ.update({k: v for k, v in values.items() if v})
+    try:
+        yield
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--steps", type=int, default=7)
@@ -127,7 +144,10 @@ def main() -> None:
             dp_mode = spmd_ort.DataParallel(parallel_style="fully_shard" if style == "fsdp" else "replicate")
             mode = spmd_ort.TensorParallel(plan, mesh=mesh) if mesh2d is None else spmd_ort.TensorParallel(
                 plan, mesh=mesh2d, data_parallel=dp_mode)
-            step = spmd_ort.compile(backend=backend, parallel_mode=mode)
+            without = name.split("-")[2:]  # spmd-fx-nosplit: without split_replicated_matmuls_pass (an A/B runner)
+            disabled = ",".join({"nosplit": "split_replicated_matmuls_pass"}[w] for w in without)
+            with _environ(SPMD_ORT_DISABLE_PASSES=disabled):
+                step = spmd_ort.compile(backend=backend, parallel_mode=mode)
             runners[name] = (m, step(train_step), backend)
     opts = {k: make_adamw(m.parameters()) for k, (m, _, _) in runners.items()}
     times: dict[str, list[float]] = {k: [] for k in runners}

@@ -11,17 +11,24 @@ mean, and collectives without a counterpart here (all-to-all), stay as traced: t
 :func:`merge_summed_all_reduces_pass` then uses that a sum of all-reduces is the all-reduce of the sum: the input
 gradients of separate column-wise q, k and v projections (each a partial sum DTensor all-reduces on its own)
 are added before one all-reduce.
+
+:func:`split_replicated_matmuls_pass` shares out what the plan leaves replicated: a matmul every rank of the
+tensor-parallel group computes alike (an LM head outside the plan: its weight gradient and input gradient) is
+computed a share of its rows per rank and all-gathered.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 from torch import fx
 
 from spmd_ort.capture.dynamic import SizeEmitter
 from spmd_ort.runtime.ops import all_gather, all_reduce_, reduce_scatter, wait_
 
+from .context import PassResult
 from .contracts import COLLECTIVES_WAITED
-from .helpers import ACTIVATION_COLLECTIVE, GRADIENT_OF, aten, call, val
+from .helpers import ACTIVATION_COLLECTIVE, GRADIENT_OF, aten, call, group_of, val
 from .runner import graph_pass
 
 import torch
@@ -168,8 +175,9 @@ def merge_summed_all_reduces_pass(gm: fx.GraphModule, ctx) -> fx.GraphModule:
                 summed = call(graph, aten.add.Tensor, (a, b), out)
                 started = call(graph, all_reduce_, (summed, *left.args[1:]), out)
                 done = call(graph, wait_, (started,), out)
-            for n in (summed, started, done):
-                n.meta.update({k: v for k, v in left.meta.items() if k != "val"})  # phase, module path
+            for n in (summed, started, done):  # phase, module path; only the collective is one
+                n.meta.update({k: v for k, v in left.meta.items() if k not in ("val", ACTIVATION_COLLECTIVE)})
+            started.meta[ACTIVATION_COLLECTIVE] = True
             node.replace_all_uses_with(done)
             graph.erase_node(node)
             for wait in waits:
@@ -181,4 +189,184 @@ def merge_summed_all_reduces_pass(gm: fx.GraphModule, ctx) -> fx.GraphModule:
                     graph.erase_node(own)
             changed = True
     gm.recompile()
+    return gm
+
+
+# A matmul every rank of the tensor-parallel group computes alike is split over the group when each rank skips at
+# least this many multiply-adds per element of the result it gathers, K * (1 - 1/size): the all-gather of an M x N
+# result then costs less than the skipped M x N x K work (on CPU gloo a gathered float costs about as much as ~100
+# multiply-adds; this leaves the margin to the forward's logits, over the model width, which stay whole).
+SPLIT_MIN_K = 256
+
+
+def _tensor_parallel_group(gm: fx.GraphModule) -> str | None:
+    """The one process group the step's tensor-parallel activation collectives run on (None: none, or several)."""
+    groups = {group_of(n) for n in gm.graph.nodes if n.op == "call_function"
+              and n.target in (all_reduce_, all_gather, reduce_scatter) and n.meta.get(ACTIVATION_COLLECTIVE)}
+    return groups.pop() if len(groups) == 1 else None
+
+
+def _rank_and_size(group: str) -> tuple[int, int]:
+    """This rank's position in ``group`` and the group's size."""
+    from spmd_ort.runtime.collectives import process_group
+
+    pg = process_group(group)
+    return torch.distributed.get_rank(pg), torch.distributed.get_world_size(pg)
+
+
+def _signature(node: fx.Node) -> int:
+    """A hash of what ``node`` computes from its inputs (op, constants, which nodes it reads), equal across
+    processes (Python's own string hash is salted per process)."""
+    import hashlib
+
+    target = node.target
+    if not isinstance(target, (str, torch._ops.OpOverload)):  # a function's repr holds its address
+        target = f"{getattr(target, '__module__', '')}.{getattr(target, '__qualname__', repr(target))}"
+    value = node.meta.get("val")
+    length = str(value) if isinstance(value, (int, torch.SymInt)) else ""  # its expression (a local shard's)
+    text = repr((node.op, str(target), fx.map_arg(node.args, lambda a: a.name),
+                 fx.map_arg(node.kwargs, lambda a: a.name), length))
+    return int.from_bytes(hashlib.blake2b(text.encode(), digest_size=7).digest(), "little")
+
+
+def _same_on_group(gm: fx.GraphModule, group: str) -> set[fx.Node]:
+    """The nodes that compute the same function of their inputs on every rank of ``group``.
+
+    A rank's graph holds its own constants where DTensor traced a redistribution (the shard a rank keeps of a
+    replicated value: a slice at its own offset), so a value computed from alike inputs is not alike by that alone.
+    The ranks compare each node's :func:`_signature` (one all-gather over the group at compile time, where every
+    rank compiles the same graph); graphs of different lengths share nothing (every rank sees that alike)."""
+    from spmd_ort.runtime.collectives import process_group
+
+    pg = process_group(group)
+    size = pg.size() if pg is not None else torch.distributed.get_world_size()
+    nodes = list(gm.graph.nodes)
+    mine = torch.tensor([len(nodes)] + [_signature(n) for n in nodes], dtype=torch.int64)
+    lengths = [torch.zeros(1, dtype=torch.int64) for _ in range(size)]
+    torch.distributed.all_gather(lengths, mine[:1], group=pg)
+    if any(int(n) != len(nodes) for n in lengths):
+        return set()
+    everyone = [torch.empty_like(mine) for _ in range(size)]
+    torch.distributed.all_gather(everyone, mine, group=pg)
+    same = torch.stack(everyone).eq(mine).all(0)[1:].tolist()
+    return {n for n, s in zip(nodes, same) if s and n.op != "get_attr"}  # a constant tensor: not compared
+
+
+def _pure(node: fx.Node) -> bool:
+    """An aten or prims op, or Python's arithmetic on sizes (``operator.mul`` of symbolic lengths, ``getitem``)."""
+    target = node.target
+    if isinstance(target, torch._ops.OpOverload):
+        return target.namespace in ("aten", "prims")
+    return getattr(target, "__module__", None) in ("_operator", "operator") or target in (
+        torch.sym_max, torch.sym_min, torch.sym_not, torch.sym_float, torch.sym_int)
+
+
+def _alike_on_group(gm: fx.GraphModule, ctx, group: str) -> set[fx.Node]:
+    """The values every rank of ``group`` computes alike: from plain (or replicated DTensor) parameters and
+    buffers, the batch (one batch per tensor-parallel group) and hyper-parameters, the results of all-reduces and
+    all-gathers over ``group``, and deterministic ops of those alone that compute the same function on every rank
+    (:func:`_same_on_group`)."""
+    from torch.distributed.tensor import Replicate
+
+    from spmd_ort.capture.state import SlotKind
+    from spmd_ort.runtime.ops import draws_random
+
+    specs = ctx.layout.in_specs if ctx.layout is not None else []
+    same = _same_on_group(gm, group)
+    alike: set[fx.Node] = set()
+    i = 0
+    for node in gm.graph.nodes:
+        if node.op == "placeholder":
+            slot = ctx.input_slots[i]
+            spec = specs[i] if i < len(specs) else None
+            i += 1
+            if slot.kind in (SlotKind.PARAM, SlotKind.BUFFER, SlotKind.BATCH, SlotKind.HPARAM) and (
+                    spec is None or all(isinstance(p, Replicate) for p in spec[0].placements)):
+                alike.add(node)
+        elif node.op == "call_function":
+            if node.target is wait_:
+                started = node.args[0]
+                if started.target in (all_reduce_, all_gather) and group_of(started) == group:
+                    alike.add(node)
+            elif not (_pure(node) and not draws_random(node) and node in same):  # (arange: no inputs, alike)
+                continue
+            elif all(a in alike for a in node.all_input_nodes) or isinstance(
+                    node.meta.get("val"), (int, torch.SymInt)):
+                # a length: every symbol is one of the batch's (alike), every other length is a constant of the
+                # graph, which every rank's holds alike (a local shard's length included)
+                alike.add(node)
+    return alike
+
+
+@dataclass(frozen=True)
+class SplitMatmuls(PassResult):
+    """``split_replicated_matmuls_pass``: the replicated matmuls split over the tensor-parallel group, and the
+    multiply-adds each rank skips per step."""
+
+    count: int
+    group_size: int
+    skipped_flops: int
+
+    def lines(self) -> list[str]:
+        return [f"tensor parallel: {self.count} replicated matmul(s) split over the {self.group_size} ranks of the "
+                f"group (each rank skips {self.skipped_flops / 1e9:.2f} GFLOP a step; one all-gather each)"]
+
+
+@graph_pass(requires=[COLLECTIVES_WAITED], provides=[COLLECTIVES_WAITED])
+def split_replicated_matmuls_pass(gm: fx.GraphModule, ctx) -> fx.GraphModule:
+    """A matmul every tensor-parallel rank computes alike is computed once, a share of its rows on each rank.
+
+    Tensor parallelism leaves parts of the model replicated (an LM head and embedding outside the plan, tied or
+    not): every rank of the group computes the same logits, their gradient and the head's weight gradient, which
+    on gpt-mini is half of each rank's step.  ``mm(A, B)`` whose operands are alike on every rank of the group
+    (:func:`_alike_on_group`) becomes ``all_gather(mm(A[share], B))``: each rank computes its share of the result's
+    rows (the head's weight gradient: its share of the vocabulary; the gradient of the head's input: its share of
+    the tokens) and the gather, rank-major, is the product.  Each element is the same dot product as before, so the
+    numbers do not change (in any dtype).  Split where the rows divide by the group's size and are known (not
+    symbolic), and each rank skips at least :data:`SPLIT_MIN_K` multiply-adds per element it gathers (the forward's
+    logits, over the model width, stay whole).  Torch's tensor parallelism assumes what this uses: a parameter
+    outside the plan is the same on every rank of the group, as is the batch.
+    """
+    group = _tensor_parallel_group(gm)
+    if group is None:
+        return gm
+    rank, size = _rank_and_size(group)
+    alike = _alike_on_group(gm, ctx, group)
+    graph = gm.graph
+    sizes = SizeEmitter.of(gm)
+    split = skipped = 0
+    for node in list(graph.nodes):
+        if not (node.op == "call_function" and node.target is aten.mm.default and node in alike):
+            continue
+        a, b = node.args
+        out = val(node)
+        m, k = val(a).shape
+        k = k if isinstance(k, int) else getattr(k.node, "hint", None)  # a symbolic length: this trace's
+        if not (isinstance(m, int) and m % size == 0 and isinstance(k, int) and out.dtype.is_floating_point
+                and k * (size - 1) >= SPLIT_MIN_K * size):
+            continue
+        try:
+            shape = [sizes.size(d) for d in out.shape]
+        except ValueError:
+            continue
+        rows = m // size
+        flat = out.reshape(-1)
+        with graph.inserting_before(node):
+            a_share = call(graph, aten.slice.Tensor, (a, 0, rank * rows, (rank + 1) * rows),
+                           val(a)[rank * rows:(rank + 1) * rows])
+            partial = call(graph, aten.mm.default, (a_share, b), out.new_empty((rows, out.shape[1])))
+            started = call(graph, all_gather, (partial, size, -1, group), flat)
+            waited = call(graph, wait_, (started,), flat)
+            done = call(graph, aten.view.default, (waited, shape), out)
+        for n in (a_share, partial, started, waited, done):
+            n.meta.update({k: v for k, v in node.meta.items() if k != "val"})  # phase, module path
+        started.meta[ACTIVATION_COLLECTIVE] = True
+        node.replace_all_uses_with(done)
+        graph.erase_node(node)
+        split += 1
+        n = out.shape[1]
+        skipped += 2 * (m - rows) * n * k if isinstance(n, int) else 0
+    if split:
+        gm.recompile()
+        ctx.results.record(SplitMatmuls(split, size, skipped))
     return gm

@@ -24,7 +24,7 @@ from spmd_ort.distributed.parallel import DataParallel
 from .activation_stats import insert_activation_stats_pass
 from .analysis import count_collectives_pass, plan_memory_pass
 from .cleanup import remove_identity_views_pass, remove_redundant_copies_pass
-from .expand import adopt_dtensor_collectives_pass, merge_summed_all_reduces_pass
+from .expand import adopt_dtensor_collectives_pass, merge_summed_all_reduces_pass, split_replicated_matmuls_pass
 from .data_parallel import (broadcast_buffers_pass, bucket_collectives_pass, dedup_collectives_pass,
                             expand_data_parallel_pass, reduce_grad_presence_pass, schedule_overlap_pass,
                             sum_micro_batch_gradients_pass)
@@ -105,6 +105,7 @@ STAGES: tuple[Step, ...] = (
     Step("cleanup", remove_identity_views_pass),
     Step("expand", adopt_dtensor_collectives_pass, EXPAND.note("before recompute: never recomputed")),
     Step("expand", merge_summed_all_reduces_pass, EXPAND),
+    Step("expand", split_replicated_matmuls_pass, EXPAND.note("a no-op without tensor-parallel collectives")),
     Step("debug", insert_activation_stats_pass, ALWAYS.note("a no-op unless a debug subscriber taps activations")),
     Step("memory", recompute_activations_pass,
          ALWAYS.note("a no-op at activation_memory_budget=1.0; before the parallel passes, which then see "

@@ -126,3 +126,92 @@ def test_compute_independent_of_a_collective_runs_in_its_flight(one_rank):
     got, _ = _run(gm, g, x, w)
     for a, b in zip(got, expected, strict=True):
         torch.testing.assert_close(a, b, rtol=0, atol=0)
+
+
+def _slots(*kinds):
+    from spmd_ort.capture.state import Slot, SlotKind
+
+    return [Slot(kind=SlotKind(k), name=f"in{i}", index=i) for i, k in enumerate(kinds)]
+
+
+def test_values_alike_on_the_tensor_parallel_group(one_rank):
+    """What every rank of the group computes alike: plain parameters, the batch, the results of the group's
+    all-reduces and deterministic ops of those; not a sharded parameter's products, nor a random draw."""
+    from types import SimpleNamespace
+
+    from torch.distributed.tensor import DeviceMesh, Shard
+    from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
+
+    from spmd_ort.passes.expand import _alike_on_group
+
+    group = dist.group.WORLD.group_name
+
+    def step(w, s, x):
+        h = x @ w  # plain parameter, batch
+        r = funcol.all_reduce(x @ s, "sum", group)  # completed over the group
+        return h.t() @ r, x @ s, torch.nn.functional.dropout(h, 0.5)
+
+    w, s, x = torch.randn(4, 6), torch.randn(4, 3), torch.randn(8, 4)
+    gm = _adopted(step, w, s, x)
+    mesh = DeviceMesh("cpu", [0])
+    sharded = DTensorSpec(mesh, (Shard(1),), TensorMeta(s.shape, s.stride(), s.dtype))
+    ctx = PassContext(input_slots=_slots("param", "param", "batch"), output_slots=[],
+                      layout=SimpleNamespace(in_specs=[None, (sharded, True)]))
+    alike = _alike_on_group(gm, ctx, group)
+    mms = [n for n in gm.graph.nodes if n.target is torch.ops.aten.mm.default]
+    by_inputs = {tuple(a.name for a in n.all_input_nodes): n in alike for n in mms}
+    assert by_inputs[("x_1", "w_1")] is True  # x @ w
+    assert by_inputs[("x_1", "s_1")] is False  # x @ s, both times
+    assert [n in alike for n in mms if n.all_input_nodes[1].target is ops.wait_] == [True]  # h.t() @ r
+    assert not [n for n in gm.graph.nodes if ops.draws_random(n) and n in alike]
+
+
+def test_a_replicated_matmul_is_split_over_the_group(one_rank, monkeypatch):
+    """Each rank computes its share of the rows and all-gathers them: rank 0's and rank 1's shares (the pass run as
+    each, the gather stood in for on a one-rank group) are the product's rows, bit for bit; a matmul whose rows do not
+    divide by the group, or whose contraction is shorter than SPLIT_MIN_K per skipped share, stays whole."""
+    from types import SimpleNamespace
+
+    from torch import fx
+
+    from spmd_ort.passes import expand, split_replicated_matmuls_pass
+
+    group = dist.group.WORLD.group_name
+
+    def step(g, h, w, x):
+        wide = g.t() @ h  # a weight gradient over 600 tokens (6 rows): split
+        odd = g[:, :5].t() @ h  # 5 rows: whole
+        short = x @ w  # a contraction of 4: whole
+        return funcol.all_reduce(short, "sum", group) * 2, wide, odd
+
+    g, h, w, x = torch.randn(600, 6), torch.randn(600, 3), torch.randn(4, 6), torch.randn(8, 4)
+    expected = step(g, h, w, x)
+    shares = []
+
+    class Gathered(fx.Interpreter):  # the all-gather of one share as the group's: its share, repeated
+        def call_function(self, target, args, kwargs):
+            if target is ops.all_gather:
+                shares.append(args[0].clone())
+                return args[0].repeat(args[1], 1).reshape(-1)
+            if target is ops.wait_ and args[0].dim() == 1:
+                return args[0]
+            return super().call_function(target, args, kwargs)
+
+    for rank in (0, 1):
+        monkeypatch.setattr(expand, "_rank_and_size", lambda group, r=rank: (r, 2))
+        gm = _adopted(step, g, h, w, x)
+        ctx = PassContext(input_slots=_slots("batch", "batch", "param", "batch"), output_slots=[],
+                          layout=SimpleNamespace(in_specs=[]), check_contracts=True)
+        gm = split_replicated_matmuls_pass(gm, ctx)
+        monkeypatch.undo()
+        gm.graph.lint()
+        slices = [n.args[1:] for n in gm.graph.nodes if n.target is torch.ops.aten.slice.Tensor
+                  and n.args[0].target is torch.ops.aten.t.default and n.args[0].args[0].name == "g_1"]
+        assert slices == [(0, 3 * rank, 3 * rank + 3)], slices
+        assert ctx.results.get(expand.SplitMatmuls).count == 1
+        runtime = StepRuntime()
+        with torch.no_grad(), runtime.active():
+            got = Gathered(gm).run(g, h, w, x)
+        torch.testing.assert_close(got[0], expected[0])
+        assert torch.equal(got[2], expected[2])
+    assert torch.equal(torch.cat(shares), expected[1])  # every element the same dot product as unsplit

@@ -149,13 +149,46 @@ def local(t):
 NOISE = "blocks.*.attn.k.bias"
 
 
-def compare(eager, compiled, eager_opt, compiled_opt, where, normwise):
+# A compiled value may be this many times further from eager TP's than one-process eager's is (fuzz_cases' factor)
+EAGER_NOISE_FACTOR = 10
+
+
+def _single_local(value, like):
+    """The piece of one-process eager's full ``value`` that eager TP's ``like`` holds on this rank (no collective)."""
+    if not isinstance(like, DTensor):
+        return value
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+    shape, offset = compute_local_shape_and_global_offset(like.shape, like.device_mesh, like.placements)
+    return value[tuple(slice(o, o + n) for o, n in zip(offset, shape))]
+
+
+def _close_or_within_eager_noise(actual, expected, single, kind, normwise, msg):
+    """``actual`` (compiled) against ``expected`` (eager TP); where they differ beyond the tolerance, the difference
+    may still be no larger than eager TP's own from one-process eager (``single``, the same piece): an
+    ill-conditioned value (a key weight's gradient over near-uniform attention) that two float32 implementations
+    round apart, as eager TP's reduction order does."""
+    try:
+        _close(actual, expected, kind, normwise, msg)
+    except AssertionError as exc:
+        if single is None:
+            raise
+        ours = (actual.double() - expected.double()).norm().item()
+        eager = (single.double() - expected.double()).norm().item()
+        if not ours <= EAGER_NOISE_FACTOR * eager:
+            raise AssertionError(f"{exc}; one-process eager is {eager:.3g} from eager TP") from None
+
+
+def compare(eager, compiled, eager_opt, compiled_opt, where, normwise, single=None, single_opt=None):
     names = [n for n, _ in eager.named_parameters()]
+    singles = dict(single.named_parameters()) if single is not None else {}
     for (name, a), (_, b) in zip(eager.named_parameters(), compiled.named_parameters(), strict=True):
         assert type(a) is type(b) and getattr(a, "placements", None) == getattr(b, "placements", None), name
         if not fnmatch.fnmatch(name, NOISE):
-            _close(local(b), local(a), "param", normwise, f"{where} param {name}")
+            s = _single_local(singles[name].detach(), a) if name in singles else None
+            _close_or_within_eager_noise(local(b), local(a), s, "param", normwise, f"{where} param {name}")
     sa, sb = eager_opt.state_dict()["state"], compiled_opt.state_dict()["state"]
+    ss = single_opt.state_dict()["state"] if single_opt is not None else {}
     assert sa.keys() == sb.keys(), where
     for k in sa:
         for key, va in sa[k].items():
@@ -163,7 +196,9 @@ def compare(eager, compiled, eager_opt, compiled_opt, where, normwise):
             if fnmatch.fnmatch(names[k], NOISE) and key == "exp_avg":
                 assert max(local(va).abs().max().item(), vb.abs().max().item()) < 1e-8, (where, names[k])
             elif not fnmatch.fnmatch(names[k], NOISE):
-                _close(vb, local(va), "state", normwise, f"{where} opt state {names[k]}.{key}")
+                s = _single_local(ss[k][key], va) if k in ss and va.dim() else None
+                _close_or_within_eager_noise(vb, local(va), s, "state", normwise,
+                                             f"{where} opt state {names[k]}.{key}")
 
 
 def compare_full(eager, compiled, eager_opt, compiled_opt, where):
@@ -198,8 +233,14 @@ def main() -> None:
                          "FSDP2 + TP")
     ap.add_argument("--loss-parallel", action="store_true", help="sequence plan: vocabulary-sharded logits and "
                     "loss_parallel(), eagerly and compiled")
+    ap.add_argument("--split-min-k", type=int, default=None,
+                    help="split_replicated_matmuls_pass's threshold (the test model's head is below the default)")
     ap.add_argument("--out", required=True)
     args = ap.parse_args()
+    if args.split_min_k is not None:
+        from spmd_ort.passes import expand
+
+        expand.SPLIT_MIN_K = args.split_min_k
     fsdp = args.mp or args.fully_shard or args.deepspeed is not None  # eager is FSDP2 + TP
     sharded = args.fully_shard or (args.deepspeed or 0) > 0  # the compiled side: fully_shard on dp
     if fsdp and args.dp < 2:
@@ -324,7 +365,7 @@ def main() -> None:
             lc /= args.dp
         torch.testing.assert_close(lc.detach(), le.detach(), rtol=1e-5, atol=1e-6)
         torch.testing.assert_close(lc.detach(), ls.detach(), rtol=1e-4, atol=1e-5)
-        compare(eager, compiled, opt_e, opt_c, f"rank {rank} step {i}", normwise)
+        compare(eager, compiled, opt_e, opt_c, f"rank {rank} step {i}", normwise, single, opt_s)
         losses.append(float(lc))
     placements = {n: [str(p) for p in getattr(t, "placements", ())] for n, t in compiled.state_dict().items()}
     local_bytes = sum(local(p).numel() * local(p).element_size() for p in compiled.parameters())
@@ -398,7 +439,16 @@ def main() -> None:
         "bytes": comm.all_reduce_bytes + comm.all_gather_bytes + comm.reduce_scatter_bytes, "rowwise": ROWWISE, "colwise": COLWISE, "colwise_inputs": COLWISE_INPUTS,
         "optimizer_params_are_dtensors": sum(isinstance(p, DTensor) for gr in opt_c.param_groups for p in gr["params"]),
         "describe": step.explain() if rank == 0 else "",
+        "split_matmuls": _split_matmuls(step.compiled),
     })
+
+
+def _split_matmuls(program) -> int:
+    """How many replicated matmuls the last call's program splits over the tensor-parallel group."""
+    from spmd_ort.passes.expand import SplitMatmuls
+
+    result = program.results.get(SplitMatmuls)
+    return 0 if result is None else result.count
 
 
 if __name__ == "__main__":
