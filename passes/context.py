@@ -85,7 +85,8 @@ class PassContext:
     ``facts``: what holds of the graph by the contracts of the passes run so far (None until
     the first :func:`~spmd_ort.passes.runner.run_passes`, which starts from what the trace
     provides); ``taps``: the activation taps of the step being compiled (debug subscribers);
-    ``activation_memory_budget``: what ``recompute_activations_pass`` may keep (1.0: all, as eager).
+    ``activation_memory_budget``: what ``recompute_activations_pass`` may keep (1.0: all, as eager);
+    ``rank_signatures``: what every rank traced (``split_replicated_matmuls_pass`` splits only what is alike).
     """
 
     input_slots: list[Slot]
@@ -103,6 +104,9 @@ class PassContext:
     facts: set | None = None
     taps: TapRegistry | None = None
     activation_memory_budget: float = 1.0  # share of the recomputable saved bytes the backward keeps
+    # expand mode on several ranks: every rank's node signatures of its traced graph, by global rank
+    # (passes.expand.node_signatures; None: one process, or not every rank traced)
+    rank_signatures: list[dict[str, int]] | None = None
 
     @property
     def sharded(self) -> bool:

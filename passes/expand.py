@@ -229,27 +229,36 @@ def _signature(node: fx.Node) -> int:
     return int.from_bytes(hashlib.blake2b(text.encode(), digest_size=7).digest(), "little")
 
 
-def _same_on_group(gm: fx.GraphModule, group: str) -> set[fx.Node]:
-    """The nodes that compute the same function of their inputs on every rank of ``group``.
+def node_signatures(gm: fx.GraphModule) -> dict[str, int]:
+    """Each node's :func:`_signature`, by name: what a rank's traced graph computes, for the ranks to compare
+    (``Compiler.compile_everywhere`` exchanges them after the trace, into ``PassContext.rank_signatures``)."""
+    return {n.name: _signature(n) for n in gm.graph.nodes}
 
-    A rank's graph holds its own constants where DTensor traced a redistribution (the shard a rank keeps of a
-    replicated value: a slice at its own offset), so a value computed from alike inputs is not alike by that alone.
-    The ranks compare each node's :func:`_signature` (one all-gather over the group at compile time, where every
-    rank compiles the same graph); graphs of different lengths share nothing (every rank sees that alike)."""
+
+def _group_ranks(group: str) -> list[int]:
+    """The global ranks of ``group``, in group order."""
     from spmd_ort.runtime.collectives import process_group
 
     pg = process_group(group)
-    size = pg.size() if pg is not None else torch.distributed.get_world_size()
-    nodes = list(gm.graph.nodes)
-    mine = torch.tensor([len(nodes)] + [_signature(n) for n in nodes], dtype=torch.int64)
-    lengths = [torch.zeros(1, dtype=torch.int64) for _ in range(size)]
-    torch.distributed.all_gather(lengths, mine[:1], group=pg)
-    if any(int(n) != len(nodes) for n in lengths):
+    return list(range(torch.distributed.get_world_size())) if pg is None else \
+        torch.distributed.get_process_group_ranks(pg)
+
+
+def _same_on_group(gm: fx.GraphModule, ctx, group: str) -> set[fx.Node]:
+    """The nodes that compute the same function of their inputs on every rank of ``group``.
+
+    A rank's graph holds its own constants where DTensor traced a redistribution (the shard a rank keeps of a
+    replicated value: a slice at its own offset, a vocabulary range), so a value computed from alike inputs is not
+    alike by that alone.  Every rank's traced graph is compared node by node (``ctx.rank_signatures``, exchanged
+    after the trace, before any pass); a node a pass made since (the same on every rank: the passes are) counts as
+    the same; a constant tensor (``get_attr``) is not compared, so not the same."""
+    if not ctx.rank_signatures:
         return set()
-    everyone = [torch.empty_like(mine) for _ in range(size)]
-    torch.distributed.all_gather(everyone, mine, group=pg)
-    same = torch.stack(everyone).eq(mine).all(0)[1:].tolist()
-    return {n for n, s in zip(nodes, same) if s and n.op != "get_attr"}  # a constant tensor: not compared
+    signatures = [ctx.rank_signatures[r] for r in _group_ranks(group)]
+    mine = signatures[0]
+    return {n for n in gm.graph.nodes if n.op != "get_attr" and (
+        all(n.name not in s for s in signatures)
+        or n.name in mine and all(s.get(n.name) == mine[n.name] for s in signatures))}
 
 
 def _pure(node: fx.Node) -> bool:
@@ -272,7 +281,7 @@ def _alike_on_group(gm: fx.GraphModule, ctx, group: str) -> set[fx.Node]:
     from spmd_ort.runtime.ops import draws_random
 
     specs = ctx.layout.in_specs if ctx.layout is not None else []
-    same = _same_on_group(gm, group)
+    same = _same_on_group(gm, ctx, group)
     alike: set[fx.Node] = set()
     i = 0
     for node in gm.graph.nodes:

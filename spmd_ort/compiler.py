@@ -70,12 +70,22 @@ class Compiler:
         """
         if call.world_size == 1 or (call.mode is None and not has_dtensor_state(call.module)):
             return self.compile(call, key, dynamic=dynamic, previous=previous, reason=reason)
+        exchanged = False
+
+        def exchange(payload):  # after the trace, before the passes: every rank once (see exchange_traced)
+            nonlocal exchanged
+            exchanged = True
+            return parallel.exchange_traced("the traced graphs", payload)
+
         try:
-            program, error = self.compile(call, key, dynamic=dynamic, previous=previous, reason=reason), None
+            program, error = self.compile(call, key, dynamic=dynamic, previous=previous, reason=reason,
+                                          exchange=exchange), None
             description = program.signature()
         except Exception as exc:  # noqa: BLE001 - re-raised below, after the agreement
             program, error = None, exc
             description = f"compile failed: {type(exc).__name__}: {getattr(exc, 'detail', exc)}"
+        if not exchanged:  # this rank failed before its passes: the others' exchange must not wait for it
+            parallel.exchange_traced("the traced graphs", None)
         parallel.check_agreement("the compiled train step", description)
         if error is not None:
             raise error
@@ -91,7 +101,7 @@ class Compiler:
                         "are compiled without it", self.name, upgrade)
 
     def compile(self, call: StepCall, key: StepKey, *, dynamic: DynamicDims, previous: CompiledProgram | None,
-                reason: str) -> CompiledProgram:
+                reason: str, exchange: Callable | None = None) -> CompiledProgram:
         """trace -> passes (the one pipeline) -> executor, one compile in the process at a time (COMPILE_LOCK).
 
         The lock covers only this local work, not the ranks' agreement after it (compile_everywhere): a
@@ -102,10 +112,12 @@ class Compiler:
             waited = time.perf_counter() - t_wait
             if waited > 0.1:
                 logger.debug("%s waited %.2fs for another compile in this process", self.name, waited)
-            return self._compile(call, key, dynamic=dynamic, previous=previous, reason=reason)
+            return self._compile(call, key, dynamic=dynamic, previous=previous, reason=reason, exchange=exchange)
 
     def _compile(self, call: StepCall, key: StepKey, *, dynamic: DynamicDims, previous: CompiledProgram | None,
-                 reason: str) -> CompiledProgram:
+                 reason: str, exchange: Callable | None = None) -> CompiledProgram:
+        """``exchange`` (several ranks): called once after the trace with what the passes must know of every rank's
+        traced graph (expand mode: its node signatures), returning every rank's (None: not every rank has one)."""
         t0 = time.perf_counter()
         layout = StateLayout.capture(call.module, call.opt, call.rule, call.scaler)
         # Errors rooted in an input name it, and how it differs from the last call that compiled.
@@ -127,6 +139,9 @@ class Compiler:
                                   f"dim {d} of `{names[k]}` at {size}"
                                   for (k, d), size in sorted(traced.symbolic.specialised.items(), key=str)))
         traced_gm = snapshot(traced.gm)
+        signatures = None
+        if exchange is not None:
+            signatures = exchange(P.node_signatures(traced.gm) if layout.expands else None)
         world, group = call.world_size, ""
         dp_group = call.tensor_parallel.dp_group() if call.tensor_parallel is not None else None
         if dp_group is not None:  # 2-D: the data-parallel passes reduce over the dp dim
@@ -135,7 +150,8 @@ class Compiler:
                             mode=call.mode, world_size=world, group=group, rank=call.rank,
                             shard_specs=layout.shard_specs, layout=layout, disabled=self.options.disabled_passes,
                             check_contracts=self.options.check_passes, taps=self.taps,
-                            activation_memory_budget=self.options.activation_memory_budget)
+                            activation_memory_budget=self.options.activation_memory_budget,
+                            rank_signatures=signatures)
         pipeline = P.build_pipeline(call.mode, self.options.backend, overrides=self.overrides,
                                     gm_transformation=self.gm_transformation, expand=layout.expands)
         gm = P.run_passes(traced.gm, ctx, pipeline)

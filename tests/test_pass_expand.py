@@ -12,7 +12,7 @@ import torch.distributed._functional_collectives as funcol
 from torch.fx.experimental.proxy_tensor import make_fx
 
 from spmd_ort.passes import (PassContext, adopt_dtensor_collectives_pass, count_collectives_pass,
-                             merge_summed_all_reduces_pass, schedule_overlap_pass)
+                             merge_summed_all_reduces_pass, node_signatures, schedule_overlap_pass)
 from spmd_ort.passes.expand import FUNCOL
 from spmd_ort.runtime import ops
 from spmd_ort.runtime.context import StepRuntime
@@ -156,7 +156,7 @@ def test_values_alike_on_the_tensor_parallel_group(one_rank):
     mesh = DeviceMesh("cpu", [0])
     sharded = DTensorSpec(mesh, (Shard(1),), TensorMeta(s.shape, s.stride(), s.dtype))
     ctx = PassContext(input_slots=_slots("param", "param", "batch"), output_slots=[],
-                      layout=SimpleNamespace(in_specs=[None, (sharded, True)]))
+                      layout=SimpleNamespace(in_specs=[None, (sharded, True)]), rank_signatures=[node_signatures(gm)])
     alike = _alike_on_group(gm, ctx, group)
     mms = [n for n in gm.graph.nodes if n.target is torch.ops.aten.mm.default]
     by_inputs = {tuple(a.name for a in n.all_input_nodes): n in alike for n in mms}
@@ -201,7 +201,8 @@ def test_a_replicated_matmul_is_split_over_the_group(one_rank, monkeypatch):
         monkeypatch.setattr(expand, "_rank_and_size", lambda group, r=rank: (r, 2))
         gm = _adopted(step, g, h, w, x)
         ctx = PassContext(input_slots=_slots("batch", "batch", "param", "batch"), output_slots=[],
-                          layout=SimpleNamespace(in_specs=[]), check_contracts=True)
+                          layout=SimpleNamespace(in_specs=[]), check_contracts=True,
+                          rank_signatures=[node_signatures(gm)])
         gm = split_replicated_matmuls_pass(gm, ctx)
         monkeypatch.undo()
         gm.graph.lint()

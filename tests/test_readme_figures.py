@@ -61,6 +61,7 @@ Source = Cell | Prose | Code | Fact
 MIXTRAL_TABLE = "## bench/step.py — mixtral-tiny: a model with opaque parts"
 DYNAMIC_TABLE = "## bench/dynamic.py — dynamic shapes"
 DYNAMIC_TP_TABLE = "### Tensor parallelism: 10 lengths on 2 ranks"
+TP_SPLIT_TABLE = "### Latest run (2026-11-25, later: the replicated head's matmuls split over the ranks)"
 MIXTRAL_OPAQUE = "opaque parts run eagerly in {}'s step"
 DP_TABLE = "buckets <= DDP 25 MiB, spmd_ort auto, 1 micro-batch(es)"
 
@@ -79,14 +80,23 @@ CLAIMS: list[tuple[str, Source]] = [
      Code("spmd_ort/distributed/parallel.py", r"^AUTO_START_MB = (\d+\.\d+)  #")),
     ("(`\"auto\"` keeps its {25 MiB} start: its probe times collectives over every rank)",
      Code("spmd_ort/distributed/parallel.py", r"^AUTO_START_MB = (\d+\.\d+)  #")),
-    ("times it against FSDP2 + TP (bench/RESULTS.md: {0.81×} on fx, 0.81× on ORT)",
+    ("times it against FSDP2 + TP (bench/RESULTS.md: {0.68×} on fx, 0.68× on ORT)",
      Cell("### 2-D on 4 ranks: dp 2 × tp 2", "spmd-fx", "x eager")),
-    ("times it against FSDP2 + TP (bench/RESULTS.md: 0.81× on fx, {0.81×} on ORT)",
+    ("times it against FSDP2 + TP (bench/RESULTS.md: 0.68× on fx, {0.68×} on ORT)",
      Cell("### 2-D on 4 ranks: dp 2 × tp 2", "spmd-ort", "x eager")),
-    ("Under `fully_shard` it runs at {0.83×} on fx and 0.85× on ORT",
+    ("Under `fully_shard` it runs at {0.74×} on fx and 0.76× on ORT",
      Cell("### 2-D on 4 ranks: dp 2 × tp 2", "spmd-fx+fsdp", "x eager")),
-    ("Under `fully_shard` it runs at 0.83× on fx and {0.85×} on ORT",
+    ("Under `fully_shard` it runs at 0.74× on fx and {0.76×} on ORT",
      Cell("### 2-D on 4 ranks: dp 2 × tp 2", "spmd-ort+fsdp", "x eager")),
+    # tensor parallel: the replicated head split
+    ("the step runs at {0.77×} eager DTensor TP on fx and 0.81× on ORT",
+     Cell(TP_SPLIT_TABLE, "spmd-fx", "x eager")),
+    ("the step runs at 0.77× eager DTensor TP on fx and {0.81×} on ORT",
+     Cell(TP_SPLIT_TABLE, "spmd-ort", "x eager")),
+    ("against {0.84×} and 0.87× without the split in the same run", Cell(TP_SPLIT_TABLE, "spmd-fx-nosplit", "x eager")),
+    ("against 0.84× and {0.87×} without the split in the same run", Cell(TP_SPLIT_TABLE, "spmd-ort-nosplit", "x eager")),
+    ("for {9 MiB} more a step (two gathers)", Prose("(2 all-gathers, 9 MiB a step)")),
+    ("than the {16 MiB} of all-reduces", Prose("the 16 MiB of Megatron's all-reduces")),
     ("Tested on 4 ranks ({2 x} 2, sequence parallel, ORT)", Fact("the 2-D test's mesh: dp 2 x tp 2 (CASES)")),
     # ZeRO-3
     ("one reduce-scatter of every gradient: {3x} the parameter bytes",

@@ -321,6 +321,23 @@ def gather_failures(what: str, failure: tuple | None) -> dict[int, tuple]:
     return {r: f for r, f in enumerate(everyone) if f is not None}
 
 
+def exchange_traced(what: str, payload: Any) -> list | None:
+    """Every rank's ``payload`` (what its traced graph holds, for a pass that must know what the ranks trace
+    alike), on every rank, or None where any rank has none: its trace failed, and it takes part here anyway so
+    that no rank waits for it (the agreement after the compile then fails on every rank).  One all-gather."""
+    rank, size = world()
+    if size == 1:
+        return None if payload is None else [payload]
+    everyone: list = [None] * size
+    try:
+        dist.all_gather_object(everyone, payload)
+    except RuntimeError as exc:
+        if is_timeout(exc):
+            raise CollectiveTimeout(f"the ranks' exchange of {what}", rank=rank, cause=exc) from exc
+        raise
+    return None if any(p is None for p in everyone) else everyone
+
+
 def _first_diff(a: str, b: str) -> str:
     la, lb = a.splitlines(), b.splitlines()
     for x, y in zip(la, lb):
