@@ -14,7 +14,7 @@ from .cleanup import remove_identity_views_pass, remove_redundant_copies_pass
 from .context import PassContext, PassRecord, PassResult, PassResults
 from .contracts import Invariant
 from .expand import (adopt_dtensor_collectives_pass, merge_summed_all_reduces_pass, node_signatures,
-                     split_replicated_matmuls_pass)
+                     split_replicated_matmuls_pass, state_checksums)
 from .data_parallel import (GradientBuckets, SummedMicroBatches, broadcast_buffers_pass, bucket_collectives_pass,
                             dedup_collectives_pass, expand_data_parallel_pass, reduce_grad_presence_pass,
                             schedule_overlap_pass, sum_micro_batch_gradients_pass)
@@ -46,7 +46,7 @@ __all__ = [
     "check_order", "complete_found_inf_pass", "complete_grad_norms_pass", "contract_of", "count_collectives_pass",
     "dedup_collectives_pass", "expand_data_parallel_pass", "gather_parameters_pass", "gm_transformation_pass",
     "graph_pass", "insert_activation_stats_pass", "insert_index_checks_pass", "keep_tail_gathers_pass",
-    "lower_to_onnx_ops_pass", "merge_summed_all_reduces_pass", "node_signatures", "split_replicated_matmuls_pass", "offload_optimizer_pass", "offload_params_pass", "op_counts",
+    "lower_to_onnx_ops_pass", "merge_summed_all_reduces_pass", "node_signatures", "state_checksums", "split_replicated_matmuls_pass", "offload_optimizer_pass", "offload_params_pass", "op_counts",
     "override_transform_pass", "pass_names", "pin_random_layouts_pass", "pipeline_markdown", "plan_memory_pass",
     "prefetch_gathers_pass", "propagate_shards_pass", "recompute_activations_pass", "reduce_grad_presence_pass",
     "reduce_scatter_gradients_pass", "reinplace_optimizer_pass", "rematerialize_param_views_pass",

@@ -104,9 +104,9 @@ class PassContext:
     facts: set | None = None
     taps: TapRegistry | None = None
     activation_memory_budget: float = 1.0  # share of the recomputable saved bytes the backward keeps
-    # expand mode on several ranks: every rank's node signatures of its traced graph, by global rank
-    # (passes.expand.node_signatures; None: one process, or not every rank traced)
-    rank_signatures: list[dict[str, int]] | None = None
+    # expand mode on several ranks, by global rank: what every rank traced, {"nodes": node signatures, "state":
+    # checksums of its parameters and buffers} (passes.expand; None: one process, or not every rank traced)
+    rank_signatures: list[dict] | None = None
 
     @property
     def sharded(self) -> bool:

@@ -231,8 +231,42 @@ def _signature(node: fx.Node) -> int:
 
 def node_signatures(gm: fx.GraphModule) -> dict[str, int]:
     """Each node's :func:`_signature`, by name: what a rank's traced graph computes, for the ranks to compare
-    (``Compiler.compile_everywhere`` exchanges them after the trace, into ``PassContext.rank_signatures``)."""
+    (``Compiler.compile_everywhere`` exchanges them after the trace, with :func:`state_checksums`, into
+    ``PassContext.rank_signatures``)."""
     return {n.name: _signature(n) for n in gm.graph.nodes}
+
+
+def state_checksums(layout, input_slots) -> list[tuple[float, float] | None]:
+    """Per graph input, for a parameter or buffer: a checksum of what this rank holds (:func:`_checksum`); else
+    None.  The ranks compare them with the node signatures (``rank_signatures``): a parameter outside
+    the plan is alike on the tensor-parallel group only where every rank holds the same values."""
+    from spmd_ort.capture.state import SlotKind
+    from spmd_ort.distributed.dtensor import local
+
+    out: list[tuple[float, float] | None] = []
+    with torch.no_grad():
+        for slot in input_slots:
+            t = None
+            if slot.kind is SlotKind.PARAM:
+                t = layout.held(slot.index, layout.params[slot.index])
+            elif slot.kind is SlotKind.BUFFER:
+                t = layout.buffers[slot.index]
+            out.append(_checksum(local(t).detach()) if isinstance(t, torch.Tensor) else None)
+    return out
+
+
+def _checksum(t: torch.Tensor) -> tuple[int, int]:
+    """Two integer sums over ``t``'s bytes (read as int32 where they divide into them): exact and independent of the
+    order of the additions, so equal values give equal sums on any device and thread count."""
+    raw = t.contiguous().reshape(-1).view(torch.uint8)
+    words = raw.view(torch.int32) if raw.numel() % 4 == 0 else raw
+    plain = weighted = 0
+    for start in range(0, words.numel(), 1 << 22):  # in pieces: the int64 temporaries stay small
+        ints = words[start:start + (1 << 22)].to(torch.int64)
+        weights = torch.arange(start, start + ints.numel(), device=ints.device) % 65521 + 1  # a permutation differs
+        plain += int(ints.sum())
+        weighted += int((ints * weights).sum())
+    return plain, weighted
 
 
 def _group_ranks(group: str) -> list[int]:
@@ -254,7 +288,7 @@ def _same_on_group(gm: fx.GraphModule, ctx, group: str) -> set[fx.Node]:
     the same; a constant tensor (``get_attr``) is not compared, so not the same."""
     if not ctx.rank_signatures:
         return set()
-    signatures = [ctx.rank_signatures[r] for r in _group_ranks(group)]
+    signatures = [ctx.rank_signatures[r]["nodes"] for r in _group_ranks(group)]
     mine = signatures[0]
     return {n for n in gm.graph.nodes if n.op != "get_attr" and (
         all(n.name not in s for s in signatures)
@@ -270,6 +304,20 @@ def _pure(node: fx.Node) -> bool:
         torch.sym_max, torch.sym_min, torch.sym_not, torch.sym_float, torch.sym_int)
 
 
+_WARNED_DIFFERS: set[str] = set()
+
+
+def _warn_differs(name: str) -> None:
+    if name not in _WARNED_DIFFERS:
+        _WARNED_DIFFERS.add(name)
+        import logging
+
+        logging.getLogger("spmd_ort").warning(
+            "`%s` is outside the tensor-parallel plan but differs between the ranks of its group: each rank trains "
+            "its own copy (as eager tensor parallelism does), so its matmuls are not shared out over the ranks. "
+            "Fix: build the model from the same seed on every rank (torch's tensor parallelism assumes it)", name)
+
+
 def _alike_on_group(gm: fx.GraphModule, ctx, group: str) -> set[fx.Node]:
     """The values every rank of ``group`` computes alike: from plain (or replicated DTensor) parameters and
     buffers, the batch (one batch per tensor-parallel group) and hyper-parameters, the results of all-reduces and
@@ -282,16 +330,24 @@ def _alike_on_group(gm: fx.GraphModule, ctx, group: str) -> set[fx.Node]:
 
     specs = ctx.layout.in_specs if ctx.layout is not None else []
     same = _same_on_group(gm, ctx, group)
+    if not same:
+        return set()
+    states = [ctx.rank_signatures[r]["state"] for r in _group_ranks(group)]
     alike: set[fx.Node] = set()
     i = 0
     for node in gm.graph.nodes:
         if node.op == "placeholder":
             slot = ctx.input_slots[i]
             spec = specs[i] if i < len(specs) else None
+            held = {s[i] if i < len(s) else None for s in states}
             i += 1
-            if slot.kind in (SlotKind.PARAM, SlotKind.BUFFER, SlotKind.BATCH, SlotKind.HPARAM) and (
-                    spec is None or all(isinstance(p, Replicate) for p in spec[0].placements)):
-                alike.add(node)
+            if slot.kind not in (SlotKind.PARAM, SlotKind.BUFFER, SlotKind.BATCH, SlotKind.HPARAM) or (
+                    spec is not None and not all(isinstance(p, Replicate) for p in spec[0].placements)):
+                continue
+            if slot.kind in (SlotKind.PARAM, SlotKind.BUFFER) and len(held) > 1:
+                _warn_differs(slot.name)
+                continue
+            alike.add(node)
         elif node.op == "call_function":
             if node.target is wait_:
                 started = node.args[0]
@@ -333,8 +389,9 @@ def split_replicated_matmuls_pass(gm: fx.GraphModule, ctx) -> fx.GraphModule:
     the tokens) and the gather, rank-major, is the product.  Each element is the same dot product as before, so the
     numbers do not change (in any dtype).  Split where the rows divide by the group's size and are known (not
     symbolic), and each rank skips at least :data:`SPLIT_MIN_K` multiply-adds per element it gathers (the forward's
-    logits, over the model width, stay whole).  Torch's tensor parallelism assumes what this uses: a parameter
-    outside the plan is the same on every rank of the group, as is the batch.
+    logits, over the model width, stay whole).  Torch's tensor parallelism assumes the batch is the same on every
+    rank of the group; a parameter outside the plan counts as alike only where the ranks' checksums of it agree
+    (:func:`state_checksums`; one that differs is each rank's own, as eagerly, with a warning).
     """
     group = _tensor_parallel_group(gm)
     if group is None:

@@ -141,7 +141,9 @@ class Compiler:
         traced_gm = snapshot(traced.gm)
         signatures = None
         if exchange is not None:
-            signatures = exchange(P.node_signatures(traced.gm) if layout.expands else None)
+            signatures = exchange({"nodes": P.node_signatures(traced.gm),
+                                   "state": P.state_checksums(layout, traced.input_slots)}
+                                  if layout.expands else None)
         world, group = call.world_size, ""
         dp_group = call.tensor_parallel.dp_group() if call.tensor_parallel is not None else None
         if dp_group is not None:  # 2-D: the data-parallel passes reduce over the dp dim

@@ -134,6 +134,11 @@ def _slots(*kinds):
     return [Slot(kind=SlotKind(k), name=f"in{i}", index=i) for i, k in enumerate(kinds)]
 
 
+def _traced_as(gm, inputs: int) -> dict:
+    """What one rank's exchange after the trace holds (Compiler.compile_everywhere)."""
+    return {"nodes": node_signatures(gm), "state": [(0.0, 0.0)] * inputs}
+
+
 def test_values_alike_on_the_tensor_parallel_group(one_rank):
     """What every rank of the group computes alike: plain parameters, the batch, the results of the group's
     all-reduces and deterministic ops of those; not a sharded parameter's products, nor a random draw."""
@@ -156,7 +161,7 @@ def test_values_alike_on_the_tensor_parallel_group(one_rank):
     mesh = DeviceMesh("cpu", [0])
     sharded = DTensorSpec(mesh, (Shard(1),), TensorMeta(s.shape, s.stride(), s.dtype))
     ctx = PassContext(input_slots=_slots("param", "param", "batch"), output_slots=[],
-                      layout=SimpleNamespace(in_specs=[None, (sharded, True)]), rank_signatures=[node_signatures(gm)])
+                      layout=SimpleNamespace(in_specs=[None, (sharded, True)]), rank_signatures=[_traced_as(gm, 3)])
     alike = _alike_on_group(gm, ctx, group)
     mms = [n for n in gm.graph.nodes if n.target is torch.ops.aten.mm.default]
     by_inputs = {tuple(a.name for a in n.all_input_nodes): n in alike for n in mms}
@@ -164,6 +169,28 @@ def test_values_alike_on_the_tensor_parallel_group(one_rank):
     assert by_inputs[("x_1", "s_1")] is False  # x @ s, both times
     assert [n in alike for n in mms if n.all_input_nodes[1].target is ops.wait_] == [True]  # h.t() @ r
     assert not [n for n in gm.graph.nodes if ops.draws_random(n) and n in alike]
+
+
+def test_a_parameter_that_differs_between_the_ranks_is_not_alike(one_rank, monkeypatch, caplog):
+    """A parameter outside the plan that the ranks hold with other values (built from other seeds): eager trains each
+    rank's copy on its own, so nothing computed from it is alike; a warning names it and the fix."""
+    from types import SimpleNamespace
+
+    from spmd_ort.passes import expand
+
+    group = dist.group.WORLD.group_name
+    gm = _adopted(lambda w, x: (x @ w, funcol.all_reduce(x, "sum", group)), torch.randn(4, 6), torch.randn(8, 4))
+    monkeypatch.setattr(expand, "_group_ranks", lambda group: [0, 1])
+    ranks = [_traced_as(gm, 2), _traced_as(gm, 2)]
+    ranks[1]["state"][0] = (1.0, 1.0)  # rank 1's w
+    ctx = PassContext(input_slots=_slots("param", "batch"), output_slots=[], layout=SimpleNamespace(in_specs=[]),
+                      rank_signatures=ranks)
+    with caplog.at_level("WARNING", logger="spmd_ort"):
+        alike = expand._alike_on_group(gm, ctx, group)
+    mm = next(n for n in gm.graph.nodes if n.target is torch.ops.aten.mm.default)
+    assert mm not in alike and mm.args[0] in alike  # x @ w: not alike; x (the batch): alike
+    assert "`in0` is outside the tensor-parallel plan but differs between the ranks" in caplog.text
+    assert "same seed" in caplog.text
 
 
 def test_a_replicated_matmul_is_split_over_the_group(one_rank, monkeypatch):
@@ -202,7 +229,7 @@ def test_a_replicated_matmul_is_split_over_the_group(one_rank, monkeypatch):
         gm = _adopted(step, g, h, w, x)
         ctx = PassContext(input_slots=_slots("batch", "batch", "param", "batch"), output_slots=[],
                           layout=SimpleNamespace(in_specs=[]), check_contracts=True,
-                          rank_signatures=[node_signatures(gm)])
+                          rank_signatures=[_traced_as(gm, 4)])
         gm = split_replicated_matmuls_pass(gm, ctx)
         monkeypatch.undo()
         gm.graph.lint()
