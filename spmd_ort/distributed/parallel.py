@@ -308,33 +308,30 @@ def gather_failures(what: str, failure: tuple | None) -> dict[int, tuple]:
     For operations that must succeed everywhere or nowhere (a checkpoint load): each rank learns
     whether any rank failed and why, so all of them raise, or none.  One small all-gather.
     """
+    everyone = _everyones(failure, f"the ranks' agreement on {what}")
+    return {r: f for r, f in enumerate(everyone) if f is not None}
+
+
+def _everyones(obj: Any, what: str) -> list:
+    """Every rank's ``obj``, in rank order, on every rank (one all-gather; a timeout names ``what``)."""
     rank, size = world()
     if size == 1:
-        return {} if failure is None else {0: failure}
+        return [obj]
     everyone: list = [None] * size
     try:
-        dist.all_gather_object(everyone, failure)
+        dist.all_gather_object(everyone, obj)
     except RuntimeError as exc:
         if is_timeout(exc):
-            raise CollectiveTimeout(f"the ranks' agreement on {what}", rank=rank, cause=exc) from exc
+            raise CollectiveTimeout(what, rank=rank, cause=exc) from exc
         raise
-    return {r: f for r, f in enumerate(everyone) if f is not None}
+    return everyone
 
 
 def exchange_traced(what: str, payload: Any) -> list | None:
     """Every rank's ``payload`` (what its traced graph holds, for a pass that must know what the ranks trace
     alike), on every rank, or None where any rank has none: its trace failed, and it takes part here anyway so
     that no rank waits for it (the agreement after the compile then fails on every rank).  One all-gather."""
-    rank, size = world()
-    if size == 1:
-        return None if payload is None else [payload]
-    everyone: list = [None] * size
-    try:
-        dist.all_gather_object(everyone, payload)
-    except RuntimeError as exc:
-        if is_timeout(exc):
-            raise CollectiveTimeout(f"the ranks' exchange of {what}", rank=rank, cause=exc) from exc
-        raise
+    everyone = _everyones(payload, f"the ranks' exchange of {what}")
     return None if any(p is None for p in everyone) else everyone
 
 
