@@ -117,7 +117,8 @@ class Compiler:
     def _compile(self, call: StepCall, key: StepKey, *, dynamic: DynamicDims, previous: CompiledProgram | None,
                  reason: str, exchange: Callable | None = None) -> CompiledProgram:
         """``exchange`` (several ranks): called once after the trace with what the passes must know of every rank's
-        traced graph (expand mode: its node signatures), returning every rank's (None: not every rank has one)."""
+        traced graph (expand mode: its node signatures and checksums of its parameters and buffers), returning every
+        rank's (None: not every rank has one)."""
         t0 = time.perf_counter()
         layout = StateLayout.capture(call.module, call.opt, call.rule, call.scaler)
         # Errors rooted in an input name it, and how it differs from the last call that compiled.
