@@ -367,3 +367,33 @@ def test_split_by_a_size_known_at_run_time_exports_one_model(caplog):
     for x in (_randn(2, 8), _randn(3, 12)):
         for got, want in zip(segment.run_ort(x), halves(x), strict=True):
             assert torch.equal(got, want)
+
+
+def test_two_dim_transposes_are_read_by_the_gemms_not_copied():
+    """aten's ``t`` is a view a GEMM reads with its transpose flag; the model says the same (no ``Transpose`` left):
+    a weight transposed for the forward GEMM and again for the input gradient, an activation gradient transposed
+    for the weight gradient and added to another (a tied weight: ONNX Runtime's MatMul+Add fusion then kept the
+    transpose as a full copy), in float32 and float64. A batched transpose and an integer product stay as they were."""
+    import onnx
+
+    def fn(x, w, b, g, e, q, k, i):
+        wt = aten.t(w)
+        y = aten.addmm(b, x, wt)                    # forward: Gemm(x, w, transB)
+        dx = aten.mm(g, aten.t(wt))                 # input gradient: t(t(w)) is w
+        dw = aten.add(aten.mm(aten.t(g), x), e)     # weight gradient of a tied weight
+        scores = aten.bmm(q, aten.transpose(k, 1, 2))
+        return y, dx, dw, scores, aten.mm(i, aten.t(i))
+
+    for dtype in (torch.float32, torch.float64):
+        args = [_randn(*s).to(dtype) for s in [(6, 4), (5, 4), (5,), (6, 5), (5, 4), (2, 3, 4), (2, 3, 4)]]
+        args.append(torch.randint(-3, 3, (3, 4), generator=G))
+        gm = make_fx(fn, tracing_mode="fake")(*args)
+        data = translate(gm)
+        ops = [n.op_type for n in onnx.load_from_string(data).graph.node]
+        # left: the batched one (ONNX Runtime fuses it into its MatMul) and the integer one (no integer Gemm)
+        assert ops.count("Transpose") == 2, ops
+        assert ops.count("Gemm") == 2 and ops.count("MatMul") == 3, ops  # dx reads w itself: a MatMul
+        got = OrtSegment("probe", gm, data, threads=1, allow_spinning=False).run_ort(*args)
+        for k, (g, want) in enumerate(zip(got, fn(*args), strict=True)):
+            assert g.dtype == want.dtype
+            assert_close_relmax(g, want, rtol=2e-5 if dtype == torch.float32 else 1e-12, msg=f"output {k}, {dtype}")
