@@ -30,7 +30,7 @@ from spmd_ort.debug.timeline import TimedInterpreter
 from spmd_ort.errors import CompileError, ConfigError
 from spmd_ort.options import Options
 from spmd_ort.ort.partition import HOST_NAMESPACES, RANDOM_OPS, UNINITIALIZED_OPS, partition_with
-from spmd_ort.ort.verify import first_difference, op_summary, short_error, verify_tolerance
+from spmd_ort.ort.verify import op_summary, output_mismatch, short_error, verify_tolerance
 from spmd_ort.runtime.context import active
 from spmd_ort.runtime.ops import OPAQUE_OPS
 
@@ -144,6 +144,7 @@ class InductorStats:
     fallbacks: list = field(default_factory=list)
     verified: int = 0
     mismatches: list = field(default_factory=list)
+    ill_conditioned: list = field(default_factory=list)  # differed from fx, but no more than fx from float64
     first_run_seconds: float = 0.0
 
 
@@ -184,6 +185,8 @@ class InductorExecutor:
         s = self.stats
         lines = [f"inductor segments: {s.segments} (fell back to fx: {', '.join(s.fallbacks) or 'none'}; compiled "
                  f"in {s.compile_seconds:.2f}s; first run {s.first_run_seconds:.2f}s, {s.verified} verified)"]
+        lines += [f"  {name}: differs from fx no more than fx from float64 (ill-conditioned; accepted)"
+                  for name in s.ill_conditioned]
         lines += [f"  host: {op} ({why})" for op, why in s.host_ops.items()]
         return lines
 
@@ -209,7 +212,14 @@ class _CheckedRun(fx.Interpreter):
             return reference
         if ex.verify:
             ex.stats.verified += 1
-            diff = first_difference(got, reference, seg.tolerance)
+            # as ORT's first run: a difference no larger than fx's own from float64 (an ill-conditioned
+            # output, e.g. a weight gradient summed over 65536 terms that nearly cancel) is no fault
+            diff, forgiven = output_mismatch(seg.fallback, args, got, reference, seg.tolerance, label="inductor")
+            if forgiven is not None:
+                logger.info("inductor segment %s differs from its fx graph (%s), but no more than the fx graph "
+                            "itself differs from float64: an ill-conditioned computation, not a fault",
+                            seg.name, forgiven)
+                ex.stats.ill_conditioned.append(seg.name)
             if diff is not None:
                 ex.stats.mismatches.append(f"{seg.name}: {diff}")
                 _fall_back(seg, f"verification failed: {diff}", ex)

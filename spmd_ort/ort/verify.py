@@ -182,9 +182,10 @@ def _finite_abs_max(t: torch.Tensor) -> float:
     return max(torch.nan_to_num(p.abs(), nan=0.0, posinf=0.0).max().item() for (p,) in _pieces(t))
 
 
-def first_difference(ort_out, fx_out, tolerance: float = VERIFY_TOLERANCE) -> str | None:
+def first_difference(ort_out, fx_out, tolerance: float = VERIFY_TOLERANCE, label: str = "ort") -> str | None:
     """Describe the first output that differs beyond ``tolerance`` (relative to the output's max) and beyond
     rounding noise (:data:`VERIFY_ABS_FLOOR`, :data:`NOISE_ULPS` of the segment's largest output), or None.
+    ``label`` names the executor compared with fx in the description.
 
     Compared :data:`VERIFY_CHUNK` elements at a time (maxima: the same result as whole tensors)."""
     ort_vals = ort_out if isinstance(ort_out, tuple) else (ort_out,)
@@ -211,7 +212,7 @@ def first_difference(ort_out, fx_out, tolerance: float = VERIFY_TOLERANCE) -> st
             err = max(err, diff.max().item())
         scale = _finite_abs_max(b)
         if err > tolerance * scale and err > _noise_floor(a.dtype, largest):
-            return (f"output {i} (shape {tuple(b.shape)}): max |ort - fx| = {err:.3g}, "
+            return (f"output {i} (shape {tuple(b.shape)}): max |{label} - fx| = {err:.3g}, "
                     f"{err / max(scale, 1e-30):.3g} of max |fx| = {scale:.3g}")
     return None
 
@@ -261,14 +262,11 @@ def checked_first_run(name: str, seg, inputs, reference, stats: OrtStats, policy
     ort_s = time.perf_counter() - t0
     if verify:
         t0 = time.perf_counter()
-        # outputs in the order of an unsorted topk: compared in a defined order (the op defines the set)
-        got, reference = in_defined_order(got, seg.unordered), in_defined_order(reference, seg.unordered)
-        diff = first_difference(got, reference, seg.tolerance)
-        if diff is not None and within_rounding_of_float64(seg.fallback, inputs, got, reference, seg.unordered):
+        diff, forgiven = output_mismatch(seg.fallback, inputs, got, reference, seg.tolerance, seg.unordered)
+        if forgiven is not None:
             logger.info("ORT segment %s differs from its fx graph (%s), but no more than the fx graph itself "
-                        "differs from float64: an ill-conditioned computation, not a fault", name, diff)
+                        "differs from float64: an ill-conditioned computation, not a fault", name, forgiven)
             stats.ill_conditioned.append(name)
-            diff = None
         stats.verify_seconds += time.perf_counter() - t0
         stats.verified += 1
         if diff is not None:
@@ -277,6 +275,20 @@ def checked_first_run(name: str, seg, inputs, reference, stats: OrtStats, policy
             stats.fell_back(name, f"verification failed: {diff}")
             return None
     return ort_s
+
+def output_mismatch(gm: fx.GraphModule, inputs, got, reference, tolerance: float,
+                    unordered: tuple[UnorderedTopk, ...] = (), label: str = "ort") -> tuple[str | None, str | None]:
+    """How a compiled segment's outputs ``got`` (ORT's, inductor's) differ from its fx graph's ``reference`` on
+    ``inputs``: ``(mismatch, forgiven)``. ``mismatch`` describes the first output beyond the tolerance
+    (:func:`first_difference`), None when they agree; ``forgiven`` describes a difference that is no fault
+    because fx is as far from float64 (:func:`within_rounding_of_float64`), else None. Outputs in the order
+    of an unsorted topk are compared in a defined order (the op defines the set)."""
+    got, reference = in_defined_order(got, unordered), in_defined_order(reference, unordered)
+    diff = first_difference(got, reference, tolerance, label)
+    if diff is not None and within_rounding_of_float64(gm, inputs, got, reference, unordered):
+        return None, diff
+    return diff, None
+
 
 def within_rounding_of_float64(gm: fx.GraphModule, inputs, ort_out, fx_out,
                                unordered: tuple[UnorderedTopk, ...] = ()) -> bool:
