@@ -397,3 +397,53 @@ def test_two_dim_transposes_are_read_by_the_gemms_not_copied():
         for k, (g, want) in enumerate(zip(got, fn(*args), strict=True)):
             assert g.dtype == want.dtype
             assert_close_relmax(g, want, rtol=2e-5 if dtype == torch.float32 else 1e-12, msg=f"output {k}, {dtype}")
+
+
+@pytest.mark.parametrize("reduction", [0, 1, 2], ids=["none", "mean", "sum"])
+def test_cross_entropy_backward_is_one_expression_with_the_same_numbers(reduction):
+    """``nll_loss_backward`` then ``_log_softmax_backward_data`` (a cross-entropy's backward) is exported as
+    ``exp(y) * w`` with ``-w`` added at each target (3 passes over the logits, not 7), with ignored targets; its
+    numbers equal the pair's translated op by op, bit for bit, and torch's to rounding. At dynamic batch sizes too."""
+    import onnx
+
+    from spmd_ort.ort import lowering
+
+    def fn(x, y, g):
+        logp = aten._log_softmax(x, 1, False)
+        _, total_weight = aten.nll_loss_forward(logp, y, None, reduction, 3)
+        return aten._log_softmax_backward_data(
+            aten.nll_loss_backward(g, logp, y, None, reduction, 3, total_weight), logp, 1, torch.float32)
+
+    def args(n):
+        y = torch.randint(0, 40, (n,), generator=G)
+        y[::5] = 3  # ignore_index
+        return _randn(n, 40) * 4, y, _randn(n) if reduction == 0 else _randn(())
+
+    a = args(16)
+    gm = make_fx(fn, tracing_mode="fake")(*a)
+    lowering.annotate(gm)  # (as lower_to_onnx_ops_pass: nll_loss_forward goes as torch's decomposition)
+    fused = translate(gm)
+    ops = [n.op_type for n in onnx.load_from_string(fused).graph.node]
+    # over the logits: Exp, Mul, ScatterElements (the pair: ConstantOfShape, ScatterElements, Where, Mul, Exp,
+    # ReduceSum, Mul, Sub)
+    assert "ConstantOfShape" not in ops and "Sub" not in ops, ops
+    assert ops.count("Exp") == ops.count("Mul") == ops.count("ScatterElements") == 1, ops
+    original = lowering.fuse_loss_backward
+    try:
+        lowering.fuse_loss_backward = lambda gm: gm
+        pair = translate(gm)
+    finally:
+        lowering.fuse_loss_backward = original
+    got = OrtSegment("fused", gm, fused, threads=1, allow_spinning=False).run_ort(*a)
+    assert torch.equal(got, OrtSegment("pair", gm, pair, threads=1, allow_spinning=False).run_ort(*a))
+    assert_close_relmax(got, fn(*a), rtol=2e-5)
+
+    b = args(24)
+    _, _, fakes = fake_inputs([], list(a), [frozenset({0}), frozenset({0}), frozenset({0} if reduction == 0 else ())],
+                              ["x", "y", "g"])
+    gm = make_fx(fn, tracing_mode="symbolic", _allow_non_fake_inputs=True)(*fakes)
+    assert is_symbolic(gm)
+    lowering.annotate(gm)
+    segment = OrtSegment("dynamic", gm, translate(gm), threads=1, allow_spinning=False)
+    for inputs in (a, b):
+        assert_close_relmax(segment.run_ort(*inputs), fn(*inputs), rtol=2e-5)

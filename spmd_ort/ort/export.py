@@ -46,7 +46,7 @@ from spmd_ort.options import DEFAULT_OPSET
 logger = logging.getLogger("spmd_ort")
 aten = torch.ops.aten
 
-FORMAT_VERSION = 6  # bump when what we export for the same graph changes
+FORMAT_VERSION = 7  # bump when what we export for the same graph changes
 # ONNX inputs are named by position: a segment's placeholders carry the names of the parent
 # graph's nodes (div, add, view, ...), which the exporter also gives the segment's own values,
 # and ONNX Runtime rejects a model where an input and a value share a name.
@@ -278,7 +278,7 @@ def translate(gm: fx.GraphModule, opset: int = DEFAULT_OPSET, *, via_torch_expor
 
     if via_torch_export is None:
         via_torch_export = not has_direct_translator()
-    gm = lowering.expand(gm)  # marked ops as their decompositions: only ops ONNX translates directly
+    gm = lowering.expand(lowering.fuse_loss_backward(gm))  # marked ops as their decompositions: ops ONNX translates
     with _quiet():
         model = _translate_with_torch_export(gm, opset) if via_torch_export else _translate_directly(gm, opset)
         n_inputs = sum(1 for n in gm.graph.nodes if n.op == "placeholder")
