@@ -412,7 +412,7 @@ def test_cross_entropy_backward_is_one_expression_with_the_same_numbers(reductio
         logp = aten._log_softmax(x, 1, False)
         _, total_weight = aten.nll_loss_forward(logp, y, None, reduction, 3)
         return aten._log_softmax_backward_data(
-            aten.nll_loss_backward(g, logp, y, None, reduction, 3, total_weight), logp, 1, torch.float32)
+            aten.nll_loss_backward(g, logp, y, None, reduction, 3, total_weight), logp, 1, x.dtype)
 
     def args(n):
         y = torch.randint(0, 40, (n,), generator=G)
@@ -434,6 +434,8 @@ def test_cross_entropy_backward_is_one_expression_with_the_same_numbers(reductio
         pair = translate(gm)
     finally:
         lowering.fuse_loss_backward = original
+    half = make_fx(fn, tracing_mode="fake")(a[0].half(), a[1], a[2].half())  # (no float16 scatter-add on CPU)
+    assert lowering.fuse_loss_backward(half) is half
     got = OrtSegment("fused", gm, fused, threads=1, allow_spinning=False).run_ort(*a)
     assert torch.equal(got, OrtSegment("pair", gm, pair, threads=1, allow_spinning=False).run_ort(*a))
     assert_close_relmax(got, fn(*a), rtol=2e-5)

@@ -82,7 +82,7 @@ def fuse_loss_backward(gm: fx.GraphModule) -> fx.GraphModule:
     holds one non-zero, ``-w`` at the target, the result is ``exp(y) * w`` with ``-w`` added at the
     target: an Exp, a Mul and a ScatterElements that adds one value per row. The same operations on the
     same values as the pair's (``0 - exp(y) * -w`` is ``exp(y) * w``; the row sum of a single non-zero is
-    that value), so the same numbers. Class weights and inputs other than (batch, classes) keep the pair.
+    that value), so the same numbers. Class weights, inputs other than (batch, classes) and float16 keep the pair.
     """
     matches = [n for n in gm.graph.nodes if _loss_backward_pair(n) is not None]
     if not matches:
@@ -111,7 +111,9 @@ def _loss_backward_pair(node: fx.Node) -> fx.Node | None:
     if len(nll.users) != 1 or len(nll.args) != 7 or nll.args[1] is not output or nll.args[3] is not None:
         return None
     val = output.meta.get("val")
-    if not isinstance(val, torch.Tensor) or val.dim() != 2 or dim not in (1, -1) or not val.dtype.is_floating_point:
+    # float32 and float64 only: ONNX Runtime's CPU ScatterElements has no float16 kernel with reduction="add"
+    if not isinstance(val, torch.Tensor) or val.dim() != 2 or dim not in (1, -1) or \
+            val.dtype not in (torch.float32, torch.float64) or node.args[3] != val.dtype:
         return None
     return nll
 

@@ -474,19 +474,24 @@ def _attention_scores(query, key, kv, is_causal: bool, attn_mask, scale: float |
     return scores, scale
 
 
-# Masked scores are -inf, and ONNX Runtime's CPU Exp takes a slow path for inputs below float32's log(FLT_MIN)
+# Masked scores are -inf, and ONNX Runtime's CPU Exp takes a slow path for float32 inputs below log(FLT_MIN)
 # (about -87.3, where exp(x) is subnormal): on (8, 8, 128, 128) causal scores 1.26 ms against 0.16 ms unmasked.
-# So the softmax exponentiates max(x, EXP_FLOOR) and subtracts exp(EXP_FLOOR) (clipped at 0): 0.64 ms for the
-# four ops (mixtral-tiny's ORT-only step: 66.7 / 67.9 -> 65.3 / 61.7 ms, A/B), and a masked probability stays
-# exactly 0. Without the subtraction it was 1.6e-38, whose products in the backward are
-# subnormal, and the attention backward's GEMMs slowed tenfold (mixtral-tiny: 9.6 ms each). Probabilities
-# above exp(-69) are unchanged (exp(EXP_FLOOR) is below half their ulp); NaN stays NaN (Max propagates it).
+# So a float32 softmax exponentiates max(x, EXP_FLOOR) and subtracts a hair more than exp(EXP_FLOOR) (clipped
+# at 0): 0.64 ms for the four ops (mixtral-tiny's ORT-only step: 66.7 / 67.9 -> 65.3 / 61.7 ms, A/B), and a
+# masked probability stays exactly 0 whichever way the kernel rounds exp(EXP_FLOOR). Without the subtraction
+# it was 1.6e-38, whose products in the backward are subnormal, and the attention backward's GEMMs slowed
+# tenfold (mixtral-tiny: 9.6 ms each). Probabilities above exp(-69) are unchanged (what is subtracted is below
+# half their ulp); NaN stays NaN (Max propagates it). Other dtypes exponentiate as they are (float64's
+# subnormals start near -708; float16's Exp rounds such values to 0).
 EXP_FLOOR = -87.0
+_EXP_FLOOR_VALUE = math.exp(EXP_FLOOR) * (1 + 2.0 ** -16)  # float32's exp(EXP_FLOOR), rounded either way, or less
 
 
 def _exp_of_scores(x):
     """exp(x) for x <= 0 holding -inf where scores are masked (see :data:`EXP_FLOOR`)."""
-    return op.Relu(op.Exp(op.Max(x, _const(EXP_FLOOR, x))) - _const(math.exp(EXP_FLOOR), x))
+    if x.dtype != ir.DataType.FLOAT:
+        return op.Exp(x)
+    return op.Relu(op.Exp(op.Max(x, _const(EXP_FLOOR, x))) - _const(_EXP_FLOOR_VALUE, x))
 
 
 def _repeat_heads(x, heads: int):
