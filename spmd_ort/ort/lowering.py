@@ -84,8 +84,7 @@ def fuse_loss_backward(gm: fx.GraphModule) -> fx.GraphModule:
     same values as the pair's (``0 - exp(y) * -w`` is ``exp(y) * w``; the row sum of a single non-zero is
     that value), so the same numbers. Class weights, inputs other than (batch, classes) and float16 keep the pair.
     """
-    matches = [n for n in gm.graph.nodes if _loss_backward_pair(n) is not None]
-    if not matches:
+    if not any(_loss_backward_pair(n) is not None for n in gm.graph.nodes):
         return gm
     out = fx.GraphModule(gm, copy.deepcopy(gm.graph))
     fake_mode = fake_mode_of(out)

@@ -276,6 +276,7 @@ def checked_first_run(name: str, seg, inputs, reference, stats: OrtStats, policy
             return None
     return ort_s
 
+
 def output_mismatch(gm: fx.GraphModule, inputs, got, reference, tolerance: float,
                     unordered: tuple[UnorderedTopk, ...] = (), label: str = "ort") -> tuple[str | None, str | None]:
     """How a compiled segment's outputs ``got`` (ORT's, inductor's) differ from its fx graph's ``reference`` on
