@@ -23,8 +23,9 @@ compiled by inductor against that); ``ort-only`` (every segment in ONNX Runtime,
 median of ``--steps`` after ``INDUCTOR_AFTER_STEPS`` + 2 warm-up calls (the default backend is
 steady from there); "compile s" sums the warm-up calls' time beyond a steady step's.
 
-Models with parts the compiled step runs opaquely (mixtral-tiny: its experts) also get
-the time those parts took inside the compiled runners' steps (median).
+Models with parts the compiled step runs opaquely (none of these since mixtral-tiny's
+experts trace, as ``spmd_ort::grouped_mm``) also get the time those parts took inside the
+compiled runners' steps (median).
 
 Compile time: ``--compile`` also runs the ORT backend's first call (trace,
 passes, export or cache load, sessions, checked first run) in a fresh process
@@ -120,8 +121,8 @@ class MixtralLM(nn.Module):
 
 
 def mixtral_tiny(seed: int = 0):
-    """2 layers, d=128, 4 experts (top-2) of 256: the experts run opaquely in the compiled step
-    (their grouped matmul has no fp32 fake kernel), attention and router are compiled."""
+    """2 layers, d=128, 4 experts (top-2) of 256, transformers' default ``grouped_mm`` experts: the whole step
+    is traced (their ``torch._grouped_mm`` as ``spmd_ort::grouped_mm``; until 2026-11-25 they ran opaquely)."""
     import transformers
 
     cfg = transformers.MixtralConfig(vocab_size=1024, hidden_size=128, intermediate_size=256, num_hidden_layers=2,

@@ -18,12 +18,16 @@ class Lowering(PassResult):
     """``lower_to_onnx_ops_pass``: how many nodes of each op ONNX gets as their decomposition."""
 
     lowered: dict[str, int]
+    stable_sorts: int = 0  # unstable sorts made stable: the order of equal values ORT's TopK gives
 
     def lines(self) -> list[str]:
-        if not self.lowered:
-            return []
-        return ["lowered for ONNX (exported as torch's decomposition; torch runs the op): "
-                + ", ".join(f"{op} x{n}" for op, n in self.lowered.items())]
+        out = []
+        if self.lowered:
+            out.append("lowered for ONNX (exported as torch's decomposition; torch runs the op): "
+                       + ", ".join(f"{op} x{n}" for op, n in self.lowered.items()))
+        if self.stable_sorts:
+            out.append(f"sorts made stable (equal values in input order, as ONNX Runtime sorts): {self.stable_sorts}")
+        return out
 
 
 @graph_pass(requires=[VALUES_KNOWN], provides=[ONNX_LOWERED])
@@ -36,9 +40,12 @@ def lower_to_onnx_ops_pass(gm: fx.GraphModule, ctx) -> fx.GraphModule:
     and wherever a segment runs in torch (the fx side of the executor choice, a fallback, the checked
     first run) torch's fused kernel runs, not the decomposition (measured: the CNN's BatchNorm, nll_loss
     and threshold_backward ran 1.4x slower decomposed).  Numbers equal to rounding (the
-    decompositions are torch's own).
+    decompositions are torch's own).  Unstable sorts become stable ones first
+    (:func:`spmd_ort.ort.lowering.stable_sorts`): ORT's order of equal values is one an unstable sort may
+    give, not the one torch's gives.
     """
-    ctx.results.record(Lowering(lowered=lowering.annotate(gm)))
+    stable = lowering.stable_sorts(gm)
+    ctx.results.record(Lowering(lowered=lowering.annotate(gm), stable_sorts=stable))
     return gm
 
 

@@ -214,9 +214,12 @@ class DistNet(nn.Module):
         return self.head(torch.relu(self.scale(GlobalCenter.apply(torch.tanh(self.fc1(x))))))
 
 
-def tiny_mixtral_config(layers: int = 1):
+def tiny_mixtral_config(layers: int = 1, experts: str | None = None):
+    """HF Mixtral, tiny.  ``experts``: transformers' experts implementation (None: its default, `grouped_mm`;
+    `"eager"`: a loop over the experts hit, data-dependent, so it runs opaquely in a compiled step)."""
     import transformers
 
     return transformers.MixtralConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=layers,
                                       num_attention_heads=4, num_key_value_heads=2, num_local_experts=4,
-                                      num_experts_per_tok=2, max_position_embeddings=64)
+                                      num_experts_per_tok=2, max_position_embeddings=64,
+                                      **({"experts_implementation": experts} if experts else {}))

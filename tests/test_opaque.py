@@ -522,17 +522,18 @@ def lm_step(model, opt, x):
 
 @pytest.mark.parametrize("backend", ["fx", "ort"])
 def test_hf_mixtral_tiny(backend):
-    """Mixtral's grouped expert matmul has no fp32 fake kernel: the experts run opaquely, the rest
-    (attention, router) is traced; on ORT it runs in segments around them."""
+    """Mixtral's experts as a loop over the experts hit (``experts_implementation="eager"``) branch on tensor
+    values: they run opaquely, the rest (attention, router) is traced; on ORT it runs in segments around them.
+    (Its default ``grouped_mm`` experts are traced: tests/test_hf_models.py.)"""
     transformers = pytest.importorskip("transformers")
-    cfg = tiny_mixtral_config()
+    cfg = tiny_mixtral_config(experts="eager")
     g = torch.Generator().manual_seed(0)
     batches = [(torch.randint(0, cfg.vocab_size, (2, 16), generator=g),) for _ in range(3)]
     torch.manual_seed(0)
     step, le, _ = train_side_by_side(lambda: transformers.MixtralForCausalLM(cfg), _sgd, lm_step, batches,
                                      backend=backend)
     [call] = step.compiled.opaque
-    assert call.fqn == "model.layers.0.mlp.experts" and "Expected inputs of BF16 type" in call.reason
+    assert call.fqn == "model.layers.0.mlp.experts" and "reads a tensor's value" in call.reason
     if backend == "ort":  # host nodes between segments, every segment in ONNX Runtime (train_side_by_side)
         assert "host: spmd_ort.opaque_forward.default (opaque part" in step.compiled.describe()
 
@@ -540,9 +541,10 @@ def test_hf_mixtral_tiny(backend):
 # ---------------------------------------------------------------------- several ranks
 @pytest.mark.multiproc
 def test_opaque_parts_on_two_ranks(tmp_path):
-    """One torchrun, four scenarios (tests/dist/opaque_parity.py checks every step on every rank):
-    collectives inside a Function and in a module's forward vs DDP on fx and ORT; HF Mixtral
-    replicate vs DDP and fully_shard vs single-process eager on the global batch."""
+    """One torchrun, five scenarios (tests/dist/opaque_parity.py checks every step on every rank):
+    collectives inside a Function and in a module's forward vs DDP on fx and ORT; HF Mixtral (opaque experts)
+    replicate vs DDP and fully_shard vs single-process eager on the global batch; fully_shard again with its
+    traced grouped_mm experts."""
     out = tmp_path / "out"
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
            str(ROOT / "tests" / "dist" / "opaque_parity.py"), "--out", str(out)]
@@ -551,7 +553,8 @@ def test_opaque_parts_on_two_ranks(tmp_path):
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-6000:]
     ranks = [json.loads((out / f"rank{r}.json").read_text()) for r in range(2)]
     for r in ranks:
-        for name in ("collectives-fx", "collectives-ort", "mixtral-replicate", "mixtral-shard"):
+        for name in ("collectives-fx", "collectives-ort", "mixtral-replicate", "mixtral-shard",
+                     "mixtral-grouped-shard"):
             assert "compile_error" not in r[name], r[name]
             assert len(r[name]["losses"]) == 3
         opaque = r["collectives-ort"]["opaque"]
@@ -560,7 +563,9 @@ def test_opaque_parts_on_two_ranks(tmp_path):
         assert_ort_report_clean(r["collectives-ort"]["ort"])
         for name in ("mixtral-replicate", "mixtral-shard"):
             assert "module `model.layers.0.mlp.experts`" in r[name]["opaque"][0]
-        assert r["mixtral-shard"]["comm"]["reduce_scatter_calls"] >= 1
+        assert r["mixtral-grouped-shard"]["opaque"] == []  # traced: spmd_ort::grouped_mm in the graph
+        for name in ("mixtral-shard", "mixtral-grouped-shard"):
+            assert r[name]["comm"]["reduce_scatter_calls"] >= 1
     assert ranks[0]["collectives-fx"]["losses"] != ranks[1]["collectives-fx"]["losses"]  # each rank its shard
 
 

@@ -92,3 +92,31 @@ def test_a_placeholder_carrying_a_mark_is_not_expanded():
     expected = gm(x, w.detach(), y)
     for a, b in zip(lowering.expand(gm)(x, w.detach(), y), expected):
         torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7)
+
+
+def test_unstable_sorts_become_stable_ones_the_order_onnx_runtime_gives():
+    """torch's unstable sort leaves equal keys in an unspecified order (its CPU kernel does not keep theirs); ORT's
+    TopK keeps input order.  The pass makes every sort stable, keeping its dim and direction, so that torch
+    computes the order ORT does; a sort already stable stays as it is."""
+    def fn(keys, x):
+        ascending = torch.sort(keys)  # aten.sort.default
+        descending = torch.sort(keys, dim=0, descending=True, stable=False)  # aten.sort.stable, stable=False
+        kept = torch.sort(x, stable=True)
+        return ascending.indices, descending.indices, kept.values, x[ascending.indices]
+
+    keys = torch.randint(0, 4, (256,), generator=torch.Generator().manual_seed(0))
+    x = torch.randn(256)
+    gm = make_fx(fn, tracing_mode="fake")(keys, x)
+    ctx = PassContext(input_slots=[None] * 2, output_slots=[None] * 4, check_contracts=True)
+    gm = run_passes(gm, ctx, [lower_to_onnx_ops_pass])
+    sorts = [n for n in gm.graph.nodes if n.op == "call_function" and n.target in (torch.ops.aten.sort.default,
+                                                                                    torch.ops.aten.sort.stable)]
+    assert [n.target for n in sorts] == [torch.ops.aten.sort.stable] * 3
+    assert [n.kwargs for n in sorts[:2]] == [{"stable": True}, {"dim": 0, "descending": True, "stable": True}]
+    assert ctx.results.get(Lowering).stable_sorts == 2
+    assert any("sorts made stable" in line for line in ctx.results.get(Lowering).lines())
+    got = gm(keys, x)
+    want = (torch.sort(keys, stable=True).indices, torch.sort(keys, descending=True, stable=True).indices,
+            torch.sort(x).values)
+    assert all(torch.equal(a, b) for a, b in zip(got, want))
+    assert not torch.equal(torch.sort(keys).indices, want[0])  # what the graph computed before: another order

@@ -191,6 +191,20 @@ def test_pow_with_a_scalar_exponent(exponent):
         _check(aten.pow.Tensor_Scalar, (torch.randint(-3, 4, (4, 5), generator=G), exponent))
 
 
+@pytest.mark.parametrize("dtype", [torch.int64, torch.int32, torch.float32, torch.float64])
+@pytest.mark.parametrize("dim,descending", [(-1, False), (0, True), (1, False)])
+def test_a_stable_sort_gives_torchs_order_of_equal_values(dtype, dim, descending):
+    """Many equal keys (an MoE's expert ids): ORT's TopK keeps them in input order, as torch's stable sort does,
+    ascending and descending, along any dim, values and indices alike."""
+    keys = torch.randint(0, 4, (64, 48), generator=G).to(dtype)
+    _check(aten.sort.stable, (keys,), {"stable": True, "dim": dim, "descending": descending})
+    unstable = torch.sort(keys, dim=dim, descending=descending).indices  # torch's own unspecified order
+    assert not torch.equal(unstable, torch.sort(keys, dim=dim, descending=descending, stable=True).indices)
+    bools = make_fx(lambda k: aten.sort.stable(k, stable=True), tracing_mode="fake")(keys > 1)
+    node = next(n for n in bools.graph.nodes if n.target is aten.sort.stable)
+    assert "sort of torch.bool is not translated" in coverage.why_untranslatable(node)
+
+
 @pytest.mark.parametrize("kernel,stride,padding,dilation,ceil", [
     (2, 2, 0, 1, False), (3, 2, 1, 1, False), (3, 1, 1, 1, False), (3, 2, 1, 2, True), ([3, 2], [2, 1], [1, 0], 1, True)])
 def test_max_pool_forward_gives_torch_indices(kernel, stride, padding, dilation, ceil):

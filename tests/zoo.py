@@ -165,8 +165,10 @@ def _hf() -> dict[str, ZooModel]:
 
 def deepseek_v3() -> ZooModel:
     """DeepSeek-V3 (MoE): a dense layer, then a routed one whose router picks groups and experts with
-    ``topk(..., sorted=False)`` (their order is unspecified) and whose experts, data-dependent, run opaquely.
-    Not in :func:`zoo`: its experts run on the host, so it is no model of 100% ORT coverage."""
+    ``topk(..., sorted=False)`` (their order is unspecified) and whose experts, data-dependent, run opaquely
+    (transformers' loop over the experts hit, ``experts_implementation="eager"``; its default ``grouped_mm``
+    experts trace, as Mixtral's do in tests/test_hf_models.py).  Not in :func:`zoo`: its experts run on the
+    host, so it is no model of 100% ORT coverage."""
     import transformers as T
 
     cfg = T.DeepseekV3Config(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, moe_intermediate_size=16,
@@ -174,7 +176,7 @@ def deepseek_v3() -> ZooModel:
                              num_key_value_heads=4, n_routed_experts=8, num_experts_per_tok=2, n_group=2,
                              topk_group=1, n_shared_experts=1, q_lora_rank=16, kv_lora_rank=16, qk_rope_head_dim=8,
                              qk_nope_head_dim=8, v_head_dim=8, max_position_embeddings=2 * SEQ, pad_token_id=0,
-                             bos_token_id=1, eos_token_id=2)
+                             bos_token_id=1, eos_token_id=2, experts_implementation="eager")
     return ZooModel("deepseek_v3", lambda: T.DeepseekV3ForCausalLM(cfg), lm_step, _tokens)
 
 

@@ -139,6 +139,20 @@ def _loss_backward_of_empty(grad_output, input, *args):  # noqa: A002 - aten's a
     return torch.zeros_like(input)
 
 
+def _grouped_mm_of_any_dtype(mat_a, mat_b, offs=None, bias=None, out_dtype=None):
+    """``torch._grouped_mm`` (an MoE's experts: transformers' default ``grouped_mm`` experts, one matmul per
+    expert over its sorted tokens) as ``spmd_ort::grouped_mm``, which runs eager's kernel, where torch's fake
+    kernel rejects what eager's takes.
+
+    The fake kernel checks the CUDA kernel's rule, bfloat16 only, so an fp32 model on CPU failed to trace and
+    its experts ran opaquely, outside the graph, while eager trains it.  bfloat16 keeps the aten op (its fake
+    kernel agrees); any other dtype eager's kernel rejects at the first run, with eager's error.
+    """
+    if mat_a.dtype == mat_b.dtype == torch.bfloat16 and out_dtype in (None, torch.bfloat16):
+        return NotImplemented
+    return ops.grouped_mm(mat_a, mat_b, offs, bias, out_dtype)
+
+
 # Ops that mutate their arguments but have no functionalization rule of their own (or one that changes
 # their result), mapped to ops that do.  Applied while capturing, so that functionalization sees the result.
 FUNCTIONAL_DECOMPS = {aten.native_batch_norm.default: _native_batch_norm, aten.bernoulli_.float: _bernoulli_}
@@ -146,6 +160,7 @@ FUNCTIONAL_DECOMPS = {aten.native_batch_norm.default: _native_batch_norm, aten.b
 EAGER_DECOMPS = {op: _loss_backward_of_empty for op in (aten.mse_loss_backward.default,
                                                         aten.smooth_l1_loss_backward.default,
                                                         aten.huber_loss_backward.default)}
+EAGER_DECOMPS[aten._grouped_mm.default] = _grouped_mm_of_any_dtype
 
 
 @dataclass

@@ -17,6 +17,7 @@ from torch import fx
 from torch.fx.experimental.symbolic_shapes import optimization_hint
 
 from spmd_ort.passes.analysis import CollectiveCounts
+from spmd_ort.runtime import ops
 from spmd_ort.runtime.program import CompiledProgram
 
 aten = torch.ops.aten
@@ -29,7 +30,8 @@ def _shape(node) -> tuple:
 
 
 def node_flops(node: fx.Node) -> int:
-    """Multiply-add FLOPs (2 per MAC) of matmuls, convolutions and attention; 0 for everything else."""
+    """Multiply-add FLOPs (2 per MAC) of matmuls (grouped ones too), convolutions and attention; 0 for everything
+    else."""
     t = node.target
     out = _shape(node)
     if t in (aten.mm.default, aten.addmm.default):
@@ -38,6 +40,8 @@ def node_flops(node: fx.Node) -> int:
     if t in (aten.bmm.default, aten.baddbmm.default):
         a = _shape(node.args[-2])
         return 2 * math.prod(out) * (a[-1] if a else 0)
+    if t is ops.grouped_mm:
+        return ops.grouped_mm_flops(_shape(node.args[0]), _shape(node.args[1]), out_shape=out)
     if t is aten.convolution.default:
         w = _shape(node.args[1])
         return 2 * math.prod(out) * math.prod(w[1:]) if w else 0

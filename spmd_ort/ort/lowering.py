@@ -21,6 +21,7 @@ from torch.fx.experimental.proxy_tensor import make_fx
 from spmd_ort.ort import coverage
 from spmd_ort.passes.helpers import fake_mode_of, refake
 
+aten = torch.ops.aten
 DECOMPOSITION = "onnx_decomposition"  # node.meta key: the node's decomposition (an fx.GraphModule)
 # node.meta keys carried from a lowered node to the nodes of its decomposition
 CARRIED_META = ("custom", "stack_trace", "nn_module_stack")
@@ -46,6 +47,35 @@ def annotate(gm: fx.GraphModule) -> dict[str, int]:
         node.meta[DECOMPOSITION] = cache[key]
         marked[str(node.target)] = marked.get(str(node.target), 0) + 1
     return dict(sorted(marked.items()))
+
+
+def stable_sorts(gm: fx.GraphModule) -> int:
+    """Make every ``sort`` of ``gm`` stable (equal values keep their input order); how many were not.
+
+    torch's unstable sort leaves the order of equal values unspecified, and its CPU kernel does not keep
+    their input order; ONNX Runtime sorts with ``TopK``, which does (ONNX: the lower index first).  An MoE
+    sorting its token-expert pairs by expert (transformers' ``grouped_mm`` experts) has thousands of equal
+    keys: the segment's permutation out of ORT differed from torch's and its checked first run failed.  A
+    stable sort is one of the orders the unstable one may give, so the graph asks for it, and torch (the fx
+    side, the checked first run) computes the order ORT does.
+    """
+    changed = 0
+    for node in gm.graph.nodes:
+        if node.op != "call_function" or node.target not in (aten.sort.default, aten.sort.stable):
+            continue
+        if node.target is aten.sort.default:
+            args = dict(zip(("self", "dim", "descending"), node.args), **node.kwargs)
+        else:
+            args = dict(zip(("self",), node.args), **node.kwargs)
+            if args.get("stable"):
+                continue
+        node.target = aten.sort.stable
+        node.args = (args.pop("self"),)
+        node.kwargs = {**args, "stable": True}
+        changed += 1
+    if changed:
+        gm.recompile()
+    return changed
 
 
 def why_not_lowerable(node: fx.Node, why_host) -> str | None:

@@ -65,6 +65,13 @@ def _attention_backward_accepts(node: fx.Node) -> str | None:
     return _attention_check(node, node.args[1], node.args[2], _arg(node, 6, "dropout_p", 0.0))
 
 
+def _sort_accepts(node: fx.Node) -> str | None:
+    dtype = node.args[0].meta["val"].dtype
+    if dtype not in (torch.float32, torch.float64, torch.int32, torch.int64):
+        return f"a sort of {dtype} is not translated (ONNX Runtime's TopK has no kernel for it)"
+    return None
+
+
 @dataclass(frozen=True)
 class Translation:
     """``impl``: the translation function, or its name in :mod:`spmd_ort.ort.translations` (imported when the
@@ -105,6 +112,8 @@ TRANSLATIONS: dict = {
                                                   _avg_pool_accepts),
     aten.convolution_backward.default: Translation("convolution_backward", "no translation or decomposition exists",
                                                    _conv_accepts),
+    aten.sort.stable: Translation("sort_stable", "torchlib translates the default overload only (the graph's sorts "
+                                  "are stable: spmd_ort.ort.lowering.stable_sorts)", _sort_accepts),
     aten._scaled_dot_product_flash_attention_for_cpu.default: Translation(
         "_scaled_dot_product_flash_attention_for_cpu", "the fused CPU kernel's forward, with the log-sum-exp",
         _attention_accepts),

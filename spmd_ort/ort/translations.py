@@ -103,6 +103,14 @@ def elu(self: TFloat, alpha: float = 1.0, scale: float = 1.0, input_scale: float
     return op.Where(op.Greater(self, _const(0.0, self)), positive, negative)
 
 
+def sort_stable(self: TTensor, stable: Optional[bool] = None, dim: int = -1, descending: bool = False):
+    """``sort`` with equal values in their input order: ONNX's ``TopK`` over the whole dim, which puts the lower
+    index first among equal values (the ONNX spec; ONNX Runtime's CPU kernel does, ascending and descending)."""
+    if len(self.shape) == 0:
+        return op.Identity(self), op.Constant(value=ir.tensor(0, dtype=ir.DataType.INT64))
+    return op.TopK(self, _shape([(self, dim)]), axis=dim, largest=int(descending), sorted=1)
+
+
 def silu_backward(grad_output: TFloat, self: TFloat) -> TFloat:
     """d silu = sigmoid(x) (1 + x (1 - sigmoid(x)))."""
     sig = op.Sigmoid(self)

@@ -22,6 +22,10 @@ work in the running step's :class:`~spmd_ort.runtime.collectives.Communicator`.
 * ``check_index(index, high, wraps, ignore, op, input, fqn, message)``: eager's bounds check of an
   index the step's inputs feed to a gather (:mod:`spmd_ort.runtime.checks`); returns ``index`` itself,
   so the ops that read the index read its output and run after it (``insert_index_checks_pass``).
+* ``grouped_mm(mat_a, mat_b, offs, bias, out_dtype)``: ``aten._grouped_mm`` (an MoE's experts, one matmul per
+  group of rows) in a dtype eager's kernel takes and torch's fake kernel rejects (it checks CUDA's bfloat16
+  rule): tracing maps the aten op to this one (``spmd_ort.capture.trace.EAGER_DECOMPS``), which runs eager's
+  kernel and infers shapes without the dtype check.
 * opaque parts (:mod:`spmd_ort.runtime.opaque`): ``opaque_forward(inputs, index)`` runs
   call ``index`` of the step's opaque table (user code, eagerly) and returns its
   outputs plus a token; ``opaque_backward(token, grads, index)`` runs its
@@ -33,8 +37,10 @@ work in the running step's :class:`~spmd_ort.runtime.collectives.Communicator`.
 from __future__ import annotations
 
 import functools
+import math
 
 import torch
+import torch.utils.flop_counter
 from torch import Tensor, fx
 
 from spmd_ort.runtime import checks, kernels, opaque
@@ -127,9 +133,43 @@ with_layout = _op("with_layout(Tensor x, int[] dim_order, bool values) -> Tensor
                   lambda x, dim_order, values: torch.empty_permuted(x.shape, dim_order, dtype=x.dtype,
                                                                     device=x.device))
 
+
+# ---------------------------------------------------------------------- grouped matmul
+def _grouped_mm_fake(mat_a: Tensor, mat_b: Tensor, offs: Tensor | None = None, bias: Tensor | None = None,
+                     out_dtype: torch.dtype | None = None) -> Tensor:
+    """The output of ``aten._grouped_mm`` as torch's meta kernel makes it, less that kernel's dtype check."""
+    from torch._meta_registrations import _create_grouped_mm_output_tensor
+
+    torch._check(mat_a.dim() in (2, 3) and mat_b.dim() in (2, 3),
+                 lambda: f"grouped_mm: operands must be 2-D or 3-D, got {mat_a.dim()}-D and {mat_b.dim()}-D")
+    torch._check(mat_a.shape[-1] == mat_b.shape[-2] if mat_a.dim() == 3 or mat_b.dim() == 3
+                 else mat_a.shape[1] == mat_b.shape[0],
+                 lambda: f"grouped_mm: contraction sizes differ ({tuple(mat_a.shape)} @ {tuple(mat_b.shape)})")
+    torch._check((mat_a.dim() == 3 and mat_b.dim() == 3) or offs is not None,
+                 lambda: "grouped_mm: a 2-D operand needs offs")
+    return _create_grouped_mm_output_tensor(mat_a, mat_b, offs, out_dtype)
+
+
+grouped_mm = _op("grouped_mm(Tensor mat_a, Tensor mat_b, Tensor? offs=None, Tensor? bias=None, "
+                 "ScalarType? out_dtype=None) -> Tensor",
+                 lambda mat_a, mat_b, offs=None, bias=None, out_dtype=None:
+                 torch.ops.aten._grouped_mm.default(mat_a, mat_b, offs, bias, out_dtype), _grouped_mm_fake)
+
+
+def grouped_mm_flops(a_shape, b_shape, *args, out_shape, **kwargs) -> int:
+    """Multiply-add FLOPs (2 per MAC) of a grouped matmul with every row in a group (the groups cover what
+    ``offs`` says, at most that): (S, K) @ (G, K, N) is an (S, K) @ (K, N) matmul's; (K, S) @ (S, N) with groups
+    along S is a (K, S) @ (S, N) one's; 3-D @ 3-D is a batched matmul."""
+    if len(a_shape) == 2 and len(b_shape) == 2:
+        return 2 * a_shape[0] * a_shape[1] * b_shape[1]
+    return 2 * math.prod(out_shape) * a_shape[-1]
+
+
+torch.utils.flop_counter.register_flop_formula(torch.ops.spmd_ort.grouped_mm)(grouped_mm_flops)
+
 # ops whose body reads nothing but its arguments (no step context; random ones draw from torch's RNG): what
 # pin_random_layouts_pass may run on its own tensors to learn the layouts eager's kernels give
-PURE_OPS = (tag_grad, tap, bernoulli_like, with_layout)
+PURE_OPS = (tag_grad, tap, bernoulli_like, with_layout, grouped_mm)
 
 # ---------------------------------------------------------------------- collectives
 # ``group``: the process group's name ("" is the world; DTensor's mesh dims name theirs, expand mode)

@@ -9,10 +9,13 @@ Scenarios, each against its oracle, step by step on every rank (any mismatch rai
   ``dist.all_reduce`` in its forward) under ``DataParallel()`` vs torch DDP.  Those
   collectives run inside opaque host nodes, between the compiled step's own
   asynchronous gradient all-reduces, in the same order on every rank.
-* ``mixtral-replicate``: HF Mixtral (tiny config) under ``DataParallel()`` vs DDP.
+* ``mixtral-replicate``: HF Mixtral (tiny config, its experts' data-dependent loop: opaque) under
+  ``DataParallel()`` vs DDP.
 * ``mixtral-shard``: the same under ``parallel_style="fully_shard"`` vs single-process
   eager on the global batch: the opaque experts read gathered parameters and their
   gradients are reduce-scattered.
+* ``mixtral-grouped-shard``: the same with transformers' default ``grouped_mm`` experts, traced (no
+  opaque part): their 3-D weights are gathered and reduce-scattered as every parameter is.
 
 Every rank builds its models from its own seed (the compiled step must take rank 0's
 weights) and writes DIR/rank<r>.json.
@@ -42,7 +45,7 @@ from models import DistNet, tiny_mixtral_config  # noqa: E402
 from zoo import lm_step  # noqa: E402
 
 STEPS = 3
-SCENARIOS = ("collectives-fx", "collectives-ort", "mixtral-replicate", "mixtral-shard")
+SCENARIOS = ("collectives-fx", "collectives-ort", "mixtral-replicate", "mixtral-shard", "mixtral-grouped-shard")
 
 
 def summary(step) -> dict:
@@ -97,17 +100,19 @@ def mixtral_batch(i: int, cfg, per_rank: int, world: int):
 def mixtral_replicate(rank: int, world: int) -> dict:
     import transformers
 
-    cfg = tiny_mixtral_config()
+    cfg = tiny_mixtral_config(experts="eager")  # the experts' loop is data-dependent: opaque
     torch.manual_seed(rank)
     base = transformers.MixtralForCausalLM(cfg)
     return vs_ddp(base, lambda p: torch.optim.SGD(p, lr=0.1, momentum=0.9), lm_step,
                   lambda i, r: (mixtral_batch(i, cfg, 2, world)[2 * r: 2 * (r + 1)],), "fx", rank, world)
 
 
-def mixtral_shard(rank: int, world: int) -> dict:
+def mixtral_shard(rank: int, world: int, experts: str) -> dict:
+    """``experts="eager"``: the experts run opaquely on gathered parameters; ``"grouped_mm"``: traced, their 3-D
+    weights gathered and their gradients reduce-scattered like every other parameter's."""
     import transformers
 
-    cfg = tiny_mixtral_config()
+    cfg = tiny_mixtral_config(experts=experts)
     torch.manual_seed(0)
     reference = transformers.MixtralForCausalLM(cfg)  # rank 0's weights, trained eagerly on the global batch
     torch.manual_seed(rank)
@@ -148,7 +153,8 @@ def main() -> None:
     runs = {"collectives-fx": lambda: collectives(rank, world, "fx"),
             "collectives-ort": lambda: collectives(rank, world, "ort"),
             "mixtral-replicate": lambda: mixtral_replicate(rank, world),
-            "mixtral-shard": lambda: mixtral_shard(rank, world)}
+            "mixtral-shard": lambda: mixtral_shard(rank, world, "eager"),
+            "mixtral-grouped-shard": lambda: mixtral_shard(rank, world, "grouped_mm")}
     result: dict = {"rank": rank, "world": world}
     for name in args.scenarios.split(","):
         try:
