@@ -18,6 +18,7 @@ from spmd_ort.ort.export import translate
 from spmd_ort.capture.dynamic import fake_inputs
 from spmd_ort.ort.session import OrtSegment, is_symbolic
 from spmd_ort.ort.translations import TRANSLATIONS
+from spmd_ort.runtime import ops
 
 aten = torch.ops.aten
 G = torch.Generator().manual_seed(0)
@@ -189,6 +190,29 @@ def test_pow_with_a_scalar_exponent(exponent):
     _check(aten.pow.Tensor_Scalar, (x.abs() if exponent in (0.5, -0.5, 1.7) else x, exponent))
     if isinstance(exponent, int) and exponent >= 0:
         _check(aten.pow.Tensor_Scalar, (torch.randint(-3, 4, (4, 5), generator=G), exponent))
+
+
+def test_grouped_mm_one_matmul_per_group():
+    """``spmd_ort::grouped_mm`` (an MoE's experts) in ORT: 2-D @ 3-D (forward, input gradient) and 2-D @ 2-D
+    (weight gradient, groups along the contraction dim; an empty group is zeros), groups read from ``offs`` at run
+    time, a batched 3-D @ 3-D, and a dynamic number of rows; bias and integer operands are declined."""
+    offs = torch.tensor([7, 7, 30, 40], dtype=torch.int32)  # group 1 is empty
+    x, w, g = _randn(40, 16), _randn(4, 16, 24), _randn(40, 24)
+    _check(ops.grouped_mm, (x, w, offs))
+    _check(ops.grouped_mm, (x, w.transpose(-2, -1).contiguous().transpose(-2, -1), offs))  # the weight as read
+    grad_w = ops.grouped_mm(x.t(), g, offs)
+    assert torch.equal(grad_w[1], torch.zeros(16, 24))  # torch's kernel: zeros for the empty group
+    _check(ops.grouped_mm, (x.t(), g, offs))
+    _check(ops.grouped_mm, (_randn(4, 8, 16), w))
+    _check(ops.grouped_mm, (x, w, offs), resized=((_randn(56, 16), w, torch.tensor([20, 21, 21, 56],
+                                                                                     dtype=torch.int32)), {}))
+
+    def node_of(fn, *args):
+        gm = make_fx(fn, tracing_mode="fake")(*args)
+        return next(n for n in gm.graph.nodes if n.target is ops.grouped_mm)
+
+    biased = node_of(lambda x, w, o, b: ops.grouped_mm(x, w, o, b), x, w, offs, _randn(4, 24))
+    assert "bias" in coverage.why_untranslatable(biased)
 
 
 @pytest.mark.parametrize("dtype", [torch.int64, torch.int32, torch.float32, torch.float64])

@@ -29,6 +29,7 @@ from torch.fx.passes.operator_support import OperatorSupport
 
 from spmd_ort.ort.coverage import HOST_ONLY, why_untranslatable
 from spmd_ort.ort.lowering import DECOMPOSITION, why_not_lowerable
+from spmd_ort.ort.translation_table import TRANSLATIONS
 from spmd_ort.capture.dynamic import SizeEmitter, input_symbols
 from spmd_ort.runtime.ops import OPAQUE_OPS, STARTS, check_index, draws_random, wait_
 
@@ -90,7 +91,7 @@ def why_host(node: fx.Node) -> str | None:
         return "eager's bounds check of an index from the inputs (runs in torch, before the segments that read it)"
     if target in OPAQUE_OPS:
         return "opaque part: the user's code, run eagerly (CompiledProgram.describe() lists each)"
-    if namespace in HOST_NAMESPACES:
+    if namespace in HOST_NAMESPACES and target not in TRANSLATIONS:
         return f"{namespace} op (runs in torch)"
     if target in RANDOM_OPS:
         return "random op (keeps torch's RNG)"
@@ -110,7 +111,7 @@ def why_host(node: fx.Node) -> str | None:
     if target in RACY_SCATTERS and RACY_SCATTERS[target](node) and any(v.device.type == "cpu" for v in _vals(node)):
         return (f"{target} with accumulate=True: its translation, a ScatterND with reduction='add', sums repeated "
                 "indices wrongly now and then on ONNX Runtime's CPU provider (its threads race)")
-    if namespace != "aten":
+    if namespace != "aten" and target not in TRANSLATIONS:
         return f"{namespace} op has no ONNX translation"
     if DECOMPOSITION in node.meta:  # exported as its decomposition (lower_to_onnx_ops_pass)
         return why_not_lowerable(node, why_host)

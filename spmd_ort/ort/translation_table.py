@@ -17,6 +17,8 @@ from dataclasses import dataclass
 import torch
 from torch import fx
 
+from spmd_ort.runtime import ops
+
 aten = torch.ops.aten
 
 Accepts = Callable[[fx.Node], "str | None"]
@@ -72,6 +74,21 @@ def _sort_accepts(node: fx.Node) -> str | None:
     return None
 
 
+def _grouped_mm_accepts(node: fx.Node) -> str | None:
+    a, b = node.args[0].meta["val"], node.args[1].meta["val"]
+    offs = _arg(node, 2, "offs")
+    if _arg(node, 3, "bias") is not None or _arg(node, 4, "out_dtype") not in (None, a.dtype):
+        return "grouped_mm with a bias or another output dtype is not translated"
+    if not a.dtype.is_floating_point:
+        return f"grouped_mm of {a.dtype} is not translated"
+    if offs is None:
+        return None if a.dim() == b.dim() == 3 else "grouped_mm of a 2-D operand without offs"
+    groups = b.shape[0] if b.dim() == 3 else offs.meta["val"].shape[0]
+    if a.dim() != 2 or not isinstance(groups, int):
+        return "grouped_mm is translated with offs for 2-D @ 3-D and 2-D @ 2-D, with a static number of groups"
+    return None
+
+
 @dataclass(frozen=True)
 class Translation:
     """``impl``: the translation function, or its name in :mod:`spmd_ort.ort.translations` (imported when the
@@ -112,6 +129,9 @@ TRANSLATIONS: dict = {
                                                   _avg_pool_accepts),
     aten.convolution_backward.default: Translation("convolution_backward", "no translation or decomposition exists",
                                                    _conv_accepts),
+    ops.grouped_mm: Translation(
+        "grouped_mm", "ours (spmd_ort.runtime.ops): torch._grouped_mm, which has no ONNX translation",
+        _grouped_mm_accepts),
     aten.sort.stable: Translation("sort_stable", "torchlib translates the default overload only (the graph's sorts "
                                   "are stable: spmd_ort.ort.lowering.stable_sorts)", _sort_accepts),
     aten._scaled_dot_product_flash_attention_for_cpu.default: Translation(

@@ -111,6 +111,41 @@ def sort_stable(self: TTensor, stable: Optional[bool] = None, dim: int = -1, des
     return op.TopK(self, _shape([(self, dim)]), axis=dim, largest=int(descending), sorted=1)
 
 
+def grouped_mm(mat_a: TFloat, mat_b: TFloat, offs=None, bias=None, out_dtype=None) -> TFloat:
+    """``spmd_ort::grouped_mm`` (``torch._grouped_mm``, an MoE's experts): one ``MatMul`` per group.
+
+    ``offs`` holds the groups' cumulative ends (int32), read at run time: ``Slice`` cuts each group's rows of
+    ``mat_a`` (2-D @ 3-D: the experts' forward and input gradient; rows past the last group, none when the
+    groups cover every row, are zeros where torch's kernel leaves them unwritten) or each group's stretch of
+    the contraction dim of both (2-D @ 2-D: the experts' weight gradients, one (K, N) block per group).  3-D @
+    3-D is a batched ``MatMul``.  The number of groups is static (the experts' weights, ``offs``' length).
+    """
+    if offs is None:
+        return op.MatMul(mat_a, mat_b)
+    ends = op.Cast(offs, to=ir.DataType.INT64)
+    starts = op.Concat(_ints([0]), op.Slice(ends, _ints([0]), _ints([-1])), axis=0)
+
+    def bounds(e: int):
+        return op.Slice(starts, _ints([e]), _ints([e + 1])), op.Slice(ends, _ints([e]), _ints([e + 1]))
+
+    if len(mat_b.shape) == 3:
+        parts = []
+        for e in range(mat_b.shape[0]):
+            start, end = bounds(e)
+            rows = op.Slice(mat_a, start, end, _ints([0]))
+            parts.append(op.MatMul(rows, op.Gather(mat_b, op.Constant(value=ir.tensor(e, dtype=ir.DataType.INT64)),
+                                                   axis=0)))
+        out = op.Concat(*parts, axis=0) if len(parts) > 1 else parts[0]
+        missing = op.Sub(op.Shape(mat_a, start=0, end=1), op.Slice(ends, _ints([-1]), _ints([2**62])))
+        return op.Pad(out, op.Concat(_ints([0, 0]), missing, _ints([0]), axis=0))
+    parts = []
+    for e in range(offs.shape[0]):
+        start, end = bounds(e)
+        block = op.MatMul(op.Slice(mat_a, start, end, _ints([1])), op.Slice(mat_b, start, end, _ints([0])))
+        parts.append(op.Unsqueeze(block, _ints([0])))
+    return op.Concat(*parts, axis=0) if len(parts) > 1 else parts[0]
+
+
 def silu_backward(grad_output: TFloat, self: TFloat) -> TFloat:
     """d silu = sigmoid(x) (1 + x (1 - sigmoid(x)))."""
     sig = op.Sigmoid(self)
