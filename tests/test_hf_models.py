@@ -8,6 +8,7 @@ import torch
 from helpers import train_side_by_side
 from models import tiny_mixtral_config
 from spmd_ort.debug.explain import node_flops
+from spmd_ort.inductor.executor import cxx_compiler
 from spmd_ort.runtime import ops
 from zoo import cls_step, deepseek_v3
 
@@ -61,7 +62,7 @@ def test_hf_bert_classification_with_padding_mask(backend):
     assert le[-1] < le[0]
 
 
-@pytest.mark.parametrize("backend", ["ort", "fx"])
+@pytest.mark.parametrize("backend", ["ort", "fx", "inductor"])
 def test_hf_mixtral_grouped_mm_experts_are_traced(backend):
     """transformers' default Mixtral experts sort the (token, expert) pairs by expert and run one
     ``torch._grouped_mm`` per projection.  torch's fake kernel of that op admits bfloat16 only (the CUDA kernel's
@@ -69,6 +70,8 @@ def test_hf_mixtral_grouped_mm_experts_are_traced(backend):
     with no opaque part, and in ORT as one MatMul per expert.  The sort has many equal keys: the graph asks for
     the stable order, the one ONNX Runtime gives, so every ORT segment verifies and runs in ORT
     (``train_side_by_side`` checks it)."""
+    if backend == "inductor" and cxx_compiler() is None:
+        pytest.skip("inductor's CPU code needs a C++ compiler")
     cfg = tiny_mixtral_config(layers=2)
     g = torch.Generator().manual_seed(0)
     batches = [(torch.randint(0, cfg.vocab_size, (2, 16), generator=g),) for _ in range(3)]
@@ -88,7 +91,26 @@ def test_hf_mixtral_grouped_mm_experts_are_traced(backend):
                for n in grouped)
     if backend == "ort":  # in the segments (our translation), not host nodes between them
         assert "sorts made stable" in program.describe() and "host: spmd_ort.grouped_mm" not in program.describe()
+    if backend == "inductor":  # an extern kernel in inductor's code: every segment compiled, none fell back
+        assert not program.executor.stats.fallbacks and program.executor.stats.verified >= 1
     assert le[-1] < le[0]
+
+
+def test_hf_mixtral_grouped_mm_experts_with_new_lengths_on_ort(monkeypatch):
+    """A new sequence length re-traces with the length symbolic (the number of (token, expert) pairs with it):
+    the grouped matmuls' shapes follow it, and one ONNX model per segment serves every length, checked with
+    fallback disabled."""
+    monkeypatch.setenv("SPMD_ORT_FALLBACK_POLICY", "FALLBACK_DISABLE")
+    cfg = tiny_mixtral_config()
+    g = torch.Generator().manual_seed(1)
+    batches = [(torch.randint(0, cfg.vocab_size, (2, length), generator=g),) for length in (16, 12, 20, 9)]
+    torch.manual_seed(0)
+    step, le, _ = train_side_by_side(lambda: transformers.MixtralForCausalLM(cfg), _sgd, lm_step, batches,
+                                     backend="ort")
+    program = step.compiled
+    assert program.symbolic is not None and program.opaque == ()
+    assert any(n.target is ops.grouped_mm for m in program.gm.modules() if isinstance(m, torch.fx.GraphModule)
+               for n in m.graph.nodes)
 
 
 def test_hf_deepseek_v3_moe_router_verifies_on_ort_and_matches_eager(monkeypatch):
