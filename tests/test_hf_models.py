@@ -113,6 +113,35 @@ def test_hf_mixtral_grouped_mm_experts_with_new_lengths_on_ort(monkeypatch):
                for n in m.graph.nodes)
 
 
+def _moe_configs() -> dict:
+    common = dict(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=4,
+                  num_key_value_heads=2, max_position_embeddings=64)
+    return {
+        "qwen3_moe": lambda: transformers.Qwen3MoeForCausalLM(transformers.Qwen3MoeConfig(
+            **common, moe_intermediate_size=32, num_experts=4, num_experts_per_tok=2, head_dim=8)),
+        "qwen2_moe": lambda: transformers.Qwen2MoeForCausalLM(transformers.Qwen2MoeConfig(
+            **common, moe_intermediate_size=32, shared_expert_intermediate_size=32, num_experts=4,
+            num_experts_per_tok=2)),
+        "olmoe": lambda: transformers.OlmoeForCausalLM(transformers.OlmoeConfig(
+            **common, num_experts=4, num_experts_per_tok=2)),
+        "gpt_oss": lambda: transformers.GptOssForCausalLM(transformers.GptOssConfig(  # biased, transposed experts
+            **common, num_local_experts=4, num_experts_per_tok=2, head_dim=8, layer_types=["full_attention"])),
+    }
+
+
+@pytest.mark.parametrize("name", ["qwen3_moe", "qwen2_moe", "olmoe", "gpt_oss"])
+def test_hf_moe_families_with_grouped_mm_experts_train_on_ort(name):
+    """Other transformers MoE families share Mixtral's ``grouped_mm`` experts (biases and transposed weights
+    included, GPT-OSS): traced with no opaque part, every segment verified in ORT (fallback disabled)."""
+    g = torch.Generator().manual_seed(0)
+    batches = [(torch.randint(0, 64, (2, 16), generator=g),) for _ in range(3)]
+    torch.manual_seed(0)
+    step, le, _ = train_side_by_side(_moe_configs()[name], _sgd, lm_step, batches, backend="ort")
+    assert step.compiled.opaque == ()
+    assert any(n.target is ops.grouped_mm for m in step.compiled.gm.modules() if isinstance(m, torch.fx.GraphModule)
+               for n in m.graph.nodes)
+
+
 def test_hf_deepseek_v3_moe_router_verifies_on_ort_and_matches_eager(monkeypatch):
     """The router's topk(..., sorted=False) indices and weights may come out of ONNX Runtime in another order
     than torch's: verification compares them as the op defines them (the set per row, indices and weights as
