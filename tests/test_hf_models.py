@@ -92,7 +92,8 @@ def test_hf_mixtral_grouped_mm_experts_are_traced(backend):
     if backend == "ort":  # in the segments (our translation), not host nodes between them
         assert "sorts made stable" in program.describe() and "host: spmd_ort.grouped_mm" not in program.describe()
     if backend == "inductor":  # an extern kernel in inductor's code: every segment compiled, none fell back
-        assert not program.executor.stats.fallbacks and program.executor.stats.verified >= 1
+        stats = program.executor.stats
+        assert not stats.fallbacks and stats.verified >= 1 and str(ops.grouped_mm) not in stats.host_ops
     assert le[-1] < le[0]
 
 
@@ -140,6 +141,7 @@ def test_hf_moe_families_with_grouped_mm_experts_train_on_ort(name):
     assert step.compiled.opaque == ()
     assert any(n.target is ops.grouped_mm for m in step.compiled.gm.modules() if isinstance(m, torch.fx.GraphModule)
                for n in m.graph.nodes)
+    assert "host: spmd_ort.grouped_mm" not in step.compiled.describe()  # in the segments: our translation
 
 
 def test_hf_deepseek_v3_moe_router_verifies_on_ort_and_matches_eager(monkeypatch):

@@ -193,26 +193,40 @@ def test_pow_with_a_scalar_exponent(exponent):
 
 
 def test_grouped_mm_one_matmul_per_group():
-    """``spmd_ort::grouped_mm`` (an MoE's experts) in ORT: 2-D @ 3-D (forward, input gradient) and 2-D @ 2-D
-    (weight gradient, groups along the contraction dim; an empty group is zeros), groups read from ``offs`` at run
-    time, a batched 3-D @ 3-D, and a dynamic number of rows; bias and integer operands are declined."""
+    """``spmd_ort::grouped_mm`` (an MoE's experts) in ORT: 2-D @ 3-D (forward, input gradient; an output width
+    eager's kernel pads to 16 bytes) and 2-D @ 2-D (weight gradient, groups along the contraction dim; an empty
+    group is zeros), groups read from ``offs`` at run time, a batched 3-D @ 3-D, and a dynamic number of rows;
+    3-D @ 2-D is declined."""
     offs = torch.tensor([7, 7, 30, 40], dtype=torch.int32)  # group 1 is empty
     x, w, g = _randn(40, 16), _randn(4, 16, 24), _randn(40, 24)
     _check(ops.grouped_mm, (x, w, offs))
-    _check(ops.grouped_mm, (x, w.transpose(-2, -1).contiguous().transpose(-2, -1), offs))  # the weight as read
+    _check(ops.grouped_mm, (x, _randn(4, 6, 16).transpose(-2, -1), offs))  # transposed weights, 6 columns
     grad_w = ops.grouped_mm(x.t(), g, offs)
     assert torch.equal(grad_w[1], torch.zeros(16, 24))  # torch's kernel: zeros for the empty group
     _check(ops.grouped_mm, (x.t(), g, offs))
     _check(ops.grouped_mm, (_randn(4, 8, 16), w))
     _check(ops.grouped_mm, (x, w, offs), resized=((_randn(56, 16), w, torch.tensor([20, 21, 21, 56],
                                                                                      dtype=torch.int32)), {}))
+    gm = make_fx(lambda a, b, o: ops.grouped_mm(a, b, o), tracing_mode="fake")(_randn(2, 8, 4), _randn(4, 8), offs[:2])
+    node = next(n for n in gm.graph.nodes if n.target is ops.grouped_mm)
+    assert "2-D @ 3-D and 2-D @ 2-D" in coverage.why_untranslatable(node)
 
-    def node_of(fn, *args):
-        gm = make_fx(fn, tracing_mode="fake")(*args)
-        return next(n for n in gm.graph.nodes if n.target is ops.grouped_mm)
 
-    biased = node_of(lambda x, w, o, b: ops.grouped_mm(x, w, o, b), x, w, offs, _randn(4, 24))
-    assert "bias" in coverage.why_untranslatable(biased)
+def test_grouped_mm_traces_what_eagers_kernel_returns_and_rejects():
+    """The fake kernel gives eager's output layout (rows padded to 16 bytes: (8, 6) float32 has strides (8, 1)),
+    so a view traced after it fits; and it rejects what eager's kernel rejects (int64 offs, float64, a bias)."""
+    a, b = _randn(8, 4), _randn(2, 6, 4).transpose(-2, -1)
+    offs = torch.tensor([3, 8], dtype=torch.int32)
+    eager = torch._grouped_mm(a, b, offs=offs)
+    gm = make_fx(lambda a, b, o: ops.grouped_mm(a, b, o), tracing_mode="fake")(a, b, offs)
+    traced = next(n for n in gm.graph.nodes if n.target is ops.grouped_mm).meta["val"]
+    assert traced.shape == eager.shape and traced.stride() == eager.stride() == (8, 1)
+    for args, message in [((a, b, offs.long()), "int32"), ((a.double(), b.double(), offs), "(?i)float32, (bfloat16 or )?float16"),
+                          ((a, b, offs, _randn(2, 6)), "(?i)bias")]:
+        with pytest.raises(RuntimeError, match=message):
+            torch._grouped_mm(*args[:2], offs=args[2], bias=args[3] if len(args) > 3 else None)  # eager
+        with pytest.raises(RuntimeError, match=message):
+            make_fx(lambda *t: ops.grouped_mm(*t), tracing_mode="fake")(*args)
 
 
 @pytest.mark.parametrize("dtype", [torch.int64, torch.int32, torch.float32, torch.float64])

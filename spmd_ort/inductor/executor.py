@@ -32,7 +32,7 @@ from spmd_ort.options import Options
 from spmd_ort.ort.partition import HOST_NAMESPACES, RANDOM_OPS, UNINITIALIZED_OPS, partition_with
 from spmd_ort.ort.verify import op_summary, output_mismatch, short_error, verify_tolerance
 from spmd_ort.runtime.context import active
-from spmd_ort.runtime.ops import OPAQUE_OPS
+from spmd_ort.runtime.ops import OPAQUE_OPS, grouped_mm
 
 logger = logging.getLogger("spmd_ort")
 
@@ -47,6 +47,10 @@ def cxx_compiler() -> str | None:
         return None
 
 
+# our ops inductor compiles into its code as extern kernels (pure: their outputs from their arguments alone)
+INDUCTOR_EXTERN_OPS = (grouped_mm,)
+
+
 def why_host(node: fx.Node) -> str | None:
     """None if inductor compiles ``node``; otherwise why it stays on the host."""
     if node.op != "call_function":
@@ -58,7 +62,7 @@ def why_host(node: fx.Node) -> str | None:
         return f"Python callable {getattr(target, '__name__', target)}"
     if target in OPAQUE_OPS:
         return "opaque part: the user's code, run eagerly"
-    if target.namespace in HOST_NAMESPACES:
+    if target.namespace in HOST_NAMESPACES and target not in INDUCTOR_EXTERN_OPS:
         return f"{target.namespace} op (runs in torch)"
     if target in RANDOM_OPS:
         return "random op (keeps torch's RNG: the masks eager draws)"

@@ -3,8 +3,8 @@
 Two pieces, as torch.fx's ``CapabilityBasedPartitioner``:
 
 * :class:`OrtSupport`, the operator-support predicate: can ORT run this node?
-  Host nodes are collectives, our own ``spmd_ort::`` ops (the fused optimizer
-  update runs in torch, in place; opaque parts run the user's code), random ops (they keep torch's RNG, so runs
+  Host nodes are collectives, our own ``spmd_ort::`` ops but the ones we translate (the fused optimizer
+  update runs in torch, in place; opaque parts run the user's code; ``grouped_mm`` has a translation), random ops (they keep torch's RNG, so runs
   are reproducible and verifiable), allocations whose value is undefined (the
   buffer a random op fills: exported, it would be a segment output of garbage),
   ops on float64 host scalars, values in a dtype the provider has no kernels

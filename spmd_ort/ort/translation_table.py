@@ -69,8 +69,8 @@ def _attention_backward_accepts(node: fx.Node) -> str | None:
 
 def _sort_accepts(node: fx.Node) -> str | None:
     dtype = node.args[0].meta["val"].dtype
-    if dtype not in (torch.float32, torch.float64, torch.int32, torch.int64):
-        return f"a sort of {dtype} is not translated (ONNX Runtime's TopK has no kernel for it)"
+    if dtype is torch.bool or dtype.is_complex:
+        return f"a sort of {dtype} is not translated (ONNX's TopK takes numbers)"
     return None
 
 
@@ -79,12 +79,12 @@ def _grouped_mm_accepts(node: fx.Node) -> str | None:
     offs = _arg(node, 2, "offs")
     if _arg(node, 3, "bias") is not None or _arg(node, 4, "out_dtype") not in (None, a.dtype):
         return "grouped_mm with a bias or another output dtype is not translated"
-    if not a.dtype.is_floating_point:
-        return f"grouped_mm of {a.dtype} is not translated"
+    if not a.dtype.is_floating_point or b.dtype != a.dtype:
+        return f"grouped_mm of {a.dtype} and {b.dtype} is not translated"
     if offs is None:
         return None if a.dim() == b.dim() == 3 else "grouped_mm of a 2-D operand without offs"
     groups = b.shape[0] if b.dim() == 3 else offs.meta["val"].shape[0]
-    if a.dim() != 2 or not isinstance(groups, int):
+    if a.dim() != 2 or not isinstance(groups, int) or groups < 1:
         return "grouped_mm is translated with offs for 2-D @ 3-D and 2-D @ 2-D, with a static number of groups"
     return None
 
@@ -130,7 +130,10 @@ TRANSLATIONS: dict = {
     aten.convolution_backward.default: Translation("convolution_backward", "no translation or decomposition exists",
                                                    _conv_accepts),
     ops.grouped_mm: Translation(
-        "grouped_mm", "ours (spmd_ort.runtime.ops): torch._grouped_mm, which has no ONNX translation",
+        "grouped_mm", "ours (spmd_ort.runtime.ops): torch._grouped_mm in a dtype its fake kernel rejects",
+        _grouped_mm_accepts),
+    aten._grouped_mm.default: Translation(
+        "grouped_mm", "torchlib's raises NotImplementedError when offs are given (an MoE's experts always give them)",
         _grouped_mm_accepts),
     aten.sort.stable: Translation("sort_stable", "torchlib translates the default overload only (the graph's sorts "
                                   "are stable: spmd_ort.ort.lowering.stable_sorts)", _sort_accepts),

@@ -137,17 +137,34 @@ with_layout = _op("with_layout(Tensor x, int[] dim_order, bool values) -> Tensor
 # ---------------------------------------------------------------------- grouped matmul
 def _grouped_mm_fake(mat_a: Tensor, mat_b: Tensor, offs: Tensor | None = None, bias: Tensor | None = None,
                      out_dtype: torch.dtype | None = None) -> Tensor:
-    """The output of ``aten._grouped_mm`` as torch's meta kernel makes it, less that kernel's dtype check."""
+    """The output of ``aten._grouped_mm`` as eager's kernel makes it, and the arguments it rejects.
+
+    torch's meta kernel checks the CUDA kernel's rule (bfloat16 only); eager's CPU kernel takes float32,
+    float16 and bfloat16 alike, with the other checks below, and pads its output's rows to 16 bytes (an (8, 6)
+    float32 result has strides (8, 1)), as the meta kernel does only on a CUDA build: the padding here is
+    eager's, so views traced after the op fit the tensor eager's kernel returns.
+    """
     from torch._meta_registrations import _create_grouped_mm_output_tensor
 
     torch._check(mat_a.dim() in (2, 3) and mat_b.dim() in (2, 3),
                  lambda: f"grouped_mm: operands must be 2-D or 3-D, got {mat_a.dim()}-D and {mat_b.dim()}-D")
+    torch._check(mat_a.dtype in (torch.float32, torch.float16, torch.bfloat16) and mat_b.dtype == mat_a.dtype,
+                 lambda: f"grouped_mm: operands must be float32, float16 or bfloat16 alike, got {mat_a.dtype} and "
+                         f"{mat_b.dtype}")
+    torch._check(out_dtype is None or out_dtype == mat_a.dtype,
+                 lambda: "grouped_mm: the output dtype must match mat_a's")
+    torch._check(bias is None, lambda: "grouped_mm: bias is not supported (eager's kernel rejects it)")
+    torch._check((offs is None) == (mat_a.dim() == 3 and mat_b.dim() == 3),
+                 lambda: "grouped_mm: offs are needed with a 2-D operand, and only then")
+    torch._check(offs is None or offs.dtype == torch.int32, lambda: "grouped_mm: offs must be int32")
     torch._check(mat_a.shape[-1] == mat_b.shape[-2] if mat_a.dim() == 3 or mat_b.dim() == 3
                  else mat_a.shape[1] == mat_b.shape[0],
                  lambda: f"grouped_mm: contraction sizes differ ({tuple(mat_a.shape)} @ {tuple(mat_b.shape)})")
-    torch._check((mat_a.dim() == 3 and mat_b.dim() == 3) or offs is not None,
-                 lambda: "grouped_mm: a 2-D operand needs offs")
-    return _create_grouped_mm_output_tensor(mat_a, mat_b, offs, out_dtype)
+    shape = _create_grouped_mm_output_tensor(mat_a, mat_b, offs, out_dtype).shape
+    alignment = 16 // mat_a.dtype.itemsize
+    row = (shape[-1] + alignment - 1) // alignment * alignment
+    strides = (shape[1] * row, row, 1) if len(shape) == 3 else (row, 1)
+    return torch.empty_strided(shape, strides, dtype=mat_a.dtype, device=mat_a.device)
 
 
 grouped_mm = _op("grouped_mm(Tensor mat_a, Tensor mat_b, Tensor? offs=None, Tensor? bias=None, "
