@@ -1,4 +1,4 @@
-"""Mixed precision: torch.autocast + GradScaler against eager (fx and ORT), errors, and the 2-rank runs
+"""Mixed precision: torch.autocast + GradScaler against eager (fx, ORT and inductor), errors, and the 2-rank runs
 against DDP and FSDP2 (tests/dist/amp_parity.py)."""
 
 from __future__ import annotations
@@ -16,6 +16,7 @@ import torch.nn.functional as F
 
 import spmd_ort
 from spmd_ort.capture.state import SlotKind
+from spmd_ort.inductor.executor import cxx_compiler
 from helpers import assert_close_relmax, assert_ran_on_ort, assert_same_state, scaled_update
 from models import MLP
 
@@ -56,6 +57,7 @@ def scaler_state(scaler) -> tuple[float, int]:
     return float(scaler._scale), int(scaler._growth_tracker)
 
 
+NEEDS_CXX = pytest.mark.skipif(cxx_compiler() is None, reason="inductor's CPU code needs a C++ compiler")
 # (dtype, backend, optimizer).  fp16: MLP gradients overflow float16 at a scale of 2^18 and above, so
 # the initial 2^19 skips the first two steps; bf16 has float32's range (no scale overflows it), so its
 # skip comes from the poisoned batch alone.  fused AdamW takes the scaler's grad_scale/found_inf
@@ -65,6 +67,8 @@ CASES = [
     ("bfloat16", "fx", "sgd-foreach"),
     ("float16", "ort", "adamw-fused"),
     ("bfloat16", "ort", "adamw-fused"),
+    pytest.param("bfloat16", "inductor", "adamw-fused", marks=NEEDS_CXX),
+    pytest.param("float16", "inductor", "adamw-fused", marks=NEEDS_CXX),
 ]
 
 
@@ -82,7 +86,8 @@ def test_autocast_and_gradscaler_match_eager(dtype, backend, opt_kind):
     ORT's float16 kernels, which round differently from torch's by about one float16 ulp (2^-10 relative):
     the loss agrees to 2^-10, parameters and AdamW moments elementwise (tolerances at
     FP16_ORT_PARAM_ATOL); bf16 compute stays in torch on CPU (spmd_ort.ort.partition.HOST_DTYPES), the
-    float32 rest is ORT: rtol 1e-5 normwise."""
+    float32 rest is ORT: rtol 1e-5 normwise.  inductor (the issue-24 executor): every segment compiled and
+    verified, none fell back, the same tolerances as fx's."""
     dtype_ = getattr(torch, dtype)
     step_fn = fp16_step if dtype_ == torch.float16 else bf16_step
     init = 2.0**19 if dtype_ == torch.float16 else 2.0**16
@@ -127,6 +132,10 @@ def test_autocast_and_gradscaler_match_eager(dtype, backend, opt_kind):
         assert_ran_on_ort(compiled)  # every segment ran in ONNX Runtime at every step, none fell back
         kinds = [s.kind for s in compiled.compiled.input_slots]
         assert kinds.count(SlotKind.SCALER) == 2
+    if backend == "inductor":
+        for program in compiled.variants:
+            stats = program.executor.stats
+            assert stats.segments >= 1 and not stats.fallbacks and stats.verified == stats.segments, stats
     if low_precision_ort:
         for program in compiled.variants:
             in_ort, on_host = fp16_matmuls(program)
