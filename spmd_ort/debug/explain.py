@@ -40,7 +40,7 @@ def node_flops(node: fx.Node) -> int:
     if t in (aten.bmm.default, aten.baddbmm.default):
         a = _shape(node.args[-2])
         return 2 * math.prod(out) * (a[-1] if a else 0)
-    if t is ops.grouped_mm:
+    if t in (ops.grouped_mm, aten._grouped_mm.default):  # ours, and the bfloat16 op it stands in for
         return ops.grouped_mm_flops(_shape(node.args[0]), _shape(node.args[1]), out_shape=out)
     if t is aten.convolution.default:
         w = _shape(node.args[1])
