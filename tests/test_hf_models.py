@@ -62,6 +62,12 @@ def test_hf_bert_classification_with_padding_mask(backend):
     assert le[-1] < le[0]
 
 
+def _grouped_mm_nodes(program) -> list:
+    """The ``spmd_ort::grouped_mm`` nodes of a compiled program: its graph's and, on ORT or inductor, its segments'."""
+    return [n for m in program.gm.modules() if isinstance(m, torch.fx.GraphModule)
+            for n in m.graph.nodes if n.target is ops.grouped_mm]
+
+
 @pytest.mark.parametrize("backend", ["ort", "fx", "inductor"])
 def test_hf_mixtral_grouped_mm_experts_are_traced(backend):
     """transformers' default Mixtral experts sort the (token, expert) pairs by expert and run one
@@ -80,8 +86,7 @@ def test_hf_mixtral_grouped_mm_experts_are_traced(backend):
                                      backend=backend)
     program = step.compiled
     assert program.opaque == ()
-    graphs = [m for m in program.gm.modules() if isinstance(m, torch.fx.GraphModule)]  # ORT: each segment's too
-    grouped = [n for gm in graphs for n in gm.graph.nodes if n.target is ops.grouped_mm]
+    grouped = _grouped_mm_nodes(program)
     # per layer: gate_up and down forward; their input gradients, and their weight gradients (2-D x 2-D)
     assert len(grouped) == 2 * 2 * 3, len(grouped)
     pairs, d, inner, experts = 2 * 16 * cfg.num_experts_per_tok, cfg.hidden_size, cfg.intermediate_size, 4
@@ -110,8 +115,7 @@ def test_hf_mixtral_grouped_mm_experts_with_new_lengths_on_ort(monkeypatch):
                                      backend="ort")
     program = step.compiled
     assert program.symbolic is not None and program.opaque == ()
-    assert any(n.target is ops.grouped_mm for m in program.gm.modules() if isinstance(m, torch.fx.GraphModule)
-               for n in m.graph.nodes)
+    assert _grouped_mm_nodes(program)
 
 
 def _moe_configs() -> dict:
@@ -139,8 +143,7 @@ def test_hf_moe_families_with_grouped_mm_experts_train_on_ort(name):
     torch.manual_seed(0)
     step, le, _ = train_side_by_side(_moe_configs()[name], _sgd, lm_step, batches, backend="ort")
     assert step.compiled.opaque == ()
-    assert any(n.target is ops.grouped_mm for m in step.compiled.gm.modules() if isinstance(m, torch.fx.GraphModule)
-               for n in m.graph.nodes)
+    assert _grouped_mm_nodes(step.compiled)
     assert "host: spmd_ort.grouped_mm" not in step.compiled.describe()  # in the segments: our translation
 
 
