@@ -21,6 +21,7 @@ from .data_parallel import (GradientBuckets, SummedMicroBatches, broadcast_buffe
 from .fully_shard import (ShardedParams, complete_found_inf_pass, complete_grad_norms_pass, gather_parameters_pass,
                           propagate_shards_pass, reduce_scatter_gradients_pass, rematerialize_param_views_pass,
                           shard_placeholders_pass)
+from .fusion import FusedLosses, fuse_linear_cross_entropy_pass
 from .index_checks import INDEX_RULES, IndexChecks, insert_index_checks_pass
 from .layout import RandomLayouts, pin_random_layouts_pass
 from .lowering import Lowering, lower_to_onnx_ops_pass
@@ -44,7 +45,8 @@ __all__ = [
     "broadcast_buffers_pass", "bucket_collectives_pass", "bucket_shard_collectives_pass", "build_pipeline",
     "carry_first_gather_pass", "cast_gradient_reductions_pass", "cast_params_before_gather_pass", "check_disabled",
     "check_order", "complete_found_inf_pass", "complete_grad_norms_pass", "contract_of", "count_collectives_pass",
-    "dedup_collectives_pass", "expand_data_parallel_pass", "gather_parameters_pass", "gm_transformation_pass",
+    "dedup_collectives_pass", "expand_data_parallel_pass", "fuse_linear_cross_entropy_pass", "FusedLosses",
+    "gather_parameters_pass", "gm_transformation_pass",
     "graph_pass", "insert_activation_stats_pass", "insert_index_checks_pass", "keep_tail_gathers_pass",
     "lower_to_onnx_ops_pass", "merge_summed_all_reduces_pass", "node_signatures", "state_checksums", "split_replicated_matmuls_pass", "offload_optimizer_pass", "offload_params_pass", "op_counts",
     "override_transform_pass", "pass_names", "pin_random_layouts_pass", "pipeline_markdown", "plan_memory_pass",

@@ -21,7 +21,7 @@ from torch import fx
 from spmd_ort.capture.state import SlotKind
 from spmd_ort.ort.coverage import HOST_ONLY
 from spmd_ort.ort.partition import RANDOM_OPS
-from spmd_ort.runtime.ops import check_index
+from spmd_ort.runtime.ops import LINEAR_CROSS_ENTROPY, check_index
 
 from .context import PassResult
 from .contracts import Invariant, VALUES_KNOWN
@@ -112,6 +112,16 @@ def _nll(*, backward: bool) -> Callable[[fx.Node], list[IndexUse]]:
     return rule
 
 
+def _fused_head(node: fx.Node) -> list[IndexUse]:
+    """torch's chunked ``linear_cross_entropy(input, weight, target, bias, class_weight, reduction, ignore_index,
+    ...)`` (``fuse_linear_cross_entropy_pass``): the target indexes the weight's rows (the classes)."""
+    n = val(node.args[1]).shape[0]
+    ignore = node.args[6]
+    return [IndexUse(node.args[2], n, False, ignore, "F.cross_entropy / F.nll_loss", "the number of classes",
+                     f"class indices in [0, {n}), or {ignore} at positions to skip "
+                     "(F.cross_entropy(..., ignore_index=-1) skips -1 instead)")]
+
+
 # op -> the index tensors it reads (a table: a new gather is one row)
 INDEX_RULES: dict = {
     aten.embedding.default: _embedding,
@@ -134,6 +144,7 @@ INDEX_RULES: dict = {
     aten.nll_loss_backward.default: _nll(backward=True),
     aten.nll_loss2d_forward.default: _nll(backward=False),
     aten.nll_loss2d_backward.default: _nll(backward=True),
+    **({LINEAR_CROSS_ENTROPY: _fused_head} if LINEAR_CROSS_ENTROPY is not None else {}),
 }
 
 

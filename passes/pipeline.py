@@ -24,6 +24,7 @@ from spmd_ort.distributed.parallel import DataParallel
 from .activation_stats import insert_activation_stats_pass
 from .analysis import count_collectives_pass, plan_memory_pass
 from .cleanup import remove_identity_views_pass, remove_redundant_copies_pass
+from .fusion import fuse_linear_cross_entropy_pass
 from .expand import adopt_dtensor_collectives_pass, merge_summed_all_reduces_pass, split_replicated_matmuls_pass
 from .data_parallel import (broadcast_buffers_pass, bucket_collectives_pass, dedup_collectives_pass,
                             expand_data_parallel_pass, reduce_grad_presence_pass, schedule_overlap_pass,
@@ -84,6 +85,7 @@ OFFLOAD_PARAM = FULLY_SHARD & When("offload_param", lambda s: s.mode.offload_par
 OFFLOAD_OPTIMIZER = FULLY_SHARD & When("offload_optimizer", lambda s: s.mode.offload_optimizer is not None)
 ORT_BACKEND = When("ort backend", lambda s: s.backend == "ort")
 EXPAND = When("DTensor parameters (expand mode)", lambda s: s.expand)
+NOT_EXPAND = When("no DTensor parameters", lambda s: not s.expand)
 COLLECTIVES = When("several ranks or DTensor parameters", lambda s: s.mode is not None or s.expand)
 
 
@@ -103,6 +105,9 @@ STAGES: tuple[Step, ...] = (
     Step("random", pin_random_layouts_pass, ALWAYS.note("a no-op without random ops")),
     Step("cleanup", remove_redundant_copies_pass),
     Step("cleanup", remove_identity_views_pass),
+    Step("fusion", fuse_linear_cross_entropy_pass,
+         NOT_EXPAND.note("float32 on CPU, a wide classifier over narrow features; a head whose logits are "
+                         "read elsewhere is kept")),
     Step("expand", adopt_dtensor_collectives_pass, EXPAND.note("before recompute: never recomputed")),
     Step("expand", merge_summed_all_reduces_pass, EXPAND),
     Step("expand", split_replicated_matmuls_pass, EXPAND.note("a no-op without tensor-parallel collectives")),

@@ -186,11 +186,15 @@ def _names_in_optimizer_order(model: nn.Module, opt) -> list[str]:
 def train_side_by_side(make_model: Callable[[], nn.Module], make_opt: Callable, step_fn: Callable,
                        batches: list, *, backend: str = "fx", make_sched: Callable | None = None,
                        compare_state: bool = True, expect_clean_ort: bool = True, expect_verified: bool = True,
-                       zero_grad_params: Collection[str] = (), **compile_kwargs):
+                       zero_grad_params: Collection[str] = (), normwise: bool | None = None, **compile_kwargs):
     """Train an eager and a compiled copy on the same batches; assert equal loss and state each step.
 
+    ``normwise``: compare state per tensor (default: on every backend but fx, which runs eager's kernels; a
+    model whose head ``fuse_linear_cross_entropy_pass`` fuses runs torch's chunked operator there instead).
     Returns (compiled step, eager losses, compiled losses).
     """
+    if normwise is None:
+        normwise = backend != "fx"
     model_e = make_model()
     model_c = copy.deepcopy(model_e)
     opt_e, opt_c = make_opt(model_e), make_opt(model_c)
@@ -206,7 +210,7 @@ def train_side_by_side(make_model: Callable[[], nn.Module], make_opt: Callable, 
         torch.testing.assert_close(lc, le.detach(), rtol=RTOL, atol=ATOL, msg=lambda m: f"step {i} loss: {m}")
         if compare_state:
             # fx runs eager's own kernels: elementwise; ORT's and inductor's round differently: per tensor
-            assert_same_state(model_e, model_c, opt_e, opt_c, where=f"step {i}", normwise=backend != "fx",
+            assert_same_state(model_e, model_c, opt_e, opt_c, where=f"step {i}", normwise=normwise,
                               zero_grad_params=zero_grad_params)
         if sched_e is not None:
             sched_e.step()

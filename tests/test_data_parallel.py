@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 
 from helpers import assert_ort_report_clean
+from spmd_ort.runtime import ops
 
 ROOT = Path(__file__).resolve().parent.parent
 SCRIPT = ROOT / "tests" / "dist" / "dp_parity.py"
@@ -80,6 +81,20 @@ def test_matches_ddp_every_step(tmp_path, model, opt, backend):
         assert ranks[0]["buckets"] >= 2  # 109 KiB of gradients in 50 KiB buckets
     if model == "cnn":
         assert all(c["broadcast_calls"] == 6 for c in ranks[0]["comm"])  # 2 BN x 3 buffers
+
+
+@pytest.mark.skipif(ops.LINEAR_CROSS_ENTROPY is None, reason="torch has no chunked linear_cross_entropy")
+def test_a_fused_lm_head_matches_ddp(tmp_path):
+    """A tied 8192-class head over 512 rows a rank, which fuse_linear_cross_entropy_pass fuses on every rank:
+    loss, parameters, gradients and optimizer state equal DDP's at every step (per tensor: the fused operator
+    sums in another order than DDP's kernels), the head's gradient all-reduced with the others."""
+    ranks, _ = torchrun(tmp_path, "--model", "gpt-wide", "--opt", "adamw", "--backend", "fx", "--steps", "4")
+    for r in ranks:
+        assert "compile_error" not in r, r.get("compile_error")
+        assert "linear + cross-entropy fused (torch's chunked linear_cross_entropy): `head`: 512 rows x 8192 " \
+               "classes" in r["describe"], r["describe"]
+        assert all(c["all_reduce_bytes"] == r["grad_bytes"] for c in r["comm"])
+    assert ranks[0]["losses"] != ranks[1]["losses"]
 
 
 @pytest.mark.parametrize("model,backend,micro", [("mlp", "fx", 2), ("gpt", "ort", 4)])

@@ -42,6 +42,8 @@ def node_flops(node: fx.Node) -> int:
         return 2 * math.prod(out) * (a[-1] if a else 0)
     if t in (ops.grouped_mm, aten._grouped_mm.default):  # ours, and the bfloat16 op it stands in for
         return ops.grouped_mm_flops(_shape(node.args[0]), _shape(node.args[1]), out_shape=out)
+    if t is not None and t is ops.LINEAR_CROSS_ENTROPY:  # a fused LM head (fuse_linear_cross_entropy_pass)
+        return ops.linear_cross_entropy_flops(_shape(node.args[0]), _shape(node.args[1]), *node.args[2:])
     if t is aten.convolution.default:
         w = _shape(node.args[1])
         return 2 * math.prod(out) * math.prod(w[1:]) if w else 0

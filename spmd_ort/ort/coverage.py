@@ -148,7 +148,9 @@ def _registered_names(key: str, cache_dir: Path) -> frozenset[str]:
 def _torch_decompositions() -> dict:
     from torch._decomp import decomposition_table
 
-    return {**decomposition_table, **torch.export.default_decompositions()}
+    from spmd_ort.ort.fused import OWN_DECOMPOSITIONS
+
+    return {**decomposition_table, **torch.export.default_decompositions(), **OWN_DECOMPOSITIONS}
 
 
 def lowering_table() -> dict:
@@ -195,7 +197,8 @@ def decomposition_for(node: fx.Node) -> Callable | None:
 def table_fingerprint() -> str:
     """Changes whenever what we translate changes: part of the exported-model cache key."""
     h = hashlib.sha256()
-    for module in ("translations.py", "translation_table.py"):  # their source, read (not imported: onnxscript)
+    # their source, read (not imported: onnxscript); fused.py's decompositions are what ONNX gets for fused ops
+    for module in ("translations.py", "translation_table.py", "fused.py"):
         h.update(Path(__file__).with_name(module).read_bytes())
     for op, t in sorted(TRANSLATIONS.items(), key=lambda kv: str(kv[0])):
         if not callable(t.impl):  # a function of spmd_ort.ort.translations, whose source is hashed above

@@ -19,6 +19,7 @@ from torch import fx
 from torch.fx.experimental.proxy_tensor import make_fx
 
 from spmd_ort.ort import coverage
+from spmd_ort.ort.fused import OWN_DECOMPOSITIONS
 from spmd_ort.passes.helpers import fake_mode_of, refake
 
 aten = torch.ops.aten
@@ -36,7 +37,8 @@ def annotate(gm: fx.GraphModule) -> dict[str, int]:
     marked: dict[str, int] = {}
     cache: dict = {}
     for node in gm.graph.nodes:
-        if node.op != "call_function" or getattr(node.target, "namespace", None) != "aten":
+        if node.op != "call_function" or (getattr(node.target, "namespace", None) != "aten"
+                                          and node.target not in OWN_DECOMPOSITIONS):
             continue
         decomposition = coverage.decomposition_for(node)
         if decomposition is None:

@@ -111,7 +111,7 @@ def why_host(node: fx.Node) -> str | None:
     if target in RACY_SCATTERS and RACY_SCATTERS[target](node) and any(v.device.type == "cpu" for v in _vals(node)):
         return (f"{target} with accumulate=True: its translation, a ScatterND with reduction='add', sums repeated "
                 "indices wrongly now and then on ONNX Runtime's CPU provider (its threads race)")
-    if namespace != "aten" and target not in TRANSLATIONS:
+    if namespace != "aten" and target not in TRANSLATIONS and DECOMPOSITION not in node.meta:
         return f"{namespace} op has no ONNX translation"
     if DECOMPOSITION in node.meta:  # exported as its decomposition (lower_to_onnx_ops_pass)
         return why_not_lowerable(node, why_host)

@@ -184,6 +184,33 @@ def grouped_mm_flops(a_shape, b_shape, *args, out_shape, **kwargs) -> int:
 
 torch.utils.flop_counter.register_flop_formula(torch.ops.spmd_ort.grouped_mm)(grouped_mm_flops)
 
+
+def _linear_cross_entropy_op():
+    """torch's chunked linear + cross-entropy operator (``F.linear_cross_entropy`` with options), or None on a torch
+    without it; ``fuse_linear_cross_entropy_pass`` puts it in place of an LM head's matmul and loss."""
+    try:
+        import torch.nn.modules.linear_cross_entropy  # noqa: F401 - registers torch_nn::_linear_cross_entropy_...
+
+        return torch.ops.torch_nn._linear_cross_entropy_batch_chunked.default
+    except (ImportError, AttributeError):  # a torch before 2.13, or one whose operator has another name
+        return None
+
+
+LINEAR_CROSS_ENTROPY = _linear_cross_entropy_op()
+
+
+def linear_cross_entropy_flops(input_shape, weight_shape, *args, out_shape=None, **kwargs) -> int:
+    """Multiply-add FLOPs of the fused head: the logits' matmul and, for each gradient it computes, one more."""
+    compute = [bool(a) for a in args[-3:-1]] if len(args) >= 3 else [True, True]
+    rows, features = math.prod(input_shape[:-1]), input_shape[-1]
+    return 2 * rows * features * weight_shape[0] * (1 + sum(compute))
+
+
+if LINEAR_CROSS_ENTROPY is not None and LINEAR_CROSS_ENTROPY.overloadpacket not in \
+        torch.utils.flop_counter.flop_registry:
+    torch.utils.flop_counter.register_flop_formula(LINEAR_CROSS_ENTROPY.overloadpacket)(linear_cross_entropy_flops)
+
+
 # ops whose body reads nothing but its arguments (no step context; random ones draw from torch's RNG): what
 # pin_random_layouts_pass may run on its own tensors to learn the layouts eager's kernels give
 PURE_OPS = (tag_grad, tap, bernoulli_like, with_layout, grouped_mm)

@@ -15,6 +15,7 @@ bytes per rank stay within total / N plus padding.  Writes DIR/rank<r>.json.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import sys
 import time
 from pathlib import Path
@@ -73,6 +74,8 @@ def main() -> None:
     ap.add_argument("--micro-batches", type=int, default=1,
                     help="gradient accumulation: each rank's slice in this many micro-batches, one backward each, "
                          "then one optimizer step (no clipping); the loss is not compared, parameters and state are")
+    ap.add_argument("--vocab", type=int, default=0, help="the GPT's vocabulary (0: CFG's)")
+    ap.add_argument("--seq", type=int, default=0, help="the GPT's sequence length (0: CFG's)")
     ap.add_argument("--out", required=True)
     args = ap.parse_args()
     dist.init_process_group("gloo")
@@ -87,7 +90,7 @@ def main() -> None:
 
 
 def run(args, rank: int, world: int) -> dict:
-    cfg = CFG
+    cfg = dataclasses.replace(CFG, vocab=args.vocab or CFG.vocab, seq=args.seq or CFG.seq)
     torch.manual_seed(0)
     reference = GPT(cfg)  # rank 0's initial weights, trained eagerly on the global batch
     torch.manual_seed(rank)
