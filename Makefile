@@ -44,6 +44,7 @@ demo-2d: setup
 bench: setup
 	$(PY) bench/step.py --compile
 	$(PY) bench/optim.py
+	$(PY) bench/fused_head.py
 
 bench-zero3: setup
 	$(PY) -m pip install -q -c $(VENV)/constraints.txt "deepspeed>=0.16"
