@@ -238,3 +238,17 @@ def test_hf_llama_lm_head_is_fused(backend, monkeypatch):
                                     backend=backend, normwise=True)
     assert "linear + cross-entropy fused (torch's chunked linear_cross_entropy): `lm_head`: 516 rows x 8192 " \
            "classes" in step.compiled.describe()
+
+
+def test_each_micro_batch_head_is_fused_and_scaled_by_its_share():
+    """Gradient accumulation over 2 micro-batches (each loss divided by 2): one fused head per micro-batch, its
+    gradients times the upstream 1/2, trained like eager."""
+    from helpers import accumulation_step
+
+    def step(model, opt, x, y):
+        return accumulation_step(model, opt, x.chunk(2), y.chunk(2))[0]
+
+    compiled, _, _ = train_side_by_side(_wide_gpt, _adamw, step, _batches(), backend="fx", normwise=True)
+    fused = [line for line in compiled.compiled.describe().splitlines() if "linear + cross-entropy fused" in line]
+    assert fused == ["linear + cross-entropy fused (torch's chunked linear_cross_entropy): `head`: 256 rows x 8192 "
+                     "classes, 256 rows per chunk"] * 2
