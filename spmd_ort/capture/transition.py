@@ -142,26 +142,33 @@ class StepKey:
                         if isinstance(x, torch.Tensor) and first.setdefault(id(x), i) != i)
         if aliases:  # the same tensor passed twice is one graph input
             inputs += (("aliases", aliases),)
-        training = tuple((fqn or "<root>", m.training) for fqn, m in module.named_modules())
+        # each of the module's walks once (a call's key is made on every step: ~50 parameters walked seven times
+        # cost more than the rest of the key)
+        modules = list(module.named_modules())
+        named_params = list(module.named_parameters(remove_duplicate=False))
+        named_buffers = list(module.named_buffers(remove_duplicate=False))
+        training = tuple((fqn or "<root>", m.training) for fqn, m in modules)
         params = tuple(
             (name, (tuple(p.shape), str(p.dtype), str(p.device), p.requires_grad,
                     None if p.grad is None else ("grad", tuple(p.grad.shape), str(p.grad.dtype))) + _layout_desc(p))
-            for name, p in module.named_parameters(remove_duplicate=False))
+            for name, p in named_params)
         buffers = tuple((name, (tuple(b.shape), str(b.dtype), str(b.device)) + _layout_desc(b))
-                        for name, b in module.named_buffers(remove_duplicate=False))
+                        for name, b in named_buffers)
         identity = (
             ("objects", tuple(id(x) for x in leaves
                               if isinstance(x, (nn.Module, torch.optim.Optimizer, torch.amp.GradScaler)))),
-            ("parameters", tuple(id(p) for _, p in module.named_parameters(remove_duplicate=False))),
-            ("buffers", tuple(id(b) for _, b in module.named_buffers(remove_duplicate=False))),
+            ("parameters", tuple(id(p) for _, p in named_params)),
+            ("buffers", tuple(id(b) for _, b in named_buffers)),
             ("param_groups", tuple(tuple(id(p) for p in g["params"]) for g in opt.param_groups) if opt else ()),
             # hooks run while tracing and can change the graph (debug subscribers tap activations)
             ("hooks", tuple((fqn, tuple(m._forward_pre_hooks), tuple(m._forward_hooks))
-                            for fqn, m in module.named_modules() if m._forward_pre_hooks or m._forward_hooks)),
+                            for fqn, m in modules if m._forward_pre_hooks or m._forward_hooks)),
         )
         optimizer: tuple = ()
         if opt is not None:
-            names = {id(p): n for n, p in module.named_parameters()}
+            names: dict[int, str] = {}
+            for n, p in named_params:  # the first name of each (named_parameters' deduplication)
+                names.setdefault(id(p), n)
             state = tuple(
                 (f"state[{names.get(id(p), '?')}]",
                  tuple((k, _tensor_desc(v) if isinstance(v, torch.Tensor) else _leaf_desc(v))
