@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 import torch
 from torch import fx
-from torch.fx.experimental.symbolic_shapes import guarding_hint_or_throw
+from spmd_ort.compat import guarding_hint_or_throw
 from torch.utils import _pytree as pytree
 
 from spmd_ort.ort.partition import UNINITIALIZED_OPS

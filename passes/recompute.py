@@ -36,7 +36,7 @@ from dataclasses import dataclass
 import torch
 from torch import fx
 from torch._functorch._activation_checkpointing.knapsack import greedy_knapsack
-from torch.fx.experimental.symbolic_shapes import optimization_hint
+from spmd_ort.compat import optimization_hint
 from torch.utils.flop_counter import flop_registry
 
 from spmd_ort.capture.state import SlotKind

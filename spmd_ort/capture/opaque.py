@@ -117,7 +117,7 @@ class CallStack:
     def _mark(self) -> None:
         mode = get_proxy_mode()
         nodes = mode.tracer.graph.nodes if mode is not None else ()
-        self.marks.append((next(reversed(nodes), None) if nodes else None, self.innermost()))
+        self.marks.append((next(iter(reversed(nodes)), None) if nodes else None, self.innermost()))
 
     def push(self, frame: Frame) -> None:
         if not self.paused:

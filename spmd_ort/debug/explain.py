@@ -14,7 +14,7 @@ import operator
 
 import torch
 from torch import fx
-from torch.fx.experimental.symbolic_shapes import optimization_hint
+from spmd_ort.compat import optimization_hint
 
 from spmd_ort.passes.analysis import CollectiveCounts
 from spmd_ort.runtime import ops

@@ -49,7 +49,7 @@ def _aliases(node: fx.Node) -> bool:
 def value_bytes(val) -> int:
     """Bytes of a value; a symbolic size counts at the size the program was traced with."""
     if isinstance(val, torch.Tensor):
-        from torch.fx.experimental.symbolic_shapes import optimization_hint
+        from spmd_ort.compat import optimization_hint
 
         return optimization_hint(val.numel()) * val.element_size()
     if isinstance(val, (list, tuple)):
