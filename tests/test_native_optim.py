@@ -125,3 +125,36 @@ def test_without_a_compiler_the_torch_kernel_runs_after_one_warning(monkeypatch,
                      decoupled=True, **kw)
     torch._fused_adamw_(ref[0], grads, ref[1], ref[2], [], steps, **kw)
     assert all(torch.equal(a, b) for a, b in zip(params, ref[0]))
+
+
+@pytest.mark.parametrize("opt_class,amsgrad,maximize", [(torch.optim.AdamW, False, False),
+                                                        (torch.optim.Adam, True, False),
+                                                        (torch.optim.AdamW, False, True)])
+def test_adam_with_host_step_counters_is_eagers_foreach_step(opt_class, amsgrad, maximize):
+    """Eager's default Adam on a GPU keeps its step counters on the host, which the fused kernels cannot read:
+    the compiled step's Adam runs eager's own foreach implementation then (spmd_ort.runtime.kernels).  Its
+    argument mapping, checked here on the CPU against eager's optimizer with foreach=True: bit for bit over
+    three steps, the counters included."""
+    from spmd_ort.runtime.kernels import _adam_with_host_steps
+
+    params = [p.requires_grad_() for p in _tensors(0)]
+    mine = [p.detach().clone() for p in params]
+    opt = opt_class(params, lr=1e-2, weight_decay=0.1, amsgrad=amsgrad, maximize=maximize, foreach=True)
+    group = opt.param_groups[0]
+    m, v, vmax = ([torch.zeros_like(p) for p in mine] for _ in range(3))
+    steps = [torch.tensor(0.0) for _ in mine]
+    for i in range(3):
+        grads = _tensors(10 + i)
+        for p, g in zip(params, grads):
+            p.grad = g.clone()
+        opt.step()
+        _adam_with_host_steps(mine, grads, m, v, vmax, steps, lr=group["lr"], beta1=group["betas"][0],
+                              beta2=group["betas"][1], weight_decay=group["weight_decay"], eps=group["eps"],
+                              amsgrad=amsgrad, maximize=maximize, decoupled=opt_class is torch.optim.AdamW,
+                              found_inf=None)
+        assert all(torch.equal(a, b) for a, b in zip(params, mine)), i
+        assert all(torch.equal(opt.state[p]["exp_avg_sq"], b) for p, b in zip(params, v)), i
+        assert [float(opt.state[p]["step"]) for p in params] == [float(s) for s in steps] == [i + 1.0] * len(steps)
+    _adam_with_host_steps(mine, grads, m, v, vmax, steps, lr=1e-2, beta1=0.9, beta2=0.999, weight_decay=0.1,
+                          eps=1e-8, amsgrad=amsgrad, maximize=maximize, decoupled=True, found_inf=torch.tensor(1.0))
+    assert all(torch.equal(a, b) for a, b in zip(params, mine)) and float(steps[0]) == 3.0  # found_inf: skipped

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import torch
 from torch import Tensor
+from torch.optim.adam import adam as torch_adam
 
 from spmd_ort.runtime import native
 from spmd_ort.runtime.context import active
@@ -34,6 +35,11 @@ def adam_device(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, steps, hp
         present, present_index, params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, steps)
     if not params:
         return
+    if steps[0].device != params[0].device:
+        _adam_with_host_steps(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, steps, lr=lr, beta1=beta1,
+                              beta2=beta2, weight_decay=weight_decay, eps=eps, amsgrad=amsgrad, maximize=maximize,
+                              decoupled=decoupled, found_inf=found_inf)
+        return
     found_inf = _on(found_inf, params)
     torch._foreach_add_(steps, 1)
     kernel = torch._fused_adamw_ if decoupled else torch._fused_adam_
@@ -42,6 +48,23 @@ def adam_device(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, steps, hp
            amsgrad=amsgrad, maximize=maximize, found_inf=found_inf)
     if found_inf is not None:  # as torch.optim's fused Adam: a skipped step does not count
         torch._foreach_sub_(steps, [found_inf.to(steps[0].device)] * len(steps))
+
+
+def _adam_with_host_steps(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, steps, *, lr, beta1, beta2,
+                          weight_decay, eps, amsgrad, maximize, decoupled, found_inf) -> None:
+    """Adam whose step counters live on the host while its tensors are on an accelerator: eager's default
+    (neither fused nor capturable) on a GPU.  The fused kernels read the counters on the device, so this runs
+    what eager runs there, torch's foreach implementation, which reads them as host numbers: eager's numbers,
+    and no host copy to the device.  A found_inf (a GradScaler) is read on the host, as eager's
+    ``GradScaler.step`` reads it for an optimizer that is not fused."""
+    flag = None if found_inf is None else float(found_inf)
+    if flag == 1.0:
+        return
+    torch_adam(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs if amsgrad else [], steps,
+               foreach=True, decoupled_weight_decay=decoupled, amsgrad=amsgrad, beta1=beta1, beta2=beta2, lr=lr,
+               weight_decay=weight_decay, eps=eps, maximize=maximize)
+    if flag:  # as adam_host: a non-zero flag other than 1.0 updates and un-counts the step
+        torch._foreach_sub_(steps, flag)
 
 
 def adam_host(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, steps, hparams, amsgrad, maximize,
