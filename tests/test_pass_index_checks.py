@@ -270,3 +270,22 @@ def _lm_step(model, opt, x, y):
     opt.step()
     opt.zero_grad(set_to_none=True)
     return loss
+
+
+@pytest.mark.parametrize("values,wraps,ignore,ok", [
+    ([0, 5], False, None, True), ([0, 6], False, None, False), ([-1, 2], False, None, False),
+    ([-6, 5], True, None, True), ([-7, 0], True, None, False), ([-100, 3], False, -100, True),
+    ([], False, None, True)])
+def test_the_gpus_check_is_an_assert_queued_with_the_kernels(values, wraps, ignore, ok):
+    """On CUDA, check_index asserts on the device (eager's own kind of check: reading the verdict on the host
+    would make every step wait for the GPU); the condition it asserts, run here on the CPU, where the same
+    assert raises at once."""
+    from spmd_ort.runtime.checks import _assert_in_range_async
+
+    index = torch.tensor(values, dtype=torch.int64)
+    message = "batch ids: {value} at {position} is out of range"
+    if ok:
+        _assert_in_range_async(index, 6, wraps, ignore, message)
+        return
+    with pytest.raises(RuntimeError, match=r"batch ids: an index out of range at \(on the GPU: not read back\)"):
+        _assert_in_range_async(index, 6, wraps, ignore, message)

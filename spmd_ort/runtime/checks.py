@@ -21,7 +21,13 @@ def check_index(index: Tensor, high: int, wraps: bool, ignore: int | None, op: s
     indices, else 0) or equals ``ignore``; otherwise an :class:`InputIndexError` naming the first bad value.
 
     ``message`` is the error's text with ``{value}`` and ``{position}`` left to fill in.
+
+    On a GPU the check is eager's own kind, a device-side assert queued with the step's kernels: reading the
+    verdict on the host would make every step wait for the GPU to finish the step before it.
     """
+    if index.device.type == "cuda":
+        _assert_in_range_async(index, high, wraps, ignore, message)
+        return index
     failure = _first_bad(index, high, wraps, ignore)
     world = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
     if world > 1:
@@ -45,6 +51,17 @@ def check_index(index: Tensor, high: int, wraps: bool, ignore: int | None, op: s
         text = f"rank {bad_rank}'s batch: {text} (this rank, {dist.get_rank()}, raises with it)"
     raise InputIndexError(text, input=input, op=op, fqn=fqn or None, value=value, position=position, low=low,
                           high=high, ignore=ignore, rank=bad_rank)
+
+
+def _assert_in_range_async(index: Tensor, high: int, wraps: bool, ignore: int | None, message: str) -> None:
+    """A device-side assert that every index is in range (or ``ignore``): no host synchronisation."""
+    if index.numel() == 0:
+        return
+    ok = (index >= (-high if wraps else 0)) & (index < high)
+    if ignore is not None:
+        ok |= index == ignore
+    text = message.replace("{value}", "an index out of range").replace("{position}", "(on the GPU: not read back)")
+    torch._assert_async(ok.all(), text)
 
 
 def _first_bad(index: Tensor, high: int, wraps: bool, ignore: int | None) -> tuple[int, int, tuple] | None:
