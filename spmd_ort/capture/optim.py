@@ -221,11 +221,16 @@ def _nesterov_grads_as_foreach(group: dict, params: list[Tensor], new_bufs: list
     does the same; weight decay (a hyper-parameter input, so a schedule never re-traces) selects it per step,
     as eager's foreach path adds to a new tensor when it is not 0."""
     hparams = group[HPARAMS_KEY]
+    # one copy per device, not per parameter; not waited for: a blocking host-to-device copy stalls the host until
+    # the GPU has run everything queued before it
+    on_device: dict[torch.device, tuple[Tensor, Tensor]] = {}
     for p, buf in zip(params, new_bufs, strict=True):
         if is_dtensor(p.grad) and spec_of(p.grad) != spec_of(p):
             continue  # a pending (Partial) gradient: eager's foreach add would redistribute it first
         grad = local(p.grad)
-        momentum, weight_decay = (hparams[i].to(grad.device) for i in (1, 3))
+        if grad.device not in on_device:
+            on_device[grad.device] = tuple(hparams[i].to(grad.device, non_blocking=True) for i in (1, 3))
+        momentum, weight_decay = on_device[grad.device]
         moved = grad + (buf.to(grad.device) * momentum.to(grad.dtype))
         grad.copy_(torch.where(weight_decay == 0, moved, grad))
 

@@ -163,6 +163,21 @@ EAGER_DECOMPS = {op: _loss_backward_of_empty for op in (aten.mse_loss_backward.d
 EAGER_DECOMPS[aten._grouped_mm.default] = _grouped_mm_of_any_dtype
 
 
+@contextlib.contextmanager
+def native_batch_norm():
+    """cuDNN off while tracing, so that BatchNorm on a GPU traces as ``native_batch_norm`` (which
+    ``FUNCTIONAL_DECOMPS`` makes functional: the running statistics become outputs of the graph) instead of
+    ``cudnn_batch_norm``, whose schema does not declare that it updates them: functionalization would drop the
+    update (a copy of the buffers, as inductor's checked first run takes, would keep the old statistics).  Only
+    the choice torch makes while tracing changes: convolutions still pick cuDNN when the graph runs."""
+    saved = torch.backends.cudnn.enabled
+    torch.backends.cudnn.enabled = False
+    try:
+        yield
+    finally:
+        torch.backends.cudnn.enabled = saved
+
+
 @dataclass
 class TracedStep:
     gm: fx.GraphModule
@@ -318,7 +333,7 @@ def _trace_once(fn, args: tuple, kwargs: dict, layout: StateLayout, *, sdpa_math
         attention = sdpa_kernel([SDPBackend.MATH]) if sdpa_math else contextlib.nullcontext()
         clipping = dtensor.mixed_grad_clipping() if layout.expands else contextlib.nullcontext()
         with (stack.installed(), capture.installed(), torch.enable_grad(), attention, phases, watch,
-              quiet_torch_logs(), clipping):
+              quiet_torch_logs(), clipping, native_batch_norm()):
             gm1 = make_fx(step, decomposition_table={**FUNCTIONAL_DECOMPS, **EAGER_DECOMPS},
                           tracing_mode=tracing_mode, _allow_non_fake_inputs=True)(*trace_inputs)
         _check_traceable(gm1, captured, stack, plan)
