@@ -32,7 +32,8 @@ from spmd_ort.options import Options
 from spmd_ort.ort.partition import HOST_NAMESPACES, RANDOM_OPS, UNINITIALIZED_OPS, partition_with
 from spmd_ort.ort.verify import op_summary, output_mismatch, short_error, verify_tolerance
 from spmd_ort.runtime.context import active
-from spmd_ort.runtime.ops import OPAQUE_OPS, grouped_mm
+from spmd_ort.runtime.devices import rng_kept
+from spmd_ort.runtime.ops import OPAQUE_OPS, draws_random, grouped_mm
 
 logger = logging.getLogger("spmd_ort")
 
@@ -64,7 +65,7 @@ def why_host(node: fx.Node) -> str | None:
         return "opaque part: the user's code, run eagerly"
     if target.namespace in HOST_NAMESPACES and target not in INDUCTOR_EXTERN_OPS:
         return f"{target.namespace} op (runs in torch)"
-    if target in RANDOM_OPS:
+    if target in RANDOM_OPS or draws_random(node):  # (an attention kernel's dropout too)
         return "random op (keeps torch's RNG: the masks eager draws)"
     if target in UNINITIALIZED_OPS:
         return "allocation with an undefined value (the host op that fills it runs in torch)"
@@ -109,7 +110,7 @@ class InductorSegment(nn.Module):
         copy_of = fx.GraphModule(fallback, copy.deepcopy(fallback.graph))  # compile_fx edits the graph it gets
         # inductor draws random inputs while it compiles (benchmarking choices): torch's RNG must stay where the
         # step's random ops (dropout) will find it, as in eager
-        with torch.no_grad(), torch.random.fork_rng(devices=[]):
+        with torch.no_grad(), rng_kept():
             self.compiled = compile_fx(copy_of, examples)
 
     def run_compiled(self, *args):
@@ -209,7 +210,7 @@ class _CheckedRun(fx.Interpreter):
         ex = self.executor
         reference = seg.fallback(*args)
         try:
-            with torch.random.fork_rng(devices=[]):  # (its first call may still draw: see InductorSegment)
+            with rng_kept():  # (its first call may still draw: see InductorSegment)
                 got = seg.run_compiled(*args)
         except Exception as exc:  # noqa: BLE001 - the compiled code wrote nothing: fx runs the segment
             _fall_back(seg, f"its compiled code failed to run: {short_error(exc)}", ex)

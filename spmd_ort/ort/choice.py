@@ -17,7 +17,6 @@ loses to its own candidates.
 from __future__ import annotations
 
 import contextlib
-import time
 
 import torch
 import torch.distributed as dist
@@ -28,6 +27,7 @@ from spmd_ort.ort.session import OrtSegment
 from spmd_ort.ort.stats import OrtStats, SegmentChoice, WholeChoice
 from spmd_ort.ort.verify import checked_first_run
 from spmd_ort.runtime.context import active
+from spmd_ort.runtime.devices import now, rng_kept
 from spmd_ort.runtime.interpreter import RunInterpreter
 
 # Timing on the first run: each executor's checked run is its first sample; then it runs the segment back to
@@ -123,9 +123,9 @@ def fastest(run, args, first: float) -> float:
     """The fastest of ``first`` (the checked run's time) and further runs of ``run``."""
     samples: list[float] = [first]
     while _wants_more(samples):
-        t0 = time.perf_counter()
+        t0 = now()
         run(*args)
-        samples.append(time.perf_counter() - t0)
+        samples.append(now() - t0)
     return min(samples)
 
 
@@ -133,14 +133,14 @@ def timed_fx_runs(run, args, repeat: bool) -> tuple[float, object]:
     """Run ``run`` (an fx graph: new output tensors each run) on ``args``; with ``repeat``, again as
     :func:`fastest` does, each run's outputs dropped before the next computes them again.  Returns the fastest
     run's seconds and the last run's outputs (only this frame holds them: the drop frees them)."""
-    t0 = time.perf_counter()
+    t0 = now()
     result = run(*args)
-    samples: list[float] = [time.perf_counter() - t0]
+    samples: list[float] = [now() - t0]
     while repeat and _wants_more(samples):
         result = None  # noqa: F841 - freed before the run that replaces it
-        t0 = time.perf_counter()
+        t0 = now()
         result = run(*args)
-        samples.append(time.perf_counter() - t0)
+        samples.append(now() - t0)
     return min(samples), result
 
 
@@ -163,10 +163,10 @@ def choose_whole(runners: dict[str, fx.GraphModule], inputs: list, stats: OrtSta
     with untouched():
         for _ in range(WHOLE_RUNS):
             for name, gm in runners.items():
-                t0 = time.perf_counter()
+                t0 = now()
                 gm(*inputs)
                 active().comm.finish()  # this run's collectives, before the next run issues its own
-                times[name].append(time.perf_counter() - t0)
+                times[name].append(now() - t0)
     for m, n in runs.items():  # timing runs are no steps (a segment's runs count steps that used it)
         m.runs = n
     median = torch.tensor([sorted(v)[len(v) // 2] for v in times.values()], dtype=torch.float64)
@@ -196,10 +196,10 @@ def everywhere(flag: bool) -> bool:
 def untouched():
     """Timing runs leave no trace: torch's RNG (random ops draw from it) and the step's collective counts."""
     comm = active().comm
-    rng, counts = torch.get_rng_state(), comm.step
+    counts = comm.step
     comm.step = type(counts)()
     try:
-        yield
+        with rng_kept():
+            yield
     finally:
-        torch.set_rng_state(rng)
         comm.step = counts

@@ -19,6 +19,7 @@ from torch import fx
 
 from spmd_ort.errors import CompileError
 from spmd_ort.ort.stats import OrtStats
+from spmd_ort.runtime.devices import now
 from spmd_ort.runtime.interpreter import RunInterpreter
 
 logger = logging.getLogger("spmd_ort")
@@ -251,7 +252,7 @@ def checked_first_run(name: str, seg, inputs, reference, stats: OrtStats, policy
     Returns the ORT seconds, or None when ORT fails or (``verify``) differs beyond the segment's
     tolerance (recorded in ``stats``; an error under ``FALLBACK_DISABLE``).
     """
-    t0 = time.perf_counter()
+    t0 = now()
     try:
         got = seg.run_ort(*inputs)
     except Exception as exc:  # noqa: BLE001 - any ORT failure falls back per policy
@@ -259,7 +260,7 @@ def checked_first_run(name: str, seg, inputs, reference, stats: OrtStats, policy
         segment_failure(name, what, policy, op_summary(seg.fallback))
         stats.fell_back(name, what)
         return None
-    ort_s = time.perf_counter() - t0
+    ort_s = now() - t0
     if verify:
         t0 = time.perf_counter()
         diff, forgiven = output_mismatch(seg.fallback, inputs, got, reference, seg.tolerance, seg.unordered)
