@@ -1,6 +1,7 @@
 """Step time of eager PyTorch vs the compiled train step vs torch.compile, measured side by side in one run.
 
-Run:  make bench            (or: .venv/bin/python bench/step.py [--steps 7] [--models gpt-mini,mlp,cnn,mixtral-tiny])
+Run:  make bench            (or: .venv/bin/python bench/step.py [--steps 7] [--models gpt-mini,mlp,cnn,mixtral-tiny]
+                                  [--device cuda])
 
 Like for like: every runner trains with the same optimizer, AdamW(lr 1e-3,
 weight_decay 0.1, ``fused=True``) - the multi-tensor kernel the compiled step
@@ -26,6 +27,11 @@ steady from there); "compile s" sums the warm-up calls' time beyond a steady ste
 Models with parts the compiled step runs opaquely (none of these since mixtral-tiny's
 experts trace, as ``spmd_ort::grouped_mm``) also get the time those parts took inside the
 compiled runners' steps (median).
+
+``--device cuda`` trains every runner on the GPU: each step is timed to the end of its queued kernels
+(synchronized), and the most each runner's step allocates above its resting memory (parameters,
+optimizer state) is printed under the table.  The ORT backend there needs ``onnxruntime-gpu``; without
+it that runner fails with its ConfigError and the table says so.
 
 Compile time: ``--compile`` also runs the ORT backend's first call (trace,
 passes, export or cache load, sessions, checked first run) in a fresh process
@@ -164,11 +170,25 @@ def build_runners(model: nn.Module, backends: list[str]) -> dict:
     return runners
 
 
-def bench_model(name: str, steps: int, backends: list[str]) -> dict:
+def _on(device: torch.device, batch):
+    """The batch function moved to ``device`` (batches are drawn on the CPU: the same numbers on every device)."""
+    return batch if device.type == "cpu" else lambda: tuple(t.to(device) for t in batch())
+
+
+def _synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def bench_model(name: str, steps: int, backends: list[str], device: torch.device = torch.device("cpu")) -> dict:
     torch.manual_seed(0)
     model, batch = MODELS[name]()
+    model, batch = model.to(device), _on(device, batch)
     runners = build_runners(model, backends)
     times: dict[str, list[float]] = {k: [] for k in runners}
+    # CUDA: the most a runner's measured step allocates above what is allocated when it starts (its activations
+    # and temporaries; parameters and optimizer state are resident before and after)
+    step_peak_mib: dict[str, float] = {}
     compile_s: dict[str, float] = {}
     failed: dict[str, str] = {}
     opaque_ms: dict[str, list[float]] = {}  # compiled runners: time in opaque parts (spmd_ort.runtime.opaque) per step
@@ -183,15 +203,23 @@ def bench_model(name: str, steps: int, backends: list[str]) -> dict:
             if k in failed:
                 continue
             time.sleep(0.05)  # let any runtime's worker threads go idle: each is timed on quiet cores
+            _synchronize(device)
+            if device.type == "cuda":
+                torch.cuda.reset_peak_memory_stats(device)
+                resting = torch.cuda.memory_allocated(device)
             t0 = time.perf_counter()
             try:
                 fn(m, opt, x, y)
+                _synchronize(device)  # the step's queued kernels are part of its time
             except Exception as exc:  # noqa: BLE001 - a runner that cannot run this model is reported, not fatal
                 failed[k] = f"{type(exc).__name__}: {' '.join(str(exc).split())[:80]}"
                 continue
             dt = time.perf_counter() - t0
             if i >= warmup:
                 times[k].append(dt)
+                if device.type == "cuda":
+                    above = (torch.cuda.max_memory_allocated(device) - resting) / 2**20
+                    step_peak_mib[k] = max(step_peak_mib.get(k, 0.0), above)
                 program = getattr(fn, "compiled", None)
                 if program is not None and program.opaque:
                     opaque_ms.setdefault(k, []).append(sum(program.opaque_seconds) * 1e3)
@@ -201,7 +229,7 @@ def bench_model(name: str, steps: int, backends: list[str]) -> dict:
         if times[k]:
             compile_s[k] = max(compile_s[k] - warmup * statistics.median(times[k]), 0.0)
     params = sum(p.numel() for p in model.parameters())
-    return {"model": name, "params": params, "compile_s": compile_s, "failed": failed,
+    return {"model": name, "params": params, "compile_s": compile_s, "failed": failed, "step_peak_mib": step_peak_mib,
             "opaque_ms": {k: statistics.median(v) for k, v in opaque_ms.items()},
             "ms": {k: statistics.median(v) * 1e3 for k, v in times.items() if k not in failed}}
 
@@ -266,6 +294,7 @@ def main() -> None:
     ap.add_argument("--models", default="gpt-mini,mlp,cnn,mixtral-tiny")
     ap.add_argument("--backends", default="fx,ort,ort-only,spmd-inductor,inductor")
     ap.add_argument("--compile", action="store_true", help="also measure cold/warm ORT compile in fresh processes")
+    ap.add_argument("--device", default="cpu", help="where the models train: cpu (default) or cuda")
     ap.add_argument("--compile-probe", help=argparse.SUPPRESS)
     ap.add_argument("--probe-backend", default="ort", help=argparse.SUPPRESS)
     args = ap.parse_args()
@@ -276,7 +305,11 @@ def main() -> None:
     torch.set_num_threads(threads)
     retained = spmd_ort.runtime.memory.retain_host_memory()  # every runner, from its first step
     backends = args.backends.split(",")
-    print(f"# bench/step.py — torch {torch.__version__}, {platform.machine()}, {threads} threads, host memory "
+    device = torch.device(args.device)
+    where = f"{platform.machine()}, {threads} threads"
+    if device.type == "cuda":
+        where = f"{torch.cuda.get_device_name(device)} (CUDA {torch.version.cuda}), host {where}"
+    print(f"# bench/step.py — torch {torch.__version__}, {where}, host memory "
           f"{'retained' if retained else 'glibc default'} for all runners, AdamW(fused=True) for all but "
           f"eager-default, median of {args.steps} steps")
     cols = ["eager-default", *backends]
@@ -284,7 +317,7 @@ def main() -> None:
           + " | " + " | ".join(f"{b} compile s" for b in backends) + " |")
     print("|" + "---|" * (3 + 2 * len(cols) + len(backends)))
     for name in args.models.split(","):
-        r = bench_model(name, args.steps, backends)
+        r = bench_model(name, args.steps, backends, device)
         cells = [name, f"{r['params'] / 1e6:.2f} M", f"{r['ms']['eager']:.1f}"]
         for b in cols:
             cells += [f"{r['ms'][b]:.1f}", f"{r['ms'][b] / r['ms']['eager']:.2f}"] if b in r["ms"] else ["fails", "-"]
@@ -292,10 +325,15 @@ def main() -> None:
         print("| " + " | ".join(cells) + " |", flush=True)
         for b, why in r["failed"].items():
             print(f"  ({name}: {b} fails: {why})", flush=True)
+        if r["step_peak_mib"]:
+            print(f"  ({name}: most a step allocated above its resting memory, MiB: "
+                  + ", ".join(f"{b} {v:.1f}" for b, v in r["step_peak_mib"].items()) + ")", flush=True)
         for b, ms in r["opaque_ms"].items():
             print(f"  ({name}: opaque parts run eagerly in {b}'s step: {ms:.1f} ms of {r['ms'][b]:.1f} ms, "
                   f"{ms / r['ms'][b]:.0%})", flush=True)
-    if args.compile:
+    if args.compile and device.type != "cpu":
+        print("\n(--compile measures host processes' peak RSS and the ORT backend: CPU only; left out here)")
+    elif args.compile:
         print("\nort backend, first call in a fresh process (trace, passes, export or cache load, sessions, checked "
               "first run: both executors compared and timed); peak RSS of the process after two calls, against a "
               "process that trains the same model eagerly for two steps:")

@@ -1,0 +1,226 @@
+"""The compiled step on CUDA against eager on CUDA: fx, inductor (triton kernels), ORT's CUDA provider where
+installed (else the ConfigError a user gets), autocast, and a steady step that never waits for the GPU.
+
+Skipped where no GPU is present (CI has none). ``SPMD_ORT_TEST_DEVICE=cpu`` runs the same tests on the CPU,
+which is how they are kept runnable between the rare sessions that have a GPU.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import spmd_ort
+from helpers import assert_ran_on_ort, train_side_by_side, train_step
+from models import CNN, GPT, MLP, GPTConfig
+
+DEVICE = torch.device(os.environ.get("SPMD_ORT_TEST_DEVICE", "cuda"))
+ON_CUDA = DEVICE.type == "cuda"
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(ON_CUDA and not torch.cuda.is_available(), reason="needs CUDA")]
+
+GPT_CFG = GPTConfig(vocab=256, seq=32, d=64, heads=4, layers=2)
+
+
+def _mlp():
+    return MLP().to(DEVICE)
+
+
+def _cnn():
+    return CNN().to(DEVICE)
+
+
+def _gpt():
+    return GPT(GPT_CFG).to(DEVICE)
+
+
+def _batches(kind: str, n: int = 3) -> list[tuple]:
+    g = torch.Generator().manual_seed(0)
+    out = []
+    for _ in range(n):
+        if kind == "mlp":
+            x, y = torch.randn(8, 32, generator=g), torch.randint(0, 10, (8,), generator=g)
+        elif kind == "cnn":
+            x, y = torch.randn(4, 3, 16, 16, generator=g), torch.randint(0, 10, (4,), generator=g)
+        else:
+            x = torch.randint(0, GPT_CFG.vocab, (4, GPT_CFG.seq), generator=g)
+            y = torch.randint(0, GPT_CFG.vocab, (4, GPT_CFG.seq), generator=g)
+        out.append((x.to(DEVICE), y.to(DEVICE)))
+    return out
+
+
+MODELS = {"mlp": _mlp, "cnn": _cnn, "gpt": _gpt}
+
+
+def _adamw(m):
+    return torch.optim.AdamW(m.parameters(), lr=1e-2, weight_decay=0.1, fused=True)
+
+
+# what users write on a GPU: torch's defaults there are the foreach implementations, Adam's step counters on the host
+OPTIMIZERS = {
+    "adamw-fused": _adamw,
+    "adamw-default": lambda m: torch.optim.AdamW(m.parameters(), lr=1e-2, weight_decay=0.1),
+    "adam-amsgrad": lambda m: torch.optim.Adam(m.parameters(), lr=1e-2, amsgrad=True),
+    "sgd-nesterov": lambda m: torch.optim.SGD(m.parameters(), lr=0.05, momentum=0.9, nesterov=True),
+}
+
+
+def _clipped_step(m, o, x, y):
+    return train_step(m, o, x, y, clip=1.0)
+
+
+@pytest.fixture
+def no_fallback(monkeypatch):
+    """A segment that cannot compile, load or verify raises instead of running on fx."""
+    monkeypatch.setenv("SPMD_ORT_FALLBACK_POLICY", "FALLBACK_DISABLE")
+
+
+@pytest.mark.parametrize("name", sorted(MODELS))
+def test_fx_trains_like_eager(name):
+    """fx runs eager's own CUDA kernels: the MLP elementwise; the CNN (cuDNN's backward algorithms) and the
+    GPT (attention's backward) per tensor, as their kernels may accumulate in another order run to run."""
+    torch.manual_seed(0)
+    train_side_by_side(MODELS[name], _adamw, _clipped_step, _batches(name), backend="fx", normwise=name != "mlp")
+
+
+@pytest.mark.parametrize("opt", sorted(OPTIMIZERS))
+def test_fx_trains_like_eager_with_each_optimizer(opt):
+    """Every optimizer as eager runs it on the device: the fused kernels where eager's is fused, torch's foreach
+    implementation where eager's default keeps Adam's step counters on the host (the fused kernels read them on
+    the device); per tensor, as the compiled step's SGD is torch's fused kernel where eager runs foreach."""
+    torch.manual_seed(0)
+    train_side_by_side(_mlp, OPTIMIZERS[opt], _clipped_step, _batches("mlp"), backend="fx", normwise=True)
+
+
+@pytest.mark.parametrize("name", sorted(MODELS))
+def test_inductor_trains_like_eager(name, no_fallback):
+    """The whole step's segments compiled by inductor (triton on CUDA), each verified on its first run."""
+    torch.manual_seed(0)
+    compiled, _, _ = train_side_by_side(MODELS[name], _adamw, _clipped_step, _batches(name), backend="inductor")
+    stats = compiled.compiled.executor.stats
+    assert compiled.compiled.executor.name == "inductor" and stats.segments >= 1, stats
+    assert not stats.fallbacks and stats.verified == stats.segments, stats
+
+
+def test_ort_runs_on_the_cuda_provider_or_says_what_to_install(no_fallback):
+    """With onnxruntime-gpu the step's segments run in ORT's CUDA provider, against eager; without it the first
+    call is a ConfigError naming the package, and the model and optimizer are as they were."""
+    import onnxruntime as ort
+
+    if not ON_CUDA or "CUDAExecutionProvider" in ort.get_available_providers():
+        torch.manual_seed(0)
+        compiled, _, _ = train_side_by_side(_mlp, _adamw, _clipped_step, _batches("mlp"), backend="ort")
+        assert_ran_on_ort(compiled)
+        return
+    torch.manual_seed(0)
+    model = _mlp()
+    opt = _adamw(model)
+    before = [p.detach().clone() for p in model.parameters()]
+    for backend in ("ort", None):  # compile()'s default backend is ORT
+        step = spmd_ort.compile(backend=backend)(_clipped_step) if backend else spmd_ort.compile()(_clipped_step)
+        with pytest.raises(spmd_ort.ConfigError, match="onnxruntime-gpu.*backend='fx'"):
+            step(model, opt, *_batches("mlp", 1)[0])
+    assert all(torch.equal(a, b) for a, b in zip(before, model.parameters())) and not opt.state
+    assert all(p.grad is None for p in model.parameters())
+
+
+def _autocast_step(dtype):
+    def step(model, opt, scaler, x, y):
+        with torch.autocast(DEVICE.type, dtype=dtype):
+            loss = F.cross_entropy(model(x).flatten(0, -2), y.flatten())
+        scaler.scale(loss).backward()
+        scaler.unscale_(opt)
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        scaler.step(opt)
+        scaler.update()
+        opt.zero_grad(set_to_none=True)
+        return loss
+
+    return step
+
+
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+def test_autocast_on_fx_is_eagers_step_bit_for_bit(dtype):
+    """torch.autocast on the device with a GradScaler (float16's skips its overflowing first steps): fx runs
+    eager's kernels in eager's dtypes, so loss, scale, parameters and AdamW's state are eager's, bit for bit."""
+    import copy
+
+    dtype_ = getattr(torch, dtype)
+    torch.manual_seed(0)
+    model = _mlp()
+    model_c = copy.deepcopy(model)
+    opt, opt_c = _adamw(model), _adamw(model_c)
+    init = 2.0**19 if dtype_ == torch.float16 else 2.0**16
+    scaler, scaler_c = (torch.amp.GradScaler(DEVICE.type, init_scale=init, growth_interval=2) for _ in range(2))
+    step = _autocast_step(dtype_)
+    compiled = spmd_ort.compile(backend="fx")(step)
+    for i, (x, y) in enumerate(_batches("mlp", 5)):
+        loss = step(model, opt, scaler, x, y)
+        loss_c = compiled(model_c, opt_c, scaler_c, x, y)
+        assert torch.equal(loss_c, loss.detach()), i
+        assert float(scaler_c._scale) == float(scaler._scale), i
+        assert all(torch.equal(a, b) for a, b in zip(model.parameters(), model_c.parameters())), i
+        sa, sb = opt.state_dict()["state"], opt_c.state_dict()["state"]
+        assert sa.keys() == sb.keys() and all(torch.equal(sa[k][n], sb[k][n]) for k in sa for n in sa[k]), i
+
+
+@pytest.mark.skipif(not ON_CUDA, reason="host synchronisation is a CUDA matter")
+@pytest.mark.parametrize("name,backend,opt", [("mlp", "fx", "adamw-fused"), ("gpt", "fx", "adamw-fused"),
+                                              ("gpt", "inductor", "adamw-fused"), ("mlp", "fx", "adamw-default"),
+                                              ("mlp", "fx", "sgd-nesterov")])
+def test_a_steady_step_never_waits_for_the_gpu(name, backend, opt):
+    """Eager's step (forward, backward, clipping, the optimizer) queues its kernels without waiting for the
+    GPU; so does the compiled step once compiled: no host read of a device value, no blocking copy to the
+    device, either of which would stall every step."""
+    torch.manual_seed(0)
+    model = MODELS[name]()
+    opt = OPTIMIZERS[opt](model)
+    step = spmd_ort.compile(backend=backend)(_clipped_step)
+    batches = _batches(name, 4)
+    for x, y in batches[:3]:  # compile (before and after AdamW's state exists), then a first steady step
+        step(model, opt, x, y)
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        step(model, opt, *batches[3])
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+
+
+
+BAD_ID_SCRIPT = """
+import sys, torch
+sys.path.insert(0, {root!r})
+import spmd_ort
+from tests.helpers import train_step
+from tests.models import GPT, GPTConfig
+cfg = GPTConfig(vocab=64, seq=8, d=32, heads=4, layers=1)
+model = GPT(cfg).to({device!r})
+opt = torch.optim.AdamW(model.parameters(), fused=True)
+step = spmd_ort.compile(backend="fx")(train_step)
+x = torch.randint(0, 64, (2, 8), device={device!r})
+step(model, opt, x, x)
+x[1, 3] = 64
+step(model, opt, x, x)
+torch.{sync}
+print("TRAINED ON A BAD ID")
+"""
+
+
+@pytest.mark.skipif(not ON_CUDA, reason="a device-side assert is a CUDA matter")
+def test_a_bad_id_fails_the_step_as_eagers_does():
+    """An embedding id out of range: the compiled step's bounds check is a device-side assert, as eager's own
+    check on CUDA is (it ends the process: a CUDA context with a failed assert is unusable), not a silent
+    read of another row.  Run in a child process for that reason."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = str(Path(__file__).resolve().parent.parent)
+    script = BAD_ID_SCRIPT.format(root=root, device=str(DEVICE), sync="cuda.synchronize()")
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert done.returncode != 0 and "TRAINED ON A BAD ID" not in done.stdout, done.stdout + done.stderr[-2000:]
+    assert "assert" in done.stderr.lower(), done.stderr[-2000:]
