@@ -95,14 +95,44 @@ def test_fx_trains_like_eager_with_each_optimizer(opt):
     train_side_by_side(_mlp, OPTIMIZERS[opt], _clipped_step, _batches("mlp"), backend="fx", normwise=True)
 
 
+@pytest.fixture
+def full_float32():
+    """No TensorFloat-32 anywhere (cuDNN's convolutions use it by default): float32 parity needs float32 math."""
+    saved = torch.backends.cudnn.allow_tf32, torch.get_float32_matmul_precision()
+    torch.backends.cudnn.allow_tf32 = False
+    torch.set_float32_matmul_precision("highest")
+    yield
+    torch.backends.cudnn.allow_tf32 = saved[0]
+    torch.set_float32_matmul_precision(saved[1])
+
+
 @pytest.mark.parametrize("name", sorted(MODELS))
-def test_inductor_trains_like_eager(name, no_fallback):
-    """The whole step's segments compiled by inductor (triton on CUDA), each verified on its first run."""
+def test_inductor_trains_like_eager(name, no_fallback, full_float32):
+    """The whole step's segments compiled by inductor (triton on CUDA), each verified on its first run; in
+    float32 throughout, eager's numbers to float32 rounding."""
     torch.manual_seed(0)
     compiled, _, _ = train_side_by_side(MODELS[name], _adamw, _clipped_step, _batches(name), backend="inductor")
     stats = compiled.compiled.executor.stats
     assert compiled.compiled.executor.name == "inductor" and stats.segments >= 1, stats
     assert not stats.fallbacks and stats.verified == stats.segments, stats
+
+
+@pytest.mark.skipif(not ON_CUDA, reason="TensorFloat-32 is a GPU's")
+def test_inductor_runs_a_convnet_with_cudnns_default_tf32(no_fallback):
+    """With cuDNN's default (TF32 allowed), inductor's channels-last convolutions and eager's differ at TF32's
+    precision (an H200: the first batch norm's running mean 0.014% apart): the segment is verified to that
+    precision and runs compiled, and the losses stay eager's to it."""
+    assert torch.backends.cudnn.allow_tf32
+    torch.manual_seed(0)
+    model = _cnn()
+    twin = __import__("copy").deepcopy(model)
+    opt, opt_c = _adamw(model), _adamw(twin)
+    step = spmd_ort.compile(backend="inductor")(_clipped_step)
+    for x, y in _batches("cnn", 3):
+        loss = _clipped_step(model, opt, x, y)
+        torch.testing.assert_close(step(twin, opt_c, x, y), loss.detach(), rtol=4 * 2.0**-10, atol=0)
+    stats = step.compiled.executor.stats
+    assert stats.segments >= 1 and not stats.fallbacks and stats.verified == stats.segments, stats
 
 
 def test_ort_runs_on_the_cuda_provider_or_says_what_to_install(no_fallback):

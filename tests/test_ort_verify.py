@@ -113,3 +113,35 @@ def test_fx_timing_runs_hold_one_set_of_outputs():
     assert torch.equal(last, x * 2) and outputs[-1]() is last
     _, once = timed_fx_runs(run, (x,), repeat=False)
     assert len(outputs) == len(alive_at_start) and torch.equal(once, x * 2)
+
+
+@pytest.fixture
+def tf32_settings():
+    saved = torch.backends.cudnn.allow_tf32, torch.get_float32_matmul_precision()
+    yield
+    torch.backends.cudnn.allow_tf32 = saved[0]
+    torch.set_float32_matmul_precision(saved[1])
+
+
+def test_a_gpu_segment_that_may_use_tf32_is_verified_to_tf32s_precision(tf32_settings):
+    """Where torch's settings let the GPU compute a float32 convolution or matmul in TensorFloat-32 (cuDNN's
+    convolutions by default; matmuls at a precision below "highest"), two implementations may differ by TF32's
+    rounding (found on an H200: inductor's channels-last convolution against eager's, a batch norm's running mean
+    0.014% apart): the segment's tolerance is 4 TF32 ulps then.  Traced on fake CUDA tensors (no GPU needed)."""
+    import torch.nn.functional as F
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    with FakeTensorMode():
+        x, w, a = (torch.empty(2, 3, 8, 8, device="cuda"), torch.empty(4, 3, 3, 3, device="cuda"),
+                   torch.empty(8, 8, device="cuda"))
+    conv = make_fx(lambda x, w: F.conv2d(x, w).relu().sum())(x, w)
+    mm = make_fx(lambda a: (a @ a).sum())(a)
+    cpu_conv = make_fx(lambda x, w: F.conv2d(x, w).sum())(torch.randn(2, 3, 8, 8), torch.randn(4, 3, 3, 3))
+    tf32 = verify.VERIFY_ULPS * 2.0**-10
+    torch.backends.cudnn.allow_tf32 = True
+    torch.set_float32_matmul_precision("highest")
+    assert verify.verify_tolerance(conv) == tf32 and verify.verify_tolerance(mm) == verify.VERIFY_TOLERANCE
+    assert verify.verify_tolerance(cpu_conv) == verify.VERIFY_TOLERANCE  # the CPU has no TF32
+    torch.backends.cudnn.allow_tf32 = False
+    torch.set_float32_matmul_precision("high")
+    assert verify.verify_tolerance(conv) == verify.VERIFY_TOLERANCE and verify.verify_tolerance(mm) == tf32

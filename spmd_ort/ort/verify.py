@@ -46,11 +46,37 @@ FLOAT64_FACTOR = 10
 
 
 def verify_tolerance(gm: fx.GraphModule) -> float:
-    """The relative tolerance for a segment: 1e-4, or 4 ulps of the lowest float precision it computes in."""
+    """The relative tolerance for a segment: 1e-4, or 4 ulps of the lowest float precision it computes in (with
+    TensorFloat-32 where torch's settings let a GPU use it: :func:`may_use_tf32`)."""
     eps = [torch.finfo(v.dtype).eps for n in gm.graph.nodes
            for v in (n.meta.get("val") if isinstance(n.meta.get("val"), (list, tuple)) else [n.meta.get("val")])
            if isinstance(v, torch.Tensor) and v.dtype.is_floating_point]
+    if any(may_use_tf32(n) for n in gm.graph.nodes):
+        eps.append(TF32_EPS)
     return max([VERIFY_TOLERANCE] + [VERIFY_ULPS * e for e in eps])
+
+
+TF32_EPS = 2.0**-10  # TensorFloat-32 keeps 10 bits of float32's 23-bit mantissa
+_CONVOLUTIONS = (torch.ops.aten.convolution.default, torch.ops.aten.convolution_backward.default)
+_MATMULS = (torch.ops.aten.mm.default, torch.ops.aten.addmm.default, torch.ops.aten.bmm.default,
+            torch.ops.aten.baddbmm.default)
+
+
+def may_use_tf32(node: fx.Node) -> bool:
+    """Whether torch's settings let a GPU compute ``node`` in TensorFloat-32: a float32 convolution with cuDNN's
+    TF32 allowed (``torch.backends.cudnn.allow_tf32``, on by default), a float32 matmul with
+    ``torch.set_float32_matmul_precision`` below "highest".  Two implementations of such an op (eager's NCHW
+    convolution, inductor's channels-last one) may pick kernels that differ in whether they use it: their
+    results agree to TF32's precision, not float32's, both within what the user allowed."""
+    if node.op != "call_function" or not (node.target in _CONVOLUTIONS or node.target in _MATMULS):
+        return False
+    val = node.meta.get("val")
+    v = next((t for t in val if isinstance(t, torch.Tensor)), None) if isinstance(val, (list, tuple)) else val
+    if not (isinstance(v, torch.Tensor) and v.device.type == "cuda" and v.dtype == torch.float32):
+        return False
+    if node.target in _CONVOLUTIONS:
+        return torch.backends.cudnn.allow_tf32
+    return torch.get_float32_matmul_precision() != "highest"
 
 @dataclass(frozen=True)
 class UnorderedTopk:
