@@ -53,6 +53,9 @@ def check_index(index: Tensor, high: int, wraps: bool, ignore: int | None, op: s
                           high=high, ignore=ignore, rank=bad_rank)
 
 
+MAX_ASSERT_MESSAGE = 250  # CUDA's device-side assert takes a message shorter than 255 characters
+
+
 def _assert_in_range_async(index: Tensor, high: int, wraps: bool, ignore: int | None, message: str) -> None:
     """A device-side assert that every index is in range (or ``ignore``): no host synchronisation."""
     if index.numel() == 0:
@@ -61,7 +64,7 @@ def _assert_in_range_async(index: Tensor, high: int, wraps: bool, ignore: int | 
     if ignore is not None:
         ok |= index == ignore
     text = message.replace("{value}", "an index out of range").replace("{position}", "(on the GPU: not read back)")
-    torch._assert_async(ok.all(), text)
+    torch._assert_async(ok.all(), text[:MAX_ASSERT_MESSAGE])
 
 
 def _first_bad(index: Tensor, high: int, wraps: bool, ignore: int | None) -> tuple[int, int, tuple] | None:
