@@ -316,6 +316,7 @@ def main() -> None:
     print("| model | params | eager ms | " + " | ".join(f"{b} ms | {b}/eager" for b in cols)
           + " | " + " | ".join(f"{b} compile s" for b in backends) + " |")
     print("|" + "---|" * (3 + 2 * len(cols) + len(backends)))
+    notes: list[str] = []  # printed under the table, which stays one block of rows
     for name in args.models.split(","):
         r = bench_model(name, args.steps, backends, device)
         cells = [name, f"{r['params'] / 1e6:.2f} M", f"{r['ms']['eager']:.1f}"]
@@ -323,14 +324,14 @@ def main() -> None:
             cells += [f"{r['ms'][b]:.1f}", f"{r['ms'][b] / r['ms']['eager']:.2f}"] if b in r["ms"] else ["fails", "-"]
         cells += [f"{r['compile_s'][b]:.1f}" if b in r["ms"] else "-" for b in backends]
         print("| " + " | ".join(cells) + " |", flush=True)
-        for b, why in r["failed"].items():
-            print(f"  ({name}: {b} fails: {why})", flush=True)
+        notes += [f"  ({name}: {b} fails: {why})" for b, why in r["failed"].items()]
         if r["step_peak_mib"]:
-            print(f"  ({name}: most a step allocated above its resting memory, MiB: "
-                  + ", ".join(f"{b} {v:.1f}" for b, v in r["step_peak_mib"].items()) + ")", flush=True)
-        for b, ms in r["opaque_ms"].items():
-            print(f"  ({name}: opaque parts run eagerly in {b}'s step: {ms:.1f} ms of {r['ms'][b]:.1f} ms, "
-                  f"{ms / r['ms'][b]:.0%})", flush=True)
+            notes.append(f"  ({name}: most a step allocated above its resting memory, MiB: "
+                         + ", ".join(f"{b} {v:.1f}" for b, v in r["step_peak_mib"].items()) + ")")
+        notes += [f"  ({name}: opaque parts run eagerly in {b}'s step: {ms:.1f} ms of {r['ms'][b]:.1f} ms, "
+                  f"{ms / r['ms'][b]:.0%})" for b, ms in r["opaque_ms"].items()]
+    if notes:
+        print("\n" + "\n".join(notes), flush=True)
     if args.compile and device.type != "cpu":
         print("\n(--compile measures host processes' peak RSS and the ORT backend: CPU only; left out here)")
     elif args.compile:
