@@ -66,7 +66,15 @@ TP_SPLIT_TABLE = "### Latest run (2026-11-25, Intel Xeon with AMX: tensor parall
 MIXTRAL_OPAQUE = "opaque parts run eagerly in {}'s step"
 DP_TABLE = "### Latest run (2026-11-25, Intel Xeon with AMX: after the ORT export changes)"
 
+CUDA_TABLE = "## bench/step.py --device cuda — one NVIDIA H200 (2026-11-27, the first GPU session)"
+
 CLAIMS: list[tuple[str, Source]] = [
+    # on a GPU
+    ("from C++: gpt-mini\nat {1.26×} eager", Cell(CUDA_TABLE, "gpt-mini", "fx/eager")),
+    ("`spmd-inductor` ran mixtral-tiny at {0.66×} eager", Cell(CUDA_TABLE, "mixtral-tiny", "spmd-inductor/eager")),
+    ("where `torch.compile(model)` ran\n{1.04×}", Cell(CUDA_TABLE, "mixtral-tiny", "inductor/eager")),
+    ("but gpt-mini at {1.09×} against", Cell(CUDA_TABLE, "gpt-mini", "spmd-inductor/eager")),
+    ("against `torch.compile`'s {0.92×}", Cell(CUDA_TABLE, "gpt-mini", "inductor/eager")),
     # make fuzz
     ("a compiled value passes if it is no further from float64 than {10×} eager's own distance",
      Code("tests/fuzz_cases.py", r"^EAGER_NOISE_FACTOR = (\d+)$")),
