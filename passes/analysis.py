@@ -6,8 +6,8 @@ from dataclasses import dataclass
 
 import torch
 from torch import fx
-from spmd_ort.compat import optimization_hint
 
+from spmd_ort.compat import optimization_hint
 from spmd_ort.runtime import ops
 from spmd_ort.runtime.memory import plan_activation_memory
 

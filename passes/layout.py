@@ -19,9 +19,9 @@ from dataclasses import dataclass
 
 import torch
 from torch import fx
-from spmd_ort.compat import guarding_hint_or_throw
 from torch.utils import _pytree as pytree
 
+from spmd_ort.compat import guarding_hint_or_throw
 from spmd_ort.ort.partition import UNINITIALIZED_OPS
 from spmd_ort.runtime import ops
 

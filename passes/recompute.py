@@ -36,10 +36,10 @@ from dataclasses import dataclass
 import torch
 from torch import fx
 from torch._functorch._activation_checkpointing.knapsack import greedy_knapsack
-from spmd_ort.compat import optimization_hint
 from torch.utils.flop_counter import flop_registry
 
 from spmd_ort.capture.state import SlotKind
+from spmd_ort.compat import optimization_hint
 from spmd_ort.runtime import ops
 from spmd_ort.runtime.memory import value_bytes
 

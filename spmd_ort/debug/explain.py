@@ -14,8 +14,8 @@ import operator
 
 import torch
 from torch import fx
-from spmd_ort.compat import optimization_hint
 
+from spmd_ort.compat import optimization_hint
 from spmd_ort.passes.analysis import CollectiveCounts
 from spmd_ort.runtime import ops
 from spmd_ort.runtime.program import CompiledProgram

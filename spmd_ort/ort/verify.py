@@ -78,6 +78,7 @@ def may_use_tf32(node: fx.Node) -> bool:
         return torch.backends.cudnn.allow_tf32
     return torch.get_float32_matmul_precision() != "highest"
 
+
 @dataclass(frozen=True)
 class UnorderedTopk:
     """Outputs of a segment laid out in the order of one ``topk(..., sorted=False)`` along ``dim``.
