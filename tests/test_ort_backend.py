@@ -339,8 +339,8 @@ def test_auto_keeps_the_faster_executor_per_segment(monkeypatch, slow, whole_cos
             return self.now
 
     clock = Clock()
-    monkeypatch.setattr(choice, "time", clock)  # the fx run and the timing runs (segments and whole graph)
-    monkeypatch.setattr(verify, "time", clock)  # the checked ORT run
+    monkeypatch.setattr(choice, "now", clock.perf_counter)  # the fx run and the timing runs (segments, whole graph)
+    monkeypatch.setattr(verify, "now", clock.perf_counter)  # the checked ORT run
     cost = {"ort": 0.050 if slow == "ort" else 0.001, "fx": 0.050 if slow == "fx" else 0.001}
 
     def costing(fn, seconds):
