@@ -59,7 +59,7 @@ class Fact:
 
 Source = Cell | Prose | Code | Fact
 MIXTRAL_TABLE = "## bench/step.py — mixtral-tiny: a model with opaque parts"
-STEP_TABLE = "### Latest run (2026-11-25, Intel Xeon with AMX, latest: the LM head fused)"
+STEP_TABLE = "### Run of 2026-11-25 (Intel Xeon with AMX: the LM head fused; the README quotes this table)"
 DYNAMIC_TABLE = "## bench/dynamic.py — dynamic shapes"
 DYNAMIC_TP_TABLE = "### Tensor parallelism: 10 lengths on 2 ranks"
 TP_SPLIT_TABLE = "### Latest run (2026-11-25, Intel Xeon with AMX: tensor parallel after the ORT export changes)"
