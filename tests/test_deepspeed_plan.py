@@ -293,3 +293,17 @@ def test_booleans_are_read_as_deepspeed_reads_them():
                                        model, world_size=1)
     with pytest.raises(DeepSpeedConfigError, match=r"bf16.enabled=\"on\""):
         spmd_ort.DataParallel.from_deepspeed_config({"bf16": {"enabled": "on"}, "zero_optimization": {"stage": 3}})
+
+
+def test_autocast_acts_on_the_device_the_parameters_are_on():
+    """fp16.auto_cast autocasts on the device type of the model's parameters (a plan for a model on a GPU
+    autocasts on CUDA: autocast on "cpu" there would change nothing, silently); an explicit one wins."""
+    model = MLP()
+    plan = spmd_ort.from_deepspeed_config(CONFIG, model, world_size=1)
+    assert plan.device_type() == "cpu"
+    with plan.autocast():
+        assert torch.is_autocast_enabled("cpu") and torch.get_autocast_dtype("cpu") == torch.float16
+    on_meta = spmd_ort.from_deepspeed_config(CONFIG, MLP().to("meta"), world_size=1)  # (no GPU here: another device)
+    assert on_meta.device_type() == "meta"
+    with on_meta.autocast("cpu"):
+        assert torch.is_autocast_enabled("cpu")

@@ -93,13 +93,19 @@ class DeepSpeedPlan:
     def mixed_precision(self) -> MixedPrecisionPolicy | None:
         return self.parallel_mode.mixed_precision
 
-    def autocast(self, device_type: str = "cpu"):
-        """``torch.autocast`` for ``fp16.auto_cast``; a no-op otherwise."""
+    def device_type(self) -> str:
+        """Where the optimizer's parameters live: the device type autocast acts on (``cuda`` for a model on a GPU;
+        autocast for another device type than the model's would change nothing, silently)."""
+        return next((p.device.type for g in self.optimizer.param_groups for p in g["params"]), "cpu")
+
+    def autocast(self, device_type: str | None = None):
+        """``torch.autocast`` for ``fp16.auto_cast`` (on the parameters' device type unless told); a no-op
+        otherwise."""
         if self.autocast_dtype is None:
             return contextlib.nullcontext()
-        return torch.autocast(device_type, dtype=self.autocast_dtype)
+        return torch.autocast(device_type or self.device_type(), dtype=self.autocast_dtype)
 
-    def make_train_step(self, loss_fn: Callable[..., torch.Tensor], device_type: str = "cpu") -> Callable:
+    def make_train_step(self, loss_fn: Callable[..., torch.Tensor], device_type: str | None = None) -> Callable:
         """``step(model, opt, scaler, micro_batches) -> mean loss``: DeepSpeed's engine step, to compile.
 
         ``loss_fn(model, *batch)`` returns one micro-batch's loss; ``micro_batches`` holds
