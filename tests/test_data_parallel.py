@@ -254,3 +254,23 @@ def test_a_rank_that_stops_stepping_makes_the_others_raise_within_the_timeout(tm
     assert r0["error_type"] == "CollectiveTimeout", r0
     assert "rank 0: the ranks' agreement on this step's inputs" in r0["error"] and "another rank stopped" in r0["error"]
     assert r0["seconds"] < 5 * 2 + 5, r0  # the process group's 5 s timeout, not forever
+
+
+def test_agreements_run_on_a_gloo_group_where_the_default_takes_no_cpu_tensors(one_rank, monkeypatch):
+    """The ranks' agreements (a digest of the step, flags, picklable objects) are host tensors: on a default
+    group that takes them (gloo here, or "cpu:gloo,cuda:nccl") they use it; on NCCL alone, which takes CUDA
+    tensors only, a gloo group over the same ranks made once.  NCCL is faked by its backend config (no GPU
+    here); the gloo group is real."""
+    import torch
+    import torch.distributed as dist
+
+    from spmd_ort.runtime import collectives
+
+    assert collectives.control_group() is None  # the one-rank gloo group takes CPU tensors
+    monkeypatch.setattr(collectives, "_CONTROL_GROUP", [])
+    monkeypatch.setattr(dist, "get_backend_config", lambda group=None: "cuda:nccl")
+    group = collectives.control_group()
+    assert group is not None and collectives.control_group() is group  # made once
+    flag = torch.tensor([1], dtype=torch.int32)
+    dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=group)
+    assert int(flag) == 1

@@ -35,7 +35,6 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import time
 from dataclasses import dataclass
 
 import torch
@@ -43,6 +42,8 @@ import torch.distributed as dist
 
 from spmd_ort.distributed.parallel import AUTO_START_MB, DataParallel
 from spmd_ort.passes import GradientBuckets, PassResult
+from spmd_ort.runtime.collectives import control_group
+from spmd_ort.runtime.devices import now
 
 logger = logging.getLogger("spmd_ort")
 
@@ -110,20 +111,22 @@ def off_core_seconds(comms: list) -> float:
     return sum(max(c.wall_s - c.blocked_s - c.cpu_s, 0.0) for c in comms) / max(len(comms), 1)
 
 
-def probe(dtype: torch.dtype, sizes: tuple[int, ...] = (1 << 16, 4 << 20), repeats: int = 3) -> tuple[float, float]:
-    """(a, b): an all-reduce of n bytes takes a + b * n seconds, timed alone (every rank calls it)."""
+def probe(dtype: torch.dtype, sizes: tuple[int, ...] = (1 << 16, 4 << 20), repeats: int = 3,
+          device: torch.device | str = "cpu") -> tuple[float, float]:
+    """(a, b): an all-reduce of n bytes on ``device`` (the gradients') takes a + b * n seconds, timed alone (every
+    rank calls it)."""
     times = []
     for nbytes in sizes:
-        t = torch.zeros(nbytes // torch.empty((), dtype=dtype).element_size(), dtype=dtype)
+        t = torch.zeros(nbytes // torch.empty((), dtype=dtype).element_size(), dtype=dtype, device=device)
         best = float("inf")
         for _ in range(repeats):
             dist.barrier()
-            t0 = time.perf_counter()
+            t0 = now()
             dist.all_reduce(t)
-            best = min(best, time.perf_counter() - t0)
+            best = min(best, now() - t0)
         times.append(best)
     agreed_times = torch.tensor(times, dtype=torch.float64)
-    dist.all_reduce(agreed_times, op=dist.ReduceOp.MAX)  # the same on every rank
+    dist.all_reduce(agreed_times, op=dist.ReduceOp.MAX, group=control_group())  # the same on every rank
     (n0, n1), (t0, t1) = sizes, agreed_times.tolist()
     b = max((t1 - t0) / (n1 - n0), 1e-15)
     return max(t0 - b * n0, 0.0), b
@@ -142,8 +145,8 @@ def agreed(steps: list, nbytes: tuple[int, ...], off_core: float) -> tuple[list,
         t[i] = torch.tensor([issued for _, issued in rows], dtype=torch.float64)
     world = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
     if world > 1:
-        dist.all_reduce(t, op=dist.ReduceOp.MAX)
-        dist.all_reduce(extra)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=control_group())
+        dist.all_reduce(extra, group=control_group())
     if extra[0] > 0:
         return None
     return [[(n, float(t[i, j])) for j, n in enumerate(nbytes)] for i in range(len(steps))], float(extra[1]) / world
@@ -235,7 +238,8 @@ class BucketTuner:
                                        "backward issues a single bucket of gradients: the starting cap kept")
             program.results.record(self.choice)
             return False
-        a, b = probe(_dtype(program))
+        dtype, device = _dtype_and_device(program)
+        a, b = probe(dtype, device=device)
         # the off-core time of the measured steps, per byte all-reduced before the last bucket (the rest ran
         # after backward, beside no compute)
         overlapped = sum(buckets.nbytes[:-1])
@@ -259,11 +263,12 @@ class BucketTuner:
         return not same
 
 
-def _dtype(program) -> torch.dtype:
-    """The dtype of the step's gradient buckets (the first all-reduce's), float32 if none is found."""
+def _dtype_and_device(program) -> tuple[torch.dtype, torch.device]:
+    """The dtype and device of the step's gradient buckets (the first all-reduce's), float32 on the CPU if none
+    is found."""
     from spmd_ort.runtime.ops import all_reduce_
 
     for node in program.gm.graph.nodes:
         if node.op == "call_function" and node.target is all_reduce_ and "val" in node.meta:
-            return node.meta["val"].dtype
-    return torch.float32
+            return node.meta["val"].dtype, node.meta["val"].device
+    return torch.float32, torch.device("cpu")

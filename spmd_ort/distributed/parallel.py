@@ -31,6 +31,7 @@ from spmd_ort.capture.amp import MixedPrecisionPolicy
 from spmd_ort.distributed import dtensor
 from spmd_ort.integrations.deepspeed.config import data_parallel_settings
 from spmd_ort.errors import CollectiveTimeout, CompileError, is_timeout
+from spmd_ort.runtime.collectives import control_group
 
 STYLES = ("replicate", "fully_shard")
 AUTO_START_MB = 25.0  # bucket_cap_mb="auto": the cap of the timed first steps (DDP's default)
@@ -278,7 +279,7 @@ def check_agreement(what: str, description: str, *, sizes: Any = None,
     d = digest(description)
     t = torch.tensor([d, -d], dtype=torch.int64)
     try:
-        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=control_group())
     except RuntimeError as exc:
         if is_timeout(exc):
             raise CollectiveTimeout(f"the ranks' agreement on {what}", rank=rank, cause=exc) from exc
@@ -286,7 +287,7 @@ def check_agreement(what: str, description: str, *, sizes: Any = None,
     if int(t[0]) == -int(t[1]):
         return None
     descriptions: list = [None] * size
-    dist.all_gather_object(descriptions, (description, sizes))
+    dist.all_gather_object(descriptions, (description, sizes), group=control_group())
     if reconcile is not None:
         settled = reconcile([s for _, s in descriptions])
         if settled:
@@ -319,7 +320,7 @@ def _everyones(obj: Any, what: str) -> list:
         return [obj]
     everyone: list = [None] * size
     try:
-        dist.all_gather_object(everyone, obj)
+        dist.all_gather_object(everyone, obj, group=control_group())
     except RuntimeError as exc:
         if is_timeout(exc):
             raise CollectiveTimeout(what, rank=rank, cause=exc) from exc

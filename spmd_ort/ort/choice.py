@@ -26,6 +26,7 @@ from spmd_ort.errors import CompileError
 from spmd_ort.ort.session import OrtSegment
 from spmd_ort.ort.stats import OrtStats, SegmentChoice, WholeChoice
 from spmd_ort.ort.verify import checked_first_run
+from spmd_ort.runtime.collectives import control_group
 from spmd_ort.runtime.context import active
 from spmd_ort.runtime.devices import now, rng_kept
 from spmd_ort.runtime.interpreter import RunInterpreter
@@ -103,7 +104,7 @@ def _agreed_times(name: str, times: dict, error: Exception | None) -> tuple[dict
     failed = times["ort"] is None or error is not None
     t = torch.tensor([times["fx"], 0.0 if failed else times["ort"], float(failed), float(error is not None)],
                      dtype=torch.float64)
-    dist.all_reduce(t)
+    dist.all_reduce(t, group=control_group())
     if error is not None:
         raise error
     if t[3] > 0:
@@ -171,7 +172,7 @@ def choose_whole(runners: dict[str, fx.GraphModule], inputs: list, stats: OrtSta
         m.runs = n
     median = torch.tensor([sorted(v)[len(v) // 2] for v in times.values()], dtype=torch.float64)
     if _world() > 1:  # every rank decides alike: on the ranks' mean times
-        dist.all_reduce(median)
+        dist.all_reduce(median, group=control_group())
         median /= _world()
     names = list(times)
     best = names[int(torch.argmin(median))]
@@ -188,7 +189,7 @@ def everywhere(flag: bool) -> bool:
     if _world() == 1:
         return flag
     t = torch.tensor([0 if flag else 1], dtype=torch.int32)
-    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX, group=control_group())
     return int(t) == 0
 
 

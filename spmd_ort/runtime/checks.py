@@ -13,6 +13,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from spmd_ort.errors import InputIndexError
+from spmd_ort.runtime.collectives import control_group
 
 
 def check_index(index: Tensor, high: int, wraps: bool, ignore: int | None, op: str, input: str,  # noqa: A002
@@ -34,11 +35,11 @@ def check_index(index: Tensor, high: int, wraps: bool, ignore: int | None, op: s
         # Every rank runs this check at the same point of the same graph: they agree on whether any of them
         # failed (one small all-reduce), so every rank raises, and none waits in a collective for the others.
         flag = torch.tensor([0 if failure is None else 1], dtype=torch.int32)
-        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=control_group())
         if int(flag) == 0:
             return index
         failures: list = [None] * world
-        dist.all_gather_object(failures, failure)
+        dist.all_gather_object(failures, failure, group=control_group())
         bad_rank = next(r for r, f in enumerate(failures) if f is not None)
         failure = failures[bad_rank]
     elif failure is None:

@@ -40,6 +40,25 @@ from spmd_ort.errors import CollectiveTimeout, is_timeout
 SUM_AFTER_DIVIDING = (torch.float16,)  # dtypes whose sum over ranks may overflow: divide first
 
 
+
+_CONTROL_GROUP: list = []  # [(default group, its gloo twin)]: the default group kept, so a new one is never mistaken for it
+
+
+def control_group():
+    """The process group for the host's small agreements between ranks (a digest of the step, a flag, picklable
+    objects): the default group where its backend takes CPU tensors (gloo, or ``"cpu:gloo,cuda:nccl"``), else a
+    gloo group over the same ranks, made once per default group.  NCCL alone takes CUDA tensors only: a CPU
+    tensor there raises, and a CUDA one would make the host wait for the GPU to read each answer.  Every rank
+    reaches its first agreement at the same point of the same step, where each makes the group (a collective
+    call)."""
+    default = dist.distributed_c10d._get_default_group()
+    if any(part.strip().startswith("cpu:") for part in dist.get_backend_config(default).split(",")):
+        return None
+    if not _CONTROL_GROUP or _CONTROL_GROUP[0][0] is not default:
+        _CONTROL_GROUP[:] = [(default, dist.new_group(backend="gloo"))]
+    return _CONTROL_GROUP[0][1]
+
+
 @dataclass
 class StepComm:
     """One step's collectives, counted per kind (payload bytes: the full, unsharded size)."""
@@ -162,7 +181,7 @@ class Communicator:
                  and c.shard.dtype == shard.dtype and torch.equal(c.shard, shard))
         if world > 1:
             flag = torch.tensor([0 if fresh else 1], dtype=torch.int32)
-            dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+            dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=control_group())
             fresh = int(flag) == 0
         if not fresh:
             return None
