@@ -61,6 +61,7 @@ from torch import nn
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import spmd_ort  # noqa: E402
+from spmd_ort.runtime.devices import now  # noqa: E402
 from examples.gpt import GPT, GPTConfig  # noqa: E402
 
 
@@ -175,11 +176,6 @@ def _on(device: torch.device, batch):
     return batch if device.type == "cpu" else lambda: tuple(t.to(device) for t in batch())
 
 
-def _synchronize(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
 def bench_model(name: str, steps: int, backends: list[str], device: torch.device = torch.device("cpu")) -> dict:
     torch.manual_seed(0)
     model, batch = MODELS[name]()
@@ -203,18 +199,17 @@ def bench_model(name: str, steps: int, backends: list[str], device: torch.device
             if k in failed:
                 continue
             time.sleep(0.05)  # let any runtime's worker threads go idle: each is timed on quiet cores
-            _synchronize(device)
+            now()  # the last runner's queued kernels finish before this one starts
             if device.type == "cuda":
                 torch.cuda.reset_peak_memory_stats(device)
                 resting = torch.cuda.memory_allocated(device)
             t0 = time.perf_counter()
             try:
                 fn(m, opt, x, y)
-                _synchronize(device)  # the step's queued kernels are part of its time
+                dt = now() - t0  # the step's queued kernels are part of its time
             except Exception as exc:  # noqa: BLE001 - a runner that cannot run this model is reported, not fatal
                 failed[k] = f"{type(exc).__name__}: {' '.join(str(exc).split())[:80]}"
                 continue
-            dt = time.perf_counter() - t0
             if i >= warmup:
                 times[k].append(dt)
                 if device.type == "cuda":

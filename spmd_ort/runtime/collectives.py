@@ -40,7 +40,6 @@ from spmd_ort.errors import CollectiveTimeout, is_timeout
 SUM_AFTER_DIVIDING = (torch.float16,)  # dtypes whose sum over ranks may overflow: divide first
 
 
-
 _CONTROL_GROUP: list = []  # [(default group, its gloo twin)]: the default group kept, so a new one is never mistaken for it
 
 
