@@ -6,7 +6,7 @@ STAMP  := $(VENV)/.installed
 TORCH  ?= torch==2.13.0
 NPROC  ?= 2
 
-.PHONY: setup test test-fast fuzz demo demo-zero3 demo-tp demo-2d bench bench-zero3 clean
+.PHONY: setup lint test test-fast fuzz demo demo-zero3 demo-tp demo-2d bench bench-zero3 clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -19,6 +19,9 @@ $(STAMP): pyproject.toml
 	touch $(STAMP)
 
 setup: $(STAMP)
+
+lint: setup
+	$(VENV)/bin/ruff check .
 
 test: setup
 	$(PY) -m pytest -q -p no:cacheprovider

@@ -92,7 +92,7 @@ def main() -> None:
     times: dict[str, list[float]] = {k: [] for k in runners}
     comm: dict[str, list] = {k: [] for k in runners}
     # 'auto' measures TUNE_STEPS steps after the first, then compiles once more (and checks that program's first run)
-    warmup = 3 + (spmd_ort.distributed.buckets.TUNE_STEPS + 2 if auto else 0)
+    warmup = 3 + (spmd_ort.buckets.TUNE_STEPS + 2 if auto else 0)
     for i in range(warmup + args.steps):
         x, y = batch()
         for k, (m, fn, backend) in runners.items():

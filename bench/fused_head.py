@@ -32,7 +32,7 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "bench"))
 
 import spmd_ort  # noqa: E402
-from spmd_ort.passes import MemoryPlan  # noqa: E402
+from spmd_ort.passes.analysis import MemoryPlan  # noqa: E402
 from optim import timed  # noqa: E402 - median ms of reps calls, after one warm-up
 from spmd_ort.passes.fusion import MAX_FEATURES, MIN_LOGITS, MIN_WIDENING, chunk_rows  # noqa: E402
 

@@ -16,12 +16,13 @@ slower; shown so the gap a kernel choice makes is visible, never used as the
 baseline); ``fx`` / ``ort`` (``spmd_ort.compile``; ``ort`` is the default
 backend as users get it: each segment runs on the faster of ORT and fx, chosen on
 the first run, then the whole step as chosen or the whole graph on fx, whichever
-is faster, and at the program's ``INDUCTOR_AFTER_STEPS``-th step the whole graph
-compiled by inductor against that); ``ort-only`` (every segment in ONNX Runtime,
+is faster, and, once the tuner buys it, the whole graph compiled by inductor against
+that: the bench predicts that compile free, so it comes after the program's
+``spmd_ort.tuner.MEASURED_STEPS`` measured steady steps); ``ort-only`` (every segment in ONNX Runtime,
 ``SPMD_ORT_SEGMENT_EXECUTOR=ort``); ``spmd-inductor`` (``spmd_ort.compile(backend=
 "inductor")``: the whole step's segments compiled by inductor); ``inductor``
 (``torch.compile(model)`` with the fused optimizer).  The runners alternate step by step with a pause between them,
-median of ``--steps`` after ``INDUCTOR_AFTER_STEPS`` + 2 warm-up calls (the default backend is
+median of ``--steps`` after ``MEASURED_STEPS`` + 5 warm-up calls (the default backend is
 steady from there); "compile s" sums the warm-up calls' time beyond a steady step's.
 
 Models with parts the compiled step runs opaquely (none of these since mixtral-tiny's
@@ -187,12 +188,15 @@ def bench_model(name: str, steps: int, backends: list[str], device: torch.device
     step_peak_mib: dict[str, float] = {}
     compile_s: dict[str, float] = {}
     failed: dict[str, str] = {}
-    opaque_ms: dict[str, list[float]] = {}  # compiled runners: time in opaque parts (spmd_ort.runtime.opaque) per step
+    opaque_ms: dict[str, list[float]] = {}  # compiled runners: time in opaque parts (spmd_ort.runtime.opaque_calls) per step
     # compiled calls 1-2 trace (before / after optimizer state exists); 3 warms caches; the default backend's
-    # automatic choice times inductor's candidate at its program's INDUCTOR_AFTER_STEPS-th step: steady after it
-    from spmd_ort.ort.executor import INDUCTOR_AFTER_STEPS
+    # tuner times its program's first MEASURED_STEPS steady steps, then buys inductor's candidate once they paid
+    # its predicted compile: predicted free here, so it comes at once and the steady steps measured are the
+    # automatic choice's final ones (its compile counts in "compile s")
+    from spmd_ort import tuner
 
-    warmup = max(3, INDUCTOR_AFTER_STEPS + 2)
+    tuner.CompileCost.predict = classmethod(lambda cls, nodes: (0.0, "the bench predicts it free"))
+    warmup = tuner.MEASURED_STEPS + 5
     for i in range(warmup + steps):
         x, y = batch()
         for k, (m, opt, fn) in runners.items():  # alternate, so drift affects all alike

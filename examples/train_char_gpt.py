@@ -148,7 +148,8 @@ def main() -> None:
                 extra = (f"  {comm.all_gather_calls} all-gather + {comm.reduce_scatter_calls} reduce-scatter/step, "
                          f"{comm.total_bytes / 2**20:.2f} MiB, {comm.overlap:.0%} overlapped")
             elif tp:
-                extra = (f"  {comm.all_reduce_calls} all-reduce/step (Megatron{' + dp' if args.parallel == '2d' else ''}), "
+                megatron = "Megatron + dp" if args.parallel == "2d" else "Megatron"
+                extra = (f"  {comm.all_reduce_calls} all-reduce/step ({megatron}), "
                          f"{comm.all_reduce_bytes / 2**20:.2f} MiB")
                 if comm.all_gather_calls:  # 2-D fully_shard: the dp group's gathers and reduce-scatters
                     extra += (f"; dp: {comm.all_gather_calls} all-gather + {comm.reduce_scatter_calls} "

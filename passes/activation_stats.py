@@ -5,9 +5,9 @@ from __future__ import annotations
 from torch import fx
 from torch.fx.experimental.proxy_tensor import make_fx
 
-from spmd_ort.capture.state import Slot, SlotKind
+from spmd_ort.graph.slots import Slot, SlotKind
 from spmd_ort.runtime import taps
-from spmd_ort.runtime import ops
+from spmd_ort.graph import ops
 
 from .contracts import NO_TAPS
 from .helpers import calls, val

@@ -8,7 +8,7 @@ import torch
 from torch import fx
 
 from spmd_ort.compat import optimization_hint
-from spmd_ort.runtime import ops
+from spmd_ort.graph import ops
 from spmd_ort.runtime.memory import plan_activation_memory
 
 from .context import PassResult

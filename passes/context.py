@@ -9,7 +9,8 @@ from typing import TypeVar
 from spmd_ort.runtime.taps import TapRegistry
 from spmd_ort.distributed.parallel import DataParallel
 from spmd_ort.distributed.sharding import ShardSpec
-from spmd_ort.capture.state import Slot, StateLayout
+from spmd_ort.graph.slots import Slot
+from spmd_ort.capture.state import StateLayout
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -107,6 +108,8 @@ class PassContext:
     # expand mode on several ranks, by global rank: what every rank traced, {"nodes": node signatures, "state":
     # checksums of its parameters and buffers} (passes.expand; None: one process, or not every rank traced)
     rank_signatures: list[dict] | None = None
+    # WARNINGs the step already gave (its compiler's set, kept across variants: each is given once per step)
+    warned: set = field(default_factory=set)
 
     @property
     def sharded(self) -> bool:

@@ -26,10 +26,10 @@ from dataclasses import dataclass
 import torch
 from torch import fx
 
-from spmd_ort.capture.state import SlotKind
-from spmd_ort.ort import coverage
-from spmd_ort.ort.lowering import DECOMPOSITION
-from spmd_ort.runtime import ops
+from spmd_ort.graph.slots import SlotKind
+from spmd_ort.backends.ort import coverage
+from spmd_ort.backends.ort.decompose import DECOMPOSITION
+from spmd_ort.graph import ops
 
 from .context import PassContext
 from .helpers import (DEDUP_KEY, EAGER_LAYOUT_UNKNOWN, GRADIENT_OF, PARTIAL_FOUND_INF, PARTIAL_NORM, SHARD_OF,

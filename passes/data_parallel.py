@@ -8,7 +8,6 @@ serve ``fully_shard`` too.
 
 from __future__ import annotations
 
-import logging
 import operator
 from dataclasses import dataclass
 
@@ -16,8 +15,8 @@ import torch
 from torch import fx
 from torch.fx.passes.tools_common import stable_topological_sort
 
-from spmd_ort.capture.state import SlotKind
-from spmd_ort.runtime.ops import all_gather, all_reduce_, broadcast_, grads_present, reduce_scatter, wait_
+from spmd_ort.graph.slots import SlotKind
+from spmd_ort.graph.ops import all_gather, all_reduce_, broadcast_, grads_present, reduce_scatter, wait_
 
 from .context import PassResult
 from .contracts import (BUFFERS_BROADCAST, COLLECTIVES_WAITED, GRADS_SUMMED_BEFORE_REDUCTION, GRADS_TAGGED,
@@ -26,8 +25,9 @@ from .contracts import (BUFFERS_BROADCAST, COLLECTIVES_WAITED, GRADS_SUMMED_BEFO
 from .helpers import (ACTIVATION_COLLECTIVE, DEDUP_KEY, GRADIENT_OF, TAG, aten, call, calls, is_random,
                       move_after_inputs, nbytes, producers, set_phase, unpack_chain, val)
 from .runner import graph_pass
+from spmd_ort.options import get_logger
 
-logger = logging.getLogger("spmd_ort")
+logger = get_logger(__name__)
 
 
 @dataclass(frozen=True)
@@ -286,8 +286,6 @@ PRESENCE_REDUCED = Invariant("presence_reduced", "a step's gradient-presence vec
                              _presence_reduced)
 
 
-_WARNED: set[tuple[str, ...]] = set()
-
 
 @graph_pass(requires=[COLLECTIVES_WAITED], provides=[PRESENCE_REDUCED, COLLECTIVES_WAITED])
 def reduce_grad_presence_pass(gm: fx.GraphModule, ctx) -> fx.GraphModule:
@@ -310,8 +308,8 @@ def reduce_grad_presence_pass(gm: fx.GraphModule, ctx) -> fx.GraphModule:
         for user in users:
             user.replace_input_with(node, done)
     names = tuple(ctx.layout.param_names[i][0] for i in ctx.layout.present_params) if ctx.layout is not None else ()
-    if names and ctx.mode.sharded and names not in _WARNED:
-        _WARNED.add(names)  # once per process, not once per variant
+    if names and ctx.mode.sharded and ("opaque_only_grads", names) not in ctx.warned:
+        ctx.warned.add(("opaque_only_grads", names))  # once per step, not once per variant
         logger.warning(
             "fully_shard: %s get gradients only from opaque parts, which may not use them on every step. A "
             "step where no rank's part uses one leaves it, its .grad and optimizer state as they were (as eager "

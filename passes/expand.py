@@ -23,8 +23,9 @@ from dataclasses import dataclass
 
 from torch import fx
 
-from spmd_ort.capture.dynamic import SizeEmitter
-from spmd_ort.runtime.ops import all_gather, all_reduce_, reduce_scatter, wait_
+from spmd_ort.graph.symbolic import SizeEmitter
+from spmd_ort.graph.ops import all_gather, all_reduce_, reduce_scatter, wait_
+from spmd_ort.options import get_logger
 
 from .context import PassResult
 from .contracts import COLLECTIVES_WAITED
@@ -32,6 +33,8 @@ from .helpers import ACTIVATION_COLLECTIVE, GRADIENT_OF, aten, call, group_of, v
 from .runner import graph_pass
 
 import torch
+
+logger = get_logger(__name__)
 
 try:
     import torch.distributed  # registers the _c10d_functional ops
@@ -240,7 +243,7 @@ def state_checksums(layout, input_slots) -> list[tuple[float, float] | None]:
     """Per graph input, for a parameter or buffer: a checksum of what this rank holds (:func:`_checksum`); else
     None.  The ranks compare them with the node signatures (``rank_signatures``): a parameter outside
     the plan is alike on the tensor-parallel group only where every rank holds the same values."""
-    from spmd_ort.capture.state import SlotKind
+    from spmd_ort.graph.slots import SlotKind
     from spmd_ort.distributed.dtensor import local
 
     out: list[tuple[float, float] | None] = []
@@ -304,15 +307,11 @@ def _pure(node: fx.Node) -> bool:
         torch.sym_max, torch.sym_min, torch.sym_not, torch.sym_float, torch.sym_int)
 
 
-_WARNED_DIFFERS: set[str] = set()
-
-
-def _warn_differs(name: str) -> None:
-    if name not in _WARNED_DIFFERS:
-        _WARNED_DIFFERS.add(name)
-        import logging
-
-        logging.getLogger("spmd_ort").warning(
+def _warn_differs(name: str, warned: set) -> None:
+    """Once per step (``warned``: the step's WARNINGs given so far, kept across its variants)."""
+    if ("differs", name) not in warned:
+        warned.add(("differs", name))
+        logger.warning(
             "`%s` is outside the tensor-parallel plan but differs between the ranks of its group: each rank trains "
             "its own copy (as eager tensor parallelism does), so its matmuls are not shared out over the ranks. "
             "Fix: build the model from the same seed on every rank (torch's tensor parallelism assumes it)", name)
@@ -325,8 +324,8 @@ def _alike_on_group(gm: fx.GraphModule, ctx, group: str) -> set[fx.Node]:
     (:func:`_same_on_group`)."""
     from torch.distributed.tensor import Replicate
 
-    from spmd_ort.capture.state import SlotKind
-    from spmd_ort.runtime.ops import draws_random
+    from spmd_ort.graph.slots import SlotKind
+    from spmd_ort.graph.ops import draws_random
 
     specs = ctx.layout.in_specs if ctx.layout is not None else []
     same = _same_on_group(gm, ctx, group)
@@ -345,7 +344,7 @@ def _alike_on_group(gm: fx.GraphModule, ctx, group: str) -> set[fx.Node]:
                     spec is not None and not all(isinstance(p, Replicate) for p in spec[0].placements)):
                 continue
             if slot.kind in (SlotKind.PARAM, SlotKind.BUFFER) and len(held) > 1:
-                _warn_differs(slot.name)
+                _warn_differs(slot.name, ctx.warned)
                 continue
             alike.add(node)
         elif node.op == "call_function":

@@ -37,9 +37,9 @@ import torch
 from torch import fx
 from torch.fx.passes.tools_common import stable_topological_sort
 
-from spmd_ort.capture.state import SlotKind
+from spmd_ort.graph.slots import SlotKind
 from spmd_ort.errors import CompileError
-from spmd_ort.runtime.ops import OPTIMIZER_OPS, all_gather, all_reduce_, reduce_scatter, wait_
+from spmd_ort.graph.ops import OPTIMIZER_OPS, all_gather, all_reduce_, reduce_scatter, wait_
 from spmd_ort.distributed.sharding import is_sharded_state
 
 from .context import PassResult
@@ -47,7 +47,8 @@ from .contracts import (BACKWARD_VIEWS_REMATERIALIZED, COLLECTIVES_WAITED, FOUND
                         GRADS_TAGGED, NO_GRAD_TAGS, PARAMS_GATHERED_BEFORE_USE, PER_GRADIENT_REDUCTIONS,
                         SHARDED_PLACEHOLDERS, SHARDS_PROPAGATED)
 from .helpers import (AMP_CHECK, DEDUP_KEY, GRADIENT_OF, PARTIAL_FOUND_INF, PARTIAL_NORM, SHARD_OF, SHARDED_PARAM, TAG,
-                      aten, call, fake_mode_of, group_of, is_dtype_cast, is_view_op, phase, placeholders, refake, set_phase, val)
+                      aten, call, fake_mode_of, group_of, is_dtype_cast, is_view_op, phase, placeholders, refake,
+                      set_phase, val)
 from .runner import graph_pass
 
 # ops whose output has the shape of their (first) input: as valid on a shard as on the whole

@@ -6,7 +6,8 @@ target)``, forward and backward, becomes torch's chunked ``linear_cross_entropy`
 computes the loss and both gradients in one pass over row chunks of the logits (~4 M logits, at least 512 rows, at
 a time), so the forward keeps nothing of the logits' size for the backward (gpt-mini: its 32 MiB of
 log-probabilities; the logits and their gradient, 32 MiB each, are made a chunk at a time), and the step makes
-fewer passes over memory (gpt-mini's fx step 0.96-0.99x the time without the pass).  Its gradients are computed in the forward for an upstream gradient
+fewer passes over memory (gpt-mini's fx step 0.96-0.99x the time without the pass).  Its gradients are
+computed in the forward for an upstream gradient
 of 1; the backward multiplies them by the real one (a ``GradScaler``'s scale, ``1 / accumulation steps``, ...),
 as torch's own autograd formula for the operator does.
 """
@@ -19,7 +20,7 @@ from dataclasses import dataclass
 import torch
 from torch import fx
 
-from spmd_ort.runtime import ops
+from spmd_ort.graph import ops
 
 from .context import PassResult
 from .contracts import VALUES_KNOWN

@@ -7,24 +7,15 @@ import operator
 import torch
 from torch import fx
 
-from spmd_ort.capture.state import SlotKind
-from spmd_ort.runtime import ops
-from spmd_ort.capture.trace import phase
+from spmd_ort.graph.slots import SlotKind
+from spmd_ort.graph import ops
+# the pass files import the node-meta vocabulary (spmd_ort.graph.meta) from here, with the builders below
+from spmd_ort.graph.meta import (ACTIVATION_COLLECTIVE, DEDUP_KEY, EAGER_LAYOUT_UNKNOWN, GRADIENT_OF,  # noqa: F401
+                                 PARTIAL_FOUND_INF, PARTIAL_NORM, SHARD_OF, SHARDED_PARAM, fake_mode_of, phase, refake)
 
 aten = torch.ops.aten
 TAG = ops.tag_grad
 AMP_CHECK = aten._amp_foreach_non_finite_check_and_unscale.default  # GradScaler.unscale_, functionalized
-
-# node.meta keys written by analyses and read by later passes
-SHARD_OF = "shard_of"  # fully_shard: index of the parameter this value is a shard of (grads, state, updates)
-SHARDED_PARAM = "sharded_param"  # fully_shard: a parameter placeholder that holds a shard
-PARTIAL_NORM = "partial_norm"  # fully_shard: a 2-norm of a shard (its position among the step's norms)
-DEDUP_KEY = "dedup_key"  # what else two identical collectives must share to be merged (e.g. the phase)
-GRADIENT_OF = "gradient_of"  # a gradient's collective (all-reduce / reduce-scatter): the parameter index
-ACTIVATION_COLLECTIVE = "activation_collective"  # expand mode: a collective whose result the step computes on
-PARTIAL_FOUND_INF = "partial_found_inf"  # fully_shard: a GradScaler's inf flag over this rank's gradient shards
-EAGER_LAYOUT_UNKNOWN = "eager_layout_unknown"  # a random op whose inputs' eager layout no probe could find
-
 
 is_random = ops.draws_random  # whether a node draws random numbers (one definition, shared with the partitioner)
 
@@ -108,20 +99,6 @@ def is_dtype_cast(node: fx.Node) -> bool:
             and src.layout == out.layout)
 
 
-def fake_mode_of(gm: fx.GraphModule):
-    from torch._guards import detect_fake_mode
-
-    return detect_fake_mode([n.meta.get("val") for n in gm.graph.nodes if n.op == "placeholder"])
-
-
-def refake(node: fx.Node, fake_mode) -> None:
-    """Recompute ``node.meta["val"]`` from its inputs' (possibly changed) values."""
-    args = fx.map_arg(node.args, lambda n: n.meta["val"])
-    kwargs = fx.map_arg(node.kwargs, lambda n: n.meta["val"])
-    with fake_mode:
-        node.meta["val"] = node.target(*args, **kwargs)
-
-
 UNPACK_OPS = (aten.split_with_sizes.default, aten.view.default, aten.reshape.default, aten.slice.Tensor,
               operator.getitem)
 PACK_OPS = (aten.cat.default, aten.clone.default, aten.reshape.default, aten.view.default,
@@ -164,7 +141,8 @@ def move_after_inputs(node: fx.Node) -> None:
         last.append(node)
 
 
-__all__ = ["ACTIVATION_COLLECTIVE", "AMP_CHECK", "DEDUP_KEY", "EAGER_LAYOUT_UNKNOWN", "GRADIENT_OF", "PACK_OPS", "PARTIAL_FOUND_INF",
-           "PARTIAL_NORM", "SHARDED_PARAM", "SHARD_OF", "TAG", "UNPACK_OPS", "aten", "call", "calls", "fake_mode_of",
+__all__ = ["ACTIVATION_COLLECTIVE", "AMP_CHECK", "DEDUP_KEY", "EAGER_LAYOUT_UNKNOWN", "GRADIENT_OF", "PACK_OPS",
+           "PARTIAL_FOUND_INF", "PARTIAL_NORM", "SHARDED_PARAM", "SHARD_OF", "TAG", "UNPACK_OPS", "aten", "call",
+           "calls", "fake_mode_of",
            "is_dtype_cast", "is_random", "is_view_op", "move_after_inputs", "nbytes", "phase", "placeholders",
            "producers", "refake", "set_phase", "tensor_bytes", "unpack_chain", "val"]

@@ -18,10 +18,10 @@ from dataclasses import dataclass
 import torch
 from torch import fx
 
-from spmd_ort.capture.state import SlotKind
-from spmd_ort.ort.coverage import HOST_ONLY
-from spmd_ort.ort.partition import RANDOM_OPS
-from spmd_ort.runtime.ops import LINEAR_CROSS_ENTROPY, check_index
+from spmd_ort.graph.slots import SlotKind
+from spmd_ort.backends.ort.coverage import HOST_ONLY
+from spmd_ort.graph.segments import RANDOM_OPS
+from spmd_ort.graph.ops import LINEAR_CROSS_ENTROPY, check_index
 
 from .context import PassResult
 from .contracts import Invariant, VALUES_KNOWN

@@ -13,7 +13,6 @@ finds into the graph.
 
 from __future__ import annotations
 
-import logging
 import operator
 from dataclasses import dataclass
 
@@ -22,16 +21,17 @@ from torch import fx
 from torch.utils import _pytree as pytree
 
 from spmd_ort.compat import guarding_hint_or_throw
-from spmd_ort.ort.partition import UNINITIALIZED_OPS
-from spmd_ort.runtime import ops
+from spmd_ort.graph.segments import UNINITIALIZED_OPS
+from spmd_ort.graph import ops
 
 from .context import PassResult
 from .contracts import RANDOM_LAYOUTS_PINNED, VALUES_KNOWN
 from .helpers import EAGER_LAYOUT_UNKNOWN, fake_mode_of, is_random, refake
-from spmd_ort.ort.lowering import CARRIED_META
+from spmd_ort.backends.ort.decompose import CARRIED_META
 from .runner import graph_pass
+from spmd_ort.options import get_logger
 
-logger = logging.getLogger("spmd_ort")
+logger = get_logger(__name__)
 
 EAGER_NAMESPACES = ("aten", "prims")  # ops the probe runs with eager's kernels (besides ops.PURE_OPS)
 
@@ -129,11 +129,11 @@ def _traced_order(val: torch.Tensor) -> tuple[int, ...] | None:
 
 # ---------------------------------------------------------------------- the probe: eager's kernels, once
 def eager_dim_orders(gm: fx.GraphModule, wanted: set[fx.Node]) -> dict[fx.Node, tuple[int, ...]]:
-    """For each node in ``wanted``, the dim order (:func:`spmd_ort.runtime.ops.dense_dim_order`) of the value
+    """For each node in ``wanted``, the dim order (:func:`spmd_ort.graph.ops.dense_dim_order`) of the value
     eager's kernels give it; a node whose value the probe cannot make is left out.
 
     Runs the nodes ``wanted`` depends on, in graph order, on zeros laid out as the placeholders' values
-    (aten and prims ops and :data:`~spmd_ort.runtime.ops.PURE_OPS` with their own kernels; any other op,
+    (aten and prims ops and :data:`~spmd_ort.graph.ops.PURE_OPS` with their own kernels; any other op,
     e.g. an opaque part, stands in by its traced value), freeing each value after its last use there.
     """
     needed = _ancestors(wanted)

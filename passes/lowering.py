@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 from torch import fx
 
-from spmd_ort.ort import lowering
+from spmd_ort.backends.ort import decompose
 
 from .context import PassResult
 from .contracts import ONNX_LOWERED, VALUES_KNOWN
@@ -35,17 +35,17 @@ def lower_to_onnx_ops_pass(gm: fx.GraphModule, ctx) -> fx.GraphModule:
     """Mark every aten node without a direct ONNX translation with torch's decomposition of it.
 
     The decomposition is traced for the node's own shapes, its ops lowered in turn (make_fx applies
-    the table recursively), and kept on the node (``spmd_ort.ort.lowering``): the exporter translates
+    the table recursively), and kept on the node (``spmd_ort.backends.ort.decompose``): the exporter translates
     it in the node's place, so ONNX gets only ops it translates directly, while the graph keeps the op,
     and wherever a segment runs in torch (the fx side of the executor choice, a fallback, the checked
     first run) torch's fused kernel runs, not the decomposition (measured: the CNN's BatchNorm, nll_loss
     and threshold_backward ran 1.4x slower decomposed).  Numbers equal to rounding (the
     decompositions are torch's own).  Unstable sorts become stable ones first
-    (:func:`spmd_ort.ort.lowering.stable_sorts`): ORT's order of equal values is one an unstable sort may
+    (:func:`spmd_ort.backends.ort.decompose.stable_sorts`): ORT's order of equal values is one an unstable sort may
     give, not the one torch's gives.
     """
-    stable = lowering.stable_sorts(gm)
-    ctx.results.record(Lowering(lowered=lowering.annotate(gm), stable_sorts=stable))
+    stable = decompose.stable_sorts(gm)
+    ctx.results.record(Lowering(lowered=decompose.annotate(gm), stable_sorts=stable))
     return gm
 
 

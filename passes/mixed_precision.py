@@ -1,4 +1,5 @@
-"""Mixed precision in the distributed graph: reductions in ``reduce_dtype``, gathers in the dtype parameters are used in.
+"""Mixed precision in the distributed graph: reductions in ``reduce_dtype``, gathers in the dtype parameters are
+used in.
 
 The forward and backward of a :class:`spmd_ort.MixedPrecisionPolicy` are made
 while tracing (each module computes on its parameters cast to ``param_dtype``,
@@ -19,7 +20,7 @@ from __future__ import annotations
 import torch
 from torch import fx
 
-from spmd_ort.runtime.ops import all_gather, all_reduce_, reduce_scatter, wait_
+from spmd_ort.graph.ops import all_gather, all_reduce_, reduce_scatter, wait_
 
 from .contracts import COLLECTIVES_WAITED, NO_DUPLICATE_COLLECTIVES, PARAMS_GATHERED_BEFORE_USE, PER_GRADIENT_REDUCTIONS
 from .helpers import (GRADIENT_OF, SHARD_OF, aten, calls, fake_mode_of, is_dtype_cast, phase, refake, set_phase,

@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 from torch import fx
 
-from spmd_ort.runtime.ops import HOST_TWINS, all_gather
+from spmd_ort.graph.ops import HOST_TWINS, all_gather
 
 from .context import PassResult
 from .contracts import GATHERS_ON_COMPUTE_DEVICE, NO_DEVICE_OPTIMIZER_OPS, PARAMS_GATHERED_BEFORE_USE

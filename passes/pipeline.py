@@ -2,7 +2,7 @@
 
 :func:`build_pipeline` gives the passes a compiled variant runs, for its
 parallel mode and backend; :data:`STAGES` is the whole catalogue with the
-condition under which each pass runs (the README's list is
+condition under which each pass runs (the list in docs/architecture.md is
 :func:`pipeline_markdown`, and a test keeps the two equal).  Executors receive
 the finished graph and run no passes of their own.
 
@@ -57,7 +57,7 @@ class Setting:
 
 @dataclass(frozen=True)
 class When:
-    """When a pass runs: the predicate and the words the README table shows, one object (the one source)."""
+    """When a pass runs: the predicate and the words the pipeline table shows, one object (the one source)."""
 
     text: str
     test: Callable[[Setting], bool]
@@ -69,7 +69,7 @@ class When:
         return When(f"{self.text}, {other.text}", lambda s: self(s) and other(s))
 
     def note(self, text: str) -> When:
-        """The same condition, with a remark for the README."""
+        """The same condition, with a remark for the pipeline table."""
         return When(f"{self.text} ({text})", self.test)
 
 
@@ -190,14 +190,14 @@ def check_disabled(names: frozenset[str]) -> None:
 
 
 def pipeline_markdown() -> str:
-    """The pipeline as the README lists it: stage, pass, when it runs."""
+    """The pipeline as docs/architecture.md lists it: stage, pass, when it runs."""
     rows = ["| # | stage | pass | runs when |", "| --- | --- | --- | --- |"]
     rows += [f"| {i} | {s.stage} | `{s.name}` | {s.when.text} |" for i, s in enumerate(STAGES, 1)]
     return "\n".join(rows)
 
 
-def write_readme_table(path: str | Path) -> bool:
-    """Replace the ``<!-- pipeline:begin/end -->`` block of the README at ``path`` with :func:`pipeline_markdown`;
+def write_pipeline_table(path: str | Path = "docs/architecture.md") -> bool:
+    """Replace the ``<!-- pipeline:begin/end -->`` block of the page at ``path`` with :func:`pipeline_markdown`;
     True when it changed."""
     path = Path(path)
     text = path.read_text()

@@ -21,7 +21,8 @@ Among the rest, a 0/1 knapsack (torch's ``greedy_knapsack``, as its min-cut part
 ``activation_memory_budget``) keeps the values with the most recompute time per byte: a value's recompute time
 is the cost of the forward nodes between it and the values kept around it (FLOPs of matmuls and convolutions,
 torch's FLOP formulas; bytes read; bytes written, each a fresh allocation that page-faults, several times a read;
-and elements converted between bool and float: :func:`recompute_cost`), so matmul outputs are the last to be recomputed, and a
+and elements converted between bool and float: :func:`recompute_cost`), so matmul outputs are the last to be
+recomputed, and a
 dropout mask's scaled values, unpacked and widened, come after plain elementwise outputs.  A user's own
 ``torch.utils.checkpoint`` already recomputes in the backward: its recomputation is backward nodes, which this
 pass never touches, and the values it discarded are no saved values here.
@@ -29,7 +30,6 @@ pass never touches, and the values it discarded are no saved values here.
 
 from __future__ import annotations
 
-import logging
 import operator
 from dataclasses import dataclass
 
@@ -38,17 +38,18 @@ from torch import fx
 from torch._functorch._activation_checkpointing.knapsack import greedy_knapsack
 from torch.utils.flop_counter import flop_registry
 
-from spmd_ort.capture.state import SlotKind
+from spmd_ort.graph.slots import SlotKind
 from spmd_ort.compat import optimization_hint
-from spmd_ort.runtime import ops
+from spmd_ort.graph import ops
 from spmd_ort.runtime.memory import value_bytes
 
 from .context import PassResult
 from .contracts import FUNCTIONAL_ATEN, VALUES_KNOWN
 from .helpers import fake_mode_of, is_random, phase, set_phase
 from .runner import graph_pass
+from spmd_ort.options import get_logger
 
-logger = logging.getLogger("spmd_ort")
+logger = get_logger(__name__)
 
 RECOMPUTED = "recomputed"  # node.meta key of a recomputed copy: the name of the forward node it recomputes
 NARROWED_MASK = "narrowed_mask"  # node.meta key of a dropout mask's bool copy (kept): the mask's node name

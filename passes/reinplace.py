@@ -6,8 +6,8 @@ import operator
 
 from torch import fx
 
-from spmd_ort.capture.state import SlotKind
-from spmd_ort.runtime.ops import INPLACE_TWINS
+from spmd_ort.graph.slots import SlotKind
+from spmd_ort.graph.ops import INPLACE_TWINS
 
 from .helpers import is_view_op
 from .contracts import IO_MATCHES_SLOTS

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import logging
 import time
 from collections import Counter
 from collections.abc import Callable, Sequence
@@ -15,8 +14,9 @@ from spmd_ort.errors import CompileError
 
 from .context import PassContext, PassRecord
 from .contracts import ALWAYS, Invariant, traced_facts
+from spmd_ort.options import get_logger
 
-logger = logging.getLogger("spmd_ort")
+logger = get_logger(__name__)
 
 GraphPass = Callable[[fx.GraphModule, PassContext], fx.GraphModule]
 

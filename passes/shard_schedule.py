@@ -9,7 +9,7 @@ from dataclasses import dataclass
 from torch import fx
 from torch.fx.passes.tools_common import stable_topological_sort
 
-from spmd_ort.runtime.ops import all_gather, reduce_scatter, wait_
+from spmd_ort.graph.ops import all_gather, reduce_scatter, wait_
 
 from .context import PassResult
 from .contracts import (COLLECTIVES_WAITED, NO_DUPLICATE_COLLECTIVES, OVERLAP_SCHEDULED, PARAMS_GATHERED_BEFORE_USE,

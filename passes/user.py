@@ -12,7 +12,7 @@ import torch
 from torch import fx
 
 from spmd_ort.errors import CompileError
-from spmd_ort.capture.state import Slot, SlotKind
+from spmd_ort.graph.slots import Slot, SlotKind
 
 from .runner import GraphPass, graph_pass
 from .helpers import placeholders

@@ -30,6 +30,7 @@ def compile(  # noqa: A001 - the reference API's name
     debug: DebugOptions | None = None,
     dynamic: bool | None = None,
     activation_memory_budget: float | None = None,
+    autotune: bool | None = None,
 ) -> Callable[[Callable], CompiledStep]:
     """Compile a whole train step (forward, backward, optimizer step) into one graph.
 
@@ -56,6 +57,10 @@ def compile(  # noqa: A001 - the reference API's name
             recomputable saved-for-backward bytes the backward keeps; the rest it recomputes just before
             use (``recompute_activations_pass``).  1.0 (the default) keeps what eager keeps, 0.0 recomputes
             all that can be.  Default from ``SPMD_ORT_ACTIVATION_MEMORY_BUDGET``.
+        autotune: ``True`` (the default): after compile, measurements choose each segment's executor, the
+            whole graph against its segments, inductor's candidate and ``bucket_cap_mb='auto'``'s cap
+            (:mod:`spmd_ort.tuner`); ``False``: the static choices, the same every run.  Default from
+            ``SPMD_ORT_AUTOTUNE``.
 
     The configuration (these arguments and every ``SPMD_ORT_*`` environment variable,
     :data:`spmd_ort.options.ENV_VARS`) is read here, once; a bad value is a
@@ -63,7 +68,7 @@ def compile(  # noqa: A001 - the reference API's name
     """
     overrides = as_overrides(module_override)
     options = Options.resolve(debug=debug, backend=backend, dynamic=dynamic,
-                              activation_memory_budget=activation_memory_budget)
+                              activation_memory_budget=activation_memory_budget, autotune=autotune)
     configure_logging(options.log_level)
     P.check_disabled(options.disabled_passes)
 

@@ -5,15 +5,13 @@
     trace_step (spmd_ort.capture.trace)
         -> run_passes(build_pipeline(...)) (spmd_ort.passes: clean-up, parallel expansion,
            user transforms, analyses, backend preparation)
-        -> build_executor (spmd_ort.runtime.executor: fx, or ORT: partition -> export -> sessions)
+        -> build_executor (spmd_ort.backends.registry: fx, or ORT: partition -> export -> sessions)
 
 and :meth:`Compiler.compile_everywhere` adds the agreement of every rank on the result.
 """
 
 from __future__ import annotations
 
-import dataclasses
-import logging
 import time
 from collections.abc import Callable, Sequence
 
@@ -21,20 +19,21 @@ from torch import fx
 from torch.fx._lazy_graph_module import _LazyGraphModule
 
 from spmd_ort import passes as P
+from spmd_ort.passes.expand import node_signatures, state_checksums
 from spmd_ort.capture.inputs import StepCall, StepInputs
 from spmd_ort.capture.opaque import OpaquePlan
 from spmd_ort.capture.state import StateLayout
 from spmd_ort.capture.trace import COMPILE_LOCK, gc_paused, trace_step
 from spmd_ort.capture.transition import StepKey
-from spmd_ort.capture.dynamic import DynamicDims
+from spmd_ort.graph.symbolic import DynamicDims
 from spmd_ort.runtime.taps import TapRegistry
 from spmd_ort.distributed import parallel
 from spmd_ort.distributed.dtensor import has_dtensor_state
-from spmd_ort.options import Options
-from spmd_ort.runtime.executor import build_executor
-from spmd_ort.runtime.program import CompiledProgram
+from spmd_ort.options import Options, get_logger
+from spmd_ort.backends.registry import build_executor
+from spmd_ort.program import CompiledProgram
 
-logger = logging.getLogger("spmd_ort")
+logger = get_logger(__name__)
 
 
 def snapshot(gm: fx.GraphModule) -> fx.GraphModule:
@@ -60,6 +59,7 @@ class Compiler:
         self.overrides = list(overrides)
         self.gm_transformation = gm_transformation
         self.opaque_plan = opaque_plan  # grows as traces find untraceable parts, kept across variants
+        self.warned: set = set()  # WARNINGs this step gave while compiling: each once per step, not per variant
 
     def compile_everywhere(self, call: StepCall, key: StepKey, *, dynamic: DynamicDims,
                            previous: CompiledProgram | None, reason: str) -> CompiledProgram:
@@ -91,15 +91,6 @@ class Compiler:
             raise error
         return program
 
-    def learn(self, program: CompiledProgram) -> None:
-        """After a run: once the automatic choice of a variant has timed inductor's candidate and kept something
-        else, later variants are compiled without it (its compile costs seconds for every new variant)."""
-        upgrade = getattr(getattr(program.executor, "stats", None), "upgrade", None)
-        if self.options.auto_inductor and upgrade is not None and upgrade.executor != "inductor":
-            self.options = dataclasses.replace(self.options, auto_inductor=False)
-            logger.info("%s: the inductor candidate lost the automatic choice (%s); later variants of this step "
-                        "are compiled without it", self.name, upgrade)
-
     def compile(self, call: StepCall, key: StepKey, *, dynamic: DynamicDims, previous: CompiledProgram | None,
                 reason: str, exchange: Callable | None = None) -> CompiledProgram:
         """trace -> passes (the one pipeline) -> executor, one compile in the process at a time (COMPILE_LOCK).
@@ -123,7 +114,7 @@ class Compiler:
         layout = StateLayout.capture(call.module, call.opt, call.rule, call.scaler)
         # Errors rooted in an input name it, and how it differs from the last call that compiled.
         inputs = StepInputs.of(self.fn, call.args, call.kwargs, previous_key=previous.key if previous else None)
-        # spmd_ort.ort.translations translates the fused CPU attention kernel (forward and backward), not the
+        # spmd_ort.backends.ort.translations translates the fused CPU attention kernel (forward and backward), not the
         # CUDA ones: on an accelerator, the ORT backend traces attention in its math form.
         on_accelerator = any(p.device.type != "cpu" for p in layout.params)
         traced = trace_step(self.fn, call.args, call.kwargs, layout,
@@ -131,7 +122,7 @@ class Compiler:
                             tag_grads=call.mode is not None, plan=self.opaque_plan, inputs=inputs,
                             mixed_precision=self.mixed_precision,
                             dynamic=None if key.shapes else dynamic,  # key.shapes: guards rejected the sizes
-                            taps=self.taps)
+                            taps=self.taps, warned=self.warned)
         self.opaque_plan.check_forced_met()
         if traced.symbolic is not None and traced.symbolic.specialised:
             names = {k: inputs.names[pos] for k, pos in enumerate(traced.batch_positions)}
@@ -142,8 +133,8 @@ class Compiler:
         traced_gm = snapshot(traced.gm)
         signatures = None
         if exchange is not None:
-            signatures = exchange({"nodes": P.node_signatures(traced.gm),
-                                   "state": P.state_checksums(layout, traced.input_slots)}
+            signatures = exchange({"nodes": node_signatures(traced.gm),
+                                   "state": state_checksums(layout, traced.input_slots)}
                                   if layout.expands else None)
         world, group = call.world_size, ""
         dp_group = call.tensor_parallel.dp_group() if call.tensor_parallel is not None else None
@@ -154,7 +145,7 @@ class Compiler:
                             shard_specs=layout.shard_specs, layout=layout, disabled=self.options.disabled_passes,
                             check_contracts=self.options.check_passes, taps=self.taps,
                             activation_memory_budget=self.options.activation_memory_budget,
-                            rank_signatures=signatures)
+                            rank_signatures=signatures, warned=self.warned)
         pipeline = P.build_pipeline(call.mode, self.options.backend, overrides=self.overrides,
                                     gm_transformation=self.gm_transformation, expand=layout.expands)
         gm = P.run_passes(traced.gm, ctx, pipeline)

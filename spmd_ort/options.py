@@ -97,12 +97,14 @@ class Options:
     fallback_policy: str = FALLBACK_POLICIES[0]
     segment_executor: str = SEGMENT_EXECUTORS[0]
     auto_inductor: bool = True  # with segment_executor auto: the whole graph compiled by inductor is a candidate
+    # choices made from measurements (spmd_ort.tuner): False is the static ones (segments on ORT, no candidate)
+    autotune: bool = True
     cache_dir: Path = Path.home() / ".cache" / "spmd_ort"
     save_onnx: bool = False
     onnx_prefix: str = "spmd_ort"
     save_onnx_path: Path | None = None  # None: the working directory
     native: bool = True
-    retain_host_memory: bool = True
+    retain_host_memory: bool = False  # opt-in: glibc's allocator is the whole process's (runtime/memory.py)
     allow_spinning: bool = True
     custom_autograd: bool = True  # autograd.Functions that cannot be traced run opaquely
     opaque_functions: frozenset[str] = frozenset()  # qualified Function names always run opaquely
@@ -114,11 +116,12 @@ class Options:
     @classmethod
     def resolve(cls, *, debug: DebugOptions | None = None, backend: str | None = None,
                 dynamic: bool | None = None, activation_memory_budget: float | None = None,
-                environ: Mapping[str, str] | None = None) -> Options:
+                autotune: bool | None = None, environ: Mapping[str, str] | None = None) -> Options:
         """Options from ``compile``'s arguments and the environment (which wins over ``DebugOptions``).
 
         ``backend`` wins over ``SPMD_ORT_BACKEND``, ``dynamic`` (True/False) over ``SPMD_ORT_DYNAMIC`` and
-        ``activation_memory_budget`` over ``SPMD_ORT_ACTIVATION_MEMORY_BUDGET``; ``check_passes`` is on when either
+        ``activation_memory_budget`` over ``SPMD_ORT_ACTIVATION_MEMORY_BUDGET``, ``autotune`` over
+        ``SPMD_ORT_AUTOTUNE`` (off: ``segment_executor`` ``auto`` is ``ort``); ``check_passes`` is on when either
         ``DebugOptions`` or the environment turns it on; ``SPMD_ORT_VERIFY``, when set, wins over
         ``DebugOptions.verify`` (so ``SPMD_ORT_VERIFY=0`` opts out everywhere).
         """
@@ -148,6 +151,12 @@ class Options:
             values["dynamic"] = "1" if dynamic else "0"
         if activation_memory_budget is not None:
             values["activation_memory_budget"] = check_budget(activation_memory_budget)
+        if autotune is not None:
+            if not isinstance(autotune, bool):
+                raise ConfigError(f"autotune={autotune!r} is not one of None (SPMD_ORT_AUTOTUNE), True, False")
+            values["autotune"] = autotune
+        if not values.get("autotune", True) and values.get("segment_executor", "auto") == "auto":
+            values["segment_executor"] = "ort"  # the static choice: every segment ORT supports runs on ORT
         return cls(**values)
 
     def replace(self, **changes: Any) -> Options:
@@ -319,14 +328,20 @@ ENV_VARS: tuple[EnvVar, ...] = (
     EnvVar("SPMD_ORT_AUTO_INDUCTOR", "auto_inductor", _bool, "`1`",
            "with `SPMD_ORT_SEGMENT_EXECUTOR=auto`, the whole graph compiled by inductor is a candidate of the "
            "automatic choice (where a C++ compiler is found); `0`: only ORT and fx are"),
+    EnvVar("SPMD_ORT_AUTOTUNE", "autotune", _bool, "`1`",
+           "`0`: the static choices, no measurement decides anything after compile (every segment ORT supports "
+           "runs on ORT, no whole-graph choice, no inductor candidate, `bucket_cap_mb='auto'` keeps its starting "
+           "cap, no recompiles; `SPMD_ORT_SEGMENT_EXECUTOR=auto` acts as `ort`); `compile(autotune=...)` wins"),
     EnvVar("SPMD_ORT_CACHE_DIR", "cache_dir", Path, "`~/.cache/spmd_ort`", "exported-model cache"),
     EnvVar("SPMD_ORT_SAVE_ONNX_PATH", "save_onnx_path", _directory, "working directory",
            "the directory where `DebugOptions(save_onnx=True)` writes `<onnx_prefix>_<segment>.onnx` (open them in "
            "Netron; created if missing, a file there is a `ConfigError`)"),
     EnvVar("SPMD_ORT_NATIVE", "native", _bool, "`1`",
            "`0`: host optimizer steps use torch's fused kernels instead of building `csrc/`"),
-    EnvVar("SPMD_ORT_RETAIN_HOST_MEMORY", "retain_host_memory", _bool, "`1`",
-           "`0`: leave glibc's allocator as it is (`1`: freed host memory is kept for reuse, see `memory()`)"),
+    EnvVar("SPMD_ORT_RETAIN_HOST_MEMORY", "retain_host_memory", _bool, "`0`",
+           "`1`: the first compiled call makes the whole process keep freed host memory for reuse (glibc's "
+           "`mallopt`; fewer page faults on CPU, resident memory stays at its peak; see `memory()`); `0` leaves "
+           "glibc's allocator as it is"),
     EnvVar("SPMD_ORT_ALLOW_SPINNING", "allow_spinning", _bool, "`1`",
            "`0` stops ORT's worker threads from spinning during a run (they stop when a run returns either way)"),
     EnvVar("SPMD_ORT_DISABLE_CUSTOM_AUTOGRAD_SUPPORT", "custom_autograd", _not(_bool), "`0`",
@@ -371,6 +386,23 @@ def from_environment(environ: Mapping[str, str]) -> dict[str, Any]:
     return out
 
 
+def environment_value(field: str, environ: Mapping[str, str] | None = None) -> Any:
+    """The ``Options`` field ``field`` as the environment sets it (its variable parsed as :meth:`Options.resolve`
+    parses it), else the field's default: for what runs outside one step's options (the ORT coverage table's
+    cache of op names reads ``cache_dir``)."""
+    environ = os.environ if environ is None else environ
+    for var in ENV_VARS:
+        if var.field == field:
+            raw = environ.get(var.name)
+            if raw is None or raw == "":
+                break
+            try:
+                return var.parse(raw)
+            except ValueError as exc:
+                raise ConfigError(f"{var.name}={raw!r} is not valid: expected {exc}") from None
+    return getattr(Options, field)
+
+
 def env_table_markdown() -> str:
     """The README's table of environment variables."""
     rows = ["| variable | default | meaning |", "| --- | --- | --- |"]
@@ -383,8 +415,9 @@ class _RankFilter(logging.Filter):
     """Gives every spmd_ort log record ``rank`` (" rank <r>" under torch.distributed with several ranks, else "").
 
     A logger's filters see only the records made by that logger, not those its children
-    propagate, so every ``spmd_ort`` logger carries one (:func:`get_logger`), and so does the
-    handler :func:`configure_logging` adds.
+    propagate, so every ``spmd_ort`` logger carries one (each module's ``get_logger(__name__)``), and so
+    does the handler :func:`configure_logging` adds.  Only our loggers and our handler carry it: no record
+    factory, nothing on the root logger.
     """
 
     def filter(self, record: logging.LogRecord) -> bool:

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import logging
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -35,19 +34,19 @@ from spmd_ort.compiler import Compiler
 from spmd_ort.debug.explain import explain
 from spmd_ort.debug.profile import Profiler
 from spmd_ort.distributed import parallel
-from spmd_ort.distributed.buckets import BucketTuner
 from spmd_ort.distributed.sharding import persistent_bytes
 from spmd_ort.distributed.parallel import TensorParallel
 from spmd_ort.errors import CollectiveTimeout, CompileError, InputIndexError
-from spmd_ort.options import Options
-from spmd_ort.passes import MemoryPlan
+from spmd_ort.options import Options, get_logger
+from spmd_ort.passes.analysis import MemoryPlan
 from spmd_ort.overrides import OpaqueOverride
 from spmd_ort.runtime.collectives import StepComm
-from spmd_ort.runtime.context import StepRuntime
+from spmd_ort.runtime.step_runtime import StepRuntime
 from spmd_ort.runtime.memory import host_memory_retained, max_rss_bytes, retain_host_memory
-from spmd_ort.runtime.program import CompiledProgram
+from spmd_ort.program import CompiledProgram
+from spmd_ort.tuner import Tuner
 
-logger = logging.getLogger("spmd_ort")
+logger = get_logger(__name__)
 
 
 class CompiledStep:
@@ -77,7 +76,8 @@ class CompiledStep:
                                  gm_transformation=gm_transformation, opaque_plan=self.opaque_plan,
                                  taps=self.runtime.taps, mixed_precision=self.mixed_precision)
         self.profiler = Profiler(self.runtime)
-        self.buckets = BucketTuner()  # bucket_cap_mb="auto": measures the first steps, then chooses the cap
+        # every choice made from measurements after compile, and the recompiles they cause (spmd_ort.tuner)
+        self.tuner = Tuner(options, self.transitions.name, self.transitions, self.runtime)
         self.compiled: CompiledProgram | None = None
         self.comm: StepComm | None = None  # collectives of the last step
         self._overridden: set[int] = set()  # modules whose Override replacements are in place
@@ -104,11 +104,8 @@ class CompiledStep:
         if prep.swapped:
             self._overridden.add(id(call.module))
         self.compiled, self._last = program, (call.module, call.opt)
-        self.compiler.learn(program)
-        if call.mode is not None and self.buckets.observe(parallel.resolve(self.parallel_mode), program, self.comm):
-            self.runtime.comm.drop_carried()  # the next call compiles the chosen schedule
-            self.transitions.invalidate(f"bucket_cap_mb='auto' chose {self.buckets.choice.cap_mb:g} MiB buckets "
-                                        "from the measured steps")
+        self.tuner.after_run(program, parallel.resolve(self.parallel_mode) if call.mode is not None else None,
+                             self.comm)
         if last_train_step:  # the reference API's drain: nothing is left in flight when training ends
             self.runtime.comm.drop_carried()
             self.runtime.comm.finish()
@@ -127,12 +124,12 @@ class CompiledStep:
         module, opt, scaler = find_state_owners(args, kwargs)
         if not self._started:
             self._started = True
-            if self.options.retain_host_memory:
+            if self.options.retain_host_memory:  # opt-in (SPMD_ORT_RETAIN_HOST_MEMORY=1): acts on the process
                 retain_host_memory()  # steady-state steps reuse host memory instead of page-faulting
         rank, world_size = parallel.world()
         return StepCall(args=args, kwargs=kwargs, module=module, opt=opt, scaler=scaler,
                         rule=rule_for(opt) if opt is not None else None,
-                        mode=self.buckets.mode(parallel.resolve(self.parallel_mode, module), module),
+                        mode=self.tuner.bucket_mode(parallel.resolve(self.parallel_mode, module), module),
                         rank=rank, world_size=world_size, tensor_parallel=self._tensor_parallel)
 
     def _compile(self, call: StepCall, key: StepKey, prep: Preparation) -> tuple[CompiledProgram, StepKey]:
@@ -150,8 +147,7 @@ class CompiledStep:
             prep.undo_prefill()
             key = self.shapes.agreed_key(call)
             program = self._compile_everywhere(call, key)
-        if self.buckets.choice is not None:
-            program.results.record(self.buckets.choice)  # the cap this variant's buckets were built with
+        self.tuner.compiled(program)  # the cap its buckets were built with; its inductor candidate or not
         if call.mode is not None and not call.mode.sharded and id(call.module) not in self._synced:
             tp = self._tensor_parallel
             # rank 0's weights everywhere, as DDP does (2-D: within each data-parallel group)
@@ -189,6 +185,7 @@ class CompiledStep:
         t0, cpu0 = time.perf_counter(), time.thread_time()
         try:
             with self.runtime.active(), amp.autocast_disabled():  # the graph holds autocast's casts already
+                self.tuner.before_run(program, call.args, call.kwargs)  # inductor's candidate, when it is due
                 return program.run(call.args, call.kwargs)
         finally:
             self.comm = comm.end_step()
@@ -211,12 +208,17 @@ class CompiledStep:
         return getattr(self.parallel_mode, "mixed_precision", None)
 
     @property
+    def buckets(self):
+        """``bucket_cap_mb="auto"``'s tuner (:class:`spmd_ort.buckets.BucketTuner`: ``.choice``)."""
+        return self.tuner.buckets
+
+    @property
     def variants(self) -> list[CompiledProgram]:
         return list(self.transitions.variants.values())
 
     @property
     def dynamic(self):
-        """The dims of tensor inputs traced as symbols (:class:`spmd_ort.capture.dynamic.DynamicDims`)."""
+        """The dims of tensor inputs traced as symbols (:class:`spmd_ort.graph.symbolic.DynamicDims`)."""
         return self.shapes.dynamic
 
     @property

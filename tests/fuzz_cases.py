@@ -164,7 +164,7 @@ def _block(layer: Layer, d: int, bias: bool) -> nn.Module:
     if kind == "batchnorm":
         # After a nonlinearity: BatchNorm removes any per-channel constant, so a bias reaching it through
         # affine layers only (even the stem's, through residual Linears) has an analytically zero gradient,
-        # whose rounding noise Adam turns into +-lr steps in any two implementations (README, numerical notes).
+        # whose rounding noise Adam turns into +-lr steps in any two implementations (docs/api.md, numerical notes).
         return nn.Sequential(nn.Tanh(), Channels(nn.BatchNorm1d(d)))
     if kind == "attention":
         return Attention(d, layer.heads, layer.causal)

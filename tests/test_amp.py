@@ -15,8 +15,8 @@ import torch
 import torch.nn.functional as F
 
 import spmd_ort
-from spmd_ort.capture.state import SlotKind
-from spmd_ort.inductor.executor import cxx_compiler
+from spmd_ort.graph.slots import SlotKind
+from spmd_ort.backends.inductor import cxx_compiler
 from helpers import assert_close_relmax, assert_ran_on_ort, assert_same_state, scaled_update
 from models import MLP
 
@@ -85,7 +85,7 @@ def test_autocast_and_gradscaler_match_eager(dtype, backend, opt_kind):
     the fused kernel rounds differently).  ORT: every float16 matmul runs in an ORT segment (checked), with
     ORT's float16 kernels, which round differently from torch's by about one float16 ulp (2^-10 relative):
     the loss agrees to 2^-10, parameters and AdamW moments elementwise (tolerances at
-    FP16_ORT_PARAM_ATOL); bf16 compute stays in torch on CPU (spmd_ort.ort.partition.HOST_DTYPES), the
+    FP16_ORT_PARAM_ATOL); bf16 compute stays in torch on CPU (spmd_ort.backends.ort.partition.HOST_DTYPES), the
     float32 rest is ORT: rtol 1e-5 normwise.  inductor (the issue-24 executor): every segment compiled and
     verified, none fell back, the same tolerances as fx's."""
     dtype_ = getattr(torch, dtype)
@@ -329,9 +329,9 @@ def test_host_optimizer_skips_like_the_fused_kernel():
     """offload_optimizer's host twins take found_inf too: 1 skips (steps unchanged), 0 updates as the device op.
     (The host update here is torch's fused CPU kernel, SPMD_ORT_NATIVE=0: the native kernel's own equality with it
     is tests/test_native_optim.py's; this checks the skip around it.)"""
-    from spmd_ort.runtime import ops
+    from spmd_ort.graph import ops
     from spmd_ort.options import Options
-    from spmd_ort.runtime.context import StepRuntime
+    from spmd_ort.runtime.step_runtime import StepRuntime
 
     torch.manual_seed(0)
     params, grads = [torch.randn(37)], [torch.randn(37)]

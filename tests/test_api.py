@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 from torch import fx, nn
 
-from spmd_ort.capture.state import SlotKind
+from spmd_ort.graph.slots import SlotKind
 import spmd_ort
 from helpers import assert_same_state, classification_step
 from models import MLP

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import ast
-import importlib
 import re
 from pathlib import Path
 
@@ -11,7 +10,6 @@ import pytest
 import torch
 
 from spmd_ort import DataParallel, MixedPrecisionPolicy
-from spmd_ort.moved import MOVED
 from spmd_ort.options import env_table_markdown
 from spmd_ort.passes import (STAGES, PassContext, PassError, bucket_collectives_pass, build_pipeline, check_order,
                              expand_data_parallel_pass, pipeline_markdown)
@@ -82,6 +80,70 @@ def test_no_import_cycles():
             visit(m)
 
 
+# The package order, bottom first: a module imports only from its own unit and the units above it in this list
+# (docs/architecture.md says what each holds and why this order).  The op bodies (runtime) sit below the graph's
+# vocabulary because an op's definition registers its body; the backends sit below the passes because the
+# backend stage's passes ask what a backend can run; a backend never imports a pass.
+LAYERS = [
+    ("spmd_ort.errors", "the exceptions users catch"),
+    ("spmd_ort.compat", "torch-version shims"),
+    ("spmd_ort.options", "Options, DebugOptions and every SPMD_ORT_* variable"),
+    ("spmd_ort.overrides", "Override / OpaqueOverride: the user's vocabulary for parts that cannot be traced"),
+    ("spmd_ort.runtime", "what the graph's ops do when they run: collectives, kernels, checks, the step's context"),
+    ("spmd_ort.graph", "the graph's vocabulary: ops, slots, node meta, symbolic sizes, segments, output checks"),
+    ("spmd_ort.distributed", "parallel modes, DTensor, shard layouts, tensor-parallel plans"),
+    ("spmd_ort.capture", "the step as one stateless graph: inputs, state layout, trace, shapes"),
+    ("spmd_ort.backends", "executors: fx, inductor, ONNX Runtime (partition, export, sessions)"),
+    ("spmd_ort.passes", "every graph transformation and the pipeline"),
+    ("spmd_ort.program", "CompiledProgram: one variant's graph, executor and state IO"),
+    ("spmd_ort.buckets", "bucket_cap_mb='auto': the gradient bucket cap from measured steps"),
+    ("spmd_ort.tuner", "every decision made from measurements, and the recompiles it causes"),
+    ("spmd_ort.compiler", "one variant: trace -> passes -> executor"),
+    ("spmd_ort.debug", "explain, statistics, profiles"),
+    ("spmd_ort.checkpoint", "DCP checkpoints"),
+    ("spmd_ort.integrations", "DeepSpeed configs"),
+    ("spmd_ort.step", "CompiledStep: one call, top to bottom"),
+    ("spmd_ort.api", "compile()"),
+    ("spmd_ort", "the public names"),
+]
+UNITS = [name for name, _ in LAYERS]
+
+
+def _unit(module: str) -> str:
+    return max((u for u in UNITS if module == u or module.startswith(u + ".")), key=len)
+
+
+def test_packages_depend_one_way():
+    """Every import of ours points down the package order of :data:`LAYERS` (lazy imports too)."""
+    assert {_unit(m) for m in MODULES} <= set(UNITS)
+    rank = {u: i for i, u in enumerate(UNITS)}
+    bad = []
+    for module in MODULES:
+        for target, _, line in _imports(module):
+            if target in MODULES and rank[_unit(target)] > rank[_unit(module)]:
+                bad.append(f"{MODULES[module].relative_to(ROOT)}:{line}: {module} imports {target}, "
+                           f"but {_unit(target)} is above {_unit(module)}")
+    assert not bad, "upward imports:\n" + "\n".join(bad)
+
+
+def test_no_two_modules_share_a_base_name():
+    by_name: dict[str, list[str]] = {}
+    for module, path in MODULES.items():
+        if path.stem != "__init__":
+            by_name.setdefault(path.stem, []).append(module)
+    assert not {k: v for k, v in by_name.items() if len(v) > 1}
+
+
+def test_the_package_table_in_the_docs_is_the_layers():
+    assert _doc_block("docs/architecture.md", "packages") == packages_markdown()
+
+
+def packages_markdown() -> str:
+    rows = ["| # | package | what |", "| --- | --- | --- |"]
+    rows += [f"| {i} | `{name}` | {what} |" for i, (name, what) in enumerate(LAYERS)]
+    return "\n".join(rows)
+
+
 def test_no_module_imports_another_modules_private_names():
     bad = []
     for module in MODULES:
@@ -108,19 +170,20 @@ def test_passes_folder_is_packaged_as_spmd_ort_passes():
     assert '"spmd_ort.passes" = "passes"' in text
 
 
-def _readme_block(name: str) -> str:
-    text = (ROOT / "README.md").read_text()
+def _doc_block(path: str, name: str) -> str:
+    """The generated ``<!-- name:begin/end -->`` block of the documentation page ``path`` (from the repository root)."""
+    text = (ROOT / path).read_text()
     match = re.search(rf"<!-- {name}:begin -->\n(.*?)\n<!-- {name}:end -->", text, re.S)
-    assert match, f"README.md has no <!-- {name}:begin/end --> block"
+    assert match, f"{path} has no <!-- {name}:begin/end --> block"
     return match.group(1).strip()
 
 
 def test_readme_pipeline_is_the_pipeline():
-    assert _readme_block("pipeline") == pipeline_markdown()
+    assert _doc_block("docs/architecture.md", "pipeline") == pipeline_markdown()
 
 
 def test_readme_environment_table_is_the_options_table():
-    assert _readme_block("env") == env_table_markdown()
+    assert _doc_block("docs/options.md", "env") == env_table_markdown()
 
 
 @pytest.mark.parametrize("step", STAGES, ids=lambda s: s.name)
@@ -175,9 +238,9 @@ def test_a_pass_ordered_before_what_it_needs_is_an_error_naming_both():
 
 
 # modules that run compiled graphs: they partition and run, and never rewrite a graph (that is a pass's job)
-EXECUTOR_MODULES = ["spmd_ort.runtime.executor", "spmd_ort.runtime.fx_executor", "spmd_ort.runtime.program",
-                    "spmd_ort.ort.executor", "spmd_ort.ort.session", "spmd_ort.ort.sizes", "spmd_ort.ort.choice",
-                    "spmd_ort.ort.verify"]
+EXECUTOR_MODULES = ["spmd_ort.backends.registry", "spmd_ort.backends.fx", "spmd_ort.program",
+                    "spmd_ort.backends.ort.executor", "spmd_ort.backends.ort.session", "spmd_ort.backends.ort.sizes", "spmd_ort.backends.ort.choice",
+                    "spmd_ort.backends.ort.verify"]
 GRAPH_EDITS = {"erase_node", "inserting_before", "inserting_after", "replace_all_uses_with", "replace_input_with",
                "call_function", "create_node", "eliminate_dead_code", "prepend", "append"}
 NODE_FIELDS = {"target", "args", "kwargs"}
@@ -198,16 +261,3 @@ def test_executors_run_the_graph_they_are_given(module):
             if "graph" in receiver or "node" in receiver:
                 bad.append(f"line {node.lineno}: {receiver}.{node.func.attr}(...)")
     assert not bad, f"{module} rewrites a graph: " + "; ".join(bad)
-
-
-@pytest.mark.parametrize("old,new", sorted(MOVED.items()))
-def test_documented_import_paths_of_the_flat_layout_still_work(old, new):
-    module = importlib.import_module(old)
-    assert module is importlib.import_module(new) and module.__name__ == new
-
-
-def test_an_old_path_imports_names_from_it():
-    from spmd_ort.data import LoadBalancingDistributedSampler  # noqa: F401 - the README's import, before the move
-    from spmd_ort.memory import retain_host_memory
-
-    assert retain_host_memory is importlib.import_module("spmd_ort.runtime.memory").retain_host_memory

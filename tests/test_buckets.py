@@ -1,11 +1,11 @@
-"""``bucket_cap_mb="auto"``'s cost model (spmd_ort.distributed.buckets) on measured rows it is given."""
+"""``bucket_cap_mb="auto"``'s cost model (spmd_ort.buckets) on measured rows it is given."""
 
 from __future__ import annotations
 
 import pytest
 
 import spmd_ort
-from spmd_ort.distributed import buckets as B
+from spmd_ort import buckets as B
 
 MiB = 2**20
 

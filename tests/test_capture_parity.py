@@ -8,7 +8,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from spmd_ort.capture.state import SlotKind
+from spmd_ort.graph.slots import SlotKind
 import spmd_ort
 from helpers import (assert_close_relmax, assert_ran_on_ort, assert_same_state, classification_step, lm_step,
                      train_side_by_side)

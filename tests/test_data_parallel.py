@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from helpers import assert_ort_report_clean
-from spmd_ort.runtime import ops
+from spmd_ort.graph import ops
 
 ROOT = Path(__file__).resolve().parent.parent
 SCRIPT = ROOT / "tests" / "dist" / "dp_parity.py"
@@ -267,7 +267,6 @@ def test_agreements_run_on_a_gloo_group_where_the_default_takes_no_cpu_tensors(o
     from spmd_ort.runtime import collectives
 
     assert collectives.control_group() is None  # the one-rank gloo group takes CPU tensors
-    monkeypatch.setattr(collectives, "_CONTROL_GROUP", [])
     monkeypatch.setattr(dist, "get_backend_config", lambda group=None: "cuda:nccl")
     group = collectives.control_group()
     assert group is not None and collectives.control_group() is group  # made once

@@ -172,7 +172,7 @@ def _is_ort(run) -> bool:
 
 def _fix_times(monkeypatch, ort_s: float, fx_s: float) -> None:
     """FirstRun's timings of a segment, fixed (ORT's through ``fastest``, fx's through ``timed_fx_runs``)."""
-    from spmd_ort.ort import choice
+    from spmd_ort.backends.ort import choice
 
     monkeypatch.setattr(choice, "fastest", lambda run, args, first: ort_s if _is_ort(run) else fx_s)
     monkeypatch.setattr(choice, "timed_fx_runs", lambda run, args, repeat: (fx_s, run(*args)))
@@ -182,7 +182,7 @@ def _fix_times(monkeypatch, ort_s: float, fx_s: float) -> None:
 def test_explain_says_why_a_segment_runs_on_fx(case, monkeypatch):
     """A segment on fx is there because it was faster (both times shown), because SPMD_ORT_SEGMENT_EXECUTOR
     asked for fx, or because ORT failed (the failure shown): explain() says which, not "fallback" for all."""
-    from spmd_ort.ort.session import OrtSegment
+    from spmd_ort.backends.ort.session import OrtSegment
 
     if case == "faster":
         monkeypatch.setenv("SPMD_ORT_SEGMENT_EXECUTOR", "auto")
@@ -209,11 +209,11 @@ def test_explain_says_why_a_segment_runs_on_fx(case, monkeypatch):
 
 
 def test_explain_says_a_segment_on_ort_was_timed_faster(monkeypatch):
-    from spmd_ort.ort import choice
+    from spmd_ort.backends.ort import choice
 
     import time
 
-    from spmd_ort.ort import executor as executor_module
+    from spmd_ort.backends.ort import executor as executor_module
 
     monkeypatch.setenv("SPMD_ORT_SEGMENT_EXECUTOR", "auto")
     _fix_times(monkeypatch, ort_s=1e-3, fx_s=3e-3)

@@ -12,7 +12,7 @@ import torch.nn.functional as F
 
 import spmd_ort
 from spmd_ort.capture.amp import DynamicLossScaler
-from spmd_ort.integrations.deepspeed.config import DeepSpeedConfigError
+from spmd_ort.distributed.deepspeed_config import DeepSpeedConfigError
 from spmd_ort.integrations.deepspeed.schedules import OneCycle, WarmupCosineLR, WarmupDecayLR, WarmupLR
 from models import MLP
 
@@ -237,7 +237,7 @@ def test_booleans_are_read_as_deepspeed_reads_them():
     """DeepSpeed validates its config with pydantic models (lax mode): "false", "no", "off", "0" are false there, as
     JSON templates write them.  Each boolean key read here follows that, and a string DeepSpeed rejects is a
     ConfigError naming the key."""
-    from spmd_ort.integrations.deepspeed.config import parse_bool
+    from spmd_ort.distributed.deepspeed_config import parse_bool
 
     pydantic = pytest.importorskip("pydantic")  # what DeepSpeed's config models run on
     adapter = pydantic.TypeAdapter(bool)

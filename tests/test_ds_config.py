@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 import spmd_ort
-from spmd_ort.integrations.deepspeed.config import DeepSpeedConfigError
+from spmd_ort.distributed.deepspeed_config import DeepSpeedConfigError
 
 CONFIGS = Path(__file__).resolve().parent.parent / "configs"
 

@@ -19,7 +19,7 @@ import spmd_ort
 from helpers import assert_ort_report_clean, assert_same_state, ort_report
 from helpers import train_step as lm_step
 from models import GPT, GPTConfig
-from spmd_ort.ort.sizes import CHECKED_SIZES
+from spmd_ort.backends.ort.sizes import CHECKED_SIZES
 
 ROOT = Path(__file__).resolve().parent.parent
 CFG = GPTConfig(vocab=64, seq=32, d=32, heads=2, layers=2)
@@ -129,8 +129,8 @@ def _gelu_reading_concrete_sizes(self, approximate: str = "none"):
 
 def test_a_segment_whose_translation_needs_concrete_sizes_is_exported_per_size(monkeypatch, caplog):
     """The per-size path: an INFO line says why, each set of sizes gets its own model, verified; eager parity."""
-    from spmd_ort.ort import coverage
-    from spmd_ort.ort.translations import Translation
+    from spmd_ort.backends.ort import coverage
+    from spmd_ort.backends.ort.translations import Translation
 
     monkeypatch.setitem(coverage.TRANSLATIONS, torch.ops.aten.gelu.default,
                         Translation(_gelu_reading_concrete_sizes, "injected by a test"))

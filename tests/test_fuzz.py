@@ -186,7 +186,7 @@ _BN_DROPOUT = Case(seed=12, d_in=5, width=6, batch=3, seq=4, classes=3,
 FOUND.update({
     # Dropout after a Conv1d over (B, T, C): its input is transposed, eager fills the mask in that layout's
     # memory order, functionalization's bernoulli.p in logical order: the same seed, another mask (1.3% off
-    # in the loss).  The capture keeps the in-place fill's layout now (spmd_ort.runtime.ops.bernoulli_like).
+    # in the loss).  The capture keeps the in-place fill's layout now (spmd_ort.graph.ops.bernoulli_like).
     "dropout_after_conv": (Case(
         seed=5125, d_in=5, width=4, batch=3, seq=3, classes=2,
         layers=(Layer(kind="conv", bias=False), Layer(kind="dropout"), Layer(kind="linear", residual=True, bias=False),
@@ -248,7 +248,7 @@ FOUND.update({
     # A real fault (the same `make fuzz` run): two dropouts, two micro-batches, ORT backend: the loss 19% off at
     # step 0. The partitioner fused the two micro-batches' independent regions into one segment each, so the host
     # drew the masks in another order (the first micro-batch's first mask, the second's first, ...) than eager.
-    # Segments now end at every random draw, as at collectives (spmd_ort.ort.partition._split_at_host_points).
+    # Segments now end at every random draw, as at collectives (spmd_ort.graph.segments.split_at_host_points).
     "ort_dropouts_of_two_micro_batches": (Case(
         seed=0, d_in=2, width=4, batch=1, seq=2, classes=2, layers=(_DROPOUT, _DROPOUT), optimizer="sgd", lr=1e-3,
         micro=2, zero="end_none", loss="ce", steps=2), "ort"),

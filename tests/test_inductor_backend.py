@@ -14,7 +14,7 @@ from helpers import train_side_by_side, train_step
 from models import CNN, MLP
 
 pytestmark = pytest.mark.skipif(
-    __import__("spmd_ort.inductor.executor", fromlist=["cxx_compiler"]).cxx_compiler() is None,
+    __import__("spmd_ort.backends.inductor", fromlist=["cxx_compiler"]).cxx_compiler() is None,
     reason="inductor's CPU code needs a C++ compiler")
 
 
@@ -89,7 +89,7 @@ def test_a_segment_inductor_cannot_compile_runs_on_fx(monkeypatch, caplog):
 
 
 def test_a_wrong_compiled_segment_is_caught_on_the_first_run(monkeypatch, caplog):
-    from spmd_ort.inductor.executor import InductorSegment
+    from spmd_ort.backends.inductor import InductorSegment
 
     right = InductorSegment.run_compiled
 
@@ -106,7 +106,7 @@ def test_a_wrong_compiled_segment_is_caught_on_the_first_run(monkeypatch, caplog
 
 
 def test_without_a_cxx_compiler_it_is_a_config_error(monkeypatch):
-    from spmd_ort.inductor import executor
+    from spmd_ort.backends import inductor as executor
 
     monkeypatch.setattr(executor, "cxx_compiler", lambda: None)
     model = MLP()
@@ -120,7 +120,7 @@ def test_an_input_in_another_layout_than_traced_is_copied_into_it():
     """Inductor's code asserts its inputs' strides; a value whose layout the trace could not see (an opaque part's
     output: mixtral-tiny's experts) may arrive transposed.  The segment copies it into the traced layout and
     computes what its fx graph computes."""
-    from spmd_ort.inductor.executor import InductorSegment
+    from spmd_ort.backends.inductor import InductorSegment
 
     from torch.fx.experimental.proxy_tensor import make_fx
 
@@ -135,16 +135,19 @@ def test_an_input_in_another_layout_than_traced_is_copied_into_it():
 
 @pytest.mark.parametrize("winner", ["inductor", "segments"])
 def test_the_automatic_choice_times_inductor_as_a_candidate(monkeypatch, winner):
-    """SPMD_ORT_SEGMENT_EXECUTOR=auto (the default outside the suite) on the ORT backend: a program that lives to
-    INDUCTOR_AFTER_STEPS compiles the whole graph with inductor there, checks its first run and times it against
-    what runs; when inductor is faster it runs every later step (the ORT sessions are freed), else it is freed
-    and later variants of the step are compiled without it.  Timings are made up so that each outcome is
-    tested; the numbers match eager every step either way."""
+    """SPMD_ORT_SEGMENT_EXECUTOR=auto (the default outside the suite) on the ORT backend: once a program's steady
+    steps have spent the candidate's predicted compile (here predicted free, after one measured step: step 3),
+    the tuner compiles the whole graph with inductor, checks its first run and times it against what runs; when
+    inductor is faster it runs every later step (the ORT sessions are freed), else it is freed and later
+    variants of the step are compiled without it.  Timings are made up so that each outcome is tested; the
+    numbers match eager every step either way."""
     monkeypatch.setenv("SPMD_ORT_SEGMENT_EXECUTOR", "auto")
-    from spmd_ort.ort import choice
-    from spmd_ort.ort import executor as executor_module
+    from spmd_ort import tuner
+    from spmd_ort.backends.ort import choice
 
-    monkeypatch.setattr(executor_module, "INDUCTOR_AFTER_STEPS", 3)
+    monkeypatch.setattr(tuner.CompileCost, "predict", classmethod(lambda cls, nodes: (0.0, "free")))
+    monkeypatch.setattr(tuner.CompileCost, "seconds_per_node", None)  # restored after the compile calibrates it
+    monkeypatch.setattr(tuner, "MEASURED_STEPS", 1)
     choose = choice.choose_whole
 
     def rigged(runners, inputs, stats, field="whole"):
@@ -155,7 +158,7 @@ def test_the_automatic_choice_times_inductor_as_a_candidate(monkeypatch, winner)
                     gm.forward = slow(gm.forward)
         return choose(runners, inputs, stats, field)
 
-    monkeypatch.setattr(executor_module, "choose_whole", rigged)
+    monkeypatch.setattr(choice, "choose_whole", rigged)  # the tuner's timing of the candidate
     compiled, _, _ = train_side_by_side(MLP, _adamw, train_step, _batches((8, 32), 10, 5), backend="ort",
                                         expect_clean_ort=False, dynamic=False)
     ex = compiled.compiled.executor
@@ -197,8 +200,8 @@ def test_an_ill_conditioned_output_is_judged_against_float64_as_ORTs_is(monkeypa
     first run now forgives what ORT's forgives: a difference no larger than fx's own from float64. Here the
     compiled segment's outputs are the float64 ones, rounded (as exact as float32 allows); scaled by 1.001 they
     are wrong and still fall back."""
-    from spmd_ort.inductor.executor import InductorSegment
-    from spmd_ort.ort.verify import _Float64
+    from spmd_ort.backends.inductor import InductorSegment
+    from spmd_ort.graph.checking import _Float64
 
     def exact(self, *args):
         with torch.no_grad():

@@ -6,7 +6,7 @@ LOCAL_RANK 0, and RANK / GROUP_RANK come from the rendezvous.  Each "node" is it
 agent, as on a cluster; only the host is 127.0.0.1.  ``tests/dist/dynamic_parity.py`` trains a
 DDP, a compiled ``replicate`` and a compiled ``fully_shard`` model on every rank (each rank its
 own batch sizes) and compares them with DDP after every step (fx: bit for bit).  The commands
-are the README's ("Several processes").
+are those of docs/data-parallel.md ("Several machines").
 """
 
 from __future__ import annotations
@@ -41,7 +41,7 @@ def free_port() -> int:
 
 
 def node_command(rendezvous: str, node_rank: int, port: int, out: Path) -> list[str]:
-    """The README's multi-node command for one node, with 127.0.0.1 as the host."""
+    """The multi-node command of docs/data-parallel.md for one node, with 127.0.0.1 as the host."""
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes=2", "--nproc-per-node=1", "--max-restarts=0"]
     if rendezvous == "c10d":  # ranks are assigned by the rendezvous, in the order the nodes join
         cmd += ["--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{port}", f"--rdzv-id=spmd-ort-test-{port}",

@@ -22,12 +22,12 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from spmd_ort.capture.state import SlotKind
+from spmd_ort.graph.slots import SlotKind
 import spmd_ort
 from helpers import assert_ort_report_clean, assert_same_state, train_side_by_side, train_step
 from models import (FunctionMLP, GlobalCenter, MoENet, NumpyTanh, RoutedMoENet, ScaleByMax, starve,
                     tiny_mixtral_config)
-from spmd_ort.runtime.ops import opaque_backward, opaque_forward
+from spmd_ort.graph.ops import opaque_backward, opaque_forward
 
 ROOT = Path(__file__).resolve().parent.parent
 

@@ -17,10 +17,10 @@ import torch.nn.functional as F
 from torch import nn
 
 import spmd_ort
-from spmd_ort.ort import coverage
-from spmd_ort.ort import export as ort_export
-from spmd_ort.ort.session import OrtSegment
-from spmd_ort.ort.translations import Translation
+from spmd_ort.backends.ort import coverage
+from spmd_ort.backends.ort import export as ort_export
+from spmd_ort.backends.ort.session import OrtSegment
+from spmd_ort.backends.ort.translations import Translation
 from helpers import assert_close_relmax, assert_ran_on_ort, assert_same_state, train_side_by_side, train_step
 from models import MLP
 
@@ -190,7 +190,7 @@ CACHE_SCRIPT = r"""
 import json, sys, time, torch
 sys.path.insert(0, {tests!r}); sys.path.insert(0, {root!r})
 import spmd_ort
-from spmd_ort.ort import export
+from spmd_ort.backends.ort import export
 from models import MLP
 from helpers import train_step
 translate = export.translate
@@ -328,9 +328,9 @@ def test_auto_keeps_the_faster_executor_per_segment(monkeypatch, slow, whole_cos
     (this machine's load swings a real one by more than any injected delay): ``whole_cost`` is the whole
     graph's on fx."""
     monkeypatch.setenv("SPMD_ORT_SEGMENT_EXECUTOR", "auto")
-    from spmd_ort.ort import choice, verify
-    from spmd_ort.ort import executor as executor_module
-    from spmd_ort.ort.session import OrtSegment as Segment
+    from spmd_ort.backends.ort import choice, verify
+    from spmd_ort.backends.ort import executor as executor_module
+    from spmd_ort.backends.ort.session import OrtSegment as Segment
 
     class Clock:
         now = 0.0
@@ -406,7 +406,7 @@ def test_forced_fx_segment_executor(monkeypatch):
 
 def test_missing_execution_provider_is_a_config_error_not_a_fallback(monkeypatch):
     """Whatever the fallback policy: ORT cannot run the step as configured, so nothing is compiled or changed."""
-    from spmd_ort.ort import session
+    from spmd_ort.backends.ort import session
 
     monkeypatch.setattr(session.ort, "get_available_providers", lambda: ["AzureExecutionProvider"])
     with pytest.raises(spmd_ort.ConfigError, match="onnxruntime-gpu"):
@@ -421,7 +421,7 @@ def test_missing_execution_provider_is_a_config_error_not_a_fallback(monkeypatch
 
 
 def test_long_export_shows_a_progress_line(monkeypatch, fresh_cache, caplog):
-    from spmd_ort.ort import executor
+    from spmd_ort.backends.ort import executor
 
     monkeypatch.setattr(executor, "PROGRESS_AFTER_S", 0.0)
     with caplog.at_level(logging.INFO, logger="spmd_ort.progress"):
@@ -437,7 +437,7 @@ PROGRESS_SCRIPT = """
 import sys
 sys.path.insert(0, {tests!r}); sys.path.insert(0, {root!r})
 import torch, spmd_ort
-from spmd_ort.ort import executor
+from spmd_ort.backends.ort import executor
 from helpers import train_step
 from models import MLP
 executor.PROGRESS_AFTER_S = 0.0
@@ -452,7 +452,7 @@ def test_progress_lines_carry_the_rank_for_every_handler(fresh_cache, capfd):
     handler formatting `%(rank)s` printed `--- Logging error ---` instead of the line."""
     import io
 
-    from spmd_ort.ort import executor
+    from spmd_ort.backends.ort import executor
 
     # the handler spmd_ort adds itself (a process whose logging is not configured)
     env = {**os.environ, "SPMD_ORT_CACHE_DIR": str(fresh_cache), "SPMD_ORT_LOG_LEVEL": "WARNING"}
@@ -462,7 +462,7 @@ def test_progress_lines_carry_the_rank_for_every_handler(fresh_cache, capfd):
     assert "Logging error" not in proc.stderr, proc.stderr[-3000:]
     assert "[spmd_ort INFO] exporting ORT segment fused_0 (1 of 1," in proc.stderr, proc.stderr[-3000:]
     assert "[spmd_ort INFO] exported 1 ORT segment(s) in" in proc.stderr
-    # a user's handler on the root logger that uses %(rank)s, as the README offers
+    # a user's handler on the root logger that uses %(rank)s, as docs/debugging.md offers
     stream = io.StringIO()
     handler = logging.StreamHandler(stream)
     handler.setFormatter(logging.Formatter("<%(name)s%(rank)s> %(message)s"))
@@ -502,7 +502,7 @@ def test_stock_exporter_path_gives_the_same_model(fresh_cache):
 def test_verification_takes_an_analytically_zero_output_for_rounding_noise():
     """A difference in an output that is ~0 is judged against the segment's largest output, not its own max:
     noise a few ulps of that is accepted; a small output that is really wrong is still caught."""
-    from spmd_ort.ort.verify import first_difference
+    from spmd_ort.graph.checking import first_difference
 
     big = torch.linspace(-1.0, 1.0, 64)
     noise = torch.full((8,), 1.1e-8)
@@ -541,7 +541,7 @@ def test_a_mismatch_within_rounding_of_float64_is_not_a_fault():
     segment run again in float64); a wrong output is still a mismatch."""
     from torch.fx.experimental.proxy_tensor import make_fx
 
-    from spmd_ort.ort.verify import within_rounding_of_float64
+    from spmd_ort.graph.checking import within_rounding_of_float64
 
     x = 1000.0 + torch.arange(16, dtype=torch.float32) * 0.37
     gm = make_fx(lambda t: ((t + 1e-3) - t, t * 2))(x)  # the first output: 6% rounding error in float32
@@ -561,7 +561,7 @@ def test_rounding_noise_on_an_analytically_zero_output_is_not_a_fault():
     the noise floor first_difference grants against fx, so it is no fault; noise above that floor still is."""
     from torch.fx.experimental.proxy_tensor import make_fx
 
-    from spmd_ort.ort.verify import NOISE_ULPS, within_rounding_of_float64
+    from spmd_ort.graph.checking import NOISE_ULPS, within_rounding_of_float64
 
     x = 1000.0 + torch.arange(16, dtype=torch.float32) * 0.37
     gm = make_fx(lambda t: ((t + 1e-3) - t, t - t, t * 2))(x)  # ill-conditioned, analytically zero, large

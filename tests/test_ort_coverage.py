@@ -12,10 +12,10 @@ from torch import fx
 
 import spmd_ort
 from helpers import assert_ran_on_ort, train_side_by_side
-from spmd_ort.ort import coverage
-from spmd_ort.ort.export import translate
-from spmd_ort.ort.partition import why_host
-from spmd_ort.ort.session import OrtSegment
+from spmd_ort.backends.ort import coverage
+from spmd_ort.backends.ort.export import translate
+from spmd_ort.backends.ort.partition import why_host
+from spmd_ort.backends.ort.session import OrtSegment
 
 pytest.importorskip("transformers")
 from zoo import sgd, zoo  # noqa: E402
@@ -211,7 +211,7 @@ def test_registered_names_kept_in_the_cache_directory(tmp_path, monkeypatch):
     assert coverage.registered_names() == names
     assert json.loads(path.read_text()) == sorted(names)
     # a fresh process with the file: predicate and lowering table answer, the registry is never built
-    code = ("import torch; from spmd_ort.ort import coverage as c; aten = torch.ops.aten; "
+    code = ("import torch; from spmd_ort.backends.ort import coverage as c; aten = torch.ops.aten; "
             "assert c._registered(aten.mm.default) and not c._registered(aten.nll_loss_forward.default); "
             "assert aten.nll_loss_forward.default in c.lowering_table(); "
             "assert c._registry.cache_info().currsize == 0, 'registry built'")

@@ -1,4 +1,4 @@
-"""The first-run check of ORT segments (spmd_ort.ort.verify): outputs compared as the ops define them."""
+"""The first-run check of ORT segments (spmd_ort.backends.ort.verify): outputs compared as the ops define them."""
 
 from __future__ import annotations
 
@@ -6,8 +6,8 @@ import pytest
 import torch
 from torch.fx.experimental.proxy_tensor import make_fx
 
-from spmd_ort.ort import verify
-from spmd_ort.ort.verify import first_difference, in_defined_order, unordered_topks
+from spmd_ort.graph import checking
+from spmd_ort.graph.checking import first_difference, in_defined_order, unordered_topks
 
 
 def _router(scores, bias, other):
@@ -65,7 +65,7 @@ def test_same_sets_in_another_order_verify_and_other_differences_still_fail():
 def test_outputs_compared_piece_by_piece_decide_as_whole_tensors(monkeypatch, layout):
     """first_difference compares VERIFY_CHUNK elements at a time (bounded temporaries on logits-sized outputs):
     a difference, a one-sided NaN or a large value in any piece counts as it would in the whole tensor."""
-    monkeypatch.setattr(verify, "VERIFY_CHUNK", 7)
+    monkeypatch.setattr(checking, "VERIFY_CHUNK", 7)
     g = torch.Generator().manual_seed(0)
 
     def shaped(t):
@@ -95,7 +95,7 @@ def test_fx_timing_runs_hold_one_set_of_outputs():
     freed before the next run computes them again (a logits-sized set held per run would add to the peak)."""
     import weakref
 
-    from spmd_ort.ort.choice import TIMED_RUNS, timed_fx_runs
+    from spmd_ort.backends.ort.choice import TIMED_RUNS, timed_fx_runs
 
     outputs: list = []
     alive_at_start: list[int] = []
@@ -137,11 +137,11 @@ def test_a_gpu_segment_that_may_use_tf32_is_verified_to_tf32s_precision(tf32_set
     conv = make_fx(lambda x, w: F.conv2d(x, w).relu().sum())(x, w)
     mm = make_fx(lambda a: (a @ a).sum())(a)
     cpu_conv = make_fx(lambda x, w: F.conv2d(x, w).sum())(torch.randn(2, 3, 8, 8), torch.randn(4, 3, 3, 3))
-    tf32 = verify.VERIFY_ULPS * 2.0**-10
+    tf32 = checking.VERIFY_ULPS * 2.0**-10
     torch.backends.cudnn.allow_tf32 = True
     torch.set_float32_matmul_precision("highest")
-    assert verify.verify_tolerance(conv) == tf32 and verify.verify_tolerance(mm) == verify.VERIFY_TOLERANCE
-    assert verify.verify_tolerance(cpu_conv) == verify.VERIFY_TOLERANCE  # the CPU has no TF32
+    assert checking.verify_tolerance(conv) == tf32 and checking.verify_tolerance(mm) == checking.VERIFY_TOLERANCE
+    assert checking.verify_tolerance(cpu_conv) == checking.VERIFY_TOLERANCE  # the CPU has no TF32
     torch.backends.cudnn.allow_tf32 = False
     torch.set_float32_matmul_precision("high")
-    assert verify.verify_tolerance(conv) == verify.VERIFY_TOLERANCE and verify.verify_tolerance(mm) == tf32
+    assert checking.verify_tolerance(conv) == checking.VERIFY_TOLERANCE and checking.verify_tolerance(mm) == tf32

@@ -34,7 +34,7 @@ def test_counts_each_kind_of_collective_with_its_bytes():
     before = gm.code
     gm = run_passes(gm, ctx, [count_collectives_pass])
     counts = ctx.results.get(CollectiveCounts)
-    reduces = [n for n in gm.graph.nodes if n.target is spmd_ort.runtime.ops.all_reduce_]
+    reduces = [n for n in gm.graph.nodes if n.target is spmd_ort.graph.ops.all_reduce_]
     assert counts.calls == {"all-reduce": len(reduces)} and len(reduces) > 1  # several buckets
     grad_bytes = sum(p.numel() * 4 for p in MLP().parameters())
     assert counts.nbytes == {"all-reduce": grad_bytes}

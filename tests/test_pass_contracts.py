@@ -87,7 +87,7 @@ def test_a_pass_that_breaks_an_undeclared_fact_is_named_with_the_pass_that_needs
     @graph_pass()
     def untag_pass(gm, ctx):
         """Removes the gradient tags without declaring that it invalidates them."""
-        for node in [n for n in gm.graph.nodes if n.target is spmd_ort.runtime.ops.tag_grad]:
+        for node in [n for n in gm.graph.nodes if n.target is spmd_ort.graph.ops.tag_grad]:
             node.replace_all_uses_with(node.args[0])
             gm.graph.erase_node(node)
         return gm

@@ -9,13 +9,15 @@ import pytest
 from torch import fx
 
 import spmd_ort
-from spmd_ort.passes import GradientBuckets, SummedMicroBatches, sum_micro_batch_gradients_pass
-from spmd_ort.runtime.ops import all_reduce_, broadcast_, wait_
+from spmd_ort.passes import sum_micro_batch_gradients_pass
+from spmd_ort.passes.data_parallel import GradientBuckets, SummedMicroBatches
+from spmd_ort.graph.ops import all_reduce_, broadcast_, wait_
 from spmd_ort.passes import (PassContext, broadcast_buffers_pass, bucket_collectives_pass, build_pipeline,
                                  dedup_collectives_pass, expand_data_parallel_pass, op_counts, run_passes,
                                  schedule_overlap_pass)
-from spmd_ort.runtime.context import StepRuntime
-from spmd_ort.capture.state import SlotKind, StateLayout
+from spmd_ort.runtime.step_runtime import StepRuntime
+from spmd_ort.graph.slots import SlotKind
+from spmd_ort.capture.state import StateLayout
 from spmd_ort.capture.optim import rule_for
 from spmd_ort.capture.trace import trace_step
 from helpers import accumulation_step, train_step
@@ -170,7 +172,7 @@ def test_gradient_presence_is_summed_over_ranks_after_bucketing(one_rank):
     the pass sums it over the ranks (one all-reduce, after the gradient buckets, which stay gradients only); on
     one rank the numbers equal the graph before it, an idle expert's entries 0 included."""
     from spmd_ort.capture.opaque import OpaquePlan
-    from spmd_ort.runtime.ops import grads_present
+    from spmd_ort.graph.ops import grads_present
     from spmd_ort.passes import reduce_grad_presence_pass
     from models import RoutedMoENet, starve
 

@@ -11,11 +11,11 @@ import torch.distributed as dist
 import torch.distributed._functional_collectives as funcol
 from torch.fx.experimental.proxy_tensor import make_fx
 
-from spmd_ort.passes import (PassContext, adopt_dtensor_collectives_pass, count_collectives_pass,
-                             merge_summed_all_reduces_pass, node_signatures, schedule_overlap_pass)
+from spmd_ort.passes import PassContext, adopt_dtensor_collectives_pass, count_collectives_pass, merge_summed_all_reduces_pass, schedule_overlap_pass
+from spmd_ort.passes.expand import node_signatures
 from spmd_ort.passes.expand import FUNCOL
-from spmd_ort.runtime import ops
-from spmd_ort.runtime.context import StepRuntime
+from spmd_ort.graph import ops
+from spmd_ort.runtime.step_runtime import StepRuntime
 
 
 def _traced(fn, *inputs):
@@ -129,7 +129,7 @@ def test_compute_independent_of_a_collective_runs_in_its_flight(one_rank):
 
 
 def _slots(*kinds):
-    from spmd_ort.capture.state import Slot, SlotKind
+    from spmd_ort.graph.slots import Slot, SlotKind
 
     return [Slot(kind=SlotKind(k), name=f"in{i}", index=i) for i, k in enumerate(kinds)]
 

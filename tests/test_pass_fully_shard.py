@@ -7,17 +7,20 @@ import copy
 import pytest
 import torch
 
-from spmd_ort.passes import KeptForBackward, OptimizerOffload, ShardBuckets
+from spmd_ort.passes.shard_schedule import KeptForBackward, ShardBuckets
+from spmd_ort.passes.offload import OptimizerOffload
 import spmd_ort
-from spmd_ort.runtime.ops import all_gather, all_reduce_, reduce_scatter, wait_
+from spmd_ort.graph.ops import all_gather, all_reduce_, reduce_scatter, wait_
 from spmd_ort.capture.optim import rule_for
 from spmd_ort.passes import (PARALLEL_STAGES, PassContext, build_pipeline, complete_grad_norms_pass,
                                  dedup_collectives_pass, gather_parameters_pass, offload_optimizer_pass,
                                  propagate_shards_pass, reduce_scatter_gradients_pass, rematerialize_param_views_pass,
                                  run_passes, shard_placeholders_pass)
-from spmd_ort.runtime.context import StepRuntime
-from spmd_ort.capture.state import SlotKind, StateLayout
-from spmd_ort.capture.trace import phase, trace_step
+from spmd_ort.runtime.step_runtime import StepRuntime
+from spmd_ort.graph.slots import SlotKind
+from spmd_ort.capture.state import StateLayout
+from spmd_ort.capture.trace import trace_step
+from spmd_ort.graph.meta import phase
 from helpers import shard_without_collectives, train_step
 from models import GPT, MLP, GPTConfig
 
@@ -241,7 +244,7 @@ def test_opaque_module_reads_gathered_parameters_and_its_gradients_are_reduce_sc
     """An opaque submodule's parameters are placeholders like any other: gather_parameters_pass feeds
     its opaque_forward full parameters, and the gradients its opaque_backward returns are reduce-scattered."""
     from spmd_ort.capture.opaque import OpaquePlan
-    from spmd_ort.runtime.ops import opaque_backward, opaque_forward
+    from spmd_ort.graph.ops import opaque_backward, opaque_forward
 
     model = MLP()
     opt = torch.optim.SGD(model.parameters(), lr=0.1)

@@ -14,13 +14,14 @@ from torch.fx.experimental.proxy_tensor import make_fx
 
 import spmd_ort
 from spmd_ort.debug.explain import node_flops
-from spmd_ort.passes import (FusedLosses, MemoryPlan, PassContext, fuse_linear_cross_entropy_pass, op_counts,
-                             remove_identity_views_pass, run_passes)
-from spmd_ort.runtime import ops
+from spmd_ort.passes import PassContext, fuse_linear_cross_entropy_pass, op_counts, remove_identity_views_pass, run_passes
+from spmd_ort.passes.fusion import FusedLosses
+from spmd_ort.passes.analysis import MemoryPlan
+from spmd_ort.graph import ops
 
 from helpers import RTOL, assert_close_relmax, train_side_by_side, train_step
 from models import GPT, GPTConfig, gpt_batch
-from spmd_ort.inductor.executor import cxx_compiler
+from spmd_ort.backends.inductor import cxx_compiler
 
 pytestmark = pytest.mark.skipif(ops.LINEAR_CROSS_ENTROPY is None, reason="torch has no chunked linear_cross_entropy")
 FUSED = str(ops.LINEAR_CROSS_ENTROPY)
@@ -94,9 +95,9 @@ def test_a_batch_of_padding_gives_eagers_nan_loss_and_zero_gradients():
 @pytest.mark.parametrize("reduction,ignored,class_weight", [("mean", 9, False), ("sum", 9, True),
                                                              ("mean", 0, True), ("sum", ROWS, False)])
 def test_the_decomposition_onnx_gets_computes_what_the_operator_does(reduction, ignored, class_weight):
-    """What an ORT segment exports in place of the operator (spmd_ort/ort/fused.py), against the operator itself
+    """What an ORT segment exports in place of the operator (spmd_ort/backends/ort/fused.py), against the operator itself
     (the segment's first run checks the same against torch)."""
-    from spmd_ort.ort.fused import linear_cross_entropy
+    from spmd_ort.backends.ort.fused import linear_cross_entropy
 
     h, w, y = (t.detach() for t in _inputs(rows=96, classes=300, ignored=ignored))
     weight = torch.rand(300, generator=torch.Generator().manual_seed(3)) if class_weight else None

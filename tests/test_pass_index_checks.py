@@ -12,9 +12,10 @@ from torch import nn
 from torch.fx.experimental.proxy_tensor import make_fx
 
 import spmd_ort
-from spmd_ort.capture.state import Slot, SlotKind
-from spmd_ort.passes import IndexChecks, PassContext, insert_index_checks_pass, op_counts, run_passes
-from spmd_ort.runtime.ops import check_index
+from spmd_ort.graph.slots import Slot, SlotKind
+from spmd_ort.passes import PassContext, insert_index_checks_pass, op_counts, run_passes
+from spmd_ort.passes.index_checks import IndexChecks
+from spmd_ort.graph.ops import check_index
 
 CHECK = "spmd_ort.check_index.default"
 

@@ -11,9 +11,10 @@ import torch.nn.functional as F
 from torch import fx
 from torch.fx.experimental.proxy_tensor import make_fx
 
-from spmd_ort.passes import PassContext, RandomLayouts, op_counts, pin_random_layouts_pass, run_passes
+from spmd_ort.passes import PassContext, op_counts, pin_random_layouts_pass, run_passes
+from spmd_ort.passes.layout import RandomLayouts
 from spmd_ort.passes.contracts import RANDOM_LAYOUTS_PINNED
-from spmd_ort.runtime import ops
+from spmd_ort.graph import ops
 
 aten = torch.ops.aten
 

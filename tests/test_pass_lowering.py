@@ -6,9 +6,10 @@ import torch
 import torch.nn.functional as F
 from torch.fx.experimental.proxy_tensor import make_fx
 
-from spmd_ort.ort import coverage, lowering
-from spmd_ort.ort.partition import why_host
-from spmd_ort.passes import Lowering, PassContext, lower_to_onnx_ops_pass, op_counts, run_passes
+from spmd_ort.backends.ort import coverage, decompose
+from spmd_ort.backends.ort.partition import why_host
+from spmd_ort.passes import PassContext, lower_to_onnx_ops_pass, op_counts, run_passes
+from spmd_ort.passes.lowering import Lowering
 
 
 def _step(x, w, y):
@@ -37,13 +38,13 @@ def test_ops_without_translation_carry_their_decomposition_and_numbers_unchanged
     ctx = PassContext(input_slots=[None] * 3, output_slots=[None] * 3, check_contracts=True)
     gm = run_passes(gm, ctx, [lower_to_onnx_ops_pass])
     assert gm.code == code  # the op stays: where the graph runs in torch, torch's kernel runs
-    marked = {str(n.target) for n in gm.graph.nodes if lowering.DECOMPOSITION in n.meta}
+    marked = {str(n.target) for n in gm.graph.nodes if decompose.DECOMPOSITION in n.meta}
     assert marked == {"aten.tanh_backward.default", "aten.nll_loss_backward.default",
                       "aten.nll_loss_forward.default"}
     assert ctx.results.get(Lowering).lowered == {"aten.nll_loss_backward.default": 1,
                                                  "aten.nll_loss_forward.default": 1,
                                                  "aten.tanh_backward.default": 1}
-    onnx_view = lowering.expand(gm)
+    onnx_view = decompose.expand(gm)
     onnx_view.graph.lint()
     after = op_counts(onnx_view)
     for op in marked:
@@ -58,7 +59,7 @@ def test_ops_without_translation_carry_their_decomposition_and_numbers_unchanged
     for a, b in zip(onnx_view(x, w.detach(), y), expected):
         torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7)
     assert len(onnx_view.graph.nodes) > len(gm.graph.nodes)
-    assert lowering.expand(gm) is not gm and gm.code == code  # expand works on a copy
+    assert decompose.expand(gm) is not gm and gm.code == code  # expand works on a copy
 
 
 def test_a_marked_op_runs_in_ort_only_when_its_whole_decomposition_does():
@@ -66,7 +67,7 @@ def test_a_marked_op_runs_in_ort_only_when_its_whole_decomposition_does():
     gm = make_fx(_step, tracing_mode="fake")(x, w, y)
     run_passes(gm, PassContext(input_slots=[None] * 3, output_slots=[None] * 3), [lower_to_onnx_ops_pass])
     for node in gm.graph.nodes:
-        if lowering.DECOMPOSITION in node.meta:
+        if decompose.DECOMPOSITION in node.meta:
             assert why_host(node) is None, node.format_node()
     cummax = next(n for n in gm.graph.nodes if n.target is torch.ops.aten.cummax.default)
     assert "no ONNX translation and no torch decomposition" in why_host(cummax)
@@ -86,11 +87,11 @@ def test_a_placeholder_carrying_a_mark_is_not_expanded():
     x, w, y = _inputs()
     gm = make_fx(_step, tracing_mode="fake")(x, w, y)
     run_passes(gm, PassContext(input_slots=[None] * 3, output_slots=[None] * 3), [lower_to_onnx_ops_pass])
-    marked = next(n for n in gm.graph.nodes if lowering.DECOMPOSITION in n.meta)
+    marked = next(n for n in gm.graph.nodes if decompose.DECOMPOSITION in n.meta)
     first = next(n for n in gm.graph.nodes if n.op == "placeholder")
-    first.meta[lowering.DECOMPOSITION] = marked.meta[lowering.DECOMPOSITION]
+    first.meta[decompose.DECOMPOSITION] = marked.meta[decompose.DECOMPOSITION]
     expected = gm(x, w.detach(), y)
-    for a, b in zip(lowering.expand(gm)(x, w.detach(), y), expected):
+    for a, b in zip(decompose.expand(gm)(x, w.detach(), y), expected):
         torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7)
 
 

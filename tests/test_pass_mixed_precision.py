@@ -6,7 +6,7 @@ import torch
 import torch.nn.functional as F
 
 import spmd_ort
-from spmd_ort.runtime.ops import all_gather, all_reduce_, reduce_scatter, wait_
+from spmd_ort.graph.ops import all_gather, all_reduce_, reduce_scatter, wait_
 from spmd_ort.capture.optim import rule_for
 from spmd_ort.passes import (PassContext, build_pipeline, cast_gradient_reductions_pass,
                                  cast_params_before_gather_pass, complete_found_inf_pass, dedup_collectives_pass,
@@ -14,9 +14,10 @@ from spmd_ort.passes import (PassContext, build_pipeline, cast_gradient_reductio
                                  reduce_scatter_gradients_pass, rematerialize_param_views_pass, run_passes,
                                  shard_placeholders_pass)
 from spmd_ort.passes.helpers import is_dtype_cast, unpack_chain
-from spmd_ort.runtime.context import StepRuntime
+from spmd_ort.runtime.step_runtime import StepRuntime
 from spmd_ort.distributed.sharding import SHARD_ATTR, ShardSpec
-from spmd_ort.capture.state import SlotKind, StateLayout
+from spmd_ort.graph.slots import SlotKind
+from spmd_ort.capture.state import StateLayout
 from spmd_ort.capture.trace import trace_step
 from helpers import scaled_update, train_step
 from models import MLP

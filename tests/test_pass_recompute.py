@@ -13,9 +13,10 @@ from torch.fx.experimental.proxy_tensor import make_fx
 from torch.utils.checkpoint import checkpoint
 
 import spmd_ort
-from spmd_ort.passes import PassContext, Recomputation, op_counts, recompute_activations_pass, run_passes
+from spmd_ort.passes import PassContext, op_counts, recompute_activations_pass, run_passes
+from spmd_ort.passes.recompute import Recomputation
 from spmd_ort.passes.recompute import NARROWED_MASK, RECOMPUTED
-from spmd_ort.runtime import ops
+from spmd_ort.graph import ops
 from tests.helpers import ATOL, RTOL, assert_ran_on_ort, assert_same_state, lm_step, train_side_by_side, train_step
 from tests.models import GPT, MLP, GPTConfig, ScaleByMax, gpt_batch
 
@@ -252,7 +253,7 @@ def test_dynamic_shapes_with_dropout_recompute_and_are_bitwise_equal_across_budg
     """A symbolic trace with dropout: the backward's nodes keep their phase tags (make_fx drops the trace's dead
     size nodes after tracing; tags placed by position once fell off the graph, and nothing was recomputed).
     Budget 0 gives budget 1's losses and parameters bit for bit, and eager's to the usual tolerance."""
-    from spmd_ort.capture.trace import phase
+    from spmd_ort.graph.meta import phase
 
     g = torch.Generator().manual_seed(0)
     batches = [(torch.randint(0, 64, (b, t), generator=g), torch.randint(0, 64, (b, t), generator=g))
@@ -371,7 +372,7 @@ def test_autocast_bf16_with_dropout_at_budget_zero_is_bitwise_equal_to_eager():
 
 def test_gradient_accumulation_recomputes_each_micro_batch_from_its_own_forward():
     """Two forwards and backwards in one step: each backward recomputes from values of its own forward."""
-    from spmd_ort.capture.trace import phase
+    from spmd_ort.graph.meta import phase
     from tests.helpers import accumulation_step
 
     cfg = GPTConfig(vocab=64, seq=16, d=32, heads=4, layers=2)
@@ -451,7 +452,7 @@ def _sharded_step(budget, reshard):
 def test_under_fully_shard_recomputation_reads_the_backwards_gathers_and_adds_none(reshard):
     """The recompute pass runs before the parallel passes: its copies are backward nodes, so they read the
     parameters the backward gathers anyway (re-gathered after resharding, or kept from the forward)."""
-    from spmd_ort.capture.trace import phase
+    from spmd_ort.graph.meta import phase
 
     gathers = {}
     for budget in (1.0, 0.0):

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from spmd_ort.capture.state import SlotKind
+from spmd_ort.graph.slots import SlotKind
 import spmd_ort
 from spmd_ort.passes import PassContext, op_counts, reinplace_optimizer_pass, run_passes
 from models import MLP

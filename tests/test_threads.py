@@ -20,8 +20,8 @@ from torch import fx
 import spmd_ort
 from helpers import assert_same_state, train_side_by_side, train_step
 from models import MLP, FunctionMLP, ScaleByMax
-from spmd_ort.debug.timeline import TimedInterpreter
-from spmd_ort.ort.choice import FirstRun
+from spmd_ort.backends.timed import TimedInterpreter
+from spmd_ort.backends.ort.choice import FirstRun
 from spmd_ort.runtime.interpreter import RunInterpreter
 
 STEPS = 2
@@ -140,7 +140,7 @@ def test_running_a_graph_leaves_torch_fx_current_meta_alone():
     """Run-time interpreters (first run, float64 check, profiled steps) do not publish node meta into
     torch.fx's process-wide current meta, which a trace in another thread copies onto its new nodes while
     ``preserve_node_meta`` is on: that trace's nodes would take this graph's phase tags."""
-    from spmd_ort.ort.verify import _Float64
+    from spmd_ort.graph.checking import _Float64
 
     assert all(issubclass(cls, RunInterpreter) for cls in (FirstRun, TimedInterpreter, _Float64))
     seen: list[dict] = []

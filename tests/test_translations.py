@@ -1,4 +1,4 @@
-"""Each of our own ONNX translations (spmd_ort.ort.translations) against torch's kernel, op by op.
+"""Each of our own ONNX translations (spmd_ort.backends.ort.translations) against torch's kernel, op by op.
 
 A one-op graph is traced, translated, run in ONNX Runtime and compared with the op itself, over the
 argument variants the translation distinguishes (strides, padding, groups, masks, output masks, ...).
@@ -13,12 +13,12 @@ import torch.utils._pytree as pytree
 from torch.fx.experimental.proxy_tensor import make_fx
 
 from helpers import assert_close_relmax
-from spmd_ort.ort import coverage
-from spmd_ort.ort.export import translate
-from spmd_ort.capture.dynamic import fake_inputs
-from spmd_ort.ort.session import OrtSegment, is_symbolic
-from spmd_ort.ort.translations import TRANSLATIONS
-from spmd_ort.runtime import ops
+from spmd_ort.backends.ort import coverage
+from spmd_ort.backends.ort.export import translate
+from spmd_ort.graph.symbolic import fake_inputs
+from spmd_ort.backends.ort.session import OrtSegment, is_symbolic
+from spmd_ort.backends.ort.translations import TRANSLATIONS
+from spmd_ort.graph import ops
 
 aten = torch.ops.aten
 G = torch.Generator().manual_seed(0)
@@ -131,7 +131,7 @@ def test_embedding_dense_backward_sums_repeated_tokens_alike_on_every_run_with_t
 
 def test_index_put_with_accumulate_stays_in_torch_on_cpu():
     """torchlib translates index_put(accumulate=True) as a ScatterND(add), which races on ORT's CPU provider."""
-    from spmd_ort.ort.partition import why_host
+    from spmd_ort.backends.ort.partition import why_host
 
     def f(x, i, v):
         return aten.index_put.default(x, [i], v, True), aten.index_put.default(x, [i], v, False)
@@ -458,7 +458,7 @@ def test_cross_entropy_backward_is_one_expression_with_the_same_numbers(reductio
     numbers equal the pair's translated op by op, bit for bit, and torch's to rounding. At dynamic batch sizes too."""
     import onnx
 
-    from spmd_ort.ort import lowering
+    from spmd_ort.backends.ort import decompose
 
     def fn(x, y, g):
         logp = aten._log_softmax(x, 1, False)
@@ -473,21 +473,21 @@ def test_cross_entropy_backward_is_one_expression_with_the_same_numbers(reductio
 
     a = args(16)
     gm = make_fx(fn, tracing_mode="fake")(*a)
-    lowering.annotate(gm)  # (as lower_to_onnx_ops_pass: nll_loss_forward goes as torch's decomposition)
+    decompose.annotate(gm)  # (as lower_to_onnx_ops_pass: nll_loss_forward goes as torch's decomposition)
     fused = translate(gm)
     ops = [n.op_type for n in onnx.load_from_string(fused).graph.node]
     # over the logits: Exp, Mul, ScatterElements (the pair: ConstantOfShape, ScatterElements, Where, Mul, Exp,
     # ReduceSum, Mul, Sub)
     assert "ConstantOfShape" not in ops and "Sub" not in ops, ops
     assert ops.count("Exp") == ops.count("Mul") == ops.count("ScatterElements") == 1, ops
-    original = lowering.fuse_loss_backward
+    original = decompose.fuse_loss_backward
     try:
-        lowering.fuse_loss_backward = lambda gm: gm
+        decompose.fuse_loss_backward = lambda gm: gm
         pair = translate(gm)
     finally:
-        lowering.fuse_loss_backward = original
+        decompose.fuse_loss_backward = original
     half = make_fx(fn, tracing_mode="fake")(a[0].half(), a[1], a[2].half())  # (no float16 scatter-add on CPU)
-    assert lowering.fuse_loss_backward(half) is half
+    assert decompose.fuse_loss_backward(half) is half
     got = OrtSegment("fused", gm, fused, threads=1, allow_spinning=False).run_ort(*a)
     assert torch.equal(got, OrtSegment("pair", gm, pair, threads=1, allow_spinning=False).run_ort(*a))
     assert_close_relmax(got, fn(*a), rtol=2e-5)
@@ -497,7 +497,7 @@ def test_cross_entropy_backward_is_one_expression_with_the_same_numbers(reductio
                               ["x", "y", "g"])
     gm = make_fx(fn, tracing_mode="symbolic", _allow_non_fake_inputs=True)(*fakes)
     assert is_symbolic(gm)
-    lowering.annotate(gm)
+    decompose.annotate(gm)
     segment = OrtSegment("dynamic", gm, translate(gm), threads=1, allow_spinning=False)
     for inputs in (a, b):
         assert_close_relmax(segment.run_ort(*inputs), fn(*inputs), rtol=2e-5)

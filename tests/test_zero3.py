@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from helpers import assert_ort_report_clean
-from spmd_ort.runtime import ops
+from spmd_ort.graph import ops
 
 ROOT = Path(__file__).resolve().parent.parent
 DIST = ROOT / "tests" / "dist"

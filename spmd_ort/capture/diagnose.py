@@ -24,6 +24,7 @@
 from __future__ import annotations
 
 import contextlib
+import functools
 import linecache
 import logging
 import os
@@ -34,8 +35,9 @@ from types import TracebackType
 import torch
 import torch.nn.functional as F
 from torch.fx.experimental.proxy_tensor import get_proxy_mode, get_proxy_slot
+from spmd_ort.options import get_logger
 
-logger = logging.getLogger("spmd_ort")
+logger = get_logger(__name__)
 
 # Loggers that report failed ops while make_fx traces over fake tensors.
 TRACE_LOGGERS = ("torch._subclasses.fake_tensor", "torch.fx.experimental.proxy_tensor",
@@ -193,6 +195,7 @@ def _autocast_on() -> bool:
     return any(torch.is_autocast_enabled(d) for d in ("cpu", "cuda"))
 
 
+@functools.cache  # a cache of a pure function: the names torch's, Tensor's and F's attributes have
 def _public_names() -> dict[int, str]:
     """id -> how users write it: ``F.linear``, ``torch.matmul``, ``Tensor.view``."""
     names: dict[int, str] = {}
@@ -204,13 +207,8 @@ def _public_names() -> dict[int, str]:
     return names
 
 
-_NAMES: dict[int, str] = {}
-
-
 def op_name(func) -> str:
-    if not _NAMES:
-        _NAMES.update(_public_names())
-    found = _NAMES.get(id(func))
+    found = _public_names().get(id(func))
     if found is not None:
         return found
     name = getattr(func, "__name__", None) or str(func)

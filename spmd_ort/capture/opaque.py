@@ -46,13 +46,14 @@ from torch.nn.utils import stateless
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from spmd_ort.capture import presence
-from spmd_ort.runtime import opaque
+from spmd_ort.runtime import opaque_calls
 from spmd_ort.errors import CompileError
-from spmd_ort.runtime.opaque import OpaqueCall, TensorMeta
-from spmd_ort.runtime.ops import opaque_backward, opaque_forward
+from spmd_ort.runtime.opaque_calls import OpaqueCall, TensorMeta
+from spmd_ort.graph.ops import opaque_backward, opaque_forward
 from spmd_ort.capture.state import unique_named
+from spmd_ort.options import get_logger
 
-logger = logging.getLogger("spmd_ort")
+logger = get_logger(__name__)
 aten = torch.ops.aten
 
 
@@ -339,7 +340,7 @@ class OpaqueCapture:
             for fqn, mod in self._opaque_modules():
                 patched.append((mod, mod.__dict__.get("forward")))
                 mod.forward = functools.partial(self._capture_module, fqn, mod, mod.forward)
-            with opaque.tracing(self.calls), _quiet_fake_tensor_log():
+            with opaque_calls.tracing(self.calls), _quiet_fake_tensor_log():
                 yield self
         finally:
             Function.apply = saved_apply

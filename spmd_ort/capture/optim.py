@@ -9,7 +9,7 @@ op per param group (``spmd_ort::adam`` / ``spmd_ort::sgd``) whose
 hyper-parameters are a graph input, and copies the results back into the traced state so the
 graph returns the new parameters and optimizer state.
 
-The ops (:mod:`spmd_ort.runtime.ops`, bodies in :mod:`spmd_ort.runtime.kernels`) run torch's
+The ops (:mod:`spmd_ort.graph.ops`, bodies in :mod:`spmd_ort.runtime.kernels`) run torch's
 fused multi-tensor kernels, so compiled numbers equal eager ``fused=True``
 exactly and ``foreach``/for-loop eager within fp32 rounding.  All scalar
 hyper-parameters of a group travel in one float64 host tensor (``hparams``)
@@ -33,7 +33,7 @@ from torch import Tensor
 
 from spmd_ort.capture import presence
 from spmd_ort.distributed.dtensor import is_dtensor, local, spec_of, to_spec, wrap
-from spmd_ort.runtime import ops
+from spmd_ort.graph import ops
 from spmd_ort.errors import CompileError
 
 # --------------------------------------------------------------------------
@@ -92,7 +92,8 @@ def amp_arguments(opt: torch.optim.Optimizer, params: list[Tensor]) -> Tensor | 
 
 
 def initial_step(group: dict, p: Tensor) -> Tensor:
-    """Adam's step counter as torch creates it: a float32 scalar, on the parameter's device only when fused/capturable."""
+    """Adam's step counter as torch creates it: a float32 scalar, on the parameter's device only when
+    fused/capturable."""
     on_param = group.get("fused") or group.get("capturable")
     return torch.zeros((), dtype=torch.float32, device=p.device if on_param else "cpu")
 

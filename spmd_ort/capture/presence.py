@@ -7,7 +7,7 @@ that gradient comes only from opaque backwards, whether eager would have one is 
 only when the opaque part runs.  So:
 
 * each ``opaque_backward`` also returns, per gradient, whether its own autograd produced
-  it (:mod:`spmd_ort.runtime.opaque`);
+  it (:mod:`spmd_ort.runtime.opaque_calls`);
 * while the step is traced, :class:`GradPresence` watches every parameter's gradient
   arrive: one whose whole value is opaque outputs (summed, cast), on a parameter that had
   no ``.grad`` yet, and which is still the parameter's ``.grad`` when the optimizer steps,
@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
-import logging
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 
@@ -34,11 +33,11 @@ import torch
 from torch import Tensor, fx
 from torch.fx.experimental.proxy_tensor import get_proxy_mode, get_proxy_slot
 
-from spmd_ort.runtime import ops
+from spmd_ort.graph import ops
+from spmd_ort.options import get_logger
 
 aten = torch.ops.aten
-logger = logging.getLogger("spmd_ort")
-_WARNED: set[tuple[str, ...]] = set()  # parameter sets already named (once per process, not per variant)
+logger = get_logger(__name__)
 
 # The optimizer's dict entry, while a traced step() runs, holding (presence vector, {id(param): position}).
 PRESENT_KEY = "__spmd_ort_present__"
@@ -69,6 +68,8 @@ class GradPresence:
     names: list[str] = field(default_factory=list)  # parameter FQNs, in layout order (for the warning)
     present: Tensor | None = None  # the last step()'s vector
     params: tuple[int, ...] = ()  # layout indices of its entries
+    # WARNINGs the step already gave (its compiler's set, kept across variants: each is given once per step)
+    warned: set = field(default_factory=set)
 
     # -------------------------------------------------------------- recording
     def produced(self, grads: list[Tensor], present: Tensor) -> None:
@@ -128,8 +129,8 @@ class GradPresence:
                 maybe.append((i, p, seen.sources))
             else:  # a second backward, or a .grad the step replaced: no longer the opaque outputs alone
                 lost.append(self.names[i] if i < len(self.names) else f"parameter {i}")
-        if lost and tuple(lost) not in _WARNED:
-            _WARNED.add(tuple(lost))
+        if lost and ("replaced_grads", tuple(lost)) not in self.warned:
+            self.warned.add(("replaced_grads", tuple(lost)))
             logger.warning(
                 "%s get gradients only from opaque parts, but the step runs backward again or replaces their .grad "
                 "before the optimizer: they are updated on every step, also on one where no part used them (eager "

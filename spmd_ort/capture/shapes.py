@@ -17,20 +17,20 @@ program whose guards reject a call's sizes sends it to a static program for exac
 
 from __future__ import annotations
 
-import logging
 
 import torch
 
 from spmd_ort.capture import amp
-from spmd_ort.capture.dynamic import DynamicDims, changed_dims, dims_differing_across, leading_dims
+from spmd_ort.graph.symbolic import DynamicDims, changed_dims, dims_differing_across, leading_dims
 from spmd_ort.capture.inputs import StepCall, StepInputs
 from spmd_ort.capture.state import state_device
 from spmd_ort.capture.transition import StepKey, TransitionManager
 from spmd_ort.distributed import parallel
 from spmd_ort.distributed.dtensor import has_dtensor_state
 from spmd_ort.errors import CompileError
+from spmd_ort.options import get_logger
 
-logger = logging.getLogger("spmd_ort")
+logger = get_logger(__name__)
 
 AGREEMENT = "this step's inputs, module and optimizer"
 
@@ -71,7 +71,7 @@ class ShapePolicy:
         self.mode = mode  # "auto" | "1" | "0" (Options.dynamic)
         self.fn = fn
         self.transitions = transitions
-        self.dynamic = DynamicDims()  # grows as sizes change (spmd_ort.capture.dynamic)
+        self.dynamic = DynamicDims()  # grows as sizes change (spmd_ort.graph.symbolic)
         self._widened_from: DynamicDims | None = None  # the dims before this call widened them
         self._refused: dict[int, set[int]] = {}  # dims whose symbolic trace failed once: never widened again
 

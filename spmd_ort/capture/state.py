@@ -16,7 +16,6 @@ state back after it (:meth:`write_back`), so that ``model.state_dict()`` and
 from __future__ import annotations
 
 import contextlib
-import enum
 import functools
 from collections import defaultdict
 from collections.abc import Iterator
@@ -27,61 +26,12 @@ from torch import Tensor, nn
 from torch.nn.utils import stateless
 
 from spmd_ort.capture import amp
-from spmd_ort.runtime.ops import tag_grad
+from spmd_ort.graph.ops import tag_grad
 from spmd_ort.capture.optim import HPARAMS_KEY, OptimizerRule
 from spmd_ort.capture.presence import PRESENT_KEY, GradPresence
 from spmd_ort.distributed import dtensor
 from spmd_ort.distributed.sharding import ShardSpec, flat_of, is_sharded_state, spec_of, state_like
-
-
-class SlotKind(enum.Enum):
-    """What a graph input or output is (the state it belongs to, or the call's own values)."""
-
-    PARAM = "param"
-    BUFFER = "buffer"
-    GRAD = "grad"
-    OPT_STATE = "opt_state"
-    HPARAM = "hparam"  # a param group's scalar hyper-parameters, one float64 input
-    SCALER = "scaler"  # a GradScaler's scale and growth tracker
-    EXTRA = "extra"  # state added by an Override transform
-    BATCH = "batch"  # a tensor leaf of the user's arguments (or a Python number lifted to an input)
-    INPUT_GRAD = "input_grad"  # the .grad of an argument that requires grad
-    USER = "user"  # a leaf of the step's return value (output only)
-    STATS = "stats"  # the statistics of a tapped activation (output only; index: the tap id)
-    # which parameters (StateLayout.present_params) have a gradient this step (output only; spmd_ort.capture.presence)
-    PRESENCE = "presence"
-
-    def __str__(self) -> str:
-        return self.value
-
-    @property
-    def is_state(self) -> bool:
-        """State of the module, optimizer or scaler (the ``flat_state`` of Override transforms), not the call's."""
-        return self in _STATE
-
-    @property
-    def per_parameter(self) -> bool:
-        """Indexed by parameter: what ``fully_shard`` splits into shards (optimizer state: its non-scalar part)."""
-        return self in _PER_PARAMETER
-
-
-_STATE = frozenset({SlotKind.PARAM, SlotKind.BUFFER, SlotKind.GRAD, SlotKind.OPT_STATE, SlotKind.HPARAM,
-                    SlotKind.SCALER, SlotKind.EXTRA})
-_PER_PARAMETER = frozenset({SlotKind.PARAM, SlotKind.GRAD, SlotKind.OPT_STATE})
-
-
-@dataclass(frozen=True)
-class Slot:
-    """One graph input or output and the state it belongs to.
-
-    ``kind``: a :class:`SlotKind`.  ``index`` points into the layout's list for that kind; ``key`` is the
-    optimizer-state key, hyper-parameter name or scaler tensor (``scale``, ``growth_tracker``).
-    """
-
-    kind: SlotKind
-    name: str
-    index: int
-    key: str | None = None
+from spmd_ort.graph.slots import Slot, SlotKind
 
 
 @dataclass
@@ -431,7 +381,8 @@ class BoundState:
 
 
 def state_device(module: nn.Module) -> torch.device:
-    """Where new step state goes (a GradScaler's scale, as its first ``scale()`` would put it): the parameters' device."""
+    """Where new step state goes (a GradScaler's scale, as its first ``scale()`` would put it): the parameters'
+    device."""
     for p in module.parameters():
         return p.device
     return torch.device("cpu")

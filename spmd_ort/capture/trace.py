@@ -32,7 +32,6 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import gc
-import logging
 import threading
 import time
 from dataclasses import dataclass
@@ -45,20 +44,23 @@ from torch import fx
 from torch.fx.experimental.proxy_tensor import get_proxy_mode, make_fx
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from spmd_ort.runtime import opaque, ops
+from spmd_ort.graph import ops
+from spmd_ort.runtime import opaque_calls
 from spmd_ort.runtime.taps import TapRegistry, collecting
 from spmd_ort.capture.amp import autocast_disabled
 from spmd_ort.capture.diagnose import OpWatch, quiet_torch_logs, raised_by_own_code, tracing_frame
-from spmd_ort.capture.dynamic import DynamicDims, SymbolicShapes, fake_inputs
+from spmd_ort.graph.symbolic import DynamicDims, SymbolicShapes, fake_inputs
 from spmd_ort.errors import CompileError
 from spmd_ort.capture.inputs import StepInputs, describe
-from spmd_ort.runtime.opaque import OpaqueCall
+from spmd_ort.runtime.opaque_calls import OpaqueCall
 from spmd_ort.capture.opaque import CallStack, Frame, OpaqueCapture, OpaquePlan, link_backward
 from spmd_ort.capture.presence import GradPresence, tracking
-from spmd_ort.capture.state import Slot, SlotKind, StateLayout
+from spmd_ort.graph.slots import Slot, SlotKind
+from spmd_ort.capture.state import StateLayout
 from spmd_ort.distributed import dtensor
+from spmd_ort.options import get_logger
 
-logger = logging.getLogger("spmd_ort")
+logger = get_logger(__name__)
 aten = torch.ops.aten
 
 
@@ -118,7 +120,7 @@ def _native_batch_norm(input, weight, bias, running_mean, running_var, training,
 
 def _bernoulli_(self, p: float = 0.5, *, generator=None):
     """``t.bernoulli_(p)`` (dropout's mask) with the mask in ``t``'s layout, as eager fills it in place
-    (:data:`spmd_ort.runtime.ops.bernoulli_like`); functionalization alone would give a contiguous mask, which
+    (:data:`spmd_ort.graph.ops.bernoulli_like`); functionalization alone would give a contiguous mask, which
     for a transposed ``t`` is another mask from the same seed (found by tests/test_fuzz.py)."""
     if generator is not None:
         return self.copy_(aten.bernoulli.p(self, p, generator=generator))
@@ -228,11 +230,6 @@ class _Phases(torch.overrides.TorchFunctionMode):
         return out
 
 
-def phase(node: fx.Node) -> str:
-    """``"backward"`` for nodes autograd recorded, else ``"forward"`` (optimizer and epilogue included)."""
-    return node.meta.get("custom", {}).get("phase", "forward")
-
-
 def _describe_failure(exc: BaseException) -> tuple[str, str | None, bool]:
     """(what went wrong, op name, whether it is a limit of tracing rather than an error eager would raise too)."""
     from torch._subclasses import fake_tensor as ft
@@ -254,7 +251,8 @@ def _describe_failure(exc: BaseException) -> tuple[str, str | None, bool]:
 def trace_step(fn, args: tuple, kwargs: dict, layout: StateLayout, *, sdpa_math: bool = False,
                tag_grads: bool = False, plan: OpaquePlan | None = None,
                inputs: StepInputs | None = None, mixed_precision=None,
-               dynamic: DynamicDims | None = None, taps: TapRegistry | None = None) -> TracedStep:
+               dynamic: DynamicDims | None = None, taps: TapRegistry | None = None,
+               warned: set | None = None) -> TracedStep:
     """Trace ``fn(*args, **kwargs)`` into a functional graph over ``layout``'s state.
 
     ``sdpa_math`` traces ``scaled_dot_product_attention`` as its math form
@@ -262,18 +260,21 @@ def trace_step(fn, args: tuple, kwargs: dict, layout: StateLayout, *, sdpa_math:
     ``plan`` says which parts run opaquely; parts found untraceable are added to it.
     ``inputs`` names the call's leaves for errors (and knows the last call that compiled).
     ``mixed_precision``: a :class:`spmd_ort.capture.amp.MixedPrecisionPolicy` the forward runs under.
-    ``dynamic``: the dims of tensor inputs traced as symbols (:mod:`spmd_ort.capture.dynamic`).
+    ``dynamic``: the dims of tensor inputs traced as symbols (:mod:`spmd_ort.graph.symbolic`).
     ``taps``: where debug subscribers' activation taps made while tracing are registered (the step's own).
+    ``warned``: the WARNINGs the step already gave (each is given once per step, not once per trace).
     """
     t0 = time.perf_counter()
     plan = plan if plan is not None else OpaquePlan()
+    warned = warned if warned is not None else set()
     inputs = inputs or StepInputs.of(fn, args, kwargs)
     limit = 2 + sum(1 for _ in layout.module.modules()) + 16  # each retry makes one more part opaque
     for attempt in range(1, limit + 1):
         try:
             with collecting(taps if taps is not None else TapRegistry()):
                 traced = _trace_once(fn, args, kwargs, layout, sdpa_math=sdpa_math, tag_grads=tag_grads, plan=plan,
-                                     inputs=inputs, mixed_precision=mixed_precision, dynamic=dynamic)
+                                     inputs=inputs, mixed_precision=mixed_precision, dynamic=dynamic,
+                                     warned=warned)
         except _Retry:
             continue
         traced.seconds = time.perf_counter() - t0
@@ -284,7 +285,7 @@ def trace_step(fn, args: tuple, kwargs: dict, layout: StateLayout, *, sdpa_math:
 
 def _trace_once(fn, args: tuple, kwargs: dict, layout: StateLayout, *, sdpa_math: bool, tag_grads: bool,
                 plan: OpaquePlan, inputs: StepInputs, mixed_precision=None,
-                dynamic: DynamicDims | None = None) -> TracedStep:
+                dynamic: DynamicDims | None = None, warned: set | None = None) -> TracedStep:
     leaves, spec = pytree.tree_flatten((args, kwargs))
     batch_positions, alias_of = _graph_inputs(leaves, dynamic)
     inputs.check(batch_positions)
@@ -308,7 +309,7 @@ def _trace_once(fn, args: tuple, kwargs: dict, layout: StateLayout, *, sdpa_math
         for pos, src in alias_of.items():
             new_leaves[pos] = new_leaves[src]
         a, kw = pytree.tree_unflatten(new_leaves, spec)
-        with tracking(GradPresence()) as tracker, \
+        with tracking(GradPresence(warned=warned if warned is not None else set())) as tracker, \
                 layout.bind(state, tag_grads=tag_grads, mixed_precision=mixed_precision, presence=tracker) as bound:
             out = fn(*a, **kw)
             final = layout.localize(bound.final())
@@ -387,7 +388,7 @@ def _functionalize(gm1: fx.GraphModule, trace_inputs: list, calls, tracing_mode:
 
     plain_inputs = [t.detach() if isinstance(t, torch.Tensor) else t for t in trace_inputs]
     # the capture already holds autocast's casts; the opaque ops' fake kernels read the calls
-    with autocast_disabled(), opaque.tracing(calls), quiet_torch_logs():
+    with autocast_disabled(), opaque_calls.tracing(calls), quiet_torch_logs():
         gm2 = make_fx(torch.func.functionalize(run_capture, remove="mutations"),
                       tracing_mode=tracing_mode, _allow_non_fake_inputs=True)(*plain_inputs)
     _check_functional(gm2)

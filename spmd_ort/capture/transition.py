@@ -10,7 +10,8 @@ is not contiguous), its forward hooks (they run while tracing), the optimizer's 
 options baked into the graph) and state layout, and mixed precision: autocast
 entered outside the step and the GradScaler's class, whether it is enabled and
 its update constants (growth and backoff factors, growth interval).  Symbolic
-dims (:mod:`spmd_ort.capture.dynamic`) and the values of Python numbers lifted to graph inputs appear as ``None``.  Values that are graph
+dims (:mod:`spmd_ort.graph.symbolic`) and the values of Python numbers lifted to graph inputs appear as
+``None``.  Values that are graph
 inputs (tensor contents, the scalar
 hyper-parameters an optimizer rule lifts: lr, betas, weight decay, eps,
 momentum, dampening) and the GradScaler's scale and growth tracker are not
@@ -19,7 +20,6 @@ part of it, so changing them never re-traces.
 
 from __future__ import annotations
 
-import logging
 from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Any, Generic, TypeVar
@@ -28,10 +28,11 @@ import torch
 import torch.utils._pytree as pytree
 from torch import nn
 
-from spmd_ort.capture.dynamic import DynamicDims, abstract_shape
-from spmd_ort.runtime import ops
+from spmd_ort.graph.symbolic import DynamicDims, abstract_shape
+from spmd_ort.graph import ops
+from spmd_ort.options import get_logger
 
-logger = logging.getLogger("spmd_ort")
+logger = get_logger(__name__)
 
 MAX_VARIANTS = 8
 T = TypeVar("T")
@@ -107,7 +108,7 @@ class StepKey:
     COMPONENTS = ("inputs", "training", "params", "buffers", "optimizer", "world", "amp", "shapes", "identity")
 
     def leaf_descs(self) -> list:
-        """The description of each leaf of the call (what :func:`spmd_ort.capture.dynamic.changed_dims` compares)."""
+        """The description of each leaf of the call (what :func:`spmd_ort.graph.symbolic.changed_dims` compares)."""
         return [desc for label, desc in self.inputs if label.startswith("leaf[")]
 
     def portable(self, sizes: bool = True) -> str:

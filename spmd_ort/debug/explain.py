@@ -4,7 +4,8 @@ Variants and why each was traced, the passes (node counts, time), the
 collectives of one step (buckets and bytes, planned from the graph, next to the
 last step's measured figures and to the parameter bytes they are bounded by),
 the segments (ORT or host, ops, share of the step's matmul/conv FLOPs), host
-nodes and why they stay on the host, and memory.
+nodes and why they stay on the host, the decisions made from measurements (:mod:`spmd_ort.tuner`: each with
+the numbers behind it, and any recompile with its reason), and memory.
 """
 
 from __future__ import annotations
@@ -17,8 +18,8 @@ from torch import fx
 
 from spmd_ort.compat import optimization_hint
 from spmd_ort.passes.analysis import CollectiveCounts
-from spmd_ort.runtime import ops
-from spmd_ort.runtime.program import CompiledProgram
+from spmd_ort.graph import ops
+from spmd_ort.program import CompiledProgram
 
 aten = torch.ops.aten
 MIB = 2**20
@@ -66,8 +67,8 @@ def segment_executor(name: str, sub, stats) -> tuple[str, str]:
     ``fx`` is a fallback (its export, load, run or verification failed: the failure), the faster
     executor (``SPMD_ORT_SEGMENT_EXECUTOR=auto``: both times) or the one asked for (``ort``/``fx``).
     """
-    from spmd_ort.ort.session import OrtSegment
-    from spmd_ort.ort.sizes import SizedSegments
+    from spmd_ort.backends.ort.session import OrtSegment
+    from spmd_ort.backends.ort.sizes import SizedSegments
 
     failure = stats.why_fx(name) if stats is not None else None
     if isinstance(sub, SizedSegments):  # one model per set of sizes: some may run on fx
@@ -161,6 +162,11 @@ def explain(step, memory: dict | None = None) -> str:
     for name, where, n_ops, flops, detail in rows:
         share = f"{flops / total:6.1%} of FLOPs" if flops else "      -      "
         lines.append(f"  {name:24s} {where:14s} {n_ops:5d} op(s)  {share}  {detail}")
+    tuner = getattr(step, "tuner", None)
+    if tuner is not None:
+        decided = tuner.lines(program)
+        lines.append("decisions made from measurements (spmd_ort.tuner):" + ("" if decided else " none"))
+        lines += [f"  {line}" for line in decided]
     stats = getattr(program.executor, "stats", None)
     if stats is not None:
         lines.append("host ops and why they stay on the host:")
@@ -172,5 +178,6 @@ def explain(step, memory: dict | None = None) -> str:
                      f"grads {p['grads'] / MIB:.2f}, optimizer state {p['opt_state'] / MIB:.2f}), buffers "
                      f"{p['buffers'] / MIB:.2f} MiB; planned peak of the step's values "
                      f"{mem['planned_activation_peak'] / MIB:.2f} MiB (forward values kept for the backward "
-                     f"{mem['planned_saved_for_backward'] / MIB:.2f} MiB of it); max RSS {mem['max_rss'] / MIB:.0f} MiB")
+                     f"{mem['planned_saved_for_backward'] / MIB:.2f} MiB of it); "
+                     f"max RSS {mem['max_rss'] / MIB:.0f} MiB")
     return "\n".join(lines)

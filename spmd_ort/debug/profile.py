@@ -2,7 +2,7 @@
 
 A :class:`Profiler` belongs to one compiled step.  Armed by ``profile()``, it starts
 recording at the next run of a variant that has run before (a variant's first run is a
-checked one), hands its :class:`~spmd_ort.debug.timeline.Recorder` to the step's runtime
+checked one), hands its :class:`~spmd_ort.runtime.recorder.Recorder` to the step's runtime
 (the executors and the communicator record spans into it), and after N steps merges the
 ranks' recorders on rank 0, which writes ``<path>.json`` (Chrome/Perfetto) and
 ``<path>.png`` (:mod:`spmd_ort.debug.timeline`).
@@ -10,17 +10,17 @@ ranks' recorders on rank 0, which writes ``<path>.json`` (Chrome/Perfetto) and
 
 from __future__ import annotations
 
-import logging
 from pathlib import Path
 
 import torch.distributed as dist
 
 from spmd_ort.debug import timeline
-from spmd_ort.debug.timeline import Recorder
+from spmd_ort.runtime.recorder import Recorder
 from spmd_ort.distributed import parallel
-from spmd_ort.runtime.context import StepRuntime
+from spmd_ort.runtime.step_runtime import StepRuntime
+from spmd_ort.options import get_logger
 
-logger = logging.getLogger("spmd_ort")
+logger = get_logger(__name__)
 
 
 class Profiler:

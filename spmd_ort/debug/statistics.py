@@ -29,7 +29,7 @@ import torch.distributed as dist
 import torch.utils._pytree as pytree
 from torch import nn
 
-from spmd_ort.runtime import ops
+from spmd_ort.graph import ops
 from spmd_ort.runtime import taps
 from spmd_ort.capture.trace import is_tracing
 

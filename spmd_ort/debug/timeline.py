@@ -14,91 +14,13 @@ rank, communication hidden behind compute shaded).
 from __future__ import annotations
 
 import json
-import operator
-import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict
 from pathlib import Path
 
-from torch import fx
 
-from spmd_ort.runtime import ops
-from spmd_ort.runtime.interpreter import RunInterpreter
+from spmd_ort.runtime.recorder import Recorder, Span  # noqa: F401 - the timeline's spans, drawn here
 
 LANES = ("compute", "host", "comm")
-
-
-@dataclass
-class Span:
-    name: str
-    lane: str
-    start: float  # seconds since the recorder's origin
-    end: float
-    step: int
-
-
-@dataclass
-class Recorder:
-    """Spans of the profiled steps of one rank."""
-
-    steps: int
-    origin: float = field(default_factory=time.perf_counter)
-    spans: list[Span] = field(default_factory=list)
-    step: int = 0
-    step_bounds: list[tuple[float, float]] = field(default_factory=list)
-
-    def add(self, name: str, lane: str, start: float, end: float) -> None:
-        self.spans.append(Span(name, lane, start - self.origin, end - self.origin, self.step))
-
-    def step_done(self, start: float, end: float) -> None:
-        self.step_bounds.append((start - self.origin, end - self.origin))
-        self.step += 1
-
-    @property
-    def done(self) -> bool:
-        return self.step >= self.steps
-
-
-HOST_TARGETS = frozenset(ops.OPTIMIZER_OPS) | {ops.wait_, ops.broadcast_}
-
-
-class TimedInterpreter(RunInterpreter):
-    """Runs a graph node by node, recording segments, host nodes and runs of other ops as spans."""
-
-    def __init__(self, gm: fx.GraphModule, recorder: Recorder):
-        super().__init__(gm)
-        self.recorder = recorder
-        self._run_start: float | None = None
-        self._run_ops = 0
-
-    def _flush_run(self, now: float) -> None:
-        if self._run_ops:
-            self.recorder.add(f"{self._run_ops} op(s)", "compute", self._run_start, now)
-        self._run_start, self._run_ops = None, 0
-
-    def run_node(self, n: fx.Node):
-        if n.op in ("placeholder", "output") or n.target is operator.getitem:
-            return super().run_node(n)
-        t0 = time.perf_counter()
-        out = super().run_node(n)
-        t1 = time.perf_counter()
-        if n.op == "call_module":
-            self._flush_run(t0)
-            self.recorder.add(str(n.target), "compute", t0, t1)
-        elif n.op == "call_function" and (n.target in HOST_TARGETS or n.target in ops.STARTS
-                                          or getattr(n.target, "namespace", None) == "spmd_ort"):
-            self._flush_run(t0)
-            self.recorder.add(str(n.target).replace("spmd_ort.", "").replace(".default", ""), "host", t0, t1)
-        else:
-            if self._run_start is None:
-                self._run_start = t0
-            self._run_ops += 1
-        return out
-
-    def run(self, *args, **kwargs):
-        try:
-            return super().run(*args, **kwargs)
-        finally:
-            self._flush_run(time.perf_counter())
 
 
 def chrome_trace(ranks: list[list[dict]]) -> dict:

@@ -6,7 +6,8 @@ for the rank with the longest one.  These samplers give each rank a disjoint
 share of the dataset whose samples, step by step, have matching complexity::
 
     sampler = LoadBalancingDistributedSampler(dataset, complexity_fn=lambda i: len(dataset[i][0]))
-    batches = LoadBalancingDistributedBatchSampler(sampler, batch_fn=lambda idx: [idx[i:i + 8] for i in range(0, len(idx), 8)])
+    batches = LoadBalancingDistributedBatchSampler(
+        sampler, batch_fn=lambda idx: [idx[i:i + 8] for i in range(0, len(idx), 8)])
     loader = torch.utils.data.DataLoader(dataset, batch_sampler=batches, collate_fn=pad)
     for epoch in range(epochs):
         batches.set_epoch(epoch)

@@ -118,21 +118,15 @@ def mixed_grad_clipping():
             setattr(clip_grad, n, fn)
 
 
-_REGISTERED = False
-
-
+@functools.cache  # DTensor's table of sharding rules is torch's, per process: registered once
 def register_sharding_rules() -> None:
     """Sharding rules of the ``spmd_ort::`` ops DTensor dispatch may meet while tracing (once per process)."""
-    global _REGISTERED
-    if _REGISTERED:
-        return
     from torch.distributed.tensor.experimental import register_sharding
 
-    from spmd_ort.runtime import ops
+    from spmd_ort.graph import ops
 
     # marks (identity): any placement, kept; a partial gradient stays partial until its reduction
     register_sharding([ops.tag_grad, ops.tap])(_identity_sharding)
     # random fills and layout pins read only the shape: a pending sum (Partial) has no values to draw over
     register_sharding([ops.bernoulli_like, ops.with_layout])(
         lambda x, *rest: _identity_sharding(x, *rest, partial=False))
-    _REGISTERED = True

@@ -2,7 +2,7 @@
 
 ``DataParallel(parallel_style="replicate")`` is DDP as graph passes: each rank
 passes its own local batch, every parameter's gradient is tagged while tracing
-(``spmd_ort::tag_grad``, :mod:`spmd_ort.runtime.ops`), and the passes of ``passes/data_parallel.py`` turn the
+(``spmd_ort::tag_grad``, :mod:`spmd_ort.graph.ops`), and the passes of ``passes/data_parallel.py`` turn the
 tags into bucketed, overlapped all-reduces that average gradients over ranks.
 It is the default when ``torch.distributed`` is initialized with more than one
 rank.  Launch with ``torchrun --nproc_per_node=N train.py`` (multi-node:
@@ -27,9 +27,9 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from spmd_ort.capture.amp import MixedPrecisionPolicy
+from spmd_ort.distributed.precision import MixedPrecisionPolicy
 from spmd_ort.distributed import dtensor
-from spmd_ort.integrations.deepspeed.config import data_parallel_settings
+from spmd_ort.distributed.deepspeed_config import data_parallel_settings
 from spmd_ort.errors import CollectiveTimeout, CompileError, is_timeout
 from spmd_ort.runtime.collectives import control_group
 
@@ -48,7 +48,7 @@ class DataParallel:
     produces them; the first bucket is at most ``first_bucket_cap_mb`` so that
     communication starts early.  ``"auto"`` (the default): the first steps run
     with ``AUTO_START_MB`` buckets and are timed, and the cap is then chosen from
-    the measured costs (:mod:`spmd_ort.distributed.buckets`: the schedule is
+    the measured costs (:mod:`spmd_ort.buckets`: the schedule is
     recompiled once, logged; ``describe()`` shows the choice); a number is used
     as given.  ``broadcast_buffers``: buffers are broadcast
     from rank 0 at the start of every step (DDP's default).
@@ -121,7 +121,8 @@ class DataParallel:
 
     @classmethod
     def from_deepspeed_config(cls, config) -> DataParallel:
-        """The mode a DeepSpeed JSON config (path or dict) asks for; see :mod:`spmd_ort.integrations.deepspeed.config`."""
+        """The mode a DeepSpeed JSON config (path or dict) asks for; see
+        :mod:`spmd_ort.distributed.deepspeed_config`."""
         return cls(**data_parallel_settings(config))
 
 

@@ -40,6 +40,7 @@ the step yields the tensor-parallel DTensor the plan made.
 from __future__ import annotations
 
 import contextlib
+import functools
 from dataclasses import dataclass, field
 
 import torch
@@ -151,17 +152,14 @@ def spec_of(p: Tensor) -> ShardSpec | None:
     return getattr(p, SHARD_ATTR, None)
 
 
+# A cache of a pure function: the mesh names the default group by its name and holds nothing else (building one
+# takes ~0.5 ms, and every sharded state tensor the user sees is a DTensor on it).
+@functools.lru_cache(maxsize=8)
 def mesh_over(device_type: str, world: int):
     """The 1-D mesh over every rank (over the default process group: nothing is created)."""
     from torch.distributed.device_mesh import DeviceMesh
 
-    key = (device_type, world)
-    if key not in _MESHES:
-        _MESHES[key] = DeviceMesh(device_type, torch.arange(world))
-    return _MESHES[key]
-
-
-_MESHES: dict = {}
+    return DeviceMesh(device_type, torch.arange(world))
 
 
 def as_shard(flat: Tensor, spec: ShardSpec) -> Tensor:
@@ -448,7 +446,7 @@ _GATHERED = "_spmd_ort_gathered_for_forward"
 def _gather_before_forward(module: nn.Module, args) -> None:
     # a trace puts full-shape traced tensors in the module (it is not sharded then); inside a run of a compiled
     # step (an opaque part) the step's own gathers serve it
-    from spmd_ort.runtime.context import in_step
+    from spmd_ort.runtime.step_runtime import in_step
 
     # (inside gathered_parameters the module holds full parameters, not sharded ones, already)
     if not is_sharded(module) or module.__dict__.get(_GATHERED) is not None or in_step():

@@ -6,5 +6,5 @@
 runs), the ``spmd_ort::`` ops (``ops``) and their bodies (``collectives``, ``kernels``,
 ``opaque``, ``native``), activation ``taps`` (debug subscribers' statistics, per step),
 and ``memory`` accounting.  The ONNX Runtime backend is
-:mod:`spmd_ort.ort`.
+:mod:`spmd_ort.backends.ort`.
 """

@@ -1,4 +1,4 @@
-"""Bodies of the input-check ops of :mod:`spmd_ort.runtime.ops` (host ops that run before anything else).
+"""Bodies of the input-check ops of :mod:`spmd_ort.graph.ops` (host ops that run before anything else).
 
 ``check_index`` is eager's bounds check of an index tensor that the step's inputs feed to a
 gather (``nn.Embedding``, ``index_select``, a ``cross_entropy`` target, ...), done once per step

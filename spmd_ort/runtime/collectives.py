@@ -1,8 +1,8 @@
 """Collectives of the compiled graph: the work behind the ``spmd_ort::`` collective ops, counted per step.
 
-Graph passes insert the ops (defined in :mod:`spmd_ort.runtime.ops`); the executors run
+Graph passes insert the ops (defined in :mod:`spmd_ort.graph.ops`); the executors run
 them as host nodes, and each op calls the :class:`Communicator` of the step that
-is running (:mod:`spmd_ort.runtime.context`):
+is running (:mod:`spmd_ort.runtime.step_runtime`):
 
 * ``all_reduce_(t, prescale)`` scales ``t`` in place and starts an asynchronous
   SUM all-reduce of it (DDP's arithmetic: divide by the world size, then sum;
@@ -40,7 +40,9 @@ from spmd_ort.errors import CollectiveTimeout, is_timeout
 SUM_AFTER_DIVIDING = (torch.float16,)  # dtypes whose sum over ranks may overflow: divide first
 
 
-_CONTROL_GROUP: list = []  # [(default group, its gloo twin)]: the default group kept, so a new one is never mistaken for it
+# The gloo twin is kept in torch's own registry of groups, under this tag: destroy_process_group forgets it with
+# the default group, so a new default group gets a new twin.
+CONTROL_GROUP_TAG = "spmd_ort:control"
 
 
 def control_group():
@@ -53,9 +55,13 @@ def control_group():
     default = dist.distributed_c10d._get_default_group()
     if any(part.strip().startswith("cpu:") for part in dist.get_backend_config(default).split(",")):
         return None
-    if not _CONTROL_GROUP or _CONTROL_GROUP[0][0] is not default:
-        _CONTROL_GROUP[:] = [(default, dist.new_group(backend="gloo"))]
-    return _CONTROL_GROUP[0][1]
+    c10d = dist.distributed_c10d
+    ranks = list(range(dist.get_world_size()))
+    group = c10d._find_pg_by_ranks_and_tag(CONTROL_GROUP_TAG, ranks)
+    if group is None:
+        group = c10d._new_group_with_tag(ranks, backend="gloo", pg_tag=CONTROL_GROUP_TAG,
+                                         group_desc="spmd_ort_control")
+    return group
 
 
 @dataclass
@@ -117,7 +123,7 @@ class Communicator:
 
     pending: dict = field(default_factory=dict)  # data_ptr -> (work, issued at, [completed at], kind)
     step: StepComm = field(default_factory=StepComm)
-    recorder: object | None = None  # a spmd_ort.debug.timeline.Recorder while steps are profiled
+    recorder: object | None = None  # a spmd_ort.runtime.recorder.Recorder while steps are profiled
     carried: dict = field(default_factory=dict)  # slot -> Carried, issued after the last step for the next
     owner: object | None = None  # the program running now (whose carried gathers it may take)
 

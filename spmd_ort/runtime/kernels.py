@@ -1,4 +1,4 @@
-"""Bodies of the optimizer ops of :mod:`spmd_ort.runtime.ops` (what runs when the graph runs).
+"""Bodies of the optimizer ops of :mod:`spmd_ort.graph.ops` (what runs when the graph runs).
 
 Output layouts are flat lists:
 
@@ -21,7 +21,7 @@ from torch import Tensor
 from torch.optim.adam import adam as torch_adam
 
 from spmd_ort.runtime import native
-from spmd_ort.runtime.context import active
+from spmd_ort.runtime.step_runtime import active
 
 ADAM_OUTPUTS = ("params", "exp_avgs", "exp_avg_sqs", "max_exp_avg_sqs", "steps")
 SGD_OUTPUTS = ("params", "momentum_buffers")

@@ -15,7 +15,8 @@ returns freed heap tops to the system, so a CPU step that allocates the same
 large tensors every step page-faults through all of them again (zeroing each
 4 KiB page).  :func:`retain_host_memory` makes the process keep freed memory for
 reuse, as CUDA's caching allocator does on a GPU; a compiled step calls it on its
-first call unless its options say not to (``SPMD_ORT_RETAIN_HOST_MEMORY=0``).
+first call only when its options ask (``SPMD_ORT_RETAIN_HOST_MEMORY=1``): it changes
+the allocator of the whole process, so it is the user's choice, off by default.
 The allocator belongs to the process, so whether it was set is remembered here,
 once; :func:`host_memory_retained` reads it without setting anything.
 """
@@ -24,7 +25,6 @@ from __future__ import annotations
 
 import ctypes
 import ctypes.util
-import logging
 import operator
 import resource
 import sys
@@ -33,6 +33,10 @@ from pathlib import Path
 
 import torch
 from torch import fx
+
+from spmd_ort.options import get_logger
+
+logger = get_logger(__name__)
 
 
 def _aliases(node: fx.Node) -> bool:
@@ -145,7 +149,7 @@ _M_TRIM_THRESHOLD = -1
 _M_MMAP_THRESHOLD = -3
 _RETAIN_MMAP_THRESHOLD = 1 << 30  # allocations up to 1 GiB come from the heap and are reused
 _RETAIN_TRIM_THRESHOLD = (1 << 31) - 1  # never give freed heap tops back to the system
-_retained: bool | None = None  # None: never asked in this process
+_retained: bool | None = None  # None: never asked. The allocator is the process's, so its setting is kept here
 
 
 def host_memory_retained() -> bool:
@@ -179,6 +183,6 @@ def retain_host_memory() -> bool:
     ok = mallopt(_M_MMAP_THRESHOLD, _RETAIN_MMAP_THRESHOLD) == 1
     ok = mallopt(_M_TRIM_THRESHOLD, _RETAIN_TRIM_THRESHOLD) == 1 and ok
     _retained = ok
-    logging.getLogger("spmd_ort").info("host memory: freed memory is %s", "retained for reuse" if ok else
-                                        "returned to the system (mallopt refused)")
+    logger.info("host memory: freed memory is %s", "retained for reuse" if ok else
+                "returned to the system (mallopt refused)")
     return ok

@@ -16,15 +16,15 @@ loads once), so it is remembered here, once.
 
 from __future__ import annotations
 
-import logging
 import threading
 import warnings
 from pathlib import Path
 
 import torch
 from torch import Tensor
+from spmd_ort.options import get_logger
 
-logger = logging.getLogger("spmd_ort")
+logger = get_logger(__name__)
 
 SOURCE = Path(__file__).resolve().parents[2] / "csrc" / "fused_optim.cpp"
 _lock = threading.Lock()

@@ -42,7 +42,7 @@ class Tap:
 class TapRegistry:
     """The taps of one compiled step: tap ids in its graphs -> the subscriber sinks they feed.
 
-    Owned by the step's :class:`~spmd_ort.runtime.context.StepRuntime`, so two compiled steps in
+    Owned by the step's :class:`~spmd_ort.runtime.step_runtime.StepRuntime`, so two compiled steps in
     one process never see each other's taps; ids count from 0 per step.
     """
 

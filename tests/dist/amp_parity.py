@@ -43,7 +43,7 @@ sys.path.insert(0, str(ROOT))
 
 from dist_common import finish  # noqa: E402
 import spmd_ort  # noqa: E402
-from spmd_ort.passes import Recomputation  # noqa: E402
+from spmd_ort.passes.recompute import Recomputation  # noqa: E402
 from helpers import assert_close_normwise, assert_same_state, scaled_update  # noqa: E402
 from models import GPT, GPTConfig  # noqa: E402
 

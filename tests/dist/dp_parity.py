@@ -31,7 +31,8 @@ sys.path.insert(0, str(ROOT))
 
 from dist_common import finish  # noqa: E402
 import spmd_ort  # noqa: E402
-from spmd_ort.passes import GradientBuckets, Recomputation  # noqa: E402
+from spmd_ort.passes.data_parallel import GradientBuckets  # noqa: E402
+from spmd_ort.passes.recompute import Recomputation  # noqa: E402
 from helpers import accumulation_step, assert_same_state, ort_report, train_step  # noqa: E402
 from models import CNN, GPT, MLP, GPTConfig  # noqa: E402
 
@@ -90,7 +91,7 @@ def main() -> None:
 def run(args, rank: int, world: int) -> dict:
     result: dict = {"rank": rank, "world": world}
     if args.skew_timing:
-        from spmd_ort.ort import choice
+        from spmd_ort.backends.ort import choice
 
         slow, fastest = ("fallback" if rank == 0 else "run_ort"), choice.fastest
         choice.fastest = lambda run, a, first: fastest(run, a, first) * (100 if getattr(run, "__name__", "fallback") == slow else 1)

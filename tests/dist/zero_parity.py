@@ -30,7 +30,7 @@ sys.path.insert(0, str(ROOT))
 
 from dist_common import finish  # noqa: E402
 import spmd_ort  # noqa: E402
-from spmd_ort.passes import ShardBuckets  # noqa: E402
+from spmd_ort.passes.shard_schedule import ShardBuckets  # noqa: E402
 from helpers import ATOL, RTOL, accumulation_step, assert_close_normwise, ort_report, train_step  # noqa: E402
 from models import GPT, GPTConfig  # noqa: E402
 

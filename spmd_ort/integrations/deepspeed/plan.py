@@ -7,10 +7,10 @@ each the thing DeepSpeed would have done:
 ==================================  ==========================================================
 DeepSpeed                           the plan
 ==================================  ==========================================================
-``zero_optimization``               ``parallel_mode``: a ``DataParallel`` (:mod:`spmd_ort.integrations.deepspeed.config`)
+``zero_optimization``               ``parallel_mode``: a ``DataParallel`` (:mod:`spmd_ort.distributed.deepspeed_config`)
 ``optimizer`` Adam / AdamW / SGD    ``optimizer``: torch's (fused), DeepSpeed's defaults; ``Adam``
                                     is AdamW unless ``adam_w_mode: false``, as in DeepSpeed
-``scheduler`` WarmupLR, ...         ``scheduler``: a torch LR scheduler (:mod:`spmd_ort.integrations.deepspeed.schedules`)
+``scheduler`` WarmupLR, ...         ``scheduler``: a torch LR scheduler (:mod:`.schedules`)
 ``fp16`` (``loss_scale: 0``)        fp16 parameters for compute over fp32 masters (DeepSpeed casts
                                     the model; here ``MixedPrecisionPolicy(param_dtype=float16)``),
                                     and ``scaler``: :class:`spmd_ort.capture.amp.DynamicLossScaler` from
@@ -33,7 +33,7 @@ from the other batch sizes, the optimizer's lr, the model's ``config.hidden_size
 or the ``auto=`` argument, or named in the error.  Every key either changes
 something here, is listed as having no effect (logging, DeepSpeed's own memory
 tuning), or is an error: one error that lists them all.  Booleans are read as DeepSpeed
-reads them (``"enabled": "false"`` is false: :func:`spmd_ort.integrations.deepspeed.config.config_bool`).
+reads them (``"enabled": "false"`` is false: :func:`spmd_ort.distributed.deepspeed_config.config_bool`).
 """
 
 from __future__ import annotations
@@ -49,8 +49,9 @@ import torch
 from torch import nn
 
 from spmd_ort.distributed import parallel
-from spmd_ort.capture.amp import DynamicLossScaler, MixedPrecisionPolicy
-from spmd_ort.integrations.deepspeed.config import (TOP_LEVEL_BOOL_KEYS, DeepSpeedConfigError, auto_paths,
+from spmd_ort.capture.amp import DynamicLossScaler
+from spmd_ort.distributed.precision import MixedPrecisionPolicy
+from spmd_ort.distributed.deepspeed_config import (TOP_LEVEL_BOOL_KEYS, DeepSpeedConfigError, auto_paths,
                                                      check_bools, config_bool, load_config, zero_settings)
 from spmd_ort.integrations.deepspeed.schedules import SCHEDULES, build_schedule
 

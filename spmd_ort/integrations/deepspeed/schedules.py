@@ -118,7 +118,8 @@ class WarmupCosineLR(DeepSpeedSchedule):
         if iteration < self.warmup_num_steps:
             r = _warmup_fraction(iteration, self.warmup_num_steps, self.warmup_type)
             return self.warmup_min_ratio + r * (1.0 - self.warmup_min_ratio)
-        progress = min(1.0, (iteration - self.warmup_num_steps + 1) / max(1, self.total_num_steps - self.warmup_num_steps))
+        decay_steps = max(1, self.total_num_steps - self.warmup_num_steps)
+        progress = min(1.0, (iteration - self.warmup_num_steps + 1) / decay_steps)
         return max(0.0, self.cos_min_ratio + (1.0 - self.cos_min_ratio) * (1 + math.cos(math.pi * progress)) / 2)
 
     def lrs_at(self, iteration: int) -> list[float]:
@@ -136,7 +137,8 @@ class OneCycle(DeepSpeedSchedule):
         first = float(cycle_first_step_size)
         second = float(cycle_second_step_size) if cycle_second_step_size is not None else first
         if first <= 0 or second < 0:
-            raise ValueError(f"OneCycle: cycle_first_step_size={first} must be > 0, cycle_second_step_size={second} >= 0")
+            raise ValueError(f"OneCycle: cycle_first_step_size={first} must be > 0, "
+                             f"cycle_second_step_size={second} >= 0")
         self.first_size, self.second_size, self.total_size = first, second, first + second
         self.step_ratio = first / self.total_size
         self.first_stairs = int(cycle_first_stair_count)

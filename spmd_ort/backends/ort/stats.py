@@ -1,0 +1,73 @@
+"""What the ONNX Runtime backend did with a program's segments: exports, fallbacks, checks, executor choices.
+
+Kept on the :class:`~spmd_ort.backends.ort.executor.OrtExecutor` (``describe()`` and ``explain()`` print it).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass(frozen=True)
+class SegmentChoice:
+    """Which executor runs a segment after the first run, and (``auto``) the warm times that decided it."""
+
+    executor: str
+    ort_ms: float | None = None
+    fx_ms: float | None = None
+
+    def __str__(self) -> str:
+        if self.ort_ms is None:
+            return f"{self.executor} (SPMD_ORT_SEGMENT_EXECUTOR={self.executor})"
+        return f"{self.executor} (ort {self.ort_ms:.2f} ms, fx {self.fx_ms:.2f} ms)"
+
+
+@dataclass(frozen=True)
+class WholeChoice:
+    """After the segments' choices (``auto``): the whole step as chosen against the whole graph on fx, unsplit,
+    and compiled by inductor (where it is a candidate).
+
+    ``executor`` is ``"segments"`` (as chosen), ``"fx"`` or ``"inductor"``; ``times_ms``: each candidate's median
+    over the timed runs (empty: not timed, e.g. every segment already chose fx and inductor was no candidate)."""
+
+    executor: str
+    times_ms: tuple[tuple[str, float], ...] = ()
+
+    WHERE = {"segments": "the segments as chosen", "fx": "fx, unsplit", "inductor": "inductor's compiled segments"}
+
+    def __str__(self) -> str:
+        where = self.WHERE[self.executor]
+        if not self.times_ms:
+            return f"the whole graph runs on {where} (every segment chose fx)"
+        return f"the whole graph runs on {where} ({', '.join(f'{k} {ms:.2f} ms' for k, ms in self.times_ms)})"
+
+
+@dataclass
+class OrtStats:
+    segments: int = 0
+    host_ops: dict = field(default_factory=dict)  # op -> why it stays on the host
+    export_seconds: float = 0.0
+    cache_hits: int = 0
+    fallbacks: list = field(default_factory=list)  # segments (or "<segment> at sizes ...") that fell back to fx
+    fallback_reasons: dict = field(default_factory=dict)  # each of them -> what failed
+    verified: int = 0
+    mismatches: list = field(default_factory=list)
+    ill_conditioned: list = field(default_factory=list)  # mismatches within rounding of float64: not faults
+    choices: dict = field(default_factory=dict)  # segment -> SegmentChoice
+    upgrade: WholeChoice | None = None  # the tuner's inductor candidate: what ran against inductor's compiled graph
+    upgrade_seconds: float = 0.0  # inductor's compile, checked run and timing
+    upgrade_step: int = 0  # the program's step at which the tuner timed it
+    whole: WholeChoice | None = None  # auto: the whole step on the segments as chosen, or on fx unsplit
+    first_run_seconds: float = 0.0  # the checked first run: both executors, comparison, timing
+    verify_seconds: float = 0.0  # of which comparing outputs
+
+    def fell_back(self, segment: str, why: str) -> None:
+        """Record that ``segment`` runs on fx because ``why`` (an export, load, run or verification failure)."""
+        self.fallbacks.append(segment)
+        self.fallback_reasons[segment] = why
+
+    def why_fx(self, segment: str) -> str | None:
+        """Why ``segment`` fell back to fx (its own failure, or its failure at some sizes), or None."""
+        return next((why for name, why in self.fallback_reasons.items()
+                     if name == segment or name.startswith(f"{segment} at sizes") or name.startswith(f"{segment}_")),
+                    None)

@@ -1,0 +1,117 @@
+"""Segments: a graph's regions one backend runs, between host nodes torch runs (any backend's grouping).
+
+The operator-support predicate is each backend's (``spmd_ort.backends.ort.partition.OrtSupport``,
+``spmd_ort.backends.inductor.InductorSupport``); the grouping is shared: torch.fx's ``CapabilityBasedPartitioner``
+(deterministic, largest connected regions, no cycles through host nodes), split where a collective starts or
+is waited for and at each random draw.  Also the ops every backend leaves on the host.
+"""
+
+from __future__ import annotations
+
+import operator
+
+import torch
+from torch import fx
+from torch.fx.passes.infra.partitioner import CapabilityBasedPartitioner
+from torch.fx.passes.operator_support import OperatorSupport
+
+from spmd_ort.graph.ops import STARTS, draws_random, wait_
+from spmd_ort.graph.symbolic import SizeEmitter, input_symbols
+
+aten = torch.ops.aten
+
+HOST_NAMESPACES = ("spmd_ort", "_c10d_functional", "c10d_functional", "_dtensor")
+RANDOM_OPS = {
+    aten.native_dropout.default, aten.bernoulli.default, aten.bernoulli.p, aten.rand.default,
+    aten.randn.default, aten.rand_like.default, aten.randn_like.default, aten.randint.low,
+    aten.randint.default, aten.randperm.default, aten.multinomial.default, aten.normal.Tensor_float,
+    aten.uniform.default, aten.exponential.default,
+}
+UNINITIALIZED_OPS = {
+    aten.empty_like.default, aten.empty.memory_format, aten.empty_strided.default, aten.new_empty.default,
+    aten.new_empty_strided.default,
+}
+
+
+def partition_with(gm: fx.GraphModule, support: OperatorSupport) -> tuple[fx.GraphModule, list[str]]:
+    """Fuse the regions ``support`` accepts into submodules ``fused_<i>`` (largest connected regions, split at
+    collectives, none of views alone; any backend's grouping); returns (graph, their names)."""
+    partitioner = CapabilityBasedPartitioner(gm, support, allows_single_node_partition=False)
+    partitions = _split_at_host_points(gm, partitioner.propose_partitions())
+    # a segment made only of views/getitems is not worth an ORT call
+    partitions = [p for p in partitions if any(_is_compute(n) for n in p.nodes)]
+    fused = partitioner.fuse_partitions(partitions)
+    names = [n.target for n in fused.graph.nodes if n.op == "call_module"]
+    return fused, names
+
+
+def sizes_from_inputs(gm: fx.GraphModule) -> None:
+    """Dynamic shapes: every symbolic size read from the graph's inputs, never from a value computed in it.
+
+    ``sym_size`` of an activation is a host node (sizes are Python ints) that depends
+    on the segment computing the activation, so the segment that uses the size must
+    start after it: each such read splits the graph.  The same size is a symbol of
+    an input's size or an expression in such symbols (``s0*s1``, the rows of a
+    flattened batch), so it is read there, at the top of the graph, and computed
+    from those reads with Python arithmetic: the ORT segments stay as large as in a
+    static program.  An expression it cannot rebuild keeps its read.
+    """
+    sources = {sym: src for sym, src in input_symbols(gm).items() if src[1] is not None}  # dims of tensors
+    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    if not sources:
+        return
+    graph = gm.graph
+    emit = SizeEmitter(graph, placeholders[-1], sources)
+    for node in list(graph.nodes):
+        if node.op != "call_function" or node.target is not aten.sym_size.int or node.args[0].op == "placeholder":
+            continue
+        val = node.meta.get("val")
+        made = emit(val.node.expr) if isinstance(val, torch.SymInt) else None
+        if isinstance(made, fx.Node):
+            node.replace_all_uses_with(made)
+            graph.erase_node(node)
+    graph.lint()
+    gm.recompile()
+
+
+def _split_at_host_points(gm: fx.GraphModule, partitions: list) -> list:
+    """No segment spans a collective's issue or wait point, so compute overlaps the collective; and none spans
+    a random draw, so the draws keep their order.
+
+    Without the first, all of backward would be one segment and every all-reduce would
+    start after it (and a parameter all-gather's wait would hold back compute
+    that does not need the parameter).  Without the second, a segment fusing independent regions between
+    draws (two micro-batches' dropouts: the first's second mask and the second's first) makes the host run
+    the draws in another order than eager, which changes every mask.  Parts are contiguous in graph order, so
+    splitting keeps the partitions acyclic.  A getitem stays with the op whose tuple it reads (its only input),
+    wherever it stands: a segment returns tensors, never a multi-output op's tuple
+    (``native_layer_norm_backward``'s bias gradient read after a collective began, under sequence parallelism).
+    """
+    from torch.fx.passes.infra.partitioner import Partition
+
+    stage, stages = 0, {}
+    for node in gm.graph.nodes:
+        if node.op == "call_function" and (node.target in STARTS or node.target is wait_ or draws_random(node)):
+            stage += 1
+        source = node.args[0] if node.target is operator.getitem and node.args else None
+        stages[node] = stages[source] if isinstance(source, fx.Node) and source in stages else stage
+    if stage == 0:
+        return partitions
+    out, next_id = [], 0
+    for p in partitions:
+        by_stage: dict = {}
+        for n in p.nodes:
+            by_stage.setdefault(stages[n], []).append(n)
+        for nodes in by_stage.values():
+            out.append(Partition(id=next_id, nodes=nodes))
+            next_id += 1
+    return out
+
+
+def _is_compute(node: fx.Node) -> bool:
+    if node.target is operator.getitem:
+        return False
+    schema = getattr(node.target, "_schema", None)
+    if schema is not None and schema.returns and schema.returns[0].alias_info is not None:
+        return False  # a view
+    return True
