@@ -1,49 +1,64 @@
-"""Every figure in the README (a number with its unit) says what its source says, in that context.
+"""Every figure in the documentation (a number with its unit) says what its source says, in that context.
 
-Each figure is claimed in ``CLAIMS`` by the README text around it, with ``{}`` around the figure
-itself, and its source: a table cell of bench/RESULTS.md (``Cell``), a sentence of it (``Prose``),
-a constant in the code (``Code``) or a fact that is no measurement (``Fact``).  The other figures
-in a claim's text match any number, so an edit to one figure fails its own claim only, with the
-value its source gives.  A figure no claim covers, and a claim whose text the README no longer
-has, fail too: a new figure needs its source named here.
+The documentation is README.md and every page of docs/ (``DOCS``). Each figure in it is claimed in
+``CLAIMS`` by the text around it, with ``{}`` around the figure itself, and its source: a table cell of
+bench/RESULTS.md or of a file of bench/history/ (``Cell``), a sentence of one (``Prose``), a constant in the
+code (``Code``) or a fact that is no measurement (``Fact``).  The other figures in a claim's text match any
+number, so an edit to one figure fails its own claim only, with the value its source gives.  A figure no
+claim covers, and a claim whose text no page has any more, fail too: a new figure needs its source named here.
 """
 
 from __future__ import annotations
 
 import re
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
+RESULTS = "bench/RESULTS.md"
 NUMBER = r"\d+(?:\.\d+)?"
 UNIT = r"×|x\b|%|(?<= )(?:s|ms|min|minutes|MiB|GiB)\b"
 # a number with its unit of measure: 0.73x / 0.73×, 24%, 27 s, 6.3 ms, 9 min, 60 MiB (not a version, path or name)
 FIGURE = re.compile(rf"(?<![\w.\-/=])({NUMBER})(\s?)({UNIT})")
 
 
+def docs() -> dict[str, str]:
+    """The documentation whose figures are checked: README.md and docs/*.md, by path from the repository root."""
+    paths = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+    return {str(p.relative_to(ROOT)): p.read_text() for p in paths}
+
+
+def read_source(path: str) -> str:
+    return (ROOT / path).read_text()
+
+
 @dataclass(frozen=True)
 class Cell:
     """The cell in row ``row`` (first column) and column ``column`` (header) of the first table after the
-    one place bench/RESULTS.md says ``after``."""
+    one place the results file ``path`` (bench/RESULTS.md unless a file of bench/history/) says ``after``."""
 
     after: str
     row: str
     column: str
+    path: str = RESULTS
 
 
 @dataclass(frozen=True)
 class Prose:
-    """bench/RESULTS.md says ``text`` (whitespace aside), which holds the figure with its unit."""
+    """The results file ``path`` says ``text`` (whitespace aside), which holds the figure with its unit."""
 
     text: str
+    path: str = RESULTS
 
 
 @dataclass(frozen=True)
 class Code:
-    """The regex ``pattern`` matches once in the file ``path``; ``convert`` of its group 1 is the figure's number."""
+    """The regex ``pattern`` matches once in the file ``path``, or in all the files a glob ``path`` names together
+    (``spmd_ort/**/*.py``: a constant found wherever its module is); ``convert`` of its group 1 is the figure's
+    number."""
 
     path: str
     pattern: str
@@ -59,16 +74,49 @@ class Fact:
 
 Source = Cell | Prose | Code | Fact
 MIXTRAL_TABLE = "## bench/step.py — mixtral-tiny: a model with opaque parts"
-STEP_TABLE = "### Run of 2026-11-25 (Intel Xeon with AMX: the LM head fused; the README quotes this table)"
+STEP_TABLE = "### Latest run (2026-11-27, AMD EPYC: the CPU path after the GPU session's changes)"
 DYNAMIC_TABLE = "## bench/dynamic.py — dynamic shapes"
 DYNAMIC_TP_TABLE = "### Tensor parallelism: 10 lengths on 2 ranks"
 TP_SPLIT_TABLE = "### Latest run (2026-11-25, Intel Xeon with AMX: tensor parallel after the ORT export changes)"
+TP_2D_TABLE = "### 2-D on 4 ranks: dp 2 × tp 2"
 MIXTRAL_OPAQUE = "opaque parts run eagerly in {}'s step"
 DP_TABLE = "### Latest run (2026-11-25, Intel Xeon with AMX: after the ORT export changes)"
-
+ZERO3_TABLE = "### Latest run (2026-11-25, Intel Xeon with AMX: ZeRO-3 after the ORT export changes)"
+MEMORY_TABLE = "Second run, as printed:"
 CUDA_TABLE = "## bench/step.py --device cuda — one NVIDIA H200 (2026-11-27, the first GPU session)"
+STEP_HISTORY = "bench/history/step.md"
+DP_HISTORY = "bench/history/dp.md"
+ZERO3_HISTORY = "bench/history/zero3.md"
+PACKAGE, PASSES = "spmd_ort/**/*.py", "passes/**/*.py"  # constants found wherever their module is
 
 CLAIMS: list[tuple[str, Source]] = [
+    # README: headline numbers
+    ("timings drift by ±10–{20%} between runs", Prose("Timings drift by ±10–20% between runs")),
+    ("gpt-mini: default backend against eager (`torch.compile`: {0.98×})", Cell(STEP_TABLE, "gpt-mini", "inductor/eager")),
+    ("gpt-mini: default backend against eager (`torch.compile`: 0.98×) | {0.99×} |",
+     Cell(STEP_TABLE, "gpt-mini", "ort/eager")),
+    ("experts traced): default backend against eager (`torch.compile`: {0.87×})",
+     Cell(STEP_TABLE, "mixtral-tiny", "inductor/eager")),
+    ("experts traced): default backend against eager (`torch.compile`: 0.87×) | {0.82×} |",
+     Cell(STEP_TABLE, "mixtral-tiny", "ort/eager")),
+    ("step time against DDP (fx; ORT {1.02×})", Cell(DP_TABLE, "spmd-ort", "x DDP")),
+    ("step time against DDP (fx; ORT 1.02×) | {1.02×} |", Cell(DP_TABLE, "spmd-fx", "x DDP")),
+    ("against DeepSpeed ZeRO-3 (fx; FSDP2 {0.99×})", Cell(ZERO3_TABLE, "fsdp2", "x DeepSpeed")),
+    ("against DeepSpeed ZeRO-3 (fx; FSDP2 0.99×) | {0.94×} |", Cell(ZERO3_TABLE, "spmd-fx", "x DeepSpeed")),
+    ("persistent memory per rank (DeepSpeed: {40.3 MiB})", Cell(ZERO3_TABLE, "deepspeed", "persistent MiB/rank")),
+    ("persistent memory per rank (DeepSpeed: 40.3 MiB) | {30.2 MiB} |",
+     Cell(ZERO3_TABLE, "spmd-fx", "persistent MiB/rank")),
+    ("against eager DTensor TP (fx; ORT {0.81×})", Cell(TP_SPLIT_TABLE, "spmd-ort", "x eager")),
+    ("against eager DTensor TP (fx; ORT 0.81×) | {0.79×} |", Cell(TP_SPLIT_TABLE, "spmd-fx", "x eager")),
+    ("(one program per length: {11.8 s})", Cell(DYNAMIC_TABLE, "fx-false", "first pass (s)")),
+    ("(one program per length: 11.8 s) | {2.0 s} |", Cell(DYNAMIC_TABLE, "fx-auto", "first pass (s)")),
+    ("peak against budget 1.0 ({0.95×} the memory", Cell(MEMORY_TABLE, "fx@0.0", "x eager+checkpoint")),
+    ("the memory and {0.99×} the time of eager with a checkpoint per block",
+     Prose("time 1.01× / 0.99× eager+checkpoint's")),
+    ("the time of eager with a checkpoint per block) | {0.20×} |", Cell(MEMORY_TABLE, "fx@0.0", "x fx@1.0")),
+    ("`spmd-inductor` against eager (`torch.compile`: {1.04×})", Cell(CUDA_TABLE, "mixtral-tiny", "inductor/eager")),
+    ("`spmd-inductor` against eager (`torch.compile`: 1.04×) | {0.66×} |",
+     Cell(CUDA_TABLE, "mixtral-tiny", "spmd-inductor/eager")),
     # on a GPU
     ("from C++: gpt-mini\nat {1.26×} eager", Cell(CUDA_TABLE, "gpt-mini", "fx/eager")),
     ("`spmd-inductor` ran mixtral-tiny at {0.66×} eager", Cell(CUDA_TABLE, "mixtral-tiny", "spmd-inductor/eager")),
@@ -80,23 +128,21 @@ CLAIMS: list[tuple[str, Source]] = [
      Code("tests/fuzz_cases.py", r"^EAGER_NOISE_FACTOR = (\d+)$")),
     # data parallel
     ("(a 16th of the parameter bytes, at most {25 MiB})",
-     Code("spmd_ort/distributed/parallel.py", r"^AUTO_START_MB = (\d+\.\d+)  #")),
-    ("chose {1 MiB} buckets and a step 1.23× DDP's", Prose("it chose 1 MiB buckets, 93% overlap")),
-    ("chose 1 MiB buckets and a step {1.23×} DDP's", Prose("1 MiB buckets, 93% overlap and **1.23× DDP**")),
+     Code(PACKAGE, r"^AUTO_START_MB = (\d+\.\d+)  #")),
+    ("chose {1 MiB} buckets and a step 1.23× DDP's", Prose("it chose 1 MiB buckets, 93% overlap", DP_HISTORY)),
+    ("chose 1 MiB buckets and a step {1.23×} DDP's", Prose("1 MiB buckets, 93% overlap and **1.23× DDP**", DP_HISTORY)),
     ("the default now runs at {1.02×} DDP on fx", Cell(DP_TABLE, "spmd-fx", "x DDP")),
     ("DDP on fx and {1.02×} on ORT", Cell(DP_TABLE, "spmd-ort", "x DDP")),
     ("`\"auto\"` keeps {25 MiB} there and says so",
-     Code("spmd_ort/distributed/parallel.py", r"^AUTO_START_MB = (\d+\.\d+)  #")),
+     Code(PACKAGE, r"^AUTO_START_MB = (\d+\.\d+)  #")),
     ("(`\"auto\"` keeps its {25 MiB} start: its probe times collectives over every rank)",
-     Code("spmd_ort/distributed/parallel.py", r"^AUTO_START_MB = (\d+\.\d+)  #")),
+     Code(PACKAGE, r"^AUTO_START_MB = (\d+\.\d+)  #")),
     ("times it against FSDP2 + TP (bench/RESULTS.md: {0.68×} on fx, 0.68× on ORT)",
-     Cell("### 2-D on 4 ranks: dp 2 × tp 2", "spmd-fx", "x eager")),
+     Cell(TP_2D_TABLE, "spmd-fx", "x eager")),
     ("times it against FSDP2 + TP (bench/RESULTS.md: 0.68× on fx, {0.68×} on ORT)",
-     Cell("### 2-D on 4 ranks: dp 2 × tp 2", "spmd-ort", "x eager")),
-    ("Under `fully_shard` it runs at {0.74×} on fx and 0.76× on ORT",
-     Cell("### 2-D on 4 ranks: dp 2 × tp 2", "spmd-fx+fsdp", "x eager")),
-    ("Under `fully_shard` it runs at 0.74× on fx and {0.76×} on ORT",
-     Cell("### 2-D on 4 ranks: dp 2 × tp 2", "spmd-ort+fsdp", "x eager")),
+     Cell(TP_2D_TABLE, "spmd-ort", "x eager")),
+    ("Under `fully_shard` it runs at {0.74×} on fx and 0.76× on ORT", Cell(TP_2D_TABLE, "spmd-fx+fsdp", "x eager")),
+    ("Under `fully_shard` it runs at 0.74× on fx and {0.76×} on ORT", Cell(TP_2D_TABLE, "spmd-ort+fsdp", "x eager")),
     # tensor parallel: the replicated head split
     ("the step runs at {0.79×} eager DTensor TP on fx and 0.81× on ORT",
      Cell(TP_SPLIT_TABLE, "spmd-fx", "x eager")),
@@ -113,25 +159,28 @@ CLAIMS: list[tuple[str, Source]] = [
     ("Built with `torch.utils.cpp_extension` on first use ({~10 s}", Prose("one\n  other single-test process running): ~10 s.")),
     # host memory
     ("glibc's mmap threshold raised to {1 GiB}",
-     Code("spmd_ort/runtime/memory.py", r"^_RETAIN_MMAP_THRESHOLD = 1 << (\d+)  #",
+     Code(PACKAGE, r"^_RETAIN_MMAP_THRESHOLD = 1 << (\d+)  #",
           lambda shift: 2**int(shift) / 2**30)),  # bytes to GiB
-    ("By default glibc gives every allocation above {32 MiB} a fresh `mmap`",
+    ("glibc's default gives every allocation above {32 MiB} a fresh `mmap`",
      Fact("glibc's largest dynamic mmap threshold on 64-bit (DEFAULT_MMAP_THRESHOLD_MAX, malloc(3))")),
-    ("On gpt-mini's ZeRO-3 step that was {~15%} of the step", Prose("the setting saves 94 ms, 15% of the step")),
-    ("The resident set then stays at its peak ({+70 MiB} per rank there)", Prose("+70 MiB per rank (722 vs 653 MiB)")),
+    ("On gpt-mini's ZeRO-3 step that was {~15%} of the step",
+     Prose("the setting saves 94 ms, 15% of the step", ZERO3_HISTORY)),
+    ("the resident set stays at its peak ({+70 MiB} per rank there)",
+     Prose("+70 MiB per rank (722 vs 653 MiB)", ZERO3_HISTORY)),
     # ORT sessions without their own arena; torchlib's op names in the export cache
-    ("(gpt-mini's first-call peak RSS 1146 → {856 MiB}, step time", Prose("peak RSS\n  1146 → 856 MiB, step time")),
+    ("(gpt-mini's first-call peak RSS 1146 → {856 MiB}, step time",
+     Prose("peak RSS\n  1146 → 856 MiB, step time", STEP_HISTORY)),
     ("partitions and lowers without building torchlib's registry ({~1 s} of a warm compile)",
-     Prose("building torchlib's registry (~1 s) is skipped")),
+     Prose("building torchlib's registry (~1 s) is skipped", STEP_HISTORY)),
     # opaque parts: mixtral-tiny
     ("the two opaque expert modules took {44%} of the fx step",
      Prose(MIXTRAL_OPAQUE.format("fx") + ": 23.4 ms of 52.8 ms, 44%")),
     ("{44%} of the ORT step", Prose(MIXTRAL_OPAQUE.format("ort") + ": 23.1 ms of 51.9 ms, 44%")),
     ("the compiled step was {1.06×} (fx)", Cell(MIXTRAL_TABLE, "mixtral-tiny", "fx/eager")),
     ("(fx) and {1.04×} (ORT) of eager", Cell(MIXTRAL_TABLE, "mixtral-tiny", "ort/eager")),
-    ("the same model runs at {0.79×} eager on the default backend", Cell(STEP_TABLE, "mixtral-tiny", "ort/eager")),
+    ("the same model runs at {0.82×} eager on the default backend", Cell(STEP_TABLE, "mixtral-tiny", "ort/eager")),
     # the LM head fused
-    ("wider than its input (classes ≥ {4 ×} features)", Code("passes/fusion.py", r"^MIN_WIDENING = (\d+)$")),
+    ("wider than its input (classes ≥ {4 ×} features)", Code(PASSES, r"^MIN_WIDENING = (\d+)$")),
     ("falls from {162.1 MiB} to 78.1 MiB", Prose("162.1 MiB → 78.1 MiB")),
     ("falls from 162.1 MiB to {78.1 MiB}", Prose("162.1 MiB → 78.1 MiB")),
     ("kept for the backward from {98.1 MiB} to 68.1 MiB", Prose("98.1 MiB → 68.1 MiB")),
@@ -142,10 +191,11 @@ CLAIMS: list[tuple[str, Source]] = [
     ("the fused optimizer update (in place; about {8×} faster than the same update as elementwise ONNX",
      Prose("The update exported as 16 elementwise ONNX ops takes ~8× as long")),
     ("An export still running after {2 s} gets a progress line",
-     Code("spmd_ort/ort/executor.py", r"^PROGRESS_AFTER_S = (\d+(?:\.\d+)?)  #")),
-    ("(ORT's `Exp` is {8×} slower on `-inf`", Prose("ONNX Runtime's `Exp` is 8× slower on the causal mask's `-inf`")),
+     Code(PACKAGE, r"^PROGRESS_AFTER_S = (\d+(?:\.\d+)?)  #")),
+    ("(ORT's `Exp` is {8×} slower on `-inf`",
+     Prose("ONNX Runtime's `Exp` is 8× slower on the causal mask's `-inf`", STEP_HISTORY)),
     ("when ORT is no further from it than {10×} the fx graph's own distance",
-     Code("spmd_ort/ort/verify.py", r"^FLOAT64_FACTOR = (\d+)$")),
+     Code(PACKAGE, r"^FLOAT64_FACTOR = (\d+)$")),
     # dynamic shapes
     ("the first pass over the 20 lengths took {2.0 s} on fx", Cell(DYNAMIC_TABLE, "fx-auto", "first pass (s)")),
     ("on fx against {11.8 s} with a program per length", Cell(DYNAMIC_TABLE, "fx-false", "first pass (s)")),
@@ -166,8 +216,8 @@ def normalise(text: str) -> str:
     return re.sub(r"\s+", " ", text).strip()
 
 
-def readme_prose(text: str) -> str:
-    """The README without code blocks (they hold commands and settings, not measurements), one line."""
+def doc_prose(text: str) -> str:
+    """A page without code blocks (they hold commands and settings, not measurements), one line."""
     return normalise(re.sub(r"```.*?```", "", text, flags=re.S))
 
 
@@ -199,8 +249,8 @@ class Table:
     rows: dict[str, list[str]]
 
 
-def table_after(results: str, anchor: str) -> Table:
-    assert results.count(anchor) == 1, f"bench/RESULTS.md says {anchor!r} {results.count(anchor)} times, not once"
+def table_after(results: str, anchor: str, path: str = RESULTS) -> Table:
+    assert results.count(anchor) == 1, f"{path} says {anchor!r} {results.count(anchor)} times, not once"
     lines = results[results.index(anchor):].splitlines()
     start = next(i for i, line in enumerate(lines) if line.startswith("|"))
     block = []
@@ -212,86 +262,94 @@ def table_after(results: str, anchor: str) -> Table:
     return Table(header, {row[0]: row for row in body})
 
 
-def source_value(source: Source, results: str) -> tuple[float | None, str]:
+def source_value(source: Source, read: Callable[[str], str]) -> tuple[float | None, str]:
     """(the number the source gives, where that is, in words); Fact gives no number."""
     if isinstance(source, Cell):
-        table = table_after(results, source.after)
+        table = table_after(read(source.path), source.after, source.path)
         assert source.column in table.header, f"no column {source.column!r} after {source.after!r}: {table.header}"
         assert source.row in table.rows, f"no row {source.row!r} after {source.after!r}: {list(table.rows)}"
         cell = table.rows[source.row][table.header.index(source.column)]
-        where = f"bench/RESULTS.md, table after {source.after!r}, row {source.row}, column {source.column!r}: {cell!r}"
+        where = f"{source.path}, table after {source.after!r}, row {source.row}, column {source.column!r}: {cell!r}"
         m = re.match(NUMBER, cell)
         assert m, where + " holds no number"
         return float(m.group(0)), where
     if isinstance(source, Code):
-        text = (ROOT / source.path).read_text()
-        found = re.findall(source.pattern, text, flags=re.M)
-        assert len(found) == 1, f"{source.path}: {source.pattern!r} matches {len(found)} times, not once"
-        value = float(source.convert(found[0]))
-        return value, f"{source.path}: {source.pattern!r} gives {found[0]} ({value:g} in the README's unit)"
+        paths = ([str(p.relative_to(ROOT)) for p in sorted(ROOT.glob(source.path))] if "*" in source.path
+                 else [source.path])
+        found = [(path, g) for path in paths for g in re.findall(source.pattern, read(path), flags=re.M)]
+        assert len(found) == 1, f"{source.path}: {source.pattern!r} matches {len(found)} times, not once: {found}"
+        path, group = found[0]
+        value = float(source.convert(group))
+        return value, f"{path}: {source.pattern!r} gives {group} ({value:g} in the docs' unit)"
     return None, ""
 
 
 def unit_fits(source: Source, unit: str) -> bool:
-    """A cell's unit is its own (24%) or its column's: "(s)" seconds, "ms", ratios ("x ...", "a/b", "vs")."""
+    """A cell's unit is its own (24%) or its column's: "(s)" seconds, "ms", "MiB", ratios ("x ...", "a/b", "vs")."""
     if not isinstance(source, Cell):
         return True
     if unit == "%":
         return True  # checked on the cell's text by the caller
     column = source.column
-    return {"s": "(s)" in column, "ms": "ms" in column,
+    return {"s": "(s)" in column, "ms": "ms" in column, "MiB": "MiB" in column,
             "×": "/" in column or column.startswith("x ") or "vs" in column}.get(unit, False)
 
 
-def check(readme: str, results: str, claims=CLAIMS) -> list[str]:
-    """Every problem, in words: figures no claim covers, claims not found, figures that differ from their source."""
-    text, results_text = readme_prose(readme), normalise(results)
-    problems, claimed = [], set()
+def check(pages: Mapping[str, str], read: Callable[[str], str] = read_source, claims=CLAIMS) -> list[str]:
+    """Every problem, in words: figures no claim covers, claims not found, figures that differ from their source.
+
+    ``pages`` maps a page's path to its text; ``read(path)`` gives a source file's text."""
+    texts = {name: doc_prose(text) for name, text in pages.items()}
+    problems, claimed = [], {name: set() for name in texts}
     for claim, source in claims:
         written = re.search(r"\{(.+?)\}", claim).group(1)
-        matches = list(claim_regex(claim).finditer(text))
+        matches = [(name, m) for name, text in texts.items() for m in claim_regex(claim).finditer(text)]
         if not matches:
-            problems.append(f"the README no longer says {claim!r} (figures aside): update or remove this claim")
+            problems.append(f"no page of the docs says {claim!r} any more (figures aside): update or remove this claim")
             continue
-        for m in matches:
-            claimed.add(m.start("figure"))
+        for name, m in matches:
+            text = texts[name]
+            claimed[name].add(m.start("figure"))
             figure = m.group("figure")
-            where = text[max(0, m.start() - 20):m.end() + 20]
+            where = f"{name}: '...{text[max(0, m.start() - 20):m.end() + 20]}...'"
             got = FIGURE.fullmatch(figure)
             number, unit = float(got.group(1)), unit_of(figure)
             if unit != unit_of(written):
-                problems.append(f"README figure {figure} in '...{where}...' has unit {unit}, its claim {written}")
+                problems.append(f"figure {figure} in {where} has unit {unit}, its claim {written}")
                 continue
             if isinstance(source, Prose):
-                if normalise(source.text) not in results_text:
-                    problems.append(f"bench/RESULTS.md no longer says {source.text!r} (claimed for {figure})")
+                if normalise(source.text) not in normalise(read(source.path)):
+                    problems.append(f"{source.path} no longer says {source.text!r} (claimed for {figure})")
                 elif not any(m.group(1) == got.group(1) and unit_of(m.group(0)) == unit
                              for m in FIGURE.finditer(normalise(source.text))):
-                    problems.append(f"README says {figure} in '...{where}...' where bench/RESULTS.md says "
-                                    f"{source.text!r}")
+                    problems.append(f"{figure} in {where} where {source.path} says {source.text!r}")
                 continue
-            value, from_where = source_value(source, results)
+            value, from_where = source_value(source, read)
             if value is None:
                 continue
             decimals = len(got.group(1).partition(".")[2])
             if unit == "%" and isinstance(source, Cell) and not from_where.endswith("%'"):
-                problems.append(f"README figure {figure} is a percentage, {from_where} is not")
+                problems.append(f"figure {figure} in {name} is a percentage, {from_where} is not")
             elif not unit_fits(source, unit):
-                problems.append(f"README figure {figure} ({unit}) does not fit the unit of {from_where}")
+                problems.append(f"figure {figure} ({unit}) in {name} does not fit the unit of {from_where}")
             elif round(value, decimals) != number:
-                problems.append(f"README says {figure} in '...{where}...' where {from_where}")
-    for m in FIGURE.finditer(text):
-        if m.start() not in claimed:
-            where = text[max(0, m.start() - 60):m.end() + 30]
-            problems.append(f"README figure {m.group(0)} in '...{where}...' is claimed by nothing: add it to "
-                            f"CLAIMS with its source")
+                problems.append(f"{figure} in {where} where {from_where}")
+    for name, text in texts.items():
+        for m in FIGURE.finditer(text):
+            if m.start() not in claimed[name]:
+                where = text[max(0, m.start() - 60):m.end() + 30]
+                problems.append(f"figure {m.group(0)} in {name}: '...{where}...' is claimed by nothing: add it to "
+                                f"CLAIMS with its source")
     return problems
 
 
-def test_every_readme_figure_says_what_its_source_says():
-    readme = (ROOT / "README.md").read_text()
-    results = (ROOT / "bench" / "RESULTS.md").read_text()
-    problems = check(readme, results)
+def test_the_docs_are_the_readme_and_every_page_of_docs():
+    names = list(docs())
+    assert names[0] == "README.md" and len(names) > 1 and all(n.startswith("docs/") for n in names[1:]), names
+
+
+def test_every_figure_of_the_docs_says_what_its_source_says():
+    problems = check(docs())
     assert not problems, "\n".join(problems)
 
 
@@ -299,23 +357,39 @@ def test_every_readme_figure_says_what_its_source_says():
                                      ("took 2.0 s on fx", "took 1.5 s on fx"),
                                      ("~15% of the step", "~15 s of the step")])
 def test_an_edited_figure_fails(old, new):
-    """Figures that occur elsewhere in bench/RESULTS.md (0.67× is a target there, 90 and 1.5 occur too), edited
-    into the README, fail: a figure is compared with its own source, not searched for anywhere."""
-    readme = (ROOT / "README.md").read_text()
-    results = (ROOT / "bench" / "RESULTS.md").read_text()
-    assert readme.count(old) == 1
+    """Figures that occur elsewhere in the results (0.67× and 1.5 occur in bench/RESULTS.md, 90 in its history),
+    edited into a page, fail: a figure is compared with its own source, not searched for anywhere."""
+    pages = docs()
+    holding = [name for name, text in pages.items() if old in text]
+    assert len(holding) == 1 and pages[holding[0]].count(old) == 1, holding
     figure = FIGURE.search(new).group(0)
-    problems = check(readme.replace(old, new), results)
-    assert len(problems) == 1 and figure in problems[0], problems
+    problems = check({**pages, holding[0]: pages[holding[0]].replace(old, new)})
+    assert len(problems) == 1 and figure in problems[0] and holding[0] in problems[0], problems
 
 
-def test_a_figure_without_a_claim_fails():
-    readme = (ROOT / "README.md").read_text() + "\nThe step takes 12.5 ms.\n"
-    problems = check(readme, (ROOT / "bench" / "RESULTS.md").read_text())
+@pytest.mark.parametrize("page", ["README.md", "docs/memory.md"])
+def test_a_figure_without_a_claim_fails(page):
+    pages = docs()
+    problems = check({**pages, page: pages[page] + "\nThe step takes 12.5 ms.\n"})
     assert len(problems) == 1 and "12.5 ms" in problems[0] and "claimed by nothing" in problems[0], problems
+    assert page in problems[0], problems
+
+
+def test_a_cited_result_is_read_from_its_own_file():
+    """A Prose or Cell naming a history file is checked against that file, not bench/RESULTS.md."""
+    claim = ("On gpt-mini's ZeRO-3 step that was {~15%} of the step",
+             Prose("the setting saves 94 ms, 15% of the step", ZERO3_HISTORY))
+    pages = {"docs/memory.md": "On gpt-mini's ZeRO-3 step that was ~15% of the step."}
+    assert check(pages, claims=[claim]) == []
+
+    def without_history(path: str) -> str:
+        return "" if path.startswith("bench/history/") else read_source(path)
+
+    problems = check(pages, read=without_history, claims=[claim])
+    assert len(problems) == 1 and ZERO3_HISTORY in problems[0], problems
 
 
 def test_the_check_finds_figures():
-    found = [m.group(0) for m in FIGURE.finditer(readme_prose("ort is 1.28× eager, 24% overlap, 27 s cold, "
-                                                              "+60 MiB; `x=5 s`; v1.2 x 3\n```\n9 s\n```"))]
+    found = [m.group(0) for m in FIGURE.finditer(doc_prose("ort is 1.28× eager, 24% overlap, 27 s cold, "
+                                                           "+60 MiB; `x=5 s`; v1.2 x 3\n```\n9 s\n```"))]
     assert found == ["1.28×", "24%", "27 s", "60 MiB"]
