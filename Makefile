@@ -24,7 +24,7 @@ lint: setup
 	$(VENV)/bin/ruff check .
 
 test: setup
-	$(PY) -m pytest -q -p no:cacheprovider
+	$(PY) -m pytest -q -p no:cacheprovider --durations=25
 
 # The differential fuzzer with a large budget (tests/test_fuzz.py; `make test` runs a few fixed examples):
 # FUZZ_EXAMPLES random train steps on fx and FUZZ_EXAMPLES/8 on ort, each trained eagerly and compiled.

@@ -14,6 +14,10 @@ os.environ.setdefault("SPMD_ORT_VERIFY", "1")
 os.environ.setdefault("SPMD_ORT_CHECK_PASSES", "1")
 os.environ.setdefault("SPMD_ORT_SEGMENT_EXECUTOR", "ort")
 os.environ.setdefault("SPMD_ORT_CACHE_DIR", tempfile.mkdtemp(prefix="spmd_ort_cache_"))
+# The suite's process keeps freed host memory for reuse (glibc's mallopt: opt-in, since it acts on the whole
+# process): it compiles hundreds of steps, and until the setting was opt-in every test process had it from its
+# first compiled step on. tests/test_host_memory.py and test_process_effects.py check the default (off).
+os.environ.setdefault("SPMD_ORT_RETAIN_HOST_MEMORY", "1")
 
 import pytest  # noqa: E402
 import torch.distributed as dist  # noqa: E402
