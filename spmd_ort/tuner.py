@@ -127,21 +127,28 @@ class Tuner:
         if due is not None and program.steps_run >= due \
                 and getattr(program.executor, "candidate_source", None) is not None:
             self._try_candidate(program, entry[1], args, kwargs)
-        self._t0 = now()
+        # timed only while the candidate's step is undecided: on a GPU, now() waits for the queued kernels
+        self._t0 = now() if self._timing(program) else None
 
     def after_run(self, program: CompiledProgram, mode, comm) -> None:
         """After ``program`` ran a call: time the step for the candidate, and let ``bucket_cap_mb="auto"``
         observe it (``mode``: the call's parallel mode as given, None on one process; ``comm``: the step's
         collectives); a cap that changes the buckets recompiles (within the budget)."""
-        seconds = now() - self._t0 if self._t0 is not None else 0.0
-        self._t0 = None
+        if self._t0 is not None:
+            seconds, self._t0 = now() - self._t0, None
+            self._watch(program, seconds)
         if not self.autotune:
             return
-        if getattr(program.executor, "candidate_source", None) is not None:
-            self._watch(program, seconds)
         if mode is not None and self.buckets.observe(mode, program, comm):
             self.recompile(program, f"bucket_cap_mb='auto' chose {self.buckets.choice.cap_mb:g} MiB buckets "
                                     "from the measured steps")
+
+    def _timing(self, program: CompiledProgram) -> bool:
+        """Whether ``program``'s steps are timed: it has a candidate whose step is not set yet."""
+        if not self.autotune or getattr(program.executor, "candidate_source", None) is None:
+            return False
+        entry = self._watches.get(id(program))
+        return entry is None or entry[0] is not program or entry[1].due is None
 
     # ------------------------------------------------------------------ recompiles
     def recompile(self, program: CompiledProgram, reason: str) -> bool:
