@@ -10,11 +10,12 @@ variables is :func:`env_table_markdown` (a test keeps them equal).
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import enum
 import logging
 import os
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -464,3 +465,17 @@ def configure_logging(level: LogLevel) -> None:
         handler.setFormatter(logging.Formatter("[spmd_ort%(rank)s %(levelname)s] %(message)s"))
         handler.addFilter(_RANK_FILTER)  # also for a child logger made with logging.getLogger, not get_logger
         logger.addHandler(handler)
+
+
+@contextlib.contextmanager
+def logs_filtered(names: tuple[str, ...], flt: logging.Filter) -> Iterator[None]:
+    """While the block runs, ``flt`` filters the loggers ``names`` (torch's, whose records we reword or drop);
+    afterwards they are as they were: nothing of ours stays on another library's logger."""
+    loggers = [logging.getLogger(name) for name in names]
+    for lg in loggers:
+        lg.addFilter(flt)
+    try:
+        yield
+    finally:
+        for lg in loggers:
+            lg.removeFilter(flt)

@@ -35,7 +35,7 @@ from types import TracebackType
 import torch
 import torch.nn.functional as F
 from torch.fx.experimental.proxy_tensor import get_proxy_mode, get_proxy_slot
-from spmd_ort.options import get_logger
+from spmd_ort.options import get_logger, logs_filtered
 
 logger = get_logger(__name__)
 
@@ -54,15 +54,8 @@ class _ToDebug(logging.Filter):
 @contextlib.contextmanager
 def quiet_torch_logs() -> Iterator[None]:
     """torch's records from the fake-tensor machinery go to ``spmd_ort`` at DEBUG while the block runs."""
-    flt = _ToDebug()
-    loggers = [logging.getLogger(name) for name in TRACE_LOGGERS]
-    for lg in loggers:
-        lg.addFilter(flt)
-    try:
+    with logs_filtered(TRACE_LOGGERS, _ToDebug()):
         yield
-    finally:
-        for lg in loggers:
-            lg.removeFilter(flt)
 
 
 # ---------------------------------------------------------------------- whose error it is

@@ -33,7 +33,7 @@ from pathlib import Path
 import torch
 from torch import fx
 
-from spmd_ort.options import DEFAULT_OPSET, environment_value
+from spmd_ort.options import DEFAULT_OPSET, environment_value, logs_filtered
 from spmd_ort.backends.ort.translation_table import TRANSLATIONS
 
 aten = torch.ops.aten
@@ -72,15 +72,8 @@ EXPORTER_LOGGERS = ("torch.onnx._internal.exporter._registration", "torch.onnx._
 def exporter_logs_filtered():
     """While the block runs (building the registry, exporting a segment), the exporter's loggers drop the records
     :class:`_DropIrrelevant` names; afterwards they are as they were (the filter is ours, one per block)."""
-    drop = _DropIrrelevant()
-    loggers = [logging.getLogger(name) for name in EXPORTER_LOGGERS]
-    for lg in loggers:
-        lg.addFilter(drop)
-    try:
+    with logs_filtered(EXPORTER_LOGGERS, _DropIrrelevant()):
         yield
-    finally:
-        for lg in loggers:
-            lg.removeFilter(drop)
 
 
 def registry(opset: int = DEFAULT_OPSET):
