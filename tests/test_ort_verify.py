@@ -127,7 +127,7 @@ def test_a_gpu_segment_that_may_use_tf32_is_verified_to_tf32s_precision(tf32_set
     """Where torch's settings let the GPU compute a float32 convolution or matmul in TensorFloat-32 (cuDNN's
     convolutions by default; matmuls at a precision below "highest"), two implementations may differ by TF32's
     rounding (found on an H200: inductor's channels-last convolution against eager's, a batch norm's running mean
-    0.014% apart): the segment's tolerance is 4 TF32 ulps then.  Traced on fake CUDA tensors (no GPU needed)."""
+    0.014% apart): the tolerance of the outputs computed from such an op is 4 TF32 ulps then.  Traced on fake CUDA tensors (no GPU needed)."""
     import torch.nn.functional as F
     from torch._subclasses.fake_tensor import FakeTensorMode
 
@@ -136,12 +136,15 @@ def test_a_gpu_segment_that_may_use_tf32_is_verified_to_tf32s_precision(tf32_set
                    torch.empty(8, 8, device="cuda"))
     conv = make_fx(lambda x, w: F.conv2d(x, w).relu().sum())(x, w)
     mm = make_fx(lambda a: (a @ a).sum())(a)
+    both = make_fx(lambda x, w, a: (F.conv2d(x, w).sum(), (a * 2).sum()))(x, w, a)
     cpu_conv = make_fx(lambda x, w: F.conv2d(x, w).sum())(torch.randn(2, 3, 8, 8), torch.randn(4, 3, 3, 3))
     tf32 = checking.VERIFY_ULPS * 2.0**-10
     torch.backends.cudnn.allow_tf32 = True
     torch.set_float32_matmul_precision("highest")
     assert checking.verify_tolerance(conv) == tf32 and checking.verify_tolerance(mm) == checking.VERIFY_TOLERANCE
     assert checking.verify_tolerance(cpu_conv) == checking.VERIFY_TOLERANCE  # the CPU has no TF32
+    # only the outputs downstream of the convolution are widened (issue 42: every output of the segment was)
+    assert checking.verify_tolerances(both) == (tf32, checking.VERIFY_TOLERANCE)
     torch.backends.cudnn.allow_tf32 = False
     torch.set_float32_matmul_precision("high")
     assert checking.verify_tolerance(conv) == checking.VERIFY_TOLERANCE and checking.verify_tolerance(mm) == tf32

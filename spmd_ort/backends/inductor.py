@@ -29,7 +29,7 @@ from spmd_ort.backends.timed import TimedInterpreter
 from spmd_ort.errors import CompileError, ConfigError
 from spmd_ort.options import Options, get_logger
 from spmd_ort.graph.segments import HOST_NAMESPACES, RANDOM_OPS, UNINITIALIZED_OPS, partition_with
-from spmd_ort.graph.checking import op_summary, output_mismatch, short_error, verify_tolerance
+from spmd_ort.graph.checking import op_summary, output_mismatch, short_error, verify_tolerances
 from spmd_ort.runtime.step_runtime import active
 from spmd_ort.runtime.devices import rng_kept
 from spmd_ort.graph.ops import OPAQUE_OPS, draws_random, grouped_mm
@@ -97,7 +97,7 @@ class InductorSegment(nn.Module):
         self.fallback = fallback
         self.use_fallback = False
         self.runs = 0  # steps whose outputs came from the compiled code
-        self.tolerance = verify_tolerance(fallback)
+        self.tolerance = verify_tolerances(fallback)  # per output
         out = fallback.graph.output_node().args[0]
         self.returns_tuple = isinstance(out, (tuple, list))
         examples = [_example(n.meta["val"]) for n in fallback.graph.nodes if n.op == "placeholder"]

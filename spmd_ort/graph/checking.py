@@ -1,14 +1,16 @@
 """Is a compiled segment's output the fx graph's? The comparison every backend's checked first run makes.
 
 :func:`output_mismatch` compares a backend's outputs with the fx graph's (:func:`first_difference`): per output,
-relative to its largest value, with floors for rounding noise, and for an ill-conditioned float32 computation
-against the segment run in float64 (:func:`within_rounding_of_float64`).  The ORT backend's first run
+each element within the output's tolerance of the output's largest value (the tolerance follows the precisions the
+output is computed from: :func:`verify_tolerances`), and for an ill-conditioned float32 computation, element by
+element against the segment run in float64 (:func:`within_rounding_of_float64`).  The ORT backend's first run
 (``spmd_ort.backends.ort.verify``) and the inductor backend's use it.
 """
 
 from __future__ import annotations
 
 import operator
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -27,25 +29,34 @@ VERIFY_ULPS = 4
 # analytically zero gradient of an attention key bias, ~1e-13): not a fault.
 VERIFY_ABS_FLOOR = {torch.float32: 1e-9, torch.float64: 1e-12, torch.float16: 1e-4, torch.bfloat16: 1e-3}
 
-# An output that is analytically zero (a bias before a batch norm: the norm removes it) is rounding noise of
-# sums of terms as large as the segment's other values, and its own max is no scale for that noise.  So a
-# difference below NOISE_ULPS units in the last place of the segment's largest output (same dtype) is noise too.
-NOISE_ULPS = 8
-
-# A verification mismatch is no fault when ORT is no further than this many times fx's own distance from the
-# segment computed in float64 (within_rounding_of_float64).
+# A verification mismatch is no fault where, element by element, ORT is no further from the segment computed in
+# float64 than this many times fx's own distance from it, or than the float32 rounding noise of that output
+# (within_rounding_of_float64).
 FLOAT64_FACTOR = 10
 
 
+def verify_tolerances(gm: fx.GraphModule) -> tuple[float, ...]:
+    """The relative tolerance of each of a segment's outputs: 1e-4, or 4 ulps of the lowest float precision the
+    output is computed from (a float32 output of a float16 matmul: float16's), with TensorFloat-32 among them where
+    the output depends on an op torch's settings let a GPU compute in it (:func:`may_use_tf32`).  Only an output's
+    own ancestors count: a float32 loss beside a float16 branch keeps float32's tolerance."""
+    eps: dict[fx.Node, float] = {}
+    for node in gm.graph.nodes:
+        val = node.meta.get("val")
+        own = [torch.finfo(v.dtype).eps for v in (val if isinstance(val, (list, tuple)) else [val])
+               if isinstance(v, torch.Tensor) and v.dtype.is_floating_point]
+        if may_use_tf32(node):
+            own.append(TF32_EPS)
+        eps[node] = max([0.0, *own, *(eps[a] for a in node.all_input_nodes)])
+    out = gm.graph.output_node().args[0]
+    outputs = out if isinstance(out, (tuple, list)) else (out,)
+    return tuple(max(VERIFY_TOLERANCE, VERIFY_ULPS * eps[o]) if isinstance(o, fx.Node) else VERIFY_TOLERANCE
+                 for o in outputs)
+
+
 def verify_tolerance(gm: fx.GraphModule) -> float:
-    """The relative tolerance for a segment: 1e-4, or 4 ulps of the lowest float precision it computes in (with
-    TensorFloat-32 where torch's settings let a GPU use it: :func:`may_use_tf32`)."""
-    eps = [torch.finfo(v.dtype).eps for n in gm.graph.nodes
-           for v in (n.meta.get("val") if isinstance(n.meta.get("val"), (list, tuple)) else [n.meta.get("val")])
-           if isinstance(v, torch.Tensor) and v.dtype.is_floating_point]
-    if any(may_use_tf32(n) for n in gm.graph.nodes):
-        eps.append(TF32_EPS)
-    return max([VERIFY_TOLERANCE] + [VERIFY_ULPS * e for e in eps])
+    """The widest of the segment's per-output tolerances (:func:`verify_tolerances`)."""
+    return max(verify_tolerances(gm), default=VERIFY_TOLERANCE)
 
 
 TF32_EPS = 2.0**-10  # TensorFloat-32 keeps 10 bits of float32's 23-bit mantissa
@@ -202,15 +213,20 @@ def _finite_abs_max(t: torch.Tensor) -> float:
     return max(torch.nan_to_num(p.abs(), nan=0.0, posinf=0.0).max().item() for (p,) in _pieces(t))
 
 
-def first_difference(ort_out, fx_out, tolerance: float = VERIFY_TOLERANCE, label: str = "ort") -> str | None:
-    """Describe the first output that differs beyond ``tolerance`` (relative to the output's max) and beyond
-    rounding noise (:data:`VERIFY_ABS_FLOOR`, :data:`NOISE_ULPS` of the segment's largest output), or None.
-    ``label`` names the executor compared with fx in the description.
+def _tolerance_of(tolerance: float | Sequence[float], i: int) -> float:
+    return tolerance if isinstance(tolerance, (int, float)) else tolerance[i]
+
+
+def first_difference(ort_out, fx_out, tolerance: float | Sequence[float] = VERIFY_TOLERANCE,
+                     label: str = "ort") -> str | None:
+    """Describe the first output that differs beyond its tolerance, or None: each element of output ``i`` within
+    ``tolerance[i]`` (one float: every output's) of the output's largest |value|, or within the dtype's absolute
+    floor (:data:`VERIFY_ABS_FLOOR`).  No floor is taken from another output: an output of small values beside
+    large ones is checked to its own scale.  ``label`` names the executor compared with fx in the description.
 
     Compared :data:`VERIFY_CHUNK` elements at a time (maxima: the same result as whole tensors)."""
     ort_vals = ort_out if isinstance(ort_out, tuple) else (ort_out,)
     fx_vals = fx_out if isinstance(fx_out, (tuple, list)) else (fx_out,)
-    largest = _largest(fx_vals)
     for i, (a, b) in enumerate(zip(ort_vals, fx_vals)):
         if a.shape != b.shape or a.dtype != b.dtype:
             return f"output {i}: shape/dtype {tuple(a.shape)}/{a.dtype} vs {tuple(b.shape)}/{b.dtype}"
@@ -225,62 +241,60 @@ def first_difference(ort_out, fx_out, tolerance: float = VERIFY_TOLERANCE, label
             diff = (pa - pb).abs()  # NaN where either is NaN (or both are the same infinity)
             nan = torch.isnan(diff)
             if nan.any():
-                same = (torch.isnan(pa) & torch.isnan(pb)) | (pa == pb)
-                if not torch.equal(nan, nan & same):
+                if not torch.equal(nan, nan & _same(pa, pb)):
                     return f"output {i}: NaN in one and not the other"
                 diff = torch.nan_to_num(diff, nan=0.0)
             err = max(err, diff.max().item())
         scale = _finite_abs_max(b)
-        if err > tolerance * scale and err > _noise_floor(a.dtype, largest):
+        if err > _tolerance_of(tolerance, i) * scale and err > VERIFY_ABS_FLOOR.get(a.dtype, 1e-9):
             return (f"output {i} (shape {tuple(b.shape)}): max |{label} - fx| = {err:.3g}, "
                     f"{err / max(scale, 1e-30):.3g} of max |fx| = {scale:.3g}")
     return None
 
-def _largest(values) -> dict[torch.dtype, float]:
-    """Per floating dtype: the largest finite |value| among a segment's outputs."""
-    largest: dict[torch.dtype, float] = {}
-    for b in values:
-        if isinstance(b, torch.Tensor) and b.dtype.is_floating_point and b.numel():
-            largest[b.dtype] = max(largest.get(b.dtype, 0.0), _finite_abs_max(b))
-    return largest
 
-
-def _noise_floor(dtype: torch.dtype, largest: dict[torch.dtype, float]) -> float:
-    """A difference no larger than this is rounding noise: :data:`VERIFY_ABS_FLOOR`, or :data:`NOISE_ULPS` of
-    the segment's largest output of that dtype."""
-    return max(VERIFY_ABS_FLOOR.get(dtype, 1e-9), NOISE_ULPS * torch.finfo(dtype).eps * largest.get(dtype, 0.0))
+def _same(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """Where two outputs hold the same value: equal (the same infinity included), or both NaN."""
+    return (a == b) | (torch.isnan(a) & torch.isnan(b))
 
 
 def op_summary(gm: fx.GraphModule, limit: int = 6) -> str:
     ops = sorted({str(n.target) for n in gm.graph.nodes if n.op == "call_function"})
     return ", ".join(ops[:limit]) + (f", ... {len(ops) - limit} more" if len(ops) > limit else "")
 
-def output_mismatch(gm: fx.GraphModule, inputs, got, reference, tolerance: float,
+def output_mismatch(gm: fx.GraphModule, inputs, got, reference, tolerance: float | Sequence[float],
                     unordered: tuple[UnorderedTopk, ...] = (), label: str = "ort") -> tuple[str | None, str | None]:
     """How a compiled segment's outputs ``got`` (ORT's, inductor's) differ from its fx graph's ``reference`` on
-    ``inputs``: ``(mismatch, forgiven)``. ``mismatch`` describes the first output beyond the tolerance
+    ``inputs``: ``(mismatch, forgiven)``. ``mismatch`` describes the first output beyond its tolerance
     (:func:`first_difference`), None when they agree; ``forgiven`` describes a difference that is no fault
-    because fx is as far from float64 (:func:`within_rounding_of_float64`), else None. Outputs in the order
-    of an unsorted topk are compared in a defined order (the op defines the set)."""
+    because, element by element, it is within float32's rounding of the segment computed in float64
+    (:func:`within_rounding_of_float64`), else None. Outputs in the order of an unsorted topk are compared in a
+    defined order (the op defines the set)."""
     got, reference = in_defined_order(got, unordered), in_defined_order(reference, unordered)
     diff = first_difference(got, reference, tolerance, label)
-    if diff is not None and within_rounding_of_float64(gm, inputs, got, reference, unordered):
+    if diff is not None and within_rounding_of_float64(gm, inputs, got, reference, unordered, tolerance):
         return None, diff
     return diff, None
 
 
 def within_rounding_of_float64(gm: fx.GraphModule, inputs, ort_out, fx_out,
-                               unordered: tuple[UnorderedTopk, ...] = ()) -> bool:
-    """Whether ORT's outputs are as close to the segment computed in float64 as the fx graph's are.
+                               unordered: tuple[UnorderedTopk, ...] = (),
+                               tolerance: float | Sequence[float] = VERIFY_TOLERANCE) -> bool:
+    """Whether each element of ORT's outputs is as close to the segment computed in float64 as float32's rounding
+    lets an implementation be.
 
-    A verification mismatch may be the rounding of an ill-conditioned float32 computation (a batch
-    norm of two nearly equal values: gradients that are analytically zero come out 1e-4 in eager
-    float32), where two float32 implementations cannot agree.  The fx graph is run again with its
-    float32 inputs in float64 (and every float32 its ops name, e.g. a cast of a count, made
-    float64); the mismatch is no fault when every ORT output is within :data:`FLOAT64_FACTOR`
-    times fx's own distance from the float64 output (or within the tolerance of it, or, elementwise, within
-    the segment's noise floor of it: an analytically zero output fx happened to compute exactly).  Only for
-    segments that compute in float32 alone; otherwise, or if the float64 run fails, the mismatch
+    A verification mismatch may be the rounding of an ill-conditioned float32 computation (a batch norm of two
+    nearly equal values; the analytically zero gradient of a bias before a batch norm, rounding noise of sums of
+    terms much larger than itself), where two float32 implementations cannot agree.  The fx graph is run again
+    with its float32 inputs in float64 (every float32 its ops name, e.g. a cast of a count, made float64): the
+    exact values ``x``.  And once more so, with every op's result rounded at random by one float32 unit in the last
+    place (:class:`_Float64`, ``perturb``): how far float32's rounding of *this output's own computation* moves it
+    (``noise``, its largest |perturbed - x|; the noise of a cancelling sum is that of its terms).  Element ``j`` of
+    output ``i`` passes when
+
+        |ort_j - x_j| <= max(tolerance_i * max|x|, FLOAT64_FACTOR * |fx_j - x_j|, FLOAT64_FACTOR * noise_i)
+
+    (or equals fx's): no norm over the output dilutes one wrong element, and no output lends its scale to
+    another.  Only for segments that compute in float32 alone; otherwise, or if a float64 run fails, the mismatch
     stands.
     """
     for node in gm.graph.nodes:
@@ -294,39 +308,73 @@ def within_rounding_of_float64(gm: fx.GraphModule, inputs, ort_out, fx_out,
     if not any(floats) or any(isinstance(v, torch.Tensor) and v.dtype not in (torch.float32, torch.int64, torch.bool)
                               for v in fx_vals):
         return False
+    wide = [t.double() if f else t for t, f in zip(inputs, floats)]
     try:
         with torch.no_grad():
-            exact = _Float64(gm).run(*[t.double() if f else t for t, f in zip(inputs, floats)])
-        exact = in_defined_order(exact, unordered)
+            exact = _outputs(in_defined_order(_Float64(gm).run(*wide), unordered))
+            perturbed = _outputs(in_defined_order(_Float64(gm, perturb=True).run(*wide), unordered))
     except Exception:  # noqa: BLE001 - no float64 reference: the mismatch stands
         return False
-    exact_vals = exact if isinstance(exact, (tuple, list)) else (exact,)
-    largest = _largest(fx_vals)
-    for a, b, x in zip(ort_vals, fx_vals, exact_vals):
+    for i, (a, b, x, p) in enumerate(zip(ort_vals, fx_vals, exact, perturbed)):
         if not isinstance(b, torch.Tensor) or not b.dtype.is_floating_point:
             continue
-        if not isinstance(x, torch.Tensor) or x.dtype != torch.float64 or x.shape != b.shape:
+        if not all(isinstance(t, torch.Tensor) and t.dtype == torch.float64 and t.shape == b.shape for t in (x, p)):
             return False
         if b.numel() == 0:
             continue
-        diff = a.double() - x
-        ort_err, fx_err = diff.norm().item(), (b.double() - x).norm().item()
-        if ort_err <= max(VERIFY_TOLERANCE * x.norm().item(), FLOAT64_FACTOR * fx_err):
-            continue
-        # an analytically zero output that fx happened to compute exactly: ORT's rounding noise there is no
-        # fault when it is below the noise floor that first_difference grants against fx
-        if not diff.abs().max().item() <= _noise_floor(b.dtype, largest):
-            return False
+        scale = noise = 0.0
+        for px, pp in _pieces(x, p):
+            scale = max(scale, torch.nan_to_num(px.abs(), nan=0.0, posinf=0.0).max().item())
+            noise = max(noise, torch.nan_to_num((pp - px).abs(), nan=0.0, posinf=0.0).max().item())
+        floor = max(_tolerance_of(tolerance, i) * scale, FLOAT64_FACTOR * noise, VERIFY_ABS_FLOOR[torch.float32])
+        for pa, pb, px in _pieces(a, b, x):
+            ort_err, fx_err = (pa.double() - px).abs(), (pb.double() - px).abs()
+            ok = (ort_err <= torch.clamp(FLOAT64_FACTOR * fx_err, min=floor)) | _same(pa, pb)
+            if not bool(ok.all()):
+                return False
     return True
 
 
+def _outputs(values) -> tuple:
+    return tuple(values) if isinstance(values, (tuple, list)) else (values,)
+
+
 class _Float64(RunInterpreter):
-    """Runs a graph with every float32 its ops name (a cast's dtype) read as float64; the graph is not changed."""
+    """Runs a graph with every float32 its ops name (a cast's dtype) read as float64; the graph is not changed.
+
+    With ``perturb``, each op's floating result is then moved at random by up to one float32 unit in the last place
+    relative to itself (a fixed seed: the same run each time), as float32 would round it: a float64 model of the
+    graph's float32 rounding, element by element.  Views and ops whose results alias their inputs are left as they
+    are (they round nothing)."""
+
+    def __init__(self, gm: fx.GraphModule, perturb: bool = False):
+        super().__init__(gm)
+        self.generator = torch.Generator().manual_seed(0) if perturb else None
 
     def call_function(self, target, args, kwargs):
         args = tuple(torch.float64 if a is torch.float32 else a for a in args)
         kwargs = {k: torch.float64 if v is torch.float32 else v for k, v in kwargs.items()}
-        return super().call_function(target, args, kwargs)
+        result = super().call_function(target, args, kwargs)
+        if self.generator is None or _aliases(target):
+            return result
+        if isinstance(result, (tuple, list)):
+            return type(result)(self._round(r) for r in result)
+        return self._round(result)
+
+    def _round(self, value):
+        if not (isinstance(value, torch.Tensor) and value.dtype == torch.float64 and value.numel()):
+            return value
+        u = torch.rand(value.shape, dtype=torch.float64, generator=self.generator) * 2 - 1
+        return value * (1 + _FLOAT32_EPS * u)
+
+
+_FLOAT32_EPS = torch.finfo(torch.float32).eps
+
+
+def _aliases(target) -> bool:
+    """Whether an op's result may be (a view of) one of its inputs, or is no aten op at all (getitem)."""
+    schema = getattr(target, "_schema", None)
+    return schema is None or any(r.alias_info is not None for r in schema.returns)
 
 
 def short_error(exc: BaseException, limit: int = 400) -> str:

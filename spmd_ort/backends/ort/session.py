@@ -21,7 +21,7 @@ from spmd_ort.options import Options, get_logger
 from spmd_ort.backends.ort.export import export_segment, input_position, save_model
 from spmd_ort.backends.ort.stats import OrtStats
 from spmd_ort.backends.ort.verify import segment_failure
-from spmd_ort.graph.checking import op_summary, short_error, unordered_topks, verify_tolerance
+from spmd_ort.graph.checking import op_summary, short_error, unordered_topks, verify_tolerances
 from spmd_ort.runtime.memory import host_memory_retained
 
 logger = get_logger(__name__)
@@ -85,7 +85,7 @@ class OrtSegment(nn.Module):
         self.runs = 0
         self.checked_runs = 0
         self.new_sizes = None  # dynamic shapes: a sizes.NewSizes checks the first runs at new sizes
-        self.tolerance = verify_tolerance(fallback)
+        self.tolerance = verify_tolerances(fallback)  # per output
         self.unordered = unordered_topks(fallback)  # outputs in an unsorted topk's order: verified as sets
         metas, self.returns_tuple = _outputs_meta(fallback)
         if odd := [type(m).__name__ for m in metas if not isinstance(m, torch.Tensor)]:
