@@ -21,6 +21,7 @@ from torch import fx
 from spmd_ort.graph.slots import SlotKind
 from spmd_ort.backends.ort.coverage import HOST_ONLY
 from spmd_ort.graph.segments import RANDOM_OPS
+from spmd_ort.graph.meta import USER_OP
 from spmd_ort.graph.ops import LINEAR_CROSS_ENTROPY, check_index
 
 from .context import PassResult
@@ -122,6 +123,16 @@ def _fused_head(node: fx.Node) -> list[IndexUse]:
                      "(F.cross_entropy(..., ignore_index=-1) skips -1 instead)")]
 
 
+def _scatter_value(node: fx.Node) -> list[IndexUse]:
+    """``Tensor.scatter(self, dim, index, value)``; or ``F.one_hot``, which the trace computes as eager does, a
+    scatter of 1 into zeros whose last dim has num_classes entries (``spmd_ort.capture.trace.EAGER_FORMS``)."""
+    if node.meta.get("custom", {}).get(USER_OP) != "F.one_hot":
+        return _along_dim("Tensor.scatter")(node)
+    n = val(node).shape[-1]
+    return [IndexUse(node.args[2], n, False, None, "F.one_hot", "num_classes",
+                     f"class values in [0, {n}) (num_classes)")]
+
+
 # op -> the index tensors it reads (a table: a new gather is one row)
 INDEX_RULES: dict = {
     aten.embedding.default: _embedding,
@@ -129,7 +140,7 @@ INDEX_RULES: dict = {
     aten.index_select.default: _along_dim("torch.index_select"),
     aten.gather.default: _along_dim("torch.gather"),
     aten.scatter.src: _along_dim("Tensor.scatter"),
-    aten.scatter.value: _along_dim("Tensor.scatter"),
+    aten.scatter.value: _scatter_value,
     aten.scatter.reduce: _along_dim("Tensor.scatter"),
     aten.scatter.value_reduce: _along_dim("Tensor.scatter"),
     aten.scatter_add.default: _along_dim("Tensor.scatter_add"),

@@ -16,6 +16,7 @@ from spmd_ort.graph.slots import Slot, SlotKind
 from spmd_ort.passes import PassContext, insert_index_checks_pass, op_counts, run_passes
 from spmd_ort.passes.index_checks import IndexChecks
 from spmd_ort.graph.ops import check_index
+from helpers import assert_ran_on_ort
 
 CHECK = "spmd_ort.check_index.default"
 
@@ -239,6 +240,70 @@ def test_indices_sliced_from_an_input_are_checked_as_the_ops_read_them(backend):
                                                        r"`wte` \(Embedding\) accepts \[0, 11\)"):
         compiled(model_c, opt_c, {"tokens": bad})
     _assert_unchanged(before, model_c, opt_c)
+
+
+class SmoothedHead(nn.Module):
+    """A classifier head whose loss reads the labels through ``F.one_hot`` (label smoothing written out)."""
+
+    def __init__(self):
+        super().__init__()
+        self.proj = nn.Linear(8, 5)
+
+    def forward(self, h, y):
+        target = F.one_hot(y, 5).float() * 0.9 + 0.02
+        return -(target * self.proj(h).log_softmax(-1)).sum(-1).mean()
+
+
+class OneHotClassifier(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.body = nn.Linear(6, 8)
+        self.head = SmoothedHead()
+
+    def forward(self, x, y):
+        return self.head(torch.tanh(self.body(x)), y)
+
+
+def _labelled_step(model, opt, x, y):
+    loss = model(x, y)
+    loss.backward()
+    opt.step()
+    opt.zero_grad(set_to_none=True)
+    return loss
+
+
+@pytest.mark.parametrize("backend", ["ort", "fx"])
+def test_one_hot_of_a_class_out_of_range_raises_as_eager_and_changes_nothing(backend):
+    """torch's ``F.one_hot`` on fake tensors (an ``eq`` with ``arange``) skips eager's check of the classes, so a
+    class of 7 (of 5) or -1 gave a row of zeros and the step trained on it where eager raises (issue 42).  Traced as
+    eager computes it, a scatter into zeros, its classes are checked with the other indices, before anything runs."""
+    torch.manual_seed(0)
+    model_e = OneHotClassifier()
+    model_c = copy.deepcopy(model_e)
+    opt_e, opt_c = (torch.optim.AdamW(m.parameters(), lr=1e-2) for m in (model_e, model_c))
+    compiled = spmd_ort.compile(backend=backend)(_labelled_step)
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(4, 6, generator=g)
+    for _ in range(3):
+        y = torch.randint(0, 5, (4,), generator=g)
+        torch.testing.assert_close(compiled(model_c, opt_c, x, y), _labelled_step(model_e, opt_e, x, y).detach())
+    for bad in (7, -1):
+        y = torch.tensor([0, 1, bad, 3])
+        with pytest.raises(RuntimeError, match="Class values must be"):
+            _labelled_step(model_e, opt_e, x, y)
+        before = _snapshot(model_c, opt_c)
+        with pytest.raises(spmd_ort.InputIndexError, match=rf"input `y` holds {bad} at \[2\]: F.one_hot \(aten.scatter\) "
+                                                           r"in module `head` \(SmoothedHead\) accepts \[0, 5\) "
+                                                           r"\(num_classes\).*Fix: pass class values in \[0, 5\)"):
+            compiled(model_c, opt_c, x, y)
+        _assert_unchanged(before, model_c, opt_c)
+    y = torch.tensor([4, 0, 2, 1])  # training goes on as eager's
+    torch.testing.assert_close(compiled(model_c, opt_c, x, y), _labelled_step(model_e, opt_e, x, y).detach())
+    for a, b in zip(model_e.parameters(), model_c.parameters(), strict=True):
+        torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-6)
+    assert compiled.compiled.results.get(IndexChecks).checked == {"y": ("aten.scatter",)}
+    if backend == "ort":
+        assert_ran_on_ort(compiled)
 
 
 def test_checks_split_no_ort_segment(monkeypatch):

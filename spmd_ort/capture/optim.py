@@ -11,7 +11,9 @@ graph returns the new parameters and optimizer state.
 
 The ops (:mod:`spmd_ort.graph.ops`, bodies in :mod:`spmd_ort.runtime.kernels`) run torch's
 fused multi-tensor kernels, so compiled numbers equal eager ``fused=True``
-exactly and ``foreach``/for-loop eager within fp32 rounding.  All scalar
+exactly and ``foreach``/for-loop eager within fp32 rounding (float16/bfloat16 SGD on the
+CPU: eager's for-loop update, exactly; ``fused=True`` there is refused, see
+:func:`~spmd_ort.runtime.kernels.fused_sgd_updates`).  All scalar
 hyper-parameters of a group travel in one float64 host tensor (``hparams``)
 that the op reads when it runs.  Each op has an in-place twin (``adam_``/``sgd_``)
 that the ``reinplace_optimizer_pass`` uses when the old state is not read afterwards.
@@ -35,6 +37,7 @@ from spmd_ort.capture import presence
 from spmd_ort.distributed.dtensor import is_dtensor, local, spec_of, to_spec, wrap
 from spmd_ort.graph import ops
 from spmd_ort.errors import CompileError
+from spmd_ort.runtime import kernels
 
 # --------------------------------------------------------------------------
 # Rules: run at trace time on the traced (proxy) param groups and state.
@@ -264,6 +267,8 @@ class OptimizerRule:
     (Adam's zeros; not SGD's momentum buffer, which the first step sets to the
     gradient): the compiled step creates it before its first trace, so the first
     call traces and compiles one variant instead of two.
+    ``refuse(group, param)``: why a parameter of this group is not compiled (None: it is),
+    asked before tracing, so the error names the parameter and nothing has changed.
     """
 
     step: Callable[[torch.optim.Optimizer], None]
@@ -271,6 +276,15 @@ class OptimizerRule:
     lifted: tuple[str, ...]
     structure: Callable[[dict], tuple] = lambda group: ()
     initial_state: Callable[[dict, Tensor], dict] | None = None
+    refuse: Callable[[dict, Tensor], str | None] = lambda group, param: None
+
+
+def _sgd_refuse(group: dict, param: Tensor) -> str | None:
+    if not group.get("fused") or kernels.fused_sgd_updates(param):
+        return None
+    return ("torch's fused CPU SGD kernel leaves float16 and bfloat16 parameters unchanged, so eager "
+            "SGD(fused=True) does not train it either. Fix: build the optimizer without fused=True (eager's "
+            "default, the for-loop update, trains it, and so does the compiled step)")
 
 
 OPTIMIZER_RULES: dict[type, OptimizerRule] = {
@@ -279,7 +293,7 @@ OPTIMIZER_RULES: dict[type, OptimizerRule] = {
     torch.optim.AdamW: OptimizerRule(adam_rule, _adam_hparams, ("lr", "betas", "weight_decay", "eps"),
                                      initial_state=adam_initial_state),
     torch.optim.SGD: OptimizerRule(sgd_rule, _sgd_hparams, ("lr", "momentum", "dampening", "weight_decay"),
-                                   structure=lambda group: (group["momentum"] != 0,)),
+                                   structure=lambda group: (group["momentum"] != 0,), refuse=_sgd_refuse),
 }
 
 

@@ -67,7 +67,7 @@ class StateLayout:
         grad_params = [i for i, p in enumerate(params) if p.grad is not None]
         opt_entries = []
         if opt is not None:
-            from spmd_ort.errors import CompileError
+            from spmd_ort.errors import CompileError, ConfigError
 
             for gi, group in enumerate(opt.param_groups):
                 for p in group["params"]:
@@ -75,6 +75,11 @@ class StateLayout:
                         raise CompileError(
                             f"optimizer param group {gi} holds a tensor of shape {tuple(p.shape)} that is not "
                             f"a parameter of {type(module).__name__}; give the optimizer module.parameters()")
+                    why = rule.refuse(group, p) if rule is not None else None
+                    if why is not None:
+                        fqn, kind = param_names[index[id(p)]][0], type(opt).__name__
+                        raise ConfigError(f"{kind} param group {gi}, parameter `{fqn}` ({p.dtype}, on "
+                                          f"{p.device.type}): {why}", fqn=fqn, op=f"{kind}.step")
                     for key, value in opt.state.get(p, {}).items():
                         if isinstance(value, Tensor):
                             opt_entries.append((index[id(p)], key))

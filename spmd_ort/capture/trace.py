@@ -39,12 +39,14 @@ from typing import Any
 
 import torch
 import torch.fx.traceback as fx_traceback
+import torch.nn.functional as F
 import torch.utils._pytree as pytree
 from torch import fx
 from torch.fx.experimental.proxy_tensor import get_proxy_mode, make_fx
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from spmd_ort.graph import ops
+from spmd_ort.graph.meta import USER_OP
 from spmd_ort.runtime import opaque_calls
 from spmd_ort.runtime.taps import TapRegistry, collecting
 from spmd_ort.capture.amp import autocast_disabled
@@ -163,6 +165,44 @@ EAGER_DECOMPS = {op: _loss_backward_of_empty for op in (aten.mse_loss_backward.d
                                                         aten.smooth_l1_loss_backward.default,
                                                         aten.huber_loss_backward.default)}
 EAGER_DECOMPS[aten._grouped_mm.default] = _grouped_mm_of_any_dtype
+
+
+def _one_hot(tensor, num_classes=-1):
+    """``F.one_hot`` as eager computes it on the CPU: zeros with a 1 scattered at each class.
+
+    On fake tensors torch computes ``eq(tensor.unsqueeze(-1), arange(num_classes))`` and skips eager's check
+    that every class lies in ``[0, num_classes)``, so a bad class gave a row of zeros where eager raises.  As a
+    scatter, the classes are an index that ``insert_index_checks_pass`` checks on every backend, before anything
+    runs.  ``num_classes=-1`` (read from the values), other dtypes (eager's error) and DTensors keep torch's own.
+    """
+    if type(num_classes) is not int or num_classes < 0 or tensor.dtype != torch.int64 or dtensor.is_dtensor(tensor):
+        return NotImplemented
+    out = torch.zeros((*tensor.shape, num_classes), dtype=torch.int64, device=tensor.device)
+    return out.scatter_(-1, tensor.unsqueeze(-1), 1)
+
+
+# torch functions whose form on fake tensors drops a check that eager makes, mapped to eager's own form.
+EAGER_FORMS = {F.one_hot: _one_hot}
+
+
+class _EagerForms(torch.overrides.TorchFunctionMode):
+    """Traces the functions of :data:`EAGER_FORMS` as eager computes them; their nodes name the function
+    (``node.meta["custom"]["user_op"]``), which errors about them show."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        form = EAGER_FORMS.get(func)
+        mode = get_proxy_mode() if form is not None else None
+        if mode is None:
+            return func(*args, **kwargs)
+        before = set(mode.tracer.graph.nodes)
+        out = form(*args, **kwargs)
+        if out is NotImplemented:
+            return func(*args, **kwargs)
+        for node in mode.tracer.graph.nodes:
+            if node not in before:
+                node.meta.setdefault("custom", {})[USER_OP] = f"F.{func.__name__}"
+        return out
 
 
 @contextlib.contextmanager
@@ -333,7 +373,7 @@ def _trace_once(fn, args: tuple, kwargs: dict, layout: StateLayout, *, sdpa_math
     try:
         attention = sdpa_kernel([SDPBackend.MATH]) if sdpa_math else contextlib.nullcontext()
         clipping = dtensor.mixed_grad_clipping() if layout.expands else contextlib.nullcontext()
-        with (stack.installed(), capture.installed(), torch.enable_grad(), attention, phases, watch,
+        with (stack.installed(), capture.installed(), torch.enable_grad(), attention, phases, watch, _EagerForms(),
               quiet_torch_logs(), clipping, native_batch_norm()):
             gm1 = make_fx(step, decomposition_table={**FUNCTIONAL_DECOMPS, **EAGER_DECOMPS},
                           tracing_mode=tracing_mode, _allow_non_fake_inputs=True)(*trace_inputs)

@@ -6,7 +6,9 @@ Output layouts are flat lists:
 * sgd:  params, momentum_buffers (momentum != 0 only)
 
 Device kernels run torch's fused multi-tensor kernels, so compiled numbers equal
-eager ``fused=True`` exactly.  Host kernels (``offload_optimizer="cpu"``) run the
+eager ``fused=True`` exactly (SGD over float16/bfloat16 CPU tensors, which torch's fused
+CPU kernel leaves unchanged, runs eager's default there, the for-loop update).  Host
+kernels (``offload_optimizer="cpu"``) run the
 native kernel of ``csrc/`` (:mod:`spmd_ort.runtime.native`) on host tensors: device
 gradients and parameters are copied in, new parameters back; optimizer state
 stays in host memory.  On a CPU-only machine host == device and nothing moves.
@@ -19,6 +21,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 from torch.optim.adam import adam as torch_adam
+from torch.optim.sgd import sgd as torch_sgd
 
 from spmd_ort.runtime import native
 from spmd_ort.runtime.step_runtime import active
@@ -109,11 +112,43 @@ def sgd_device(params, grads, bufs, hparams, nesterov, maximize, first_step, fou
                present_index=()) -> None:
     lr, momentum, dampening, weight_decay = hparams.tolist()
     params, grads, bufs = _present(present, present_index, params, grads, bufs)
+    update = dict(weight_decay=weight_decay, momentum=momentum, lr=lr, dampening=dampening, nesterov=nesterov,
+                  maximize=maximize)
+    loop = [i for i, p in enumerate(params) if not fused_sgd_updates(p)]
+    if loop:
+        fused = [i for i, p in enumerate(params) if fused_sgd_updates(p)]
+        _sgd_for_loop(*(_pick(ts, loop) for ts in (params, grads, bufs)), first_step=first_step,
+                      found_inf=found_inf, **update)
+        params, grads, bufs = (_pick(ts, fused) for ts in (params, grads, bufs))
     if not params:
         return
-    torch._fused_sgd_(params, grads, bufs if bufs else [], weight_decay=weight_decay,
-                      momentum=momentum, lr=lr, dampening=dampening, nesterov=nesterov,
-                      maximize=maximize, is_first_step=first_step, found_inf=_on(found_inf, params))
+    torch._fused_sgd_(params, grads, bufs if bufs else [], **update, is_first_step=first_step,
+                      found_inf=_on(found_inf, params))
+
+
+def fused_sgd_updates(param: Tensor) -> bool:
+    """Whether torch's fused SGD kernel updates ``param``.  Its CPU kernel leaves a float16 or bfloat16
+    tensor unchanged (but for a tail shorter than one vector: 16 elements with AVX2; torch 2.13), so
+    eager's fused=True SGD does not train such a model, and eager's default, for-loop SGD, does."""
+    return param.device.type != "cpu" or param.dtype not in (torch.float16, torch.bfloat16)
+
+
+def _sgd_for_loop(params, grads, bufs, *, first_step, found_inf, **update) -> None:
+    """torch's for-loop SGD, what eager's default runs on the CPU, in place (a first momentum step fills the
+    buffers given, as the fused kernel does).  A ``found_inf`` is read on the host, as ``GradScaler.step``
+    reads it for an optimizer that is not fused."""
+    if found_inf is not None and float(found_inf) == 1.0:
+        return
+    new_bufs = [None] * len(params) if first_step else list(bufs)
+    torch_sgd(params, grads, new_bufs, foreach=False, fused=False, **update)
+    for buf, new in zip(bufs, new_bufs) if first_step else ():
+        if new is not None:  # None: momentum 0 this step, no buffer made
+            buf.copy_(new)
+
+
+def _pick(ts: list[Tensor], index: list[int]) -> list[Tensor]:
+    """The entries ``index`` of a per-parameter list (an empty list, no momentum buffers, stays empty)."""
+    return [ts[i] for i in index] if ts else ts
 
 
 def sgd_host(params, grads, bufs, hparams, nesterov, maximize, first_step, found_inf=None, present=None,
