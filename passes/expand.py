@@ -258,6 +258,22 @@ def state_checksums(layout, input_slots) -> list[tuple[float, float] | None]:
     return out
 
 
+def batch_checksums(leaves: list) -> list:
+    """Per leaf of the call: for a plain tensor, its shape, dtype and a checksum of its values (:func:`_checksum`);
+    a Python number's repr; else None.  The ranks of a tensor-parallel group compare them at each program's
+    first call (``parallel.check_same_batch``): they must pass the same batch."""
+    from spmd_ort.distributed.dtensor import is_dtensor
+
+    out: list = []
+    with torch.no_grad():
+        for x in leaves:
+            if isinstance(x, torch.Tensor) and not is_dtensor(x):  # a DTensor batch: its placements say
+                out.append((tuple(x.shape), str(x.dtype), _checksum(x.detach())))
+            else:
+                out.append(repr(x) if isinstance(x, (int, float)) else None)  # (repr: NaN equals NaN)
+    return out
+
+
 def _checksum(t: torch.Tensor) -> tuple[int, int]:
     """Two integer sums over ``t``'s bytes (read as int32 where they divide into them): exact and independent of the
     order of the additions, so equal values give equal sums on any device and thread count."""

@@ -19,13 +19,13 @@ from torch import fx
 from torch.fx._lazy_graph_module import _LazyGraphModule
 
 from spmd_ort import passes as P
-from spmd_ort.passes.expand import node_signatures, state_checksums
+from spmd_ort.passes.expand import batch_checksums, node_signatures, state_checksums
 from spmd_ort.capture.inputs import StepCall, StepInputs
 from spmd_ort.capture.opaque import OpaquePlan
 from spmd_ort.capture.state import StateLayout
 from spmd_ort.capture.trace import COMPILE_LOCK, gc_paused, trace_step
 from spmd_ort.capture.transition import StepKey
-from spmd_ort.graph.symbolic import DynamicDims
+from spmd_ort.graph.symbolic import DynamicDims, size_oblivious
 from spmd_ort.runtime.taps import TapRegistry
 from spmd_ort.distributed import parallel
 from spmd_ort.distributed.dtensor import has_dtensor_state
@@ -99,7 +99,7 @@ class Compiler:
         rank waiting in that collective holds nothing another thread's compile needs.
         """
         t_wait = time.perf_counter()
-        with COMPILE_LOCK, gc_paused():
+        with COMPILE_LOCK, gc_paused(), size_oblivious(None if key.shapes else dynamic):
             waited = time.perf_counter() - t_wait
             if waited > 0.1:
                 logger.debug("%s waited %.2fs for another compile in this process", self.name, waited)
@@ -108,8 +108,9 @@ class Compiler:
     def _compile(self, call: StepCall, key: StepKey, *, dynamic: DynamicDims, previous: CompiledProgram | None,
                  reason: str, exchange: Callable | None = None) -> CompiledProgram:
         """``exchange`` (several ranks): called once after the trace with what the passes must know of every rank's
-        traced graph (expand mode: its node signatures and checksums of its parameters and buffers), returning every
-        rank's (None: not every rank has one)."""
+        traced graph (expand mode: its node signatures and checksums of its parameters, buffers and batch), returning
+        every rank's (None: not every rank has one).  Ranks of a tensor-parallel group whose batches differ raise
+        here, all of them."""
         t0 = time.perf_counter()
         layout = StateLayout.capture(call.module, call.opt, call.rule, call.scaler)
         # Errors rooted in an input name it, and how it differs from the last call that compiled.
@@ -134,8 +135,13 @@ class Compiler:
         signatures = None
         if exchange is not None:
             signatures = exchange({"nodes": node_signatures(traced.gm),
-                                   "state": state_checksums(layout, traced.input_slots)}
+                                   "state": state_checksums(layout, traced.input_slots),
+                                   "batch": batch_checksums(call.leaves)}
                                   if layout.expands else None)
+        if signatures is not None:  # a program's first call: the ranks of a tensor-parallel group passed one batch
+            parallel.check_same_batch([s["batch"] for s in signatures],
+                                      parallel.tensor_parallel_groups(call.module, call.tensor_parallel),
+                                      inputs.names, rank=call.rank, shown=False)
         world, group = call.world_size, ""
         dp_group = call.tensor_parallel.dp_group() if call.tensor_parallel is not None else None
         if dp_group is not None:  # 2-D: the data-parallel passes reduce over the dp dim

@@ -182,6 +182,7 @@ class CompiledProgram:
             lines.append("symbolic sizes (dynamic shapes): " + (", ".join(
                 f"input[{k}] {'value' if d is None else f'dim {d}'} = {name}"
                 for name, (k, d) in sorted(self.symbolic.sources.items(), key=lambda kv: str(kv[1]))) or "none")
+                         + ("; size 1 included (traced size-obliviously)" if self.symbolic.least == 1 else "")
                          + (f"; {len(self.symbolic.guards)} guards" if self.symbolic.guards else "")
                          + (f"; fixed by the model: {self.symbolic.specialised}" if self.symbolic.specialised else ""))
         if self.opaque:

@@ -136,7 +136,7 @@ def test_a_segment_whose_translation_needs_concrete_sizes_is_exported_per_size(m
                         Translation(_gelu_reading_concrete_sizes, "injected by a test"))
     step = spmd_ort.compile(backend="ort")(lm_step)
     with caplog.at_level(logging.INFO, logger="spmd_ort"):
-        _train_both(step, SIZES[:5], "ort")
+        _train_both(step, SIZES[:5] + SIZES[1:3], "ort")  # sizes seen before train on their models' outputs
     assert "has no model with dynamic sizes" in caplog.text and "it is exported per set of sizes" in caplog.text
     report = ort_report(step)
     assert_ort_report_clean(report)
@@ -280,7 +280,7 @@ def test_python_numbers_that_change_become_graph_inputs(backend, caplog):
     model_e, opt_e = copy.deepcopy(model), None
     opt_e = torch.optim.AdamW(model_e.parameters(), lr=3e-3, weight_decay=0.1)
     step = spmd_ort.compile(backend=backend)(sliced_scaled_step)
-    calls = [(1.0, 9), (0.5, 10), (2.0, 7), (0.25, 11), (1.5, 12), (0.75, 8)]
+    calls = [(1.0, 9), (0.5, 10), (2.0, 7), (0.25, 11), (1.5, 12), (0.75, 8), (1.25, 10)]  # (10 again: on ORT)
     with caplog.at_level(logging.INFO, logger="spmd_ort"):
         for i, (x, y) in enumerate(_batches([(2, 12)] * len(calls))):
             scale, keep = calls[i]
@@ -344,3 +344,47 @@ def test_ranks_with_different_sizes_every_step_match_ddp(tmp_path, backend):
             for report in r["ort"].values():
                 assert_ort_report_clean(report)
     assert ranks[0]["losses"] != ranks[1]["losses"]
+
+
+@pytest.mark.multiproc
+@pytest.mark.parametrize("style,backend", [("replicate", "fx"), ("fully_shard", "ort")])
+def test_a_short_last_batch_on_one_rank_trains_as_ddp(tmp_path, style, backend):
+    """Rank 1's last batch is (1, 9) where rank 0's is (4, 16), then rank 0 passes length 1: torch specialises
+    sizes 1, so this raised "ranks disagree on this step's inputs" on every rank.  Now the differing dims become
+    symbolic with size 1 included: one program more than the first step's, and loss, parameters and AdamW state
+    equal DDP's at every step (checked in tests/dist/short_batch.py; fx bit for bit)."""
+    out = tmp_path / "out"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+           str(ROOT / "tests" / "dist" / "short_batch.py"), "--style", style, "--backend", backend, "--out", str(out)]
+    proc = subprocess.run(cmd, env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True, text=True,
+                          timeout=300)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-6000:]
+    for r in range(2):
+        res = json.loads((out / f"rank{r}.json").read_text())
+        assert res["traces"] == 2, res  # the first step's static program, and one more
+        assert res["dynamic"] == "input[2] dims [0, 1], input[3] dims [0, 1] (size 1 included)", res["dynamic"]
+        assert "size 1 included (traced size-obliviously)" in res["describe"], res["describe"]
+        if backend == "ort":
+            assert_ort_report_clean(res["ort"])
+
+
+@pytest.mark.multiproc
+def test_tensor_parallel_ranks_with_different_batches_fail_on_every_rank(tmp_path):
+    """The ranks of a tensor-parallel group must pass one batch; other tokens on rank 1 trained silently (eager
+    too).  Now every rank raises, naming `ids` and the ranks, and changes nothing, whether the values differ (the
+    checksums the ranks exchange at a program's first call) or the shapes (their agreement on the step's inputs);
+    then the same batch trains (tests/dist/tp_batches.py)."""
+    out = tmp_path / "out"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+           str(ROOT / "tests" / "dist" / "tp_batches.py"), "--out", str(out)]
+    proc = subprocess.run(cmd, env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True, text=True,
+                          timeout=300)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-6000:]
+    for r in range(2):
+        res = json.loads((out / f"rank{r}.json").read_text())
+        for case, what in (("values", "values for `ids`"), ("shapes", "`ids` (shape (4, 8) vs shape (4, 6))")):
+            seen = res[case]
+            assert seen["type"] == "DifferentBatchError", (case, seen)
+            assert f"rank 0 and rank 1 of one tensor-parallel group pass different {what}" in seen["error"], seen
+            assert "DistributedSampler" in seen["error"] and seen["unchanged"] and seen["plain"], (case, seen)
+        assert res["sharded"] and res["loss"] > 0, res

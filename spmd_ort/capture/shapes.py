@@ -10,9 +10,14 @@
 
 Under a parallel mode, ranks whose keys differ only in input sizes make the differing
 dims symbolic on every rank (the decision is taken from the gathered keys, the same
-everywhere).  A trace that fails with dims this very call made symbolic is retried
-with those dims static (:meth:`ShapePolicy.narrow`), and they stay static.  A symbolic
-program whose guards reject a call's sizes sends it to a static program for exactly them.
+everywhere), as DDP lets each rank pass its own batch; where a rank's size there is 1
+(the last, short batch of an epoch), the program is traced size-obliviously so that it
+serves 1 as well (:attr:`~spmd_ort.graph.symbolic.DynamicDims.ones`): one program for
+every rank, so the collectives are the same.  Ranks of one tensor-parallel group share a
+batch: there a difference is an error (``parallel.check_same_batch``).  A trace that
+fails with dims this very call made symbolic is retried with those dims static
+(:meth:`ShapePolicy.narrow`), and they stay static.  A symbolic program whose guards
+reject a call's sizes sends it to a static program for exactly them.
 """
 
 from __future__ import annotations
@@ -21,7 +26,8 @@ from __future__ import annotations
 import torch
 
 from spmd_ort.capture import amp
-from spmd_ort.graph.symbolic import DynamicDims, changed_dims, dims_differing_across, leading_dims
+from spmd_ort.graph.symbolic import (DynamicDims, changed_dims, dims_differing_across, leading_dims,
+                                     size_oblivious_supported)
 from spmd_ort.capture.inputs import StepCall, StepInputs
 from spmd_ort.capture.state import state_device
 from spmd_ort.capture.transition import StepKey, TransitionManager
@@ -35,11 +41,26 @@ logger = get_logger(__name__)
 AGREEMENT = "this step's inputs, module and optimizer"
 
 
-def _sizes_differ(gathered: list) -> dict[int, set[int]] | None:
-    """Ranks' ``(key without sizes, leaf descriptions, shapes)``: the dims to make symbolic when only sizes differ."""
+def _sizes_differ(gathered: list) -> tuple[dict[int, set[int]], bool] | None:
+    """Ranks' ``(key without sizes, leaf descriptions, shapes)``: the dims to make symbolic when only sizes differ,
+    and whether some rank's size in one of them is 1 (then the program must serve 1 too: size-oblivious)."""
     if any(g is None for g in gathered) or len({g[0] for g in gathered}) != 1:
         return None
-    return dims_differing_across([g[1] for g in gathered]) or None
+    dims = dims_differing_across([g[1] for g in gathered])
+    if not dims:
+        return None
+    shapes = [g[2] for g in gathered]
+    ones = any(s[pos] is not None and 0 <= d < len(s[pos]) and s[pos][d] == 1
+               for s in shapes for pos, ds in dims.items() for d in ds)
+    return dims, ones
+
+
+def _passed(gathered_one) -> list[str]:
+    """What a rank passed, per leaf, from its ``(key without sizes, leaf descriptions, shapes)``: a tensor's shape,
+    a Python value, or the leaf's description."""
+    _, descs, shapes = gathered_one
+    return [f"shape {shape}" if shape is not None else repr(desc[2]) if desc[:1] == ("value",) and len(desc) == 3
+            else repr(desc) for desc, shape in zip(descs, shapes)]
 
 
 def check_empty_inputs(gathered: list, names: list[str], rank: int) -> None:
@@ -74,6 +95,7 @@ class ShapePolicy:
         self.dynamic = DynamicDims()  # grows as sizes change (spmd_ort.graph.symbolic)
         self._widened_from: DynamicDims | None = None  # the dims before this call widened them
         self._refused: dict[int, set[int]] = {}  # dims whose symbolic trace failed once: never widened again
+        self._ones_refused = False  # a size-oblivious trace failed once: size 1 stays static from then on
 
     @property
     def name(self) -> str:
@@ -123,20 +145,30 @@ class ShapePolicy:
             shapes = [tuple(x.shape) if isinstance(x, torch.Tensor) else None for x in call.leaves]
             sizes = (key.portable(sizes=False), key.leaf_descs(), shapes)
 
-            def reconcile(gathered: list) -> dict[int, set[int]] | None:  # only when the ranks disagree
-                check_empty_inputs(gathered, StepInputs.of(self.fn, call.args, call.kwargs).names, call.rank)
+            def reconcile(gathered: list) -> tuple[dict[int, set[int]], bool] | None:  # only when the ranks disagree
+                names = StepInputs.of(self.fn, call.args, call.kwargs).names
+                check_empty_inputs(gathered, names, call.rank)
+                if expands:  # ranks of one tensor-parallel group share a batch: only data-parallel ranks may differ
+                    parallel.check_same_batch([_passed(g) for g in gathered],
+                                              parallel.tensor_parallel_groups(call.module, call.tensor_parallel),
+                                              names, rank=call.rank)
                 return _sizes_differ(gathered) if self.mode != "0" else None
 
             differing = parallel.check_agreement(AGREEMENT, key.portable(), sizes=sizes, reconcile=reconcile)
             if differing:
-                self.widen(differing, call, "differ between ranks")
+                dims, ones = differing
+                self.widen(dims, call, "differ between ranks", ones=ones)
                 key = self.key(call)
                 parallel.check_agreement(AGREEMENT, key.portable())
         return key
 
-    def widen(self, dims: dict[int, set[int]], call: StepCall, why: str) -> None:
+    def widen(self, dims: dict[int, set[int]], call: StepCall, why: str, *, ones: bool = False) -> None:
+        """Make ``dims`` symbolic from now on; ``ones``: sizes of 1 too (a rank passes 1 where another passes more:
+        one program must serve both, traced size-obliviously)."""
         before = self.dynamic
-        self.dynamic = self.dynamic.union({pos: set(d) - self._refused.get(pos, set()) for pos, d in dims.items()})
+        ones = ones and not self._ones_refused and size_oblivious_supported()
+        self.dynamic = self.dynamic.union({pos: set(d) - self._refused.get(pos, set()) for pos, d in dims.items()},
+                                          ones=ones)
         if self.dynamic != before:
             if self._widened_from is None:
                 self._widened_from = before
@@ -152,10 +184,11 @@ class ShapePolicy:
         no dim symbolic (the failure is not about shapes: re-raise it).  A wrong input size then
         fails as it would without dynamic shapes, naming its concrete sizes.
         """
-        if self._widened_from is None:
+        if self._widened_from is None or isinstance(exc, parallel.DifferentBatchError):
             return None
         for pos, dims in self.dynamic.as_dict().items():
             self._refused.setdefault(pos, set()).update(dims - self._widened_from.as_dict().get(pos, set()))
+        self._ones_refused |= self.dynamic.ones and not self._widened_from.ones
         self.dynamic, self._widened_from = self._widened_from, None
         key = self.key(call)
         if call.mode is not None:

@@ -143,6 +143,8 @@ class StepKey:
                         if isinstance(x, torch.Tensor) and first.setdefault(id(x), i) != i)
         if aliases:  # the same tensor passed twice is one graph input
             inputs += (("aliases", aliases),)
+        if dynamic.ones and dynamic:  # a program traced size-obliviously: another one than the plain symbolic one
+            inputs += (("symbolic sizes", "from 1"),)
         # each of the module's walks once (a call's key is made on every step: ~50 parameters walked seven times
         # cost more than the rest of the key)
         modules = list(module.named_modules())
@@ -205,10 +207,15 @@ def _first_difference(old: Any, new: Any) -> tuple[tuple[str, ...], Any, Any]:
     """Follow two labelled key components to the first differing entry: (labels on the way, old, new)."""
     path = []
     while isinstance(old, tuple) and isinstance(new, tuple):
-        if len(old) != len(new):
+        if len(old) != len(new) and not all(_labelled(x) for x in old + new):
             break
         idx = next((i for i, (a, b) in enumerate(zip(old, new)) if a != b), None)
         if idx is None:
+            if len(old) != len(new):  # labelled entries, one more on one side (``("symbolic sizes", "from 1")``)
+                n = min(len(old), len(new))
+                extra = old[n] if len(old) > n else new[n]
+                path.append(extra[0])
+                old, new = (extra[1], None) if len(old) > n else (None, extra[1])
             break
         a, b = old[idx], new[idx]
         if _labelled(a) and _labelled(b) and a[0] == b[0]:

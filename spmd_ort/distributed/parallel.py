@@ -337,6 +337,61 @@ def exchange_traced(what: str, payload: Any) -> list | None:
     return None if any(p is None for p in everyone) else everyone
 
 
+class DifferentBatchError(CompileError):
+    """Ranks of one tensor-parallel group passed different batches (a data loader that shards over them).
+
+    The same on every rank (each raises it from what every rank passed), and nothing has changed: no shape
+    policy retries it with other dims."""
+
+
+def tensor_parallel_groups(module: nn.Module, mode: TensorParallel | None) -> list[list[int]]:
+    """The global ranks of each tensor-parallel group: the ranks that compute one model on one batch, so must pass
+    the same one.  From ``mode``'s mesh (1-D: every rank of it; 2-D: each ``tp`` row), else from the mesh of the
+    module's DTensors (1-D, or its dim named ``tp``); empty where no dim says which ranks share a batch."""
+    mesh = mode.mesh if mode is not None else next(
+        (dtensor.spec_of(t).mesh for t in list(module.parameters()) + list(module.buffers())
+         if dtensor.is_dtensor(t)), None)
+    if mesh is None:
+        return [list(range(world()[1]))] if mode is not None else []  # TensorParallel's default: every rank
+    ranks, names = mesh.mesh, tuple(mesh.mesh_dim_names or ())
+    if ranks.ndim == 1:
+        return [ranks.tolist()]
+    if "tp" not in names:
+        return []
+    tp = names.index("tp")
+    return ranks.movedim(tp, -1).reshape(-1, ranks.shape[tp]).tolist()
+
+
+def check_same_batch(everyone: list[list], groups: list[list[int]], names: list[str], *, rank: int,
+                     shown: bool = True) -> None:
+    """Raise :class:`DifferentBatchError` on every rank alike where the ranks of a tensor-parallel group (``groups``)
+    passed different values for one input.
+
+    ``everyone``: every rank's description of each leaf of its call, in rank order: shapes and values at the
+    ranks' agreement (``shown`` in the error), checksums of the values at a program's first call (not shown); None
+    where there is nothing to compare.  Eager tensor parallelism trains silently on such a mix.
+    """
+    for group in groups:
+        if not all(r < len(everyone) for r in group) or len({len(everyone[r]) for r in group}) != 1:
+            continue
+        for i, name in enumerate(names[:len(everyone[group[0]])]):
+            seen: dict = {}
+            for r in group:
+                seen.setdefault(everyone[r][i], []).append(r)
+            if len(seen) < 2:
+                continue
+            (a, ranks_a), (b, ranks_b) = list(seen.items())[:2]
+            what = f"`{name}` ({a} vs {b})" if shown else f"values for `{name}`"
+            who = " and ".join(f"rank {rs[0]}" if len(rs) == 1 else f"ranks {rs}" for rs in (ranks_a, ranks_b))
+            raise DifferentBatchError(
+                f"{who} of one tensor-parallel group pass different {what}: every "
+                "rank of a tensor-parallel group must pass the same batch (the group computes one model on one "
+                "batch; eager tensor parallelism would train on the mix silently). Fix: "
+                "shard the data over the data-parallel ranks only, never over a tensor-parallel group (2-D: "
+                "DistributedSampler(num_replicas=mesh['dp'].size(), rank=mesh['dp'].get_local_rank()); 1-D: the "
+                "same batch on every rank). The model and optimizer are unchanged", rank=rank, input=name)
+
+
 def _first_diff(a: str, b: str) -> str:
     la, lb = a.splitlines(), b.splitlines()
     for x, y in zip(la, lb):

@@ -13,7 +13,10 @@ The trace (:func:`fake_inputs`) runs over fake tensors of one
 :class:`~torch._subclasses.fake_tensor.FakeTensorMode` with a ShapeEnv: the
 symbolic dims get symbols (no duck sizing: two dims that happen to be equal stay
 two symbols), every state tensor stays static.  Sizes 0 and 1 are never
-symbolic (torch specialises them).  A dim the model's Python specialises (a
+symbolic (torch specialises them), except where ranks pass different sizes and one of them
+passes 1 (the last, short batch of an epoch): then the program is traced size-obliviously
+(:attr:`DynamicDims.ones`, torch's ``backed_size_oblivious``) and serves size 1 too, so that
+every rank runs the same program.  A dim the model's Python specialises (a
 ``view`` to a fixed size, a branch on the size) is static in the program
 (:attr:`SymbolicShapes.specialised`, logged at INFO with the reason), and every
 guard the trace recorded (``s0 <= 128``) is checked before a program runs with
@@ -22,6 +25,7 @@ new sizes (:meth:`SymbolicShapes.accepts`).
 
 from __future__ import annotations
 
+import contextlib
 import operator
 from dataclasses import dataclass, field
 
@@ -41,13 +45,19 @@ LIFTABLE = ("int", "float")  # the Python numbers that can be graph inputs (bool
 @dataclass(frozen=True)
 class DynamicDims:
     """leaf position in the flattened (args, kwargs) -> dims that are symbolic (:data:`VALUE` for a Python
-    number whose value is a graph input)."""
+    number whose value is a graph input).
+
+    ``ones``: a symbolic dim of size 1 stays symbolic (torch specialises 0 and 1): the program is traced
+    size-obliviously (:func:`size_oblivious`) and serves size 1 as well.  Set when ranks pass different sizes and
+    one of them passes 1, where one program must serve every rank.
+    """
 
     dims: tuple[tuple[int, frozenset[int]], ...] = ()
+    ones: bool = False
 
     @classmethod
-    def of(cls, mapping: dict[int, set[int] | frozenset[int]]) -> DynamicDims:
-        return cls(tuple(sorted((pos, frozenset(d)) for pos, d in mapping.items() if d)))
+    def of(cls, mapping: dict[int, set[int] | frozenset[int]], *, ones: bool = False) -> DynamicDims:
+        return cls(tuple(sorted((pos, frozenset(d)) for pos, d in mapping.items() if d)), ones)
 
     def as_dict(self) -> dict[int, frozenset[int]]:
         return dict(self.dims)
@@ -55,15 +65,17 @@ class DynamicDims:
     def __bool__(self) -> bool:
         return bool(self.dims)
 
-    def union(self, other: dict[int, set[int]]) -> DynamicDims:
+    def union(self, other: dict[int, set[int]], *, ones: bool = False) -> DynamicDims:
         merged = {pos: set(d) for pos, d in self.dims}
         for pos, d in other.items():
             merged.setdefault(pos, set()).update(d)
-        return DynamicDims.of(merged)
+        return DynamicDims.of(merged, ones=self.ones or ones)
 
     def for_leaf(self, pos: int, shape: tuple[int, ...]) -> frozenset[int]:
-        """The dims of this leaf that are symbolic for these sizes (0 and 1 stay static, as in torch)."""
-        return frozenset(d for d in self.as_dict().get(pos, ()) if 0 <= d < len(shape) and shape[d] > 1)
+        """The dims of this leaf that are symbolic for these sizes (0 and 1 stay static, as in torch; 1 is
+        symbolic too with :attr:`ones`)."""
+        least = 1 if self.ones else 2
+        return frozenset(d for d in self.as_dict().get(pos, ()) if 0 <= d < len(shape) and shape[d] >= least)
 
     def lifts(self, pos: int, value) -> bool:
         """Whether the Python number ``value`` at leaf ``pos`` is a graph input (its value symbolic)."""
@@ -71,9 +83,32 @@ class DynamicDims:
 
     def describe(self, names: dict[int, str] | None = None) -> str:
         names = names or {}
-        return ", ".join(f"{names.get(pos, f'input[{pos}]')} " + ("(its value)" if d == {VALUE} else
+        text = ", ".join(f"{names.get(pos, f'input[{pos}]')} " + ("(its value)" if d == {VALUE} else
                                                                    f"dims {sorted(d)}")
                          for pos, d in self.dims) or "none"
+        return text + (" (size 1 included)" if self.ones and self.dims else "")
+
+
+def size_oblivious_supported() -> bool:
+    """Whether this torch can trace sizes size-obliviously (it has ``backed_size_oblivious``; else size 1 stays
+    static, and ranks that differ there disagree, as before)."""
+    from torch.fx.experimental import _config
+
+    return hasattr(_config, "backed_size_oblivious")
+
+
+@contextlib.contextmanager
+def size_oblivious(dynamic: DynamicDims | None):
+    """Trace (and transform) a program of ``dynamic`` as it must be: with :attr:`DynamicDims.ones`, under torch's
+    ``backed_size_oblivious``, so that a symbolic size may be 1 (its range starts at 0, and torch's meta functions
+    take their general path, the one that is right for 1 as well, without a guard); else as torch traces."""
+    if dynamic is None or not dynamic.ones or not size_oblivious_supported():
+        yield
+        return
+    from torch.fx.experimental import _config
+
+    with _config.patch(backed_size_oblivious=True):
+        yield
 
 
 def leading_dims(leaves: list) -> DynamicDims:
@@ -270,6 +305,7 @@ class SymbolicShapes:
     sources: dict[str, tuple[int, int | None]]  # symbol name -> (batch index, dim; None: the number itself)
     guards: list = field(default_factory=list)  # sympy expressions over the symbols, all must hold
     specialised: dict[tuple[int, int | None], int] = field(default_factory=dict)  # (batch index, dim) -> size fixed
+    least: int = 2  # the smallest size a symbolic dim may take: 2 (torch specialises 0 and 1), 1 size-obliviously
 
     @classmethod
     def after_trace(cls, mode, fake_batch: list[torch.Tensor]) -> SymbolicShapes:
@@ -296,7 +332,10 @@ class SymbolicShapes:
                 elif isinstance(expr, sympy.Symbol):
                     sources.setdefault(str(expr), (k, d))
         guards = [g.expr for g in shape_env.guards]
-        return cls(sources, guards, specialised)
+        # traced size-obliviously (size_oblivious), the symbols' ranges start at 0: the program serves size 1 too
+        lowest = [r.lower for s, r in shape_env.var_to_range.items() if sources.get(str(s), (0, None))[1] is not None]
+        least = 1 if lowest and all(low <= 1 for low in lowest) else 2
+        return cls(sources, guards, specialised, least)
 
     def symbolic(self) -> set[tuple[int, int | None]]:
         return set(self.sources.values())
@@ -313,8 +352,8 @@ class SymbolicShapes:
         values = {}
         for name, (k, d) in self.sources.items():
             size = at(k, d)
-            if d is not None and size < 2:
-                return False  # traced for sizes >= 2 (torch specialises 0 and 1)
+            if d is not None and size < self.least:
+                return False  # traced for sizes >= 2 (torch specialises 0 and 1), or >= 1 size-obliviously
             values[name] = size
         for g in self.guards:
             mapping = {s: values[str(s)] for s in g.free_symbols if str(s) in values}
