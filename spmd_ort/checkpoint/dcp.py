@@ -46,7 +46,7 @@ from torch import Tensor, nn
 from spmd_ort.distributed import parallel
 from spmd_ort.checkpoint.problems import (Problem, check_checkpoint, check_state_dict, dcp_quiet,
                                                        read_checkpoint)
-from spmd_ort.errors import CheckpointError
+from spmd_ort.errors import CheckpointError, is_timeout
 from spmd_ort.capture.optim import initial_step
 from spmd_ort.distributed.dtensor import is_dtensor
 from spmd_ort.distributed.sharding import ShardSpec, is_sharded_state, place_full, spec_of
@@ -236,7 +236,9 @@ def save_checkpoint(path: str | Path, train_step, model: nn.Module,
     """Sharded checkpoint of the step's model and optimizer (collective: every rank calls it).
 
     ``path`` is a directory (created if missing); a path that is a file is a
-    :class:`~spmd_ort.errors.CheckpointError`, as is any failure to write.
+    :class:`~spmd_ort.errors.CheckpointError`, as is any failure to write.  A rank that dies during the
+    save makes the others raise at once (a stuck one: after the process group's timeout), saying so; the
+    directory it leaves has no ``.metadata`` and :func:`load_checkpoint` refuses it.
     """
     import torch.distributed.checkpoint as dcp
 
@@ -250,10 +252,60 @@ def save_checkpoint(path: str | Path, train_step, model: nn.Module,
     sd = state_dict(train_step, model, optimizer)
     try:
         with dcp_quiet():
-            dcp.save(sd, checkpoint_id=path, no_dist=not dist.is_initialized())
+            dcp.save(sd, checkpoint_id=path, storage_writer=_writer(path), no_dist=not dist.is_initialized())
     except _dcp_errors() as exc:
-        raise _error(path, Problem(_cause(exc), "make sure every rank can write to the directory", None),
-                     loading=False) from exc
+        lost = _lost_rank(exc)
+        if lost is None:
+            problem = Problem(_cause(exc), "make sure every rank can write to the directory", None)
+        else:
+            problem = Problem(f"{lost}, so the checkpoint may be incomplete (load_checkpoint refuses it if it is) "
+                              f"({_one_line(exc)[:300]})",
+                              "relaunch every rank and resume from the newest checkpoint that loads "
+                              "(docs/checkpoints.md, \"Resuming after a rank dies\")", None)
+        raise _error(path, problem, rank=parallel.world()[0], loading=False) from exc
+
+
+def _writer(path: str):
+    """DCP's file writer, except that an existing checkpoint's ``.metadata`` goes before any rank writes.
+
+    DCP writes ``.metadata`` last, once every rank has written its data, so a save that stops midway
+    leaves a directory without one, which :func:`load_checkpoint` refuses.  Over an existing checkpoint
+    the old ``.metadata`` would stay while the data files are rewritten, and describe a mix of old and
+    new data (measured: 2 ranks, one dead before its write, loaded 7 tensors of the old step and 17 of
+    the new, without an error).  The coordinator removes it while planning, before the plans reach the
+    ranks that write.
+    """
+    import torch.distributed.checkpoint as dcp
+
+    class Writer(dcp.FileSystemWriter):
+        def prepare_global_plan(self, plans):
+            stale = self.fs.concat_path(self.path, ".metadata")
+            if self.fs.exists(stale):
+                self.fs.rm_file(stale)
+            return super().prepare_global_plan(plans)
+
+    return Writer(path)
+
+
+def _lost_rank(exc: BaseException) -> str | None:
+    """What happened to another rank when a collective of the save failed (None: it was not a collective).
+
+    DCP turns a rank's own failure into a CheckpointException on every rank; the collectives that carry
+    it fail when a rank is gone: at once when its process died (gloo: its connection closed), after the
+    process group's timeout when it is stuck.
+    """
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    if isinstance(exc, CheckpointException):
+        return None
+    if is_timeout(exc):
+        return ("another rank did not finish its part of the save within the process group's timeout "
+                "(init_process_group(timeout=...)): it is stuck or died")
+    text = str(exc).lower()
+    if isinstance(exc, dist.DistError) or any(m in text for m in ("connection closed", "connection reset",
+                                                                  "broken pipe", "gloo/transport")):
+        return "another rank stopped during the save (its connection closed: the process died or was killed)"
+    return None
 
 
 def load_checkpoint(path: str | Path, train_step, model: nn.Module,

@@ -77,6 +77,13 @@ def read_checkpoint(path: str) -> tuple[Found | None, list[Problem]]:
     if not where.is_dir():
         return None, [Problem("it is a file, not a checkpoint directory", fix)]
     if not (where / ".metadata").exists():
+        data = sorted(f.name for f in where.glob("*.distcp"))
+        if data:  # DCP writes .metadata last, once every rank has written its data
+            return None, [Problem(f"it holds data files ({_first(data)}) but no .metadata: the save that wrote "
+                                  "them did not finish (a rank died, stalled or failed inside save_checkpoint), so "
+                                  "the checkpoint is incomplete",
+                                  "resume from an earlier checkpoint (the newest one that loads), or save this one "
+                                  "again")]
         return None, [Problem("the directory holds no checkpoint (no .metadata file: not written by "
                               "save_checkpoint or dcp.save, or the save did not finish)", fix)]
     try:
