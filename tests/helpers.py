@@ -227,6 +227,11 @@ def ort_report(compiled) -> list[dict]:
     out = []
     for program in compiled.variants:
         ex = program.executor
+        if ex.name == "inductor":
+            out.append({"executor": "inductor", "segments": ex.stats.segments, "fallbacks": list(ex.stats.fallbacks),
+                        "mismatches": list(ex.stats.mismatches), "verified": ex.stats.verified,
+                        "runs": [seg.runs for seg in ex.segments], "steps_run": program.steps_run})
+            continue
         if ex.name != "ort":
             out.append({"executor": ex.name})
             continue
@@ -241,11 +246,12 @@ def ort_report(compiled) -> list[dict]:
     return out
 
 
-def assert_ort_report_clean(report: list[dict], *, verified: bool = True) -> None:
+def assert_ort_report_clean(report: list[dict], *, verified: bool = True, trained: int = 2) -> None:
     """Every segment of every variant was exported, loaded and run by ONNX Runtime on every step it served
     (no fallback, no mismatch): the step used ORT's outputs on every step but the checked ones, whose outputs
     were compared with the fx graph's (with ``verified``: each segment on its first run, a dynamic one at its
-    first sets of sizes)."""
+    first sets of sizes); and at least ``trained`` steps trained on ORT's outputs alone (every segment's), so
+    that a test which says ORT proves it (a checked run's outputs are fx's)."""
     assert report, "no compiled variant"
     for r in report:
         assert r["executor"] == "ort", r
@@ -257,7 +263,22 @@ def assert_ort_report_clean(report: list[dict], *, verified: bool = True) -> Non
         assert r["verified"] == (sum(r["sized"]) + sum(r["checked_sizes"]) + once if verified else 0), r
         assert len(r["ort_runs"]) == r["segments"], r
         assert all(n + c == r["steps_run"] for n, c in zip(r["ort_runs"], r["checked_runs"])), r
+    on_ort = sum(min(r["ort_runs"]) for r in report)
+    assert on_ort >= trained, (f"{on_ort} step(s) trained on ORT's outputs beyond the checked runs (whose outputs "
+                               f"are fx's), {trained} wanted: give the test more steps: {report}")
 
 
-def assert_ran_on_ort(compiled, *, verified: bool = True) -> None:
-    assert_ort_report_clean(ort_report(compiled), verified=verified)
+def assert_inductor_report_clean(report: list[dict], *, trained: int = 2) -> None:
+    """Every segment of every variant was compiled by inductor and checked at its first run (no fallback, no
+    mismatch), and at least ``trained`` steps trained on inductor's outputs (every segment's) after it."""
+    assert report, "no compiled variant"
+    for r in report:
+        assert r["executor"] == "inductor", r
+        assert r["segments"] >= 1 and len(r["runs"]) == r["segments"], r
+        assert r["fallbacks"] == [] and r["mismatches"] == [] and r["verified"] == r["segments"], r
+    on_inductor = sum(min(r["runs"]) for r in report)
+    assert on_inductor >= trained, f"{on_inductor} step(s) trained on inductor's outputs, {trained} wanted: {report}"
+
+
+def assert_ran_on_ort(compiled, *, verified: bool = True, trained: int = 2) -> None:
+    assert_ort_report_clean(ort_report(compiled), verified=verified, trained=trained)

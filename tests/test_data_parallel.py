@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from helpers import assert_ort_report_clean
+from helpers import assert_inductor_report_clean, assert_ort_report_clean
 from spmd_ort.graph import ops
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -72,6 +72,8 @@ def test_matches_ddp_every_step(tmp_path, model, opt, backend):
         assert sum(r["bucket_bytes"]) == r["grad_bytes"]
         if backend == "ort":
             assert_ort_report_clean(r["ort"])  # every segment ran in ONNX Runtime, on every rank and step
+        if backend == "inductor":
+            assert_inductor_report_clean(r["ort"])  # every segment compiled by inductor, steps trained on it
     assert ranks[0]["losses"] != ranks[1]["losses"]  # each rank saw its own shard
     if debug:  # the batch's .grad (accumulated, checked against DDP's each step) is local to each rank:
         # the all-reduces above carried exactly the parameter gradients
@@ -166,6 +168,7 @@ def test_segment_executor_choices_agree_across_ranks(tmp_path):
     ranks, _ = torchrun(tmp_path, "--model", "gpt", "--opt", "adamw", "--backend", "ort", "--steps", "4",
                         "--skew-timing", env={"SPMD_ORT_SEGMENT_EXECUTOR": "auto"})
     choices = []
+    assert set(ranks[0]["skewed"]) == {"fx"} and set(ranks[1]["skewed"]) == {"ort"}  # both ranks skewed
     for r in ranks:
         assert "compile_error" not in r, r.get("compile_error")
         choices.append([line for line in r["describe"].splitlines() if " runs on " in line])

@@ -96,7 +96,7 @@ def test_input_grad_as_eager_fx(name):
 
 
 def test_input_grad_as_eager_ort():
-    step, grads = _compare(accumulate, "ort", steps=2, x_grad_before=True)
+    step, grads = _compare(accumulate, "ort", steps=3, x_grad_before=True)
     assert_ran_on_ort(step)
 
 

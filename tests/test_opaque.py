@@ -359,7 +359,7 @@ def test_expert_without_tokens_on_ort():
     """The same on the ORT backend (every segment in ONNX Runtime, verified): parameters, gradients (None where
     eager's are) and optimizer state against eager per tensor, and the idle expert bit for bit unchanged."""
     torch.manual_seed(0)
-    batches = _moe_batches([True, False, True])
+    batches = _moe_batches([True, False] * 4)  # variants by which gradients exist; later steps repeat them
     train_side_by_side(RoutedMoENet, OPTIMIZERS["adamw"], _step_keeping_grads, batches, backend="ort")
     model = RoutedMoENet()
     opt = OPTIMIZERS["adamw"](model)

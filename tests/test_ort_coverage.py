@@ -146,7 +146,7 @@ def test_an_op_without_translation_stays_on_the_host_with_its_reason():
         return loss
 
     g = torch.Generator().manual_seed(0)
-    batches = [(torch.randn(4, 8, generator=g),) for _ in range(2)]
+    batches = [(torch.randn(4, 8, generator=g),) for _ in range(3)]
     compiled, _, _ = train_side_by_side(lambda: CumMax(), sgd, step, batches, backend="ort")
     reasons = compiled.compiled.executor.stats.host_ops
     assert "no ONNX translation and no torch decomposition" in reasons["aten.cummax.default"], reasons

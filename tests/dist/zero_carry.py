@@ -27,7 +27,7 @@ sys.path.insert(0, str(ROOT))
 
 from dist_common import finish  # noqa: E402
 import spmd_ort  # noqa: E402
-from helpers import assert_close_normwise, train_step  # noqa: E402
+from helpers import assert_close_normwise, ort_report, train_step  # noqa: E402
 from models import GPT  # noqa: E402
 from zero_parity import CFG, batches, make_opt  # noqa: E402
 
@@ -94,7 +94,7 @@ def run(args, rank: int, world: int) -> dict:
         log.append({"event": event, "loss": float(loss), "carried_gathers": step.comm.carried_gathers,
                     "all_gather_calls": step.comm.all_gather_calls})
     return {"rank": rank, "log": log, "pending_after_last": len(step.runtime.comm.carried)
-            + len(step.runtime.comm.pending), "describe": step.compiled.describe()}
+            + len(step.runtime.comm.pending), "describe": step.compiled.describe(), "ort": ort_report(step)}
 
 
 if __name__ == "__main__":
