@@ -39,7 +39,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import spmd_ort  # noqa: E402
-from step import gpt_mini, make_adamw, train_step  # noqa: E402
+from step import gpt_mini, make_adamw, settled, train_step  # noqa: E402
 
 
 def accumulate(model, opt, x, y, n: int):
@@ -91,9 +91,16 @@ def main() -> None:
             for k, (m, _, _) in runners.items()}
     times: dict[str, list[float]] = {k: [] for k in runners}
     comm: dict[str, list] = {k: [] for k in runners}
-    # 'auto' measures TUNE_STEPS steps after the first, then compiles once more (and checks that program's first run)
+    # 'auto' measures TUNE_STEPS steps after the first, then compiles once more (and checks that program's first run);
+    # then on until no tuner work (the bucket cap, inductor's candidate) can land among the timed steps
     warmup = 3 + (spmd_ort.buckets.TUNE_STEPS + 2 if auto else 0)
-    for i in range(warmup + args.steps):
+    compiled_steps = [fn for _, fn, backend in runners.values() if backend is not None]
+    calls = 0  # rounds of calls so far
+    while calls < warmup + args.steps:
+        if calls == warmup and not settled(compiled_steps, args.steps):
+            warmup += 1  # one more warm-up round (every rank alike: settled() agrees)
+        timing = calls >= warmup
+        calls += 1
         x, y = batch()
         for k, (m, fn, backend) in runners.items():
             dist.barrier()
@@ -101,7 +108,7 @@ def main() -> None:
             t0 = time.perf_counter()
             fn(m, opts[k], x, y)
             dt = time.perf_counter() - t0
-            if i >= warmup:
+            if timing:
                 times[k].append(dt)
                 if backend is not None:
                     comm[k].append(fn.comm)

@@ -233,6 +233,21 @@ def bench_model(name: str, steps: int, backends: list[str], device: torch.device
             "ms": {k: statistics.median(v) * 1e3 for k, v in times.items() if k not in failed}}
 
 
+def settled(compiled_steps, timed_steps: int) -> bool:
+    """Whether the next ``timed_steps`` calls of every compiled step are steady (``CompiledStep.settled_for``: no
+    bucket cap being measured, no inductor candidate undecided or due among them), on every rank (a collective:
+    every rank calls it at the same call).  A bench warms up until it holds, so that no tuner work lands among
+    the timed steps."""
+    ok = all(step.settled_for(timed_steps) for step in compiled_steps)
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        flag = torch.tensor([int(ok)])
+        dist.all_reduce(flag, op=dist.ReduceOp.MIN)
+        ok = bool(flag.item())
+    return ok
+
+
 def compile_probe(name: str, backend: str) -> None:
     """In this (fresh) process: the first two calls of a compiled step (``eager``: two eager steps); one JSON line.
 

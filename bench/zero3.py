@@ -28,7 +28,8 @@ system``: glibc's default for every runner (``SPMD_ORT_RETAIN_HOST_MEMORY=0`` fo
 gpt-mini the setting was worth ~15% of a step (bench/RESULTS.md).  Each worker reports whether
 the setting was in force, and the table's title says which one every runner ran with.
 
-* ms/step: median over ``--steps`` after 3 warm-up steps (compilation excluded);
+* ms/step: median over ``--steps`` after 3 warm-up steps, or more until no tuner work (inductor's candidate)
+  can land among the timed ones (compilation excluded);
 * peak RSS per rank (``VmHWM``, max over ranks), which includes the Python
   process, torch and the framework itself;
 * persistent MiB per rank: parameters + gradients + optimizer state held between
@@ -139,7 +140,7 @@ def report(results: dict, args, config: Path) -> None:
     ds = results.get("deepspeed", {}).get("ms")
     print(f"# bench/zero3.py — gpt-mini ({params / 1e6:.2f} M params), {args.nproc} ranks, gloo, 1 thread/rank, "
           f"{config.relative_to(ROOT)}, {allocator_title(results, args.allocator)}, {args.micro_batches} "
-          f"micro-batch(es) per step, median of {args.steps} steps after 3 warm-up, {args.repeat} interleaved run(s)")
+          f"micro-batch(es) per step, median of {args.steps} steps after 3+ warm-up, {args.repeat} interleaved run(s)")
     print("| runner | ms/step | x DeepSpeed | peak RSS MiB/rank | persistent MiB/rank | collective MiB/step "
           "| x 3*params |")
     print("|---|---|---|---|---|---|---|")
@@ -181,14 +182,19 @@ def worker(args) -> None:
     else:
         dist.init_process_group("gloo")
     rank = dist.get_rank()
-    from step import gpt_mini
+    from step import gpt_mini, settled
 
     torch.manual_seed(0)
     model, batch = gpt_mini(seed=rank)  # every rank trains on its own batches
     params = sum(p.numel() for p in model.parameters())
     step, persistent, note = build(name, model, config, args)
     times, comm = [], []
-    for i in range(3 + args.steps):
+    warmup = 3  # and on until no tuner work (inductor's candidate) can land among the timed steps
+    compiled_steps = [step.compiled_step] if hasattr(step, "compiled_step") else []
+    i = 0
+    while i < warmup + args.steps:
+        if i == warmup and not settled(compiled_steps, args.steps):
+            warmup += 1  # one more warm-up round (every rank alike: settled() agrees)
         x, y = batch()
         dist.barrier()
         counter.bytes, counter.enabled = 0, True
@@ -196,9 +202,10 @@ def worker(args) -> None:
         step(x, y)
         dt = time.perf_counter() - t0
         counter.enabled = False
-        if i >= 3:
+        if i >= warmup:
             times.append(dt)
             comm.append(counter.bytes)
+        i += 1
     from spmd_ort.runtime.memory import max_rss_bytes
 
     stats = torch.tensor([statistics.median(times), max_rss_bytes(),
@@ -251,7 +258,11 @@ def build(name: str, model, config: Path, args):
         def persistent():
             return spmd_ort.distributed.sharding.persistent_bytes(model, opt)["total"]
 
-        return (lambda x, y: compiled(model, opt, x, y)), persistent, f"{mode}"
+        def run(x, y):
+            return compiled(model, opt, x, y)
+
+        run.compiled_step = compiled
+        return run, persistent, f"{mode}"
     if name.startswith("deepspeed"):
         import deepspeed
 

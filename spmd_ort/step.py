@@ -212,6 +212,13 @@ class CompiledStep:
         """``bucket_cap_mb="auto"``'s tuner (:class:`spmd_ort.buckets.BucketTuner`: ``.choice``)."""
         return self.tuner.buckets
 
+    def settled_for(self, steps: int) -> bool:
+        """Whether the next ``steps`` calls (on the last call's program) are steady: the tuner has nothing left to
+        measure, compile or time in them (:meth:`spmd_ort.tuner.Tuner.settled_for`).  For benchmarks: warm up
+        until it holds, then time."""
+        program = self.compiled
+        return program is None or self.tuner.settled_for(program, steps)
+
     @property
     def variants(self) -> list[CompiledProgram]:
         return list(self.transitions.variants.values())

@@ -150,6 +150,21 @@ class Tuner:
         entry = self._watches.get(id(program))
         return entry is None or entry[0] is not program or entry[1].due is None
 
+    def settled_for(self, program: CompiledProgram, runs: int) -> bool:
+        """Whether the next ``runs`` runs of ``program`` are steady: no bucket cap still being measured, and no
+        inductor candidate undecided or due within them (its compile, checked run and timing would land there).
+        A benchmark warms a step up until this holds before it times ``runs`` steps."""
+        if not self.autotune:
+            return True
+        if self.buckets.start_mb is not None and self.buckets.choice is None:
+            return False  # bucket_cap_mb="auto" is measuring its steps (its recompile follows)
+        if getattr(program.executor, "candidate_source", None) is None:
+            return True
+        entry = self._watches.get(id(program))
+        if entry is None or entry[0] is not program or entry[1].due is None:
+            return False  # its steady steps are still being timed
+        return entry[1].due > program.steps_run + runs
+
     # ------------------------------------------------------------------ recompiles
     def recompile(self, program: CompiledProgram, reason: str) -> bool:
         """Drop the variants so that the next call compiles anew, for ``reason``, unless ``program``'s variant has
