@@ -23,8 +23,11 @@ setup: $(STAMP)
 lint: setup
 	$(VENV)/bin/ruff check .
 
+# Two pytest workers (pytest-xdist): most of a test's time is single-threaded Python (tracing, passes, ONNX export),
+# so two workers use both cores; they share the run's ONNX cache (tests/conftest.py: one directory, locked writes).
+TEST_WORKERS ?= 2
 test: setup
-	$(PY) -m pytest -q -p no:cacheprovider --durations=25
+	$(PY) -m pytest -q -p no:cacheprovider -n $(TEST_WORKERS) --dist worksteal --durations=25
 
 # The differential fuzzer with a large budget (tests/test_fuzz.py; `make test` runs a few fixed examples):
 # FUZZ_EXAMPLES random train steps on fx and FUZZ_EXAMPLES/8 on ort, each trained eagerly and compiled.
