@@ -302,8 +302,12 @@ def main() -> None:
     if args.tp_worker:
         tp_worker(Path(args.tp_worker), args.lengths, args.warmup, args.samples)
         return
+    # an empty ONNX cache for this run (the workers inherit it): the first pass's time is what new lengths cost,
+    # exports included, not what an earlier run left on disk
+    cache = tempfile.mkdtemp(prefix="bench_dynamic_onnx_cache_")
+    os.environ["SPMD_ORT_CACHE_DIR"] = cache
     print(f"machine: {platform.machine()}, {os.cpu_count()} cores; "
-          f"onnxruntime {__import__('onnxruntime').__version__}")
+          f"onnxruntime {__import__('onnxruntime').__version__}; an empty ONNX cache ({cache})")
     if args.warmup < 1 or args.samples < 1:
         raise SystemExit("--warmup and --samples must be at least 1")
     if args.tp:
