@@ -54,7 +54,7 @@ def test_matches_eager_tensor_parallel(tmp_path, backend, apply, plan, dp):
         else ("--checkpoint", str(tmp_path / "dcp"), "--fully-shard") if fsdp and not (ds or mp) and plan == "megatron" \
         else ("--deepspeed", "3") if ds else ("--fully-shard",) if fsdp else ()
     extra += ("--mp",) if mp else ()
-    # sequence lengths 16, 12, 10(, 16, 12): one static program, then one symbolic program for every later length (DTensor's
+    # sequence lengths 16, 12, 10(, 16, 12, 10): one static program, then one symbolic program for every later length (DTensor's
     # sharding propagation runs on the symbolic sizes; sequence parallel's shards of them included)
     extra += ("--vary-seq",) if vary_seq else ()
     extra += ("--loss-parallel",) if (plan, dp) == ("sequence", 1) else ()
@@ -62,9 +62,9 @@ def test_matches_eager_tensor_parallel(tmp_path, backend, apply, plan, dp):
     # below the default threshold in this small model: split them here, so every case runs them
     extra += ("--split-min-k", "16")
     budget = "0" if apply == "user" else "1"
-    # dynamic shapes on ORT: lengths 16, 12, 10, 16, 12, so that steps 4 and 5 train on ORT's outputs (the first
-    # run at each new length is a checked run, whose outputs are fx's)
-    steps = "5" if vary_seq and backend == "ort" else "3"
+    # dynamic shapes on ORT: lengths 16, 12, 10, 16, 12, 10, so that steps 5 and 6 train on ORT's outputs (the
+    # symbolic program's first runs at its first 3 lengths are checked runs, whose outputs are fx's)
+    steps = "6" if vary_seq and backend == "ort" else "3"
     results, _ = torchrun(tmp_path, "--backend", backend, "--apply", apply, "--plan", plan, "--steps", steps,
                           "--dp", str(dp), *extra, nproc=2 * dp, script=SCRIPT,
                           env={"SPMD_ORT_ACTIVATION_MEMORY_BUDGET": budget})

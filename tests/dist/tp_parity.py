@@ -224,7 +224,7 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=4)
     ap.add_argument("--dp", type=int, default=1, help="2-D: data-parallel replicas (mesh dp x tp), replicate")
     ap.add_argument("--vary-batch", action="store_true", help="batch sizes 4, 3, 2, ...: dynamic shapes")
-    ap.add_argument("--vary-seq", action="store_true", help="sequence lengths 16, 12, 10, 16, 12: dynamic shapes")
+    ap.add_argument("--vary-seq", action="store_true", help="sequence lengths 16, 12, 10, 16, 12, 10: dynamic shapes")
     ap.add_argument("--checkpoint", default=None, help="save the DTensor state with DCP here and load it back")
     ap.add_argument("--mp", action="store_true", help="2-D: bf16 MixedPrecisionPolicy, against FSDP2 + TP")
     ap.add_argument("--fully-shard", action="store_true", help="2-D: fully_shard on the dp dim, against FSDP2 + TP")
@@ -338,9 +338,9 @@ def main() -> None:
     for i in range(args.steps):
         b = (4, 3, 2)[i % 3] if args.vary_batch else 4
         # (sequence parallel: even lengths; eager DTensor's all-gather of uneven sequence shards fails over gloo)
-        # (lengths seen before, from step 4: the static program's and the symbolic one's segments are checked at
-        # their first runs at new sizes, whose outputs are fx's; steps 4 and 5 train on the executor's own)
-        t = (16, 12, 10, 16, 12)[i % 5] if args.vary_seq else SEQ
+        # (the static program serves 16 at step 1 only; the symbolic one checks its first 3 sets of sizes, 12, 10
+        # and 16, whose outputs are fx's: steps 5 and 6 train on the executor's own)
+        t = (16, 12, 10, 16, 12, 10)[i % 6] if args.vary_seq else SEQ
         ids = torch.randint(0, VOCAB, (b * args.dp, t), generator=g)
         labels = torch.randint(0, VOCAB, (b * args.dp, t), generator=g)
         mine = slice(b * dp_rank, b * (dp_rank + 1))  # this dp replica's share of the global batch
