@@ -19,8 +19,17 @@ os.environ.setdefault("SPMD_ORT_CACHE_DIR", tempfile.mkdtemp(prefix="spmd_ort_ca
 # first compiled step on. tests/test_host_memory.py and test_process_effects.py check the default (off).
 os.environ.setdefault("SPMD_ORT_RETAIN_HOST_MEMORY", "1")
 
+# Under `make test`'s two pytest workers (pytest-xdist) on two cores: one intra-op thread per worker, as each
+# torchrun rank has, so that the workers' thread pools do not contend for the cores.
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+
 import pytest  # noqa: E402
+import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
+
+if os.environ.get("PYTEST_XDIST_WORKER") and os.environ.get("OMP_NUM_THREADS") == "1":
+    torch.set_num_threads(1)
 
 
 @pytest.fixture(scope="module")
