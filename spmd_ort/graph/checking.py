@@ -54,11 +54,6 @@ def verify_tolerances(gm: fx.GraphModule) -> tuple[float, ...]:
                  for o in outputs)
 
 
-def verify_tolerance(gm: fx.GraphModule) -> float:
-    """The widest of the segment's per-output tolerances (:func:`verify_tolerances`)."""
-    return max(verify_tolerances(gm), default=VERIFY_TOLERANCE)
-
-
 TF32_EPS = 2.0**-10  # TensorFloat-32 keeps 10 bits of float32's 23-bit mantissa
 _CONVOLUTIONS = (torch.ops.aten.convolution.default, torch.ops.aten.convolution_backward.default)
 _MATMULS = (torch.ops.aten.mm.default, torch.ops.aten.addmm.default, torch.ops.aten.bmm.default,
@@ -225,8 +220,7 @@ def first_difference(ort_out, fx_out, tolerance: float | Sequence[float] = VERIF
     large ones is checked to its own scale.  ``label`` names the executor compared with fx in the description.
 
     Compared :data:`VERIFY_CHUNK` elements at a time (maxima: the same result as whole tensors)."""
-    ort_vals = ort_out if isinstance(ort_out, tuple) else (ort_out,)
-    fx_vals = fx_out if isinstance(fx_out, (tuple, list)) else (fx_out,)
+    ort_vals, fx_vals = _outputs(ort_out), _outputs(fx_out)
     for i, (a, b) in enumerate(zip(ort_vals, fx_vals)):
         if a.shape != b.shape or a.dtype != b.dtype:
             return f"output {i}: shape/dtype {tuple(a.shape)}/{a.dtype} vs {tuple(b.shape)}/{b.dtype}"
@@ -303,8 +297,7 @@ def within_rounding_of_float64(gm: fx.GraphModule, inputs, ort_out, fx_out,
                                               for a in (*node.args, *node.kwargs.values())):
             return False  # another precision on purpose: not ours to widen
     floats = [isinstance(t, torch.Tensor) and t.dtype == torch.float32 for t in inputs]
-    ort_vals = ort_out if isinstance(ort_out, tuple) else (ort_out,)
-    fx_vals = fx_out if isinstance(fx_out, (tuple, list)) else (fx_out,)
+    ort_vals, fx_vals = _outputs(ort_out), _outputs(fx_out)
     if not any(floats) or any(isinstance(v, torch.Tensor) and v.dtype not in (torch.float32, torch.int64, torch.bool)
                               for v in fx_vals):
         return False
