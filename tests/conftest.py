@@ -7,12 +7,13 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import tempfile
 
 # Every exported segment is checked against its fx graph (the default) and every graph
-# pass's contracts are checked in the test suite; every ORT segment runs in ONNX Runtime
-# (not the faster of ORT and fx, which would let a timing decide what a test checks), and
-# the ONNX cache is private to the run (the cache test makes its own).
+# pass's contracts are checked in the test suite, and the ONNX cache is private to the run (the cache test makes
+# its own).  Who runs each segment is the default, automatic choice (the faster of ORT and fx, the whole graph
+# against its segments, inductor's candidate): the suite trains on the path users get.  A test that asserts
+# steps trained on ORT's outputs says so with ``@pytest.mark.on_ort`` (every ORT segment on ORT), or compiles
+# with ``autotune=False`` (the static choice).
 os.environ.setdefault("SPMD_ORT_VERIFY", "1")
 os.environ.setdefault("SPMD_ORT_CHECK_PASSES", "1")
-os.environ.setdefault("SPMD_ORT_SEGMENT_EXECUTOR", "ort")
 os.environ.setdefault("SPMD_ORT_CACHE_DIR", tempfile.mkdtemp(prefix="spmd_ort_cache_"))
 # The suite's process keeps freed host memory for reuse (glibc's mallopt: opt-in, since it acts on the whole
 # process): it compiles hundreds of steps, and until the setting was opt-in every test process had it from its
@@ -30,6 +31,15 @@ import torch.distributed as dist  # noqa: E402
 
 if os.environ.get("PYTEST_XDIST_WORKER") and os.environ.get("OMP_NUM_THREADS") == "1":
     torch.set_num_threads(1)
+
+
+@pytest.fixture(autouse=True)
+def _on_ort(request, monkeypatch):
+    """``@pytest.mark.on_ort``: every ORT segment of the test's steps (and of the ranks it launches, which
+    inherit the environment) runs on ORT, not the faster of ORT and fx: the test asserts it trained on ORT."""
+    if request.node.get_closest_marker("on_ort") is not None:
+        monkeypatch.setenv("SPMD_ORT_SEGMENT_EXECUTOR", "ort")
+    yield
 
 
 @pytest.fixture(scope="module")

@@ -78,6 +78,7 @@ def make_opt(kind: str, params):
     return torch.optim.AdamW(params, lr=1e-3, weight_decay=0.1, fused=True)
 
 
+@pytest.mark.on_ort
 @pytest.mark.parametrize("dtype,backend,opt_kind", CASES)
 def test_autocast_and_gradscaler_match_eager(dtype, backend, opt_kind):
     """Loss, skipped steps, the scale and growth tracker after every step, parameters and optimizer state

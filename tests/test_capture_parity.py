@@ -155,6 +155,7 @@ def test_gradient_accumulation_without_zero_grad(backend):
     assert compiled.transitions.traces == 2
 
 
+@pytest.mark.on_ort
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_step_returns_gradients(backend):
     torch.manual_seed(0)
@@ -209,6 +210,7 @@ def test_tied_weights_stay_tied():
     assert len(params) == len(list(model.parameters()))  # the tied weight is one input
 
 
+@pytest.mark.on_ort
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_dropout_matches_eager_given_the_same_seed(backend):
     """Dropout (in attention and after the MLP, p = 0.1) runs torch's own random ops as host nodes, in
@@ -270,6 +272,7 @@ def _step_showing_the_mask(model, opt, x, y):
     return loss, dropped
 
 
+@pytest.mark.on_ort
 @pytest.mark.parametrize("dynamic", [False, True], ids=["static", "dynamic"])
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_dropout_after_batchnorm_of_transposed_input_draws_eagers_masks(backend, dynamic):
@@ -343,6 +346,7 @@ SGD_SETTINGS = {"plain": {}, "momentum": dict(momentum=0.9, dampening=0.1, weigh
     ("fx", "bfloat16", "nesterov-foreach"),
     ("ort", "bfloat16", "momentum"),
 ])
+@pytest.mark.on_ort
 def test_half_precision_sgd_trains_as_eager(backend, dtype, sgd):
     """float16 / bfloat16 parameters on the CPU with SGD train as in eager: on fx bit for bit with eager's default
     (for-loop) SGD, which the compiled step runs for them; eager's foreach SGD and ORT's float32 loss round

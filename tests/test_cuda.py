@@ -20,7 +20,7 @@ from models import CNN, GPT, MLP, GPTConfig
 DEVICE = torch.device(os.environ.get("SPMD_ORT_TEST_DEVICE", "cuda"))
 ON_CUDA = DEVICE.type == "cuda"
 
-pytestmark = [pytest.mark.gpu, pytest.mark.skipif(ON_CUDA and not torch.cuda.is_available(), reason="needs CUDA")]
+pytestmark = [pytest.mark.gpu, pytest.mark.on_ort, pytest.mark.skipif(ON_CUDA and not torch.cuda.is_available(), reason="needs CUDA")]
 
 GPT_CFG = GPTConfig(vocab=256, seq=32, d=64, heads=4, layers=2)
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 import time
@@ -45,6 +46,7 @@ CASES = [
 ]
 
 
+@pytest.mark.on_ort
 @pytest.mark.parametrize("model,opt,backend", CASES)
 def test_matches_ddp_every_step(tmp_path, model, opt, backend):
     """Loss, parameters, gradients and optimizer state equal DDP's at every step (checked inside
@@ -99,6 +101,7 @@ def test_a_fused_lm_head_matches_ddp(tmp_path):
     assert ranks[0]["losses"] != ranks[1]["losses"]
 
 
+@pytest.mark.on_ort
 @pytest.mark.parametrize("model,backend,micro", [("mlp", "fx", 2), ("gpt", "ort", 4)])
 def test_gradient_accumulation_reduces_once_per_step(tmp_path, model, backend, micro):
     """k backward passes, then one optimizer step: the micro-batch gradients are summed, then all-reduced once.
@@ -147,17 +150,30 @@ def test_a_gradient_read_between_micro_batches_is_reduced_there(tmp_path):
         assert all(c["all_reduce_bytes"] == r["grad_bytes"] + 2 * first for c in r["comm"])
 
 
-def test_automatic_executor_choice_agrees_across_ranks(tmp_path):
-    """SPMD_ORT_SEGMENT_EXECUTOR=auto (the default outside the test suite): each rank times its own segments,
-    but the whole-graph choice (the segments as chosen, or the whole graph on fx) is taken on the ranks' mean
-    times, so both ranks run the same program: no hang, every step equals DDP (checked in the script)."""
-    ranks, _ = torchrun(tmp_path, "--model", "gpt", "--opt", "adamw", "--backend", "ort", "--steps", "4",
-                        env={"SPMD_ORT_SEGMENT_EXECUTOR": "auto"})
-    wholes = []
+@pytest.mark.skipif(__import__("spmd_ort.backends.inductor", fromlist=["cxx_compiler"]).cxx_compiler() is None,
+                    reason="inductor's candidate needs a C++ compiler")
+def test_the_default_path_agrees_across_ranks_and_matches_ddp(tmp_path):
+    """The default path on 2 ranks (no executor pinned, autotune on, bucket_cap_mb="auto"): each rank times its own
+    segments, but every choice is taken on the ranks' mean times or agreed maxima (each segment's executor, the whole
+    graph against its segments, the bucket cap, the step of inductor's candidate and whether it is kept), so both
+    ranks run the same program: no hang, at most the one tuner recompile a variant allows, and every step equals DDP
+    (checked in the script).  The bucket cap's recompile comes after its 3 measured steps, and the new program's
+    candidate is compiled after its own 3 steady steps: its compile is predicted free so that it is bought within 12
+    steps rather than after minutes of them; its compile, checked run and timing are real."""
+    ranks, _ = torchrun(tmp_path, "--model", "gpt", "--opt", "adamw", "--backend", "ort", "--steps", "12",
+                        "--bucket-mb", "auto", "--candidate-free", timeout=600)
+    kinds = ("segment ", "whole graph", "inductor candidate", "bucket cap", "recompile")
+    chosen = []
     for r in ranks:
         assert "compile_error" not in r, r.get("compile_error")
-        wholes.append([line for line in r["describe"].splitlines() if "the whole graph runs on" in line])
-    assert len(wholes[0]) == 1 and wholes[0] == wholes[1], wholes
+        assert all(n <= 1 for n in r["recompiles"]), r["decisions"]  # RECOMPILES_PER_VARIANT
+        # what was chosen, without the times each rank measured
+        chosen.append([d.split(" (")[0] for d in r["decisions"] if d.startswith(kinds)])
+        assert any(re.match(r"inductor candidate: compiled at step \d+ and (kept|dropped)", d)
+                   for d in r["decisions"]), r["decisions"]
+        assert any(d.startswith("bucket cap: ") for d in r["decisions"]), r["decisions"]
+        assert r["variants"] == 1, r["decisions"]  # the recompiled program replaced the first
+    assert chosen[0] == chosen[1], chosen
 
 
 def test_segment_executor_choices_agree_across_ranks(tmp_path):

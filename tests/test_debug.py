@@ -90,6 +90,7 @@ def test_compiled_fx_statistics_equal_eager_bit_for_bit(eager_stats, tmp_path):
     assert first_divergence(a, b, rtol=0.0) is None  # the same aten ops on the same values
 
 
+@pytest.mark.on_ort
 def test_compiled_ort_statistics_show_no_divergence(eager_stats, tmp_path):
     step = _train("ort", tmp_path / "ort")
     assert_ran_on_ort(step)  # the statistics were computed inside the ORT segment

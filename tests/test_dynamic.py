@@ -52,6 +52,7 @@ def _train_both(step, sizes, backend):
     return model
 
 
+@pytest.mark.on_ort
 @pytest.mark.parametrize("backend", ["fx", "ort"])
 def test_one_program_serves_every_length_and_batch_size(backend, caplog):
     """Automatic: the first call traces statically; the second size makes batch and length symbolic, and that
@@ -88,6 +89,7 @@ class Pooled(nn.Module):
         return self.head(self.features(x).mean(dim=(2, 3)))
 
 
+@pytest.mark.on_ort
 @pytest.mark.parametrize("vary", ["batch", "image"])
 def test_convolutions_with_dynamic_sizes_on_ort(vary):
     """A changing batch or image size: one ONNX model per segment (the convolution, batch norm and pooling
@@ -127,6 +129,7 @@ def _gelu_reading_concrete_sizes(self, approximate: str = "none"):
     return aten_gelu(self, approximate)
 
 
+@pytest.mark.on_ort
 def test_a_segment_whose_translation_needs_concrete_sizes_is_exported_per_size(monkeypatch, caplog):
     """The per-size path: an INFO line says why, each set of sizes gets its own model, verified; eager parity."""
     from spmd_ort.backends.ort import coverage
@@ -271,6 +274,7 @@ def sliced_scaled_step(model, opt, x, y, scale, keep):
     return loss
 
 
+@pytest.mark.on_ort
 @pytest.mark.parametrize("backend", ["fx", "ort"])
 def test_python_numbers_that_change_become_graph_inputs(backend, caplog):
     """Automatic: a float (a loss scale) and an int (a length to keep) that change every call become graph
@@ -323,6 +327,7 @@ def lm_step_loss(model, x, y):
     return F.cross_entropy(logits.reshape(-1, logits.size(-1)), y.reshape(-1))
 
 
+@pytest.mark.on_ort
 @pytest.mark.multiproc
 @pytest.mark.parametrize("backend", ["fx", "ort"])
 def test_ranks_with_different_sizes_every_step_match_ddp(tmp_path, backend):
@@ -346,6 +351,7 @@ def test_ranks_with_different_sizes_every_step_match_ddp(tmp_path, backend):
     assert ranks[0]["losses"] != ranks[1]["losses"]
 
 
+@pytest.mark.on_ort
 @pytest.mark.multiproc
 @pytest.mark.parametrize("style,backend", [("replicate", "fx"), ("fully_shard", "ort")])
 def test_a_short_last_batch_on_one_rank_trains_as_ddp(tmp_path, style, backend):

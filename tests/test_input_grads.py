@@ -95,6 +95,7 @@ def test_input_grad_as_eager_fx(name):
         assert grads == [None] * 3
 
 
+@pytest.mark.on_ort
 def test_input_grad_as_eager_ort():
     step, grads = _compare(accumulate, "ort", steps=3, x_grad_before=True)
     assert_ran_on_ort(step)

@@ -539,6 +539,7 @@ def test_hf_mixtral_tiny(backend):
 
 
 # ---------------------------------------------------------------------- several ranks
+@pytest.mark.on_ort
 @pytest.mark.multiproc
 def test_opaque_parts_on_two_ranks(tmp_path):
     """One torchrun, five scenarios (tests/dist/opaque_parity.py checks every step on every rank):

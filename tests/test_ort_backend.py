@@ -24,6 +24,8 @@ from spmd_ort.backends.ort.translations import Translation
 from helpers import assert_close_relmax, assert_ran_on_ort, assert_same_state, train_side_by_side, train_step
 from models import MLP
 
+pytestmark = pytest.mark.on_ort  # the ORT backend's own tests: every ORT segment runs on ORT
+
 aten = torch.ops.aten
 ROOT = Path(__file__).resolve().parent.parent
 

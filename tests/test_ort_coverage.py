@@ -20,6 +20,8 @@ from spmd_ort.backends.ort.session import OrtSegment
 pytest.importorskip("transformers")
 from zoo import sgd, zoo  # noqa: E402
 
+pytestmark = pytest.mark.on_ort  # the ORT backend's own tests: every ORT segment runs on ORT
+
 ZOO = zoo()
 STEPS = 3
 COMPILED: dict = {}  # model name -> compiled step, shared with the predicate test

@@ -272,6 +272,7 @@ def _labelled_step(model, opt, x, y):
     return loss
 
 
+@pytest.mark.on_ort
 @pytest.mark.parametrize("backend", ["ort", "fx"])
 def test_one_hot_of_a_class_out_of_range_raises_as_eager_and_changes_nothing(backend):
     """torch's ``F.one_hot`` on fake tensors (an ``eq`` with ``arange``) skips eager's check of the classes, so a

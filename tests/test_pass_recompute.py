@@ -207,6 +207,7 @@ def test_describe_lists_what_is_recomputed_and_why():
     assert "recomputed" in step.explain()
 
 
+@pytest.mark.on_ort
 def test_ort_backend_at_budget_zero_matches_eager():
     torch.manual_seed(0)
     cfg = GPTConfig(vocab=64, seq=16, d=32, heads=4, layers=2)
@@ -217,6 +218,7 @@ def test_ort_backend_at_budget_zero_matches_eager():
     assert_ran_on_ort(step)
 
 
+@pytest.mark.on_ort
 def test_ort_backend_with_dropout_at_budget_zero_matches_eager():
     """Dropout on ORT: the packed masks are unpacked in the backward; losses and state to ORT's rounding."""
     torch.manual_seed(0)
@@ -481,6 +483,7 @@ def test_replicate_on_two_ranks_matches_ddp_at_budget_zero(tmp_path):
         assert "activation memory (activation_memory_budget=0): the backward recomputes" in r["describe"]
 
 
+@pytest.mark.on_ort
 @pytest.mark.multiproc
 def test_replicate_on_ort_on_two_ranks_matches_ddp_and_budget_one_at_budget_zero(tmp_path):
     """tests/dist/dp_parity.py --budget 0 on ORT: every step equals DDP and a copy compiled at budget 1.0 (to the

@@ -80,6 +80,7 @@ def step_with_logits(model, opt, x, y):
     return loss, logits.detach()
 
 
+@pytest.mark.on_ort
 @pytest.mark.parametrize("backend", ["fx", "ort"])
 def test_train_and_eval_alternately_match_eager_with_dropout_and_batchnorm(backend):
     """model.train() / model.eval() between calls: one variant per mode (the mode is part of the key), and

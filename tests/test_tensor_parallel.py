@@ -44,6 +44,7 @@ CASES = [
 VARY_SEQ = {("ort", "user", "megatron", 1), ("ort", "mode", "sequence", 1), ("fx", "mode", "megatron", "2-fully-shard")}
 
 
+@pytest.mark.on_ort
 @pytest.mark.parametrize("backend,apply,plan,dp", CASES)
 def test_matches_eager_tensor_parallel(tmp_path, backend, apply, plan, dp):
     vary_seq = (backend, apply, plan, dp) in VARY_SEQ

@@ -40,6 +40,7 @@ CASES = [
 ]
 
 
+@pytest.mark.on_ort
 @pytest.mark.parametrize("nproc,reshard,offload,backend,opt,clip", CASES)
 def test_fully_shard_matches_single_process_eager(tmp_path, nproc, reshard, offload, backend, opt, clip):
     """Loss, every full parameter and the optimizer state equal eager on the global batch at each of
@@ -95,6 +96,7 @@ def test_fully_shard_matches_single_process_eager(tmp_path, nproc, reshard, offl
     assert len({tuple(r["losses"]) for r in ranks}) == 1  # the global loss, all-reduced
 
 
+@pytest.mark.on_ort
 @pytest.mark.skipif(ops.LINEAR_CROSS_ENTROPY is None, reason="torch has no chunked linear_cross_entropy")
 def test_fully_shard_with_a_fused_lm_head(tmp_path):
     """An 8192-class tied head over 512 rows a rank, fused by fuse_linear_cross_entropy_pass: the fused operator
@@ -116,6 +118,7 @@ def test_fully_shard_with_a_fused_lm_head(tmp_path):
         assert all(c["reduce_scatter_bytes"] == r["padded_param_bytes"] for c in r["comm"])
 
 
+@pytest.mark.on_ort
 @pytest.mark.parametrize("backend", ["fx", "ort"])
 def test_gradient_accumulation_reduce_scatters_once_per_step(tmp_path, backend):
     """Two micro-batches per rank, then one optimizer step: every full parameter and the optimizer state equal
@@ -132,6 +135,7 @@ def test_gradient_accumulation_reduce_scatters_once_per_step(tmp_path, backend):
             assert_ort_report_clean(r["ort"])
 
 
+@pytest.mark.on_ort
 @pytest.mark.parametrize("backend", ["fx", "ort"])
 def test_cross_step_prefetch_and_what_invalidates_it(tmp_path, backend):
     """Each step takes the first gather the previous one issued after its optimizer, except after what changes

@@ -78,6 +78,10 @@ def main() -> None:
     ap.add_argument("--skew-timing", action="store_true",
                     help="each rank times its segments as if the other executor were 100x slower (rank 0: fx, rank "
                          "1: ORT): the ranks would choose differently, and must not")
+    ap.add_argument("--candidate-free", action="store_true",
+                    help="the inductor candidate's compile is predicted free: it is compiled, checked and timed "
+                         "once 3 steady steps are measured (step 5), not when the steady steps have spent its "
+                         "predicted minutes; the compile and the timing are real")
     ap.add_argument("--budget", type=float, help="compile(activation_memory_budget=...); below 1.0 a copy "
                     "compiled at 1.0 trains beside it and must agree (fx: bit for bit)")
     ap.add_argument("--out", required=True)
@@ -90,6 +94,10 @@ def main() -> None:
 
 def run(args, rank: int, world: int) -> dict:
     result: dict = {"rank": rank, "world": world}
+    if args.candidate_free:
+        from spmd_ort import tuner
+
+        tuner.CompileCost.predict = classmethod(lambda cls, nodes: (0.0, "predicted free by the test"))
     if args.skew_timing:  # fx's time comes from timed_fx_runs, ORT's from fastest: skew the one each rank slows
         from spmd_ort.backends.ort import choice
 
@@ -206,7 +214,8 @@ def run(args, rank: int, world: int) -> dict:
             first_param_bytes=next(model.parameters()).numel() * next(model.parameters()).element_size(),
             buckets=len(prog.results.get(GradientBuckets).nbytes),
             bucket_bytes=list(prog.results.get(GradientBuckets).nbytes),
-            describe=prog.describe(),
+            describe=prog.describe(), decisions=step.tuner.lines(prog),
+            recompiles=list(step.tuner.recompiles.values()), variants=len(step.variants),
             recomputed_copies=recomputed.copies if (recomputed := prog.results.get(Recomputation)) else 0,
             bucket_choice=step.buckets.choice.lines() if step.buckets.choice is not None else None)
     except spmd_ort.CompileError as exc:
