@@ -23,8 +23,8 @@ import torch
 from torch import nn
 
 from spmd_ort.capture import amp
-from spmd_ort.capture.inputs import (StepCall, StepInputs, bind_arguments, find_state_owners, signature_of,
-                                     unwrap_torch_compiled)
+from spmd_ort.capture.inputs import (StepCall, StepInputs, bind_arguments, find_state_owners, refuse_meta,
+                                     signature_of, unwrap_torch_compiled)
 from spmd_ort.capture.opaque import OpaquePlan
 from spmd_ort.capture.optim import rule_for
 from spmd_ort.capture.prepare import Preparation
@@ -122,11 +122,12 @@ class CompiledStep:
                         "instead: the same parameters, and torch.compile's own compilation is not used",
                         self.transitions.name, type(wrappers[0]).__name__, type(wrappers[0]._orig_mod).__name__)
         module, opt, scaler = find_state_owners(args, kwargs)
+        rank, world_size = parallel.world()
+        refuse_meta(module, opt, args, kwargs, self._signature, rank if world_size > 1 else None)
         if not self._started:
             self._started = True
             if self.options.retain_host_memory:  # opt-in (SPMD_ORT_RETAIN_HOST_MEMORY=1): acts on the process
                 retain_host_memory()  # steady-state steps reuse host memory instead of page-faulting
-        rank, world_size = parallel.world()
         return StepCall(args=args, kwargs=kwargs, module=module, opt=opt, scaler=scaler,
                         rule=rule_for(opt) if opt is not None else None,
                         mode=self.tuner.bucket_mode(parallel.resolve(self.parallel_mode, module), module),

@@ -107,6 +107,41 @@ def unwrap_torch_compiled(args: tuple, kwargs: dict) -> tuple[tuple, dict, list[
     return args, kwargs, wrappers
 
 
+def _on_meta(t: Any) -> bool:
+    local = getattr(t, "_local_tensor", None)  # a DTensor: where its local part lives
+    return isinstance(t, torch.Tensor) and (t.is_meta or (local is not None and local.is_meta))
+
+
+def refuse_meta(module: nn.Module, opt: torch.optim.Optimizer | None, args: tuple, kwargs: dict,
+                sig: inspect.Signature | None, rank: int | None) -> None:
+    """A ``ConfigError`` naming what is on the meta device (the model's parameters and buffers, the optimizer's
+    state, the batch), before anything is traced: a model built under ``torch.device("meta")`` has no values."""
+    from spmd_ort.errors import ConfigError
+
+    meta = [n for n, t in (*module.named_parameters(), *module.named_buffers()) if _on_meta(t)]
+    if meta:
+        total = sum(1 for _ in module.parameters()) + sum(1 for _ in module.buffers())
+        shown = ", ".join(f"`{n}`" for n in meta[:4]) + (f" and {len(meta) - 4} more" if len(meta) > 4 else "")
+        raise ConfigError(
+            f"{type(module).__name__} has {len(meta)} of its {total} parameters and buffers on the meta device "
+            f"({shown}): they have no values to train. Fix: allocate them with `model.to_empty(device=\"cpu\")` "
+            "and initialise them (`reset_parameters()`, your `init_weights()`), or load weights into them with "
+            "`spmd_ort.load_safetensors(model, path)`; build the optimizer after that. Nothing was changed",
+            fqn=meta[0].rpartition(".")[0] or None, rank=rank)
+    if opt is not None and any(_on_meta(v) for st in opt.state.values() for v in st.values()):
+        raise ConfigError("the optimizer's state is on the meta device. Fix: build the optimizer after the model's "
+                          "parameters have values (after `to_empty` and init, or `load_safetensors`). Nothing was "
+                          "changed", rank=rank)
+    names = list(sig.parameters) if sig is not None else []
+    named = [(names[i] if i < len(names) else f"argument {i}", a) for i, a in enumerate(args)]
+    for key, value in [*named, *kwargs.items()]:
+        for leaf in pytree.tree_leaves(value):
+            if _on_meta(leaf):
+                raise ConfigError(f"the input `{key}` is on the meta device (shape {tuple(leaf.shape)}): it has no "
+                                  "values. Fix: pass the batch on the device the model is on. Nothing was changed",
+                                  input=key, rank=rank)
+
+
 def find_state_owners(args: tuple, kwargs: dict) -> tuple[nn.Module, torch.optim.Optimizer | None, Any]:
     """The module, the optimizer (if any) and the GradScaler (if any) among the step's arguments."""
     modules, optimizers, scalers = [], [], []
