@@ -7,7 +7,7 @@ inductor, ONNX Runtime) -> ``passes`` (``spmd_ort.passes``) -> ``program`` / ``t
 ``debug`` / ``checkpoint`` / ``integrations`` -> ``step`` -> ``api``.
 """
 
-from spmd_ort.api import compile
+from spmd_ort.api import compile, parallelize
 from spmd_ort.overrides import OpaqueOverride, Override
 from spmd_ort.capture.amp import DynamicLossScaler
 from spmd_ort.distributed.precision import MixedPrecisionPolicy
@@ -27,4 +27,4 @@ __all__ = ["CheckpointError", "CollectiveTimeout", "CompileError", "CompiledProg
            "DataParallel", "DebugOptions", "DeepSpeedPlan", "DynamicLossScaler", "InputIndexError", "LogLevel",
            "MixedPrecisionPolicy", "OpaqueOverride", "Options", "Override", "TensorParallel", "compile",
            "from_deepspeed_config", "full_state_dict", "gathered_parameters", "load_checkpoint", "load_safetensors",
-           "load_state_dict", "save_checkpoint", "save_safetensors", "state_dict"]
+           "load_state_dict", "parallelize", "save_checkpoint", "save_safetensors", "state_dict"]

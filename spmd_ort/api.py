@@ -19,7 +19,7 @@ from spmd_ort.options import DebugOptions, Options, configure_logging
 from spmd_ort.overrides import OpaqueOverride, Override, as_overrides
 from spmd_ort.step import CompiledStep
 
-__all__ = ["CompiledStep", "OpaqueOverride", "Override", "compile"]
+__all__ = ["CompiledStep", "OpaqueOverride", "Override", "compile", "parallelize"]
 
 
 def compile(  # noqa: A001 - the reference API's name
@@ -77,3 +77,39 @@ def compile(  # noqa: A001 - the reference API's name
                             parallel_mode=parallel_mode, options=options)
 
     return decorate
+
+
+def _no_step(*args, **kwargs):  # the step parallelize lays a model out for; never called
+    raise AssertionError("parallelize's step is never called")
+
+
+def parallelize(model, parallel_mode):
+    """Lay ``model`` out for ``parallel_mode`` now, without a step, as FSDP2's ``fully_shard(model)`` and torch's
+    ``parallelize_module`` do; returns ``model``.  Collective: every rank calls it.
+
+    * ``DataParallel(parallel_style="fully_shard")``: every parameter becomes the ``Shard(0)`` DTensor the first
+      step would make (each rank its rows), rank 0's weights everywhere first, unless the model is on the meta
+      device: then nothing is allocated, and ``model.to_empty(device=...)`` allocates this rank's shards only.
+    * ``TensorParallel(plan, ...)``: the plan's DTensors (2-D: with ``data_parallel=`` fully_shard, FSDP2 + TP's).
+    * ``DataParallel()`` (replicate): nothing changes (the first step broadcasts rank 0's weights, as DDP does).
+
+    A compiled step with the same ``parallel_mode`` takes the model as it is (no second sharding, no broadcast);
+    one with another mode is a :class:`~spmd_ort.errors.ConfigError` naming both.  Then give a meta model values
+    (``to_empty`` and your init, or :func:`spmd_ort.load_safetensors`), and build the optimizer after that.
+    """
+    from spmd_ort.distributed.parallel import PARALLELIZED_ATTR
+    from spmd_ort.distributed.sharding import keep_layout_through_to_empty
+    from spmd_ort.errors import ConfigError
+
+    done = getattr(model, PARALLELIZED_ATTR, None)
+    if done is not None:
+        if done == parallel_mode:
+            return model
+        raise ConfigError(f"{type(model).__name__} was parallelized with {done!r}; it cannot be parallelized again "
+                          f"with {parallel_mode!r}. Fix: build a fresh model for another layout")
+    meta = any(p.is_meta for p in model.parameters())
+    compile(parallel_mode=parallel_mode, backend="fx")(_no_step).prepare(model)
+    if meta:
+        keep_layout_through_to_empty(model)  # its shard specs and tied weights
+    model.__dict__[PARALLELIZED_ATTR] = parallel_mode  # (not a submodule, not state: a plain attribute)
+    return model

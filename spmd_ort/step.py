@@ -36,7 +36,7 @@ from spmd_ort.debug.profile import Profiler
 from spmd_ort.distributed import parallel
 from spmd_ort.distributed.sharding import persistent_bytes
 from spmd_ort.distributed.parallel import TensorParallel
-from spmd_ort.errors import CollectiveTimeout, CompileError, InputIndexError
+from spmd_ort.errors import CollectiveTimeout, CompileError, ConfigError, InputIndexError
 from spmd_ort.options import Options, get_logger
 from spmd_ort.passes.analysis import MemoryPlan
 from spmd_ort.overrides import OpaqueOverride
@@ -124,6 +124,12 @@ class CompiledStep:
         module, opt, scaler = find_state_owners(args, kwargs)
         rank, world_size = parallel.world()
         refuse_meta(module, opt, args, kwargs, self._signature, rank if world_size > 1 else None)
+        laid_out = getattr(module, parallel.PARALLELIZED_ATTR, None)  # spmd_ort.parallelize's mode
+        if laid_out is not None and self.parallel_mode is not None and laid_out != self.parallel_mode:
+            raise ConfigError(f"{type(module).__name__} was parallelized with {laid_out!r}, but this step compiles "
+                              f"with parallel_mode={self.parallel_mode!r}. Fix: compile with the mode the model was "
+                              "parallelized with (or parallel_mode=None). Nothing was changed",
+                              rank=rank if world_size > 1 else None)
         if not self._started:
             self._started = True
             if self.options.retain_host_memory:  # opt-in (SPMD_ORT_RETAIN_HOST_MEMORY=1): acts on the process

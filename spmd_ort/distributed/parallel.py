@@ -38,6 +38,9 @@ AUTO_START_MB = 25.0  # bucket_cap_mb="auto": the cap of the timed first steps (
 OFFLOAD_DEVICES = (None, "cpu")
 
 
+PARALLELIZED_ATTR = "_spmd_ort_parallel_mode"  # on a module spmd_ort.parallelize laid out: the mode it used
+
+
 @dataclass(frozen=True, kw_only=True)
 class DataParallel:
     """Data parallelism: replicated (DDP semantics) or fully sharded (ZeRO-3 / FSDP semantics).
@@ -206,6 +209,8 @@ class TensorParallel:
         from torch.distributed.device_mesh import init_device_mesh
 
         device = next((p.device.type for p in module.parameters()), "cpu")
+        if device == "meta":  # a meta model parallelized up front: the mesh of the device the ranks compute on
+            device = "cuda" if dist.get_backend() == "nccl" else "cpu"
         return init_device_mesh(device, (dist.get_world_size(),))
 
     def resolve_plan(self, module: nn.Module, rank: int) -> dict[str, Any]:

@@ -84,6 +84,8 @@ class ShardSpec:
         return (dp, *tp)
 
     def dtensor_mesh(self, device_type: str):
+        if device_type == "meta":  # a meta model's shards: the mesh of the ranks' device
+            device_type = "cuda" if dist.get_backend() == "nccl" else "cpu"
         return self.mesh if self.mesh is not None else mesh_over(device_type, self.world)
 
     def tp_local(self, local: Tensor) -> Tensor:
@@ -253,7 +255,8 @@ class ShardedModule:
         with torch.no_grad():
             for p in self.module.parameters():  # each tied parameter once
                 full = _local(p).detach().clone()  # 2-D: the tensor-parallel shard, split over dp
-                dist.broadcast(full, src=src, group=group)  # (2-D: within the dp group)
+                if not full.is_meta:  # (a meta model has no values to agree on: each rank's shard stays meta)
+                    dist.broadcast(full, src=src, group=group)  # (2-D: within the dp group)
                 spec = self._spec(p, full)
                 shard = spec.shard_of(full)
                 new = _shard_param(shard if self.home is None else shard.to(self.home), spec, p.requires_grad)
@@ -268,8 +271,11 @@ class ShardedModule:
                 self._move_optimizer(swap)
             for b in self.module.buffers():
                 saved = b.detach().clone()
-                dist.broadcast(_local(b.data), src=src, group=group)
+                if not b.is_meta:
+                    dist.broadcast(_local(b.data), src=src, group=group)
                 self._buffers.append((b, saved))
+        if any(p.is_meta for p in self.module.parameters()):
+            keep_layout_through_to_empty(self.module)
 
     def _spec(self, p: Tensor, local: Tensor) -> ShardSpec:
         from torch.distributed.tensor import DTensor
@@ -328,6 +334,45 @@ class ShardedModule:
         self._hooks += [m.register_forward_pre_hook(_gather_before_forward),
                         m.register_forward_hook(_reshard_after_forward, always_call=True),
                         m._register_load_state_dict_pre_hook(_place_full_tensors, with_module=True)]
+
+
+def keep_layout_through_to_empty(module: nn.Module) -> None:
+    """A meta model laid out up front keeps its layout through ``module.to_empty(device=...)``, which allocates
+    each rank's part only: its shard specs and its tied weights.
+
+    ``to_empty`` swaps each DTensor parameter's contents and attributes for new ones (torch.utils.swap_tensors,
+    keeping the object), so the shard spec goes: it is put back, and the flat buffer the step reads is made around
+    the new local tensor.  A plain parameter (replicated under tensor parallelism) becomes a new Parameter in each
+    module that holds it, so a tied weight (a GPT's head and token embedding) would become two: the first
+    holder's is put in every other holder.
+    """
+    if "to_empty" in module.__dict__:
+        return  # laid out already (parallelize, then a step's prepare)
+    layout = {name: spec_of(p) for name, p in module.named_parameters()}
+    holders: dict[int, list[tuple[nn.Module, str]]] = {}
+    for m in module.modules():
+        for name, p in m._parameters.items():
+            if p is not None:
+                holders.setdefault(id(p), []).append((m, name))
+    tied = [h for h in holders.values() if len(h) > 1]
+    to_empty = type(module).to_empty
+
+    def allocate(*, device, recurse: bool = True):
+        out = to_empty(module, device=device, recurse=recurse)
+        for group in tied:
+            (first, name), rest = group[0], group[1:]
+            for m, n in rest:
+                m._parameters[n] = first._parameters[name]
+        for name, p in module.named_parameters():
+            spec = layout.get(name)
+            if spec is not None and spec_of(p) is None and not p.is_meta:
+                setattr(p, SHARD_ATTR, spec)
+                with torch.no_grad():  # the local tensor becomes a view of a new padded flat buffer
+                    flat = flat_of(p, spec)
+                flat.requires_grad_(p.requires_grad)  # the step takes it as the parameter, as _shard_param's
+        return out
+
+    module.to_empty = allocate  # (an instance attribute: this module's to_empty only)
 
 
 def _shard_param(flat: Tensor, spec: ShardSpec, requires_grad: bool) -> nn.Parameter:

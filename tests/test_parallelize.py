@@ -1,0 +1,38 @@
+"""``spmd_ort.parallelize``: a model laid out up front, without a step, as FSDP2's ``fully_shard(model)`` and torch's
+``parallelize_module`` do; on the meta device nothing is allocated until ``to_empty``, which allocates each rank's
+part only (tests/dist/parallelize_meta.py, 2 gloo ranks)."""
+
+from __future__ import annotations
+
+import pytest
+
+from test_data_parallel import ROOT, torchrun
+
+pytestmark = pytest.mark.multiproc
+
+
+def test_a_meta_model_parallelized_then_loaded_trains_as_the_materialised_one(tmp_path):
+    """fully_shard and Megatron tensor parallel, a GPT (tied head) built on the meta device: parallelize allocates
+    nothing, to_empty each rank's part only (its rows; TP: its shards and the replicated rest, the tie kept),
+    load_safetensors reads that part only, and 4 compiled steps equal the materialised model's under the same
+    compiled step bit for bit (fx).  A step with another mode is a ConfigError on both ranks.  DTensor init
+    (reset_parameters on the shards) is not a one-process init: only the constant-initialised tensors agree."""
+    ranks, _ = torchrun(tmp_path, "--dir", str(tmp_path), nproc=2, script=ROOT / "tests" / "dist" / "parallelize_meta.py",
+                        timeout=600)
+    for r in ranks:
+        for name in ("fully_shard", "tp"):
+            x = r[name]
+            assert x["returned_model"] and x["meta_after_parallelize"], (name, x)
+            assert x["losses"] == x["ref_losses"], (name, x["losses"], x["ref_losses"])
+            assert all(x["equal"].values()), (name, [k for k, v in x["equal"].items() if not v])
+            assert x["refused"] is not None and "was parallelized with" in x["refused"], x["refused"]
+            assert x["refused"].endswith(f"Nothing was changed (rank {r['rank']})"), x["refused"]
+        fs, tp = r["fully_shard"], r["tp"]
+        # fully_shard: each rank holds half of every parameter's rows (the GPT's rows split evenly here) and read
+        # exactly those bytes; tensor parallel: its shards of the plan's layers and all of the replicated rest
+        assert fs["allocated"] * 2 == fs["full_numel"] and fs["bytes_read"] == fs["allocated"] * 4
+        assert fs["placements"]["blocks.0.q.weight"] == ["S(0)"]
+        assert tp["placements"]["blocks.0.q.weight"] == ["S(0)"] and tp["placements"]["blocks.0.out.weight"] == ["S(1)"]
+        assert fs["allocated"] < tp["allocated"] < tp["full_numel"] and tp["bytes_read"] == tp["allocated"] * 4
+        init = r["init_equal"]
+        assert init["blocks.0.ln1.weight"] and not init["blocks.0.q.weight"] and not init["wte.weight"], init
