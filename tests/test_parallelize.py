@@ -15,14 +15,15 @@ def test_a_meta_model_parallelized_then_loaded_trains_as_the_materialised_one(tm
     """fully_shard and Megatron tensor parallel, a GPT (tied head) built on the meta device: parallelize allocates
     nothing, to_empty each rank's part only (its rows; TP: its shards and the replicated rest, the tie kept),
     load_safetensors reads that part only, and 4 compiled steps equal the materialised model's under the same
-    compiled step bit for bit (fx).  A step with another mode is a ConfigError on both ranks.  DTensor init
+    compiled step bit for bit (fx); a deepcopy of the meta model allocates itself through its own to_empty.  A
+    step with another mode is a ConfigError on both ranks.  DTensor init
     (reset_parameters on the shards) is not a one-process init: only the constant-initialised tensors agree."""
     ranks, _ = torchrun(tmp_path, "--dir", str(tmp_path), nproc=2, script=ROOT / "tests" / "dist" / "parallelize_meta.py",
                         timeout=600)
     for r in ranks:
         for name in ("fully_shard", "tp"):
             x = r[name]
-            assert x["returned_model"] and x["meta_after_parallelize"], (name, x)
+            assert x["returned_model"] and x["meta_after_parallelize"] and x["twin_ok"] and x["tied"], (name, x)
             assert x["losses"] == x["ref_losses"], (name, x["losses"], x["ref_losses"])
             assert all(x["equal"].values()), (name, [k for k, v in x["equal"].items() if not v])
             assert x["refused"] is not None and "was parallelized with" in x["refused"], x["refused"]

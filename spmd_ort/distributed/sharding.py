@@ -41,6 +41,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import types
 from dataclasses import dataclass, field
 
 import torch
@@ -48,6 +49,7 @@ import torch.distributed as dist
 from torch import Tensor, nn
 
 SHARD_ATTR = "_spmd_ort_shard"
+TO_EMPTY_ATTR = "_spmd_ort_to_empty"  # on a meta model laid out up front: (shard specs by FQN, tied holders)
 FLAT_ATTR = "_spmd_ort_flat"  # on a sharded DTensor: the padded flat buffer its local tensor views
 
 
@@ -354,25 +356,25 @@ def keep_layout_through_to_empty(module: nn.Module) -> None:
         for name, p in m._parameters.items():
             if p is not None:
                 holders.setdefault(id(p), []).append((m, name))
-    tied = [h for h in holders.values() if len(h) > 1]
-    to_empty = type(module).to_empty
+    # kept on the module and bound to it, so that a deepcopy of the model allocates (and re-ties) the copy
+    module.__dict__[TO_EMPTY_ATTR] = (layout, [h for h in holders.values() if len(h) > 1])
+    module.to_empty = types.MethodType(_to_empty_keeping_layout, module)  # this module's to_empty only
 
-    def allocate(*, device, recurse: bool = True):
-        out = to_empty(module, device=device, recurse=recurse)
-        for group in tied:
-            (first, name), rest = group[0], group[1:]
-            for m, n in rest:
-                m._parameters[n] = first._parameters[name]
-        for name, p in module.named_parameters():
-            spec = layout.get(name)
-            if spec is not None and spec_of(p) is None and not p.is_meta:
-                setattr(p, SHARD_ATTR, spec)
-                with torch.no_grad():  # the local tensor becomes a view of a new padded flat buffer
-                    flat = flat_of(p, spec)
-                flat.requires_grad_(p.requires_grad)  # the step takes it as the parameter, as _shard_param's
-        return out
 
-    module.to_empty = allocate  # (an instance attribute: this module's to_empty only)
+def _to_empty_keeping_layout(self: nn.Module, *, device, recurse: bool = True) -> nn.Module:
+    layout, tied = self.__dict__[TO_EMPTY_ATTR]
+    out = type(self).to_empty(self, device=device, recurse=recurse)
+    for (first, name), *rest in tied:
+        for m, n in rest:
+            m._parameters[n] = first._parameters[name]
+    for name, p in self.named_parameters():
+        spec = layout.get(name)
+        if spec is not None and spec_of(p) is None and not p.is_meta:
+            setattr(p, SHARD_ATTR, spec)
+            with torch.no_grad():  # the local tensor becomes a view of a new padded flat buffer
+                flat = flat_of(p, spec)
+            flat.requires_grad_(p.requires_grad)  # the step takes it as the parameter, as _shard_param's
+    return out
 
 
 def _shard_param(flat: Tensor, spec: ShardSpec, requires_grad: bool) -> nn.Parameter:

@@ -11,6 +11,7 @@ initialisation (``reset_parameters`` on the sharded parameters) gives against a 
 from __future__ import annotations
 
 import argparse
+import copy
 import sys
 from pathlib import Path
 
@@ -66,6 +67,11 @@ def layout(name: str, mode, root: Path, rank: int, world: int) -> dict:
     out = spmd_ort.parallelize(model, mode)
     meta_after_parallelize = all(p.is_meta for p in model.parameters())
     placements = {n: [str(pl) for pl in p.placements] for n, p in model.named_parameters() if hasattr(p, "placements")}
+    twin = copy.deepcopy(model)  # a copy allocates itself (its to_empty is bound to it), the tie kept
+    twin.to_empty(device="cpu")
+    twin_ok = (all(p.is_meta for p in model.parameters()) and not any(p.is_meta for p in twin.parameters())
+               and twin.head.weight is twin.wte.weight and local_numel(twin) == local_numel(model))
+    del twin
     model.to_empty(device="cpu")
     allocated = local_numel(model)
     # a step with another mode: refused on every rank, nothing changed
@@ -77,7 +83,7 @@ def layout(name: str, mode, root: Path, rank: int, world: int) -> dict:
         refused = str(exc)
     report = spmd_ort.load_safetensors(model, init)
     losses, state = train(model, mode, tp, rank)
-    return {"returned_model": out is model, "meta_after_parallelize": meta_after_parallelize,
+    return {"returned_model": out is model, "twin_ok": twin_ok, "tied": model.head.weight is model.wte.weight, "meta_after_parallelize": meta_after_parallelize,
             "placements": placements, "allocated": allocated, "full_numel": full_numel,
             "bytes_read": report.bytes_read, "refused": refused,
             "losses": losses, "ref_losses": ref_losses,
