@@ -240,6 +240,7 @@ def test_explain_says_a_segment_on_ort_was_timed_faster(monkeypatch):
     assert re.search(r"fused_0\s+ort .*chosen: faster on ort \(ort 1\.00 ms, fx 3\.00 ms", step.explain())
 
 
+@pytest.mark.on_ort  # the ORT segment's span (fused_0): every segment on ORT, not the faster of ORT and fx
 def test_profile_writes_a_trace_and_a_picture(tmp_path):
     torch.manual_seed(0)
     model = Net()
