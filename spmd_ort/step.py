@@ -123,7 +123,8 @@ class CompiledStep:
                         self.transitions.name, type(wrappers[0]).__name__, type(wrappers[0]._orig_mod).__name__)
         module, opt, scaler = find_state_owners(args, kwargs)
         rank, world_size = parallel.world()
-        refuse_meta(module, opt, args, kwargs, self._signature, rank if world_size > 1 else None)
+        stepped = self._last is not None and self._last[0] is module and self._last[1] is opt  # its state had values
+        refuse_meta(module, opt, args, kwargs, self._signature, rank if world_size > 1 else None, state=not stepped)
         laid_out = getattr(module, parallel.PARALLELIZED_ATTR, None)  # spmd_ort.parallelize's mode
         if laid_out is not None and self.parallel_mode is not None and laid_out != self.parallel_mode:
             raise ConfigError(f"{type(module).__name__} was parallelized with {laid_out!r}, but this step compiles "

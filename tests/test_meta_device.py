@@ -46,6 +46,12 @@ def test_a_meta_batch_is_a_config_error_naming_the_input():
         step(model, torch.optim.SGD(model.parameters(), lr=0.1), x, y.to("meta"))
     assert info.value.input == "y"
     assert all(torch.equal(v, before[k]) for k, v in model.state_dict().items())
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    step(model, opt, x, y)  # a step with values; later calls check the batch only, and still refuse a meta one
+    after = {k: v.clone() for k, v in model.state_dict().items()}
+    with pytest.raises(spmd_ort.ConfigError, match=r"the input `x` is on the meta device"):
+        step(model, opt, x.to("meta"), y)
+    assert all(torch.equal(v, after[k]) for k, v in model.state_dict().items())
 
 
 def test_to_empty_and_init_then_trains_as_eager():

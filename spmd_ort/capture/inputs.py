@@ -113,12 +113,14 @@ def _on_meta(t: Any) -> bool:
 
 
 def refuse_meta(module: nn.Module, opt: torch.optim.Optimizer | None, args: tuple, kwargs: dict,
-                sig: inspect.Signature | None, rank: int | None) -> None:
+                sig: inspect.Signature | None, rank: int | None, *, state: bool = True) -> None:
     """A ``ConfigError`` naming what is on the meta device (the model's parameters and buffers, the optimizer's
-    state, the batch), before anything is traced: a model built under ``torch.device("meta")`` has no values."""
+    state, the batch), before anything is traced: a model built under ``torch.device("meta")`` has no values.
+    ``state=False``: the batch only (the module and optimizer already ran a step: a walk over every parameter and
+    state tensor on each call would cost a large model milliseconds a step)."""
     from spmd_ort.errors import ConfigError
 
-    meta = [n for n, t in (*module.named_parameters(), *module.named_buffers()) if _on_meta(t)]
+    meta = [n for n, t in (*module.named_parameters(), *module.named_buffers()) if _on_meta(t)] if state else []
     if meta:
         total = sum(1 for _ in module.parameters()) + sum(1 for _ in module.buffers())
         shown = ", ".join(f"`{n}`" for n in meta[:4]) + (f" and {len(meta) - 4} more" if len(meta) > 4 else "")
@@ -128,7 +130,7 @@ def refuse_meta(module: nn.Module, opt: torch.optim.Optimizer | None, args: tupl
             "and initialise them (`reset_parameters()`, your `init_weights()`), or load weights into them with "
             "`spmd_ort.load_safetensors(model, path)`; build the optimizer after that. Nothing was changed",
             fqn=meta[0].rpartition(".")[0] or None, rank=rank)
-    if opt is not None and any(_on_meta(v) for st in opt.state.values() for v in st.values()):
+    if state and opt is not None and any(_on_meta(v) for st in opt.state.values() for v in st.values()):
         raise ConfigError("the optimizer's state is on the meta device. Fix: build the optimizer after the model's "
                           "parameters have values (after `to_empty` and init, or `load_safetensors`). Nothing was "
                           "changed", rank=rank)
