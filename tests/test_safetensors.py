@@ -378,7 +378,8 @@ def test_two_ranks_fully_shard_and_tensor_parallel(tmp_path):
 @pytest.mark.multiproc
 def test_four_ranks_read_fully_shards_2d_strided_layout(tmp_path):
     """A 2 x 2 (dp, tp) mesh: parameters in fully_shard's 2-D layout (a strided dp shard of the tp piece, 7 rows:
-    2, 2, 2, 1; a Shard(0)/Shard(1) one; a dp-only one) load exactly their own elements."""
+    2, 2, 2, 1; a Shard(0)/Shard(1) one; a dp-only one) load exactly their own elements; and a meta GPT under the
+    compiled 2-D step, parallelized and loaded from safetensors, trains as the materialised one bit for bit."""
     out = tmp_path / "out"
     _torchrun(4, "--phase", "strided2d", "--dir", str(tmp_path), "--out", str(out))
     ranks = [json.loads((out / f"strided2d-rank{r}.json").read_text()) for r in range(4)]
@@ -386,3 +387,12 @@ def test_four_ranks_read_fully_shards_2d_strided_layout(tmp_path):
     for r in ranks:
         assert all(r["equal"].values()), r
         assert r["bytes_read"] == r["bytes_expected"]
+        # the compiled 2-D step (fully_shard over dp, Megatron TP): a meta GPT parallelized, to_empty'd and loaded
+        # from the file trains as the materialised one, bit for bit; each rank allocated and read its part only
+        x = r["compiled_2d"]
+        assert x["returned_model"] and x["meta_after_parallelize"] and x["twin_ok"] and x["tied"], x
+        assert x["losses"] == x["ref_losses"], (x["losses"], x["ref_losses"])
+        assert all(x["equal"].values()), [k for k, v in x["equal"].items() if not v]
+        assert x["refused"] is not None and "was parallelized with" in x["refused"], x["refused"]
+        assert x["placements"]["blocks.0.out.weight"][-1] == "S(1)", x["placements"]
+        assert 4 * x["allocated"] <= x["full_numel"] + 4 * 1024 and x["bytes_read"] == 4 * x["allocated"], x

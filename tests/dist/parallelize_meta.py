@@ -31,8 +31,8 @@ CFG = GPTConfig(vocab=64, seq=16, d=32, heads=4, layers=2, split_qkv=True)
 STEPS = 4
 
 
-def batch(i: int, rank: int, tp: bool):
-    g = torch.Generator().manual_seed(100 * i + (0 if tp else rank))  # TP ranks share one batch
+def batch(i: int, data_rank: int):
+    g = torch.Generator().manual_seed(100 * i + data_rank)  # ranks of one tensor-parallel group share a batch
     return (torch.randint(0, CFG.vocab, (4, CFG.seq), generator=g),
             torch.randint(0, CFG.vocab, (4, CFG.seq), generator=g))
 
@@ -41,16 +41,19 @@ def local_numel(model) -> int:
     return sum((p._local_tensor if hasattr(p, "_local_tensor") else p).numel() for p in model.parameters())
 
 
-def train(model, mode, tp: bool, rank: int) -> tuple[list[float], dict]:
+def train(model, mode, data_rank: int) -> tuple[list[float], dict]:
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
     step = spmd_ort.compile(parallel_mode=mode, backend="fx")(train_step)
-    losses = [float(step(model, opt, *batch(i, rank, tp))) for i in range(STEPS)]
+    losses = [float(step(model, opt, *batch(i, data_rank))) for i in range(STEPS)]
     full = spmd_ort.full_state_dict(model, rank0_only=False)
     return losses, full["model"] if "model" in full else full
 
 
-def layout(name: str, mode, root: Path, rank: int, world: int) -> dict:
-    tp = name == "tp"
+def layout(name: str, mode, root: Path, rank: int, world: int, data_rank: int | None = None) -> dict:
+    """``data_rank``: which batches this rank draws (its data-parallel coordinate; default: its rank, or 0 under
+    tensor parallelism)."""
+    tp = name != "fully_shard"
+    data_rank = (0 if tp else rank) if data_rank is None else data_rank
     torch.manual_seed(0)
     eager = GPT(CFG)
     init = root / f"{name}.safetensors"
@@ -60,7 +63,7 @@ def layout(name: str, mode, root: Path, rank: int, world: int) -> dict:
         save_file({k: v.clone() for k, v in eager.state_dict().items()}, str(init))  # (tied: both names)
     dist.barrier()
     full_numel = sum(p.numel() for p in eager.parameters())
-    ref_losses, ref_state = train(eager, mode, tp, rank)
+    ref_losses, ref_state = train(eager, mode, data_rank)
 
     with torch.device("meta"):
         model = GPT(CFG)
@@ -77,12 +80,12 @@ def layout(name: str, mode, root: Path, rank: int, world: int) -> dict:
     # a step with another mode: refused on every rank, nothing changed
     other = spmd_ort.DataParallel() if not tp else spmd_ort.DataParallel(parallel_style="fully_shard")
     try:
-        spmd_ort.compile(parallel_mode=other, backend="fx")(train_step)(model, None, *batch(0, rank, tp))
+        spmd_ort.compile(parallel_mode=other, backend="fx")(train_step)(model, None, *batch(0, data_rank))
         refused = None
     except spmd_ort.ConfigError as exc:
         refused = str(exc)
     report = spmd_ort.load_safetensors(model, init)
-    losses, state = train(model, mode, tp, rank)
+    losses, state = train(model, mode, data_rank)
     return {"returned_model": out is model, "twin_ok": twin_ok, "tied": model.head.weight is model.wte.weight, "meta_after_parallelize": meta_after_parallelize,
             "placements": placements, "allocated": allocated, "full_numel": full_numel,
             "bytes_read": report.bytes_read, "refused": refused,

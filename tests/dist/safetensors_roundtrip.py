@@ -15,7 +15,10 @@ contiguous) loads from a covering slice.
 
 ``--phase strided2d`` (4 ranks, a 2 x 2 ("dp", "tp") mesh): parameters laid out as fully_shard's 2-D (FSDP2 +
 TP) layout lays them out (``place_full``: a strided dp shard of the tensor-parallel piece, uneven) load their own
-rows.  Every rank writes OUT/<phase>-rank<r>.json.
+rows; and a GPT under the compiled 2-D step (``TensorParallel(plan, mesh, data_parallel=fully_shard)``), built on
+the meta device, ``parallelize``d, ``to_empty``'d and loaded from a safetensors file, trains 4 steps equal bit
+for bit to the materialised model under the same step (tests/dist/parallelize_meta.py's ``layout``).  Every rank
+writes OUT/<phase>-rank<r>.json.
 """
 
 from __future__ import annotations
@@ -30,6 +33,7 @@ from torch import nn
 
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "tests"))
+sys.path.insert(0, str(ROOT / "tests" / "dist"))
 sys.path.insert(0, str(ROOT))
 
 from dist_common import finish  # noqa: E402
@@ -227,7 +231,16 @@ def main() -> None:
     root, out = Path(args.dir), Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     if args.phase == "strided2d":
-        result = strided_2d(root, rank)
+        from torch.distributed.device_mesh import init_device_mesh
+
+        from examples.gpt import tensor_parallel_plan
+        from parallelize_meta import layout
+
+        mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+        mode = spmd_ort.TensorParallel(tensor_parallel_plan(), mesh=mesh,
+                                       data_parallel=spmd_ort.DataParallel(parallel_style="fully_shard"))
+        result = {**strided_2d(root, rank), "compiled_2d": layout("2d", mode, root, rank, world,
+                                                                         data_rank=mesh["dp"].get_local_rank())}
     else:
         result = {**fully_shard(root, out, rank, world), **tensor_parallel(root, rank, world)}
     finish(out, {"rank": rank, **result}, f"{args.phase}-rank{rank}.json")
