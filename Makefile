@@ -6,7 +6,7 @@ STAMP  := $(VENV)/.installed
 TORCH  ?= torch==2.13.0
 NPROC  ?= 2
 
-.PHONY: setup lint test test-fast fuzz demo demo-zero3 demo-tp demo-2d bench bench-zero3 clean
+.PHONY: setup lint test test-fast fuzz demo demo-zero3 demo-tp demo-2d demo-big bench bench-zero3 clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -46,6 +46,13 @@ demo-tp: setup
 
 demo-2d: setup
 	$(VENV)/bin/torchrun --standalone --nproc_per_node=4 examples/train_char_gpt.py --parallel 2d
+
+# A model bigger than one rank (docs/big-models.md): a bigger GPT built on the meta device, parallelize, to_empty,
+# its own init on each rank's part; each rank's memory against the full model's, the weights saved to out/demo_big/.
+# DEMO_ARGS="--init-from out/demo_big" trains on from them; "--parallel tp" (or NPROC=4 and "--parallel 2d") lays out.
+DEMO_ARGS ?=
+demo-big: setup
+	$(VENV)/bin/torchrun --standalone --nproc_per_node=$(NPROC) examples/train_char_gpt.py --big $(DEMO_ARGS)
 
 bench: setup
 	$(PY) bench/step.py --compile
