@@ -4,12 +4,17 @@
 (``model.safetensors.index.json`` and its shard files, or one ``model.safetensors``), into
 ``model.state_dict()``'s tensors.  A DTensor parameter (``fully_shard``'s ``Shard(0)``, tensor
 parallel's ``Shard(0)``/``Shard(1)``, FSDP2 + TP's strided dp shard) reads only this rank's part of
-each tensor, with ``safe_open(...).get_slice(key)[...]``; a plain tensor reads the whole.  Like
-:func:`spmd_ort.load_checkpoint` it changes everything or nothing, on every rank: check (keys, shapes,
-dtypes), read into new tensors, then copy into the live tensors in place (``fully_shard``'s local
-tensors are views of the flat buffers the compiled step reads and writes); the ranks agree after
-the check and after the read, and every rank raises one :class:`~spmd_ort.errors.CheckpointError`
-listing every problem if any rank has one.
+each tensor; a plain tensor reads the whole.  The reads are plain file reads (``os.preadv``) of the part's
+bytes at the offsets the file's header gives, no memory map: a part whose live tensor is a CPU tensor of the
+file's dtype is read straight into it, in place (``fully_shard``'s local tensors are views of the flat
+buffers the compiled step reads and writes), so loading costs about what reading those bytes does (measured
+by bench/load.py); any other part (a meta or GPU tensor, another dtype, rows to pick) is read into a new
+tensor and copied in once every rank has read.  Like :func:`spmd_ort.load_checkpoint` it changes everything
+or nothing, on every rank: it checks everything first (keys, shapes, dtypes, every file's header against
+its size, every file opened) and the ranks agree before any tensor changes; every rank raises one
+:class:`~spmd_ort.errors.CheckpointError` listing every problem if any rank has one.  Only a read that fails
+after the checks (an I/O error, a file cut short while it loads) can leave a model partly loaded, and the
+error then says so on each rank that had read a tensor in place.
 
 :func:`save_safetensors` writes the consolidated weights as ``save_pretrained`` does: ``model.safetensors``,
 or ``model-0000k-of-0000n.safetensors`` shards with ``model.safetensors.index.json``.  Every rank calls
@@ -24,10 +29,13 @@ loaded from whichever of their names the file has.
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import json
 import math
 import os
 import shutil
+import struct
+import sys
 import uuid
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
@@ -41,10 +49,13 @@ from spmd_ort.distributed import parallel
 from spmd_ort.distributed.dtensor import is_dtensor
 from spmd_ort.distributed.sharding import ShardSpec, gather_full, spec_of
 from spmd_ort.errors import CheckpointError
+from spmd_ort.runtime.memory import release_free_host_memory
 
 WEIGHTS = "model.safetensors"
 INDEX = "model.safetensors.index.json"
 NOTHING_LOADED = "Nothing was loaded: the model is unchanged."
+PARTLY_LOADED = ("The model is partly loaded: this rank read some of its tensors in place before the read failed "
+                 "(they hold the file's values, the others their old ones); load it again once the files read.")
 
 # safetensors' dtype names (the header's "dtype"); torch's optional ones where this torch has them
 DTYPES = {name: getattr(torch, attr) for name, attr in {
@@ -73,12 +84,13 @@ class LoadReport:
 
 @dataclass(frozen=True)
 class Stored:
-    """One tensor of the checkpoint, from its file's header."""
+    """One tensor of the checkpoint, from its file's header: ``offset``, where its data starts in the file."""
 
     key: str
     file: Path
     shape: tuple[int, ...]
     dtype: str
+    offset: int = 0
 
 
 @dataclass
@@ -164,6 +176,7 @@ def _fsdp_strided(placements, mesh_shape: tuple[int, ...], ndim: int) -> bool:
 def _dtensor_box(live, name: str) -> tuple[tuple[slice, ...], tuple, Problem | None]:
     """The slice of the file this rank reads for a DTensor, the indices to keep of it (where its rows are not
     contiguous), or why its part cannot be worked out."""
+    from torch.distributed.tensor import Replicate, Shard
     from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
     mesh, placements, shape = live.device_mesh, tuple(live.placements), tuple(live.shape)
@@ -175,6 +188,15 @@ def _dtensor_box(live, name: str) -> tuple[tuple[slice, ...], tuple, Problem | N
                       "and which part of it this rank holds cannot be worked out",
                       "load it into a model with Shard/Replicate placements, or save its full weights with "
                       "save_safetensors and load them before distributing", name)
+    if all(type(pl) in (Shard, Replicate) for pl in placements):  # torch's chunks: one block, as local_index says
+        try:
+            torch_shape, torch_offset = compute_local_shape_and_global_offset(shape, mesh, placements)
+        except (ValueError, AssertionError, NotImplementedError) as exc:
+            return (), (), Problem(f"{problem.what} ({exc})", problem.fix, name)
+        if tuple(torch_shape) != local_shape:
+            return (), (), Problem(f"{problem.what} (its local tensor has shape {local_shape}, the placements say "
+                                   f"{tuple(torch_shape)})", problem.fix, name)
+        return tuple(slice(o, o + n) if n else slice(0, 0) for o, n in zip(torch_offset, torch_shape)), (), None
     try:
         index = local_index(shape, tuple(mesh.shape), coordinate, placements)
         mine = tuple(len(i) for i in index)
@@ -240,19 +262,29 @@ def read_headers(path: str | Path) -> tuple[dict[str, Stored], list[Problem]]:
     stored: dict[str, Stored] = {}
     for file, wanted in by_file.items():
         try:
-            with safe_open(str(file), framework="pt") as f:
+            with safe_open(str(file), framework="pt") as f:  # safetensors checks the header against the file
                 have = set(f.keys())
+                starts = _data_offsets(file)
                 for key in (sorted(have) if wanted == [""] else wanted):
                     if key not in have:
                         problems.append(Problem(f"the index maps `{key}` to {file.name}, which has no such tensor",
                                                 "write the checkpoint again (its index and files disagree)", key))
                         continue
                     piece = f.get_slice(key)
-                    stored[key] = Stored(key, file, tuple(piece.get_shape()), piece.get_dtype())
+                    stored[key] = Stored(key, file, tuple(piece.get_shape()), piece.get_dtype(), starts[key])
         except Exception as exc:  # a damaged or foreign file: safetensors' own error names it
             problems.append(Problem(f"{file.name} cannot be read ({type(exc).__name__}: {exc})",
                                     "check that the file is a complete .safetensors file", None))
     return stored, problems
+
+
+def _data_offsets(file: Path) -> dict[str, int]:
+    """{key: where its data starts in ``file``}: the header is 8 bytes of its length (little-endian), then JSON
+    whose entries' ``data_offsets`` count from the header's end."""
+    with open(file, "rb") as f:
+        (n,) = struct.unpack("<Q", f.read(8))
+        header = json.loads(f.read(n))
+    return {key: 8 + n + entry["data_offsets"][0] for key, entry in header.items() if key != "__metadata__"}
 
 
 # ---------------------------------------------------------------------- load
@@ -398,40 +430,100 @@ def _locate(entry: Stored, live: Tensor, names: tuple[str, ...]) -> _Read | Prob
     return _Read(names, live, entry, None, shard=spec)
 
 
-def _read(plan: list[_Read]) -> tuple[list[Tensor], LoadReport, list[Problem]]:
-    """Every planned part, in new tensors of the live dtypes (one file open at a time)."""
-    from safetensors import safe_open
-
-    staged: dict[int, Tensor] = {}
+def _read(plan: list[_Read]) -> tuple[list[Tensor | None], LoadReport | None, list[Problem], bool]:
+    """Every planned part, with plain reads (``os.preadv``) of its bytes: straight into the live tensor where that is
+    a CPU tensor of the file's dtype (the read is the only copy), else into a new tensor, converted to the live
+    dtype, that :func:`_commit` puts in place.  Every file is opened first, then read one at a time, its parts in
+    the order they lie in it.  Returns the new tensors (None: read in place), the report, the problems, and
+    whether a live tensor was written (a failure after that leaves the model partly loaded)."""
+    staged: list[Tensor | None] = [None] * len(plan)
     read = total = 0
+    wrote = False
     by_file: dict[Path, list[int]] = {}
     for i, r in enumerate(plan):
         by_file.setdefault(r.source.file, []).append(i)
-    for file, items in by_file.items():
-        try:
-            with safe_open(str(file), framework="pt", device="cpu") as f:
-                for i in items:
-                    r = plan[i]
-                    size = DTYPES[r.source.dtype].itemsize
-                    total += math.prod(r.source.shape) * size
-                    if r.box is None:
-                        value = f.get_tensor(r.source.key)
-                    elif any(s.stop == s.start for s in r.box):
-                        value = torch.empty([s.stop - s.start for s in r.box], dtype=DTYPES[r.source.dtype])
-                    else:
-                        value = f.get_slice(r.source.key)[r.box]
-                    read += value.numel() * size
-                    for dim, keep in r.take:
-                        value = value.index_select(dim, keep)
-                    # safetensors hands out views of the file's memory map: copy, so that this is the read
-                    # (the pages of the part, faulted in now) and what is staged is the rank's own memory
-                    value = value.to(r.live.dtype, copy=not r.take)
-                    staged[i] = r.shard.shard_of(value) if r.shard is not None else value
-        except Exception as exc:
-            return [], None, [Problem(f"reading {file.name} failed ({type(exc).__name__}: {exc})",
-                                      "check that the file is complete and readable from every rank", None)]
+    fds: dict[Path, int] = {}
+    file = None
+    try:
+        for file in by_file:  # a file this rank cannot open fails the load before any tensor changes
+            fds[file] = os.open(file, os.O_RDONLY)
+        for file, items in by_file.items():
+            for i in sorted(items, key=lambda i: plan[i].source.offset):
+                r = plan[i]
+                dtype = DTYPES[r.source.dtype]
+                total += math.prod(r.source.shape) * dtype.itemsize
+                box = r.box if r.box is not None else tuple(slice(0, n) for n in r.source.shape)
+                shape = tuple(s.stop - s.start for s in box)
+                runs = _runs(r.source.shape, box, dtype.itemsize)
+                local = _in_place(r, dtype, shape)
+                if local is not None:
+                    wrote = True
+                    _pread(fds[file], local, runs, r.source.offset)
+                    torch.autograd.graph.increment_version(local)  # as an in-place op would
+                    read += local.numel() * dtype.itemsize
+                    continue
+                value = torch.empty(shape, dtype=dtype)
+                _pread(fds[file], value, runs, r.source.offset)
+                read += value.numel() * dtype.itemsize
+                for dim, keep in r.take:
+                    value = value.index_select(dim, keep)
+                value = value.to(r.live.dtype)
+                staged[i] = r.shard.shard_of(value) if r.shard is not None else value
+    except Exception as exc:
+        return [], None, [Problem(f"reading {file.name} failed ({type(exc).__name__}: {exc})",
+                                  "check that the file is complete and readable from every rank", None)], wrote
+    finally:
+        for fd in fds.values():
+            os.close(fd)
     report = LoadReport(bytes_read=read, bytes_total=total, tensors=len(plan), files=len(by_file))
-    return [staged[i] for i in range(len(plan))], report, []
+    return staged, report, [], wrote
+
+
+def _in_place(r: _Read, dtype: torch.dtype, shape: tuple[int, ...]) -> Tensor | None:
+    """The live tensor to read ``r``'s part straight into, or None: it is read into a new tensor (a meta, non-CPU
+    or non-contiguous tensor, another dtype, rows to pick or a shard to cut)."""
+    if r.take or r.shard is not None or sys.byteorder != "little":  # safetensors' data is little-endian
+        return None
+    local = r.live._local_tensor if is_dtensor(r.live) else r.live
+    if local.is_meta or local.device.type != "cpu" or local.dtype != dtype or tuple(local.shape) != shape \
+            or not local.is_contiguous():
+        return None
+    return local.detach()
+
+
+def _runs(shape: tuple[int, ...], box: tuple[slice, ...], itemsize: int) -> list[tuple[int, int]]:
+    """(byte offset in the tensor's data, bytes) of each contiguous run of ``box`` in a row-major tensor of
+    ``shape``, in the box's row-major order: one run per index of the dims before the last dim it cuts."""
+    lengths = [s.stop - s.start for s in box]
+    if math.prod(lengths) == 0:
+        return []
+    if not shape:
+        return [(0, itemsize)]
+    strides = [math.prod(shape[d + 1:]) for d in range(len(shape))]
+    cut = max((d for d in range(len(shape)) if lengths[d] != shape[d]), default=0)
+    run = lengths[cut] * strides[cut] * itemsize
+    first = box[cut].start * strides[cut]
+    if cut == 1:  # a column block of a matrix (row-wise tensor parallelism): one run per row
+        return [((first + i * strides[0]) * itemsize, run) for i in range(box[0].start, box[0].stop)]
+    outer = itertools.product(*(range(box[d].start, box[d].stop) for d in range(cut)))
+    return [((first + sum(i * st for i, st in zip(index, strides))) * itemsize, run) for index in outer]
+
+
+def _pread(fd: int, into: Tensor, runs: list[tuple[int, int]], start: int) -> None:
+    """Read ``runs`` (offsets from ``start``, the tensor's data in the file) one after the other into ``into``'s
+    memory (contiguous)."""
+    if not runs:
+        return
+    dest = memoryview(into.view(-1).view(torch.uint8).numpy())
+    pos = 0
+    for offset, n in runs:
+        got = os.preadv(fd, [dest[pos:pos + n]], start + offset)
+        while got < n:  # a short read (e.g. over 2 GiB at once): the rest
+            more = os.preadv(fd, [dest[pos + got:pos + n]], start + offset + got)
+            if not more:
+                raise OSError(f"the file ends at byte {start + offset + got}, before the data its header places there")
+            got += more
+        pos += n
 
 
 def _holders(model: nn.Module, live: Tensor) -> list[tuple[nn.Module, str, str]]:
@@ -459,9 +551,11 @@ def _materialize(model: nn.Module, live: Tensor, value: Tensor) -> None:
         getattr(m, where)[name] = new
 
 
-def _commit(model: nn.Module, plan: list[_Read], staged: list[Tensor]) -> None:
+def _commit(model: nn.Module, plan: list[_Read], staged: list[Tensor | None]) -> None:
     with torch.no_grad():
         for r, value in zip(plan, staged):
+            if value is None:  # read in place
+                continue
             local = r.live._local_tensor if is_dtensor(r.live) else r.live
             if local.is_meta:
                 _materialize(model, r.live, value)
@@ -476,7 +570,8 @@ def load_safetensors(model: nn.Module, path: str | Path, *, key_map: KeyMap | No
     ``path``: a ``.safetensors`` file, or a directory with ``model.safetensors.index.json`` and its shards,
     or with one ``model.safetensors``.  Every entry of ``model.state_dict()`` (parameters and persistent
     buffers, by FQN; a tied weight under any of its names) is read, converted to the live dtype (a bf16
-    file into fp32 parameters) and copied into the live tensor in place.
+    file into fp32 parameters) and copied into the live tensor in place (a CPU tensor of the file's dtype:
+    read into it directly, with no copy but the read).
 
     What each rank reads: a DTensor's own part (``fully_shard``'s rows, a tensor-parallel shard, FSDP2 + TP's
     dp rows of the tp piece), sliced from the file; where that part is not one contiguous block (a strided
@@ -491,7 +586,9 @@ def load_safetensors(model: nn.Module, path: str | Path, *, key_map: KeyMap | No
     ``load_state_dict`` does (a missing tensor of a meta model stays on meta; the step then names it).  Missing
     and unexpected entries under ``strict``, shapes other than the global shape, dtypes that do not convert,
     unreadable files: one :class:`~spmd_ort.errors.CheckpointError` on every rank
-    listing every problem, and nothing changed.  Returns this rank's :class:`LoadReport`.
+    listing every problem, and nothing changed (all are found before anything is read; only a read that fails
+    midway, an I/O error, can leave the model partly loaded, and its error says so).  Returns this rank's
+    :class:`LoadReport`.
     """
     where = str(path)
     stored, problems = read_headers(path)
@@ -500,15 +597,19 @@ def load_safetensors(model: nn.Module, path: str | Path, *, key_map: KeyMap | No
     if not problems:
         plan, problems, skipped = _plan(model, stored, key_map, strict)
     _agree(where, model, problems)
-    staged, report, problems = _read(plan)
-    _agree(where, model, problems)
+    staged, report, problems, wrote = _read(plan)
+    _agree(where, model, problems, partly=wrote)
     _commit(model, plan, staged)
+    del staged
+    release_free_host_memory()  # the staging copies' memory back to the system: resident memory is the share
     return dataclasses.replace(report, **skipped)
 
 
 # ---------------------------------------------------------------------- the ranks agree
-def _agree(path: str, model: nn.Module | None, problems: list[Problem], *, loading: bool = True) -> None:
-    """Every rank raises one CheckpointError if any rank has a problem (the lowest failing rank's list)."""
+def _agree(path: str, model: nn.Module | None, problems: list[Problem], *, loading: bool = True,
+           partly: bool = False) -> None:
+    """Every rank raises one CheckpointError if any rank has a problem (the lowest failing rank's list);
+    ``partly``: this rank has already read some tensors in place (its error says so)."""
     rank, world = parallel.world()
     what = "loading" if loading else "saving"
     failures = parallel.gather_failures(f"{what} safetensors `{path}`",
@@ -518,15 +619,15 @@ def _agree(path: str, model: nn.Module | None, problems: list[Problem], *, loadi
     failed_path, listed = failures[min(failures)]
     same = len(failures) == world and len({(p, tuple(ps)) for p, ps in failures.values()}) == 1
     raise _error(failed_path, model, listed, rank=rank, failed_ranks=None if same else sorted(failures),
-                 loading=loading)
+                 loading=loading, partly=partly)
 
 
 def _error(path: str, model: nn.Module | None, problems: list[Problem], *, rank: int,
-           failed_ranks: list[int] | None, loading: bool) -> CheckpointError:
+           failed_ranks: list[int] | None, loading: bool, partly: bool = False) -> CheckpointError:
     first = problems[0]
     into = f" into {type(model).__name__}" if model is not None else ""
     head = (f"cannot load `{path}`{into}" if loading else f"cannot save safetensors to `{path}`") \
-        + f": {first.what}. Fix: {first.fix}." + (f" {NOTHING_LOADED}" if loading else "")
+        + f": {first.what}. Fix: {first.fix}." + (f" {PARTLY_LOADED if partly else NOTHING_LOADED}" if loading else "")
     if failed_ranks is not None:
         head += f" (failed on rank{'s' if len(failed_ranks) > 1 else ''} {', '.join(map(str, failed_ranks))}" \
                 f"; this is rank {rank})"

@@ -157,6 +157,26 @@ def host_memory_retained() -> bool:
     return bool(_retained)
 
 
+def release_free_host_memory() -> bool:
+    """Give the memory glibc's heap holds free back to the system (``malloc_trim(0)``), once.
+
+    For a one-off burst of temporary host memory, such as the staging copies of a checkpoint load: glibc keeps
+    freed heap memory resident, so without it the process's resident memory after loading stays near its peak
+    during loading.  A no-op (False) where the C library is not glibc, or while this process retains freed
+    memory on purpose (:func:`retain_host_memory`).
+    """
+    if _retained:
+        return False
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+    except OSError:
+        return False
+    if not hasattr(libc, "gnu_get_libc_version") or not hasattr(libc, "malloc_trim"):
+        return False
+    libc.malloc_trim.argtypes, libc.malloc_trim.restype = [ctypes.c_size_t], ctypes.c_int
+    return bool(libc.malloc_trim(0))
+
+
 def retain_host_memory() -> bool:
     """Keep freed host memory in this process for reuse instead of returning it to the system.
 
