@@ -396,3 +396,39 @@ def test_four_ranks_read_fully_shards_2d_strided_layout(tmp_path):
         assert x["refused"] is not None and "was parallelized with" in x["refused"], x["refused"]
         assert x["placements"]["blocks.0.out.weight"][-1] == "S(1)", x["placements"]
         assert 4 * x["allocated"] <= x["full_numel"] + 4 * 1024 and x["bytes_read"] == 4 * x["allocated"], x
+
+
+def test_an_io_error_during_the_read_says_the_model_is_partly_loaded(tmp_path, monkeypatch):
+    """After every check passed, the read goes straight into the model's tensors: a read that fails part way (a
+    failing disk, here the 3rd read) is a CheckpointError saying the model is partly loaded (the tensors read so
+    far hold the file's values, the others their old ones); loading again then gives the file's values."""
+    import spmd_ort.checkpoint.safetensors as st
+
+    src = _llama()
+    src.save_pretrained(tmp_path / "ok")
+    model = _llama(seed=1)
+    before = _snapshot(model)
+    calls = {"n": 0}
+    real = os.preadv
+
+    def failing(fd, buffers, offset):
+        calls["n"] += 1
+        if calls["n"] == 3:
+            raise OSError(5, "Input/output error")
+        return real(fd, buffers, offset)
+
+    monkeypatch.setattr(st.os, "preadv", failing)
+    with pytest.raises(spmd_ort.CheckpointError) as info:
+        spmd_ort.load_safetensors(model, tmp_path / "ok")
+    message = str(info.value)
+    assert message.startswith(f"cannot load `{tmp_path / 'ok'}` into LlamaForCausalLM: "), message
+    assert "Input/output error" in message and message.endswith(st.PARTLY_LOADED), message
+    now = _snapshot(model)
+    assert now["ids"] == before["ids"] and now["ptrs"] == before["ptrs"]  # in place: the same tensors
+    want = src.state_dict()
+    changed = [k for k, v in now["values"].items() if not torch.equal(v, before["values"][k])]
+    assert changed and all(torch.equal(now["values"][k], want[k]) for k in changed), changed
+    assert len(changed) < len(want)
+    monkeypatch.setattr(st.os, "preadv", real)
+    spmd_ort.load_safetensors(model, tmp_path / "ok")
+    _assert_bitwise(model.state_dict(), want)
