@@ -39,7 +39,9 @@ MEMORY_PLANNED = Invariant("memory_planned", "the memory plan is recorded",
 def plan_memory_pass(gm: fx.GraphModule, ctx) -> fx.GraphModule:
     """Record the planned peak of the values the step creates (a :class:`MemoryPlan`).
 
-    Planned on the whole graph, before the backend fuses parts of it into segments.
+    Planned on the whole graph as it runs, after the optimizer updates its state in place
+    (``reinplace_optimizer_pass``: a functional optimizer's fresh copy of every parameter and state tensor is no
+    value the step keeps) and before the backend fuses parts of it into segments.
     """
     plan = plan_activation_memory(gm)
     ctx.results.record(MemoryPlan(planned_peak_bytes=plan.peak, saved_for_backward_bytes=plan.saved_for_backward))

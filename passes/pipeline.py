@@ -139,12 +139,12 @@ STAGES: tuple[Step, ...] = (
     Step("fully_shard", carry_first_gather_pass, FULLY_SHARD.note("a no-op with prefetch=0")),
     Step(USER_TRANSFORMS, "override_transform_pass[<Override>]", ALWAYS.note("each Override, in order")),
     Step(USER_TRANSFORMS, "gm_transformation_pass", When("compile(gm_transformation=...)", lambda s: True)),
-    Step("analysis", plan_memory_pass),
     Step("analysis", count_collectives_pass),
     Step("checks", insert_index_checks_pass,
          ALWAYS.note("eager's index bounds checks of the batch inputs; ORT's Gather would wrap -1")),
     Step("backend", lower_to_onnx_ops_pass, ORT_BACKEND),
     Step("backend", reinplace_optimizer_pass),
+    Step("analysis", plan_memory_pass, ALWAYS.note("after the optimizer updates its state in place, as it runs")),
     Step("backend", replace_views_with_reshapes_pass),
 )
 
