@@ -1,6 +1,6 @@
 """A model bigger than you want on one rank, on 2 ranks (gloo, CPU): each rank's resident memory, three ways.
 
-Run:  .venv/bin/python bench/big_model.py [--steps 3] [--layers 7] [--width 1024]
+Run:  .venv/bin/python bench/big_model.py [--steps 3] [--layers 7] [--width 1024] [--malloc-threshold 131072]
 
 A GPT (examples/gpt.py; default 7 layers, d=1024, vocab 8192, seq 128: ~97 M parameters, ~370 MiB of fp32
 weights) whose initial weights are one safetensors file, trained with AdamW (fused) under ZeRO-3 / FSDP2,
@@ -18,6 +18,11 @@ Per rank (max over the 2 ranks), resident memory above the process's baseline (a
 group, before the model), in MiB and in units of the full fp32 weights: after loading (``loaded``), and the peak
 over the steps (``peak``, ``VmHWM``).  The full training state (weights, gradients, AdamW's two moments) is 4x
 the weights; on 2 ranks ZeRO-3's share of it is 2x.
+
+``--malloc-threshold B`` runs every runner with glibc's mmap and trim thresholds fixed at B bytes
+(``MALLOC_MMAP_THRESHOLD_`` / ``MALLOC_TRIM_THRESHOLD_``, as bench/memory.py does), so that freed memory goes back
+to the system and resident memory follows the bytes live; by default glibc's own (dynamic) thresholds keep
+freed heap memory resident, and the peak includes what each runner's allocation pattern leaves there.
 """
 
 from __future__ import annotations
@@ -49,6 +54,8 @@ def main() -> None:
     ap.add_argument("--layers", type=int, default=7)
     ap.add_argument("--width", type=int, default=1024)
     ap.add_argument("--runners", default=",".join(RUNNERS))
+    ap.add_argument("--malloc-threshold", type=int, default=None,
+                    help="glibc's mmap and trim thresholds for every runner, bytes (default: glibc's own)")
     ap.add_argument("--worker", help=argparse.SUPPRESS)
     ap.add_argument("--file", help=argparse.SUPPRESS)
     ap.add_argument("--out", help=argparse.SUPPRESS)
@@ -77,6 +84,9 @@ def main() -> None:
                    "--worker", name, "--steps", str(args.steps), "--layers", str(args.layers), "--width", str(args.width),
                    "--file", str(file), "--out", str(out)]
             env = {**os.environ, "OMP_NUM_THREADS": "1", "SPMD_ORT_LOG_LEVEL": "WARNING"}
+            if args.malloc_threshold is not None:
+                env.update(MALLOC_MMAP_THRESHOLD_=str(args.malloc_threshold),
+                           MALLOC_TRIM_THRESHOLD_=str(args.malloc_threshold))
             t0 = time.perf_counter()
             proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
             if proc.returncode != 0 or not out.exists():
@@ -90,7 +100,9 @@ def main() -> None:
 def report(results: dict, args, params: int, weights: int) -> None:
     print(f"\nGPT {args.layers} layers, d={args.width}: {params / 1e6:.1f} M parameters, {weights / MIB:.0f} MiB of fp32 "
           f"weights; 2 ranks, AdamW, batch 2 x 128 per rank, {args.steps} steps; per rank, max over ranks, above "
-          "the process's baseline\n")
+          "the process's baseline; glibc's "
+          + (f"mmap/trim thresholds fixed at {args.malloc_threshold} B" if args.malloc_threshold is not None
+             else "own allocator thresholds") + "\n")
     print("| runner | loaded MiB | loaded / weights | peak MiB | peak / weights | bytes read / weights | s/step |")
     print("|---|---|---|---|---|---|---|")
     for name, r in results.items():
