@@ -30,8 +30,8 @@ from .fully_shard import (complete_found_inf_pass, complete_grad_norms_pass, gat
                           propagate_shards_pass, reduce_scatter_gradients_pass, rematerialize_param_views_pass,
                           shard_placeholders_pass)
 from .mixed_precision import cast_gradient_reductions_pass, cast_params_before_gather_pass
-from .shard_schedule import (bucket_shard_collectives_pass, carry_first_gather_pass, keep_tail_gathers_pass,
-                             prefetch_gathers_pass)
+from .shard_schedule import (bound_reduce_scatters_pass, bucket_shard_collectives_pass, carry_first_gather_pass,
+                             keep_tail_gathers_pass, prefetch_gathers_pass)
 from .offload import offload_optimizer_pass, offload_params_pass
 from .user import gm_transformation_pass, override_transform_pass
 from .analysis import count_collectives_pass, plan_memory_pass
@@ -59,7 +59,8 @@ __all__ = [
     "shard_placeholders_pass", "reduce_scatter_gradients_pass", "cast_gradient_reductions_pass",
     "rematerialize_param_views_pass", "propagate_shards_pass", "gather_parameters_pass", "complete_grad_norms_pass",
     "complete_found_inf_pass", "keep_tail_gathers_pass", "cast_params_before_gather_pass",
-    "bucket_shard_collectives_pass", "prefetch_gathers_pass", "offload_params_pass", "offload_optimizer_pass",
+    "bucket_shard_collectives_pass", "prefetch_gathers_pass",
+    "bound_reduce_scatters_pass", "offload_params_pass", "offload_optimizer_pass",
     "carry_first_gather_pass",
     # user transforms
     "override_transform_pass", "gm_transformation_pass",

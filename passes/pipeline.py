@@ -40,8 +40,8 @@ from .offload import offload_optimizer_pass, offload_params_pass
 from .recompute import recompute_activations_pass
 from .reinplace import reinplace_optimizer_pass
 from .runner import GraphPass, pass_name
-from .shard_schedule import (bucket_shard_collectives_pass, carry_first_gather_pass, keep_tail_gathers_pass,
-                             prefetch_gathers_pass)
+from .shard_schedule import (bound_reduce_scatters_pass, bucket_shard_collectives_pass, carry_first_gather_pass,
+                             keep_tail_gathers_pass, prefetch_gathers_pass)
 from .user import gm_transformation_pass, override_transform_pass
 from .views import replace_views_with_reshapes_pass
 
@@ -134,6 +134,7 @@ STAGES: tuple[Step, ...] = (
     Step("fully_shard", bucket_shard_collectives_pass, FULLY_SHARD),
     Step("parallel", schedule_overlap_pass, COLLECTIVES),
     Step("fully_shard", prefetch_gathers_pass, FULLY_SHARD),
+    Step("fully_shard", bound_reduce_scatters_pass, FULLY_SHARD),
     Step("offload", offload_params_pass, OFFLOAD_PARAM),
     Step("offload", offload_optimizer_pass, OFFLOAD_OPTIMIZER),
     Step("fully_shard", carry_first_gather_pass, FULLY_SHARD.note("a no-op with prefetch=0")),

@@ -239,6 +239,35 @@ def prefetch_gathers_pass(gm: fx.GraphModule, ctx) -> fx.GraphModule:
     return gm
 
 
+# gradient reduce-scatters in flight at once: gloo's holds a copy of its input bucket until it is waited for, so
+# waiting for all of them at the optimizer held a copy of every gradient through the backward
+REDUCE_SCATTERS_IN_FLIGHT = 2
+
+
+@graph_pass(requires=[ONE_SHARD_COLLECTIVE_PER_BUCKET, OVERLAP_SCHEDULED, COLLECTIVES_WAITED],
+            provides=[COLLECTIVES_WAITED])
+def bound_reduce_scatters_pass(gm: fx.GraphModule, ctx) -> fx.GraphModule:
+    """At most ``REDUCE_SCATTERS_IN_FLIGHT`` gradient reduce-scatters are in flight: the wait of bucket k moves up
+    to just before bucket k + ``REDUCE_SCATTERS_IN_FLIGHT`` starts.
+
+    ``schedule_overlap_pass`` sinks each wait to its first user, the optimizer, so every bucket's reduce-scatter
+    was in flight until the end of the backward, and the process group keeps what it reduces (gloo: a copy of
+    the input bucket) until the wait: measured on a 97 M-parameter GPT on 2 ranks, the step's resident memory
+    rose by about the whole gradient's bytes through the backward and fell at the optimizer's waits.  A wait
+    moved up blocks only on a reduction issued two buckets earlier (a bucket's worth of backward compute ago),
+    so the overlap stays; the values are the same.
+    """
+    starts = [n for n in calls(gm, reduce_scatter) if group_of(n) == ctx.group]
+    order = {n: i for i, n in enumerate(gm.graph.nodes)}
+    for k in range(REDUCE_SCATTERS_IN_FLIGHT, len(starts)):
+        start = starts[k]
+        for wait in [u for u in starts[k - REDUCE_SCATTERS_IN_FLIGHT].users if u.target is wait_]:
+            if order[wait] > order[start]:
+                start.prepend(wait)
+                order[wait] = order[start] - 0.5
+    return gm
+
+
 @dataclass(frozen=True)
 class CarriedGather(PassResult):
     """``carry_first_gather_pass``: the first forward all-gather, issued by the previous step after its optimizer.
