@@ -262,9 +262,8 @@ def bound_reduce_scatters_pass(gm: fx.GraphModule, ctx) -> fx.GraphModule:
     for k in range(REDUCE_SCATTERS_IN_FLIGHT, len(starts)):
         start = starts[k]
         for wait in [u for u in starts[k - REDUCE_SCATTERS_IN_FLIGHT].users if u.target is wait_]:
-            if order[wait] > order[start]:
+            if order[wait] > order[start]:  # each wait moves once: ``order`` needs no update
                 start.prepend(wait)
-                order[wait] = order[start] - 0.5
     return gm
 
 

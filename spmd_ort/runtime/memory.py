@@ -157,6 +157,15 @@ def host_memory_retained() -> bool:
     return bool(_retained)
 
 
+def _glibc() -> ctypes.CDLL | None:
+    """This process's C library, where it is glibc (whose ``mallopt``/``malloc_trim`` the functions below call)."""
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+    except OSError:
+        return None
+    return libc if hasattr(libc, "gnu_get_libc_version") else None
+
+
 def release_free_host_memory() -> bool:
     """Give the memory glibc's heap holds free back to the system (``malloc_trim(0)``), once.
 
@@ -165,13 +174,8 @@ def release_free_host_memory() -> bool:
     during loading.  A no-op (False) where the C library is not glibc, or while this process retains freed
     memory on purpose (:func:`retain_host_memory`).
     """
-    if _retained:
-        return False
-    try:
-        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
-    except OSError:
-        return False
-    if not hasattr(libc, "gnu_get_libc_version") or not hasattr(libc, "malloc_trim"):
+    libc = None if _retained else _glibc()
+    if libc is None or not hasattr(libc, "malloc_trim"):
         return False
     libc.malloc_trim.argtypes, libc.malloc_trim.restype = [ctypes.c_size_t], ctypes.c_int
     return bool(libc.malloc_trim(0))
@@ -192,11 +196,8 @@ def retain_host_memory() -> bool:
     if _retained is not None:
         return _retained
     _retained = False
-    try:
-        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
-    except OSError:
-        return False
-    if not hasattr(libc, "gnu_get_libc_version"):  # mallopt's parameter numbers are glibc's
+    libc = _glibc()  # mallopt's parameter numbers are glibc's
+    if libc is None:
         return False
     mallopt = libc.mallopt
     mallopt.argtypes, mallopt.restype = [ctypes.c_int, ctypes.c_int], ctypes.c_int
