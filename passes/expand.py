@@ -276,7 +276,10 @@ def batch_checksums(leaves: list) -> list:
 
 def _checksum(t: torch.Tensor) -> tuple[int, int]:
     """Two integer sums over ``t``'s bytes (read as int32 where they divide into them): exact and independent of the
-    order of the additions, so equal values give equal sums on any device and thread count."""
+    order of the additions, so equal values give equal sums on any device and thread count.  A meta tensor (a
+    plan's: no values) sums to (0, 0): every rank of a plan holds the same nothing."""
+    if t.is_meta:
+        return 0, 0
     raw = t.contiguous().reshape(-1).view(torch.uint8)
     words = raw.view(torch.int32) if raw.numel() % 4 == 0 else raw
     plain = weighted = 0

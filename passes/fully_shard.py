@@ -55,6 +55,7 @@ from .runner import graph_pass
 SHAPE_PRESERVING = frozenset({
     aten.detach.default, aten.clone.default, aten.alias.default, aten.zeros_like.default, aten.ones_like.default,
     aten.empty_like.default, aten.full_like.default, aten._to_copy.default, aten.copy.default,
+    aten.zero.default,  # zero_grad(set_to_none=False) on the held gradient shards
 })
 NORM = aten.linalg_vector_norm.default
 FOREACH_NORM = aten._foreach_norm.Scalar

@@ -62,14 +62,15 @@ class Compiler:
         self.warned: set = set()  # WARNINGs this step gave while compiling: each once per step, not per variant
 
     def compile_everywhere(self, call: StepCall, key: StepKey, *, dynamic: DynamicDims,
-                           previous: CompiledProgram | None, reason: str) -> CompiledProgram:
+                           previous: CompiledProgram | None, reason: str, **build) -> CompiledProgram:
         """Compile; on several ranks, also agree that every rank compiled the same graph.
 
         A rank whose compile failed still takes part in the agreement, so the
-        others fail with it instead of waiting for it in a collective.
+        others fail with it instead of waiting for it in a collective.  ``build``: :meth:`compile`'s
+        ``executor`` and ``after_passes``.
         """
         if call.world_size == 1 or (call.mode is None and not has_dtensor_state(call.module)):
-            return self.compile(call, key, dynamic=dynamic, previous=previous, reason=reason)
+            return self.compile(call, key, dynamic=dynamic, previous=previous, reason=reason, **build)
         exchanged = False
 
         def exchange(payload):  # after the trace, before the passes: every rank once (see exchange_traced)
@@ -79,7 +80,7 @@ class Compiler:
 
         try:
             program, error = self.compile(call, key, dynamic=dynamic, previous=previous, reason=reason,
-                                          exchange=exchange), None
+                                          exchange=exchange, **build), None
             description = program.signature()
         except Exception as exc:  # noqa: BLE001 - re-raised below, after the agreement
             program, error = None, exc
@@ -92,8 +93,12 @@ class Compiler:
         return program
 
     def compile(self, call: StepCall, key: StepKey, *, dynamic: DynamicDims, previous: CompiledProgram | None,
-                reason: str, exchange: Callable | None = None) -> CompiledProgram:
+                reason: str, exchange: Callable | None = None, executor: bool = True,
+                after_passes: Callable | None = None) -> CompiledProgram:
         """trace -> passes (the one pipeline) -> executor, one compile in the process at a time (COMPILE_LOCK).
+
+        ``after_passes(gm, ctx)`` sees the finished graph before the executor is built (a plan's cost model);
+        ``executor=False`` builds none (a plan that skips the export): the program then only describes the step.
 
         The lock covers only this local work, not the ranks' agreement after it (compile_everywhere): a
         rank waiting in that collective holds nothing another thread's compile needs.
@@ -103,10 +108,12 @@ class Compiler:
             waited = time.perf_counter() - t_wait
             if waited > 0.1:
                 logger.debug("%s waited %.2fs for another compile in this process", self.name, waited)
-            return self._compile(call, key, dynamic=dynamic, previous=previous, reason=reason, exchange=exchange)
+            return self._compile(call, key, dynamic=dynamic, previous=previous, reason=reason, exchange=exchange,
+                                 executor=executor, after_passes=after_passes)
 
     def _compile(self, call: StepCall, key: StepKey, *, dynamic: DynamicDims, previous: CompiledProgram | None,
-                 reason: str, exchange: Callable | None = None) -> CompiledProgram:
+                 reason: str, exchange: Callable | None = None, executor: bool = True,
+                 after_passes: Callable | None = None) -> CompiledProgram:
         """``exchange`` (several ranks): called once after the trace with what the passes must know of every rank's
         traced graph (expand mode: its node signatures and checksums of its parameters, buffers and batch), returning
         every rank's (None: not every rank has one).  Ranks of a tensor-parallel group whose batches differ raise
@@ -155,12 +162,15 @@ class Compiler:
         pipeline = P.build_pipeline(call.mode, self.options.backend, overrides=self.overrides,
                                     gm_transformation=self.gm_transformation, expand=layout.expands)
         gm = P.run_passes(traced.gm, ctx, pipeline)
-        executor = build_executor(gm, self.options)
+        if after_passes is not None:
+            after_passes(gm, ctx)
+        built = build_executor(gm, self.options) if executor else None
         program = CompiledProgram(
-            key=key, gm=executor.gm, traced_gm=traced_gm, layout=layout, input_slots=ctx.input_slots,
+            key=key, gm=built.gm if built is not None else gm, traced_gm=traced_gm, layout=layout,
+            input_slots=ctx.input_slots,
             output_slots=ctx.output_slots, batch_positions=traced.batch_positions, grad_inputs=traced.grad_inputs,
             user_spec=traced.user_spec, user_leaves=traced.user_leaves, passes_applied=ctx.applied,
-            results=ctx.results, executor=executor, opaque=traced.opaque, trace_attempts=traced.attempts,
+            results=ctx.results, executor=built, opaque=traced.opaque, trace_attempts=traced.attempts,
             symbolic=traced.symbolic, options=self.options, trace_seconds=traced.seconds,
             compile_seconds=time.perf_counter() - t0, traced_because=reason, taps=self.taps)
         logger.info("compiled %s: %d graph nodes, trace %.2fs, total %.2fs", self.name,

@@ -113,7 +113,9 @@ class CompiledStep:
             program.carry_gathers(self.runtime.comm)  # the next step's first gather starts now
         return out
 
-    def _bind(self, args: tuple, kwargs: dict) -> StepCall:
+    def _bind(self, args: tuple, kwargs: dict, planning: bool = False) -> StepCall:
+        """The call's parts (module, optimizer, scaler, mode, rank); ``planning``: a plan's meta copies, which
+        are never run (no meta refusal, no process-wide settings)."""
         bind_arguments(self.fn, args, kwargs, self._signature)  # a call that does not match is no trace failure
         args, kwargs, wrappers = unwrap_torch_compiled(args, kwargs)
         if wrappers and not self._unwrapped:
@@ -124,14 +126,16 @@ class CompiledStep:
         module, opt, scaler = find_state_owners(args, kwargs)
         rank, world_size = parallel.world()
         stepped = self._last is not None and self._last[0] is module and self._last[1] is opt  # its state had values
-        refuse_meta(module, opt, args, kwargs, self._signature, rank if world_size > 1 else None, state=not stepped)
+        if not planning:
+            refuse_meta(module, opt, args, kwargs, self._signature, rank if world_size > 1 else None,
+                        state=not stepped)
         laid_out = getattr(module, parallel.PARALLELIZED_ATTR, None)  # spmd_ort.parallelize's mode
         if laid_out is not None and self.parallel_mode is not None and laid_out != self.parallel_mode:
             raise ConfigError(f"{type(module).__name__} was parallelized with {laid_out!r}, but this step compiles "
                               f"with parallel_mode={self.parallel_mode!r}. Fix: compile with the mode the model was "
                               "parallelized with (or parallel_mode=None). Nothing was changed",
                               rank=rank if world_size > 1 else None)
-        if not self._started:
+        if not self._started and not planning:
             self._started = True
             if self.options.retain_host_memory:  # opt-in (SPMD_ORT_RETAIN_HOST_MEMORY=1): acts on the process
                 retain_host_memory()  # steady-state steps reuse host memory instead of page-faulting
@@ -271,6 +275,25 @@ class CompiledStep:
         collectives per step (planned vs measured), segments and host nodes, memory
         (:mod:`spmd_ort.debug.explain`)."""
         return explain(self, self.memory() if self._last is not None and self.compiled is not None else None)
+
+    def plan(self, *args: Any, world_size: int, device="h100", rank: int = 0, export: bool = True,
+             **kwargs: Any):
+        """Plan this step for ``world_size`` ranks without them: a :class:`spmd_ort.plan.Plan` of what rank
+        ``rank`` holds (parameters, gradients, optimizer state, the activations' and collectives' peak), sends
+        (bytes per collective kind) and computes (FLOPs), its predicted step time on ``device`` (``"h100"``,
+        ``"h200"``, ``"a100"``, ``"cpu"`` (this CPU, measured), or a :class:`spmd_ort.plan.DeviceSpec`) and
+        whether it fits.
+
+        Called as the step is (``train_step.plan(model, opt, x, y, world_size=64)``), in a process without a
+        process group: the whole pipeline runs on meta copies of the model and optimizer (build the model on the
+        meta device: nothing of its size is allocated) over torch's fake process group, with the step's
+        ``parallel_mode`` (a ``TensorParallel`` takes its mesh as a shape, ``mesh=(8, 8)``) and options;
+        ``export=False`` skips the executor (ORT's export).  The model, optimizer and this step are left as they
+        were (the plan compiles a twin of the step).
+        """
+        from spmd_ort.plan.planner import plan_step
+
+        return plan_step(self, args, kwargs, world_size=world_size, device=device, rank=rank, export=export)
 
     def profile(self, steps: int = 1, path: str | Path = "spmd_ort_profile") -> None:
         """Record the timeline of the next ``steps`` calls, then write ``<path>.json`` and ``<path>.png``.

@@ -69,6 +69,16 @@ def train_step(model, opt, x, y, clip: float | None = None):
 classification_step = lm_step = train_step
 
 
+def grads_kept_step(model, opt, x, y):
+    """:func:`train_step` with clipping, zeroing the gradients first: they are held between steps."""
+    opt.zero_grad(set_to_none=False)
+    loss = F.cross_entropy(model(x).flatten(0, -2), y.flatten())
+    loss.backward()
+    torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+    opt.step()
+    return loss
+
+
 def accumulation_step(model, opt, xs, ys, read_between: bool = False, no_sync=None):
     """nanoGPT's loop: one backward per micro-batch (loss divided by their number), then one optimizer step.
 

@@ -102,9 +102,11 @@ LAYERS = [
     ("spmd_ort.debug", "explain, statistics, profiles"),
     ("spmd_ort.checkpoint", "DCP checkpoints"),
     ("spmd_ort.integrations", "DeepSpeed configs"),
+    ("spmd_ort.plan", "a step planned for N ranks in one process: device specs, roofline, the plan"),
     ("spmd_ort.step", "CompiledStep: one call, top to bottom"),
     ("spmd_ort.api", "compile()"),
     ("spmd_ort", "the public names"),
+    ("spmd_ort.plan.__main__", "python -m spmd_ort.plan: a model named on the command line, planned"),
 ]
 UNITS = [name for name, _ in LAYERS]
 

@@ -67,7 +67,7 @@ def shard_if_needed(call: StepCall) -> ShardedModule | None:
                 rank=call.rank)
         return None
     tp = call.tensor_parallel  # 2-D: shards over the dp dim of each tensor-parallel local tensor
-    mesh = tp.mesh if tp is not None else None
+    mesh = tp.device_mesh if tp is not None else None
     rank, world = (mesh.get_local_rank("dp"), mesh.size(0)) if mesh is not None else (call.rank, call.world_size)
     if sharded:
         spec = next(spec_of(p) for p in module.parameters() if spec_of(p) is not None)

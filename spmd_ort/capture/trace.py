@@ -240,6 +240,30 @@ class _Retry(Exception):
     """A trace failed inside a part the plan has now made opaque: trace again."""
 
 
+class _MetaAttention(torch.overrides.TorchFunctionMode):
+    """On the meta device (a plan: spmd_ort.plan), ``scaled_dot_product_attention`` as the fused CPU kernel, which
+    a CPU run traces and whose memory is a GPU's flash attention's (the output and a logsumexp, no T x T
+    probabilities kept): sdpa's kernel choice on meta tensors is its math form.  Grouped-query attention's keys
+    and values are repeated to the query's heads first, as that kernel takes them."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func is not F.scaled_dot_product_attention or not args or not isinstance(args[0], torch.Tensor) or (
+                args[0].device.type != "meta" or dtensor.is_dtensor(args[0])):
+            return func(*args, **kwargs)
+        names = ("query", "key", "value", "attn_mask", "dropout_p", "is_causal", "scale", "enable_gqa")
+        a = dict(zip(names, args)) | kwargs
+        q, k, v = a["query"], a["key"], a["value"]
+        if q.dim() != 4 or k.dim() != 4:
+            return func(*args, **kwargs)
+        if k.size(-3) != q.size(-3):
+            k = k.repeat_interleave(q.size(-3) // k.size(-3), dim=-3)
+            v = v.repeat_interleave(q.size(-3) // v.size(-3), dim=-3)
+        return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+            q, k, v, a.get("dropout_p", 0.0), a.get("is_causal", False), attn_mask=a.get("attn_mask"),
+            scale=a.get("scale"))[0]
+
+
 class _Phases(torch.overrides.TorchFunctionMode):
     """Tags the capture graph's nodes that ``Tensor.backward`` / ``autograd.grad`` recorded.
 
@@ -371,7 +395,7 @@ def _trace_once(fn, args: tuple, kwargs: dict, layout: StateLayout, *, sdpa_math
     watch = OpWatch()
     token = _TRACING.set(True)
     try:
-        attention = sdpa_kernel([SDPBackend.MATH]) if sdpa_math else contextlib.nullcontext()
+        attention = sdpa_kernel([SDPBackend.MATH]) if sdpa_math else _MetaAttention()
         clipping = dtensor.mixed_grad_clipping() if layout.expands else contextlib.nullcontext()
         with (stack.installed(), capture.installed(), torch.enable_grad(), attention, phases, watch, _EagerForms(),
               quiet_torch_logs(), clipping, native_batch_norm()):

@@ -19,6 +19,7 @@ from __future__ import annotations
 import dataclasses
 import fnmatch
 import hashlib
+import math
 from collections.abc import Callable, Mapping
 from typing import Any
 from dataclasses import dataclass
@@ -135,8 +136,10 @@ class TensorParallel:
 
     ``plan``: ``{fqn or glob: ParallelStyle}`` as ``torch.distributed.tensor.parallel.parallelize_module`` takes
     it (``"blocks.*.mlp.fc"``); every key must name at least one submodule.  ``mesh``: a 1-D
-    ``DeviceMesh`` (default: every rank, on the parameters' device type).  The ranks of a tensor-parallel group
-    compute one model and pass the same batch, as in eager tensor parallelism.
+    ``DeviceMesh`` (default: every rank, on the parameters' device type), or its shape as a tuple (``(8,)``;
+    2-D ``(dp, tp)``, dims named ``("dp", "tp")``), built with ``init_device_mesh`` on the world the step runs in
+    when first needed: the real one, or the fake one of :meth:`spmd_ort.CompiledStep.plan`.  The ranks of a
+    tensor-parallel group compute one model and pass the same batch, as in eager tensor parallelism.
 
     2-D: ``mesh=init_device_mesh(device, (dp, tp), mesh_dim_names=("dp", "tp"))`` and
     ``data_parallel=DataParallel(parallel_style="replicate" | "fully_shard", ...)``: the plan shards over ``tp``,
@@ -161,8 +164,17 @@ class TensorParallel:
             if not isinstance(fqn, str) or not isinstance(style, ParallelStyle):
                 raise TypeError(f"TensorParallel plan entry {fqn!r}: {style!r} is not a torch.distributed.tensor."
                                 "parallel.ParallelStyle (ColwiseParallel(), RowwiseParallel(), ...)")
+        if isinstance(self.mesh, (tuple, list)):
+            shape = tuple(self.mesh)
+            wanted = 2 if self.data_parallel is not None else 1
+            if len(shape) != wanted or not all(isinstance(n, int) and n > 0 for n in shape):
+                raise TypeError(f"TensorParallel(mesh={self.mesh!r}): a shape tuple is "
+                                + ("(dp, tp), two positive ints, with data_parallel=..." if wanted == 2 else
+                                   "(tp,), one positive int (2-D: (dp, tp) with data_parallel=DataParallel(...))"))
+            object.__setattr__(self, "mesh", shape)
         if self.data_parallel is None:
-            if self.mesh is not None and (not isinstance(self.mesh, DeviceMesh) or self.mesh.ndim != 1):
+            if self.mesh is not None and not isinstance(self.mesh, tuple) and (
+                    not isinstance(self.mesh, DeviceMesh) or self.mesh.ndim != 1):
                 raise TypeError(f"TensorParallel(mesh={self.mesh!r}): give a 1-D DeviceMesh (or None: every rank), "
                                 "or a 2-D one named ('dp', 'tp') with data_parallel=DataParallel(...)")
             return
@@ -172,11 +184,36 @@ class TensorParallel:
         if offload:
             raise TypeError(f"TensorParallel(data_parallel=DataParallel({offload[0]}=...)): offload is not supported "
                             "in 2-D; drop it (fully_shard on the dp dim already divides the state by dp)")
-        if not (isinstance(self.mesh, DeviceMesh) and self.mesh.ndim == 2
-                and tuple(self.mesh.mesh_dim_names or ()) == ("dp", "tp")):
+        if not isinstance(self.mesh, tuple) and not (isinstance(self.mesh, DeviceMesh) and self.mesh.ndim == 2
+                                                     and tuple(self.mesh.mesh_dim_names or ()) == ("dp", "tp")):
             raise TypeError(f"TensorParallel(mesh={self.mesh!r}, data_parallel=...): give a 2-D DeviceMesh with "
                             "mesh_dim_names=('dp', 'tp'), e.g. init_device_mesh('cpu', (dp, tp), "
-                            "mesh_dim_names=('dp', 'tp'))")
+                            "mesh_dim_names=('dp', 'tp')), or its shape (dp, tp)")
+
+    @property
+    def device_mesh(self):
+        """``mesh`` as a DeviceMesh: a shape tuple is built on the current world (once per world: the fake one of a
+        plan and a real one later get a mesh each); None where none was given (1-D: every rank)."""
+        if not isinstance(self.mesh, tuple):
+            return self.mesh
+        from torch.distributed.device_mesh import init_device_mesh
+
+        if not (dist.is_available() and dist.is_initialized()):
+            raise CompileError(f"TensorParallel(mesh={self.mesh}) needs torch.distributed initialized (launch with "
+                               "torchrun and call torch.distributed.init_process_group)")
+        world = dist.group.WORLD
+        built = self.__dict__.get("_built")
+        if built is None or built[0] is not world:
+            size = math.prod(self.mesh)
+            if size != dist.get_world_size():
+                raise CompileError(f"TensorParallel(mesh={self.mesh}) covers {size} ranks, but the world has "
+                                   f"{dist.get_world_size()}; give a shape whose product is the world size",
+                                   rank=dist.get_rank())
+            device = "cuda" if dist.get_backend() == "nccl" else "cpu"
+            names = ("dp", "tp") if len(self.mesh) == 2 else ("tp",)
+            built = (world, init_device_mesh(device, self.mesh, mesh_dim_names=names))
+            object.__setattr__(self, "_built", built)
+        return built[1]
 
     @property
     def mixed_precision(self):
@@ -187,11 +224,12 @@ class TensorParallel:
     @property
     def tp_mesh(self):
         """The mesh the plan shards over: ``mesh`` (1-D), or its ``tp`` dim (2-D)."""
-        return self.mesh["tp"] if self.data_parallel is not None else self.mesh
+        mesh = self.device_mesh
+        return mesh["tp"] if self.data_parallel is not None else mesh
 
     def dp_group(self):
         """2-D: the process group of this rank's data-parallel replicas (the ``dp`` dim); None on a 1-D mesh."""
-        return self.mesh["dp"].get_group() if self.data_parallel is not None else None
+        return self.device_mesh["dp"].get_group() if self.data_parallel is not None else None
 
     def data_parallel_mode(self):
         """2-D: the data-parallel mode on the ``dp`` dim, with a fixed bucket cap in place of ``"auto"`` (its
@@ -353,7 +391,7 @@ def tensor_parallel_groups(module: nn.Module, mode: TensorParallel | None) -> li
     """The global ranks of each tensor-parallel group: the ranks that compute one model on one batch, so must pass
     the same one.  From ``mode``'s mesh (1-D: every rank of it; 2-D: each ``tp`` row), else from the mesh of the
     module's DTensors (1-D, or its dim named ``tp``); empty where no dim says which ranks share a batch."""
-    mesh = mode.mesh if mode is not None else next(
+    mesh = mode.device_mesh if mode is not None else next(
         (dtensor.spec_of(t).mesh for t in list(module.parameters()) + list(module.buffers())
          if dtensor.is_dtensor(t)), None)
     if mesh is None:

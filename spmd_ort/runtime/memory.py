@@ -64,10 +64,12 @@ def value_bytes(val) -> int:
 @dataclass(frozen=True)
 class ActivationPlan:
     """The liveness walk's result: the peak bytes of the values the graph creates, and how many of those live
-    at the peak are forward values kept for the backward (read by a node autograd recorded)."""
+    at the peak are forward values kept for the backward (read by a node autograd recorded); ``live``: the bytes
+    live while each node runs, in graph order (a picture of memory over the step)."""
 
     peak: int
     saved_for_backward: int
+    live: tuple = ()
 
 
 def _is_backward(node: fx.Node) -> bool:
@@ -105,10 +107,12 @@ def plan_activation_memory(gm: fx.GraphModule) -> ActivationPlan:
         frees.setdefault(i, []).append(r)
     live: set[fx.Node] = set()
     size = peak = peak_saved = 0
+    at: list[int] = []
     for i, node in enumerate(nodes):
         if node.op == "call_function" and root[node] is node:
             live.add(node)
             size += own[node]
+        at.append(size)
         if size > peak:
             peak = size
             peak_saved = sum(own[r] for r in live if r in saved)
@@ -118,7 +122,7 @@ def plan_activation_memory(gm: fx.GraphModule) -> ActivationPlan:
             if r.op == "call_function":
                 live.discard(r)
                 size -= own[r]
-    return ActivationPlan(peak=peak, saved_for_backward=peak_saved)
+    return ActivationPlan(peak=peak, saved_for_backward=peak_saved, live=tuple(at))
 
 
 def planned_peak_bytes(gm: fx.GraphModule) -> int:

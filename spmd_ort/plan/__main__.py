@@ -1,0 +1,133 @@
+"""``python -m spmd_ort.plan``: plan a language model's train step for N ranks before renting them.
+
+    python -m spmd_ort.plan --model llama3-8b --world-size 64 --parallel fully_shard --batch 1 --seq 4096 \\
+        --device h100
+    python -m spmd_ort.plan --model hf:config.json --world-size 64 --parallel tp:8 --device h200 --picture mem.png
+
+The model is built on the meta device with ``transformers`` from a config (``llama3-8b`` is Llama 3 8B's:
+32 layers, d 4096, 32 heads / 8 KV heads, FFN 14336, vocabulary 128256), trained by a plain step (cross-entropy
+on the next token, ``clip_grad_norm_``, AdamW) compiled with the chosen parallel mode, and planned with
+:meth:`spmd_ort.CompiledStep.plan`.  ``--parallel``: ``replicate``, ``fully_shard``, ``tp:T`` (tensor parallel
+over ``T`` ranks, fully_shard over the rest: 2-D when ``T`` is less than the world).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import resource
+import sys
+import time
+
+import torch
+
+import spmd_ort
+
+LLAMA3_8B = dict(vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
+                 num_attention_heads=32, num_key_value_heads=8, max_position_embeddings=8192, rms_norm_eps=1e-5,
+                 rope_theta=500000.0, tie_word_embeddings=False, hidden_act="silu")
+MODELS = {"llama3-8b": LLAMA3_8B}
+
+
+def build_model(name: str, layers: int | None = None):
+    """A transformers causal LM on the meta device: a known name, or ``hf:<config.json>``."""
+    import transformers
+
+    if name.startswith("hf:"):
+        config = transformers.AutoConfig.from_pretrained(name[3:])
+    elif name in MODELS:
+        config = transformers.LlamaConfig(**MODELS[name])
+    else:
+        raise SystemExit(f"--model {name!r}: give one of {', '.join(MODELS)} or hf:<config.json>")
+    if layers is not None:
+        config.num_hidden_layers = layers
+    config.use_cache = False
+    with torch.device("meta"):
+        return transformers.AutoModelForCausalLM.from_config(config, torch_dtype=torch.float32,
+                                                             attn_implementation="sdpa")
+
+
+def llama_tensor_parallel_plan(model) -> dict:
+    """Megatron's plan for a Llama-style decoder: attention's q/k/v and the MLP's gate/up column-wise, their output
+    projections row-wise (one all-reduce each in forward and backward); embeddings, norms and the head
+    replicated."""
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
+
+    col, row = ColwiseParallel(), RowwiseParallel()
+    prefix = "model.layers.*"
+    plan = {f"{prefix}.self_attn.{p}": col for p in ("q_proj", "k_proj", "v_proj")}
+    plan |= {f"{prefix}.self_attn.o_proj": row, f"{prefix}.mlp.gate_proj": col, f"{prefix}.mlp.up_proj": col,
+             f"{prefix}.mlp.down_proj": row}
+    return plan
+
+
+def parallel_mode(spec: str, model, world: int):
+    if spec in ("replicate", "fully_shard"):
+        return spmd_ort.DataParallel(parallel_style=spec)
+    if spec.startswith("tp:"):
+        tp = int(spec[3:])
+        if world % tp:
+            raise SystemExit(f"--parallel {spec}: {tp} does not divide --world-size {world}")
+        plan = llama_tensor_parallel_plan(model)
+        if tp == world:
+            return spmd_ort.TensorParallel(plan, mesh=(tp,))
+        return spmd_ort.TensorParallel(plan, mesh=(world // tp, tp),
+                                       data_parallel=spmd_ort.DataParallel(parallel_style="fully_shard"))
+    raise SystemExit(f"--parallel {spec!r}: give replicate, fully_shard or tp:<ranks>")
+
+
+def lm_step(model, opt, tokens, labels):
+    logits = model(input_ids=tokens).logits
+    loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1).float(), labels.flatten())
+    loss.backward()
+    torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+    opt.step()
+    opt.zero_grad()
+    return loss
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m spmd_ort.plan", description=__doc__.split("\n\n")[0])
+    ap.add_argument("--model", default="llama3-8b", help="llama3-8b, or hf:<config.json>")
+    ap.add_argument("--layers", type=int, help="override the config's number of layers")
+    ap.add_argument("--world-size", type=int, required=True)
+    ap.add_argument("--parallel", default="fully_shard", help="replicate | fully_shard | tp:<ranks>")
+    ap.add_argument("--batch", type=int, default=1, help="sequences per rank (per data-parallel replica)")
+    ap.add_argument("--seq", type=int, default=4096)
+    ap.add_argument("--device", default="h100", help="h100 | h200 | a100 | cpu (this CPU, measured)")
+    ap.add_argument("--backend", default="fx", help="the executor the plan compiles for (fx | ort | inductor)")
+    ap.add_argument("--export", action="store_true", help="build the executor (the ORT export) as a run would")
+    ap.add_argument("--rank", type=int, default=0)
+    ap.add_argument("--picture", help="write the memory over the step to this PNG")
+    ap.add_argument("--json", help="write the plan's figures to this file")
+    args = ap.parse_args(argv)
+
+    t0 = time.perf_counter()
+    model = build_model(args.model, args.layers)
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-4, weight_decay=0.1)
+    mode = parallel_mode(args.parallel, model, args.world_size)
+    step = spmd_ort.compile(parallel_mode=mode, backend=args.backend)(lm_step)
+    vocab = model.config.vocab_size
+    tokens = torch.empty(args.batch, args.seq, dtype=torch.long, device="meta")
+    plan = step.plan(model, opt, tokens, tokens.clone(), world_size=args.world_size, device=args.device,
+                     rank=args.rank, export=args.export)
+    n = sum(p.numel() for p in model.parameters())
+    print(f"{args.model}: {n / 1e9:.2f} B parameters, {model.config.num_hidden_layers} layers, vocabulary "
+          f"{vocab}; batch {args.batch} x {args.seq} tokens per replica")
+    print(plan.explain(args.picture))
+    wall = time.perf_counter() - t0
+    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    full_state = 16 * n / args.world_size
+    b = plan.per_rank_bytes
+    print(f"\nparams + grads + AdamW state per rank: {(b['params'] + b['optimizer']) / 2**30:.2f} GiB "
+          f"(+ gradients {b['grads'] / 2**30:.2f} GiB held between steps); 16 bytes x N / world = "
+          f"{full_state / 2**30:.2f} GiB")
+    print(f"planned in {wall:.1f} s, peak resident memory {rss / 2**30:.2f} GiB")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({**plan.as_dict(), "params_total": n, "wall_s": wall, "max_rss": rss}, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

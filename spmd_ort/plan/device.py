@@ -1,0 +1,145 @@
+"""What a device can do, for a plan's roofline (:class:`DeviceSpec`).
+
+Figures for the GPUs users rent (H100, H200, A100: their data sheets' dense peaks, HBM bandwidth and NVLink /
+InfiniBand rates per GPU) and for "this CPU", measured by a short probe (:meth:`DeviceSpec.this_cpu`).  Users pass
+their own with ``DeviceSpec(...)`` or ``dataclasses.replace(DEVICES["h100"], ...)``.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import threading
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+GB = 1e9
+
+
+@dataclass(frozen=True)
+class DeviceSpec:
+    """One rank's device, as a roofline sees it.
+
+    ``flops``: peak FLOP/s per dtype of matmul-like ops (``torch.float32`` is fp32 without TF32, as torch runs
+    matmuls by default); ``memory_bw``: bytes/s of the device memory every op reads and writes;
+    ``memory_bytes``: what one rank may hold; ``intra_bw`` / ``inter_bw``: bytes/s one rank's collectives move
+    within a node / across nodes (``ranks_per_node`` ranks a node); ``link_latency_s``: per hop of a ring;
+    ``op_overhead_s``: fixed cost of each op (a kernel launch, an executor's dispatch); ``copies_collective_inputs``:
+    the collective library keeps a copy of each reduction's input until it completes (gloo does; NCCL does not).
+    """
+
+    name: str
+    flops: dict = field(default_factory=dict)
+    memory_bw: float = 1e12
+    memory_bytes: int = 80 * 2**30
+    intra_bw: float = 100 * GB
+    inter_bw: float = 25 * GB
+    ranks_per_node: int = 8
+    link_latency_s: float = 5e-6
+    op_overhead_s: float = 5e-6
+    copies_collective_inputs: bool = False
+
+    def flops_for(self, dtype: torch.dtype) -> float:
+        """Peak FLOP/s of ``dtype``: its own figure, else fp32's."""
+        return self.flops.get(dtype) or self.flops[torch.float32]
+
+    def link_bw(self, group_size: int) -> float:
+        """Bytes/s per rank of a collective over ``group_size`` ranks: within a node, or across nodes."""
+        return self.intra_bw if group_size <= self.ranks_per_node else self.inter_bw
+
+    @classmethod
+    def this_cpu(cls, threads: int | None = None, ranks_per_node: int | None = None) -> DeviceSpec:
+        """This machine's CPU, measured now (about a second): an fp32 matmul's FLOP/s and a copy's bandwidth with
+        ``threads`` threads (default: torch's, as one rank runs), loopback TCP (what gloo uses between local ranks)
+        for the links, and a small op's dispatch time.  Memory: this machine's RAM over ``ranks_per_node`` ranks
+        (default: its CPU count)."""
+        threads = threads or torch.get_num_threads()
+        before = torch.get_num_threads()
+        torch.set_num_threads(threads)
+        try:
+            matmul = _rate(lambda a, b: torch.mm(a, b), (torch.randn(1024, 1024), torch.randn(1024, 1024)),
+                           2 * 1024**3)
+            src = torch.randn(32 * 2**20 // 4)
+            dst = torch.empty_like(src)
+            copy = _rate(lambda s, d: d.copy_(s), (src, dst), 2 * src.numel() * 4)
+            small = torch.randn(16)
+            overhead = 1 / _rate(lambda s: torch.add(s, s), (small,), 1, repeat=200)
+        finally:
+            torch.set_num_threads(before)
+        link = _loopback_bw()
+        ranks = ranks_per_node or os.cpu_count() or 1
+        memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") // ranks
+        return cls(name=f"this CPU ({threads} thread{'s' if threads > 1 else ''})", flops={torch.float32: matmul},
+                   memory_bw=copy, memory_bytes=memory, intra_bw=link, inter_bw=link, ranks_per_node=ranks,
+                   link_latency_s=50e-6, op_overhead_s=overhead, copies_collective_inputs=True)
+
+
+def _rate(fn, args, work: float, repeat: int = 5) -> float:
+    """``work`` per second of ``fn(*args)``: the best of ``repeat`` timed calls after one warm-up."""
+    fn(*args)
+    best = float("inf")
+    for _ in range(repeat):
+        t0 = time.perf_counter()
+        fn(*args)
+        best = min(best, time.perf_counter() - t0)
+    return work / max(best, 1e-9)
+
+
+def _loopback_bw(nbytes: int = 32 * 2**20) -> float:
+    """Bytes/s of one TCP stream over loopback (a receiving thread draining it)."""
+    server = socket.socket()
+    server.bind(("127.0.0.1", 0))
+    server.listen(1)
+    payload = bytearray(nbytes)
+
+    def drain():
+        conn, _ = server.accept()
+        with conn:
+            view, got = memoryview(bytearray(nbytes)), 0
+            while got < nbytes:
+                got += conn.recv_into(view[got:])
+            conn.sendall(b"k")
+
+    reader = threading.Thread(target=drain, daemon=True)
+    reader.start()
+    with socket.create_connection(server.getsockname()) as client:
+        t0 = time.perf_counter()
+        client.sendall(payload)
+        client.recv(1)
+        seconds = time.perf_counter() - t0
+    reader.join()
+    server.close()
+    return nbytes / seconds
+
+
+_BF16 = (torch.bfloat16, torch.float16)
+
+# Data-sheet figures per GPU (SXM parts, dense): fp32 without TF32 (torch's default for matmuls), bf16/fp16
+# tensor cores; NVLink per GPU in one direction (H100/H200 900 GB/s both ways, A100 600); across nodes one
+# 400 Gb/s InfiniBand NIC per GPU (50 GB/s).
+DEVICES: dict[str, DeviceSpec] = {
+    "h100": DeviceSpec("H100 SXM 80GB", flops={torch.float32: 67e12, **{d: 989e12 for d in _BF16}},
+                       memory_bw=3.35e12, memory_bytes=80 * 2**30, intra_bw=450 * GB, inter_bw=50 * GB),
+    "h200": DeviceSpec("H200 SXM 141GB", flops={torch.float32: 67e12, **{d: 989e12 for d in _BF16}},
+                       memory_bw=4.8e12, memory_bytes=141 * 10**9, intra_bw=450 * GB, inter_bw=50 * GB),
+    "a100": DeviceSpec("A100 SXM 80GB", flops={torch.float32: 19.5e12, **{d: 312e12 for d in _BF16}},
+                       memory_bw=2.04e12, memory_bytes=80 * 2**30, intra_bw=300 * GB, inter_bw=25 * GB),
+}
+
+
+def device_spec(device: str | DeviceSpec) -> DeviceSpec:
+    """A :class:`DeviceSpec` from a name (``"h100"``, ``"h200"``, ``"a100"``, ``"cpu"``: this CPU, measured) or
+    the spec itself."""
+    if isinstance(device, DeviceSpec):
+        return device
+    key = str(device).lower()
+    if key == "cpu":
+        return DeviceSpec.this_cpu()
+    if key not in DEVICES:
+        raise ValueError(f"device={device!r}: give one of {', '.join([*DEVICES, 'cpu'])} or a spmd_ort.DeviceSpec")
+    return DEVICES[key]
+
+
+__all__ = ["DEVICES", "DeviceSpec", "device_spec"]

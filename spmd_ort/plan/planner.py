@@ -1,0 +1,176 @@
+"""Plan a compiled step for N ranks in one process, before renting them (:func:`plan_step`).
+
+The same pipeline a real first call runs (bind -> prepare the layout -> trace -> every pass -> the executor,
+ORT's export included unless ``export=False``), on meta copies of the model and optimizer, with torch's fake
+process group standing in for the world: nothing of the model's size is allocated, the ranks' agreements answer
+as if every rank agreed, and no collective moves a byte.  What the finished graph holds is then priced
+(:mod:`spmd_ort.plan.cost`) and accounted as ``train_step.memory()`` and ``train_step.comm`` account a run.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import time
+
+import torch
+import torch.distributed as dist
+from torch import fx, nn
+from torch.utils import _pytree as pytree
+
+from spmd_ort.capture.inputs import bind_arguments, find_state_owners
+from spmd_ort.capture.prepare import Preparation
+from spmd_ort.distributed import dtensor, parallel
+from spmd_ort.distributed.sharding import persistent_bytes
+from spmd_ort.errors import ConfigError
+from spmd_ort.graph.slots import SlotKind
+from spmd_ort.passes.analysis import MemoryPlan
+from spmd_ort.plan.cost import KIND, step_cost
+from spmd_ort.plan.device import DeviceSpec, device_spec
+from spmd_ort.plan.report import Plan
+from spmd_ort.runtime.memory import plan_activation_memory, value_bytes
+
+
+@contextlib.contextmanager
+def fake_world(world_size: int, rank: int = 0):
+    """torch's fake process group as the default group for the block: ``world_size`` ranks, this process
+    ``rank``; every collective returns at once without moving data (an all-gather of objects hands back this
+    rank's for every rank: the ranks agree).  Refused where a process group is up already."""
+    if dist.is_initialized():
+        raise ConfigError(
+            "plan() stands up torch's fake process group for the world it plans, but this process already has a "
+            f"process group ({dist.get_backend()}, {dist.get_world_size()} ranks). Fix: plan before "
+            "init_process_group, or in a separate process (python -m spmd_ort.plan, or a script without torchrun)")
+    if not (isinstance(world_size, int) and world_size >= 1 and isinstance(rank, int) and 0 <= rank < world_size):
+        raise ConfigError(f"plan(world_size={world_size!r}, rank={rank!r}): give world_size >= 1 and "
+                          "0 <= rank < world_size")
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world_size)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
+
+
+def _meta_copies(args: tuple, kwargs: dict):
+    """(args, kwargs) with the model and optimizer replaced by copies on the meta device (nothing of their size
+    allocated; the originals untouched) and every tensor by a meta tensor of its shape and dtype."""
+    module, opt, _ = find_state_owners(args, kwargs)
+    if getattr(module, parallel.PARALLELIZED_ATTR, None) is not None or dtensor.has_dtensor_state(module):
+        raise ConfigError(f"plan(): {type(module).__name__} is laid out for a world already (parallelize, or "
+                          "DTensor parameters). Fix: plan the model as built (on the meta device is best), before "
+                          "parallelize; the plan lays it out for the world it plans")
+    memo: dict[int, object] = {}
+    for name, t in [*module.named_parameters(remove_duplicate=False), *module.named_buffers(remove_duplicate=False)]:
+        if id(t) not in memo:
+            meta = torch.empty_like(t, device="meta")
+            memo[id(t)] = nn.Parameter(meta, requires_grad=t.requires_grad) if isinstance(t, nn.Parameter) else meta
+    twin = copy.deepcopy(module, memo)
+    twin_opt = None
+    if opt is not None:
+        groups = [{**{k: v for k, v in g.items() if k != "params"}, "params": [memo[id(p)] for p in g["params"]]}
+                  for g in opt.param_groups]
+        try:
+            twin_opt = type(opt)(groups, **opt.defaults)
+        except TypeError:
+            twin_opt = type(opt)(groups)
+
+    def swap(leaf):
+        if leaf is module:
+            return twin
+        if leaf is opt:
+            return twin_opt
+        if isinstance(leaf, torch.Tensor) and not isinstance(leaf, nn.Parameter):
+            return torch.empty_like(leaf, device="meta").requires_grad_(leaf.requires_grad)
+        return leaf
+
+    args, kwargs = pytree.tree_map(swap, (args, kwargs))
+    return args, kwargs
+
+
+def plan_step(step, args: tuple, kwargs: dict, *, world_size: int, device: str | DeviceSpec = "h100", rank: int = 0,
+              export: bool = True) -> Plan:
+    """:meth:`spmd_ort.CompiledStep.plan`: ``step``'s program for ``world_size`` ranks, as rank ``rank`` runs it."""
+    t0 = time.perf_counter()
+    spec = device_spec(device)  # this CPU's probe runs before the fake world exists
+    bind_arguments(step.fn, args, kwargs, step._signature)
+    mode = step.parallel_mode
+    if isinstance(mode, parallel.TensorParallel) and mode.mesh is not None and not isinstance(mode.mesh, tuple):
+        raise ConfigError("plan(): TensorParallel(mesh=<DeviceMesh>) is a mesh of this process's world; give its "
+                          "shape instead (mesh=(dp, tp), or (tp,)), built on the world the plan runs in")
+    args, kwargs = _meta_copies(args, kwargs)
+    # a twin of the step: the plan's variants, shapes, opaque parts and tuner never touch the step's own
+    twin = type(step)(step.fn, module_override=step.module_override, gm_transformation=step.gm_transformation,
+                        parallel_mode=mode, options=step.options)
+    priced: dict = {}
+
+    def price(gm: fx.GraphModule, ctx) -> None:
+        priced["cost"] = step_cost(gm, spec, world_size)
+        priced["live"] = plan_activation_memory(gm).live
+        priced["nodes"] = len(gm.graph.nodes)
+        priced["comm"] = collective_bytes(gm)
+        out = next(n for n in gm.graph.nodes if n.op == "output").args[0]
+        held = [(s, v.meta.get("val")) for v, s in zip(out, ctx.output_slots)
+                if s.kind is SlotKind.GRAD and isinstance(v, fx.Node)]
+        priced["grads"] = sum(value_bytes(v) for _, v in held)
+        priced["held_grads"] = held
+
+    with fake_world(world_size, rank):
+        call = twin._bind(args, kwargs, planning=True)
+        with Preparation(call, overrides=twin.module_override):
+            program = None
+            for _ in range(2):
+                key = twin.shapes.agreed_key(call)
+                program = twin.compiler.compile_everywhere(
+                    call, key, dynamic=twin.shapes.dynamic, previous=program, reason="plan",
+                    executor=export and step.backend != "fx", after_passes=price)
+                if not priced["held_grads"] or any(p.grad is not None for p in call.module.parameters()):
+                    break
+                # gradients held between steps (zero_grad(set_to_none=False)): the steady step is the second
+                # one, which takes them as inputs; give the meta copies the gradients the first one leaves
+                slots, vals = zip(*priced["held_grads"])
+                program.layout.write_back(list(slots), [torch.empty(v.shape, dtype=v.dtype, device="meta")
+                                                        for v in vals])
+            held = persistent_bytes(call.module, call.opt)
+        mode_name = _describe(mode, call.mode)
+    cost = priced["cost"]
+    live = [a + c for a, c in zip(priced["live"], cost.inflight)]
+    state = held["params"] + priced["grads"] + held["opt_state"] + held["buffers"]
+    per_rank = {"params": held["params"], "grads": priced["grads"], "optimizer": held["opt_state"],
+                "buffers": held["buffers"], "activations": program.results.get(MemoryPlan).planned_peak_bytes,
+                "comm_buffers": max(cost.inflight, default=0), "peak": state + max(live, default=0)}
+    comm_bytes, comm_calls = priced["comm"]
+    main = max(cost.flops_by_dtype, key=cost.flops_by_dtype.get) if cost.flops_by_dtype else torch.float32
+    return Plan(world_size=world_size, rank=rank, device=spec, parallel=mode_name, backend=step.backend,
+                per_rank_bytes=per_rank, comm_bytes=dict(sorted(comm_bytes.items())),
+                comm_calls=dict(sorted(comm_calls.items())), flops=cost.flops, predicted_step_s=cost.predicted_s,
+                compute_s=cost.compute_s, comm_s=cost.comm_s, exposed_comm_s=cost.exposed_comm_s,
+                graph_nodes=priced["nodes"], exported=program.executor is not None, planning_s=time.perf_counter() - t0,
+                main_dtype=main, memory_over_step=tuple(state + v for v in live))
+
+
+def collective_bytes(gm: fx.GraphModule) -> tuple[dict, dict]:
+    """({kind: bytes}, {kind: calls}) of the collectives one run of ``gm`` issues, counted as the communicator
+    counts a run's (``train_step.comm``): an all-gather's gathered bytes, the others' full input."""
+    nbytes: dict = {}
+    calls: dict = {}
+    for node in gm.graph.nodes:
+        kind = KIND.get(node.target) if node.op == "call_function" else None
+        if kind is None:
+            continue
+        payload = node if kind == "all_gather" else node.args[0]
+        nbytes[kind] = nbytes.get(kind, 0) + value_bytes(payload.meta.get("val"))
+        calls[kind] = calls.get(kind, 0) + 1
+    return nbytes, calls
+
+
+def _describe(mode, resolved) -> str:
+    if isinstance(mode, parallel.TensorParallel):
+        shape = mode.mesh if isinstance(mode.mesh, tuple) else None
+        dp = mode.data_parallel
+        return (f"tensor parallel {shape[1]} x {dp.parallel_style} {shape[0]}" if dp is not None and shape
+                else f"tensor parallel{f' {shape[0]}' if shape else ''}")
+    if resolved is None:
+        return "one rank"
+    return resolved.parallel_style

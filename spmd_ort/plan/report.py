@@ -1,0 +1,113 @@
+"""A plan's answer (:class:`Plan`): what one rank holds, sends and computes in one step, and whether it fits."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from spmd_ort.plan.device import DeviceSpec
+
+MiB, GiB = 2**20, 2**30
+
+
+def _size(n: float) -> str:
+    return f"{n / GiB:.2f} GiB" if n >= GiB else f"{n / MiB:.1f} MiB"
+
+
+@dataclass
+class Plan:
+    """One rank's step, planned without running it (:meth:`spmd_ort.CompiledStep.plan`).
+
+    ``per_rank_bytes``: ``params``, ``grads`` (held between steps), ``optimizer``, ``buffers``, ``activations``
+    (the planned peak of the values the step creates: ``train_step.memory()``'s ``planned_activation_peak``),
+    ``comm_buffers`` (reduction inputs a collective library holds while in flight: gloo's copies) and ``peak``
+    (the most live at once: the state, plus the values and held buffers at the step's worst node).
+    ``comm_bytes`` / ``comm_calls``: per collective kind, counted as ``train_step.comm`` counts them (an
+    all-gather's gathered bytes; the others' full input).  ``flops``: of the whole step (forward, backward,
+    optimizer), by torch's formulas.  ``predicted_step_s``: a roofline on ``device`` walked in the schedule's
+    order (:mod:`spmd_ort.plan.cost`).  ``fits``: ``peak`` under the device's memory.
+    """
+
+    world_size: int
+    rank: int
+    device: DeviceSpec
+    parallel: str
+    backend: str
+    per_rank_bytes: dict
+    comm_bytes: dict
+    comm_calls: dict
+    flops: int
+    predicted_step_s: float
+    compute_s: float
+    comm_s: float
+    exposed_comm_s: float
+    graph_nodes: int
+    exported: bool
+    planning_s: float = 0.0
+    main_dtype: object = None  # the dtype with the most FLOPs (MFU is against its peak)
+    memory_over_step: tuple = field(default=(), repr=False)  # bytes live at each node of the step, state included
+
+    @property
+    def fits(self) -> bool:
+        return self.per_rank_bytes["peak"] <= self.device.memory_bytes
+
+    @property
+    def mfu(self) -> float:
+        """Model FLOPs over the step's predicted time and the device's peak (of the step's main dtype)."""
+        peak = self.device.flops_for(self.main_dtype)
+        return self.flops / self.predicted_step_s / peak if self.predicted_step_s > 0 else 0.0
+
+    def table(self) -> str:
+        b = self.per_rank_bytes
+        rows = [("parameters", _size(b["params"])), ("gradients (between steps)", _size(b["grads"])),
+                ("optimizer state", _size(b["optimizer"])), ("buffers", _size(b["buffers"])),
+                ("activations (planned peak)", _size(b["activations"])),
+                ("collective buffers (peak)", _size(b["comm_buffers"])),
+                ("peak", f"{_size(b['peak'])} of {_size(self.device.memory_bytes)}: "
+                         f"{'fits' if self.fits else 'does NOT fit'}")]
+        lines = [f"plan: rank {self.rank} of {self.world_size}, {self.parallel}, backend {self.backend}, on "
+                 f"{self.device.name} ({self.graph_nodes:,} graph nodes; planned in {self.planning_s:.1f} s"
+                 f"{', exported' if self.exported else ''})", "", "| per rank | bytes |", "|---|---|"]
+        lines += [f"| {k} | {v} |" for k, v in rows]
+        lines += ["", "| collective | calls | bytes per step |", "|---|---|---|"]
+        lines += [f"| {k} | {self.comm_calls[k]} | {_size(v)} |" for k, v in self.comm_bytes.items()] or [
+            "| none | 0 | 0 |"]
+        lines += ["", f"step: {self.flops / 1e12:.2f} TFLOP; predicted {self.predicted_step_s * 1e3:.1f} ms "
+                      f"(compute {self.compute_s * 1e3:.1f} ms, collectives {self.comm_s * 1e3:.1f} ms of which "
+                      f"{self.exposed_comm_s * 1e3:.1f} ms not hidden); MFU {100 * self.mfu:.1f}% of "
+                      f"{self.device.name}'s peak"]
+        return "\n".join(lines)
+
+    def explain(self, picture: str | Path | None = None) -> str:
+        """The plan as a table; with ``picture``, also a PNG of the memory live over the step written there."""
+        if picture is not None:
+            self.draw_memory(picture)
+        return self.table()
+
+    def draw_memory(self, path: str | Path) -> Path:
+        """A PNG of the bytes live at each node of the step (state, values, held collective buffers), with the
+        device's memory as a line."""
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+
+        path = Path(path)
+        fig, ax = plt.subplots(figsize=(10, 3.5))
+        ax.plot([v / GiB for v in self.memory_over_step], lw=1)
+        ax.axhline(self.device.memory_bytes / GiB, color="red", ls="--", lw=1, label=self.device.name)
+        ax.set_xlabel("node of the scheduled step")
+        ax.set_ylabel("GiB live (rank %d)" % self.rank)
+        ax.set_title(f"{self.parallel} over {self.world_size} ranks: peak {_size(self.per_rank_bytes['peak'])}")
+        ax.legend(loc="upper right")
+        fig.tight_layout()
+        fig.savefig(path, dpi=100)
+        plt.close(fig)
+        return path
+
+    def as_dict(self) -> dict:
+        return {"world_size": self.world_size, "rank": self.rank, "device": self.device.name,
+                "parallel": self.parallel, "backend": self.backend, "per_rank_bytes": dict(self.per_rank_bytes),
+                "comm_bytes": dict(self.comm_bytes), "comm_calls": dict(self.comm_calls), "flops": self.flops,
+                "predicted_step_s": self.predicted_step_s, "fits": self.fits, "graph_nodes": self.graph_nodes,
+                "planning_s": self.planning_s}

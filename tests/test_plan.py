@@ -1,0 +1,167 @@
+"""``train_step.plan(...)``: a step compiled for N ranks in one process (torch's fake process group, a meta copy of
+the model), priced without running (spmd_ort.plan), and checked against what 2 real gloo ranks measure."""
+
+from __future__ import annotations
+
+import json
+import resource
+import subprocess
+import sys
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import spmd_ort
+from examples.gpt import GPT, GPTConfig, tensor_parallel_plan
+from helpers import grads_kept_step, train_step
+from spmd_ort.errors import ConfigError
+from spmd_ort.plan import DEVICES, DeviceSpec
+from test_data_parallel import ROOT, torchrun
+
+sys.path.insert(0, str(ROOT / "tests" / "dist"))
+import plan_check  # noqa: E402
+
+
+def _meta_gpt(cfg: GPTConfig):
+    with torch.device("meta"):
+        model = GPT(cfg)
+    return model, torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.1)
+
+
+def _tokens(cfg: GPTConfig, batch: int):
+    return plan_check.batch(cfg, batch, 0)
+
+
+@pytest.mark.multiproc
+def test_plan_equals_what_two_real_ranks_hold_and_send(tmp_path):
+    """replicate, fully_shard and tensor parallel on 2 gloo ranks (fx): the plan made in this process, with no
+    process group, has exactly the collectives of the last real step (calls and bytes per kind, as
+    ``train_step.comm`` counts them) and exactly ``train_step.memory()``'s parameter, gradient (held between
+    steps here) and optimizer-state bytes and planned activation peak, on each rank."""
+    ranks, _ = torchrun(tmp_path, nproc=2, script=ROOT / "tests" / "dist" / "plan_check.py", timeout=600)
+    cfg = plan_check.config("test")
+    for name, mode in plan_check.modes(2).items():
+        for r in ([0, 1] if name == "fully_shard" else [0]):
+            real = ranks[r][name]
+            model, opt = _meta_gpt(cfg)
+            step = spmd_ort.compile(parallel_mode=mode, backend="fx")(grads_kept_step)
+            plan = step.plan(model, opt, *_tokens(cfg, 4), world_size=2, rank=r, device="h100")
+            assert plan.comm_bytes == real["comm_bytes"], (name, r, plan.comm_bytes, real["comm_bytes"])
+            assert plan.comm_calls == real["comm_calls"], (name, r, plan.comm_calls, real["comm_calls"])
+            held, b = real["persistent"], plan.per_rank_bytes
+            assert (b["params"], b["grads"], b["optimizer"]) == (held["params"], held["grads"], held["opt_state"]), (
+                name, r, b, held)
+            assert b["grads"] > 0 and b["activations"] == real["planned_activation_peak"], (name, b, real)
+            assert not dist.is_initialized()
+    fs, rep = ranks[0]["fully_shard"]["persistent"], ranks[0]["replicate"]["persistent"]
+    assert fs["params"] * 2 <= rep["params"] + 64 * 4 * 2  # the shard is half (rows padded to the world)
+
+
+def test_a_big_model_is_planned_for_64_ranks_without_allocating_it():
+    """A 0.5 B-parameter GPT on the meta device, fully_shard over 64 fake ranks: each rank holds 1/64 of the
+    parameters and twice that of AdamW state (plus its step counts), every parameter is gathered and every gradient reduce-scattered
+    once at full size, and planning allocates nothing near the model's 2 GB."""
+    cfg = GPTConfig(vocab=32000, seq=64, d=2048, heads=16, layers=8, split_qkv=True)
+    model, opt = _meta_gpt(cfg)
+    full = sum(p.numel() for p in model.parameters()) * 4
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    step = spmd_ort.compile(parallel_mode=spmd_ort.DataParallel(parallel_style="fully_shard"),
+                            backend="fx")(train_step)
+    plan = step.plan(model, opt, *(torch.empty(2, cfg.seq, dtype=torch.long, device="meta") for _ in "xy"),
+                     world_size=64, device="h100")
+    grown = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 - before
+    assert full > 1.5e9 and grown < full / 4, (full, grown)
+    b = plan.per_rank_bytes
+    steps = 4 * len(list(model.parameters()))  # AdamW's step count: one float32 scalar a parameter
+    assert full / 64 <= b["params"] <= full / 64 * 1.01 and b["optimizer"] == 2 * b["params"] + steps, b
+    assert plan.comm_bytes["reduce_scatter"] == 64 * b["params"]  # every gradient once, padded to the world
+    assert plan.comm_bytes["all_gather"] >= 64 * b["params"]  # forward (and backward, resharded) gathers
+    assert b["peak"] >= b["params"] + b["optimizer"] + b["activations"] and plan.fits
+    assert plan.flops > 6 * (full / 4 - cfg.vocab * cfg.d * 1.0) * 2 * cfg.seq * 0.9  # ~6 N T for the blocks
+    assert 0 < plan.compute_s <= plan.predicted_step_s and plan.exposed_comm_s <= plan.comm_s
+    assert plan.graph_nodes > 1000 and not dist.is_initialized()
+
+
+def test_plan_leaves_the_model_optimizer_and_step_as_they_were(tmp_path):
+    """The plan compiles a twin of the step on meta copies: the model keeps its plain parameters, the optimizer
+    has no state, the step no variant, no process group is left; the step then trains the materialised model
+    as usual.  The picture of memory over the step is written."""
+    cfg = plan_check.config("test")
+    torch.manual_seed(0)
+    model = GPT(cfg)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    step = spmd_ort.compile(backend="fx")(train_step)
+    plan = step.plan(model, opt, *_tokens(cfg, 4), world_size=1, device=DEVICES["a100"])
+    text = plan.explain(tmp_path / "mem.png")
+    assert (tmp_path / "mem.png").stat().st_size > 1000 and "one rank" in text and "fits" in text
+    assert plan.comm_bytes == {} and plan.per_rank_bytes["params"] == sum(p.numel() * 4 for p in model.parameters())
+    assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
+    assert not opt.state and not step.variants and not dist.is_initialized()
+    assert all(type(p) is torch.nn.Parameter and not p.is_meta for p in model.parameters())
+    loss = step(model, opt, *_tokens(cfg, 4))
+    assert torch.isfinite(loss) and len(step.variants) == 1
+
+
+def test_fits_is_the_peak_under_the_device_memory_and_the_roofline_prices_links():
+    """A device too small for the peak does not fit; collectives that cost nothing are never waited for, and
+    slower links make the step no faster."""
+    cfg = plan_check.config("test")
+    step = spmd_ort.compile(parallel_mode=spmd_ort.DataParallel(parallel_style="fully_shard"),
+                            backend="fx")(train_step)
+
+    def plan(device):
+        model, opt = _meta_gpt(cfg)
+        return step.plan(model, opt, *_tokens(cfg, 4), world_size=8, device=device)
+
+    base = DEVICES["h100"]
+    tiny = plan(DeviceSpec("tiny", flops=base.flops, memory_bytes=2**20, link_latency_s=0,
+                           intra_bw=float("inf"), inter_bw=float("inf")))
+    slow = plan(DeviceSpec("slow", flops=base.flops, memory_bytes=2**20, intra_bw=1e6, inter_bw=1e6))
+    assert not tiny.fits and "does NOT fit" in tiny.explain()
+    assert tiny.exposed_comm_s == 0 and tiny.predicted_step_s == pytest.approx(tiny.compute_s)
+    assert slow.predicted_step_s > tiny.predicted_step_s and slow.exposed_comm_s > 0
+    assert slow.comm_bytes == tiny.comm_bytes and slow.flops == tiny.flops
+
+
+def test_plan_errors_name_the_fix():
+    cfg = plan_check.config("test")
+    model, opt = _meta_gpt(cfg)
+    step = spmd_ort.compile(backend="fx")(train_step)
+    with pytest.raises(ValueError, match="h100"):
+        step.plan(model, opt, *_tokens(cfg, 4), world_size=2, device="tpu")
+    with pytest.raises(ConfigError, match="0 <= rank < world_size"):
+        step.plan(model, opt, *_tokens(cfg, 4), world_size=2, rank=2)
+    with pytest.raises(TypeError, match=r"\(dp, tp\)"):
+        spmd_ort.TensorParallel(tensor_parallel_plan(), mesh=(2,), data_parallel=spmd_ort.DataParallel())
+    store = dist.HashStore()
+    dist.init_process_group("gloo", store=store, rank=0, world_size=1)
+    try:
+        with pytest.raises(ConfigError, match="before init_process_group"):
+            step.plan(model, opt, *_tokens(cfg, 4), world_size=2)
+    finally:
+        dist.destroy_process_group()
+    assert not any(p.grad is not None for p in model.parameters()) and not opt.state
+
+
+def test_the_command_line_plans_a_hugging_face_config_in_2d(tmp_path):
+    """``python -m spmd_ort.plan --model hf:<config.json> --parallel tp:2`` on 8 ranks: tensor parallel 2 x
+    fully_shard 4 of a small Llama built from its config on the meta device."""
+    import transformers
+
+    config = transformers.LlamaConfig(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                      num_attention_heads=4, num_key_value_heads=2)
+    config.save_pretrained(tmp_path)
+    out = tmp_path / "plan.json"
+    proc = subprocess.run([sys.executable, "-m", "spmd_ort.plan", "--model", f"hf:{tmp_path / 'config.json'}",
+                           "--world-size", "8", "--parallel", "tp:2", "--seq", "32", "--device", "h200",
+                           "--json", str(out)], capture_output=True, text=True, timeout=300, cwd=ROOT)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "tensor parallel 2 x fully_shard 4" in proc.stdout and "H200" in proc.stdout, proc.stdout
+    got = json.loads(out.read_text())
+    assert got["world_size"] == 8 and got["fits"] and set(got["comm_bytes"]) >= {"all_gather", "all_reduce",
+                                                                                  "reduce_scatter"}
+    per_rank = got["per_rank_bytes"]["params"] + got["per_rank_bytes"]["optimizer"]
+    # the plan's layers over all 8 ranks, the replicated rest (embeddings, norms, head) over the 4 dp ranks
+    assert 12 * got["params_total"] / 8 < per_rank < 12 * got["params_total"] / 4
