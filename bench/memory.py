@@ -48,6 +48,9 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--steps", type=int, default=3)
     ap.add_argument("--runners", default=RUNNERS)
+    ap.add_argument("--model", default="gpt", choices=("gpt", "llama"),
+                    help="gpt: examples/gpt.py (GELU MLP, dropout); llama: transformers' Llama (RMSNorm, SwiGLU "
+                         "FFN 688, 2 KV heads, no dropout), d 256 and 4 heads both")
     ap.add_argument("--layers", type=int, default=6)
     ap.add_argument("--seq", type=int, default=512)
     ap.add_argument("--batch", type=int, default=8)
@@ -63,7 +66,7 @@ def main() -> None:
             out = Path(tmp) / "out.json"
             out.unlink(missing_ok=True)
             cmd = [sys.executable, __file__, "--worker", name, "--out", str(out), "--steps", str(args.steps),
-                   "--layers", str(args.layers), "--seq", str(args.seq), "--batch", str(args.batch)]
+                   "--model", args.model, "--layers", str(args.layers), "--seq", str(args.seq), "--batch", str(args.batch)]
             env = {k: v for k, v in os.environ.items() if not k.startswith("MALLOC_")}
             env.update({**ALLOCATOR, "SPMD_ORT_LOG_LEVEL": "WARNING"})
             t0 = time.perf_counter()
@@ -80,7 +83,9 @@ def main() -> None:
 def report(results: dict, args) -> None:
     import torch
 
-    print(f"# bench/memory.py — GPT {args.layers} layers, d 256, seq {args.seq}, batch {args.batch}, dropout 0.1; "
+    what = "GPT" if args.model == "gpt" else "HF Llama (SwiGLU FFN 688, 2 KV heads, no dropout)"
+    print(f"# bench/memory.py --model {args.model} — {what} {args.layers} layers, d 256, seq {args.seq}, batch "
+          f"{args.batch}{', dropout 0.1' if args.model == 'gpt' else ''}; "
           f"torch {torch.__version__}, {os.cpu_count()} cores; glibc returning freed memory; {args.steps} steps "
           "after the first")
     print("| runner | peak MiB | x fx@1.0 | x eager+checkpoint | ms/step | x eager | x eager+checkpoint | "
@@ -131,11 +136,12 @@ def worker(args) -> None:
             super().__init__()
             self.block = block
 
-        def forward(self, x):
-            return checkpoint(self.block, x, use_reentrant=False)
+        def forward(self, *args, **kwargs):
+            return checkpoint(self.block, *args, use_reentrant=False, **kwargs)
 
     def step_fn(model, opt, x, y):
-        loss = F.cross_entropy(model(x).flatten(0, 1), y.flatten())
+        logits = model(x) if isinstance(model, GPT) else model(input_ids=x).logits
+        loss = F.cross_entropy(logits.flatten(0, 1), y.flatten())
         loss.backward()
         opt.step()
         opt.zero_grad(set_to_none=True)
@@ -143,13 +149,23 @@ def worker(args) -> None:
 
     cfg = GPTConfig(vocab=256, seq=args.seq, d=256, heads=4, layers=args.layers, dropout=0.1)
     torch.manual_seed(0)
-    model = GPT(cfg)
+    if args.model == "gpt":
+        model = GPT(cfg)
+        blocks = model.blocks
+    else:
+        import transformers
+
+        model = transformers.LlamaForCausalLM(transformers.LlamaConfig(
+            vocab_size=cfg.vocab, hidden_size=256, intermediate_size=688, num_hidden_layers=args.layers,
+            num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=2 * args.seq,
+            attn_implementation="sdpa"))
+        blocks = model.model.layers
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3, fused=True)
     name = args.worker
     compiled = None
     if name == "eager+checkpoint":
-        for i, block in enumerate(model.blocks):
-            model.blocks[i] = Checkpointed(block)
+        for i, block in enumerate(blocks):
+            blocks[i] = Checkpointed(block)
         step = lambda x, y: step_fn(model, opt, x, y)
     elif name == "eager":
         step = lambda x, y: step_fn(model, opt, x, y)

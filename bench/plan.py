@@ -9,7 +9,7 @@
    (exact), the step's peak (the planned ``peak`` against the measured peak RSS above the process's baseline
    plus the planned state) and the step time with the "this CPU" spec (1 thread, as torchrun gives each rank).
 
-    python bench/plan.py [--skip-8b] [--skip-real]
+    python bench/plan.py [--skip-8b] [--skip-real] [--backends ort,fx]
 """
 
 from __future__ import annotations
@@ -36,30 +36,53 @@ def cli(*args: str) -> dict:
         return json.loads(out.read_text())
 
 
+def deepspeed_estimate(total: int, largest: int, world: int) -> float | None:
+    """DeepSpeed's ZeRO-3 estimate of one GPU's model states (its formula: fp16 mixed precision, 18 bytes a
+    parameter over the GPUs, plus the largest layer's fp32 parameters), or None without DeepSpeed."""
+    try:
+        from deepspeed.runtime.zero.stage3 import estimate_zero3_model_states_mem_needs
+    except Exception:  # noqa: BLE001 - not installed (make bench-deps), or it cannot load here
+        return None
+    _, gpu, _ = estimate_zero3_model_states_mem_needs(total, largest, num_gpus_per_node=min(world, 8),
+                                                      num_nodes=max(1, world // 8), cpu_offload=False,
+                                                      cpu_offload_params=False, zero_init=True)
+    return gpu
+
+
 def gib(n: float) -> str:
     return f"{n / 2**30:.2f}"
 
 
-def llama() -> None:
+def ds_text(r: dict) -> str:
+    est = deepspeed_estimate(r["params_total"], r["largest_module_params"], 64)
+    return "DeepSpeed not installed" if est is None else f"{gib(est)} GiB"
+
+
+def llama(backends: list[str]) -> None:
     print("### Llama-3-8B-shaped, batch 1 x 4096, AdamW, planned for H100 (one process, fresh each)\n")
-    print("| layout | ranks | planned in | peak RSS | params + AdamW / rank (GiB) | 12 B x N / ranks | "
+    print("| layout | backend | ranks | planned in | peak RSS | params + AdamW / rank (GiB) | 12 B x N / ranks | "
           "activations (GiB) | peak / rank (GiB) | fits 80 GB | all-gather / reduce-scatter / all-reduce (GiB) | "
-          "predicted step |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|")
-    for name, par in (("fully_shard", "fully_shard"), ("tp 8 x fully_shard 8", "tp:8")):
-        r = cli("--model", "llama3-8b", "--world-size", "64", "--parallel", par, "--seq", "4096")
+          "predicted step | DeepSpeed's ZeRO-3 estimate (model states only) |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+    for (name, par), backend in [(x, b) for x in (("fully_shard", "fully_shard"), ("tp 8 x fully_shard 8", "tp:8"))
+                                 for b in backends]:
+        r = cli("--model", "llama3-8b", "--world-size", "64", "--parallel", par, "--seq", "4096",
+                "--backend", backend)
         b, c = r["per_rank_bytes"], r["comm_bytes"]
         ideal = 12 * r["params_total"] / 64
-        print(f"| {name} | 64 | {r['wall_s']:.1f} s | {gib(r['max_rss'])} GiB | {gib(b['params'] + b['optimizer'])} "
+        exported = (f" ({r['export']['segments']} segments exported in {r['export']['export_s']:.0f} s, "
+                    f"{len(r['export']['fallbacks'])} fall back)" if r.get("export") else "")
+        print(f"| {name} | {backend}{exported} | 64 | {r['wall_s']:.1f} s | {gib(r['max_rss'])} GiB | {gib(b['params'] + b['optimizer'])} "
               f"| {gib(ideal)} | {gib(b['activations'])} | {gib(b['peak'])} | {r['fits']} | "
               f"{gib(c.get('all_gather', 0))} / {gib(c.get('reduce_scatter', 0))} / {gib(c.get('all_reduce', 0))} "
-              f"| {r['predicted_step_s']:.2f} s |")
-    print("\n### Planning time against depth (fully_shard, 64 ranks, batch 1 x 4096)\n")
+              f"| {r['predicted_step_s']:.2f} s | {ds_text(r) if par == 'fully_shard' else '-'} |")
+    print(f"\n### Planning time against depth (fully_shard, 64 ranks, batch 1 x 4096, {backends[0]})\n")
     print("| layers | parameters | graph nodes | planned in | peak RSS |")
     print("|---|---|---|---|---|")
     first = None
     for layers in (8, 16, 32):
-        r = cli("--model", "llama3-8b", "--layers", str(layers), "--world-size", "64", "--seq", "4096")
+        r = cli("--model", "llama3-8b", "--layers", str(layers), "--world-size", "64", "--seq", "4096",
+                "--backend", backends[0])
         first = first or r["wall_s"]
         print(f"| {layers} | {r['params_total'] / 1e9:.2f} B | {r['graph_nodes']:,} | {r['wall_s']:.1f} s "
               f"({r['wall_s'] / first:.2f}x) | {gib(r['max_rss'])} GiB |")
@@ -112,14 +135,51 @@ def real() -> None:
                   f"{p.predicted_step_s * 1e3:.1f} ms | {steady * 1e3:.1f} ms | {p.predicted_step_s / steady:.2f} |")
 
 
+def big() -> None:
+    """The 97 M GPT of bench/big_model.py (fully_shard, 2 ranks, batch 2 x 128, AdamW, fx) planned on the GPU
+    specs and this CPU: its per-rank figures, for the peaks bench/big_model.py measures for it and for FSDP2."""
+    import torch
+    import torch.nn.functional as F
+
+    import spmd_ort
+    from examples.gpt import GPT, GPTConfig
+    from spmd_ort.plan import DeviceSpec
+
+    def step_fn(model, opt, x, y):
+        loss = F.cross_entropy(model(x).flatten(0, 1), y.flatten())
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        return loss
+
+    cfg = GPTConfig(vocab=8192, seq=128, d=1024, heads=16, layers=7)
+    print("\n### bench/big_model.py's GPT (7 layers, d 1024, 97 M parameters), fully_shard over 2 ranks, fx\n")
+    print("| device | params + AdamW / rank | activations | collective buffers | planned peak | predicted step |")
+    print("|---|---|---|---|---|---|")
+    for device in ("h100", DeviceSpec.this_cpu(threads=1)):
+        with torch.device("meta"):
+            model = GPT(cfg)
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0.1)
+        step = spmd_ort.compile(parallel_mode=spmd_ort.DataParallel(parallel_style="fully_shard"),
+                                backend="fx")(step_fn)
+        tokens = torch.empty(2, cfg.seq, dtype=torch.long, device="meta")
+        p = step.plan(model, opt, tokens, tokens, world_size=2, device=device)
+        b = p.per_rank_bytes
+        print(f"| {p.device.name} | {(b['params'] + b['optimizer']) / 2**20:.0f} MiB | "
+              f"{b['activations'] / 2**20:.0f} MiB | {b['comm_buffers'] / 2**20:.0f} MiB | {b['peak'] / 2**20:.0f} MiB "
+              f"| {p.predicted_step_s * 1e3:.0f} ms |")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--skip-8b", action="store_true")
     ap.add_argument("--skip-real", action="store_true")
+    ap.add_argument("--backends", default="ort,fx", help="executors of the Llama plans (the first: the depth table)")
     args = ap.parse_args()
     if not args.skip_8b:
-        llama()
+        llama(args.backends.split(","))
     if not args.skip_real:
+        big()
         real()
 
 

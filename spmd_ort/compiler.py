@@ -124,7 +124,7 @@ class Compiler:
         inputs = StepInputs.of(self.fn, call.args, call.kwargs, previous_key=previous.key if previous else None)
         # spmd_ort.backends.ort.translations translates the fused CPU attention kernel (forward and backward), not the
         # CUDA ones: on an accelerator, the ORT backend traces attention in its math form.
-        on_accelerator = any(p.device.type != "cpu" for p in layout.params)
+        on_accelerator = any(p.device.type not in ("cpu", "meta") for p in layout.params)  # meta: a plan's
         traced = trace_step(self.fn, call.args, call.kwargs, layout,
                             sdpa_math=self.options.backend == "ort" and on_accelerator,
                             tag_grads=call.mode is not None, plan=self.opaque_plan, inputs=inputs,

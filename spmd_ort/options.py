@@ -15,7 +15,7 @@ import dataclasses
 import enum
 import logging
 import os
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -90,6 +90,9 @@ class Options:
     """Everything one compiled step is configured with (resolved once, at ``spmd_ort.compile``)."""
 
     backend: str = BACKENDS[0]
+    # whether the user chose the backend (compile(backend=...) or SPMD_ORT_BACKEND): a default one may be
+    # swapped on a GPU (default_backend_for)
+    backend_given: bool = False
     log_level: LogLevel = LogLevel.WARNING
     disabled_passes: frozenset[str] = frozenset()
     check_passes: bool = False
@@ -142,10 +145,12 @@ class Options:
                               "SPMD_ORT_DISABLE_CUSTOM_AUTOGRAD_SUPPORT=1 runs none opaquely; set one of them")
         if values.get("opaque_functions"):
             values["opaque_functions"] = frozenset(resolve_function(n) for n in values["opaque_functions"])
+        values["backend_given"] = "backend" in env
         if backend is not None:
             if backend not in BACKENDS:
                 raise ConfigError(f"backend={backend!r} is not one of {', '.join(BACKENDS)}")
             values["backend"] = backend
+            values["backend_given"] = True
         if dynamic is not None:
             if not isinstance(dynamic, bool):
                 raise ConfigError(f"dynamic={dynamic!r} is not one of None (automatic), True, False")
@@ -162,6 +167,24 @@ class Options:
 
     def replace(self, **changes: Any) -> Options:
         return dataclasses.replace(self, **changes)
+
+
+def default_backend_for(device_type: str, providers: Sequence[str], has_triton: bool) -> tuple[str, str]:
+    """The backend a step whose tensors are on ``device_type`` gets when the user chose none, and why.
+
+    On a CPU: ORT.  On a GPU: ORT's CUDA execution provider when this onnxruntime has it (``providers``:
+    ``onnxruntime.get_available_providers()``), else inductor when triton is there to compile its kernels, else
+    fx: a GPU user's first call never stops at a missing ``onnxruntime-gpu``.
+    """
+    if device_type != "cuda":
+        return "ort", "the default"
+    if "CUDAExecutionProvider" in providers:
+        return "ort", "the default; this onnxruntime has the CUDA execution provider"
+    if has_triton:
+        return "inductor", ("the step's tensors are on CUDA and this onnxruntime has no CUDA execution provider "
+                            "(install onnxruntime-gpu for ORT); inductor compiles the step instead")
+    return "fx", ("the step's tensors are on CUDA, this onnxruntime has no CUDA execution provider and triton is "
+                  "not installed (inductor cannot compile GPU kernels): the step runs on fx")
 
 
 # ---------------------------------------------------------------------- parsers

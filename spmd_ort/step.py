@@ -86,6 +86,8 @@ class CompiledStep:
         self._last: tuple | None = None  # (module, optimizer) of the last call
         self._signature = signature_of(fn)
         self._unwrapped = False  # said once that a torch.compile'd model is compiled through the module it wraps
+        self.backend_reason = "chosen by the user" if options.backend_given else "the default"
+        self._backend_settled = options.backend_given  # a default backend is settled by the first call's device
 
     # ------------------------------------------------------------------ the call
     def __call__(self, *args: Any, last_train_step: bool = False, **kwargs: Any) -> Any:
@@ -135,6 +137,8 @@ class CompiledStep:
                               f"with parallel_mode={self.parallel_mode!r}. Fix: compile with the mode the model was "
                               "parallelized with (or parallel_mode=None). Nothing was changed",
                               rank=rank if world_size > 1 else None)
+        if not self._backend_settled and not planning:
+            self._settle_backend(module)
         if not self._started and not planning:
             self._started = True
             if self.options.retain_host_memory:  # opt-in (SPMD_ORT_RETAIN_HOST_MEMORY=1): acts on the process
@@ -143,6 +147,26 @@ class CompiledStep:
                         rule=rule_for(opt) if opt is not None else None,
                         mode=self.tuner.bucket_mode(parallel.resolve(self.parallel_mode, module), module),
                         rank=rank, world_size=world_size, tensor_parallel=self._tensor_parallel)
+
+    def _settle_backend(self, module: nn.Module) -> None:
+        """The default backend for the device the module's tensors are on (:func:`spmd_ort.options.
+        default_backend_for`): on a GPU without onnxruntime-gpu, inductor or fx instead of a ConfigError."""
+        self._backend_settled = True
+        device = next((p.device.type for p in module.parameters()), "cpu")
+        if device != "cuda" or self.options.backend != "ort":
+            return
+        import onnxruntime
+        from torch.utils._triton import has_triton
+
+        from spmd_ort.options import default_backend_for
+
+        backend, self.backend_reason = default_backend_for(device, onnxruntime.get_available_providers(),
+                                                           has_triton())
+        if backend != self.options.backend:
+            logger.warning("%s: backend %s: %s", self.transitions.name, backend, self.backend_reason)
+            self.options = self.options.replace(backend=backend)
+            for holder in (self.runtime, self.compiler, self.tuner):
+                holder.options = self.options
 
     def _compile(self, call: StepCall, key: StepKey, prep: Preparation) -> tuple[CompiledProgram, StepKey]:
         """A new variant for ``key``: compiled on every rank (retried with static dims where new symbolic ones
@@ -288,8 +312,9 @@ class CompiledStep:
         process group: the whole pipeline runs on meta copies of the model and optimizer (build the model on the
         meta device: nothing of its size is allocated) over torch's fake process group, with the step's
         ``parallel_mode`` (a ``TensorParallel`` takes its mesh as a shape, ``mesh=(8, 8)``) and options;
-        ``export=False`` skips the executor (ORT's export).  The model, optimizer and this step are left as they
-        were (the plan compiles a twin of the step).
+        on the ORT backend the segments are exported and loaded as a run would (for the CPU provider; the plan's
+        tensors are meta), unless ``export=False``; fx and inductor build no executor.  The model, optimizer and
+        this step are left as they were (the plan compiles a twin of the step).
         """
         from spmd_ort.plan.planner import plan_step
 

@@ -136,8 +136,9 @@ def test_inductor_runs_a_convnet_with_cudnns_default_tf32(no_fallback):
 
 
 def test_ort_runs_on_the_cuda_provider_or_says_what_to_install(no_fallback):
-    """With onnxruntime-gpu the step's segments run in ORT's CUDA provider, against eager; without it the first
-    call is a ConfigError naming the package, and the model and optimizer are as they were."""
+    """With onnxruntime-gpu the step's segments run in ORT's CUDA provider, against eager; without it a step that
+    asks for ORT gets a ConfigError naming the package on its first call, the model and optimizer as they were,
+    and a step with the default backend trains (inductor with triton, else fx), saying why in explain()."""
     import onnxruntime as ort
 
     if not ON_CUDA or "CUDAExecutionProvider" in ort.get_available_providers():
@@ -149,12 +150,15 @@ def test_ort_runs_on_the_cuda_provider_or_says_what_to_install(no_fallback):
     model = _mlp()
     opt = _adamw(model)
     before = [p.detach().clone() for p in model.parameters()]
-    for backend in ("ort", None):  # compile()'s default backend is ORT
-        step = spmd_ort.compile(backend=backend)(_clipped_step) if backend else spmd_ort.compile()(_clipped_step)
-        with pytest.raises(spmd_ort.ConfigError, match="onnxruntime-gpu.*backend='fx'"):
-            step(model, opt, *_batches("mlp", 1)[0])
+    step = spmd_ort.compile(backend="ort")(_clipped_step)
+    with pytest.raises(spmd_ort.ConfigError, match="onnxruntime-gpu.*backend='fx'"):
+        step(model, opt, *_batches("mlp", 1)[0])
     assert all(torch.equal(a, b) for a, b in zip(before, model.parameters())) and not opt.state
     assert all(p.grad is None for p in model.parameters())
+    torch.manual_seed(0)
+    compiled, _, _ = train_side_by_side(_mlp, _adamw, _clipped_step, _batches("mlp"), backend=None)
+    assert compiled.backend in ("inductor", "fx") and "onnxruntime-gpu" in compiled.backend_reason
+    assert f"{compiled.backend} backend (the step's tensors are on CUDA" in compiled.explain()
 
 
 def _autocast_step(dtype):

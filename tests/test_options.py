@@ -149,3 +149,28 @@ def test_debug_options_are_checked_where_given():
     with pytest.raises(spmd_ort.ConfigError, match=r"compile\(debug=\{'log_level': 'INFO'\}\) is not valid: "
                                                    r"expected a spmd_ort.DebugOptions.*not a dict"):
         spmd_ort.compile(debug={"log_level": "INFO"})
+
+
+def test_a_default_backend_on_a_gpu_never_stops_at_a_missing_onnxruntime_gpu(monkeypatch):
+    """Unset, the backend is ORT; on CUDA tensors it stays ORT where onnxruntime has the CUDA provider, else
+    inductor (triton there), else fx, each with the reason explain() shows.  A backend the user chose (argument or
+    SPMD_ORT_BACKEND) is theirs: ORT on a GPU without the provider is still the clear ConfigError."""
+    from spmd_ort.options import default_backend_for
+
+    cpu_only = ["CPUExecutionProvider"]
+    assert default_backend_for("cpu", cpu_only, True) == ("ort", "the default")
+    assert default_backend_for("cuda", ["CUDAExecutionProvider", *cpu_only], False)[0] == "ort"
+    backend, why = default_backend_for("cuda", cpu_only, True)
+    assert backend == "inductor" and "onnxruntime-gpu" in why
+    backend, why = default_backend_for("cuda", cpu_only, False)
+    assert backend == "fx" and "triton" in why
+    monkeypatch.delenv("SPMD_ORT_BACKEND", raising=False)
+    assert not Options.resolve().backend_given and Options.resolve(backend="ort").backend_given
+    monkeypatch.setenv("SPMD_ORT_BACKEND", "fx")
+    assert Options.resolve().backend_given and Options.resolve().backend == "fx"
+    monkeypatch.delenv("SPMD_ORT_BACKEND")
+    step = spmd_ort.compile()(train_step)  # a CPU model: the default stays ORT, said so by explain()
+    model = MLP()
+    step(model, torch.optim.SGD(model.parameters(), lr=0.1), torch.randn(4, 32), torch.randint(0, 10, (4,)))
+    assert step.backend == "ort" and step.backend_reason == "the default" and "ort backend (the default)" in \
+        step.explain()

@@ -165,3 +165,16 @@ def test_the_command_line_plans_a_hugging_face_config_in_2d(tmp_path):
     per_rank = got["per_rank_bytes"]["params"] + got["per_rank_bytes"]["optimizer"]
     # the plan's layers over all 8 ranks, the replicated rest (embeddings, norms, head) over the 4 dp ranks
     assert 12 * got["params_total"] / 8 < per_rank < 12 * got["params_total"] / 4
+
+
+def test_on_the_ort_backend_the_plan_exports_every_segment():
+    """The default backend: the plan partitions the finished graph and exports and loads every segment into ONNX
+    Runtime (the CPU provider; the plan's tensors are meta), as a run's first call would, none falling back."""
+    cfg = plan_check.config("test")
+    model, opt = _meta_gpt(cfg)
+    step = spmd_ort.compile(parallel_mode=spmd_ort.DataParallel(parallel_style="fully_shard"))(train_step)
+    plan = step.plan(model, opt, *_tokens(cfg, 4), world_size=4)
+    assert plan.exported and plan.export["segments"] >= 1 and plan.export["fallbacks"] == {}, plan.export
+    assert "none falls back to fx" in plan.explain()
+    skipped = step.plan(model, opt, *_tokens(cfg, 4), world_size=4, export=False)
+    assert not skipped.exported and skipped.export == {} and skipped.comm_bytes == plan.comm_bytes

@@ -143,8 +143,9 @@ def explain(step, memory: dict | None = None) -> str:
     program: CompiledProgram | None = step.compiled
     if program is None:
         return f"{step.transitions.name}: not compiled yet (call it once)"
-    lines = [f"compiled train step `{step.transitions.name}`: {program.backend} backend, "
-             f"{len(program.gm.graph.nodes)} nodes in the executed graph"]
+    lines = [f"compiled train step `{step.transitions.name}`: {program.backend} backend "
+             f"({getattr(step, 'backend_reason', 'the default')}), {len(program.gm.graph.nodes)} nodes in the "
+             "executed graph"]
     lines.append(f"variants: {len(step.variants)} kept, {step.transitions.traces} traced")
     for i, v in enumerate(step.variants):
         last = " (used by the last call)" if v is program else ""

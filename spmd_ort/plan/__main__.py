@@ -95,8 +95,8 @@ def main(argv=None) -> int:
     ap.add_argument("--batch", type=int, default=1, help="sequences per rank (per data-parallel replica)")
     ap.add_argument("--seq", type=int, default=4096)
     ap.add_argument("--device", default="h100", help="h100 | h200 | a100 | cpu (this CPU, measured)")
-    ap.add_argument("--backend", default="fx", help="the executor the plan compiles for (fx | ort | inductor)")
-    ap.add_argument("--export", action="store_true", help="build the executor (the ORT export) as a run would")
+    ap.add_argument("--backend", default="ort", help="the executor the plan compiles for (ort | fx | inductor)")
+    ap.add_argument("--no-export", action="store_true", help="skip building the executor (the ORT export)")
     ap.add_argument("--rank", type=int, default=0)
     ap.add_argument("--picture", help="write the memory over the step to this PNG")
     ap.add_argument("--json", help="write the plan's figures to this file")
@@ -110,7 +110,7 @@ def main(argv=None) -> int:
     vocab = model.config.vocab_size
     tokens = torch.empty(args.batch, args.seq, dtype=torch.long, device="meta")
     plan = step.plan(model, opt, tokens, tokens.clone(), world_size=args.world_size, device=args.device,
-                     rank=args.rank, export=args.export)
+                     rank=args.rank, export=not args.no_export)
     n = sum(p.numel() for p in model.parameters())
     print(f"{args.model}: {n / 1e9:.2f} B parameters, {model.config.num_hidden_layers} layers, vocabulary "
           f"{vocab}; batch {args.batch} x {args.seq} tokens per replica")
@@ -125,7 +125,9 @@ def main(argv=None) -> int:
     print(f"planned in {wall:.1f} s, peak resident memory {rss / 2**30:.2f} GiB")
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({**plan.as_dict(), "params_total": n, "wall_s": wall, "max_rss": rss}, f, indent=1)
+            largest = max(sum(p.numel() for p in m.parameters(recurse=False)) for m in model.modules())
+            json.dump({**plan.as_dict(), "params_total": n, "largest_module_params": largest, "wall_s": wall,
+                       "max_rss": rss}, f, indent=1)
     return 0
 
 

@@ -124,7 +124,7 @@ def plan_step(step, args: tuple, kwargs: dict, *, world_size: int, device: str |
                 key = twin.shapes.agreed_key(call)
                 program = twin.compiler.compile_everywhere(
                     call, key, dynamic=twin.shapes.dynamic, previous=program, reason="plan",
-                    executor=export and step.backend != "fx", after_passes=price)
+                    executor=export and step.backend == "ort", after_passes=price)
                 if not priced["held_grads"] or any(p.grad is not None for p in call.module.parameters()):
                     break
                 # gradients held between steps (zero_grad(set_to_none=False)): the steady step is the second
@@ -141,13 +141,16 @@ def plan_step(step, args: tuple, kwargs: dict, *, world_size: int, device: str |
                 "buffers": held["buffers"], "activations": program.results.get(MemoryPlan).planned_peak_bytes,
                 "comm_buffers": max(cost.inflight, default=0), "peak": state + max(live, default=0)}
     comm_bytes, comm_calls = priced["comm"]
+    stats = getattr(program.executor, "stats", None)  # ORT's: segments exported, and any that fell back
+    export = {"segments": stats.segments, "export_s": stats.export_seconds, "fallbacks": dict(stats.fallback_reasons)
+              } if stats is not None else {}
     main = max(cost.flops_by_dtype, key=cost.flops_by_dtype.get) if cost.flops_by_dtype else torch.float32
     return Plan(world_size=world_size, rank=rank, device=spec, parallel=mode_name, backend=step.backend,
                 per_rank_bytes=per_rank, comm_bytes=dict(sorted(comm_bytes.items())),
                 comm_calls=dict(sorted(comm_calls.items())), flops=cost.flops, predicted_step_s=cost.predicted_s,
                 compute_s=cost.compute_s, comm_s=cost.comm_s, exposed_comm_s=cost.exposed_comm_s,
                 graph_nodes=priced["nodes"], exported=program.executor is not None, planning_s=time.perf_counter() - t0,
-                main_dtype=main, memory_over_step=tuple(state + v for v in live))
+                main_dtype=main, export=export, memory_over_step=tuple(state + v for v in live))
 
 
 def collective_bytes(gm: fx.GraphModule) -> tuple[dict, dict]:

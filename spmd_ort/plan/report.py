@@ -45,6 +45,7 @@ class Plan:
     exported: bool
     planning_s: float = 0.0
     main_dtype: object = None  # the dtype with the most FLOPs (MFU is against its peak)
+    export: dict = field(default_factory=dict)  # ORT: segments exported, export seconds, fallbacks {segment: why}
     memory_over_step: tuple = field(default=(), repr=False)  # bytes live at each node of the step, state included
 
     @property
@@ -76,6 +77,11 @@ class Plan:
                       f"(compute {self.compute_s * 1e3:.1f} ms, collectives {self.comm_s * 1e3:.1f} ms of which "
                       f"{self.exposed_comm_s * 1e3:.1f} ms not hidden); MFU {100 * self.mfu:.1f}% of "
                       f"{self.device.name}'s peak"]
+        if self.export:
+            fell = self.export["fallbacks"]
+            lines.append(f"ORT export: {self.export['segments']} segment(s) in {self.export['export_s']:.1f} s"
+                         + (f"; {len(fell)} fall back to fx: " + "; ".join(f"{k}: {v}" for k, v in fell.items())
+                            if fell else ", none falls back to fx"))
         return "\n".join(lines)
 
     def explain(self, picture: str | Path | None = None) -> str:
@@ -110,4 +116,4 @@ class Plan:
                 "parallel": self.parallel, "backend": self.backend, "per_rank_bytes": dict(self.per_rank_bytes),
                 "comm_bytes": dict(self.comm_bytes), "comm_calls": dict(self.comm_calls), "flops": self.flops,
                 "predicted_step_s": self.predicted_step_s, "fits": self.fits, "graph_nodes": self.graph_nodes,
-                "planning_s": self.planning_s}
+                "planning_s": self.planning_s, "export": self.export}

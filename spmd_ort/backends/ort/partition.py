@@ -89,15 +89,17 @@ def why_host(node: fx.Node) -> str | None:
     for val in _vals(node):
         if val.dtype not in ONNX_DTYPES:
             return f"dtype {val.dtype}"
-        if val.device.type not in ("cpu", "cuda"):
+        if val.device.type not in ("cpu", "cuda", "meta"):
             return f"device {val.device}"
-        if val.dtype in HOST_DTYPES.get(val.device.type, ()):
-            return f"{val.dtype} on {val.device.type} (ONNX Runtime's {val.device.type} provider lacks its kernels)"
-        ops, what = PROVIDER_GAPS.get((val.device.type, val.dtype), ({}, ""))
+        device = "cpu" if val.device.type == "meta" else val.device.type  # meta: a plan's, exported for the CPU
+        if val.dtype in HOST_DTYPES.get(device, ()):
+            return f"{val.dtype} on {device} (ONNX Runtime's {device} provider lacks its kernels)"
+        ops, what = PROVIDER_GAPS.get((device, val.dtype), ({}, ""))
         if target in ops and ops[target](node):
-            return (f"{target} in {val.dtype} on {val.device.type}: its translation is {what}, which ONNX Runtime's "
-                    f"{val.device.type} provider has no {val.dtype} kernel for")
-    if target in RACY_SCATTERS and RACY_SCATTERS[target](node) and any(v.device.type == "cpu" for v in _vals(node)):
+            return (f"{target} in {val.dtype} on {device}: its translation is {what}, which ONNX Runtime's "
+                    f"{device} provider has no {val.dtype} kernel for")
+    if target in RACY_SCATTERS and RACY_SCATTERS[target](node) and any(v.device.type in ("cpu", "meta")
+                                                                       for v in _vals(node)):
         return (f"{target} with accumulate=True: its translation, a ScatterND with reduction='add', sums repeated "
                 "indices wrongly now and then on ONNX Runtime's CPU provider (its threads race)")
     if namespace != "aten" and target not in TRANSLATIONS and DECOMPOSITION not in node.meta:

@@ -44,7 +44,7 @@ def providers_for(device: torch.device) -> list:
                               f"(it has {', '.join(available) or 'none'}); install onnxruntime-gpu (extra "
                               "spmd-ort[gpu]) or compile with backend='fx'")
         return [("CUDAExecutionProvider", {"device_id": device.index or 0}), "CPUExecutionProvider"]
-    if device.type != "cpu" or "CPUExecutionProvider" not in available:
+    if device.type not in ("cpu", "meta") or "CPUExecutionProvider" not in available:  # meta: a plan's
         raise ConfigError(f"the step's tensors are on {device}, which no installed ONNX Runtime execution provider "
                           f"runs (installed: {', '.join(available) or 'none'}); compile with backend='fx'")
     return ["CPUExecutionProvider"]
