@@ -244,7 +244,8 @@ class _MetaAttention(torch.overrides.TorchFunctionMode):
     """On the meta device (a plan: spmd_ort.plan), ``scaled_dot_product_attention`` as the fused CPU kernel, which
     a CPU run traces and whose memory is a GPU's flash attention's (the output and a logsumexp, no T x T
     probabilities kept): sdpa's kernel choice on meta tensors is its math form.  Grouped-query attention's keys
-    and values are repeated to the query's heads first, as that kernel takes them."""
+    and values are repeated to the query's heads first, and a boolean mask made additive, as sdpa hands them to
+    that kernel."""
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
@@ -259,9 +260,11 @@ class _MetaAttention(torch.overrides.TorchFunctionMode):
         if k.size(-3) != q.size(-3):
             k = k.repeat_interleave(q.size(-3) // k.size(-3), dim=-3)
             v = v.repeat_interleave(q.size(-3) // v.size(-3), dim=-3)
+        mask = a.get("attn_mask")
+        if mask is not None and mask.dtype == torch.bool:  # as sdpa hands the kernel a boolean mask: additive
+            mask = torch.zeros_like(mask, dtype=q.dtype).masked_fill(mask.logical_not(), float("-inf"))
         return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
-            q, k, v, a.get("dropout_p", 0.0), a.get("is_causal", False), attn_mask=a.get("attn_mask"),
-            scale=a.get("scale"))[0]
+            q, k, v, a.get("dropout_p", 0.0), a.get("is_causal", False), attn_mask=mask, scale=a.get("scale"))[0]
 
 
 class _Phases(torch.overrides.TorchFunctionMode):

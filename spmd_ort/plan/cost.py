@@ -1,7 +1,8 @@
 """A roofline of one compiled step, walked in the order the schedule runs it (:func:`step_cost`).
 
 Each op costs the larger of its FLOPs over the device's FLOP/s (torch's own formulas,
-``torch.utils.flop_counter``) and the bytes it reads and writes over the memory bandwidth, plus a fixed
+``torch.utils.flop_counter``) and the bytes it reads over the memory bandwidth plus those it writes over the
+write bandwidth (a CPU's fresh outputs are page-faulted in), plus a fixed
 dispatch cost; views cost nothing.  Collectives run on a stream of their own (ring costs: an all-gather or
 reduce-scatter moves ``(n-1)/n`` of the full payload per rank, an all-reduce twice that), starting where the
 schedule issues them and no earlier than the last one ends; a ``wait_`` holds the compute stream until its
@@ -130,10 +131,11 @@ def step_cost(gm: fx.GraphModule, device: DeviceSpec, world_size: int) -> StepCo
             held.pop(started, None)
         elif not _is_view(node):
             flops = node_flops(node)
-            moved = sum(value_bytes(a.meta.get("val")) for a in node.all_input_nodes) + value_bytes(
-                node.meta.get("val"))
+            read = sum(value_bytes(a.meta.get("val")) for a in node.all_input_nodes)
+            written = value_bytes(node.meta.get("val"))
             dtype = _dtype(node)
-            seconds = max(flops / device.flops_for(dtype), moved / device.memory_bw) + device.op_overhead_s
+            memory_s = read / device.memory_bw + written / (device.write_bw or device.memory_bw)
+            seconds = max(flops / device.flops_for(dtype), memory_s) + device.op_overhead_s
             cost.flops += flops
             if flops:
                 cost.flops_by_dtype[dtype] = cost.flops_by_dtype.get(dtype, 0) + flops

@@ -24,7 +24,9 @@ class DeviceSpec:
 
     ``flops``: peak FLOP/s per dtype of matmul-like ops (``torch.float32`` is fp32 without TF32, as torch runs
     matmuls by default); ``memory_bw``: bytes/s of the device memory every op reads and writes;
-    ``memory_bytes``: what one rank may hold; ``intra_bw`` / ``inter_bw``: bytes/s one rank's collectives move
+    ``write_bw``: bytes/s an op writes its output at (0: ``memory_bw``; on a CPU a fresh output is page-faulted
+    in, several times slower than a read; a GPU's caching allocator reuses its memory); ``memory_bytes``: what
+    one rank may hold; ``intra_bw`` / ``inter_bw``: bytes/s one rank's collectives move
     within a node / across nodes (``ranks_per_node`` ranks a node); ``link_latency_s``: per hop of a ring;
     ``op_overhead_s``: fixed cost of each op (a kernel launch, an executor's dispatch); ``copies_collective_inputs``:
     the collective library keeps a copy of each reduction's input until it completes (gloo does; NCCL does not).
@@ -33,6 +35,7 @@ class DeviceSpec:
     name: str
     flops: dict = field(default_factory=dict)
     memory_bw: float = 1e12
+    write_bw: float = 0.0
     memory_bytes: int = 80 * 2**30
     intra_bw: float = 100 * GB
     inter_bw: float = 25 * GB
@@ -53,7 +56,8 @@ class DeviceSpec:
     def this_cpu(cls, threads: int | None = None, ranks_per_node: int | None = None) -> DeviceSpec:
         """This machine's CPU, measured now (about a second): an fp32 matmul's FLOP/s and a copy's bandwidth with
         ``threads`` threads (default: torch's, as one rank runs), loopback TCP (what gloo uses between local ranks)
-        for the links, and a small op's dispatch time.  Memory: this machine's RAM over ``ranks_per_node`` ranks
+        for the links, a small op's dispatch time, and the rate of writing fresh outputs (a clone: allocation and
+        page faults, as this process's allocator gives them).  Memory: this machine's RAM over ``ranks_per_node`` ranks
         (default: its CPU count)."""
         threads = threads or torch.get_num_threads()
         before = torch.get_num_threads()
@@ -64,6 +68,7 @@ class DeviceSpec:
             src = torch.randn(32 * 2**20 // 4)
             dst = torch.empty_like(src)
             copy = _rate(lambda s, d: d.copy_(s), (src, dst), 2 * src.numel() * 4)
+            fresh = _rate(lambda s: s.clone(), (src,), src.numel() * 4)  # a new output each time, as ops write
             small = torch.randn(16)
             overhead = 1 / _rate(lambda s: torch.add(s, s), (small,), 1, repeat=200)
         finally:
@@ -72,8 +77,8 @@ class DeviceSpec:
         ranks = ranks_per_node or os.cpu_count() or 1
         memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") // ranks
         return cls(name=f"this CPU ({threads} thread{'s' if threads > 1 else ''})", flops={torch.float32: matmul},
-                   memory_bw=copy, memory_bytes=memory, intra_bw=link, inter_bw=link, ranks_per_node=ranks,
-                   link_latency_s=50e-6, op_overhead_s=overhead, copies_collective_inputs=True)
+                   memory_bw=copy, write_bw=fresh, memory_bytes=memory, intra_bw=link, inter_bw=link,
+                   ranks_per_node=ranks, link_latency_s=50e-6, op_overhead_s=overhead, copies_collective_inputs=True)
 
 
 def _rate(fn, args, work: float, repeat: int = 5) -> float:

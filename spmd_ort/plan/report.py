@@ -79,8 +79,9 @@ class Plan:
                       f"{self.device.name}'s peak"]
         if self.export:
             fell = self.export["fallbacks"]
+            first = next(iter(fell.items()), None)
             lines.append(f"ORT export: {self.export['segments']} segment(s) in {self.export['export_s']:.1f} s"
-                         + (f"; {len(fell)} fall back to fx: " + "; ".join(f"{k}: {v}" for k, v in fell.items())
+                         + (f"; {len(fell)} fall back to fx, the first ({first[0]}) because: {first[1][:300]}"
                             if fell else ", none falls back to fx"))
         return "\n".join(lines)
 

@@ -74,15 +74,26 @@ class ExportResult:
 
 
 def segment_key(gm: fx.GraphModule, opset: int) -> str:
-    """Hash of everything the exported model depends on."""
+    """Hash of everything the exported model depends on: the segment's ops, in order, with their arguments and
+    the shape, dtype and strides of every value, nodes named by position (the model's inputs are positional,
+    ``spmd_in_<k>``).  Node names are left out: the same layer repeated (a transformer's blocks, under fully_shard
+    split at the same collectives) is one export, and the next block's segments are cache hits."""
     h = hashlib.sha256()
-    for part in (gm.code, str(opset), torch.__version__, version("onnx"), onnxruntime.__version__,
+    for part in (str(opset), torch.__version__, version("onnx"), onnxruntime.__version__,
                  version("onnxscript"), str(FORMAT_VERSION), coverage.table_fingerprint()):
         h.update(part.encode())
+    index = {node: i for i, node in enumerate(gm.graph.nodes)}
+
+    def positional(a):
+        return fx.node.map_arg(a, lambda n: f"%{index[n]}")
+
     for node in gm.graph.nodes:
         val = node.meta.get("val")
-        if isinstance(val, torch.Tensor):
-            h.update(f"{node.name}:{tuple(val.shape)}:{val.dtype}:{val.stride()}".encode())
+        what = (f"{tuple(val.shape)}:{val.dtype}:{val.stride()}" if isinstance(val, torch.Tensor)
+                else type(val).__name__)
+        target = "" if node.op in ("placeholder", "output") else node.target  # a placeholder's is its name
+        h.update(f"{index[node]}={node.op}:{target}:{positional(node.args)}:{positional(node.kwargs)}:"
+                 f"{what};".encode())
     for name, t in sorted(gm.state_dict(keep_vars=True).items()):
         h.update(name.encode())
         h.update(t.detach().cpu().contiguous().numpy().tobytes())
