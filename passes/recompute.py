@@ -165,6 +165,19 @@ def _hint(x) -> int:
     return int(optimization_hint(x, fallback=4096)) if isinstance(x, torch.SymInt) else int(x)
 
 
+def node_flops(node: fx.Node) -> int:
+    """FLOPs of one op by torch's formula for it (``torch.utils.flop_counter``); 0 where it has none (elementwise
+    ops, whose cost is their bytes) or the formula cannot read these sizes."""
+    formula = flop_registry.get(getattr(node.target, "overloadpacket", None))
+    if formula is None:
+        return 0
+    try:
+        args, kwargs = fx.map_arg((node.args, node.kwargs), lambda n: n.meta.get("val"))
+        return _hint(formula(*args, **kwargs, out_val=node.meta.get("val")))
+    except Exception:  # noqa: BLE001 - a formula that cannot read these sizes: bytes alone
+        return 0
+
+
 def recompute_cost(node: fx.Node) -> float:
     """What running ``node`` again costs, in FLOP-equivalents: its matmul/convolution FLOPs (torch's formulas),
     the bytes it reads, the bytes it writes (fresh memory: several times a read) and, for an op converting
@@ -174,14 +187,7 @@ def recompute_cost(node: fx.Node) -> float:
     values recomputed from its packed bits 0.92 per MiB saved."""
     if node.op != "call_function" or _is_view(node) or node.target is operator.getitem:
         return 0.0
-    flops = 0
-    formula = flop_registry.get(getattr(node.target, "overloadpacket", None))
-    if formula is not None:
-        try:
-            args, kwargs = fx.map_arg((node.args, node.kwargs), lambda n: n.meta.get("val"))
-            flops = _hint(formula(*args, **kwargs, out_val=node.meta.get("val")))
-        except Exception:  # noqa: BLE001 - a formula that cannot read these sizes: bytes alone
-            flops = 0
+    flops = node_flops(node)
     out = node.meta.get("val")
     read = sum(value_bytes(a.meta.get("val")) for a in node.all_input_nodes)
     return float(flops) + READ_COST * read + WRITE_COST * value_bytes(out) + CAST_COST * _converted(node, out)

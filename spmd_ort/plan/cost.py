@@ -16,10 +16,9 @@ from dataclasses import dataclass, field
 
 import torch
 from torch import fx
-from torch.utils.flop_counter import flop_registry
 
-from spmd_ort.compat import optimization_hint
 from spmd_ort.graph import ops
+from spmd_ort.passes.recompute import node_flops
 from spmd_ort.plan.device import DeviceSpec
 from spmd_ort.runtime.memory import value_bytes
 
@@ -45,28 +44,12 @@ class StepCost:
     inflight: list = field(default_factory=list)
 
 
-def _hint(x) -> int:
-    return int(optimization_hint(x)) if isinstance(x, torch.SymInt) else int(x)
-
-
 def _is_view(node: fx.Node) -> bool:
     if node.target is operator.getitem:
         return True
     schema = getattr(node.target, "_schema", None)
     return bool(schema is not None and schema.returns and schema.returns[0].alias_info is not None
                 and not schema.returns[0].alias_info.is_write)
-
-
-def node_flops(node: fx.Node) -> int:
-    """FLOPs of one op by torch's formula for it (0 where it has none: elementwise ops count as memory traffic)."""
-    formula = flop_registry.get(getattr(node.target, "overloadpacket", None))
-    if formula is None:
-        return 0
-    try:
-        args, kwargs = fx.map_arg((node.args, node.kwargs), lambda n: n.meta.get("val"))
-        return _hint(formula(*args, **kwargs, out_val=node.meta.get("val")))
-    except Exception:  # noqa: BLE001 - a formula that cannot read these sizes: bytes alone
-        return 0
 
 
 def _dtype(node: fx.Node) -> torch.dtype:

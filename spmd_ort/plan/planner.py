@@ -24,8 +24,8 @@ from spmd_ort.distributed import dtensor, parallel
 from spmd_ort.distributed.sharding import persistent_bytes
 from spmd_ort.errors import ConfigError
 from spmd_ort.graph.slots import SlotKind
-from spmd_ort.passes.analysis import MemoryPlan
-from spmd_ort.plan.cost import KIND, step_cost
+from spmd_ort.passes.analysis import CollectiveCounts, MemoryPlan
+from spmd_ort.plan.cost import step_cost
 from spmd_ort.plan.device import DeviceSpec, device_spec
 from spmd_ort.plan.report import Plan
 from spmd_ort.runtime.memory import plan_activation_memory, value_bytes
@@ -109,7 +109,6 @@ def plan_step(step, args: tuple, kwargs: dict, *, world_size: int, device: str |
         priced["cost"] = step_cost(gm, spec, world_size)
         priced["live"] = plan_activation_memory(gm).live
         priced["nodes"] = len(gm.graph.nodes)
-        priced["comm"] = collective_bytes(gm)
         out = next(n for n in gm.graph.nodes if n.op == "output").args[0]
         held = [(s, v.meta.get("val")) for v, s in zip(out, ctx.output_slots)
                 if s.kind is SlotKind.GRAD and isinstance(v, fx.Node)]
@@ -140,7 +139,7 @@ def plan_step(step, args: tuple, kwargs: dict, *, world_size: int, device: str |
     per_rank = {"params": held["params"], "grads": priced["grads"], "optimizer": held["opt_state"],
                 "buffers": held["buffers"], "activations": program.results.get(MemoryPlan).planned_peak_bytes,
                 "comm_buffers": max(cost.inflight, default=0), "peak": state + max(live, default=0)}
-    comm_bytes, comm_calls = priced["comm"]
+    comm_bytes, comm_calls = _by_kind(program.results.get(CollectiveCounts))
     stats = getattr(program.executor, "stats", None)  # ORT's: segments exported, and any that fell back
     export = {"segments": stats.segments, "export_s": stats.export_seconds, "fallbacks": dict(stats.fallback_reasons)
               } if stats is not None else {}
@@ -153,18 +152,15 @@ def plan_step(step, args: tuple, kwargs: dict, *, world_size: int, device: str |
                 main_dtype=main, export=export, memory_over_step=tuple(state + v for v in live))
 
 
-def collective_bytes(gm: fx.GraphModule) -> tuple[dict, dict]:
-    """({kind: bytes}, {kind: calls}) of the collectives one run of ``gm`` issues, counted as the communicator
-    counts a run's (``train_step.comm``): an all-gather's gathered bytes, the others' full input."""
+def _by_kind(counts: CollectiveCounts) -> tuple[dict, dict]:
+    """``count_collectives_pass``'s counts ({"all-gather (forward)": ...}) by the kinds ``train_step.comm`` counts
+    (``all_gather``, ``all_reduce``, ``broadcast``, ``reduce_scatter``): bytes, and calls."""
     nbytes: dict = {}
     calls: dict = {}
-    for node in gm.graph.nodes:
-        kind = KIND.get(node.target) if node.op == "call_function" else None
-        if kind is None:
-            continue
-        payload = node if kind == "all_gather" else node.args[0]
-        nbytes[kind] = nbytes.get(kind, 0) + value_bytes(payload.meta.get("val"))
-        calls[kind] = calls.get(kind, 0) + 1
+    for name, n in counts.calls.items():
+        kind = name.split(" ")[0].replace("-", "_")
+        nbytes[kind] = nbytes.get(kind, 0) + counts.nbytes[name]
+        calls[kind] = calls.get(kind, 0) + n
     return nbytes, calls
 
 
