@@ -39,6 +39,7 @@ def cli(*args: str) -> dict:
 def deepspeed_estimate(total: int, largest: int, world: int) -> float | None:
     """DeepSpeed's ZeRO-3 estimate of one GPU's model states (its formula: fp16 mixed precision, 18 bytes a
     parameter over the GPUs, plus the largest layer's fp32 parameters), or None without DeepSpeed."""
+    os.environ.setdefault("DS_ACCELERATOR", "cpu")  # DeepSpeed picks its accelerator when imported
     try:
         from deepspeed.runtime.zero.stage3 import estimate_zero3_model_states_mem_needs
     except Exception:  # noqa: BLE001 - not installed (make bench-deps), or it cannot load here

@@ -129,6 +129,58 @@ def test_embedding_dense_backward_sums_repeated_tokens_alike_on_every_run_with_t
     assert wrong == 0, f"{wrong} of 200 runs summed differently"
 
 
+def test_the_export_never_evaluates_a_weight_sized_constant(monkeypatch):
+    """The embedding gradient's zeros (vocabulary x width) have constant inputs: onnxscript's folder computed
+    them in numpy before its size limit dropped the result (Llama-3-8B: 2 GiB, twice, in each export). No node
+    whose output exceeds the fold limit is evaluated; the model still runs and equals torch."""
+    from onnxscript.optimizer import _constant_folding
+
+    from spmd_ort.backends.ort.export import FOLD_LIMIT
+
+    evaluated = []
+    real = _constant_folding._reference_evaluator.evaluate
+
+    def evaluate(domain, op_type, version, *args, **kwargs):
+        out = real(domain, op_type, version, *args, **kwargs)
+        outs = out if isinstance(out, (tuple, list)) else [out]
+        evaluated.append((op_type, max((o.size for o in outs if hasattr(o, "size")), default=0)))
+        return out
+
+    monkeypatch.setattr(_constant_folding._reference_evaluator, "evaluate", evaluate)
+    vocab, width = 65536, 16  # 4x the limit
+    idx = torch.randint(0, vocab, (2, 8), generator=G)
+    grad = _randn(2, 8, width)
+    gm = make_fx(lambda g, i: aten.embedding_dense_backward.default(g * 2, i, vocab, -1, False),
+                 tracing_mode="fake")(grad, idx)
+    segment = OrtSegment("probe", gm, translate(gm), threads=1, allow_spinning=False)
+    assert max((size for _, size in evaluated), default=0) <= FOLD_LIMIT, evaluated
+    assert torch.equal(segment.run_ort(grad, idx), aten.embedding_dense_backward.default(grad * 2, idx, vocab, -1, False))
+
+
+@pytest.mark.parametrize("dim,start,end,step", [(3, 64, 2**63 - 1, 1), (3, 0, 64, 1), (1, -3, 2**63 - 1, 1),
+                                                 (2, 1, 5, 1), (2, 1, 7, 2), (0, -9, 1, 1)])
+def test_slice_backward_pads_the_gradient_with_zeros(dim, start, end, step):
+    """A slice's gradient (rotary embedding's halves) is one Pad: no zero tensor of the input's size from
+    constant inputs, which ONNX Runtime would fold into an initializer in every session. Other steps keep
+    torch's decomposition. Every case equals torch."""
+    import onnx
+
+    from spmd_ort.backends.ort import decompose
+
+    sizes = [2, 5, 7, 128]
+    x = _randn(*sizes)
+    grad = _randn(*aten.slice.Tensor(x, dim, start, end, step).shape)
+    fn = lambda g: aten.slice_backward.default(g, sizes, dim, start, end, step)  # noqa: E731
+    gm = make_fx(fn, tracing_mode="fake")(grad)
+    decompose.annotate(gm)
+    data = translate(gm)
+    kinds = {n.op_type for n in onnx.load_from_string(data).graph.node}
+    if step == 1:
+        assert "Pad" in kinds and "ScatterND" not in kinds and "ConstantOfShape" not in kinds, kinds
+    segment = OrtSegment("probe", gm, data, threads=1, allow_spinning=False)
+    assert torch.equal(segment.run_ort(grad), fn(grad))
+
+
 def test_index_put_with_accumulate_stays_in_torch_on_cpu():
     """torchlib translates index_put(accumulate=True) as a ScatterND(add), which races on ORT's CPU provider."""
     from spmd_ort.backends.ort.partition import why_host

@@ -45,13 +45,15 @@ from spmd_ort.options import DEFAULT_OPSET, get_logger
 logger = get_logger(__name__)
 aten = torch.ops.aten
 
-FORMAT_VERSION = 7  # bump when what we export for the same graph changes
+FORMAT_VERSION = 8  # bump when what we export for the same graph changes
 # ONNX inputs are named by position: a segment's placeholders carry the names of the parent
 # graph's nodes (div, add, view, ...), which the exporter also gives the segment's own values,
 # and ONNX Runtime rejects a model where an input and a value share a name.
 INPUT_PREFIX = "spmd_in_"
-# Constant folding limit (elements): folds shape and index arithmetic, never a weight-sized tensor.
-FOLD_LIMIT = 8192
+# Constant folding limit (elements, 1 MiB of fp32): folds shape and index arithmetic and small fills (a 128 x 128
+# causal mask, an MoE's 2048 x 128 scatter target), never a tensor of an activation's size. ONNX Runtime's own
+# folding, which has no limit, is off (session.OrtSegment): what is larger is computed in each run.
+FOLD_LIMIT = 2**18
 
 
 def input_name(position: int) -> str:
@@ -174,7 +176,7 @@ def _optimize(model) -> None:
     common.InlinePass()(model)
     try:
         _constant_folding.FoldConstantsPass(shape_inference=False, input_size_limit=FOLD_LIMIT,
-                                            output_size_limit=FOLD_LIMIT)(model)
+                                            output_size_limit=FOLD_LIMIT, should_fold=_foldable)(model)
     except Exception as exc:  # noqa: BLE001 - folding is an optimization ONNX Runtime repeats when it loads
         # onnxscript's folder raises on some nodes it cannot evaluate (SplitToSequence with a split size known
         # only at run time: sequence parallel's shards of a symbolic length); the nodes before it are folded,
@@ -190,6 +192,47 @@ def _optimize(model) -> None:
         common.OutputFixPass(),
         common.NameFixPass(),
     )(model)
+
+
+def _elements(dims) -> int | None:
+    """The product of ``dims`` when every one is a known int; else None."""
+    n = 1
+    for d in dims:
+        if not isinstance(d, int):
+            return None
+        n *= d
+    return n
+
+
+def _output_elements(node) -> int | None:
+    """Elements of ``node``'s first output, from its shape, or from the constant shape an ``Expand`` or a
+    ``ConstantOfShape`` is given; None when not known."""
+    out = node.outputs[0] if node.outputs else None
+    if out is not None and out.shape is not None and (n := _elements(out.shape.dims)) is not None:
+        return n
+    index = {"Expand": 1, "ConstantOfShape": 0}.get(node.op_type)
+    if index is not None and len(node.inputs) > index and node.inputs[index] is not None:
+        target = node.inputs[index].const_value
+        if target is not None:
+            return _elements(int(d) for d in target.numpy().reshape(-1))
+    return None
+
+
+def _foldable(node) -> bool | None:
+    """Whether the export folds ``node`` (its inputs constant): never when its output exceeds :data:`FOLD_LIMIT`
+    elements, always a small ``ConstantOfShape`` (the folder keeps them by default), else the folder's own rules.
+
+    onnxscript's folder evaluates a node with constant inputs and only then drops an output over its size limit:
+    an ``Expand`` of a scalar zero to an embedding's gradient (``embedding_dense_backward``: vocabulary x width,
+    2 GiB at Llama-3-8B's 128256 x 4096) was computed, twice over in numpy, for nothing (the export's peak 4.8 GiB
+    of a 2-layer plan). A small fill folds here because ONNX Runtime's folding, which would, is off.
+    """
+    n = _output_elements(node)
+    if n is not None and n > FOLD_LIMIT:
+        return False
+    if node.op_type == "ConstantOfShape" and n is not None:
+        return True
+    return None
 
 
 # ONNX Runtime's CPU Gemm kernel is registered for these (MatMul for more, which then stays a MatMul)

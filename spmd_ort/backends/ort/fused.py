@@ -1,4 +1,5 @@
-"""What ONNX gets for the fused torch operators the passes put in the graph: each one's reference math in aten ops.
+"""What ONNX gets for the fused torch operators the passes put in the graph (each one's reference math in aten
+ops), and for aten ops whose torch decomposition ONNX Runtime runs badly (``slice_backward``).
 
 ``fuse_linear_cross_entropy_pass`` replaces an LM head's matmul and cross-entropy by torch's chunked operator,
 which runs in torch (the fx side of a segment, inductor as an extern kernel).  ONNX Runtime has no such
@@ -46,5 +47,29 @@ def linear_cross_entropy(input, linear_weight, target, linear_bias, weight, redu
     return loss, grad_input, grad_weight, grad_bias
 
 
-# fused op -> its decomposition for ONNX (coverage.decomposition_for consults it with torch's own table)
-OWN_DECOMPOSITIONS = {ops.LINEAR_CROSS_ENTROPY: linear_cross_entropy} if ops.LINEAR_CROSS_ENTROPY is not None else {}
+def slice_backward(grad_output, input_sizes, dim, start, end, step):
+    """The gradient of a slice of step 1, padded with zeros to the input's size (one ``Pad``).
+
+    torch's decomposition writes the gradient into ``new_zeros(input_sizes)`` with ``slice_scatter``: in ONNX a
+    zero tensor from constant inputs, which ONNX Runtime folds into an initializer of the input's size in each
+    session (Llama-3-8B: 64 MiB for each of rotary embedding's four slices a layer), and a ``ScatterND`` with
+    transposes around it. Other steps, and a negative start on a symbolic size, keep torch's decomposition."""
+    from torch._decomp import decompositions
+
+    rank = len(input_sizes)
+    dim = dim % rank
+    size = input_sizes[dim]
+    if step != 1 or not isinstance(start, int) or (start < 0 and not isinstance(size, int)):
+        return decompositions.slice_backward(grad_output, input_sizes, dim, start, end, step)
+    if start < 0:
+        start = max(start + size, 0)
+    n = grad_output.shape[dim]
+    pads = [0, 0] * (rank - 1 - dim) + [start, size - start - n]  # last dim first, (before, after) each
+    return torch.ops.aten.constant_pad_nd.default(grad_output, pads, 0.0)
+
+
+# op -> its decomposition for ONNX (coverage.decomposition_for consults it with torch's own table, before it):
+# the fused ops the passes put in the graph, and aten ops whose torch decomposition ONNX Runtime runs badly
+OWN_DECOMPOSITIONS = {torch.ops.aten.slice_backward.default: slice_backward}
+if ops.LINEAR_CROSS_ENTROPY is not None:
+    OWN_DECOMPOSITIONS[ops.LINEAR_CROSS_ENTROPY] = linear_cross_entropy

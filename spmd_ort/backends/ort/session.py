@@ -110,7 +110,13 @@ class OrtSegment(nn.Module):
             # large allocation would be a fresh mmap, page-faulted every step: ORT's arena stays then.
             options.enable_cpu_mem_arena = False
             options.enable_mem_pattern = False
-        self.session = ort.InferenceSession(model, options, providers=providers or providers_for(device))
+        # ONNX Runtime's constant folding has no size limit: a value computed from constants alone (the zeros an
+        # attention mask's masked_fill starts from, 4096 x 4096 at Llama-3-8B's length) becomes an initializer
+        # held by each session, on the device (64 MiB per attention segment, 4 GiB over 32 layers' forward and
+        # backward). The export already folds what is small (export.FOLD_LIMIT); such a value is computed in
+        # each run instead, at the cost of writing it once.
+        self.session = ort.InferenceSession(model, options, providers=providers or providers_for(device),
+                                            disabled_optimizers=["ConstantFolding"])
         n_inputs = sum(1 for n in fallback.graph.nodes if n.op == "placeholder")
         self.input_names = [i.name for i in self.session.get_inputs()]
         self.input_index = [input_position(n) for n in self.input_names]
