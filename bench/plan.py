@@ -98,15 +98,18 @@ def real() -> None:
     from helpers import grads_kept_step
     from spmd_ort.plan import DeviceSpec
 
-    spec = DeviceSpec.this_cpu(threads=1)
-    print(f"\n### Plan against 2 and 4 real gloo ranks (fx; GPT d 256, 4 layers, T 128, batch 8 per replica); "
-          f"device spec measured: {spec.flops[torch.float32] / 1e9:.0f} GFLOP/s, memory "
-          f"{spec.memory_bw / 1e9:.1f} GB/s, link {spec.intra_bw / 1e9:.2f} GB/s\n")
+    print("\n### Plan against 2 and 4 real gloo ranks (fx; GPT d 256, 4 layers, T 128, batch 8 per replica); "
+          "device spec: this CPU, 1 thread a rank, probed with as many ranks at once as the run has\n")
     print("| layout | ranks | collective bytes (calls) | params / grads / AdamW bytes | planned step peak above "
           "state | measured | ratio | predicted step | measured step | ratio |")
     print("|---|---|---|---|---|---|---|---|---|---|")
     cfg = plan_check.config("bench")
+    specs: list[str] = []
     for world in (2, 4):
+        spec = DeviceSpec.this_cpu(threads=1, ranks_per_node=world)
+        specs.append(f"{world} ranks: {spec.flops[torch.float32] / 1e9:.0f} GFLOP/s a rank, memory "
+                     f"{spec.memory_bw / 1e9:.1f} GB/s, fresh writes {spec.write_bw / 1e9:.2f} GB/s, link "
+                     f"{spec.intra_bw / 1e9:.2f} GB/s")
         with tempfile.TemporaryDirectory() as d:
             # glibc's thresholds fixed (as bench/big_model.py --malloc-threshold): freed memory leaves the RSS
             env = {**os.environ, "OMP_NUM_THREADS": "1", "MALLOC_MMAP_THRESHOLD_": "131072",
@@ -139,6 +142,7 @@ def real() -> None:
             print(f"| {name} | {world} | {'equal' if comm_ok else 'DIFFER'} ({calls}) | {'equal' if state_ok else 'DIFFER'} | "
                   f"{planned_peak / 2**20:.1f} MiB | {measured_peak / 2**20:.1f} MiB | {planned_peak / measured_peak:.2f} | "
                   f"{p.predicted_step_s * 1e3:.1f} ms | {steady * 1e3:.1f} ms | {p.predicted_step_s / steady:.2f} |")
+    print("\nThe specs, measured: " + "; ".join(specs))
 
 
 def big() -> None:

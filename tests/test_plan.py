@@ -125,6 +125,27 @@ def test_fits_is_the_peak_under_the_device_memory_and_the_roofline_prices_links(
     assert slow.comm_bytes == tiny.comm_bytes and slow.flops == tiny.flops
 
 
+def test_the_cpu_probe_runs_as_many_ranks_at_once_each_with_its_threads():
+    """Ranks sharing this machine are probed at once, in threads that each keep the rank's thread count (OpenMP's
+    count is per thread: a new thread would run its matmuls on every core, and the probe would measure the
+    cores fighting); the memory is split over those ranks."""
+    from spmd_ort.plan.device import _rate
+
+    seen: list[int] = []
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        rate = _rate(lambda: seen.append(torch.get_num_threads()), lambda: (), 1.0, repeat=2, at_once=3)
+    finally:
+        torch.set_num_threads(before)
+    assert len(seen) == 3 * 3 and set(seen) == {1} and rate > 0  # a warm-up and 2 timed calls, in 3 threads
+    alone, shared = DeviceSpec.this_cpu(threads=1), DeviceSpec.this_cpu(threads=1, ranks_per_node=4)
+    assert "4 ranks at once" in shared.name and shared.ranks_per_node == 4
+    total = alone.memory_bytes * alone.ranks_per_node
+    assert shared.memory_bytes == pytest.approx(total / 4, rel=0.01)
+    assert shared.flops[torch.float32] > 0 and shared.memory_bw > 0 and shared.write_bw > 0
+
+
 def test_plan_errors_name_the_fix():
     cfg = plan_check.config("test")
     model, opt = _meta_gpt(cfg)

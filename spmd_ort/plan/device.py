@@ -57,39 +57,72 @@ class DeviceSpec:
         """This machine's CPU, measured now (about a second): an fp32 matmul's FLOP/s and a copy's bandwidth with
         ``threads`` threads (default: torch's, as one rank runs), loopback TCP (what gloo uses between local ranks)
         for the links, a small op's dispatch time, and the rate of writing fresh outputs (a clone: allocation and
-        page faults, as this process's allocator gives them).  Memory: this machine's RAM over ``ranks_per_node`` ranks
-        (default: its CPU count)."""
+        page faults, as this process's allocator gives them).
+
+        ``ranks_per_node``: the ranks that will share this machine, all computing at once. Their cores share
+        floating-point units, caches and memory (on this 2-vCPU machine two concurrent single-thread matmuls run
+        at about 0.55x the rate of one alone), so with one thread a rank the probes run in that many threads at
+        once and each rank gets the rate one of them measured; with more threads a rank, the rate alone is
+        scaled by the cores each rank gets. Unset: the rate of one rank alone, and memory split over as many ranks
+        as the machine has cores."""
         threads = threads or torch.get_num_threads()
+        cpus = os.cpu_count() or 1
+        sharing = max(1, ranks_per_node or 1)
+        at_once = sharing if threads == 1 else 1
+        scale = 1.0 if threads == 1 else min(1.0, cpus / (threads * sharing))
         before = torch.get_num_threads()
         torch.set_num_threads(threads)
         try:
-            matmul = _rate(lambda a, b: torch.mm(a, b), (torch.randn(1024, 1024), torch.randn(1024, 1024)),
-                           2 * 1024**3)
-            src = torch.randn(32 * 2**20 // 4)
-            dst = torch.empty_like(src)
-            copy = _rate(lambda s, d: d.copy_(s), (src, dst), 2 * src.numel() * 4)
-            fresh = _rate(lambda s: s.clone(), (src,), src.numel() * 4)  # a new output each time, as ops write
-            small = torch.randn(16)
-            overhead = 1 / _rate(lambda s: torch.add(s, s), (small,), 1, repeat=200)
+            matmul = _rate(lambda a, b: torch.mm(a, b), lambda: (torch.randn(1024, 1024), torch.randn(1024, 1024)),
+                           2 * 1024**3, at_once=at_once)
+            n = 32 * 2**20 // 4
+            copy = _rate(lambda s, d: d.copy_(s), lambda: (torch.randn(n), torch.empty(n)), 2 * n * 4,
+                         at_once=at_once)
+            fresh = _rate(lambda s: s.clone(), lambda: (torch.randn(n),), n * 4,  # a new output each time
+                          at_once=at_once)
+            overhead = 1 / _rate(lambda s: torch.add(s, s), lambda: (torch.randn(16),), 1, repeat=200)
         finally:
             torch.set_num_threads(before)
         link = _loopback_bw()
-        ranks = ranks_per_node or os.cpu_count() or 1
+        ranks = ranks_per_node or cpus
         memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") // ranks
-        return cls(name=f"this CPU ({threads} thread{'s' if threads > 1 else ''})", flops={torch.float32: matmul},
-                   memory_bw=copy, write_bw=fresh, memory_bytes=memory, intra_bw=link, inter_bw=link,
-                   ranks_per_node=ranks, link_latency_s=50e-6, op_overhead_s=overhead, copies_collective_inputs=True)
+        name = f"this CPU ({threads} thread{'s' if threads > 1 else ''}"
+        name += f", {sharing} ranks at once)" if ranks_per_node else ")"
+        return cls(name=name, flops={torch.float32: matmul * scale}, memory_bw=copy * scale, write_bw=fresh * scale,
+                   memory_bytes=memory, intra_bw=link, inter_bw=link, ranks_per_node=ranks, link_latency_s=50e-6,
+                   op_overhead_s=overhead, copies_collective_inputs=True)
 
 
-def _rate(fn, args, work: float, repeat: int = 5) -> float:
-    """``work`` per second of ``fn(*args)``: the best of ``repeat`` timed calls after one warm-up."""
-    fn(*args)
-    best = float("inf")
-    for _ in range(repeat):
-        t0 = time.perf_counter()
+def _rate(fn, make_args, work: float, repeat: int = 5, at_once: int = 1) -> float:
+    """``work`` per second of ``fn(*make_args())``: the best of ``repeat`` timed calls after one warm-up. With
+    ``at_once`` > 1, as many threads run it at the same time (each on arguments of its own; torch's ops release
+    the GIL), and the rate is their mean."""
+    threads = torch.get_num_threads()
+
+    def one(out: list, start: threading.Barrier | None = None) -> None:
+        torch.set_num_threads(threads)  # OpenMP's thread count is per thread: a new one starts at the default
+        args = make_args()
         fn(*args)
-        best = min(best, time.perf_counter() - t0)
-    return work / max(best, 1e-9)
+        if start is not None:
+            start.wait()
+        best = float("inf")
+        for _ in range(repeat):
+            t0 = time.perf_counter()
+            fn(*args)
+            best = min(best, time.perf_counter() - t0)
+        out.append(work / max(best, 1e-9))
+
+    rates: list[float] = []
+    if at_once <= 1:
+        one(rates)
+        return rates[0]
+    start = threading.Barrier(at_once)
+    workers = [threading.Thread(target=one, args=(rates, start)) for _ in range(at_once)]
+    for w in workers:
+        w.start()
+    for w in workers:
+        w.join()
+    return sum(rates) / len(rates)
 
 
 def _loopback_bw(nbytes: int = 32 * 2**20) -> float:
