@@ -6,8 +6,9 @@
 2. Planning time against depth: the same model with 8, 16 and 32 layers (fully_shard, 64 ranks).
 3. Plan against measurement: the GPT of tests/dist/plan_check.py (``--size bench``: d 256, 4 layers, T 128) on
    2 real gloo ranks (replicate, fully_shard, tensor parallel) and 4 (2-D), fx: collective and state bytes
-   (exact), the step's peak (the planned ``peak`` against the measured peak RSS above the process's baseline
-   plus the planned state) and the step time with the "this CPU" spec (1 thread, as torchrun gives each rank).
+   (exact), the step's peak (the planned ``peak`` less the state, against the tensor bytes torch's MemTracker
+   counted at a real step's peak, and against the resident set's rise) and the step time with the "this CPU"
+   spec (1 thread a rank, as torchrun gives each, probed with all the run's ranks at once).
 
     python bench/plan.py [--skip-8b] [--skip-real] [--backends ort,fx]
 """
@@ -101,8 +102,9 @@ def real() -> None:
     print("\n### Plan against 2 and 4 real gloo ranks (fx; GPT d 256, 4 layers, T 128, batch 8 per replica); "
           "device spec: this CPU, 1 thread a rank, probed with as many ranks at once as the run has\n")
     print("| layout | ranks | collective bytes (calls) | params / grads / AdamW bytes | planned step peak above "
-          "state | measured | ratio | predicted step | measured step | ratio |")
-    print("|---|---|---|---|---|---|---|---|---|---|")
+          "state | tensors at the peak (MemTracker) | ratio | resident set | ratio | predicted step | measured step "
+          "| ratio |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
     cfg = plan_check.config("bench")
     specs: list[str] = []
     for world in (2, 4):
@@ -137,10 +139,12 @@ def real() -> None:
             # against the plan's peak less the state it holds between steps
             state = b["params"] + b["grads"] + b["optimizer"] + b["buffers"]
             planned_peak, measured_peak = b["peak"] - state, m["step_peak_above_steady"]
+            tensors = m["step_tensor_peak_above_start"]
             steady = sorted(m["step_s"][2:])[len(m["step_s"][2:]) // 2]
             calls = "equal" if calls_ok else f"{p.comm_calls} planned, {m['comm_calls']} run"
             print(f"| {name} | {world} | {'equal' if comm_ok else 'DIFFER'} ({calls}) | {'equal' if state_ok else 'DIFFER'} | "
-                  f"{planned_peak / 2**20:.1f} MiB | {measured_peak / 2**20:.1f} MiB | {planned_peak / measured_peak:.2f} | "
+                  f"{planned_peak / 2**20:.1f} MiB | {tensors / 2**20:.1f} MiB | {planned_peak / tensors:.2f} | "
+                  f"{measured_peak / 2**20:.1f} MiB | {planned_peak / measured_peak:.2f} | "
                   f"{p.predicted_step_s * 1e3:.1f} ms | {steady * 1e3:.1f} ms | {p.predicted_step_s / steady:.2f} |")
     print("\nThe specs, measured: " + "; ".join(specs))
 

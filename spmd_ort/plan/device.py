@@ -96,7 +96,8 @@ class DeviceSpec:
 def _rate(fn, make_args, work: float, repeat: int = 5, at_once: int = 1) -> float:
     """``work`` per second of ``fn(*make_args())``: the best of ``repeat`` timed calls after one warm-up. With
     ``at_once`` > 1, as many threads run it at the same time (each on arguments of its own; torch's ops release
-    the GIL), and the rate is their mean."""
+    the GIL), each timing its ``repeat`` calls together (the best single call would be one the others happened
+    not to overlap), and the rate is their mean."""
     threads = torch.get_num_threads()
 
     def one(out: list, start: threading.Barrier | None = None) -> None:
@@ -105,6 +106,11 @@ def _rate(fn, make_args, work: float, repeat: int = 5, at_once: int = 1) -> floa
         fn(*args)
         if start is not None:
             start.wait()
+            t0 = time.perf_counter()
+            for _ in range(repeat):
+                fn(*args)
+            out.append(work * repeat / max(time.perf_counter() - t0, 1e-9))
+            return
         best = float("inf")
         for _ in range(repeat):
             t0 = time.perf_counter()

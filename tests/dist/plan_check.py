@@ -13,6 +13,7 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
+from torch.distributed._tools.mem_tracker import MemTracker
 
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "tests"))
@@ -85,12 +86,26 @@ def main() -> None:
             t0 = time.perf_counter()
             step(model, opt, x, y)
             times.append(time.perf_counter() - t0)
+        rss_above = _rss("VmHWM") - steady
+        # the steps' tensor bytes, counted by torch's MemTracker (a dispatch mode: every tensor the step creates,
+        # until its storage is freed; the CPU's torch.cuda.max_memory_allocated) in one more step, above what is
+        # live when it starts
+        tracker = MemTracker()
+        tracker.track_external(model, opt)
+        x, y = batch(cfg, args.batch, 100 * args.steps + data)
+        with tracker:
+            start = tracker.get_tracker_snapshot("current")
+            step(model, opt, x, y)
+            peak = tracker.get_tracker_snapshot("peak")
+        cpu = torch.device("cpu")
+        tensors_above = peak[cpu]["Total"] - start.get(cpu, {}).get("Total", 0)
         comm = step.comm
         mem = step.memory()
         result[name] = {"comm_bytes": {k: getattr(comm, f"{k}_bytes") for k in COMM if getattr(comm, f"{k}_calls")},
                         "comm_calls": {k: getattr(comm, f"{k}_calls") for k in COMM if getattr(comm, f"{k}_calls")},
                         "persistent": mem["persistent"], "planned_activation_peak": mem["planned_activation_peak"],
-                        "step_peak_above_steady": _rss("VmHWM") - steady, "step_s": times}
+                        "step_peak_above_steady": rss_above, "step_s": times,
+                        "step_tensor_peak_above_start": tensors_above}
     finish(args.out, result)
 
 
