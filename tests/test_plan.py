@@ -148,6 +148,13 @@ def test_the_cpu_probe_runs_as_many_ranks_at_once_each_with_its_threads():
     finally:
         torch.set_num_threads(before)
     assert len(seen) == 3 * 3 and set(seen) == {1} and rate > 0  # a warm-up and 2 timed calls, in 3 threads
+
+    def fails(*_):
+        raise ValueError("no such op here")
+
+    with pytest.raises(RuntimeError, match="CPU probe failed") as failed:  # raised, never a thread left waiting
+        _rate(fails, lambda: (), 1.0, at_once=2)
+    assert isinstance(failed.value.__cause__, ValueError)
     alone, shared = DeviceSpec.this_cpu(threads=1), DeviceSpec.this_cpu(threads=1, ranks_per_node=4)
     assert "4 ranks at once" in shared.name and shared.ranks_per_node == 4
     total = alone.memory_bytes * alone.ranks_per_node

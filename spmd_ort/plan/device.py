@@ -87,7 +87,10 @@ class DeviceSpec:
         ranks = ranks_per_node or cpus
         memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") // ranks
         name = f"this CPU ({threads} thread{'s' if threads > 1 else ''}"
-        name += f", {sharing} ranks at once)" if ranks_per_node else ")"
+        if ranks_per_node:
+            name += f", {sharing} ranks at once)" if at_once > 1 else f", shared by {sharing} ranks)"
+        else:
+            name += ")"
         return cls(name=name, flops={torch.float32: matmul * scale}, memory_bw=copy * scale, write_bw=fresh * scale,
                    memory_bytes=memory, intra_bw=link, inter_bw=link, ranks_per_node=ranks, link_latency_s=50e-6,
                    op_overhead_s=overhead, copies_collective_inputs=True)
@@ -122,12 +125,25 @@ def _rate(fn, make_args, work: float, repeat: int = 5, at_once: int = 1) -> floa
     if at_once <= 1:
         one(rates)
         return rates[0]
-    start = threading.Barrier(at_once)
-    workers = [threading.Thread(target=one, args=(rates, start)) for _ in range(at_once)]
+    start = threading.Barrier(at_once, timeout=60)
+    errors: list[BaseException] = []
+
+    def guarded() -> None:
+        try:
+            one(rates, start)
+        except threading.BrokenBarrierError:
+            pass  # another thread failed first: its error is the one raised
+        except BaseException as exc:  # noqa: BLE001 - re-raised in the caller
+            errors.append(exc)
+            start.abort()  # the others stop waiting for this one
+
+    workers = [threading.Thread(target=guarded) for _ in range(at_once)]
     for w in workers:
         w.start()
     for w in workers:
         w.join()
+    if errors or len(rates) < at_once:
+        raise RuntimeError("the CPU probe failed in one of its threads") from (errors[0] if errors else None)
     return sum(rates) / len(rates)
 
 

@@ -34,6 +34,7 @@ from pathlib import Path
 
 from importlib.metadata import version
 
+import numpy as np
 import onnxruntime
 import torch
 from torch import fx
@@ -45,7 +46,7 @@ from spmd_ort.options import DEFAULT_OPSET, get_logger
 logger = get_logger(__name__)
 aten = torch.ops.aten
 
-FORMAT_VERSION = 8  # bump when what we export for the same graph changes
+FORMAT_VERSION = 9  # bump when what we export for the same graph changes
 # ONNX inputs are named by position: a segment's placeholders carry the names of the parent
 # graph's nodes (div, add, view, ...), which the exporter also gives the segment's own values,
 # and ONNX Runtime rejects a model where an input and a value share a name.
@@ -174,15 +175,19 @@ def _optimize(model) -> None:
     from onnxscript.optimizer import _constant_folding
 
     common.InlinePass()(model)
+    limits = {"shape_inference": False, "input_size_limit": FOLD_LIMIT, "output_size_limit": FOLD_LIMIT}
     try:
-        _constant_folding.FoldConstantsPass(shape_inference=False, input_size_limit=FOLD_LIMIT,
-                                            output_size_limit=FOLD_LIMIT, should_fold=_foldable)(model)
-    except Exception as exc:  # noqa: BLE001 - folding is an optimization ONNX Runtime repeats when it loads
+        fold = _constant_folding.FoldConstantsPass(**limits, should_fold=_foldable)
+    except TypeError:  # an onnxscript before should_fold: its own rules (a large fill is computed, then dropped)
+        fold = _constant_folding.FoldConstantsPass(**limits)
+    try:
+        fold(model)
+    except Exception as exc:  # noqa: BLE001 - folding is an optimization; the model is valid without it
         # onnxscript's folder raises on some nodes it cannot evaluate (SplitToSequence with a split size known
         # only at run time: sequence parallel's shards of a symbolic length); the nodes before it are folded,
         # each replacement complete, so the model stays valid: it is exported as it is
         logger.info("constant folding stopped early (%s); the segment is exported with the rest unfolded "
-                    "(ONNX Runtime folds constants when it loads it)", short_error(exc, 160))
+                    "(computed in each run)", short_error(exc, 160))
     absorb_transposes(model)
     ir.passes.Sequential(
         common.RemoveUnusedNodesPass(),
@@ -211,11 +216,19 @@ def _output_elements(node) -> int | None:
     if out is not None and out.shape is not None and (n := _elements(out.shape.dims)) is not None:
         return n
     index = {"Expand": 1, "ConstantOfShape": 0}.get(node.op_type)
-    if index is not None and len(node.inputs) > index and node.inputs[index] is not None:
-        target = node.inputs[index].const_value
-        if target is not None:
-            return _elements(int(d) for d in target.numpy().reshape(-1))
-    return None
+    if index is None or len(node.inputs) <= index or node.inputs[index] is None:
+        return None
+    target = node.inputs[index].const_value
+    if target is None:
+        return None
+    dims = [int(d) for d in target.numpy().reshape(-1)]
+    source = node.inputs[0] if node.op_type == "Expand" else None
+    if source is not None and source.shape is not None and _elements(source.shape.dims) is not None:
+        try:  # Expand broadcasts its input's shape with the target: [N, 1] to [1, M] is N x M
+            dims = list(np.broadcast_shapes(tuple(source.shape.dims), tuple(dims)))
+        except ValueError:
+            return None  # shapes that do not broadcast: the folder's own rules
+    return _elements(dims)
 
 
 def _foldable(node) -> bool | None:

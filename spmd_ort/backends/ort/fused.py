@@ -63,6 +63,8 @@ def slice_backward(grad_output, input_sizes, dim, start, end, step):
         return decompositions.slice_backward(grad_output, input_sizes, dim, start, end, step)
     if start < 0:
         start = max(start + size, 0)
+    if isinstance(size, int):
+        start = min(start, size)  # a slice starting past the end: an empty gradient, all zeros
     n = grad_output.shape[dim]
     pads = [0, 0] * (rank - 1 - dim) + [start, size - start - n]  # last dim first, (before, after) each
     return torch.ops.aten.constant_pad_nd.default(grad_output, pads, 0.0)
