@@ -179,6 +179,9 @@ def _optimize(model) -> None:
     try:
         fold = _constant_folding.FoldConstantsPass(**limits, should_fold=_foldable)
     except TypeError:  # an onnxscript before should_fold: its own rules (a large fill is computed, then dropped)
+        logger.info("this onnxscript's constant folder takes no should_fold: it evaluates constants of any size "
+                    "before dropping those over %d elements (upgrade onnxscript to keep large fills unevaluated)",
+                    FOLD_LIMIT)
         fold = _constant_folding.FoldConstantsPass(**limits)
     try:
         fold(model)
