@@ -183,8 +183,15 @@ def run(args, rank: int, world: int) -> dict:
                 result.setdefault("input_grad_sums", []).append(float(x.grad.double().sum()))
             torch.testing.assert_close(loss, ref.detach(), rtol=1e-5, atol=1e-6)
             # fx runs DDP's own kernels (elementwise), but for a fused head's (torch's chunked operator: per tensor)
-            assert_same_state(ddp_model.module, model, opt_ref, opt, where=f"rank {rank} step {i}",
-                              normwise=args.backend != "fx" or args.model == "gpt-wide")
+            try:
+                assert_same_state(ddp_model.module, model, opt_ref, opt, where=f"rank {rank} step {i}",
+                                  normwise=args.backend != "fx" or args.model == "gpt-wide")
+            except AssertionError as exc:  # what the step ran: its tuner's choices and its program
+                prog = step.compiled
+                off = [f"{n}: {float((a - b).norm()):.3g}" for (n, a), b in
+                       zip(ddp_model.module.named_parameters(), model.parameters()) if not torch.allclose(a, b)]
+                raise AssertionError(f"{exc}\nparameters off: {', '.join(off)}\nchoices:\n" + "\n".join(step.tuner.lines(prog))
+                                     + "\n" + (prog.describe() if prog is not None else "")) from None
             if full is not None:
                 full_loss = full[2](full[0], full[1], x, y)
                 if args.backend == "fx":
