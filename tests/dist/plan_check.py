@@ -75,7 +75,7 @@ def main() -> None:
         opt = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.1)
         step = spmd_ort.compile(parallel_mode=mode, backend=args.backend)(grads_kept_step)
         data = rank if name in ("replicate", "fully_shard") else (rank // 2 if name == "2d" else 0)
-        times = []
+        times, blocked = [], []  # each step's seconds, and those it spent blocked in collectives' waits
         for i in range(args.steps):
             x, y = batch(cfg, args.batch, 100 * i + data)
             if i == min(2, args.steps - 1):  # compiled and steady: the steps' own memory from here on
@@ -86,6 +86,7 @@ def main() -> None:
             t0 = time.perf_counter()
             step(model, opt, x, y)
             times.append(time.perf_counter() - t0)
+            blocked.append(step.comm.blocked_s)
         rss_above = _rss("VmHWM") - steady
         # the steps' tensor bytes, counted by torch's MemTracker (a dispatch mode: every tensor the step creates,
         # until its storage is freed; the CPU's torch.cuda.max_memory_allocated) in one more step, above what is
@@ -104,7 +105,7 @@ def main() -> None:
         result[name] = {"comm_bytes": {k: getattr(comm, f"{k}_bytes") for k in COMM if getattr(comm, f"{k}_calls")},
                         "comm_calls": {k: getattr(comm, f"{k}_calls") for k in COMM if getattr(comm, f"{k}_calls")},
                         "persistent": mem["persistent"], "planned_activation_peak": mem["planned_activation_peak"],
-                        "step_peak_above_steady": rss_above, "step_s": times,
+                        "step_peak_above_steady": rss_above, "step_s": times, "blocked_s": blocked,
                         "step_tensor_peak_above_start": tensors_above}
     finish(args.out, result)
 
