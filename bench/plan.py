@@ -111,7 +111,7 @@ def real() -> None:
         spec = DeviceSpec.this_cpu(threads=1, ranks_per_node=world)
         specs.append(f"{world} ranks: {spec.flops[torch.float32] / 1e9:.0f} GFLOP/s a rank, memory "
                      f"{spec.memory_bw / 1e9:.1f} GB/s, fresh writes {spec.write_bw / 1e9:.2f} GB/s, link "
-                     f"{spec.intra_bw / 1e9:.2f} GB/s")
+                     f"{spec.intra_bw / 1e9:.2f} GB/s and {spec.link_latency_s * 1e3:.2f} ms a hop")
         # Memory in a run with glibc's thresholds fixed (as bench/big_model.py --malloc-threshold: freed memory
         # leaves the resident set, so its rise is the step's); time in a run with glibc's defaults, as users run.
         # Fixed thresholds map every allocation above 128 KiB afresh and page-fault it in each step: measured

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import logging
 import resource
 import subprocess
 import sys
@@ -160,6 +161,27 @@ def test_the_cpu_probe_runs_as_many_ranks_at_once_each_with_its_threads():
     total = alone.memory_bytes * alone.ranks_per_node
     assert shared.memory_bytes == pytest.approx(total / 4, rel=0.01)
     assert shared.flops[torch.float32] > 0 and shared.memory_bw > 0 and shared.write_bw > 0
+
+
+def test_the_cpu_probe_prices_links_from_a_ring_of_as_many_gloo_processes(monkeypatch, caplog):
+    """With ``ranks_per_node`` > 1 the links are priced from all-reduces among that many real gloo processes (a
+    small one's time: the hops' latency; a large one's: the bandwidth), as the ranks will use them; where those
+    processes cannot run, from loopback TCP and a fixed latency, said at INFO."""
+    from spmd_ort.plan import device
+
+    a, b = device._gloo_ring(2, 1, repeat=3)
+    assert 0 < a < 1.0 and 0 < b < 1e-6  # seconds; seconds per byte (above 1 MB/s)
+    rings = []
+    monkeypatch.setattr(device, "_gloo_ring", lambda ranks, threads: rings.append((ranks, threads)) or (4e-3, 1e-9))
+    spec = DeviceSpec.this_cpu(threads=1, ranks_per_node=3)
+    assert rings == [(3, 1)]
+    assert spec.link_latency_s == pytest.approx(4e-3 / 4)  # 2 (n - 1) hops of an all-reduce
+    assert spec.intra_bw == pytest.approx(2 * 2 / 3 / 1e-9)  # an all-reduce moves 2 (n - 1) / n of its bytes
+    monkeypatch.undo()
+    monkeypatch.setattr(device.sys, "executable", "/bin/false")  # no process of the ring starts
+    with caplog.at_level(logging.INFO, logger="spmd_ort.plan.device"):
+        assert device._gloo_ring(2, 1, repeat=1) is None
+    assert "gloo ring of 2 processes failed" in caplog.text
 
 
 def test_plan_errors_name_the_fix():

@@ -7,13 +7,20 @@ their own with ``DeviceSpec(...)`` or ``dataclasses.replace(DEVICES["h100"], ...
 
 from __future__ import annotations
 
+import json
+import logging
 import os
 import socket
+import subprocess
+import sys
+import tempfile
 import threading
 import time
 from dataclasses import dataclass, field
 
 import torch
+
+logger = logging.getLogger(__name__)
 
 GB = 1e9
 
@@ -54,10 +61,12 @@ class DeviceSpec:
 
     @classmethod
     def this_cpu(cls, threads: int | None = None, ranks_per_node: int | None = None) -> DeviceSpec:
-        """This machine's CPU, measured now (about a second): an fp32 matmul's FLOP/s and a copy's bandwidth with
-        ``threads`` threads (default: torch's, as one rank runs), loopback TCP (what gloo uses between local ranks)
-        for the links, a small op's dispatch time, and the rate of writing fresh outputs (a clone: allocation and
-        page faults, as this process's allocator gives them).
+        """This machine's CPU, measured now (a second or two; with ``ranks_per_node`` a few more): an fp32 matmul's
+        FLOP/s and a copy's bandwidth with ``threads`` threads (default: torch's, as one rank runs), the links, a
+        small op's dispatch time, and the rate of writing fresh outputs (a clone: allocation and page faults, as
+        this process's allocator gives them). The links: with ``ranks_per_node`` > 1, all-reduces among that many
+        gloo processes started for the probe (:func:`_gloo_ring`: a small one gives the hops' latency, a large one
+        the bandwidth); else one loopback TCP stream (what gloo uses between local ranks) and 50 us a hop.
 
         ``ranks_per_node``: the ranks that will share this machine, all computing at once. Their cores share
         floating-point units, caches and memory (on this 2-vCPU machine two concurrent single-thread matmuls run
@@ -83,7 +92,11 @@ class DeviceSpec:
             overhead = 1 / _rate(lambda s: torch.add(s, s), lambda: (torch.randn(16),), 1, repeat=200)
         finally:
             torch.set_num_threads(before)
-        link = _loopback_bw()
+        link, latency = _loopback_bw(), 50e-6
+        ring = _gloo_ring(sharing, threads) if sharing > 1 else None
+        if ring is not None:  # the ranks' own collectives: a ring's hops and its bytes, as cost.py prices them
+            a, b = ring
+            link, latency = 2 * (sharing - 1) / sharing / b, a / (2 * (sharing - 1))
         ranks = ranks_per_node or cpus
         memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") // ranks
         name = f"this CPU ({threads} thread{'s' if threads > 1 else ''}"
@@ -92,7 +105,7 @@ class DeviceSpec:
         else:
             name += ")"
         return cls(name=name, flops={torch.float32: matmul * scale}, memory_bw=copy * scale, write_bw=fresh * scale,
-                   memory_bytes=memory, intra_bw=link, inter_bw=link, ranks_per_node=ranks, link_latency_s=50e-6,
+                   memory_bytes=memory, intra_bw=link, inter_bw=link, ranks_per_node=ranks, link_latency_s=latency,
                    op_overhead_s=overhead, copies_collective_inputs=True)
 
 
@@ -145,6 +158,60 @@ def _rate(fn, make_args, work: float, repeat: int = 5, at_once: int = 1) -> floa
     if errors or len(rates) < at_once:
         raise RuntimeError("the CPU probe failed in one of its threads") from (errors[0] if errors else None)
     return sum(rates) / len(rates)
+
+
+# One rank of the ring probe (:func:`_gloo_ring`), run by ``python -c``: torch alone, not this package, is imported.
+_RING_RANK = r"""
+import json, sys, time
+import torch, torch.distributed as dist
+rank, world, path, threads, repeat = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], int(sys.argv[4]), int(sys.argv[5])
+torch.set_num_threads(threads)
+dist.init_process_group("gloo", store=dist.FileStore(path, world), rank=rank, world_size=world)
+means = []
+for nbytes in (int(n) for n in sys.argv[6].split(",")):
+    t = torch.zeros(nbytes // 4)
+    for _ in range(3):
+        dist.all_reduce(t)
+    t0 = time.perf_counter()
+    for _ in range(repeat):
+        dist.all_reduce(t)
+    means.append((time.perf_counter() - t0) / repeat)
+dist.destroy_process_group()
+print(json.dumps(means))
+"""
+
+
+def _gloo_ring(ranks: int, threads: int, sizes: tuple[int, int] = (4096, 8 * 2**20), repeat: int = 20,
+               timeout: float = 120.0) -> tuple[float, float] | None:
+    """(a, b): an all-reduce of n bytes among ``ranks`` gloo processes on this machine, ``threads`` threads each,
+    takes a + b * n seconds: the mean of ``repeat`` back-to-back calls per size (a step waits for each of its
+    collectives, so the mean, slow calls included, is what adds up), over the ranks. Ranks that share cores
+    wait for each other to be scheduled: with 4 ranks on 2 cores a small all-reduce took 0.44 ms and a 64 KiB
+    one about 5 ms, where one TCP stream's bandwidth and a fixed hop latency predicted 0.3 and 0.4 ms. None
+    (logged) where the processes fail or time out."""
+    with tempfile.TemporaryDirectory() as d:
+        args = [os.path.join(d, "store"), str(threads), str(repeat), ",".join(map(str, sizes))]
+        env = {**os.environ, "OMP_NUM_THREADS": str(threads)}
+        procs = [subprocess.Popen([sys.executable, "-c", _RING_RANK, str(r), str(ranks), *args], env=env, text=True,
+                                  stdout=subprocess.PIPE, stderr=subprocess.PIPE) for r in range(ranks)]
+        try:
+            outs = [p.communicate(timeout=timeout) for p in procs]
+        except subprocess.TimeoutExpired:
+            outs = None
+        finally:
+            for p in procs:
+                if p.poll() is None:
+                    p.kill()
+                    p.wait()
+    if outs is None or any(p.returncode for p in procs):
+        why = "timed out" if outs is None else next(err for p, (_, err) in zip(procs, outs) if p.returncode)[-500:]
+        logger.info("the CPU probe's gloo ring of %d processes failed (%s): links priced from loopback TCP", ranks,
+                    why)
+        return None
+    means = [json.loads(out.strip().splitlines()[-1]) for out, _ in outs]
+    small, large = (sum(m[i] for m in means) / ranks for i in range(2))
+    b = max((large - small) / (sizes[1] - sizes[0]), 1e-15)
+    return max(small - b * sizes[0], 0.0), b
 
 
 def _loopback_bw(nbytes: int = 32 * 2**20) -> float:
