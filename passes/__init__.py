@@ -34,7 +34,7 @@ from .shard_schedule import (bound_reduce_scatters_pass, bucket_shard_collective
                              keep_tail_gathers_pass, prefetch_gathers_pass)
 from .offload import offload_optimizer_pass, offload_params_pass
 from .user import gm_transformation_pass, override_transform_pass
-from .analysis import count_collectives_pass, plan_memory_pass
+from .analysis import count_collectives_pass, plan_graph_capture_pass, plan_memory_pass
 from .index_checks import insert_index_checks_pass
 from .lowering import lower_to_onnx_ops_pass
 from .reinplace import reinplace_optimizer_pass
@@ -65,6 +65,6 @@ __all__ = [
     # user transforms
     "override_transform_pass", "gm_transformation_pass",
     # analysis, checks, backend
-    "plan_memory_pass", "count_collectives_pass", "insert_index_checks_pass", "lower_to_onnx_ops_pass",
-    "reinplace_optimizer_pass", "replace_views_with_reshapes_pass",
+    "plan_memory_pass", "plan_graph_capture_pass", "count_collectives_pass", "insert_index_checks_pass",
+    "lower_to_onnx_ops_pass", "reinplace_optimizer_pass", "replace_views_with_reshapes_pass",
 ]

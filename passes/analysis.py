@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import operator
 from dataclasses import dataclass
 
 import torch
@@ -89,4 +90,116 @@ def count_collectives_pass(gm: fx.GraphModule, ctx) -> fx.GraphModule:
         size = nbytes_of(payload)
         nbytes[kind] = nbytes.get(kind, 0) + (int(optimization_hint(size)) if isinstance(size, torch.SymInt) else size)
     ctx.results.record(CollectiveCounts(calls=dict(sorted(calls.items())), nbytes=dict(sorted(nbytes.items()))))
+    return gm
+
+
+# Ops whose output's size depends on the values: a CUDA graph replays the sizes it captured.
+VALUE_SIZED = (torch.ops.aten.nonzero.default, torch.ops.aten.masked_select.default, torch.ops.aten._unique2.default,
+               torch.ops.aten.unique_dim.default, torch.ops.aten.unique_consecutive.default,
+               torch.ops.aten.repeat_interleave.Tensor)
+# Ops that read a value on the host: the host waits for the device there, which a capture cannot do.
+HOST_READS = (torch.ops.aten._local_scalar_dense.default, torch.ops.aten.item.default,
+              torch.ops.aten.is_nonzero.default, torch.ops.aten.equal.default)
+
+
+@dataclass(frozen=True)
+class CapturePlan(PassResult):
+    """``plan_graph_capture_pass``: how the finished graph of a step on a GPU would run as CUDA graphs.
+
+    ``cuda``: the step's tensors are on a GPU (otherwise there is nothing to capture and nothing is shown);
+    ``regions``: the call nodes of each run of nodes one graph can hold, in order; ``splits``: (node, why) for
+    each node that must run on the host between two graphs; ``blocker``: why no graph can hold the step (None:
+    one can); ``per_size``: the program has symbolic sizes, so one set of graphs per size seen."""
+
+    cuda: bool
+    regions: tuple[int, ...] = ()
+    splits: tuple[tuple[str, str], ...] = ()
+    blocker: str | None = None
+    per_size: bool = False
+
+    @property
+    def capturable(self) -> bool:
+        return self.cuda and self.blocker is None and bool(self.regions)
+
+    def lines(self) -> list[str]:
+        if not self.cuda:
+            return []
+        if self.blocker is not None:
+            return [f"CUDA graph capture: not possible: {self.blocker}"]
+        head = (f"CUDA graph capture: {len(self.regions)} graph{'s' if len(self.regions) != 1 else ''} "
+                f"({' + '.join(map(str, self.regions))} ops)")
+        if self.per_size:
+            head += ", one set per size seen (symbolic sizes)"
+        return [head] + [f"  runs between graphs: {name}: {why}" for name, why in self.splits]
+
+
+def _tensors(value) -> list[torch.Tensor]:
+    values = value if isinstance(value, (list, tuple)) else [value]
+    return [v for v in values if isinstance(v, torch.Tensor)]
+
+
+def capture_verdict(node: fx.Node) -> tuple[str, str] | None:
+    """Whether one graph node of a GPU step can be captured in a CUDA graph: None if it can, else ("split",
+    why) for a node that must run on the host between graphs, or ("block", why) for one no graph can replay."""
+    target = node.target
+    if target is operator.getitem:
+        return None
+    if target in ops.OPAQUE_OPS:
+        return "split", "an opaque part: the user's Python code runs between graphs"
+    if target in VALUE_SIZED:
+        return "block", f"{target}'s output size depends on the values, and a graph replays the sizes it captured"
+    if target in HOST_READS:
+        return "split", f"{target} reads a value on the host, which waits for the GPU"
+    if isinstance(node.meta.get("val"), (torch.SymInt, torch.SymFloat, torch.SymBool)):
+        return None  # size arithmetic: fixed in each capture (one per size)
+    if not isinstance(target, torch._ops.OpOverload):
+        return "split", f"the Python callable {getattr(target, '__name__', target)} runs on the host"
+    for arg in node.all_input_nodes:
+        for t in _tensors(arg.meta.get("val")):
+            if t.device.type == "cpu":
+                # a 0-d host tensor is read at capture and replayed as that constant: a hyper-parameter on the
+                # host would be frozen at its first value
+                return "split", f"{target} reads {arg.name}, a host tensor"
+    for t in _tensors(node.meta.get("val")):
+        if t.device.type == "cpu":
+            return "split", f"{target} makes a host tensor"
+    return None
+
+
+@graph_pass()
+def plan_graph_capture_pass(gm: fx.GraphModule, ctx) -> fx.GraphModule:
+    """Record how the finished graph of a GPU step would be captured as CUDA graphs (a :class:`CapturePlan`):
+    the runs of nodes one graph each can hold, the nodes that split them (an opaque part's Python, a value read
+    on the host, work on host tensors: gloo's collectives, offload's copies, a hyper-parameter kept on the host)
+    and what would stop any capture (an output whose size depends on the values). NCCL collectives, random ops
+    (torch registers its generator with the graph) and the GPU's index checks (device-side asserts) capture.
+    ``explain()`` shows it for steps on a GPU; on the CPU it records that there is nothing to capture."""
+    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    cuda = any(t.device.type == "cuda" for n in placeholders for t in _tensors(n.meta.get("val")))
+    if not cuda:
+        ctx.results.record(CapturePlan(cuda=False))
+        return gm
+    per_size = any(isinstance(d, torch.SymInt) for n in placeholders for t in _tensors(n.meta.get("val"))
+                   for d in t.shape)
+    regions: list[int] = []
+    splits: list[tuple[str, str]] = []
+    current = 0
+    for node in gm.graph.nodes:
+        if node.op != "call_function":
+            continue
+        verdict = capture_verdict(node)
+        if verdict is None:
+            current += 1
+            continue
+        kind, why = verdict
+        if kind == "block":
+            ctx.results.record(CapturePlan(cuda=True, blocker=f"{node.name}: {why}", per_size=per_size))
+            return gm
+        if current:
+            regions.append(current)
+        current = 0
+        splits.append((node.name, why))
+    if current:
+        regions.append(current)
+    ctx.results.record(CapturePlan(cuda=True, regions=tuple(regions), splits=tuple(splits), per_size=per_size))
     return gm

@@ -22,7 +22,7 @@ from spmd_ort.errors import ConfigError
 from spmd_ort.distributed.parallel import DataParallel
 
 from .activation_stats import insert_activation_stats_pass
-from .analysis import count_collectives_pass, plan_memory_pass
+from .analysis import count_collectives_pass, plan_graph_capture_pass, plan_memory_pass
 from .cleanup import remove_identity_views_pass, remove_redundant_copies_pass
 from .fusion import fuse_linear_cross_entropy_pass
 from .expand import adopt_dtensor_collectives_pass, merge_summed_all_reduces_pass, split_replicated_matmuls_pass
@@ -147,6 +147,8 @@ STAGES: tuple[Step, ...] = (
     Step("backend", reinplace_optimizer_pass),
     Step("analysis", plan_memory_pass, ALWAYS.note("after the optimizer updates its state in place, as it runs")),
     Step("backend", replace_views_with_reshapes_pass),
+    Step("analysis", plan_graph_capture_pass,
+         ALWAYS.note("the finished graph: what a CUDA graph capture would hold and what splits it; shown on a GPU")),
 )
 
 
