@@ -12,7 +12,7 @@ import operator
 
 import torch
 from torch import fx
-from torch.fx.passes.infra.partitioner import CapabilityBasedPartitioner
+from torch.fx.passes.infra.partitioner import CapabilityBasedPartitioner, Partition
 from torch.fx.passes.operator_support import OperatorSupport
 from torch.fx.passes.utils.fuser_utils import fuse_by_partitions
 
@@ -83,7 +83,6 @@ def _propose_by_stage(gm: fx.GraphModule, support: OperatorSupport) -> list:
     the whole graph that is quadratic, 560 s of a 32-layer Llama's 630 s plan).  A stage's nodes are contiguous
     in graph order (a getitem joins its tuple's stage, its only input): no path leaves a stage and comes back
     into it, so what is acyclic within a stage is acyclic in the graph."""
-    from torch.fx.passes.infra.partitioner import Partition
 
     stages = _stages(gm)
     by_stage: dict[int, list[fx.Node]] = {}

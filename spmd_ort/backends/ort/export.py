@@ -25,6 +25,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import hashlib
+import math
 import os
 import tempfile
 import time
@@ -204,12 +205,8 @@ def _optimize(model) -> None:
 
 def _elements(dims) -> int | None:
     """The product of ``dims`` when every one is a known int; else None."""
-    n = 1
-    for d in dims:
-        if not isinstance(d, int):
-            return None
-        n *= d
-    return n
+    dims = list(dims)
+    return math.prod(dims) if all(isinstance(d, int) for d in dims) else None
 
 
 def _output_elements(node) -> int | None:
