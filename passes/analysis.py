@@ -14,6 +14,7 @@ from spmd_ort.runtime.memory import plan_activation_memory
 
 from .context import PassResult
 from .contracts import Invariant
+from .helpers import compute_device, placeholders
 from .helpers import nbytes as nbytes_of
 from .helpers import phase
 from .runner import graph_pass
@@ -174,12 +175,10 @@ def plan_graph_capture_pass(gm: fx.GraphModule, ctx) -> fx.GraphModule:
     and what would stop any capture (an output whose size depends on the values). NCCL collectives, random ops
     (torch registers its generator with the graph) and the GPU's index checks (device-side asserts) capture.
     ``explain()`` shows it for steps on a GPU; on the CPU it records that there is nothing to capture."""
-    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
-    cuda = any(t.device.type == "cuda" for n in placeholders for t in _tensors(n.meta.get("val")))
-    if not cuda:
+    if compute_device(gm, ctx.input_slots).type != "cuda":
         ctx.results.record(CapturePlan(cuda=False))
         return gm
-    per_size = any(isinstance(d, torch.SymInt) for n in placeholders for t in _tensors(n.meta.get("val"))
+    per_size = any(isinstance(d, torch.SymInt) for n in placeholders(gm) for t in _tensors(n.meta.get("val"))
                    for d in t.shape)
     regions: list[int] = []
     splits: list[tuple[str, str]] = []

@@ -10,6 +10,7 @@ import spmd_ort
 from spmd_ort.capture.optim import rule_for
 from spmd_ort.capture.state import StateLayout
 from spmd_ort.capture.trace import trace_step
+from spmd_ort.graph.slots import Slot, SlotKind
 from spmd_ort.passes import PassContext, build_pipeline, op_counts, run_passes
 from spmd_ort.passes.analysis import CapturePlan, CollectiveCounts, count_collectives_pass, plan_graph_capture_pass
 from helpers import shard_without_collectives, train_step
@@ -78,7 +79,10 @@ def _gpu_graph(build) -> fx.GraphModule:
 
 
 def _capture_plan(gm) -> CapturePlan:
-    ctx = PassContext(input_slots=[], output_slots=[])
+    """The pass's plan; the graph's first input is the batch (the step computes where its batch is)."""
+    inputs = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    slots = [Slot(SlotKind.BATCH if i == 0 else SlotKind.PARAM, n.name, i) for i, n in enumerate(inputs)]
+    ctx = PassContext(input_slots=slots, output_slots=[])
     run_passes(gm, ctx, [plan_graph_capture_pass])
     return ctx.results.get(CapturePlan)
 

@@ -92,11 +92,12 @@ class DeviceSpec:
             overhead = 1 / _rate(lambda s: torch.add(s, s), lambda: (torch.randn(16),), 1, repeat=200)
         finally:
             torch.set_num_threads(before)
-        link, latency = _loopback_bw(), 50e-6
         ring = _gloo_ring(sharing, threads) if sharing > 1 else None
         if ring is not None:  # the ranks' own collectives: a ring's hops and its bytes, as cost.py prices them
             a, b = ring
             link, latency = 2 * (sharing - 1) / sharing / b, a / (2 * (sharing - 1))
+        else:
+            link, latency = _loopback_bw(), 50e-6
         ranks = ranks_per_node or cpus
         memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") // ranks
         name = f"this CPU ({threads} thread{'s' if threads > 1 else ''}"
