@@ -20,8 +20,11 @@ is faster, and, once the tuner buys it, the whole graph compiled by inductor aga
 that: the bench predicts that compile free, so it comes after the program's
 ``spmd_ort.tuner.MEASURED_STEPS`` measured steady steps); ``ort-only`` (every segment in ONNX Runtime,
 ``SPMD_ORT_SEGMENT_EXECUTOR=ort``); ``spmd-inductor`` (``spmd_ort.compile(backend=
-"inductor")``: the whole step's segments compiled by inductor); ``inductor``
-(``torch.compile(model)`` with the fused optimizer).  The runners alternate step by step with a pause between them,
+"inductor")``: the whole step's segments compiled by inductor); ``fx+graph`` / ``spmd-inductor+graph`` (those
+with ``cuda_graph=True``: on a GPU the whole step replays as one CUDA graph from its third call; on the CPU they
+are fx and spmd-inductor); ``inductor`` (``torch.compile(model)`` with the fused optimizer);
+``reduce-overhead`` (``torch.compile(model, mode="reduce-overhead")``: CUDA graphs of forward and backward, the
+fused optimizer outside them).  The runners alternate step by step with a pause between them,
 median of ``--steps`` after ``MEASURED_STEPS`` + 5 warm-up calls (the default backend is
 steady from there); "compile s" sums the warm-up calls' time beyond a steady step's.
 
@@ -31,7 +34,8 @@ compiled runners' steps (median).
 
 ``--device cuda`` trains every runner on the GPU: each step is timed to the end of its queued kernels
 (synchronized), and the most each runner's step allocates above its resting memory (parameters,
-optimizer state) is printed under the table.  The ORT backend there needs ``onnxruntime-gpu``; without
+optimizer state) is printed under the table, and for the GPT models the achieved TFLOP/s and MFU against the
+card's dense peak (float32, or TF32 with ``--tf32``).  The ORT backend there needs ``onnxruntime-gpu``; without
 it that runner fails with its ConfigError and the table says so.
 
 Compile time: ``--compile`` also runs the ORT backend's first call (trace,
@@ -142,7 +146,45 @@ def mixtral_tiny(seed: int = 0):
     return MixtralLM(cfg), batch
 
 
-MODELS = {"gpt-mini": gpt_mini, "mlp": mlp, "cnn": cnn, "mixtral-tiny": mixtral_tiny}
+def gpt2_small(seed: int = 0):
+    """GPT-2 small's shape (124 M parameters: 12 layers, d 768, 12 heads, 50257 tokens, 1024 positions, tied head)
+    at batch 16 x 1024: about 14 TFLOP a step, where arithmetic takes the time, not issuing ops (for a GPU:
+    ``--device cuda --models gpt2-small``; MFU is printed under the table)."""
+    cfg = GPTConfig(vocab=50257, seq=1024, d=768, heads=12, layers=12)
+    g = torch.Generator().manual_seed(seed)
+    batch = lambda: (torch.randint(0, cfg.vocab, (16, cfg.seq), generator=g),  # noqa: E731
+                     torch.randint(0, cfg.vocab, (16, cfg.seq), generator=g))
+    return GPT(cfg), batch
+
+
+MODELS = {"gpt-mini": gpt_mini, "mlp": mlp, "cnn": cnn, "mixtral-tiny": mixtral_tiny, "gpt2-small": gpt2_small}
+
+
+def step_flops(model: nn.Module, x: torch.Tensor) -> float | None:
+    """A GPT step's model FLOPs (PaLM's count: 6 per parameter per token for the matmuls of forward and
+    backward, plus attention's 12 x layers x d x seq per token), for MFU; None for other models."""
+    cfg = getattr(model, "cfg", None)
+    if not isinstance(cfg, GPTConfig):
+        return None
+    tokens = x.numel()
+    params = sum(p.numel() for p in model.parameters())
+    return 6.0 * params * tokens + 12.0 * cfg.layers * cfg.d * cfg.seq * tokens
+
+
+# dense peak TFLOP/s (float32 on CUDA cores, TF32 and bfloat16 on tensor cores) by device name, for MFU
+PEAK_TFLOPS = {"H100": {"float32": 67.0, "tf32": 494.7, "bfloat16": 989.4},
+               "H200": {"float32": 67.0, "tf32": 494.7, "bfloat16": 989.4},
+               "A100": {"float32": 19.5, "tf32": 156.0, "bfloat16": 312.0}}
+
+
+def peak_tflops(device: torch.device) -> tuple[float, str] | None:
+    """The GPU's dense peak for the float32 matmul precision set (``--tf32``: TF32), and which one it is."""
+    name = torch.cuda.get_device_name(device)
+    kind = "tf32" if torch.get_float32_matmul_precision() != "highest" else "float32"
+    for key, peaks in PEAK_TFLOPS.items():
+        if key in name:
+            return peaks[kind], f"{key} {kind}"
+    return None
 
 
 def build_runners(model: nn.Module, backends: list[str]) -> dict:
@@ -163,6 +205,12 @@ def build_runners(model: nn.Module, backends: list[str]) -> dict:
                 os.environ["SPMD_ORT_SEGMENT_EXECUTOR"] = previous
         elif name == "spmd-inductor":  # the whole step's graph, segments compiled by inductor
             fn = spmd_ort.compile(backend="inductor")(train_step)
+        elif name.endswith("+graph"):  # the whole step as one CUDA graph (fx+graph, spmd-inductor+graph)
+            base = name.removesuffix("+graph").removeprefix("spmd-")
+            fn = spmd_ort.compile(backend=base, cuda_graph=True)(train_step)
+        elif name == "reduce-overhead":  # torch.compile's CUDA graphs of forward and backward; the fused optimizer
+            compiled_model = torch.compile(m, mode="reduce-overhead")
+            fn = lambda _m, o, x, y, cm=compiled_model: train_step(cm, o, x, y)  # noqa: E731
         elif name == "inductor":
             compiled_model = torch.compile(m)  # backward through AOT autograd; the fused optimizer
             fn = lambda _m, o, x, y, cm=compiled_model: train_step(cm, o, x, y)  # noqa: E731
@@ -228,7 +276,8 @@ def bench_model(name: str, steps: int, backends: list[str], device: torch.device
         if times[k]:
             compile_s[k] = max(compile_s[k] - warmup * statistics.median(times[k]), 0.0)
     params = sum(p.numel() for p in model.parameters())
-    return {"model": name, "params": params, "compile_s": compile_s, "failed": failed, "step_peak_mib": step_peak_mib,
+    flops = step_flops(model, x)
+    return {"model": name, "params": params, "flops": flops, "compile_s": compile_s, "failed": failed, "step_peak_mib": step_peak_mib,
             "opaque_ms": {k: statistics.median(v) for k, v in opaque_ms.items()},
             "ms": {k: statistics.median(v) * 1e3 for k, v in times.items() if k not in failed}}
 
@@ -309,6 +358,7 @@ def main() -> None:
     ap.add_argument("--backends", default="fx,ort,ort-only,spmd-inductor,inductor")
     ap.add_argument("--compile", action="store_true", help="also measure cold/warm ORT compile in fresh processes")
     ap.add_argument("--device", default="cpu", help="where the models train: cpu (default) or cuda")
+    ap.add_argument("--tf32", action="store_true", help="float32 matmuls in TF32 for every runner (CUDA)")
     ap.add_argument("--compile-probe", help=argparse.SUPPRESS)
     ap.add_argument("--probe-backend", default="ort", help=argparse.SUPPRESS)
     args = ap.parse_args()
@@ -320,6 +370,8 @@ def main() -> None:
     retained = spmd_ort.runtime.memory.retain_host_memory()  # every runner, from its first step
     backends = args.backends.split(",")
     device = torch.device(args.device)
+    if args.tf32:
+        torch.set_float32_matmul_precision("high")
     where = f"{platform.machine()}, {threads} threads"
     if device.type == "cuda":
         where = f"{torch.cuda.get_device_name(device)} (CUDA {torch.version.cuda}), host {where}"
@@ -342,6 +394,13 @@ def main() -> None:
         if r["step_peak_mib"]:
             notes.append(f"  ({name}: most a step allocated above its resting memory, MiB: "
                          + ", ".join(f"{b} {v:.1f}" for b, v in r["step_peak_mib"].items()) + ")")
+        if r["flops"] and device.type == "cuda":
+            peak = peak_tflops(device)
+            notes.append(f"  ({name}: {r['flops'] / 1e12:.2f} TFLOP per step; achieved TFLOP/s, MFU"
+                         + (f" against the {peak[1]} dense peak of {peak[0]:.0f}" if peak else "") + ": "
+                         + ", ".join(f"{b} {r['flops'] / ms * 1e-9:.1f}"
+                                     + (f" ({r['flops'] / ms * 1e-9 / peak[0]:.1%})" if peak else "")
+                                     for b, ms in r["ms"].items()) + ")")
         notes += [f"  ({name}: opaque parts run eagerly in {b}'s step: {ms:.1f} ms of {r['ms'][b]:.1f} ms, "
                   f"{ms / r['ms'][b]:.0%})" for b, ms in r["opaque_ms"].items()]
     if notes:

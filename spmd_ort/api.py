@@ -31,6 +31,7 @@ def compile(  # noqa: A001 - the reference API's name
     dynamic: bool | None = None,
     activation_memory_budget: float | None = None,
     autotune: bool | None = None,
+    cuda_graph: bool | None = None,
 ) -> Callable[[Callable], CompiledStep]:
     """Compile a whole train step (forward, backward, optimizer step) into one graph.
 
@@ -61,6 +62,13 @@ def compile(  # noqa: A001 - the reference API's name
             whole graph against its segments, inductor's candidate and ``bucket_cap_mb='auto'``'s cap
             (:mod:`spmd_ort.tuner`); ``False``: the static choices, the same every run.  Default from
             ``SPMD_ORT_AUTOTUNE``.
+        cuda_graph: ``True``: a step whose tensors are on a GPU runs as one CUDA graph from its third call on
+            (fx and inductor backends): the batch is copied into the graph's buffers, each param group's
+            hyper-parameters are device tensors written before each replay, and the whole step (forward,
+            backward, clipping, the optimizer, a GradScaler's skip) replays with one launch.  A step that
+            cannot be captured (an opaque part, a value read on the host, gloo's collectives, Adam's step
+            counters on the host) runs as without it, and ``explain()`` says why.  No effect on the CPU.
+            Default from ``SPMD_ORT_CUDA_GRAPH`` (off).  See docs/gpu.md.
 
     The configuration (these arguments and every ``SPMD_ORT_*`` environment variable,
     :data:`spmd_ort.options.ENV_VARS`) is read here, once; a bad value is a
@@ -68,7 +76,8 @@ def compile(  # noqa: A001 - the reference API's name
     """
     overrides = as_overrides(module_override)
     options = Options.resolve(debug=debug, backend=backend, dynamic=dynamic,
-                              activation_memory_budget=activation_memory_budget, autotune=autotune)
+                              activation_memory_budget=activation_memory_budget, autotune=autotune,
+                              cuda_graph=cuda_graph)
     configure_logging(options.log_level)
     P.check_disabled(options.disabled_passes)
 

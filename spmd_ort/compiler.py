@@ -119,7 +119,9 @@ class Compiler:
         every rank's (None: not every rank has one).  Ranks of a tensor-parallel group whose batches differ raise
         here, all of them."""
         t0 = time.perf_counter()
-        layout = StateLayout.capture(call.module, call.opt, call.rule, call.scaler)
+        # a CUDA-graphed step reads its hyper-parameters on the device (the fx and inductor backends graph)
+        layout = StateLayout.capture(call.module, call.opt, call.rule, call.scaler,
+                                     device_hparams=self.options.cuda_graph and self.options.backend != "ort")
         # Errors rooted in an input name it, and how it differs from the last call that compiled.
         inputs = StepInputs.of(self.fn, call.args, call.kwargs, previous_key=previous.key if previous else None)
         # spmd_ort.backends.ort.translations translates the fused CPU attention kernel (forward and backward), not the
@@ -165,6 +167,11 @@ class Compiler:
         if after_passes is not None:
             after_passes(gm, ctx)
         built = build_executor(gm, self.options) if executor else None
+        if built is not None and self.options.cuda_graph:
+            from spmd_ort.backends.cuda_graph import graphed
+            from spmd_ort.passes.analysis import CapturePlan
+
+            built = graphed(built, ctx.results.get(CapturePlan), ctx.input_slots, self.options.backend)
         program = CompiledProgram(
             key=key, gm=built.gm if built is not None else gm, traced_gm=traced_gm, layout=layout,
             input_slots=ctx.input_slots,

@@ -116,16 +116,21 @@ class Options:
     dynamic: str = DYNAMIC_MODES[0]  # "auto": sizes that change become symbolic; "1": from the start; "0": never
     # saved-for-backward bytes kept, as a fraction of those that can be recomputed (passes/recompute.py)
     activation_memory_budget: float = 1.0
+    # on a GPU, after the checked first run and one more, the whole step is captured as a CUDA graph and replayed
+    # (spmd_ort.backends.cuda_graph); nothing changes on the CPU
+    cuda_graph: bool = False
 
     @classmethod
     def resolve(cls, *, debug: DebugOptions | None = None, backend: str | None = None,
                 dynamic: bool | None = None, activation_memory_budget: float | None = None,
-                autotune: bool | None = None, environ: Mapping[str, str] | None = None) -> Options:
+                autotune: bool | None = None, cuda_graph: bool | None = None,
+                environ: Mapping[str, str] | None = None) -> Options:
         """Options from ``compile``'s arguments and the environment (which wins over ``DebugOptions``).
 
         ``backend`` wins over ``SPMD_ORT_BACKEND``, ``dynamic`` (True/False) over ``SPMD_ORT_DYNAMIC`` and
         ``activation_memory_budget`` over ``SPMD_ORT_ACTIVATION_MEMORY_BUDGET``, ``autotune`` over
-        ``SPMD_ORT_AUTOTUNE`` (off: ``segment_executor`` ``auto`` is ``ort``); ``check_passes`` is on when either
+        ``SPMD_ORT_AUTOTUNE`` (off: ``segment_executor`` ``auto`` is ``ort``), ``cuda_graph`` over
+        ``SPMD_ORT_CUDA_GRAPH``; ``check_passes`` is on when either
         ``DebugOptions`` or the environment turns it on; ``SPMD_ORT_VERIFY``, when set, wins over
         ``DebugOptions.verify`` (so ``SPMD_ORT_VERIFY=0`` opts out everywhere).
         """
@@ -161,6 +166,10 @@ class Options:
             if not isinstance(autotune, bool):
                 raise ConfigError(f"autotune={autotune!r} is not one of None (SPMD_ORT_AUTOTUNE), True, False")
             values["autotune"] = autotune
+        if cuda_graph is not None:
+            if not isinstance(cuda_graph, bool):
+                raise ConfigError(f"cuda_graph={cuda_graph!r} is not one of None (SPMD_ORT_CUDA_GRAPH), True, False")
+            values["cuda_graph"] = cuda_graph
         if not values.get("autotune", True) and values.get("segment_executor", "auto") == "auto":
             values["segment_executor"] = "ort"  # the static choice: every segment ORT supports runs on ORT
         return cls(**values)
@@ -382,6 +391,10 @@ ENV_VARS: tuple[EnvVar, ...] = (
            "0.0 to 1.0: the share of the recomputable saved-for-backward bytes the backward keeps; the rest is "
            "recomputed just before its use (`0.0`: all that can be; see `recompute_activations_pass`). "
            "`compile(activation_memory_budget=...)` wins"),
+    EnvVar("SPMD_ORT_CUDA_GRAPH", "cuda_graph", _bool, "`0`",
+           "`1`: a step on a GPU is captured as one CUDA graph after its checked first run and one more, then "
+           "replayed (fx and inductor backends; what cannot be captured runs as before and `explain()` says why; "
+           "no effect on the CPU). `compile(cuda_graph=...)` wins"),
     EnvVar("SPMD_ORT_AUTO_OPAQUE", "auto_opaque", _bool, "`1`",
            "`0`: a submodule that cannot be traced is a `CompileError` instead of an opaque host node "
            "(`OpaqueOverride` still applies)"),

@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 
 import spmd_ort
-from helpers import assert_ran_on_ort, train_side_by_side, train_step
+from helpers import ATOL, RTOL, assert_ran_on_ort, assert_same_state, train_side_by_side, train_step
 from models import CNN, GPT, MLP, GPTConfig
 
 DEVICE = torch.device(os.environ.get("SPMD_ORT_TEST_DEVICE", "cuda"))
@@ -216,13 +216,18 @@ def test_a_steady_step_never_waits_for_the_gpu(name, backend, opt):
     batches = _batches(name, 4)
     for x, y in batches[:3]:  # compile (before and after AdamW's state exists), then a first steady step
         step(model, opt, x, y)
+    _step_without_sync(step, model, opt, batches[3])
+
+
+
+def _step_without_sync(step, model, opt, batch) -> None:
+    """One call of ``step`` in which any host synchronisation with the GPU raises."""
     torch.cuda.synchronize()
     torch.cuda.set_sync_debug_mode("error")
     try:
-        step(model, opt, *batches[3])
+        step(model, opt, *batch)
     finally:
         torch.cuda.set_sync_debug_mode("default")
-
 
 
 BAD_ID_SCRIPT = """
@@ -258,3 +263,154 @@ def test_a_bad_id_fails_the_step_as_eagers_does():
     done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
     assert done.returncode != 0 and "TRAINED ON A BAD ID" not in done.stdout, done.stdout + done.stderr[-2000:]
     assert "assert" in done.stderr.lower(), done.stderr[-2000:]
+
+
+# ---------------------------------------------------------------------- compile(cuda_graph=True)
+def _graphed_side_by_side(make_model, make_opt, step_fn, batches, *, backend="fx", sched=True, exact=True,
+                          **compile_kwargs):
+    """Eager and a CUDA-graphed compiled copy on the same batches, checked every step (``exact``: bit for bit;
+    else to float32 rounding, per tensor); learning rates exact in binary, halved every 2 steps (a schedule: a
+    device tensor the host writes before each replay).  Returns the compiled step."""
+    import copy
+
+    torch.manual_seed(0)
+    model_e = make_model()
+    model_c = copy.deepcopy(model_e)
+    opt_e, opt_c = make_opt(model_e), make_opt(model_c)
+    scheds = [torch.optim.lr_scheduler.StepLR(o, step_size=2, gamma=0.5) for o in (opt_e, opt_c)] if sched else []
+    step = spmd_ort.compile(backend=backend, cuda_graph=True, **compile_kwargs)(step_fn)
+    for i, batch in enumerate(batches):
+        torch.manual_seed(100 + i)  # dropout: both draw from the same generator state
+        loss_e = step_fn(model_e, opt_e, *batch)
+        torch.manual_seed(100 + i)
+        loss_c = step(model_c, opt_c, *batch)
+        if exact:
+            assert torch.equal(loss_c, loss_e.detach()), (i, float(loss_c), float(loss_e))
+            for (name, a), b in zip(model_e.named_parameters(), model_c.parameters()):
+                assert torch.equal(a, b), f"step {i}: {name} off by {float((a - b).abs().max())}"
+            sa, sb = opt_e.state_dict()["state"], opt_c.state_dict()["state"]
+            assert all(torch.equal(sa[k][n], sb[k][n]) for k in sa for n in sa[k]), i
+        else:  # attention's backward (and inductor's kernels) may sum in another order: per tensor
+            torch.testing.assert_close(loss_c, loss_e.detach(), rtol=RTOL, atol=ATOL)
+            assert_same_state(model_e, model_c, opt_e, opt_c, where=f"step {i}", normwise=True)
+        for s in scheds:
+            s.step()
+    return step
+
+
+def _graph_stats(step):
+    runner = step.compiled.executor
+    return runner.captures, runner.replays, runner.disabled
+
+
+def _adamw_exact(m):
+    return torch.optim.AdamW(m.parameters(), lr=2.0**-7, weight_decay=0.1, fused=True)
+
+
+@pytest.mark.skipif(not ON_CUDA, reason="CUDA graphs are a GPU's")
+@pytest.mark.parametrize("name", ["mlp", "gpt"])
+def test_a_cuda_graph_trains_like_eager_bit_for_bit(name):
+    """fx's step captured once, after its checked first run and one more, then replayed: every step is eager's,
+    bit for bit (fused AdamW with a schedule, clipping), and the graph was captured once and replayed."""
+    batches = _batches(name, 7)
+    step = _graphed_side_by_side(MODELS[name], _adamw_exact, _clipped_step, batches, exact=name == "mlp")
+    captures, replays, disabled = _graph_stats(step)
+    assert disabled is None and captures == 1 and replays >= 3, step.explain()
+    assert "CUDA graphs: the whole step, 1 kept" in step.explain()
+
+
+@pytest.mark.skipif(not ON_CUDA, reason="CUDA graphs are a GPU's")
+def test_a_cuda_graph_on_inductor_trains_like_eager(no_fallback, full_float32):
+    step = _graphed_side_by_side(_gpt, _adamw_exact, _clipped_step, _batches("gpt", 6), backend="inductor",
+                                 exact=False)
+    captures, replays, disabled = _graph_stats(step)
+    assert disabled is None and captures == 1 and replays >= 2, step.explain()
+
+
+@pytest.mark.skipif(not ON_CUDA, reason="CUDA graphs are a GPU's")
+def test_a_cuda_graph_keeps_the_grad_scalers_skip_and_growth_in_the_graph():
+    """float16 autocast with a GradScaler whose first steps overflow: the found-inf skip, the scale's backoff and
+    growth run in the replays, as eager's: loss, scale, parameters and AdamW's state bit for bit."""
+    import copy
+
+    torch.manual_seed(0)
+    model = _mlp()
+    model_c = copy.deepcopy(model)
+    opt, opt_c = _adamw_exact(model), _adamw_exact(model_c)
+    scaler, scaler_c = (torch.amp.GradScaler("cuda", init_scale=2.0**19, growth_interval=2) for _ in range(2))
+    step = _autocast_step(torch.float16)
+    compiled = spmd_ort.compile(backend="fx", cuda_graph=True)(step)
+    scales = []
+    for i, (x, y) in enumerate(_batches("mlp", 8)):
+        loss = step(model, opt, scaler, x, y)
+        loss_c = compiled(model_c, opt_c, scaler_c, x, y)
+        assert torch.equal(loss_c, loss.detach()), i
+        assert float(scaler_c._scale) == float(scaler._scale), i
+        scales.append(float(scaler._scale))
+        assert all(torch.equal(a, b) for a, b in zip(model.parameters(), model_c.parameters())), i
+    assert len(set(scales)) > 1, scales  # it backed off and grew within the replays
+    captures, replays, disabled = _graph_stats(compiled)
+    assert disabled is None and captures == 1 and replays >= 4, compiled.explain()
+
+
+@pytest.mark.skipif(not ON_CUDA, reason="CUDA graphs are a GPU's")
+def test_dropout_in_a_cuda_graph_draws_what_the_uncaptured_step_draws():
+    """Dropout in the replays: torch registers its generator with the graph, so each replay draws the numbers
+    the uncaptured step draws from the same generator state (compared to the compiled step without graphs, whose
+    random ops draw as eager's do)."""
+    import copy
+
+    torch.manual_seed(0)
+    model_a = torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.ReLU(), torch.nn.Dropout(0.2),
+                                  torch.nn.Linear(64, 10)).to(DEVICE)
+    model_b = copy.deepcopy(model_a)
+    opt_a, opt_b = _adamw_exact(model_a), _adamw_exact(model_b)
+    plain = spmd_ort.compile(backend="fx")(_clipped_step)
+    graphed = spmd_ort.compile(backend="fx", cuda_graph=True)(_clipped_step)
+    for i, (x, y) in enumerate(_batches("mlp", 6)):
+        torch.manual_seed(7 + i)
+        la = plain(model_a, opt_a, x, y)
+        torch.manual_seed(7 + i)
+        lb = graphed(model_b, opt_b, x, y)
+        assert torch.equal(la, lb), (i, float(la), float(lb))
+    assert all(torch.equal(a, b) for a, b in zip(model_a.parameters(), model_b.parameters()))
+    assert _graph_stats(graphed)[:2] == (1, 4), graphed.explain()
+
+
+@pytest.mark.skipif(not ON_CUDA, reason="CUDA graphs are a GPU's")
+def test_a_cuda_graph_per_batch_size():
+    """Dynamic shapes: one program, one graph per batch size seen, each replayed when its size comes back."""
+    g = torch.Generator().manual_seed(0)
+    sizes = (8, 8, 8, 4, 8, 4, 8, 4)
+    batches = [(torch.randn(b, 32, generator=g).to(DEVICE), torch.randint(0, 10, (b,), generator=g).to(DEVICE))
+               for b in sizes]
+    step = _graphed_side_by_side(_mlp, _adamw_exact, _clipped_step, batches, dynamic=True)
+    assert len(step.variants) == 1
+    captures, replays, disabled = _graph_stats(step)
+    assert disabled is None and captures == 2 and replays == len(sizes) - 2, step.explain()
+
+
+@pytest.mark.skipif(not ON_CUDA, reason="host synchronisation is a CUDA matter")
+@pytest.mark.parametrize("backend", ["fx", "inductor"])
+def test_a_replayed_step_never_waits_and_launches_a_handful_of_kernels(backend):
+    """A replayed step issues no host synchronisation (``set_sync_debug_mode("error")``) and launches O(1)
+    kernels from Python: one graph launch, where the uncaptured step launches one per op."""
+    from torch.profiler import ProfilerActivity, profile
+
+    torch.manual_seed(0)
+    model = _gpt()
+    opt = _adamw_exact(model)
+    step = spmd_ort.compile(backend=backend, cuda_graph=True)(_clipped_step)
+    batches = _batches("gpt", 6)
+    for x, y in batches[:4]:
+        step(model, opt, x, y)
+    assert _graph_stats(step)[0] == 1, step.explain()
+    _step_without_sync(step, model, opt, batches[4])
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        step(model, opt, *batches[5])
+        torch.cuda.synchronize()
+    calls = {e.key: e.count for e in prof.key_averages()}
+    launches = calls.get("cudaLaunchKernel", 0) + calls.get("cuLaunchKernel", 0) + calls.get("cuLaunchKernelEx", 0)
+    assert calls.get("cudaGraphLaunch", 0) == 1, sorted(calls.items())
+    assert launches <= 8, (launches, sorted(calls.items()))

@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 
 import torch
 from torch import Tensor, nn
+from torch._subclasses.fake_tensor import is_fake
 from torch.nn.utils import stateless
 
 from spmd_ort.capture import amp
@@ -61,7 +62,10 @@ class StateLayout:
     # ------------------------------------------------------------------ capture
     @classmethod
     def capture(cls, module: nn.Module, opt: torch.optim.Optimizer | None,
-                rule: OptimizerRule | None, scaler: amp.GradScaler | None = None) -> StateLayout:
+                rule: OptimizerRule | None, scaler: amp.GradScaler | None = None, *,
+                device_hparams: bool = False) -> StateLayout:
+        """The layout of ``module``'s, ``opt``'s and ``scaler``'s state; ``device_hparams``: each param group's
+        hyper-parameters live on the parameters' GPU (a CUDA-graphed step), else on the host."""
         params, param_names, index = unique_named(module.named_parameters(remove_duplicate=False))
         buffers, buffer_names, _ = unique_named(module.named_buffers(remove_duplicate=False))
         grad_params = [i for i, p in enumerate(params) if p.grad is not None]
@@ -86,7 +90,9 @@ class StateLayout:
         hparam_groups = list(range(len(opt.param_groups))) if opt is not None else []
         layout = cls(module, opt, rule, params, param_names, buffers, buffer_names, grad_params,
                      opt_entries, hparam_groups)
-        layout.hparam_tensors = [torch.tensor(rule.hparams(opt.param_groups[g]), dtype=torch.float64)
+        # on the device where the step is CUDA-graphed: a replay reads them there, written before it
+        where = state_device(module) if device_hparams and state_device(module).type == "cuda" else "cpu"
+        layout.hparam_tensors = [torch.tensor(rule.hparams(opt.param_groups[g]), dtype=torch.float64, device=where)
                                  for g in hparam_groups]
         layout.shard_specs = {i: spec_of(p) for i, p in enumerate(params) if spec_of(p) is not None}
         if amp.scaler_enabled(scaler):
@@ -121,8 +127,7 @@ class StateLayout:
             flat += [held(i, self.opt.state[self.params[i]][k]) for i, k in self.opt_entries]
             groups = self.opt.param_groups
             for t, g in zip(self.hparam_tensors, self.hparam_groups):
-                t.copy_(torch.tensor(self.rule.hparams(groups[g]), dtype=torch.float64))
-                flat.append(t)
+                flat.append(write_hparams(t, self.rule.hparams(groups[g])))
         flat += self.scaler_state() + self.extra_state
         if self.expands:
             self.in_specs = [self._in_spec(slot, t) for slot, t in zip(self.input_slots(), flat)]
@@ -383,6 +388,26 @@ class BoundState:
         if self.presence.present is not None:
             out.append((Slot(SlotKind.PRESENCE, "gradients present", 0), self.presence.present))
         return out
+
+
+def write_hparams(t: Tensor, values: list[float]) -> Tensor:
+    """Write a group's hyper-parameters into its tensor ``t`` (returned).  On a GPU the copy is queued, not waited
+    for (from a fresh pinned host tensor, which torch's host allocator keeps until the copy has run), and the
+    values are given to the running step (:attr:`StepRuntime.hparam_values`): the optimizer kernels take them as
+    numbers from there, without reading the device."""
+    host = torch.tensor(values, dtype=torch.float64)
+    if t.device.type == "cpu":
+        t.copy_(host)
+        return t
+    if is_fake(t):  # traced on fake GPU tensors (a CPU machine): no value to write
+        return t
+    t.copy_(host.pin_memory(), non_blocking=True)
+    from spmd_ort.runtime.step_runtime import current
+
+    runtime = current()
+    if runtime is not None:
+        runtime.hparam_values[t.data_ptr()] = tuple(values)
+    return t
 
 
 def state_device(module: nn.Module) -> torch.device:

@@ -16,6 +16,7 @@ import operator
 import torch
 from torch import fx
 
+from spmd_ort.backends.cuda_graph import GraphedExecutor
 from spmd_ort.compat import optimization_hint
 from spmd_ort.passes.analysis import CollectiveCounts
 from spmd_ort.graph import ops
@@ -163,6 +164,8 @@ def explain(step, memory: dict | None = None) -> str:
     for name, where, n_ops, flops, detail in rows:
         share = f"{flops / total:6.1%} of FLOPs" if flops else "      -      "
         lines.append(f"  {name:24s} {where:14s} {n_ops:5d} op(s)  {share}  {detail}")
+    if isinstance(program.executor, GraphedExecutor):
+        lines += program.executor.graph_lines()
     tuner = getattr(step, "tuner", None)
     if tuner is not None:
         decided = tuner.lines(program)

@@ -24,16 +24,33 @@ from torch.optim.adam import adam as torch_adam
 from torch.optim.sgd import sgd as torch_sgd
 
 from spmd_ort.runtime import native
-from spmd_ort.runtime.step_runtime import active
+from spmd_ort.runtime.step_runtime import active, current
 
 ADAM_OUTPUTS = ("params", "exp_avgs", "exp_avg_sqs", "max_exp_avg_sqs", "steps")
 SGD_OUTPUTS = ("params", "momentum_buffers")
 
 
 # ---------------------------------------------------------------------- Adam / AdamW
+def hparam_numbers(hparams: Tensor) -> tuple[list[float], Tensor | None]:
+    """A group's hyper-parameters as numbers, and its learning rate as a device tensor where they live on a GPU.
+
+    On the host they are read (a host read, no wait).  On a GPU (a CUDA-graphed step: they are device tensors that
+    the host writes before each replay) the numbers are the values the host wrote this step
+    (:attr:`StepRuntime.hparam_values`), which a capture freezes, and the learning rate, the one a schedule changes
+    every step, is also given as a float32 device tensor that torch's fused kernels read on the device.  Entry 0
+    of every rule's hyper-parameters is the learning rate."""
+    if hparams.device.type == "cpu":
+        return hparams.tolist(), None
+    runtime = current()
+    values = runtime.hparam_values.get(hparams.data_ptr()) if runtime is not None else None
+    if values is None:  # not written by this step's layout (a graph run by hand): read it, which waits
+        values = tuple(hparams.tolist())
+    return list(values), hparams[0].to(torch.float32)
+
+
 def adam_device(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, steps, hparams, amsgrad, maximize,
                 decoupled, found_inf=None, present=None, present_index=()) -> None:
-    lr, beta1, beta2, weight_decay, eps = hparams.tolist()
+    (lr, beta1, beta2, weight_decay, eps), lr_on_device = hparam_numbers(hparams)
     params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, steps = _present(
         present, present_index, params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, steps)
     if not params:
@@ -47,8 +64,8 @@ def adam_device(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, steps, hp
     torch._foreach_add_(steps, 1)
     kernel = torch._fused_adamw_ if decoupled else torch._fused_adam_
     kernel(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs if amsgrad else [], steps,
-           lr=lr, beta1=beta1, beta2=beta2, weight_decay=weight_decay, eps=eps,
-           amsgrad=amsgrad, maximize=maximize, found_inf=found_inf)
+           lr=lr if lr_on_device is None else lr_on_device, beta1=beta1, beta2=beta2, weight_decay=weight_decay,
+           eps=eps, amsgrad=amsgrad, maximize=maximize, found_inf=found_inf)
     if found_inf is not None:  # as torch.optim's fused Adam: a skipped step does not count
         torch._foreach_sub_(steps, [found_inf.to(steps[0].device)] * len(steps))
 
@@ -72,7 +89,7 @@ def _adam_with_host_steps(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs,
 
 def adam_host(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, steps, hparams, amsgrad, maximize,
               decoupled, found_inf=None, present=None, present_index=()) -> None:
-    lr, beta1, beta2, weight_decay, eps = hparams.tolist()
+    lr, beta1, beta2, weight_decay, eps = hparam_numbers(hparams)[0]
     params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, steps = _present(
         present, present_index, params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, steps)
     if not params:
@@ -110,7 +127,7 @@ def adam_fake(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, steps, hpar
 # ---------------------------------------------------------------------- SGD
 def sgd_device(params, grads, bufs, hparams, nesterov, maximize, first_step, found_inf=None, present=None,
                present_index=()) -> None:
-    lr, momentum, dampening, weight_decay = hparams.tolist()
+    (lr, momentum, dampening, weight_decay), lr_on_device = hparam_numbers(hparams)
     params, grads, bufs = _present(present, present_index, params, grads, bufs)
     update = dict(weight_decay=weight_decay, momentum=momentum, lr=lr, dampening=dampening, nesterov=nesterov,
                   maximize=maximize)
@@ -122,6 +139,8 @@ def sgd_device(params, grads, bufs, hparams, nesterov, maximize, first_step, fou
         params, grads, bufs = (_pick(ts, fused) for ts in (params, grads, bufs))
     if not params:
         return
+    if lr_on_device is not None:
+        update["lr"] = lr_on_device
     torch._fused_sgd_(params, grads, bufs if bufs else [], **update, is_first_step=first_step,
                       found_inf=_on(found_inf, params))
 
@@ -153,7 +172,7 @@ def _pick(ts: list[Tensor], index: list[int]) -> list[Tensor]:
 
 def sgd_host(params, grads, bufs, hparams, nesterov, maximize, first_step, found_inf=None, present=None,
              present_index=()) -> None:
-    lr, momentum, dampening, weight_decay = hparams.tolist()
+    lr, momentum, dampening, weight_decay = hparam_numbers(hparams)[0]
     params, grads, bufs = _present(present, present_index, params, grads, bufs)
     if not params:
         return

@@ -29,6 +29,9 @@ class StepRuntime:
     opaque: OpaqueFrame | None = None
     recorder: object | None = None  # a recorder.Recorder while profiled steps run (CompiledStep.profile)
     taps: TapRegistry = field(default_factory=TapRegistry)  # debug subscribers' taps in this step's graphs
+    # hyper-parameters kept on the device (a CUDA-graphed step): the address of each group's tensor -> its values
+    # as the host wrote them this step, which the optimizer kernels take as numbers without reading the device
+    hparam_values: dict[int, tuple[float, ...]] = field(default_factory=dict)
 
     @contextlib.contextmanager
     def active(self) -> Iterator[StepRuntime]:
@@ -56,6 +59,11 @@ class StepRuntime:
 def in_step() -> bool:
     """Whether a compiled step's graph is running in this context (its opaque parts call modules from it)."""
     return _ACTIVE.get() is not None
+
+
+def current() -> StepRuntime | None:
+    """The runtime of the step running in this context, or None outside one."""
+    return _ACTIVE.get()
 
 
 def active() -> StepRuntime:
