@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import operator
 from dataclasses import dataclass
 
 import torch
@@ -10,6 +9,7 @@ from torch import fx
 
 from spmd_ort.compat import optimization_hint
 from spmd_ort.graph import ops
+from spmd_ort.graph.segments import capture_verdict, tensors_of
 from spmd_ort.runtime.memory import plan_activation_memory
 
 from .context import PassResult
@@ -94,15 +94,6 @@ def count_collectives_pass(gm: fx.GraphModule, ctx) -> fx.GraphModule:
     return gm
 
 
-# Ops whose output's size depends on the values: a CUDA graph replays the sizes it captured.
-VALUE_SIZED = (torch.ops.aten.nonzero.default, torch.ops.aten.masked_select.default, torch.ops.aten._unique2.default,
-               torch.ops.aten.unique_dim.default, torch.ops.aten.unique_consecutive.default,
-               torch.ops.aten.repeat_interleave.Tensor)
-# Ops that read a value on the host: the host waits for the device there, which a capture cannot do.
-HOST_READS = (torch.ops.aten._local_scalar_dense.default, torch.ops.aten.item.default,
-              torch.ops.aten.is_nonzero.default, torch.ops.aten.equal.default)
-
-
 @dataclass(frozen=True)
 class CapturePlan(PassResult):
     """``plan_graph_capture_pass``: how the finished graph of a step on a GPU would run as CUDA graphs.
@@ -134,39 +125,6 @@ class CapturePlan(PassResult):
         return [head] + [f"  runs between graphs: {name}: {why}" for name, why in self.splits]
 
 
-def _tensors(value) -> list[torch.Tensor]:
-    values = value if isinstance(value, (list, tuple)) else [value]
-    return [v for v in values if isinstance(v, torch.Tensor)]
-
-
-def capture_verdict(node: fx.Node) -> tuple[str, str] | None:
-    """Whether one graph node of a GPU step can be captured in a CUDA graph: None if it can, else ("split",
-    why) for a node that must run on the host between graphs, or ("block", why) for one no graph can replay."""
-    target = node.target
-    if target is operator.getitem:
-        return None
-    if target in ops.OPAQUE_OPS:
-        return "split", "an opaque part: the user's Python code runs between graphs"
-    if target in VALUE_SIZED:
-        return "block", f"{target}'s output size depends on the values, and a graph replays the sizes it captured"
-    if target in HOST_READS:
-        return "split", f"{target} reads a value on the host, which waits for the GPU"
-    if isinstance(node.meta.get("val"), (torch.SymInt, torch.SymFloat, torch.SymBool)):
-        return None  # size arithmetic: fixed in each capture (one per size)
-    if not isinstance(target, torch._ops.OpOverload):
-        return "split", f"the Python callable {getattr(target, '__name__', target)} runs on the host"
-    for arg in node.all_input_nodes:
-        for t in _tensors(arg.meta.get("val")):
-            if t.device.type == "cpu":
-                # a 0-d host tensor is read at capture and replayed as that constant: a hyper-parameter on the
-                # host would be frozen at its first value
-                return "split", f"{target} reads {arg.name}, a host tensor"
-    for t in _tensors(node.meta.get("val")):
-        if t.device.type == "cpu":
-            return "split", f"{target} makes a host tensor"
-    return None
-
-
 @graph_pass()
 def plan_graph_capture_pass(gm: fx.GraphModule, ctx) -> fx.GraphModule:
     """Record how the finished graph of a GPU step would be captured as CUDA graphs (a :class:`CapturePlan`):
@@ -178,7 +136,7 @@ def plan_graph_capture_pass(gm: fx.GraphModule, ctx) -> fx.GraphModule:
     if compute_device(gm, ctx.input_slots).type != "cuda":
         ctx.results.record(CapturePlan(cuda=False))
         return gm
-    per_size = any(isinstance(d, torch.SymInt) for n in placeholders(gm) for t in _tensors(n.meta.get("val"))
+    per_size = any(isinstance(d, torch.SymInt) for n in placeholders(gm) for t in tensors_of(n.meta.get("val"))
                    for d in t.shape)
     regions: list[int] = []
     splits: list[tuple[str, str]] = []

@@ -65,9 +65,10 @@ def compile(  # noqa: A001 - the reference API's name
         cuda_graph: ``True``: a step whose tensors are on a GPU runs as one CUDA graph from its third call on
             (fx and inductor backends): the batch is copied into the graph's buffers, each param group's
             hyper-parameters are device tensors written before each replay, and the whole step (forward,
-            backward, clipping, the optimizer, a GradScaler's skip) replays with one launch.  A step that
-            cannot be captured (an opaque part, a value read on the host, gloo's collectives, Adam's step
-            counters on the host) runs as without it, and ``explain()`` says why.  No effect on the CPU.
+            backward, clipping, the optimizer, a GradScaler's skip) replays with one launch.  On fx, host
+            nodes (an opaque part, Adam's step counters on the host) split it into one graph per run of nodes
+            between them.  A step that cannot be captured (collectives, an output sized by values, host nodes
+            on inductor) runs as without it, and ``explain()`` says why.  No effect on the CPU.
             Default from ``SPMD_ORT_CUDA_GRAPH`` (off).  See docs/gpu.md.
 
     The configuration (these arguments and every ``SPMD_ORT_*`` environment variable,

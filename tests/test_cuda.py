@@ -414,3 +414,18 @@ def test_a_replayed_step_never_waits_and_launches_a_handful_of_kernels(backend):
     launches = calls.get("cudaLaunchKernel", 0) + calls.get("cuLaunchKernel", 0) + calls.get("cuLaunchKernelEx", 0)
     assert calls.get("cudaGraphLaunch", 0) == 1, sorted(calls.items())
     assert launches <= 8, (launches, sorted(calls.items()))
+
+
+@pytest.mark.skipif(not ON_CUDA, reason="CUDA graphs are a GPU's")
+def test_eagers_default_adamw_splits_the_step_into_graphs_around_its_host_update():
+    """AdamW as most scripts build it keeps its step counters on the host (eager's default on a GPU): that
+    update runs on the host between graphs, forward, backward and clipping before it in one, like eager's
+    foreach update (per tensor)."""
+    def default_adamw(m):
+        return torch.optim.AdamW(m.parameters(), lr=2.0**-7, weight_decay=0.1)
+
+    step = _graphed_side_by_side(_mlp, default_adamw, _clipped_step, _batches("mlp", 6), exact=False)
+    runner = step.compiled.executor
+    assert runner.disabled is None and runner.whole is None and runner.segments, step.explain()
+    assert all(seg.runs.captures == 1 and seg.runs.disabled is None for seg in runner.segments), step.explain()
+    assert "one per run of nodes between host nodes" in step.explain()

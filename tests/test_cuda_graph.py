@@ -58,13 +58,20 @@ class FailingGraph:
         raise AssertionError
 
 
-def _graph_on_cpu(step, factory=RerunGraph) -> GraphedExecutor:
-    """The CPU stands in for a GPU: the step's runner captures with ``factory``."""
-    runner = step.compiled.executor
+def _graph_on_cpu(step, factory=RerunGraph, segmented: bool = False) -> GraphedExecutor:
+    """The CPU stands in for a GPU: the step's program runs as graphs captured with ``factory`` (``segmented``:
+    one per run of nodes between host nodes, where no tensor counts as a host tensor)."""
+    program = step.compiled
+    runner = program.executor
     assert isinstance(runner, GraphedExecutor), type(runner)
     assert runner.disabled == "the step runs on the CPU: there is nothing to capture"
-    runner.disabled, runner.graph_factory = None, factory
-    return runner
+    program.executor = GraphedExecutor(runner.inner, program.input_slots, graph_factory=factory,
+                                       segmented=segmented, host="meta")
+    graphed = program.executor
+    graphed.runs = 1  # the first run, made by the executor it replaces
+    for runs in [graphed.whole] if graphed.whole is not None else [seg.runs for seg in graphed.segments]:
+        runs.runs = 1
+    return graphed
 
 
 def _adamw(m, lr=2.0**-7):
@@ -92,7 +99,7 @@ def _clipped(m, o, x, y):
     return train_step(m, o, x, y, clip=1.0)
 
 
-def _train(batches, *, factory=RerunGraph, between=None, **compile_kwargs):
+def _train(batches, *, factory=RerunGraph, between=None, segmented=False, **compile_kwargs):
     """Eager and a compiled copy whose runner graphs on the CPU, step by step, checked bit for bit; ``between(i,
     (model, opt, sched) eager, compiled)`` runs after step i on both."""
     torch.manual_seed(0)
@@ -107,7 +114,7 @@ def _train(batches, *, factory=RerunGraph, between=None, **compile_kwargs):
         loss_e = _clipped(model_e, opt_e, x, y)
         loss_c = step(model_c, opt_c, x, y)
         if runner is None:
-            runner = _graph_on_cpu(step, factory)
+            runner = _graph_on_cpu(step, factory, segmented)
         assert torch.equal(loss_c, loss_e.detach()), f"step {i}: loss {float(loss_c)} vs eager {float(loss_e)}"
         _same(model_e, model_c, opt_e, opt_c, f"step {i}")
         sched_e.step()
@@ -151,8 +158,8 @@ def test_a_replay_sees_each_batch_and_learning_rate_through_its_buffers():
     batches = _batches(8)
     step, runner = _train(batches)
     assert (runner.captures, runner.replays, runner.runs) == (1, len(batches) - WARMUP_RUNS, len(batches))
-    assert runner.reuses_buffers and not runner.recaptured
-    assert "CUDA graphs: the whole step, 1 kept (1 captures, 6 replays in 8 runs" in step.explain()
+    assert runner.reuses_buffers and not runner.whole.recaptured
+    assert "CUDA graphs: the whole step: 1 kept (1 captures, 6 replays in 8 runs)" in step.explain()
 
 
 def test_a_replaced_state_tensor_or_a_changed_hyper_parameter_captures_again():
@@ -175,9 +182,9 @@ def test_a_replaced_state_tensor_or_a_changed_hyper_parameter_captures_again():
 
     step, runner = _train(_batches(9), between=between)
     assert runner.captures == 3, runner.describe()
-    assert sorted(runner.recaptured.values()) == [1, 1], runner.recaptured
-    assert any("another tensor than the one captured" in why for why in runner.recaptured)
-    assert any("other than the learning rate" in why for why in runner.recaptured)
+    assert sorted(runner.whole.recaptured.values()) == [1, 1], runner.whole.recaptured
+    assert any("another tensor than the one captured" in why for why in runner.whole.recaptured)
+    assert any("other than the learning rate" in why for why in runner.whole.recaptured)
 
 
 def test_symbolic_sizes_get_one_graph_per_size():
@@ -185,7 +192,7 @@ def test_symbolic_sizes_get_one_graph_per_size():
     batches = _batches(8, sizes=(8, 8, 8, 4, 8, 4, 6, 8))
     step, runner = _train(batches, dynamic=True)
     assert len(step.variants) == 1 and step.compiled.symbolic is not None
-    assert runner.captures == 3 and len(runner.graphs) == 3, runner.describe()
+    assert runner.captures == 3 and len(runner.whole.graphs) == 3, runner.describe()
 
 
 def test_a_capture_that_fails_runs_the_step_as_before_and_says_why(caplog):
@@ -196,3 +203,42 @@ def test_a_capture_that_fails_runs_the_step_as_before_and_says_why(caplog):
     assert runner.captures == 0 and runner.disabled.startswith("capture failed: RuntimeError")
     assert "CUDA graphs: not used: capture failed" in step.explain()
     assert sum("runs without graphs from now on" in r.getMessage() for r in caplog.records) == 1
+
+
+def test_a_step_split_by_host_nodes_runs_each_run_between_them_as_a_graph():
+    """An opaque part (the user's Python, run as host nodes) splits the step: each run of nodes between host
+    nodes is a graph of its own, whose inputs made by a host node (the opaque forward's output, its backward's
+    gradients) are copied into its buffers each step: eager's numbers, bit for bit, every step."""
+    batches = _batches(7)
+    step, runner = _train(batches, segmented=True, module_override=spmd_ort.OpaqueOverride("fc2"))
+    assert step.compiled.opaque, "fc2 runs opaquely"
+    assert len(runner.segments) >= 2, runner.describe()
+    assert all(seg.runs.captures == 1 and seg.runs.replays == len(batches) - WARMUP_RUNS
+               for seg in runner.segments), runner.describe()
+    lines = "\n".join(runner.graph_lines())
+    assert f"one per run of nodes between host nodes: {len(runner.segments)} segments" in lines, lines
+
+
+def test_what_the_plan_says_decides_how_a_gpu_step_is_graphed():
+    """On a GPU: one graph where the capture plan finds no host node, one per run between host nodes on fx
+    where it finds some, none (and why) where it is blocked, for other backends' split steps and for steps with
+    collectives."""
+    from spmd_ort.backends.cuda_graph import graphed
+    from spmd_ort.passes.analysis import CapturePlan
+
+    torch.manual_seed(0)
+    model = MLP()
+    step = spmd_ort.compile(backend="fx", cuda_graph=True)(_clipped)
+    step(model, _adamw(model), *_batches(1)[0])
+    inner, slots = step.compiled.executor.inner, step.compiled.input_slots
+    whole = graphed(inner, CapturePlan(cuda=True, regions=(40,)), slots, "fx")
+    assert whole.disabled is None and whole.whole is not None
+    split = graphed(inner, CapturePlan(cuda=True, regions=(20, 20), splits=(("x", "why"),)), slots, "fx")
+    assert split.disabled is None and split.whole is None and split.split is not None
+    other = graphed(inner, CapturePlan(cuda=True, regions=(20, 20), splits=(("adam", "reads steps"),)), slots,
+                    "inductor")
+    assert "adam: reads steps" in other.disabled and "fx backend only" in other.disabled
+    blocked = graphed(inner, CapturePlan(cuda=True, blocker="nonzero: sizes"), slots, "fx")
+    assert blocked.disabled == "nonzero: sizes"
+    assert "the ort backend runs its own kernels" in graphed(inner, CapturePlan(cuda=True, regions=(4,)), slots,
+                                                             "ort").disabled

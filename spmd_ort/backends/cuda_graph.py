@@ -1,4 +1,4 @@
-"""``compile(cuda_graph=True)``: the whole step as one CUDA graph, captured once and replayed every step.
+"""``compile(cuda_graph=True)``: the step as CUDA graphs, captured once and replayed every step.
 
 A whole train step is what a CUDA graph wants: one launch from Python replays forward, backward, clipping, the
 optimizer and a GradScaler's skip, where the fx executor calls each of several hundred ops from Python.  The
@@ -25,6 +25,12 @@ on torch's current stream) in a :class:`GraphedExecutor`, which
 
 * and returns the graph's output buffers (``reuses_buffers``): the program copies what escapes the step.
 
+Where the plan finds host nodes (an opaque part, Adam's step counters on the host: eager's default optimizer
+on a GPU) and the backend is fx, the graph is split at them (:func:`split_for_graphs`, the segments' grouping of
+:mod:`spmd_ort.graph.segments`) and each run of nodes between host nodes is captured on its own
+(:class:`SegmentGraph`): an input a host node made is copied into the segment's buffers, one that another
+segment's graph wrote is read where it is.
+
 A capture that fails (something in the step that a graph cannot hold and the plan did not foresee) is logged
 as a WARNING with its cause, and the program runs as it did without graphs from then on; so does one whose
 plan says no graph can hold it (``explain()`` names the op and why).  A profiled step runs uncaptured (its
@@ -33,13 +39,18 @@ timeline is per op).
 
 from __future__ import annotations
 
+import copy
+import operator
 from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
+from torch import fx, nn
+from torch.fx.passes.operator_support import OperatorSupport
 
 from spmd_ort.graph import ops
+from spmd_ort.graph.segments import capture_verdict, partition_with
 from spmd_ort.graph.slots import Slot, SlotKind
 from spmd_ort.options import get_logger
 from spmd_ort.runtime.step_runtime import current
@@ -48,6 +59,7 @@ logger = get_logger(__name__)
 
 MAX_SIZES = 8  # graphs kept per program with symbolic sizes (one per size seen; the least recently used goes)
 WARMUP_RUNS = 2  # runs before the first capture: the checked first run and one steady run
+MAX_RECAPTURES = 4  # a graph captured again more often than this for one reason runs uncaptured from then on
 
 
 class CudaGraph:
@@ -68,92 +80,92 @@ class CudaGraph:
 
 @dataclass
 class Captured:
-    """One capture: the graph, the inputs it reads (its own buffers for the batch, the state tensors
+    """One capture: the graph, the inputs it reads (its own buffers for what is copied in, the others
     themselves), its outputs, and the host-side values it froze."""
 
     graph: object
     static: list
     outputs: list
     numbers: dict[int, tuple]  # hyper-parameters (by input position) the kernels took as numbers: all but lr
+    shared: frozenset[int] = frozenset()  # copied positions read in place: another graph's output buffers
     replays: int = 0
 
 
-class GraphedExecutor:
-    """Runs an executor's program as CUDA graphs (see the module docstring); ``disabled``: why it does not (the
-    plan, the device, a failed capture): then every run is the wrapped executor's."""
+class GraphedRuns:
+    """Captures and replays ``fn(inputs) -> outputs`` (a whole step's executor, or one segment of it).
 
-    def __init__(self, inner, input_slots: list[Slot], *, disabled: str | None = None,
-                 graph_factory: Callable[[], object] = CudaGraph, max_sizes: int = MAX_SIZES):
-        self.inner = inner
-        self.gm = inner.gm
-        self.disabled = disabled
+    ``copied``: input positions whose values are the call's own (the batch, a host op's fresh output): copied
+    into the graph's buffers before each replay; every other tensor input (state, a value another graph
+    wrote) must be the tensor captured, else the graph is captured again.  ``hparams``: positions of
+    hyper-parameter tensors, whose numbers the capture froze.  ``label``: what it runs, for messages."""
+
+    def __init__(self, fn: Callable[[list], list], *, copied: set[int], hparams: list[int], label: str,
+                 graph_factory: Callable[[], object] = CudaGraph, max_sizes: int = MAX_SIZES,
+                 buffers: set[int] | None = None):
+        self.fn = fn
+        # addresses of the output buffers of the graphs of one step (shared by its segments): an input that is
+        # one is read where it is, not copied (the graph that writes it replays first, every step)
+        self.buffers = buffers if buffers is not None else set()
+        self.copied = copied
+        self.hparams = hparams
+        self.label = label
         self.graph_factory = graph_factory
         self.max_sizes = max_sizes
-        # the call's own values: copied into the graph's buffers before each replay
-        self.copied = {i for i, s in enumerate(input_slots) if s.kind in (SlotKind.BATCH, SlotKind.INPUT_GRAD)}
-        self.hparams = [i for i, s in enumerate(input_slots) if s.kind is SlotKind.HPARAM]
+        self.disabled: str | None = None
         self.graphs: OrderedDict[tuple, Captured] = OrderedDict()
         self.runs = self.captures = self.replays = 0
         self.recaptured: dict[str, int] = {}  # why a graph was dropped and captured again -> how often
-        self._static_out = False
 
-    # what the tuner and describe() read of the executor: the wrapped one's
-    def __getattr__(self, name: str):
-        if name == "inner":  # not set yet (copy/pickle): no recursion
-            raise AttributeError(name)
-        return getattr(self.inner, name)
-
-    @property
-    def name(self) -> str:
-        return self.inner.name
-
-    @property
-    def reuses_buffers(self) -> bool:
-        """Whether the last run's outputs are a graph's buffers (the next replay overwrites them)."""
-        return self._static_out or self.inner.reuses_buffers
-
-    def run(self, inputs: list) -> list:
+    def __call__(self, inputs: list) -> tuple[list, bool]:
+        """The outputs of one run, and whether they are a graph's buffers (a replay)."""
         self.runs += 1
-        runtime = current()
-        if self.disabled is not None or self.runs <= WARMUP_RUNS or (
-                runtime is not None and runtime.recorder is not None):
-            self._static_out = False
-            return self.inner.run(inputs)
+        if self.disabled is not None or self.runs <= WARMUP_RUNS:
+            return self.fn(inputs), False
         key = self._key(inputs)
         captured = self.graphs.get(key)
         if captured is not None:
             why = self._stale(captured, inputs)
             if why is not None:
                 self.recaptured[why] = self.recaptured.get(why, 0) + 1
-                logger.info("CUDA graph: captured again: %s", why)
-                del self.graphs[key]
+                self._forget(self.graphs.pop(key))
                 captured = None
+                if self.recaptured[why] > MAX_RECAPTURES:
+                    self._disable(f"captured again {self.recaptured[why]} times: {why}")
+                    return self.fn(inputs), False
+                logger.info("CUDA graph (%s): captured again: %s", self.label, why)
         if captured is None:
             try:
                 captured = self._capture(inputs)
-            except Exception as exc:  # noqa: BLE001 - any failure to capture runs the step uncaptured
-                self.disabled = f"capture failed: {type(exc).__name__}: {' '.join(str(exc).split())[:300]}"
-                self.graphs.clear()
-                logger.warning("CUDA graph: %s; the step runs without graphs from now on", self.disabled)
-                self._static_out = False
-                return self.inner.run(inputs)
+            except Exception as exc:  # noqa: BLE001 - any failure to capture runs it uncaptured
+                self._disable(f"capture failed: {type(exc).__name__}: {' '.join(str(exc).split())[:300]}")
+                return self.fn(inputs), False
             self.graphs[key] = captured
             while len(self.graphs) > self.max_sizes:
-                self.graphs.popitem(last=False)
+                self._forget(self.graphs.popitem(last=False)[1])
         self.graphs.move_to_end(key)
-        for i in self.copied:
+        for i in self.copied - captured.shared:
             src, dst = inputs[i], captured.static[i]
             if isinstance(src, torch.Tensor) and src.data_ptr() != dst.data_ptr():
                 dst.copy_(src, non_blocking=True)
         captured.graph.replay()
         captured.replays += 1
         self.replays += 1
-        self._static_out = True
-        return captured.outputs
+        return captured.outputs, True
+
+    def _forget(self, captured: Captured) -> None:
+        """A graph dropped: its output buffers are no longer any graph's."""
+        self.buffers.difference_update(t.data_ptr() for t in captured.outputs if isinstance(t, torch.Tensor))
+
+    def _disable(self, why: str) -> None:
+        self.disabled = why
+        for captured in self.graphs.values():
+            self._forget(captured)
+        self.graphs.clear()
+        logger.warning("CUDA graph (%s): %s; it runs without graphs from now on", self.label, why)
 
     def _key(self, inputs: list) -> tuple:
-        """What one graph is for: the sizes of the tensors copied in, and any number the program takes (a
-        symbolic size lifted to an input)."""
+        """What one graph is for: the sizes of the tensors copied in, and any number it takes (a symbolic size
+        lifted to an input)."""
         return tuple((tuple(x.shape), x.dtype) if isinstance(x, torch.Tensor) else
                      (None if x is None else ("value", x)) for i, x in enumerate(inputs)
                      if i in self.copied or not isinstance(x, torch.Tensor))
@@ -171,21 +183,96 @@ class GraphedExecutor:
     def _stale(self, captured: Captured, inputs: list) -> str | None:
         """Why ``captured`` cannot replay this run (None: it can)."""
         for i, (now, then) in enumerate(zip(inputs, captured.static)):
-            if i in self.copied or not isinstance(now, torch.Tensor):
+            if i in self.copied - captured.shared or not isinstance(now, torch.Tensor):
                 continue
             if not isinstance(then, torch.Tensor) or now.data_ptr() != then.data_ptr():
-                return f"input {i} is another tensor than the one captured (state replaced, e.g. by load_state_dict)"
-        numbers = self._numbers(inputs)
-        if numbers != captured.numbers:
+                return (f"input {i} is another tensor than the one captured (state replaced, e.g. by "
+                        "load_state_dict)")
+        if self._numbers(inputs) != captured.numbers:
             return "a hyper-parameter other than the learning rate changed (they are numbers in the captured kernels)"
         return None
 
     def _capture(self, inputs: list) -> Captured:
-        static = [x.clone() if i in self.copied and isinstance(x, torch.Tensor) else x for i, x in enumerate(inputs)]
+        shared = frozenset(i for i in self.copied if isinstance(inputs[i], torch.Tensor)
+                           and inputs[i].data_ptr() in self.buffers)
+        static = [x.clone() if i in self.copied - shared and isinstance(x, torch.Tensor) else x
+                  for i, x in enumerate(inputs)]
         graph = self.graph_factory()
-        outputs = graph.capture(lambda: list(self.inner.run(static)), static)
+        outputs = graph.capture(lambda: list(self.fn(static)), static)
         self.captures += 1
-        return Captured(graph, static, outputs, self._numbers(inputs))
+        self.buffers.update(t.data_ptr() for t in outputs if isinstance(t, torch.Tensor))
+        return Captured(graph, static, outputs, self._numbers(inputs), shared)
+
+    def line(self) -> str:
+        if self.disabled is not None:
+            return f"{self.label}: not captured: {self.disabled}"
+        return (f"{self.label}: {len(self.graphs)} kept ({self.captures} captures, {self.replays} replays in "
+                f"{self.runs} runs)") + "".join(f"; captured again {n}x: {why}" for why, n in self.recaptured.items())
+
+
+class GraphedExecutor:
+    """Runs an executor's program as CUDA graphs (see the module docstring): the whole step as one graph, or,
+    where host nodes split it (fx backend), each run of nodes between them as one (:class:`SegmentGraph`).
+    ``disabled``: why it does not (the plan, the device): then every run is the wrapped executor's."""
+
+    def __init__(self, inner, input_slots: list[Slot], *, disabled: str | None = None, segmented: bool = False,
+                 graph_factory: Callable[[], object] = CudaGraph, host: str = "cpu"):
+        self.inner = inner
+        self.gm = inner.gm
+        self.disabled = disabled
+        self.graph_factory = graph_factory
+        self._static_out = False
+        self.runs = 0
+        # the call's own values: copied into the graph's buffers before each replay
+        copied = {i for i, s in enumerate(input_slots) if s.kind in (SlotKind.BATCH, SlotKind.INPUT_GRAD)}
+        hparams = [i for i, s in enumerate(input_slots) if s.kind is SlotKind.HPARAM]
+        self.whole = self.split = None
+        self.segments: list[SegmentGraph] = []
+        if disabled is None and segmented:
+            self.split, self.segments = split_for_graphs(inner.gm, input_slots, graph_factory, host)
+        elif disabled is None:
+            self.whole = GraphedRuns(lambda xs: list(inner.run(xs)), copied=copied, hparams=hparams,
+                                     label="the whole step", graph_factory=graph_factory)
+
+    # what the tuner and describe() read of the executor: the wrapped one's
+    def __getattr__(self, name: str):
+        if name == "inner":  # not set yet (copy/pickle): no recursion
+            raise AttributeError(name)
+        return getattr(self.inner, name)
+
+    @property
+    def name(self) -> str:
+        return self.inner.name
+
+    @property
+    def reuses_buffers(self) -> bool:
+        """Whether the last run's outputs may be a graph's buffers (the next replay overwrites them)."""
+        return self._static_out or self.inner.reuses_buffers
+
+    @property
+    def captures(self) -> int:
+        return self.whole.captures if self.whole is not None else sum(g.runs.captures for g in self.segments)
+
+    @property
+    def replays(self) -> int:
+        return self.whole.replays if self.whole is not None else sum(g.runs.replays for g in self.segments)
+
+    def run(self, inputs: list) -> list:
+        self.runs += 1
+        runtime = current()
+        if self.disabled is not None or (runtime is not None and runtime.recorder is not None):
+            self._static_out = False  # (a profiled step: its timeline is per op)
+            return self.inner.run(inputs)
+        if self.whole is not None:
+            outputs, self._static_out = self.whole(inputs)
+            if self.whole.disabled is not None:
+                self.disabled = self.whole.disabled
+            return outputs
+        before = self.replays
+        with torch.no_grad():
+            outputs = list(self.split(*inputs))
+        self._static_out = self.replays > before
+        return outputs
 
     def describe(self) -> list[str]:
         return list(self.inner.describe()) + self.graph_lines()
@@ -194,10 +281,90 @@ class GraphedExecutor:
         """What ``compile(cuda_graph=True)`` did, for ``describe()`` and ``explain()``."""
         if self.disabled is not None:
             return [f"CUDA graphs: not used: {self.disabled}"]
-        head = (f"CUDA graphs: the whole step, {len(self.graphs)} kept "
-                f"({self.captures} captures, {self.replays} replays in {self.runs} runs; the first "
-                f"{WARMUP_RUNS} run uncaptured)")
-        return [head] + [f"  captured again {n}x: {why}" for why, n in self.recaptured.items()]
+        if self.whole is not None:
+            return [f"CUDA graphs: {self.whole.line()} (the first {WARMUP_RUNS} runs uncaptured)"]
+        host = [n for n in self.split.graph.nodes if n.op == "call_function" and n.target is not operator.getitem]
+        return ([f"CUDA graphs: one per run of nodes between host nodes: {len(self.segments)} segments "
+                 f"({self.captures} captures, {self.replays} replays; the first {WARMUP_RUNS} runs of each "
+                 f"uncaptured), {len(host)} host nodes between them"]
+                + [f"  {g.runs.line()}" for g in self.segments])
+
+
+class SegmentGraph(nn.Module):
+    """One segment of a step split at its host nodes, run as CUDA graphs (:class:`GraphedRuns`)."""
+
+    def __init__(self, sub: fx.GraphModule, name: str, copied: set[int], hparams: list[int], graph_factory,
+                 buffers: set[int]):
+        super().__init__()
+        self.sub = sub
+        self.tuple_out = isinstance(_output(sub).args[0], (tuple, list))
+        self.runs = GraphedRuns(lambda xs: _as_list(sub(*xs)), copied=copied, hparams=hparams,
+                                label=f"segment {name}", graph_factory=graph_factory, buffers=buffers)
+
+    def forward(self, *args):
+        outputs, _ = self.runs(list(args))
+        return tuple(outputs) if self.tuple_out else outputs[0]
+
+
+def _output(gm: fx.GraphModule) -> fx.Node:
+    return next(n for n in reversed(gm.graph.nodes) if n.op == "output")
+
+
+def _as_list(value) -> list:
+    return list(value) if isinstance(value, (tuple, list)) else [value]
+
+
+class _Capturable(OperatorSupport):
+    def __init__(self, host: str):
+        super().__init__()
+        self.host = host
+
+    def is_node_supported(self, submodules, node: fx.Node) -> bool:
+        return node.op == "call_function" and capture_verdict(node, self.host) is None
+
+
+def split_for_graphs(gm: fx.GraphModule, input_slots: list[Slot], graph_factory,
+                     host: str = "cpu") -> tuple[fx.GraphModule, list[SegmentGraph]]:
+    """A copy of ``gm`` whose runs of capturable nodes are submodules run as CUDA graphs (:class:`SegmentGraph`),
+    the host nodes between them left in the graph.  A segment's input is copied into its buffers when it is
+    the call's own or a host node's output; state (and what a segment updates in place) must be the tensor it
+    captured."""
+    split, names = partition_with(copy.deepcopy(gm), _Capturable(host))
+    kinds = {n: input_slots[i].kind for i, n in enumerate(n for n in split.graph.nodes if n.op == "placeholder")}
+    segments, buffers = [], set()
+    for node in split.graph.nodes:
+        if node.op != "call_module" or node.target not in names:
+            continue
+        sub = split.get_submodule(node.target)
+        written = _written_inputs(sub)
+        copied, hparams = set(), []
+        for i, arg in enumerate(node.args):
+            kind = kinds.get(arg) if isinstance(arg, fx.Node) else None
+            if kind is SlotKind.HPARAM:
+                hparams.append(i)
+            elif (kind is None or kind in (SlotKind.BATCH, SlotKind.INPUT_GRAD)) and i not in written:
+                copied.add(i)
+        graphed_sub = SegmentGraph(sub, node.target, copied, hparams, graph_factory, buffers)
+        setattr(split, node.target, graphed_sub)
+        segments.append(graphed_sub)
+    split.recompile()
+    return split, segments
+
+
+def _written_inputs(sub: fx.GraphModule) -> set[int]:
+    """Positions of ``sub``'s inputs that one of its ops writes in place (a copy in would take the write)."""
+    places = {n: i for i, n in enumerate(n for n in sub.graph.nodes if n.op == "placeholder")}
+    out = set()
+    for node in sub.graph.nodes:
+        schema = getattr(node.target, "_schema", None) if node.op == "call_function" else None
+        if schema is None:
+            continue
+        for arg, value in zip(schema.arguments, node.args):
+            if arg.alias_info is not None and arg.alias_info.is_write:
+                for v in value if isinstance(value, (list, tuple)) else [value]:
+                    if v in places:
+                        out.add(places[v])
+    return out
 
 
 def graphed(executor, plan, input_slots: list[Slot], backend: str):
@@ -218,10 +385,12 @@ def graphed(executor, plan, input_slots: list[Slot], backend: str):
                   "and inductor backends")
     elif plan.blocker is not None:
         reason = plan.blocker
-    elif len(plan.regions) != 1 or plan.splits:
-        name, why = plan.splits[0] if plan.splits else ("", "no op to capture")
-        reason = (f"the step does not fit one graph: {name}: {why}" +
-                  (f" (and {len(plan.splits) - 1} more; see the capture plan)" if len(plan.splits) > 1 else ""))
+    elif not plan.regions:
+        reason = "no op to capture"
+    elif plan.splits and backend != "fx":
+        name, why = plan.splits[0]
+        reason = (f"the step does not fit one graph ({name}: {why}), and one graph per run of nodes between "
+                  f"host nodes is built for the fx backend only")
     if reason is not None and plan is not None and plan.cuda:
         logger.warning("CUDA graph: not used: %s", reason)
-    return GraphedExecutor(executor, input_slots, disabled=reason)
+    return GraphedExecutor(executor, input_slots, disabled=reason, segmented=bool(plan is not None and plan.splits))

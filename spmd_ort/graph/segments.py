@@ -16,6 +16,7 @@ from torch.fx.passes.infra.partitioner import CapabilityBasedPartitioner, Partit
 from torch.fx.passes.operator_support import OperatorSupport
 from torch.fx.passes.utils.fuser_utils import fuse_by_partitions
 
+from spmd_ort.graph import ops
 from spmd_ort.graph.ops import STARTS, draws_random, wait_
 from spmd_ort.graph.symbolic import SizeEmitter, input_symbols
 
@@ -149,3 +150,46 @@ def _is_compute(node: fx.Node) -> bool:
     if schema is not None and schema.returns and schema.returns[0].alias_info is not None:
         return False  # a view
     return True
+
+
+# Ops whose output's size depends on the values: a CUDA graph replays the sizes it captured.
+VALUE_SIZED = (torch.ops.aten.nonzero.default, torch.ops.aten.masked_select.default, torch.ops.aten._unique2.default,
+               torch.ops.aten.unique_dim.default, torch.ops.aten.unique_consecutive.default,
+               torch.ops.aten.repeat_interleave.Tensor)
+# Ops that read a value on the host: the host waits for the device there, which a capture cannot do.
+HOST_READS = (torch.ops.aten._local_scalar_dense.default, torch.ops.aten.item.default,
+              torch.ops.aten.is_nonzero.default, torch.ops.aten.equal.default)
+
+
+def tensors_of(value) -> list[torch.Tensor]:
+    values = value if isinstance(value, (list, tuple)) else [value]
+    return [v for v in values if isinstance(v, torch.Tensor)]
+
+
+def capture_verdict(node: fx.Node, host: str = "cpu") -> tuple[str, str] | None:
+    """Whether one graph node of a GPU step can be captured in a CUDA graph: None if it can, else ("split",
+    why) for a node that must run on the host between graphs, or ("block", why) for one no graph can replay.
+    ``host``: the device type whose tensors a graph cannot hold (a CPU standing in for a GPU in tests: none)."""
+    target = node.target
+    if target is operator.getitem:
+        return None
+    if target in ops.OPAQUE_OPS:
+        return "split", "an opaque part: the user's Python code runs between graphs"
+    if target in VALUE_SIZED:
+        return "block", f"{target}'s output size depends on the values, and a graph replays the sizes it captured"
+    if target in HOST_READS:
+        return "split", f"{target} reads a value on the host, which waits for the GPU"
+    if isinstance(node.meta.get("val"), (torch.SymInt, torch.SymFloat, torch.SymBool)):
+        return None  # size arithmetic: fixed in each capture (one per size)
+    if not isinstance(target, torch._ops.OpOverload):
+        return "split", f"the Python callable {getattr(target, '__name__', target)} runs on the host"
+    for arg in node.all_input_nodes:
+        for t in tensors_of(arg.meta.get("val")):
+            if t.device.type == host:
+                # a 0-d host tensor is read at capture and replayed as that constant: a hyper-parameter on the
+                # host would be frozen at its first value
+                return "split", f"{target} reads {arg.name}, a host tensor"
+    for t in tensors_of(node.meta.get("val")):
+        if t.device.type == host:
+            return "split", f"{target} makes a host tensor"
+    return None
