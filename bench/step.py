@@ -392,8 +392,12 @@ def main() -> None:
         print("| " + " | ".join(cells) + " |", flush=True)
         notes += [f"  ({name}: {b} fails: {why})" for b, why in r["failed"].items()]
         if r["step_peak_mib"]:
+            graphs = [b for b in r["step_peak_mib"] if b.endswith("+graph") or b == "reduce-overhead"]
             notes.append(f"  ({name}: most a step allocated above its resting memory, MiB: "
-                         + ", ".join(f"{b} {v:.1f}" for b, v in r["step_peak_mib"].items()) + ")")
+                         + ", ".join(f"{b} {v:.1f}" for b, v in r["step_peak_mib"].items())
+                         + (f"; {', '.join(graphs)}: their CUDA graphs' memory pools stay allocated between steps, "
+                            "in the resting memory, so the graphs' activations are left out" if graphs else "")
+                         + ")")
         if r["flops"] and device.type == "cuda":
             peak = peak_tflops(device)
             notes.append(f"  ({name}: {r['flops'] / 1e12:.2f} TFLOP per step; achieved TFLOP/s, MFU"

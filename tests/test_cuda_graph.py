@@ -29,7 +29,7 @@ class RerunGraph:
     (a capture runs nothing), ``replay()`` runs ``fn`` again, on the tensors it captured, and writes its results
     into those outputs (a replay writes the capture's buffers)."""
 
-    def __init__(self):
+    def __init__(self, pool=None):
         self.fn = None
         self.outputs: list = []
 
@@ -51,6 +51,9 @@ class RerunGraph:
 
 
 class FailingGraph:
+    def __init__(self, pool=None):
+        pass
+
     def capture(self, fn, reads):
         raise RuntimeError("operation not permitted when stream is capturing")
 
@@ -188,11 +191,14 @@ def test_a_replaced_state_tensor_or_a_changed_hyper_parameter_captures_again():
 
 
 def test_symbolic_sizes_get_one_graph_per_size():
-    """One program for every batch size (dynamic shapes), a graph for each size seen, reused when it comes back."""
+    """One program for every batch size (dynamic shapes), a graph for each size seen twice, reused when it comes
+    back."""
     batches = _batches(8, sizes=(8, 8, 8, 4, 8, 4, 6, 8))
     step, runner = _train(batches, dynamic=True)
     assert len(step.variants) == 1 and step.compiled.symbolic is not None
-    assert runner.captures == 3 and len(runner.whole.graphs) == 3, runner.describe()
+    # a size is captured on its second run (its first does its lazy work): 8 on the third call, 4 on the sixth;
+    # 6, seen once, runs uncaptured
+    assert runner.captures == 2 and len(runner.whole.graphs) == 2 and runner.replays == 4, runner.describe()
 
 
 def test_a_capture_that_fails_runs_the_step_as_before_and_says_why(caplog):
@@ -240,5 +246,4 @@ def test_what_the_plan_says_decides_how_a_gpu_step_is_graphed():
     assert "adam: reads steps" in other.disabled and "fx backend only" in other.disabled
     blocked = graphed(inner, CapturePlan(cuda=True, blocker="nonzero: sizes"), slots, "fx")
     assert blocked.disabled == "nonzero: sizes"
-    assert "the ort backend runs its own kernels" in graphed(inner, CapturePlan(cuda=True, regions=(4,)), slots,
-                                                             "ort").disabled
+    assert graphed(inner, CapturePlan(cuda=True, regions=(4,)), slots, "ort") is inner  # ORT: as it is

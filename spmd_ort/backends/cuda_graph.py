@@ -63,19 +63,30 @@ MAX_RECAPTURES = 4  # a graph captured again more often than this for one reason
 
 
 class CudaGraph:
-    """One ``torch.cuda.CUDAGraph`` with its own memory pool: ``capture(fn, reads)`` records ``fn()`` (returning
-    its value, the graph's output buffers; ``reads``: the tensors it reads, which a graph keeps by address),
-    ``replay()`` runs it."""
+    """One ``torch.cuda.CUDAGraph``: ``capture(fn, reads)`` records ``fn()`` (returning its value, the graph's
+    output buffers; ``reads``: the tensors it reads, which a graph keeps by address) on the device of those
+    tensors, ``replay()`` runs it.  ``pool``: the memory pool it shares with the other graphs of one program
+    (they replay one after another on one stream, and each one's outputs stay allocated while it is kept), or
+    None for a new one, which ``pool`` then holds.  A capture fails only for what runs in it: other threads'
+    CUDA calls are left alone (``capture_error_mode="thread_local"``: a DataLoader's pinning thread)."""
 
-    def __init__(self):
+    def __init__(self, pool=None):
         self.graph = torch.cuda.CUDAGraph()
+        self.pool = pool
+        self.device: torch.device | None = None
 
     def capture(self, fn: Callable[[], list], reads: list) -> list:
-        with torch.cuda.graph(self.graph):
-            return fn()
+        self.device = next((t.device for t in reads if isinstance(t, torch.Tensor) and t.is_cuda), None)
+        with torch.cuda.device(self.device):
+            with torch.cuda.graph(self.graph, pool=self.pool, capture_error_mode="thread_local"):
+                outputs = fn()
+        if self.pool is None:
+            self.pool = self.graph.pool()
+        return outputs
 
     def replay(self) -> None:
-        self.graph.replay()
+        with torch.cuda.device(self.device):
+            self.graph.replay()
 
 
 @dataclass
@@ -100,9 +111,11 @@ class GraphedRuns:
     hyper-parameter tensors, whose numbers the capture froze.  ``label``: what it runs, for messages."""
 
     def __init__(self, fn: Callable[[list], list], *, copied: set[int], hparams: list[int], label: str,
-                 graph_factory: Callable[[], object] = CudaGraph, max_sizes: int = MAX_SIZES,
-                 buffers: set[int] | None = None):
+                 graph_factory: Callable[[object], object] = CudaGraph, max_sizes: int = MAX_SIZES,
+                 buffers: set[int] | None = None, pool: list | None = None):
         self.fn = fn
+        self.pool = pool if pool is not None else [None]  # [the memory pool of the program's graphs]
+        self.seen: set[tuple] = set()  # keys run uncaptured once: a size is captured on its second run
         # addresses of the output buffers of the graphs of one step (shared by its segments): an input that is
         # one is read where it is, not copied (the graph that writes it replays first, every step)
         self.buffers = buffers if buffers is not None else set()
@@ -119,9 +132,13 @@ class GraphedRuns:
     def __call__(self, inputs: list) -> tuple[list, bool]:
         """The outputs of one run, and whether they are a graph's buffers (a replay)."""
         self.runs += 1
-        if self.disabled is not None or self.runs <= WARMUP_RUNS:
+        if self.disabled is not None:
             return self.fn(inputs), False
         key = self._key(inputs)
+        if self.runs <= WARMUP_RUNS or key not in self.seen:
+            # a size's lazy work (cuBLAS workspaces, inductor's autotuning) done before it is captured
+            self.seen.add(key)
+            return self.fn(inputs), False
         captured = self.graphs.get(key)
         if captured is not None:
             why = self._stale(captured, inputs)
@@ -137,7 +154,7 @@ class GraphedRuns:
             try:
                 captured = self._capture(inputs)
             except Exception as exc:  # noqa: BLE001 - any failure to capture runs it uncaptured
-                self._disable(f"capture failed: {type(exc).__name__}: {' '.join(str(exc).split())[:300]}")
+                self._disable(f"capture failed: {_cause(exc)}")
                 return self.fn(inputs), False
             self.graphs[key] = captured
             while len(self.graphs) > self.max_sizes:
@@ -197,8 +214,9 @@ class GraphedRuns:
                            and inputs[i].data_ptr() in self.buffers)
         static = [x.clone() if i in self.copied - shared and isinstance(x, torch.Tensor) else x
                   for i, x in enumerate(inputs)]
-        graph = self.graph_factory()
+        graph = self.graph_factory(self.pool[0])
         outputs = graph.capture(lambda: list(self.fn(static)), static)
+        self.pool[0] = getattr(graph, "pool", None)
         self.captures += 1
         self.buffers.update(t.data_ptr() for t in outputs if isinstance(t, torch.Tensor))
         return Captured(graph, static, outputs, self._numbers(inputs), shared)
@@ -210,13 +228,23 @@ class GraphedRuns:
                 f"{self.runs} runs)") + "".join(f"; captured again {n}x: {why}" for why, n in self.recaptured.items())
 
 
+def _cause(exc: BaseException) -> str:
+    """A failed capture's message, with the error that invalidated it (ending a capture that a forbidden call
+    invalidated raises its own error, which hides that call's)."""
+    text = f"{type(exc).__name__}: {' '.join(str(exc).split())[:300]}"
+    inner = exc.__context__ or exc.__cause__
+    if inner is not None and inner is not exc:
+        text += f" (after {type(inner).__name__}: {' '.join(str(inner).split())[:300]})"
+    return text
+
+
 class GraphedExecutor:
     """Runs an executor's program as CUDA graphs (see the module docstring): the whole step as one graph, or,
     where host nodes split it (fx backend), each run of nodes between them as one (:class:`SegmentGraph`).
     ``disabled``: why it does not (the plan, the device): then every run is the wrapped executor's."""
 
     def __init__(self, inner, input_slots: list[Slot], *, disabled: str | None = None, segmented: bool = False,
-                 graph_factory: Callable[[], object] = CudaGraph, host: str = "cpu"):
+                 graph_factory: Callable[[object], object] = CudaGraph, host: str = "cpu"):
         self.inner = inner
         self.gm = inner.gm
         self.disabled = disabled
@@ -294,12 +322,12 @@ class SegmentGraph(nn.Module):
     """One segment of a step split at its host nodes, run as CUDA graphs (:class:`GraphedRuns`)."""
 
     def __init__(self, sub: fx.GraphModule, name: str, copied: set[int], hparams: list[int], graph_factory,
-                 buffers: set[int]):
+                 buffers: set[int], pool: list):
         super().__init__()
         self.sub = sub
         self.tuple_out = isinstance(_output(sub).args[0], (tuple, list))
         self.runs = GraphedRuns(lambda xs: _as_list(sub(*xs)), copied=copied, hparams=hparams,
-                                label=f"segment {name}", graph_factory=graph_factory, buffers=buffers)
+                                label=f"segment {name}", graph_factory=graph_factory, buffers=buffers, pool=pool)
 
     def forward(self, *args):
         outputs, _ = self.runs(list(args))
@@ -331,7 +359,7 @@ def split_for_graphs(gm: fx.GraphModule, input_slots: list[Slot], graph_factory,
     captured."""
     split, names = partition_with(copy.deepcopy(gm), _Capturable(host))
     kinds = {n: input_slots[i].kind for i, n in enumerate(n for n in split.graph.nodes if n.op == "placeholder")}
-    segments, buffers = [], set()
+    segments, buffers, pool = [], set(), [None]  # one memory pool for the step's graphs
     for node in split.graph.nodes:
         if node.op != "call_module" or node.target not in names:
             continue
@@ -344,7 +372,7 @@ def split_for_graphs(gm: fx.GraphModule, input_slots: list[Slot], graph_factory,
                 hparams.append(i)
             elif (kind is None or kind in (SlotKind.BATCH, SlotKind.INPUT_GRAD)) and i not in written:
                 copied.add(i)
-        graphed_sub = SegmentGraph(sub, node.target, copied, hparams, graph_factory, buffers)
+        graphed_sub = SegmentGraph(sub, node.target, copied, hparams, graph_factory, buffers, pool)
         setattr(split, node.target, graphed_sub)
         segments.append(graphed_sub)
     split.recompile()
@@ -368,21 +396,26 @@ def _written_inputs(sub: fx.GraphModule) -> set[int]:
 
 
 def graphed(executor, plan, input_slots: list[Slot], backend: str):
-    """``executor`` as a :class:`GraphedExecutor` for a step compiled with ``cuda_graph=True``: capturing where
-    ``plan`` (the step's CapturePlan) says one graph holds it, else passing every run through, saying why.
-    A step with collectives is not captured: their bookkeeping (overlap, figures, a gather carried into the next
-    step) runs in Python around each one, which a replay would skip."""
+    """The executor of a step compiled with ``cuda_graph=True``: on the fx and inductor backends a
+    :class:`GraphedExecutor` that captures where ``plan`` (the step's CapturePlan) says graphs hold the step,
+    else passes every run through and says why (``explain()``); the ORT backend's own executor as it is (its
+    sessions run their kernels outside torch's stream; a WARNING on a GPU).  A step with collectives is not
+    captured: their bookkeeping (overlap, figures, a gather carried into the next step) runs in Python around
+    each one, which a replay would skip."""
+    on_gpu = plan is not None and plan.cuda
+    if backend not in ("fx", "inductor"):
+        if on_gpu:
+            logger.warning("CUDA graph: not used: the %s backend runs its kernels outside torch's stream; CUDA "
+                           "graphs capture the fx and inductor backends", backend)
+        return executor
     reason = None
     collective = next((n for n in executor.gm.graph.nodes if n.op == "call_function" and (
         n.target in ops.COLLECTIVES or getattr(n.target, "namespace", None) == "_c10d_functional")), None)
-    if plan is None or not plan.cuda:
+    if not on_gpu:
         reason = "the step runs on the CPU: there is nothing to capture"
     elif collective is not None:
         reason = (f"{collective.name} ({collective.target}) is a collective; capturing collectives across ranks "
                   "is not built yet")
-    elif backend not in ("fx", "inductor"):
-        reason = (f"the {backend} backend runs its own kernels outside torch's stream; CUDA graphs capture the fx "
-                  "and inductor backends")
     elif plan.blocker is not None:
         reason = plan.blocker
     elif not plan.regions:
@@ -391,6 +424,6 @@ def graphed(executor, plan, input_slots: list[Slot], backend: str):
         name, why = plan.splits[0]
         reason = (f"the step does not fit one graph ({name}: {why}), and one graph per run of nodes between "
                   f"host nodes is built for the fx backend only")
-    if reason is not None and plan is not None and plan.cuda:
+    if reason is not None and on_gpu:
         logger.warning("CUDA graph: not used: %s", reason)
-    return GraphedExecutor(executor, input_slots, disabled=reason, segmented=bool(plan is not None and plan.splits))
+    return GraphedExecutor(executor, input_slots, disabled=reason, segmented=bool(on_gpu and plan.splits))

@@ -6,7 +6,8 @@ Output layouts are flat lists:
 * sgd:  params, momentum_buffers (momentum != 0 only)
 
 Device kernels run torch's fused multi-tensor kernels, so compiled numbers equal
-eager ``fused=True`` exactly (SGD over float16/bfloat16 CPU tensors, which torch's fused
+eager ``fused=True`` exactly (a CUDA-graphed step's learning rate is a float32 device tensor: see
+:func:`hparam_numbers`) (SGD over float16/bfloat16 CPU tensors, which torch's fused
 CPU kernel leaves unchanged, runs eager's default there, the for-loop update).  Host
 kernels (``offload_optimizer="cpu"``) run the
 native kernel of ``csrc/`` (:mod:`spmd_ort.runtime.native`) on host tensors: device
@@ -31,26 +32,29 @@ SGD_OUTPUTS = ("params", "momentum_buffers")
 
 
 # ---------------------------------------------------------------------- Adam / AdamW
-def hparam_numbers(hparams: Tensor) -> tuple[list[float], Tensor | None]:
+def hparam_numbers(hparams: Tensor, like: list[Tensor] = ()) -> tuple[list[float], Tensor | None]:
     """A group's hyper-parameters as numbers, and its learning rate as a device tensor where they live on a GPU.
 
     On the host they are read (a host read, no wait).  On a GPU (a CUDA-graphed step: they are device tensors that
     the host writes before each replay) the numbers are the values the host wrote this step
     (:attr:`StepRuntime.hparam_values`), which a capture freezes, and the learning rate, the one a schedule changes
-    every step, is also given as a float32 device tensor that torch's fused kernels read on the device.  Entry 0
-    of every rule's hyper-parameters is the learning rate."""
+    every step, is also given as a float32 tensor on the device of ``like`` (the parameters it updates), which
+    torch's fused kernels read there: rounded to float32, as torch's own tensor learning rate is (a learning rate
+    that float32 holds exactly, such as 2**-7, gives eager's float one's numbers bit for bit).  Entry 0 of every
+    rule's hyper-parameters is the learning rate."""
     if hparams.device.type == "cpu":
         return hparams.tolist(), None
     runtime = current()
     values = runtime.hparam_values.get(hparams.data_ptr()) if runtime is not None else None
     if values is None:  # not written by this step's layout (a graph run by hand): read it, which waits
         values = tuple(hparams.tolist())
-    return list(values), hparams[0].to(torch.float32)
+    device = like[0].device if len(like) else hparams.device
+    return list(values), hparams[0].to(device=device, dtype=torch.float32)
 
 
 def adam_device(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, steps, hparams, amsgrad, maximize,
                 decoupled, found_inf=None, present=None, present_index=()) -> None:
-    (lr, beta1, beta2, weight_decay, eps), lr_on_device = hparam_numbers(hparams)
+    (lr, beta1, beta2, weight_decay, eps), lr_on_device = hparam_numbers(hparams, params)
     params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, steps = _present(
         present, present_index, params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, steps)
     if not params:
@@ -127,7 +131,7 @@ def adam_fake(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, steps, hpar
 # ---------------------------------------------------------------------- SGD
 def sgd_device(params, grads, bufs, hparams, nesterov, maximize, first_step, found_inf=None, present=None,
                present_index=()) -> None:
-    (lr, momentum, dampening, weight_decay), lr_on_device = hparam_numbers(hparams)
+    (lr, momentum, dampening, weight_decay), lr_on_device = hparam_numbers(hparams, params)
     params, grads, bufs = _present(present, present_index, params, grads, bufs)
     update = dict(weight_decay=weight_decay, momentum=momentum, lr=lr, dampening=dampening, nesterov=nesterov,
                   maximize=maximize)
