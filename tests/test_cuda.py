@@ -446,3 +446,15 @@ def test_data_parallel_on_one_gpu_with_nccl_is_graphed(tmp_path):
         assert disabled is None and captures == 1 and replays >= 3, step.explain()
     finally:
         dist.destroy_process_group()
+
+
+@pytest.mark.skipif(not ON_CUDA, reason="CUDA graphs are a GPU's")
+def test_an_opaque_part_splits_the_step_into_graphs_around_it():
+    """A module run opaquely (the user's Python, host nodes) splits the step: the runs of nodes before, between
+    and after its forward and backward are graphs, each captured once; the update, which skips what no opaque
+    part gave a gradient by reading which on the host, runs between them."""
+    step = _graphed_side_by_side(_mlp, _adamw_exact, _clipped_step, _batches("mlp", 6), exact=False,
+                                 module_override=spmd_ort.OpaqueOverride("fc2"))
+    runner = step.compiled.executor
+    assert runner.whole is None and len(runner.segments) >= 2, step.explain()
+    assert all(seg.runs.captures == 1 and seg.runs.disabled is None for seg in runner.segments), step.explain()

@@ -61,13 +61,16 @@ class FailingGraph:
         raise AssertionError
 
 
+CPU = "the step runs on the CPU: there is nothing to capture"
+
+
 def _graph_on_cpu(step, factory=RerunGraph, segmented: bool = False) -> GraphedExecutor:
     """The CPU stands in for a GPU: the step's program runs as graphs captured with ``factory`` (``segmented``:
     one per run of nodes between host nodes, where no tensor counts as a host tensor)."""
     program = step.compiled
     runner = program.executor
     assert isinstance(runner, GraphedExecutor), type(runner)
-    assert runner.disabled == "the step runs on the CPU: there is nothing to capture"
+    assert runner.disabled == CPU
     program.executor = GraphedExecutor(runner.inner, program.input_slots, graph_factory=factory,
                                        segmented=segmented, host="meta")
     graphed = program.executor
@@ -116,8 +119,9 @@ def _train(batches, *, factory=RerunGraph, between=None, segmented=False, **comp
     for i, (x, y) in enumerate(batches):
         loss_e = _clipped(model_e, opt_e, x, y)
         loss_c = step(model_c, opt_c, x, y)
-        if runner is None:
-            runner = _graph_on_cpu(step, factory, segmented)
+        if step.compiled.executor.disabled == CPU:  # a new variant: it runs as graphs from its second run
+            graphed = _graph_on_cpu(step, factory, segmented)
+            runner = runner or graphed
         assert torch.equal(loss_c, loss_e.detach()), f"step {i}: loss {float(loss_c)} vs eager {float(loss_e)}"
         _same(model_e, model_c, opt_e, opt_c, f"step {i}")
         sched_e.step()
@@ -214,11 +218,18 @@ def test_a_capture_that_fails_runs_the_step_as_before_and_says_why(caplog):
 def test_a_step_split_by_host_nodes_runs_each_run_between_them_as_a_graph():
     """An opaque part (the user's Python, run as host nodes) splits the step: each run of nodes between host
     nodes is a graph of its own, whose inputs made by a host node (the opaque forward's output, its backward's
-    gradients) are copied into its buffers each step: eager's numbers, bit for bit, every step."""
+    gradients) are copied into its buffers each step and whose inputs another graph wrote are read in place:
+    eager's numbers, bit for bit, every step.  (The optimizer, which skips the parameters no opaque part gave a
+    gradient by reading which on the host, runs between graphs.)"""
     batches = _batches(7)
     step, runner = _train(batches, segmented=True, module_override=spmd_ort.OpaqueOverride("fc2"))
     assert step.compiled.opaque, "fc2 runs opaquely"
     assert len(runner.segments) >= 2, runner.describe()
+    copied = [seg.runs.copied - next(iter(seg.runs.graphs.values())).shared for seg in runner.segments]
+    shared = [next(iter(seg.runs.graphs.values())).shared for seg in runner.segments]
+    assert any(copied) and any(shared), (copied, shared)  # both paths taken
+    host = {n.target for n in runner.split.graph.nodes if n.op == "call_function"}
+    assert torch.ops.spmd_ort.grads_present.default in host and torch.ops.spmd_ort.adam_.default in host, host
     assert all(seg.runs.captures == 1 and seg.runs.replays == len(batches) - WARMUP_RUNS
                for seg in runner.segments), runner.describe()
     lines = "\n".join(runner.graph_lines())
@@ -247,3 +258,15 @@ def test_what_the_plan_says_decides_how_a_gpu_step_is_graphed():
     blocked = graphed(inner, CapturePlan(cuda=True, blocker="nonzero: sizes"), slots, "fx")
     assert blocked.disabled == "nonzero: sizes"
     assert graphed(inner, CapturePlan(cuda=True, regions=(4,)), slots, "ort") is inner  # ORT: as it is
+
+
+def test_a_split_step_graphs_each_size_in_every_segment():
+    """Sizes that alternate, in a step split by an opaque part (a program per size: opaque parts keep sizes
+    static): every segment of each keeps its graph, none captured again or given up, eager's numbers."""
+    batches = _batches(10, sizes=(8, 8, 8, 4, 8, 4, 8, 4, 8, 4))
+    step, _ = _train(batches, segmented=True, module_override=spmd_ort.OpaqueOverride("fc2"))
+    assert len(step.variants) == 2
+    for program in step.variants:
+        for seg in program.executor.segments:
+            assert seg.runs.disabled is None and not seg.runs.recaptured, program.executor.describe()
+            assert seg.runs.captures == 1 and seg.runs.replays >= 2, program.executor.describe()

@@ -8,7 +8,7 @@ on torch's current stream) in a :class:`GraphedExecutor`, which
 
 * runs the checked first run and one steady run as the executor always does (the second lets lazily made
   things, cuBLAS workspaces and inductor's autotuning, exist before a capture);
-* then captures one run of the executor in a ``torch.cuda.CUDAGraph`` (its own memory pool) and replays it:
+* then captures one run of the executor in a ``torch.cuda.CUDAGraph`` and replays it:
 
   - state inputs (parameters, gradients, optimizer and scaler state) are persistent tensors the graph reads
     and updates where they are; a state tensor that is replaced (``load_state_dict``, a new ``.grad``) drops
@@ -65,9 +65,9 @@ MAX_RECAPTURES = 4  # a graph captured again more often than this for one reason
 class CudaGraph:
     """One ``torch.cuda.CUDAGraph``: ``capture(fn, reads)`` records ``fn()`` (returning its value, the graph's
     output buffers; ``reads``: the tensors it reads, which a graph keeps by address) on the device of those
-    tensors, ``replay()`` runs it.  ``pool``: the memory pool it shares with the other graphs of one program
-    (they replay one after another on one stream, and each one's outputs stay allocated while it is kept), or
-    None for a new one, which ``pool`` then holds.  A capture fails only for what runs in it: other threads'
+    tensors, ``replay()`` runs it.  ``pool``: the memory pool it shares with the other graphs of one
+    :class:`GraphedRuns` (one per size: one replays at a time, and each one's outputs stay allocated while it is
+    kept), or None for a new one, which ``pool`` then holds.  A capture fails only for what runs in it: other threads'
     CUDA calls are left alone (``capture_error_mode="thread_local"``: a DataLoader's pinning thread)."""
 
     def __init__(self, pool=None):
@@ -112,10 +112,10 @@ class GraphedRuns:
 
     def __init__(self, fn: Callable[[list], list], *, copied: set[int], hparams: list[int], label: str,
                  graph_factory: Callable[[object], object] = CudaGraph, max_sizes: int = MAX_SIZES,
-                 buffers: set[int] | None = None, pool: list | None = None):
+                 buffers: set[int] | None = None):
         self.fn = fn
-        self.pool = pool if pool is not None else [None]  # [the memory pool of the program's graphs]
-        self.seen: set[tuple] = set()  # keys run uncaptured once: a size is captured on its second run
+        self.pool = None  # the memory pool its graphs share (one per size; one replays at a time)
+        self.seen: set[tuple] = set()  # sizes run uncaptured once: a size is captured on its second run
         # addresses of the output buffers of the graphs of one step (shared by its segments): an input that is
         # one is read where it is, not copied (the graph that writes it replays first, every step)
         self.buffers = buffers if buffers is not None else set()
@@ -135,9 +135,10 @@ class GraphedRuns:
         if self.disabled is not None:
             return self.fn(inputs), False
         key = self._key(inputs)
-        if self.runs <= WARMUP_RUNS or key not in self.seen:
+        size = tuple(k[:2] if isinstance(k, tuple) and len(k) == 3 else k for k in key)  # the key but addresses
+        if self.runs <= WARMUP_RUNS or size not in self.seen:
             # a size's lazy work (cuBLAS workspaces, inductor's autotuning) done before it is captured
-            self.seen.add(key)
+            self.seen.add(size)
             return self.fn(inputs), False
         captured = self.graphs.get(key)
         if captured is not None:
@@ -181,11 +182,12 @@ class GraphedRuns:
         logger.warning("CUDA graph (%s): %s; it runs without graphs from now on", self.label, why)
 
     def _key(self, inputs: list) -> tuple:
-        """What one graph is for: the sizes of the tensors copied in, and any number it takes (a symbolic size
-        lifted to an input)."""
-        return tuple((tuple(x.shape), x.dtype) if isinstance(x, torch.Tensor) else
-                     (None if x is None else ("value", x)) for i, x in enumerate(inputs)
-                     if i in self.copied or not isinstance(x, torch.Tensor))
+        """What one graph is for: the sizes of the tensors copied in (and the address of one that another graph
+        wrote, which it reads in place: that graph's buffer for this size), and any number it takes (a symbolic
+        size lifted to an input)."""
+        return tuple((tuple(x.shape), x.dtype, x.data_ptr() if x.data_ptr() in self.buffers else None)
+                     if isinstance(x, torch.Tensor) else (None if x is None else ("value", x))
+                     for i, x in enumerate(inputs) if i in self.copied or not isinstance(x, torch.Tensor))
 
     def _numbers(self, inputs: list) -> dict[int, tuple]:
         runtime = current()
@@ -214,9 +216,9 @@ class GraphedRuns:
                            and inputs[i].data_ptr() in self.buffers)
         static = [x.clone() if i in self.copied - shared and isinstance(x, torch.Tensor) else x
                   for i, x in enumerate(inputs)]
-        graph = self.graph_factory(self.pool[0])
+        graph = self.graph_factory(self.pool)
         outputs = graph.capture(lambda: list(self.fn(static)), static)
-        self.pool[0] = getattr(graph, "pool", None)
+        self.pool = getattr(graph, "pool", None)
         self.captures += 1
         self.buffers.update(t.data_ptr() for t in outputs if isinstance(t, torch.Tensor))
         return Captured(graph, static, outputs, self._numbers(inputs), shared)
@@ -322,12 +324,12 @@ class SegmentGraph(nn.Module):
     """One segment of a step split at its host nodes, run as CUDA graphs (:class:`GraphedRuns`)."""
 
     def __init__(self, sub: fx.GraphModule, name: str, copied: set[int], hparams: list[int], graph_factory,
-                 buffers: set[int], pool: list):
+                 buffers: set[int]):
         super().__init__()
         self.sub = sub
         self.tuple_out = isinstance(_output(sub).args[0], (tuple, list))
         self.runs = GraphedRuns(lambda xs: _as_list(sub(*xs)), copied=copied, hparams=hparams,
-                                label=f"segment {name}", graph_factory=graph_factory, buffers=buffers, pool=pool)
+                                label=f"segment {name}", graph_factory=graph_factory, buffers=buffers)
 
     def forward(self, *args):
         outputs, _ = self.runs(list(args))
@@ -359,7 +361,9 @@ def split_for_graphs(gm: fx.GraphModule, input_slots: list[Slot], graph_factory,
     captured."""
     split, names = partition_with(copy.deepcopy(gm), _Capturable(host))
     kinds = {n: input_slots[i].kind for i, n in enumerate(n for n in split.graph.nodes if n.op == "placeholder")}
-    segments, buffers, pool = [], set(), [None]  # one memory pool for the step's graphs
+    # each segment's graphs share a memory pool (one size replays at a time); segments do not: a segment captured
+    # again could put its outputs in the scratch memory of a later segment's older graph, which replays over them
+    segments, buffers = [], set()
     for node in split.graph.nodes:
         if node.op != "call_module" or node.target not in names:
             continue
@@ -372,7 +376,7 @@ def split_for_graphs(gm: fx.GraphModule, input_slots: list[Slot], graph_factory,
                 hparams.append(i)
             elif (kind is None or kind in (SlotKind.BATCH, SlotKind.INPUT_GRAD)) and i not in written:
                 copied.add(i)
-        graphed_sub = SegmentGraph(sub, node.target, copied, hparams, graph_factory, buffers, pool)
+        graphed_sub = SegmentGraph(sub, node.target, copied, hparams, graph_factory, buffers)
         setattr(split, node.target, graphed_sub)
         segments.append(graphed_sub)
     split.recompile()

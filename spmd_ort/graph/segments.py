@@ -179,6 +179,11 @@ def capture_verdict(node: fx.Node, host: str = "cpu") -> tuple[str, str] | None:
         return "block", f"{target}'s output size depends on the values, and a graph replays the sizes it captured"
     if target in HOST_READS:
         return "split", f"{target} reads a value on the host, which waits for the GPU"
+    if target is ops.grads_present:
+        return "split", "which gradients opaque parts made is gathered on the host"
+    if target in ops.OPTIMIZER_OPS and _argument(node, "present") is not None:
+        return "split", (f"{target} skips the parameters no opaque part gave a gradient, reading which on the "
+                         "host")
     if isinstance(node.meta.get("val"), (torch.SymInt, torch.SymFloat, torch.SymBool)):
         return None  # size arithmetic: fixed in each capture (one per size)
     if not isinstance(target, torch._ops.OpOverload):
@@ -192,4 +197,14 @@ def capture_verdict(node: fx.Node, host: str = "cpu") -> tuple[str, str] | None:
     for t in tensors_of(node.meta.get("val")):
         if t.device.type == host:
             return "split", f"{target} makes a host tensor"
+    return None
+
+
+def _argument(node: fx.Node, name: str):
+    """The value of ``node``'s argument ``name`` (by its op's schema), or None."""
+    if name in node.kwargs:
+        return node.kwargs[name]
+    for i, arg in enumerate(node.target._schema.arguments):
+        if arg.name == name:
+            return node.args[i] if i < len(node.args) else None
     return None
