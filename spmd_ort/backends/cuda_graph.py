@@ -21,7 +21,8 @@ on torch's current stream) in a :class:`GraphedExecutor`, which
     in the kernels' launches, so a step whose values differ from the captured ones captures again;
   - random ops draw from torch's generator, which torch registers with the graph (each replay advances it as
     an eager step would);
-  - a graph of symbolic sizes is captured once per size seen, the last :data:`MAX_SIZES` kept (LRU);
+  - a program of symbolic sizes gets a graph per size, captured on that size's second run (its first does the
+    size's lazy work uncaptured), the last :data:`MAX_SIZES` kept (LRU);
 
 * and returns the graph's output buffers (``reuses_buffers``): the program copies what escapes the step.
 
