@@ -19,6 +19,7 @@ from torch import fx
 from torch.fx._lazy_graph_module import _LazyGraphModule
 
 from spmd_ort import passes as P
+from spmd_ort.passes.analysis import CapturePlan
 from spmd_ort.passes.expand import batch_checksums, node_signatures, state_checksums
 from spmd_ort.capture.inputs import StepCall, StepInputs
 from spmd_ort.capture.opaque import OpaquePlan
@@ -30,6 +31,7 @@ from spmd_ort.runtime.taps import TapRegistry
 from spmd_ort.distributed import parallel
 from spmd_ort.distributed.dtensor import has_dtensor_state
 from spmd_ort.options import Options, get_logger
+from spmd_ort.backends.cuda_graph import GRAPHED_BACKENDS, graphed
 from spmd_ort.backends.registry import build_executor
 from spmd_ort.program import CompiledProgram
 
@@ -119,9 +121,9 @@ class Compiler:
         every rank's (None: not every rank has one).  Ranks of a tensor-parallel group whose batches differ raise
         here, all of them."""
         t0 = time.perf_counter()
-        # a CUDA-graphed step reads its hyper-parameters on the device (the fx and inductor backends graph)
-        layout = StateLayout.capture(call.module, call.opt, call.rule, call.scaler,
-                                     device_hparams=self.options.cuda_graph and self.options.backend != "ort")
+        # a CUDA-graphed step reads its hyper-parameters on the device
+        graphs = self.options.cuda_graph and self.options.backend in GRAPHED_BACKENDS
+        layout = StateLayout.capture(call.module, call.opt, call.rule, call.scaler, device_hparams=graphs)
         # Errors rooted in an input name it, and how it differs from the last call that compiled.
         inputs = StepInputs.of(self.fn, call.args, call.kwargs, previous_key=previous.key if previous else None)
         # spmd_ort.backends.ort.translations translates the fused CPU attention kernel (forward and backward), not the
@@ -168,9 +170,6 @@ class Compiler:
             after_passes(gm, ctx)
         built = build_executor(gm, self.options) if executor else None
         if built is not None and self.options.cuda_graph:
-            from spmd_ort.backends.cuda_graph import graphed
-            from spmd_ort.passes.analysis import CapturePlan
-
             built = graphed(built, ctx.results.get(CapturePlan), ctx.input_slots, self.options.backend)
         program = CompiledProgram(
             key=key, gm=built.gm if built is not None else gm, traced_gm=traced_gm, layout=layout,

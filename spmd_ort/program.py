@@ -161,8 +161,7 @@ class CompiledProgram:
         """
         io = [f"{s.kind} {s.name}" for s in self.input_slots + self.output_slots]
         code = self.gm.code if not self.layout.expands else "\n".join(
-            _collective_line(n) for n in self.gm.graph.nodes
-            if n.target in ops.COLLECTIVES or getattr(n.target, "namespace", None) == "_c10d_functional")
+            _collective_line(n) for n in self.gm.graph.nodes if ops.is_collective(n))
         return code + "\n" + "\n".join(io)
 
     def describe(self) -> str:

@@ -60,6 +60,7 @@ logger = get_logger(__name__)
 
 MAX_SIZES = 8  # graphs kept per program with symbolic sizes (one per size seen; the least recently used goes)
 WARMUP_RUNS = 2  # runs before the first capture: the checked first run and one steady run
+GRAPHED_BACKENDS = ("fx", "inductor")  # their kernels run on torch's current stream, which a capture records
 MAX_RECAPTURES = 4  # a graph captured again more often than this for one reason runs uncaptured from then on
 
 
@@ -250,7 +251,7 @@ class GraphedExecutor:
                  graph_factory: Callable[[object], object] = CudaGraph, host: str = "cpu"):
         self.inner = inner
         self.gm = inner.gm
-        self.disabled = disabled
+        self.reason = disabled  # why it was built not to capture (None: it captures)
         self.graph_factory = graph_factory
         self._static_out = False
         self.runs = 0
@@ -276,6 +277,11 @@ class GraphedExecutor:
         return self.inner.name
 
     @property
+    def disabled(self) -> str | None:
+        """Why no run is captured: how it was built, or its whole-step capture failing (None: it captures)."""
+        return self.reason if self.whole is None else self.whole.disabled
+
+    @property
     def reuses_buffers(self) -> bool:
         """Whether the last run's outputs may be a graph's buffers (the next replay overwrites them)."""
         return self._static_out or self.inner.reuses_buffers
@@ -296,8 +302,6 @@ class GraphedExecutor:
             return self.inner.run(inputs)
         if self.whole is not None:
             outputs, self._static_out = self.whole(inputs)
-            if self.whole.disabled is not None:
-                self.disabled = self.whole.disabled
             return outputs
         before = self.replays
         with torch.no_grad():
@@ -328,17 +332,13 @@ class SegmentGraph(nn.Module):
                  buffers: set[int]):
         super().__init__()
         self.sub = sub
-        self.tuple_out = isinstance(_output(sub).args[0], (tuple, list))
+        self.tuple_out = isinstance(sub.graph.output_node().args[0], (tuple, list))
         self.runs = GraphedRuns(lambda xs: _as_list(sub(*xs)), copied=copied, hparams=hparams,
                                 label=f"segment {name}", graph_factory=graph_factory, buffers=buffers)
 
     def forward(self, *args):
         outputs, _ = self.runs(list(args))
         return tuple(outputs) if self.tuple_out else outputs[0]
-
-
-def _output(gm: fx.GraphModule) -> fx.Node:
-    return next(n for n in reversed(gm.graph.nodes) if n.op == "output")
 
 
 def _as_list(value) -> list:
@@ -408,14 +408,14 @@ def graphed(executor, plan, input_slots: list[Slot], backend: str):
     captured: their bookkeeping (overlap, figures, a gather carried into the next step) runs in Python around
     each one, which a replay would skip."""
     on_gpu = plan is not None and plan.cuda
-    if backend not in ("fx", "inductor"):
+    if backend not in GRAPHED_BACKENDS:
         if on_gpu:
             logger.warning("CUDA graph: not used: the %s backend runs its kernels outside torch's stream; CUDA "
                            "graphs capture the fx and inductor backends", backend)
         return executor
     reason = None
-    collective = next((n for n in executor.gm.graph.nodes if n.op == "call_function" and (
-        n.target in ops.COLLECTIVES or getattr(n.target, "namespace", None) == "_c10d_functional")), None)
+    collective = next((n for n in executor.gm.graph.nodes if n.op == "call_function" and ops.is_collective(n)),
+                      None)
     if not on_gpu:
         reason = "the step runs on the CPU: there is nothing to capture"
     elif collective is not None:

@@ -33,6 +33,7 @@ from spmd_ort.capture.presence import PRESENT_KEY, GradPresence
 from spmd_ort.distributed import dtensor
 from spmd_ort.distributed.sharding import ShardSpec, flat_of, is_sharded_state, spec_of, state_like
 from spmd_ort.graph.slots import Slot, SlotKind
+from spmd_ort.runtime.step_runtime import current
 
 
 @dataclass
@@ -402,8 +403,6 @@ def write_hparams(t: Tensor, values: list[float]) -> Tensor:
     if is_fake(t):  # traced on fake GPU tensors (a CPU machine): no value to write
         return t
     t.copy_(host.pin_memory(), non_blocking=True)
-    from spmd_ort.runtime.step_runtime import current
-
     runtime = current()
     if runtime is not None:
         runtime.hparam_values[t.data_ptr()] = tuple(values)

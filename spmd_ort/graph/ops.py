@@ -236,6 +236,12 @@ reduce_scatter = _op('reduce_scatter(Tensor t, int world, str group="", bool mea
 STARTS = (all_reduce_, all_gather, reduce_scatter)
 COLLECTIVES = (*STARTS, wait_, broadcast_)
 
+
+def is_collective(node) -> bool:
+    """Whether graph node ``node`` is a collective: ours, or one of torch's functional collectives (expand
+    mode's DTensor redistributions)."""
+    return node.target in COLLECTIVES or getattr(node.target, "namespace", None) == "_c10d_functional"
+
 # ---------------------------------------------------------------------- opaque parts
 opaque_forward = _op("opaque_forward(Tensor[] inputs, int index) -> Tensor[]",
                      lambda inputs, index: active().opaque_frame().forward(index, inputs), opaque_calls.fake_forward)
