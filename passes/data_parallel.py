@@ -150,7 +150,7 @@ def sum_micro_batch_gradients_pass(gm: fx.GraphModule, ctx) -> fx.GraphModule:
 @graph_pass(requires=[GRADS_TAGGED], provides=[NO_GRAD_TAGS, COLLECTIVES_WAITED, PER_GRADIENT_REDUCTIONS],
             invalidates=[GRADS_TAGGED])
 def expand_data_parallel_pass(gm: fx.GraphModule, ctx) -> fx.GraphModule:
-    """Each ``tag_grad(g)`` becomes ``wait_(all_reduce_(clone(g), 1/world))``.
+    """Each ``tag_grad(g)`` becomes ``wait_(all_reduce_(clone(g, contiguous), 1/world))``.
 
     The all-reduce runs on a private copy, so the in-place collective never
     touches a tensor something else reads.
@@ -161,7 +161,10 @@ def expand_data_parallel_pass(gm: fx.GraphModule, ctx) -> fx.GraphModule:
         if node.op == "call_function" and node.target is TAG:
             grad, index = node.args
             with graph.inserting_before(node):
-                copy = call(graph, aten.clone.default, (grad,), val(node))
+                # contiguous: a collective reads the tensor's memory in order (NCCL refuses another layout), and
+                # a gradient computed as a view of a segment's output may be transposed (t(x) of ORT's output)
+                copy = graph.call_function(aten.clone.default, (grad,), {"memory_format": torch.contiguous_format})
+                copy.meta["val"] = val(node)
                 reduced = call(graph, all_reduce_, (copy, prescale, ctx.group), val(node))
                 done = call(graph, wait_, (reduced,), val(node))
             reduced.meta[GRADIENT_OF] = index

@@ -158,3 +158,40 @@ def test_adam_with_host_step_counters_is_eagers_foreach_step(opt_class, amsgrad,
     _adam_with_host_steps(mine, grads, m, v, vmax, steps, lr=1e-2, beta1=0.9, beta2=0.999, weight_decay=0.1,
                           eps=1e-8, amsgrad=amsgrad, maximize=maximize, decoupled=True, found_inf=torch.tensor(1.0))
     assert all(torch.equal(a, b) for a, b in zip(params, mine)) and float(steps[0]) == 3.0  # found_inf: skipped
+
+
+@pytest.mark.parametrize("kernel", ["adam_device", "adam_host", "sgd_device", "sgd_host"])
+def test_a_gradient_in_another_layout_updates_as_its_contiguous_copy(kernel):
+    """A compiled step can hand the optimizer a gradient whose strides differ from its parameter's (``t(x)`` of an
+    ORT segment's contiguous output, where the traced graph's ``x`` was transposed); torch's fused kernels (and
+    the native one) walk memory in order and read it transposed, silently (issue 55).  Each kernel updates as
+    with the same gradient in the parameter's layout, bit for bit; the first SGD momentum buffer takes the
+    parameter's layout, as eager's does."""
+    from spmd_ort.options import Options
+    from spmd_ort.runtime import kernels
+    from spmd_ort.runtime.step_runtime import StepRuntime
+
+    shapes = [(48, 32), (7, 5)]
+    g = torch.Generator().manual_seed(0)
+    params = [torch.randn(s, generator=g) for s in shapes]
+    grads = [torch.randn(s[::-1], generator=g).t() for s in shapes]  # transposed: strides (1, rows)
+    assert not any(x.is_contiguous() for x in grads)
+    runs = {}
+    for name, gs in (("transposed", grads), ("contiguous", [x.contiguous() for x in grads])):
+        ps = [p.clone() for p in params]
+        with StepRuntime(Options()).active():
+            if kernel.startswith("adam"):
+                hp = torch.tensor([1e-2, 0.9, 0.999, 0.1, 1e-8], dtype=torch.float64)
+                state = [[torch.zeros_like(p) for p in ps] for _ in range(2)]
+                steps = [torch.tensor(0.0) for _ in ps]
+                for _ in range(2):
+                    getattr(kernels, kernel)(ps, gs, *state, [], steps, hp, False, False, True)
+                runs[name] = ps + state[0] + state[1]
+            else:
+                hp = torch.tensor([1e-2, 0.9, 0.0, 0.1], dtype=torch.float64)
+                out = kernels.functional_sgd(getattr(kernels, kernel), ps, gs, [], hp, True, False, False)
+                assert all(b.stride() == p.stride() for b, p in zip(out[len(ps):], ps))
+                out = kernels.functional_sgd(getattr(kernels, kernel), out[:len(ps)], gs, out[len(ps):], hp, True,
+                                             False, False)
+                runs[name] = out
+    assert all(torch.equal(a, b) for a, b in zip(runs["transposed"], runs["contiguous"], strict=True))

@@ -59,6 +59,7 @@ def adam_device(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, steps, hp
         present, present_index, params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, steps)
     if not params:
         return
+    grads = in_layout_of(params, grads)
     if steps[0].device != params[0].device:
         _adam_with_host_steps(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, steps, lr=lr, beta1=beta1,
                               beta2=beta2, weight_decay=weight_decay, eps=eps, amsgrad=amsgrad, maximize=maximize,
@@ -105,7 +106,7 @@ def adam_host(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, steps, hpar
         return
     torch._foreach_add_(steps, 1)
     hp, hm, hv, hmax, hs = (_on_host(ts) for ts in (params, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, steps))
-    native.adam_(hp, _on_host(grads), hm, hv, hmax, hs, lr=lr, beta1=beta1, beta2=beta2,
+    native.adam_(hp, in_layout_of(hp, _on_host(grads)), hm, hv, hmax, hs, lr=lr, beta1=beta1, beta2=beta2,
                  weight_decay=weight_decay, eps=eps, amsgrad=amsgrad, maximize=maximize, decoupled=decoupled,
                  use_native=active().options.native)
     if flag:  # a non-zero flag other than 1.0 updates (as the fused kernel) and un-counts the step (as torch)
@@ -133,6 +134,7 @@ def sgd_device(params, grads, bufs, hparams, nesterov, maximize, first_step, fou
                present_index=()) -> None:
     (lr, momentum, dampening, weight_decay), lr_on_device = hparam_numbers(hparams, params)
     params, grads, bufs = _present(present, present_index, params, grads, bufs)
+    grads = in_layout_of(params, grads)
     update = dict(weight_decay=weight_decay, momentum=momentum, lr=lr, dampening=dampening, nesterov=nesterov,
                   maximize=maximize)
     loop = [i for i, p in enumerate(params) if not fused_sgd_updates(p)]
@@ -183,7 +185,8 @@ def sgd_host(params, grads, bufs, hparams, nesterov, maximize, first_step, found
     if found_inf is not None and float(found_inf) == 1.0:  # see adam_host
         return
     hp, hb = _on_host(params), _on_host(bufs)
-    native.sgd_(hp, _on_host(grads), hb, lr=lr, momentum=momentum, dampening=dampening, weight_decay=weight_decay,
+    native.sgd_(hp, in_layout_of(hp, _on_host(grads)), hb, lr=lr, momentum=momentum, dampening=dampening,
+                weight_decay=weight_decay,
                 nesterov=nesterov, maximize=maximize, is_first_step=first_step, use_native=active().options.native)
     _back(params, hp)
     _back(bufs, hb)
@@ -204,7 +207,8 @@ def functional_sgd(kernel, params, grads, momentum_buffers, hparams, has_momentu
         bufs = []
     elif first:
         new = torch.zeros_like if found_inf is not None or present is not None else torch.empty_like
-        bufs = [new(g, device=buffer_device) for g in grads]
+        # in the parameter's layout, as eager's (a clone of a gradient, which has its parameter's layout)
+        bufs = [new(p, dtype=g.dtype, device=buffer_device) for p, g in zip(params, grads)]
     else:
         bufs = [b.clone() for b in momentum_buffers]
     kernel(new_params, grads, bufs, hparams, nesterov, maximize, first, found_inf, present, present_index)
@@ -213,7 +217,8 @@ def functional_sgd(kernel, params, grads, momentum_buffers, hparams, has_momentu
 
 def sgd_fake(params, grads, momentum_buffers, hparams, has_momentum, nesterov, maximize, buffer_device=None,
              found_inf=None, present=None, present_index=()):
-    bufs = [torch.empty_like(g, device=buffer_device) for g in grads] if has_momentum else []
+    bufs = [torch.empty_like(p, dtype=g.dtype, device=buffer_device) for p, g in zip(params, grads)] \
+        if has_momentum else []
     return [torch.empty_like(p) for p in params] + bufs
 
 
@@ -229,6 +234,18 @@ def _present(present: Tensor | None, index, *lists: list[Tensor]) -> tuple[list[
     flags = present.tolist()
     keep = [k < 0 or flags[k] > 0 for k in index]
     return tuple([t for t, kept in zip(ts, keep, strict=True) if kept] if ts else ts for ts in lists)
+
+
+def in_layout_of(params: list[Tensor], grads: list[Tensor]) -> list[Tensor]:
+    """``grads``, each in its parameter's memory layout (copied where the strides differ).
+
+    torch's fused optimizer kernels (and the native one) walk every tensor of a parameter's update as one flat
+    buffer, so a gradient whose strides differ from its parameter's is read in the wrong order, silently (torch
+    2.13's CPU ``_fused_adamw_``).  Eager never hands them one (autograd's gradient layout contract), but a
+    compiled step can: a segment run by ORT returns contiguous tensors where fx returns views, so a gradient
+    that is ``t(x)`` of an ORT output is transposed when the fx graph's was not."""
+    return [g if g.stride() == p.stride() or g.numel() <= 1 else torch.empty_like(p, dtype=g.dtype).copy_(g)
+            for p, g in zip(params, grads, strict=True)]
 
 
 def _on(flag: Tensor | None, like: list[Tensor]) -> Tensor | None:

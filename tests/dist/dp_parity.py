@@ -44,7 +44,9 @@ def make(model: str, seed: int):
     if model == "cnn":
         return CNN(), lambda g, n: (torch.randn(n, 3, 16, 16, generator=g), torch.randint(0, 10, (n,), generator=g))
     # gpt-wide: an 8192-class head over 64-token rows (8 a rank: 512 rows), which fuse_linear_cross_entropy_pass fuses
-    cfg = GPTConfig(vocab=8192, seq=64) if model == "gpt-wide" else GPTConfig()
+    # gpt-96: issue 55's GPT (d 96, 4 heads, untied head over 512 tokens of 64)
+    cfg = {"gpt-wide": GPTConfig(vocab=8192, seq=64),
+           "gpt-96": GPTConfig(vocab=512, seq=64, d=96, heads=4, tie_head=False)}.get(model, GPTConfig())
     return GPT(cfg), lambda g, n: (torch.randint(0, cfg.vocab, (n, cfg.seq), generator=g),
                                    torch.randint(0, cfg.vocab, (n, cfg.seq), generator=g))
 
@@ -78,6 +80,9 @@ def main() -> None:
     ap.add_argument("--skew-timing", action="store_true",
                     help="each rank times its segments as if the other executor were 100x slower (rank 0: fx, rank "
                          "1: ORT): the ranks would choose differently, and must not")
+    ap.add_argument("--mixed-executors", action="store_true",
+                    help="every rank runs segments of at most 3 ops on fx and the rest on ORT, the choice timings make "
+                         "where fx wins the small segments: fx segments then read ORT's (contiguous) outputs")
     ap.add_argument("--candidate-free", action="store_true",
                     help="the inductor candidate's compile is predicted free: it is compiled, checked and timed "
                          "once 3 steady steps are measured (step 5), not when the steady steps have spent its "
@@ -119,6 +124,16 @@ def run(args, rank: int, world: int) -> dict:
                 return fastest(run, a, first) * 100
 
             choice.fastest = slow_ort
+    if args.mixed_executors:
+        from spmd_ort.backends.ort import choice
+
+        def small_on_fx(self, seg, times):
+            ops = sum(1 for n in seg.fallback.graph.nodes if n.op == "call_function")
+            times = {"fx": 0.0, "ort": 1.0} if ops <= 3 else {"fx": 1.0, "ort": 0.0}
+            result.setdefault("forced", {})[seg.name] = "fx" if ops <= 3 else "ort"
+            choose(self, seg, times)
+
+        choose, choice.FirstRun._choose = choice.FirstRun._choose, small_on_fx
     try:
         base, batch_fn = make(args.model, seed=rank)  # a different init on every rank
         ddp_model = DDP(copy.deepcopy(base))  # broadcasts rank 0's weights
