@@ -42,7 +42,7 @@ import torch.distributed as dist
 from spmd_ort.distributed.parallel import AUTO_START_MB, DataParallel
 from spmd_ort.passes import PassResult
 from spmd_ort.passes.data_parallel import GradientBuckets
-from spmd_ort.runtime.collectives import control_group
+from spmd_ort.runtime.collectives import control_group, data_group
 from spmd_ort.runtime.devices import now
 from spmd_ort.options import get_logger
 
@@ -121,9 +121,9 @@ def probe(dtype: torch.dtype, sizes: tuple[int, ...] = (1 << 16, 4 << 20), repea
         t = torch.zeros(nbytes // torch.empty((), dtype=dtype).element_size(), dtype=dtype, device=device)
         best = float("inf")
         for _ in range(repeats):
-            dist.barrier()
+            dist.barrier(group=control_group())
             t0 = now()
-            dist.all_reduce(t)
+            dist.all_reduce(t, group=data_group())  # where the step's all-reduces run
             best = min(best, now() - t0)
         times.append(best)
     agreed_times = torch.tensor(times, dtype=torch.float64)

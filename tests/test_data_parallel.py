@@ -206,6 +206,22 @@ def test_segments_on_both_executors_train_as_ddp(tmp_path, opt):
         assert {"fx", "ort"} <= set(r["forced"].values()), r["forced"]
 
 
+@pytest.mark.on_ort
+def test_the_users_collectives_never_pair_with_ours(tmp_path):
+    """The user's own collectives on the default group: a thread all-reducing while each step runs (as a logging or
+    checkpointing thread does), a barrier and the loss's all-reduce between steps.  The default path (ORT, autotune:
+    the segment timings' agreements, bucket_cap_mb="auto"'s probe, measured steps and recompile) runs its
+    collectives and agreements on groups of its own, so none pairs with the user's: every step equals DDP and each
+    of the user's all-reduces gets its sum (before: gloo's "Received data size doesn't match expected size" and an
+    abort)."""
+    ranks, _ = torchrun(tmp_path, "--model", "gpt", "--opt", "adamw", "--backend", "ort", "--steps", "6",
+                        "--bucket-mb", "auto", "--user-collectives")
+    for r in ranks:
+        assert "compile_error" not in r, r.get("compile_error")
+        assert r["user_all_reduces"] == 6 * 8
+    assert ranks[0]["logged_losses"] == ranks[1]["logged_losses"]
+
+
 def _check_debug_outputs(tmp_path: Path, stderr: str) -> None:
     from spmd_ort.debug import first_divergence, load_run
 
@@ -290,20 +306,24 @@ def test_a_rank_that_stops_stepping_makes_the_others_raise_within_the_timeout(tm
     assert r0["seconds"] < 5 * 2 + 5, r0  # the process group's 5 s timeout, not forever
 
 
-def test_agreements_run_on_a_gloo_group_where_the_default_takes_no_cpu_tensors(one_rank, monkeypatch):
-    """The ranks' agreements (a digest of the step, flags, picklable objects) are host tensors: on a default
-    group that takes them (gloo here, or "cpu:gloo,cuda:nccl") they use it; on NCCL alone, which takes CUDA
-    tensors only, a gloo group over the same ranks made once.  NCCL is faked by its backend config (no GPU
-    here); the gloo group is real."""
+def test_our_collectives_run_on_groups_of_ours(one_rank):
+    """The ranks' agreements (a digest of the step, flags, picklable objects) run on a gloo group of ours, whatever
+    the default backend (NCCL takes CUDA tensors only); the step's own collectives on a group of ours beside the
+    user's, with its ranks, backend and timeout.  Neither is the default group, so a user's barrier or loss
+    all-reduce between (or inside) steps never pairs with one of ours (issue 55).  Each is made once per default
+    group."""
     import torch
     import torch.distributed as dist
 
     from spmd_ort.runtime import collectives
 
-    assert collectives.control_group() is None  # the one-rank gloo group takes CPU tensors
-    monkeypatch.setattr(dist, "get_backend_config", lambda group=None: "cuda:nccl")
-    group = collectives.control_group()
-    assert group is not None and collectives.control_group() is group  # made once
+    default = dist.distributed_c10d._get_default_group()
+    control, data = collectives.control_group(), collectives.data_group()
+    assert control is not None and data is not None and len({id(default), id(control), id(data)}) == 3
+    assert collectives.control_group() is control and collectives.data_group("") is data  # made once
+    assert dist.get_backend(control) == "gloo" and dist.get_backend_config(data) == dist.get_backend_config(default)
+    assert dist.get_process_group_ranks(data) == [0]
+    assert collectives._timeout_of(data) == collectives._timeout_of(default)
     flag = torch.tensor([1], dtype=torch.int32)
-    dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=group)
+    dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=control)
     assert int(flag) == 1

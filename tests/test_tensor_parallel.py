@@ -134,3 +134,14 @@ def test_matches_eager_tensor_parallel(tmp_path, backend, apply, plan, dp):
         assert r["placements"]["blocks.1.out.weight"] == ["S(1)"]
         assert r["placements"]["blocks.1.ln1.weight"] == ([] if plan == "megatron" else ["R"])
     assert "adopt_dtensor_collectives_pass" in results[0]["describe"]
+
+
+def test_the_users_collectives_never_pair_with_ours(tmp_path):
+    """2-D (tp 2 x fully_shard 2, 4 ranks): while each compiled step after the first runs, a thread of the user's
+    all-reduces on the default group; the step's collectives run on groups of ours beside each mesh dimension's
+    (every rank makes every dp and tp twin together), so every step equals FSDP2 + TP (checked in the script).
+    The first call lays the model out with torch's parallelize_module on the mesh's own groups (docs)."""
+    results, _ = torchrun(tmp_path, "--steps", "3", "--dp", "2", "--fully-shard", "--user-collectives", nproc=4,
+                          script=SCRIPT)
+    assert len(results) == 4
+

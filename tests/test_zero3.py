@@ -96,6 +96,19 @@ def test_fully_shard_matches_single_process_eager(tmp_path, nproc, reshard, offl
     assert len({tuple(r["losses"]) for r in ranks}) == 1  # the global loss, all-reduced
 
 
+def test_the_users_collectives_never_pair_with_ours(tmp_path):
+    """fully_shard with cross-step prefetch (the next step's first all-gather is in flight when a step returns):
+    the user's thread all-reduces on the default group while each step runs, the script all-reduces the loss
+    between steps.  Sharding at the first call, the gathers, reduce-scatters and the carried gather run on groups
+    of ours, so every step equals eager on the global batch (before: a hang in the first call's broadcasts)."""
+    out = tmp_path / "out"
+    torchrun("zero_parity.py", 2, "--out", str(out), "--steps", "4", "--clip", "1.0", "--user-collectives")
+    for r in range(2):
+        res = json.loads((out / f"rank{r}.json").read_text())
+        assert "compile_error" not in res, res.get("compile_error")
+        assert sum(c["carried_gathers"] for c in res["comm"]) >= 3  # the prefetch was in flight at each return
+
+
 @pytest.mark.on_ort
 @pytest.mark.skipif(ops.LINEAR_CROSS_ENTROPY is None, reason="torch has no chunked linear_cross_entropy")
 def test_fully_shard_with_a_fused_lm_head(tmp_path):

@@ -15,6 +15,7 @@ from pathlib import Path
 import torch.distributed as dist
 
 from spmd_ort.debug import timeline
+from spmd_ort.runtime.collectives import control_group
 from spmd_ort.runtime.recorder import Recorder
 from spmd_ort.distributed import parallel
 from spmd_ort.runtime.step_runtime import StepRuntime
@@ -40,7 +41,7 @@ class Profiler:
         if self.armed is None or self.runtime.recorder is not None or steps_run == 0:
             return
         if parallel.world()[1] > 1:
-            dist.barrier()  # one origin for every rank's clock
+            dist.barrier(group=control_group())  # one origin for every rank's clock
         recorder = Recorder(self.armed[0])
         self.runtime.recorder = recorder
         self.runtime.comm.recorder = recorder
@@ -62,7 +63,7 @@ class Profiler:
         recorders = [recorder]
         if world > 1:
             recorders = [None] * world if rank == 0 else None
-            dist.gather_object(recorder, recorders, dst=0)
+            dist.gather_object(recorder, recorders, dst=0, group=control_group())
         if rank == 0:
             self.paths = timeline.write(recorders, path)
             logger.info("profile of %d step(s) written to %s and %s", recorder.steps, *self.paths)

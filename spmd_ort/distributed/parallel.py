@@ -32,7 +32,7 @@ from spmd_ort.distributed.precision import MixedPrecisionPolicy
 from spmd_ort.distributed import dtensor
 from spmd_ort.distributed.deepspeed_config import data_parallel_settings
 from spmd_ort.errors import CollectiveTimeout, CompileError, is_timeout
-from spmd_ort.runtime.collectives import control_group
+from spmd_ort.runtime.collectives import control_group, ours
 
 STYLES = ("replicate", "fully_shard")
 AUTO_START_MB = 25.0  # bucket_cap_mb="auto": the cap of the timed first steps (DDP's default)
@@ -452,4 +452,4 @@ def broadcast_state(module: nn.Module, group=None) -> None:
         for t in list(module.parameters()) + list(module.buffers()):
             if id(t) not in seen:
                 seen.add(id(t))
-                dist.broadcast(dtensor.local(t.data), src=src, group=group)
+                dist.broadcast(dtensor.local(t.data), src=src, group=ours(group))

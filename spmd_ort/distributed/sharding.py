@@ -48,6 +48,8 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
+from spmd_ort.runtime.collectives import data_group, ours
+
 SHARD_ATTR = "_spmd_ort_shard"
 TO_EMPTY_ATTR = "_spmd_ort_to_empty"  # on a meta model laid out up front: (shard specs by FQN, tied holders)
 FLAT_ATTR = "_spmd_ort_flat"  # on a sharded DTensor: the padded flat buffer its local tensor views
@@ -258,7 +260,7 @@ class ShardedModule:
             for p in self.module.parameters():  # each tied parameter once
                 full = _local(p).detach().clone()  # 2-D: the tensor-parallel shard, split over dp
                 if not full.is_meta:  # (a meta model has no values to agree on: each rank's shard stays meta)
-                    dist.broadcast(full, src=src, group=group)  # (2-D: within the dp group)
+                    dist.broadcast(full, src=src, group=ours(group))  # (2-D: within the dp group)
                 spec = self._spec(p, full)
                 shard = spec.shard_of(full)
                 new = _shard_param(shard if self.home is None else shard.to(self.home), spec, p.requires_grad)
@@ -274,7 +276,7 @@ class ShardedModule:
             for b in self.module.buffers():
                 saved = b.detach().clone()
                 if not b.is_meta:
-                    dist.broadcast(_local(b.data), src=src, group=group)
+                    dist.broadcast(_local(b.data), src=src, group=ours(group))
                 self._buffers.append((b, saved))
         if any(p.is_meta for p in self.module.parameters()):
             keep_layout_through_to_empty(self.module)
@@ -407,11 +409,9 @@ def gather_full(p: Tensor) -> Tensor:
 def gather_tensor(shard: Tensor, spec: ShardSpec) -> Tensor:
     """The full tensor from every rank's shard (a sharded DTensor, or its flat buffer) of layout ``spec`` (2-D: the
     tensor-parallel local tensor, gathered over dp)."""
-    from spmd_ort.runtime.collectives import process_group
-
     shard = flat_of(shard, spec).detach()
     out = shard.new_empty(spec.padded_numel)
-    dist.all_gather_single(out, shard.contiguous(), group=process_group(spec.group))
+    dist.all_gather_single(out, shard.contiguous(), group=data_group(spec.group))
     return spec.unshard(out)
 
 

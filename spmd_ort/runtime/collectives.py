@@ -40,28 +40,99 @@ from spmd_ort.errors import CollectiveTimeout, is_timeout
 SUM_AFTER_DIVIDING = (torch.float16,)  # dtypes whose sum over ranks may overflow: divide first
 
 
-# The gloo twin is kept in torch's own registry of groups, under this tag: destroy_process_group forgets it with
-# the default group, so a new default group gets a new twin.
+# Our groups are kept in torch's own registry of groups, under these tags: destroy_process_group forgets them with the
+# default group, so a new default group gets new ones.
 CONTROL_GROUP_TAG = "spmd_ort:control"
+DATA_GROUP_TAG = "spmd_ort:data"
 
 
 def control_group():
     """The process group for the host's small agreements between ranks (a digest of the step, a flag, picklable
-    objects): the default group where its backend takes CPU tensors (gloo, or ``"cpu:gloo,cuda:nccl"``), else a
-    gloo group over the same ranks, made once per default group.  NCCL alone takes CUDA tensors only: a CPU
-    tensor there raises, and a CUDA one would make the host wait for the GPU to read each answer.  Every rank
-    reaches its first agreement at the same point of the same step, where each makes the group (a collective
-    call)."""
-    default = dist.distributed_c10d._get_default_group()
-    if any(part.strip().startswith("cpu:") for part in dist.get_backend_config(default).split(",")):
+    objects): a gloo group of ours over every rank, made once per default group.  Gloo whatever the default
+    backend: NCCL takes CUDA tensors only (a CPU tensor there raises, and a CUDA one would make the host wait for
+    the GPU to read each answer).  Ours, not the default group: a user's own collective between or inside steps
+    (a barrier, an all-reduce of the loss) can never pair with one of our agreements.  Every rank reaches its
+    first agreement at the same point of the same step, where each makes the group (a collective call)."""
+    return _cached("", CONTROL_GROUP_TAG, lambda: _group_of_ours(
+        CONTROL_GROUP_TAG, list(range(dist.get_world_size())), backend="gloo",
+        like=dist.distributed_c10d._get_default_group(), desc="spmd_ort_control"))
+
+
+def process_group(name: str):
+    """The process group a collective op names: None (the world) for "", else the group registered under the
+    name (a DTensor mesh dimension's, as its ``_c10d_functional`` ops name it).  What the name means (its ranks,
+    its size); the step's collectives run on :func:`data_group` of it."""
+    if not name:
         return None
+    from torch.distributed.distributed_c10d import _resolve_process_group
+
+    return _resolve_process_group(name)
+
+
+def data_group(name: str = ""):
+    """The group of ours the step's collectives on ``name``'s group run on: the same ranks, backend and timeout,
+    made once (every rank of the world makes every group of a mesh dimension together, at its first collective,
+    which every rank reaches at the same point of the step).
+
+    Collectives pair by their order of issue on each group.  On a group of ours, none of ours ever pairs with
+    one the user issues on theirs: a barrier or a loss all-reduce between steps, while a carried gather (cross-step
+    prefetch) is still in flight, or inside a step, in an opaque part."""
+    return _cached(name, DATA_GROUP_TAG, lambda: _make_data_group(name))
+
+
+def ours(group=None):
+    """:func:`data_group` of a process group object (None: the world): where a collective of ours on it runs (the
+    broadcasts and gathers that lay a model out, as well as the step's own)."""
+    return data_group("" if group is None else group.group_name)
+
+
+def _make_data_group(name: str):
+    group = process_group(name)
+    like = group if group is not None else dist.distributed_c10d._get_default_group()
+    world = dist.get_world_size()
+    ranks = list(range(world)) if group is None else dist.get_process_group_ranks(group)
+    backend = dist.get_backend_config(like)
+    found = dist.distributed_c10d._find_pg_by_ranks_and_tag(DATA_GROUP_TAG, ranks)
+    if found is not None or len(ranks) == world:
+        return found or _group_of_ours(DATA_GROUP_TAG, ranks, backend=backend, like=like, desc="spmd_ort_data")
+    # a group of some ranks: every rank of the world takes part in making each group of ranks (torch's new_group)
+    everyone: list = [None] * world
+    dist.all_gather_object(everyone, ranks, group=control_group())
+    for member_ranks in sorted({tuple(r) for r in everyone}):
+        _group_of_ours(DATA_GROUP_TAG, list(member_ranks), backend=backend, like=like, desc="spmd_ort_data")
+    return dist.distributed_c10d._find_pg_by_ranks_and_tag(DATA_GROUP_TAG, ranks)
+
+
+_OURS: dict = {}  # (tag, group name) -> (the default group it was made under, our group): lookups per collective
+
+
+def _cached(name: str, tag: str, make):
+    default = dist.distributed_c10d._get_default_group()
+    hit = _OURS.get((tag, name))
+    if hit is None or hit[0] is not default:  # a new default group (destroyed and made again): new groups
+        hit = _OURS[(tag, name)] = (default, make())
+    return hit[1]
+
+
+def _group_of_ours(tag: str, ranks: list[int], *, backend: str, like, desc: str):
+    """The group of ``ranks`` registered under ``tag``, made (collectively) where there is none yet, with the
+    timeout of ``like`` (the user's group it stands beside: a rank that stops fails the others as theirs would)."""
     c10d = dist.distributed_c10d
-    ranks = list(range(dist.get_world_size()))
-    group = c10d._find_pg_by_ranks_and_tag(CONTROL_GROUP_TAG, ranks)
+    group = c10d._find_pg_by_ranks_and_tag(tag, ranks)
     if group is None:
-        group = c10d._new_group_with_tag(ranks, backend="gloo", pg_tag=CONTROL_GROUP_TAG,
-                                         group_desc="spmd_ort_control")
+        group = c10d._new_group_with_tag(ranks, backend=backend, pg_tag=tag, group_desc=desc,
+                                         timeout=_timeout_of(like))
     return group
+
+
+def _timeout_of(group):
+    """``group``'s collective timeout (None: torch's default for its backend)."""
+    for device in ("cpu", "cuda"):
+        try:
+            return group._get_backend(torch.device(device)).options._timeout
+        except (AttributeError, RuntimeError):
+            continue
+    return None
 
 
 @dataclass
@@ -107,16 +178,6 @@ class Carried:
     group: str = ""  # the process group it gathers over ("": the world)
 
 
-def process_group(name: str):
-    """The process group a collective op names: None (the world) for "", else the group registered under the
-    name (a DTensor mesh dimension's, as its ``_c10d_functional`` ops name it)."""
-    if not name:
-        return None
-    from torch.distributed.distributed_c10d import _resolve_process_group
-
-    return _resolve_process_group(name)
-
-
 @dataclass
 class Communicator:
     """Outstanding collectives and per-step accounting of one compiled step."""
@@ -138,7 +199,7 @@ class Communicator:
     def all_reduce(self, t: Tensor, prescale: float, group: str = "") -> Tensor:
         if prescale != 1.0:
             t.mul_(prescale)
-        work = dist.all_reduce(t, op=dist.ReduceOp.SUM, group=process_group(group), async_op=True)
+        work = dist.all_reduce(t, op=dist.ReduceOp.SUM, group=data_group(group), async_op=True)
         done = self._track(t, time.perf_counter(), work, "all_reduce")
         self.step.reductions.append(("all_reduce", t.numel() * t.element_size(), self.pending[t.data_ptr()][1], done))
         self.step.all_reduce_calls += 1
@@ -152,7 +213,7 @@ class Communicator:
                 return out
         out = shard.new_empty(shard.numel() * world)
         issued = time.perf_counter()
-        work = dist.all_gather_single(out, shard.reshape(-1), group=process_group(group), async_op=True)
+        work = dist.all_gather_single(out, shard.reshape(-1), group=data_group(group), async_op=True)
         self._track(out, issued, work, "all_gather")
         self.step.all_gather_calls += 1
         self.step.all_gather_bytes += out.numel() * out.element_size()
@@ -165,7 +226,7 @@ class Communicator:
         out = shard.new_empty(shard.numel() * world)
         issued = time.perf_counter()
         with torch.no_grad():
-            work = dist.all_gather_single(out, shard.contiguous(), group=process_group(group), async_op=True)
+            work = dist.all_gather_single(out, shard.contiguous(), group=data_group(group), async_op=True)
         done: list[float] = []
         try:
             work.get_future().then(lambda fut: done.append(time.perf_counter()))
@@ -209,7 +270,7 @@ class Communicator:
         op = dist.ReduceOp.AVG if mean else dist.ReduceOp.SUM
         if mean and t.dtype in SUM_AFTER_DIVIDING:
             t, op = t / world, dist.ReduceOp.SUM
-        work = dist.reduce_scatter_single(out, t.reshape(-1), op=op, group=process_group(group), async_op=True)
+        work = dist.reduce_scatter_single(out, t.reshape(-1), op=op, group=data_group(group), async_op=True)
         done = self._track(out, issued, work, "reduce_scatter")
         self.step.reductions.append(("reduce_scatter", t.numel() * t.element_size(), issued, done))
         self.step.reduce_scatter_calls += 1
@@ -252,7 +313,7 @@ class Communicator:
     def broadcast(self, t: Tensor, src: int) -> Tensor:
         t0 = time.perf_counter()
         try:
-            dist.broadcast(t, src=src)
+            dist.broadcast(t, src=src, group=data_group())
         except RuntimeError as exc:
             if is_timeout(exc):
                 raise CollectiveTimeout("a buffer broadcast of the compiled step", rank=dist.get_rank(),

@@ -16,6 +16,7 @@ inputs), on ORT to the tolerances of every comparison here.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import copy
 import sys
 import time
@@ -29,7 +30,7 @@ ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "tests"))
 sys.path.insert(0, str(ROOT))
 
-from dist_common import finish  # noqa: E402
+from dist_common import UserTraffic, finish  # noqa: E402
 import spmd_ort  # noqa: E402
 from spmd_ort.passes.data_parallel import GradientBuckets  # noqa: E402
 from spmd_ort.passes.recompute import Recomputation  # noqa: E402
@@ -83,6 +84,9 @@ def main() -> None:
     ap.add_argument("--mixed-executors", action="store_true",
                     help="every rank runs segments of at most 3 ops on fx and the rest on ORT, the choice timings make "
                          "where fx wins the small segments: fx segments then read ORT's (contiguous) outputs")
+    ap.add_argument("--user-collectives", action="store_true",
+                    help="the user's own collectives on the default group: a thread all-reducing while each step "
+                         "runs (a logging or checkpointing thread), a barrier and the loss's all-reduce between steps")
     ap.add_argument("--candidate-free", action="store_true",
                     help="the inductor candidate's compile is predicted free: it is compiled, checked and timed "
                          "once 3 steady steps are measured (step 5), not when the steady steps have spent its "
@@ -178,12 +182,20 @@ def run(args, rank: int, world: int) -> dict:
                     x_ref_in.copy_(x)
                 x, x_ref = x_in, x_ref_in
             t0 = time.perf_counter()
-            if accumulate:
-                xs, ys = x.chunk(args.micro_batches), y.chunk(args.micro_batches)
-                xs_ref = x_ref.chunk(args.micro_batches)
-                loss, reads = step(model, opt, xs, ys, read_between=args.read_between)
-            else:
-                loss = step(model, opt, x, y)
+            traffic = UserTraffic(rank, world) if args.user_collectives else contextlib.nullcontext()
+            with traffic:
+                if accumulate:
+                    xs, ys = x.chunk(args.micro_batches), y.chunk(args.micro_batches)
+                    xs_ref = x_ref.chunk(args.micro_batches)
+                    loss, reads = step(model, opt, xs, ys, read_between=args.read_between)
+                else:
+                    loss = step(model, opt, x, y)
+            if args.user_collectives:  # between steps, as users do before timing, logging or a checkpoint
+                dist.barrier()
+                logged = loss.detach().clone()
+                dist.all_reduce(logged)
+                result.setdefault("logged_losses", []).append(float(logged) / world)
+                result["user_all_reduces"] = result.get("user_all_reduces", 0) + traffic.calls
             result.setdefault("step_s", []).append(time.perf_counter() - t0)
             if accumulate:
                 no_sync = None if args.read_between else ddp_model.no_sync

@@ -41,7 +41,7 @@ ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "tests"))
 sys.path.insert(0, str(ROOT))
 
-from dist_common import finish  # noqa: E402
+from dist_common import UserTraffic, finish  # noqa: E402
 import spmd_ort  # noqa: E402
 from helpers import _close, ort_report  # noqa: E402
 
@@ -235,6 +235,8 @@ def main() -> None:
                     "loss_parallel(), eagerly and compiled")
     ap.add_argument("--split-min-k", type=int, default=None,
                     help="split_replicated_matmuls_pass's threshold (the test model's head is below the default)")
+    ap.add_argument("--user-collectives", action="store_true",
+                    help="a thread of the user's all-reducing on the default group while each compiled step runs (from the second)")
     ap.add_argument("--out", required=True)
     args = ap.parse_args()
     if args.split_min_k is not None:
@@ -349,7 +351,10 @@ def main() -> None:
             # (FSDP2 + TP: each dp replica on its share)
             le = step_fn(eager, opt_e, ids[mine], labels[mine], clip_across_meshes) if fsdp else step_fn(
                 eager, opt_e, ids, labels)
-        lc = run(compiled, opt_c, ids[mine], labels[mine])
+        # (from the second step: the first lays the model out with torch's parallelize_module, on the mesh's groups)
+        traffic = args.user_collectives and i > 0
+        with UserTraffic(rank, world) if traffic else contextlib.nullcontext():
+            lc = run(compiled, opt_c, ids[mine], labels[mine])
         # what eager returns: a plain loss, or under loss_parallel a replicated DTensor (compared whole)
         assert isinstance(lc, DTensor) == isinstance(le, DTensor) == args.loss_parallel, (type(lc), type(le))
         if args.loss_parallel:

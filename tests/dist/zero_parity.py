@@ -15,6 +15,7 @@ bytes per rank stay within total / N plus padding.  Writes DIR/rank<r>.json.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import sys
 import time
@@ -28,7 +29,7 @@ ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "tests"))
 sys.path.insert(0, str(ROOT))
 
-from dist_common import finish  # noqa: E402
+from dist_common import UserTraffic, finish  # noqa: E402
 import spmd_ort  # noqa: E402
 from spmd_ort.passes.shard_schedule import ShardBuckets  # noqa: E402
 from helpers import ATOL, RTOL, accumulation_step, assert_close_normwise, ort_report, train_step  # noqa: E402
@@ -76,6 +77,9 @@ def main() -> None:
                          "then one optimizer step (no clipping); the loss is not compared, parameters and state are")
     ap.add_argument("--vocab", type=int, default=0, help="the GPT's vocabulary (0: CFG's)")
     ap.add_argument("--seq", type=int, default=0, help="the GPT's sequence length (0: CFG's)")
+    ap.add_argument("--user-collectives", action="store_true",
+                    help="a thread of the user's all-reducing on the default group while each step runs (besides the "
+                         "loss's all-reduce between steps, while the next step's first gather is in flight)")
     ap.add_argument("--out", required=True)
     args = ap.parse_args()
     dist.init_process_group("gloo")
@@ -112,7 +116,8 @@ def run(args, rank: int, world: int) -> dict:
         x, y = batches(cfg, i, args.batch * world)
         mine = slice(rank * args.batch, (rank + 1) * args.batch)
         t0 = time.perf_counter()
-        loss = step(model, opt, x[mine], y[mine])
+        with UserTraffic(rank, world) if args.user_collectives else contextlib.nullcontext():
+            loss = step(model, opt, x[mine], y[mine])
         result["step_s"].append(time.perf_counter() - t0)
         ref_loss = train_step(reference, opt_ref, x, y, clip=args.clip).detach()
         global_loss = loss.detach().clone()
