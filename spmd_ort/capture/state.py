@@ -122,7 +122,7 @@ class StateLayout:
         """The real state tensors, in placeholder order, for this step (a DTensor's local tensor; under
         ``fully_shard``, the flat shard buffer behind a sharded parameter, gradient or optimizer state)."""
         held = self.held
-        flat: list[Tensor] = [held(i, p) for i, p in enumerate(self.params)] + list(self.buffers)
+        flat: list[Tensor] = [self._held_param(i, p) for i, p in enumerate(self.params)] + list(self.buffers)
         flat += [held(i, self.params[i].grad) for i in self.grad_params]
         if self.opt is not None:
             flat += [held(i, self.opt.state[self.params[i]][k]) for i, k in self.opt_entries]
@@ -148,6 +148,15 @@ class StateLayout:
         sharded tensor (not a scalar), else ``t``."""
         spec = self.shard_specs.get(index)
         return flat_of(t, spec) if spec is not None and is_sharded_state(t) else t
+
+    def _held_param(self, index: int, p: Tensor) -> Tensor:
+        """:meth:`held` of parameter ``index``, requiring grad as the parameter does now: the flat shard buffer the
+        step takes for a sharded parameter is its own tensor, and a parameter frozen (or unfrozen) after it was
+        sharded would otherwise train on (the step's key sees the parameter's flag and traces anew)."""
+        h = self.held(index, p)
+        if h is not p and h.requires_grad != p.requires_grad:
+            h.requires_grad_(p.requires_grad)
+        return h
 
     @functools.cached_property
     def expands(self) -> bool:
