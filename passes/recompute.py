@@ -36,11 +36,10 @@ from dataclasses import dataclass
 import torch
 from torch import fx
 from torch._functorch._activation_checkpointing.knapsack import greedy_knapsack
-from torch.utils.flop_counter import flop_registry
 
 from spmd_ort.graph.slots import SlotKind
-from spmd_ort.compat import optimization_hint
 from spmd_ort.graph import ops
+from spmd_ort.graph.flops import hint as _hint, node_flops
 from spmd_ort.runtime.memory import value_bytes
 
 from .context import PassResult
@@ -159,23 +158,6 @@ def recomputable(node: fx.Node) -> bool:
     if target._schema.is_mutable or is_random(node) or ops.RANDOM in target.tags:
         return False
     return torch.Tag.nondeterministic_bitwise not in target.tags
-
-
-def _hint(x) -> int:
-    return int(optimization_hint(x, fallback=4096)) if isinstance(x, torch.SymInt) else int(x)
-
-
-def node_flops(node: fx.Node) -> int:
-    """FLOPs of one op by torch's formula for it (``torch.utils.flop_counter``); 0 where it has none (elementwise
-    ops, whose cost is their bytes) or the formula cannot read these sizes."""
-    formula = flop_registry.get(getattr(node.target, "overloadpacket", None))
-    if formula is None:
-        return 0
-    try:
-        args, kwargs = fx.map_arg((node.args, node.kwargs), lambda n: n.meta.get("val"))
-        return _hint(formula(*args, **kwargs, out_val=node.meta.get("val")))
-    except Exception:  # noqa: BLE001 - a formula that cannot read these sizes: bytes alone
-        return 0
 
 
 def recompute_cost(node: fx.Node) -> float:

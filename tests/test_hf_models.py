@@ -7,7 +7,7 @@ import torch
 
 from helpers import train_side_by_side
 from models import tiny_mixtral_config
-from spmd_ort.debug.explain import node_flops
+from spmd_ort.graph.flops import node_flops
 from spmd_ort.backends.inductor import cxx_compiler
 from spmd_ort.graph import ops
 from zoo import cls_step, deepseek_v3

@@ -13,7 +13,7 @@ import torch.nn.functional as F
 from torch.fx.experimental.proxy_tensor import make_fx
 
 import spmd_ort
-from spmd_ort.debug.explain import node_flops
+from spmd_ort.graph.flops import node_flops
 from spmd_ort.passes import PassContext, fuse_linear_cross_entropy_pass, op_counts, remove_identity_views_pass, run_passes
 from spmd_ort.passes.fusion import FusedLosses
 from spmd_ort.passes.analysis import MemoryPlan

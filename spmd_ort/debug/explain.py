@@ -10,7 +10,6 @@ the numbers behind it, and any recompile with its reason), and memory.
 
 from __future__ import annotations
 
-import math
 import operator
 
 import torch
@@ -19,7 +18,7 @@ from torch import fx
 from spmd_ort.backends.cuda_graph import GraphedExecutor
 from spmd_ort.compat import optimization_hint
 from spmd_ort.passes.analysis import CollectiveCounts
-from spmd_ort.graph import ops
+from spmd_ort.graph.flops import node_flops
 from spmd_ort.program import CompiledProgram
 
 aten = torch.ops.aten
@@ -29,31 +28,6 @@ MIB = 2**20
 def _shape(node) -> tuple:
     v = node.meta.get("val") if isinstance(node, fx.Node) else None
     return tuple(v.shape) if isinstance(v, torch.Tensor) else ()
-
-
-def node_flops(node: fx.Node) -> int:
-    """Multiply-add FLOPs (2 per MAC) of matmuls (grouped ones too), convolutions and attention; 0 for everything
-    else."""
-    t = node.target
-    out = _shape(node)
-    if t in (aten.mm.default, aten.addmm.default):
-        a = _shape(node.args[-2])
-        return 2 * math.prod(out) * (a[-1] if a else 0)
-    if t in (aten.bmm.default, aten.baddbmm.default):
-        a = _shape(node.args[-2])
-        return 2 * math.prod(out) * (a[-1] if a else 0)
-    if t in (ops.grouped_mm, aten._grouped_mm.default):  # ours, and the bfloat16 op it stands in for
-        return ops.grouped_mm_flops(_shape(node.args[0]), _shape(node.args[1]), out_shape=out)
-    if t is not None and t is ops.LINEAR_CROSS_ENTROPY:  # a fused LM head (fuse_linear_cross_entropy_pass)
-        return ops.linear_cross_entropy_flops(_shape(node.args[0]), _shape(node.args[1]), *node.args[2:])
-    if t is aten.convolution.default:
-        w = _shape(node.args[1])
-        return 2 * math.prod(out) * math.prod(w[1:]) if w else 0
-    if t is aten.convolution_backward.default:
-        w = _shape(node.args[2])
-        grad_out = _shape(node.args[0])
-        return 4 * math.prod(grad_out) * math.prod(w[1:]) if w else 0  # input and weight gradients
-    return 0
 
 
 def _graph_flops(gm: fx.GraphModule) -> int:

@@ -18,7 +18,7 @@ import torch
 from torch import fx
 
 from spmd_ort.graph import ops
-from spmd_ort.passes.recompute import node_flops
+from spmd_ort.graph.flops import node_flops, unpriced
 from spmd_ort.plan.device import DeviceSpec
 from spmd_ort.runtime.memory import value_bytes
 
@@ -32,7 +32,9 @@ class StepCost:
     """What :func:`step_cost` found: ``flops`` of the step, ``compute_s`` (ops alone), ``comm_s`` (collectives
     alone, per kind in ``comm_s_by_kind``), ``exposed_comm_s`` (time the compute stream waited for them) and
     ``predicted_s`` (the walk's end); ``inflight`` the bytes of reduction inputs held by collectives in flight
-    while each node runs (a library that copies them: ``DeviceSpec.copies_collective_inputs``)."""
+    while each node runs (a library that copies them: ``DeviceSpec.copies_collective_inputs``); ``unpriced`` the
+    ops that compute but that no formula prices (:func:`spmd_ort.graph.flops.unpriced`: their FLOPs count 0, their
+    bytes as any op's), by how many nodes."""
 
     flops: int = 0
     compute_s: float = 0.0
@@ -42,6 +44,7 @@ class StepCost:
     comm_s_by_kind: dict = field(default_factory=dict)
     flops_by_dtype: dict = field(default_factory=dict)
     inflight: list = field(default_factory=list)
+    unpriced: dict = field(default_factory=dict)  # op -> nodes that compute but no formula prices (counted 0)
 
 
 def _is_view(node: fx.Node) -> bool:
@@ -114,6 +117,9 @@ def step_cost(gm: fx.GraphModule, device: DeviceSpec, world_size: int) -> StepCo
             held.pop(started, None)
         elif not _is_view(node):
             flops = node_flops(node)
+            missing = unpriced(node)
+            if missing is not None:
+                cost.unpriced[missing] = cost.unpriced.get(missing, 0) + 1
             read = sum(value_bytes(a.meta.get("val")) for a in node.all_input_nodes)
             written = value_bytes(node.meta.get("val"))
             dtype = _dtype(node)

@@ -149,7 +149,8 @@ def plan_step(step, args: tuple, kwargs: dict, *, world_size: int, device: str |
                 comm_calls=dict(sorted(comm_calls.items())), flops=cost.flops, predicted_step_s=cost.predicted_s,
                 compute_s=cost.compute_s, comm_s=cost.comm_s, exposed_comm_s=cost.exposed_comm_s,
                 graph_nodes=priced["nodes"], exported=program.executor is not None, planning_s=time.perf_counter() - t0,
-                main_dtype=main, export=export, memory_over_step=tuple(state + v for v in live))
+                main_dtype=main, export=export, memory_over_step=tuple(state + v for v in live),
+                unpriced=dict(cost.unpriced))
 
 
 def _by_kind(counts: CollectiveCounts) -> tuple[dict, dict]:

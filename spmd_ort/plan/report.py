@@ -24,7 +24,10 @@ class Plan:
     (the most live at once: the state, plus the values and held buffers at the step's worst node).
     ``comm_bytes`` / ``comm_calls``: per collective kind, counted as ``train_step.comm`` counts them (an
     all-gather's gathered bytes; the others' full input).  ``flops``: of the whole step (forward, backward,
-    optimizer), by torch's formulas.  ``predicted_step_s``: a roofline on ``device`` walked in the schedule's
+    optimizer), by torch's formulas (attention's by torch's sdpa counts, a causal one as half:
+    :mod:`spmd_ort.graph.flops`); ``unpriced``: ops that compute but that no formula prices, by node count (their
+    FLOPs are not in ``flops`` nor in the predicted time: the table says so).  ``predicted_step_s``: a roofline on
+    ``device`` walked in the schedule's
     order (:mod:`spmd_ort.plan.cost`).  ``fits``: ``peak`` under the device's memory.
     """
 
@@ -47,6 +50,7 @@ class Plan:
     main_dtype: object = None  # the dtype with the most FLOPs (MFU is against its peak)
     export: dict = field(default_factory=dict)  # ORT: segments exported, export seconds, fallbacks {segment: why}
     memory_over_step: tuple = field(default=(), repr=False)  # bytes live at each node of the step, state included
+    unpriced: dict = field(default_factory=dict)  # ops that compute but no formula prices -> nodes (0 FLOPs each)
 
     @property
     def fits(self) -> bool:
@@ -77,6 +81,9 @@ class Plan:
                       f"(compute {self.compute_s * 1e3:.1f} ms, collectives {self.comm_s * 1e3:.1f} ms of which "
                       f"{self.exposed_comm_s * 1e3:.1f} ms not hidden); MFU {100 * self.mfu:.1f}% of "
                       f"{self.device.name}'s peak"]
+        if self.unpriced:
+            lines.append("not priced (no FLOP formula: counted by their bytes alone, so the step's FLOPs and time are "
+                         "understated): " + ", ".join(f"{op} x{n}" for op, n in self.unpriced.items()))
         if self.export:
             fell = self.export["fallbacks"]
             first = next(iter(fell.items()), None)
@@ -117,4 +124,4 @@ class Plan:
                 "parallel": self.parallel, "backend": self.backend, "per_rank_bytes": dict(self.per_rank_bytes),
                 "comm_bytes": dict(self.comm_bytes), "comm_calls": dict(self.comm_calls), "flops": self.flops,
                 "predicted_step_s": self.predicted_step_s, "fits": self.fits, "graph_nodes": self.graph_nodes,
-                "planning_s": self.planning_s, "export": self.export}
+                "planning_s": self.planning_s, "export": self.export, "unpriced": dict(self.unpriced)}

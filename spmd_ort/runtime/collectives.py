@@ -53,9 +53,12 @@ def control_group():
     the GPU to read each answer).  Ours, not the default group: a user's own collective between or inside steps
     (a barrier, an all-reduce of the loss) can never pair with one of our agreements.  Every rank reaches its
     first agreement at the same point of the same step, where each makes the group (a collective call)."""
+    default = dist.distributed_c10d._get_default_group()
+    # (a plan's world is torch's fake process group: its collectives do nothing, and a gloo group needs real peers)
+    backend = "fake" if dist.get_backend(default) == "fake" else "gloo"
     return _cached("", CONTROL_GROUP_TAG, lambda: _group_of_ours(
-        CONTROL_GROUP_TAG, list(range(dist.get_world_size())), backend="gloo",
-        like=dist.distributed_c10d._get_default_group(), desc="spmd_ort_control"))
+        CONTROL_GROUP_TAG, list(range(dist.get_world_size())), backend=backend, like=default,
+        desc="spmd_ort_control"))
 
 
 def process_group(name: str):
