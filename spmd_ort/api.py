@@ -107,16 +107,18 @@ def parallelize(model, parallel_mode):
     one with another mode is a :class:`~spmd_ort.errors.ConfigError` naming both.  Then give a meta model values
     (``to_empty`` and your init, or :func:`spmd_ort.load_safetensors`), and build the optimizer after that.
     """
-    from spmd_ort.distributed.parallel import PARALLELIZED_ATTR
+    from spmd_ort.distributed.parallel import PARALLELIZED_ATTR, layout_difference
     from spmd_ort.distributed.sharding import keep_layout_through_to_empty
     from spmd_ort.errors import ConfigError
 
     done = getattr(model, PARALLELIZED_ATTR, None)
     if done is not None:
-        if done == parallel_mode:
+        difference = layout_difference(done, parallel_mode)
+        if difference is None:
             return model
         raise ConfigError(f"{type(model).__name__} was parallelized with {done!r}; it cannot be parallelized again "
-                          f"with {parallel_mode!r}. Fix: build a fresh model for another layout")
+                          f"with {parallel_mode!r}, another layout ({difference}). Fix: build a fresh model for "
+                          "another layout")
     meta = any(p.is_meta for p in model.parameters())
     compile(parallel_mode=parallel_mode, backend="fx")(_no_step).prepare(model)
     if meta:

@@ -132,10 +132,14 @@ class CompiledStep:
             refuse_meta(module, opt, args, kwargs, self._signature, rank if world_size > 1 else None,
                         state=not stepped)
         laid_out = getattr(module, parallel.PARALLELIZED_ATTR, None)  # spmd_ort.parallelize's mode
-        if laid_out is not None and self.parallel_mode is not None and laid_out != self.parallel_mode:
+        if laid_out is not None and self.parallel_mode is None:
+            self._adopt(laid_out)
+        elif laid_out is not None and (difference := parallel.layout_difference(laid_out, self.parallel_mode)):
             raise ConfigError(f"{type(module).__name__} was parallelized with {laid_out!r}, but this step compiles "
-                              f"with parallel_mode={self.parallel_mode!r}. Fix: compile with the mode the model was "
-                              "parallelized with (or parallel_mode=None). Nothing was changed",
+                              f"with parallel_mode={self.parallel_mode!r}, another layout ({difference}). Fix: "
+                              "compile with the layout the model was parallelized with (or parallel_mode=None: "
+                              "the model's own); settings that keep the layout (bucket caps, prefetch, resharding, "
+                              "offloaded optimizer state, mixed precision) may differ. Nothing was changed",
                               rank=rank if world_size > 1 else None)
         if not self._backend_settled and not planning:
             self._settle_backend(module)
@@ -147,6 +151,14 @@ class CompiledStep:
                         rule=rule_for(opt) if opt is not None else None,
                         mode=self.tuner.bucket_mode(parallel.resolve(self.parallel_mode, module), module),
                         rank=rank, world_size=world_size, tensor_parallel=self._tensor_parallel)
+
+    def _adopt(self, mode) -> None:
+        """``parallel_mode=None`` on a model :func:`spmd_ort.parallelize` laid out: the step compiles with the mode it
+        was laid out with (fully_shard included), once, said at INFO."""
+        logger.info("%s: parallel_mode=None: the model was parallelized with %r; the step compiles with it",
+                    self.transitions.name, mode)
+        self.parallel_mode = mode
+        self.compiler.mixed_precision = self.mixed_precision
 
     def _settle_backend(self, module: nn.Module) -> None:
         """The default backend for the device the module's tensors are on (:func:`spmd_ort.options.

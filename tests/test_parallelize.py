@@ -17,7 +17,10 @@ def test_a_meta_model_parallelized_then_loaded_trains_as_the_materialised_one(tm
     load_safetensors reads that part only, and 4 compiled steps equal the materialised model's under the same
     compiled step bit for bit (fx); a deepcopy of the meta model allocates itself through its own to_empty.  A
     step with another mode is a ConfigError on both ranks.  DTensor init
-    (reset_parameters on the shards) is not a one-process init: only the constant-initialised tensors agree."""
+    (reset_parameters on the shards) is not a one-process init: only the constant-initialised tensors agree.
+    Also (issue 55): a load into the parallelized meta model without to_empty, parallel_mode=None and a mode
+    differing only in settings that keep the layout all train as the to_empty path, bit for bit; modes are compared
+    by layout (a rebuilt equal plan is the same; another is refused naming the entry)."""
     ranks, _ = torchrun(tmp_path, "--dir", str(tmp_path), nproc=2, script=ROOT / "tests" / "dist" / "parallelize_meta.py",
                         timeout=600)
     for r in ranks:
@@ -35,6 +38,12 @@ def test_a_meta_model_parallelized_then_loaded_trains_as_the_materialised_one(tm
         assert fs["placements"]["blocks.0.q.weight"] == ["S(0)"]
         assert tp["placements"]["blocks.0.q.weight"] == ["S(0)"] and tp["placements"]["blocks.0.out.weight"] == ["S(1)"]
         assert fs["allocated"] < tp["allocated"] < tp["full_numel"] and tp["bytes_read"] == tp["allocated"] * 4
+        layouts = r["layouts"]  # issue 55 items 4 and 5
+        for case in ("load into meta", "parallel_mode=None", "prefetch 0, 5 MiB buckets"):
+            assert layouts[case] == {"losses_equal": True, "state_equal": True, "sharded": True}, (case, layouts)
+        assert "another layout (parallel_style 'fully_shard' vs 'replicate')" in layouts["replicate refused"], layouts
+        assert layouts["tp plan rebuilt"], layouts
+        assert "another layout (tensor_parallel_plan entries 'blocks.*.fc')" in layouts["tp other plan refused"]
         init = r["init_equal"]
         assert init["blocks.0.ln1.weight"] and not init["blocks.0.q.weight"] and not init["wte.weight"], init
 

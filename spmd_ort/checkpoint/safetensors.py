@@ -47,7 +47,7 @@ from torch import Tensor, nn
 from spmd_ort.checkpoint.problems import Problem
 from spmd_ort.distributed import parallel
 from spmd_ort.distributed.dtensor import is_dtensor
-from spmd_ort.distributed.sharding import ShardSpec, gather_full, spec_of
+from spmd_ort.distributed.sharding import SHARD_ATTR, ShardSpec, flat_of, gather_full, spec_of
 from spmd_ort.errors import CheckpointError
 from spmd_ort.runtime.memory import release_free_host_memory
 
@@ -536,7 +536,10 @@ def _holders(model: nn.Module, live: Tensor) -> list[tuple[nn.Module, str, str]]
 
 
 def _materialize(model: nn.Module, live: Tensor, value: Tensor) -> None:
-    """A meta tensor becomes a real one holding ``value`` in every module that holds it (tied: the same)."""
+    """A meta tensor becomes a real one holding ``value`` in every module that holds it (tied: the same).  A
+    parameter ``parallelize`` sharded for ``fully_shard`` keeps its layout, as ``to_empty`` keeps it: its shard
+    spec, and the padded flat buffer the step reads, made around the loaded rows."""
+    spec = spec_of(live)
     if is_dtensor(live):
         from torch.distributed.tensor import DTensor
 
@@ -547,6 +550,9 @@ def _materialize(model: nn.Module, live: Tensor, value: Tensor) -> None:
         value = DTensor.from_local(value, mesh, live.placements, run_check=False, shape=live.shape,
                                    stride=live.stride())
     new = nn.Parameter(value, requires_grad=live.requires_grad) if isinstance(live, nn.Parameter) else value
+    if spec is not None:
+        setattr(new, SHARD_ATTR, spec)
+        flat_of(new, spec).requires_grad_(live.requires_grad)  # (the local tensor becomes a view of it)
     for m, name, where in _holders(model, live):
         getattr(m, where)[name] = new
 

@@ -435,6 +435,54 @@ def check_same_batch(everyone: list[list], groups: list[list[int]], names: list[
                 "same batch on every rank). The model and optimizer are unchanged", rank=rank, input=name)
 
 
+def layout_of(mode) -> dict:
+    """What of a parallel mode lays the parameters out (what :func:`spmd_ort.parallelize` does, and a step then takes
+    as it is), by name: the data-parallel style and where parameter shards live; a tensor-parallel plan by each
+    entry's style and settings (a plan rebuilt with equal styles is the same layout), its mesh's shape, dim names
+    and ranks, and its data-parallel layout.  Not the settings a step may change after the layout is made, as
+    FSDP2 lets them change after ``fully_shard``: bucket caps, prefetch, resharding, offloaded optimizer state,
+    mixed precision."""
+    if mode is None:
+        return {"parallel": None}
+    if isinstance(mode, DataParallel):
+        return {"parallel_style": mode.parallel_style, "offload_param": mode.offload_param}
+    if isinstance(mode, TensorParallel):
+        plan = {fqn: (type(style).__name__, tuple(sorted((k, repr(v)) for k, v in vars(style).items()
+                                                         if k not in _SET_WHEN_APPLIED)))
+                for fqn, style in mode.plan.items()}
+        return {"tensor_parallel_plan": plan, "mesh": _mesh_layout(mode.mesh),
+                "data_parallel": layout_of(mode.data_parallel) if mode.data_parallel is not None else None}
+    return {"mode": mode}
+
+
+# what torch's parallelize_module writes on a style as it applies it (where initial values come from; a row-wise
+# style's input layout for the module it meets), not the user's settings
+_SET_WHEN_APPLIED = ("src_data_rank", "desired_input_layouts")
+
+
+def _mesh_layout(mesh):
+    if mesh is None or isinstance(mesh, tuple):
+        return mesh
+    return (tuple(mesh.mesh.shape), tuple(mesh.mesh_dim_names or ()), tuple(mesh.mesh.flatten().tolist()))
+
+
+def layout_difference(a, b) -> str | None:
+    """Where the layouts of modes ``a`` and ``b`` differ, in words (None: the same layout)."""
+    la, lb = layout_of(a), layout_of(b)
+    if la == lb:
+        return None
+    diffs = []
+    for key in sorted(set(la) | set(lb), key=str):
+        if la.get(key) != lb.get(key):
+            va, vb = la.get(key), lb.get(key)
+            if isinstance(va, dict) and isinstance(vb, dict):  # a plan: the entries that differ
+                keys = sorted(k for k in set(va) | set(vb) if va.get(k) != vb.get(k))
+                diffs.append(f"{key} entries {', '.join(map(repr, keys))}")
+            else:
+                diffs.append(f"{key} {va!r} vs {vb!r}")
+    return "; ".join(diffs)
+
+
 def _first_diff(a: str, b: str) -> str:
     la, lb = a.splitlines(), b.splitlines()
     for x, y in zip(la, lb):

@@ -93,6 +93,62 @@ def layout(name: str, mode, root: Path, rank: int, world: int, data_rank: int | 
             "equal": {k: torch.equal(v, ref_state[k]) for k, v in state.items()}}
 
 
+def layouts_compared(root: Path, rank: int) -> dict:
+    """Issue 55 items 4 and 5, fully_shard on a meta GPT: ``load_safetensors`` straight into the parallelized meta
+    model (no ``to_empty``) keeps the layout and trains as the ``to_empty`` path does, bit for bit; compiled with
+    ``parallel_mode=None`` the step takes the model's own layout; a mode that differs only in settings that keep
+    the layout (prefetch, bucket cap) is taken, a rebuilt equal tensor-parallel plan too; another layout is refused
+    naming what differs."""
+    init = root / "fully_shard.safetensors"  # written by layout("fully_shard", ...)
+    laid = spmd_ort.DataParallel(parallel_style="fully_shard")
+
+    def meta_model(to_empty: bool):
+        with torch.device("meta"):
+            model = GPT(CFG)
+        spmd_ort.parallelize(model, laid)
+        if to_empty:
+            model.to_empty(device="cpu")
+        spmd_ort.load_safetensors(model, init)
+        return model
+
+    def run(model, mode):
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
+        step = spmd_ort.compile(parallel_mode=mode, backend="fx")(train_step)
+        losses = [float(step(model, opt, *batch(i, rank))) for i in range(3)]
+        full = spmd_ort.full_state_dict(model, rank0_only=False)
+        return losses, full["model"] if "model" in full else full
+
+    ref_losses, ref_state = run(meta_model(True), laid)
+    out = {}
+    for name, to_empty, mode in (("load into meta", False, laid), ("parallel_mode=None", True, None),
+                                 ("prefetch 0, 5 MiB buckets", True, spmd_ort.DataParallel(
+                                     parallel_style="fully_shard", prefetch=0, bucket_cap_mb=5))):
+        model = meta_model(to_empty)
+        losses, state = run(model, mode)
+        out[name] = {"losses_equal": losses == ref_losses,
+                     "state_equal": all(torch.equal(v, ref_state[k]) for k, v in state.items()),
+                     "sharded": all(hasattr(p, "_spmd_ort_shard") for p in model.parameters())}
+    model = meta_model(True)
+    try:
+        spmd_ort.compile(parallel_mode=spmd_ort.DataParallel(), backend="fx")(train_step)(model, None, *batch(0, rank))
+        out["replicate refused"] = None
+    except spmd_ort.ConfigError as exc:
+        out["replicate refused"] = str(exc)
+    # tensor parallel: a plan rebuilt with equal styles is the same layout
+    with torch.device("meta"):
+        tp_model = GPT(CFG)
+    spmd_ort.parallelize(tp_model, spmd_ort.TensorParallel(tensor_parallel_plan()))
+    out["tp plan rebuilt"] = spmd_ort.parallelize(tp_model, spmd_ort.TensorParallel(tensor_parallel_plan())) \
+        is tp_model
+    try:
+        plan = {**tensor_parallel_plan(), "blocks.*.fc": tensor_parallel_plan()["blocks.*.out"]}
+        spmd_ort.parallelize(tp_model, spmd_ort.TensorParallel(plan))
+        out["tp other plan refused"] = None
+    except spmd_ort.ConfigError as exc:
+        out["tp other plan refused"] = str(exc)
+    return out
+
+
 def dtensor_init(rank: int) -> dict:
     """reset_parameters on the sharded parameters of a meta model, against a one-process init with the seed."""
     mode = spmd_ort.DataParallel(parallel_style="fully_shard")
@@ -126,7 +182,7 @@ def main() -> None:
               "fully_shard": layout("fully_shard", spmd_ort.DataParallel(parallel_style="fully_shard"), root, rank,
                                     world),
               "tp": layout("tp", spmd_ort.TensorParallel(tensor_parallel_plan()), root, rank, world),
-              **dtensor_init(rank)}
+              **dtensor_init(rank), "layouts": layouts_compared(root, rank)}
     finish(args.out, result)
 
 
