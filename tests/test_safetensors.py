@@ -305,6 +305,35 @@ def test_unreadable_checkpoints_change_nothing(tmp_path):
         _assert_unchanged(model, before)
 
 
+def test_saving_into_a_directory_replaces_only_the_weights(tmp_path):
+    """Issue 55 item 6: a save into an existing directory (a model saved by save_pretrained, with its config, a
+    note and another checkpoint beside it) replaces the weight files and the index and keeps the rest, as
+    save_pretrained does: sharded over three files, then into one, the stale shards and index go; from_pretrained
+    reads the newest weights."""
+    model = _llama()
+    d = tmp_path / "w"
+    model.save_pretrained(d)
+    (d / "notes.txt").write_text("keep me")
+    (d / "checkpoint-10").mkdir()
+    (d / "checkpoint-10" / "model.safetensors").write_text("another checkpoint")
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(1.0)
+    size = sum(p.numel() * p.element_size() for p in model.parameters())
+    spmd_ort.save_safetensors(model, d, max_shard_bytes=size // 3 + 1)
+    names = sorted(os.listdir(d))
+    shards = [n for n in names if n.startswith("model-")]
+    assert len(shards) >= 3 and "model.safetensors.index.json" in names and "model.safetensors" not in names, names
+    assert {"config.json", "notes.txt", "checkpoint-10"} <= set(names)
+    spmd_ort.save_safetensors(model, d)
+    assert sorted(os.listdir(d)) == sorted(["config.json", "generation_config.json", "notes.txt", "checkpoint-10",
+                                            "model.safetensors"]), sorted(os.listdir(d))
+    assert (d / "notes.txt").read_text() == "keep me"
+    assert (d / "checkpoint-10" / "model.safetensors").read_text() == "another checkpoint"
+    _assert_bitwise(transformers.LlamaForCausalLM.from_pretrained(d).state_dict(), model.state_dict())
+    assert not [n for n in os.listdir(tmp_path) if n.startswith(".w.")]  # no temporary directory left
+
+
 def test_save_errors(tmp_path):
     (tmp_path / "afile").write_text("x")
     model = _llama()

@@ -33,6 +33,7 @@ import itertools
 import json
 import math
 import os
+import re
 import shutil
 import struct
 import sys
@@ -724,21 +725,30 @@ def _start(target: Path) -> tuple[Path | None, list[Problem]]:
         return None, [Problem(f"cannot create a directory in {target.parent} ({type(exc).__name__}: {exc})", fix)]
 
 
+_SHARD_NAME = re.compile(r"model-\d{5}-of-\d{5}\.safetensors")
+
+
+def _is_weight_file(name: str) -> bool:
+    """A file of a saved model's weights (ours, or Hugging Face's names): what a new save replaces."""
+    return name in (WEIGHTS, INDEX) or _SHARD_NAME.fullmatch(name) is not None
+
+
 def _swap(new: Path, target: Path) -> None:
-    """``new`` becomes ``target``; an old ``target`` is moved aside first and deleted after (a crash leaves the
-    old directory or none, never a mix)."""
-    old = None
-    if target.exists():
-        old = target.with_name(f".{target.name}.old-{uuid.uuid4().hex[:8]}")
-        os.replace(target, old)
-    try:
+    """The weights written in ``new`` go to ``target``.  A new ``target`` is ``new`` renamed (atomic).  In an
+    existing one, as Hugging Face's ``save_pretrained`` does, only the weight files are replaced and the rest is
+    kept (``config.json``, a tokenizer, notes, other checkpoints in subdirectories): each new file is renamed in
+    (the index last), then the old weight files the new set does not name are deleted."""
+    if not target.exists():
         os.replace(new, target)
-    except OSError:
-        if old is not None:
-            os.replace(old, target)
-        raise
-    if old is not None:
-        shutil.rmtree(old, ignore_errors=True)
+        return
+    written = sorted(p.name for p in new.iterdir())
+    for name in sorted(written, key=lambda n: n == INDEX):  # the index last: it names files already in place
+        os.replace(new / name, target / name)
+    for old in target.iterdir():
+        if old.is_file() and _is_weight_file(old.name) and old.name not in written:
+            old.unlink()
+    _fsync(target)
+    shutil.rmtree(new, ignore_errors=True)
 
 
 def save_safetensors(model: nn.Module, directory: str | Path, *, max_shard_bytes: int = 5 * 2**30,
@@ -751,9 +761,11 @@ def save_safetensors(model: nn.Module, directory: str | Path, *, max_shard_bytes
     Each tensor is gathered in turn (sharded and DTensor ones: every rank takes part) and rank 0 writes each
     file as soon as it is full, so no rank holds more than ``max_shard_bytes`` plus one full tensor.
 
-    Rank 0 writes into a new directory next to ``directory`` and renames it into place when complete (an
-    existing ``directory`` is moved aside first and deleted after: everything in it goes, so write
-    ``config.json`` after).  The path is rank 0's (a shared file system, or the weights stay on its node).
+    Rank 0 writes into a new directory next to ``directory`` and renames it into place when complete; into an
+    existing ``directory`` it moves the new weight files (the index last) and deletes the old weight files they
+    replace (``model.safetensors``, ``model-*-of-*.safetensors``, the index), keeping everything else in it, as
+    Hugging Face's ``save_pretrained`` does (``config.json``, a tokenizer, notes, subdirectories).  The path is
+    rank 0's (a shared file system, or the weights stay on its node).
     A failure on rank 0 raises :class:`~spmd_ort.errors.CheckpointError` on every rank.
     """
     target = Path(directory)
