@@ -248,6 +248,8 @@ def test_the_command_line_plans_a_hugging_face_config_in_2d(tmp_path):
                            "--json", str(out)], capture_output=True, text=True, timeout=300, cwd=ROOT)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "tensor parallel 2 x fully_shard 4" in proc.stdout and "H200" in proc.stdout, proc.stdout
+    assert " K parameters" in proc.stdout or " M parameters" in proc.stdout, proc.stdout  # not "0.00 B"
+    assert "per rank: parameters + AdamW state" in proc.stdout, proc.stdout
     got = json.loads(out.read_text())
     assert got["world_size"] == 8 and got["fits"] and set(got["comm_bytes"]) >= {"all_gather", "all_reduce",
                                                                                   "reduce_scatter"}
@@ -267,3 +269,25 @@ def test_on_the_ort_backend_the_plan_exports_every_segment():
     assert "none falls back to fx" in plan.explain()
     skipped = step.plan(model, opt, *_tokens(cfg, 4), world_size=4, export=False)
     assert not skipped.exported and skipped.export == {} and skipped.comm_bytes == plan.comm_bytes
+
+
+@pytest.mark.parametrize("args,said", [
+    (["--world-size", "8", "--parallel", "tp:0"], "--parallel 'tp:0': give replicate, fully_shard or tp:<T>"),
+    (["--world-size", "8", "--parallel", "tp:3"], "--parallel tp:3: 3 does not divide --world-size 8"),
+    (["--world-size", "0"], "--world-size 0: give a positive integer"),
+    (["--world-size", "8", "--device", "tpu"], "--device 'tpu': give one of h100, h200, a100, cpu"),
+    (["--world-size", "8", "--model", "hf:/missing/config.json"], "/missing/config.json is neither a config.json"),
+    (["--world-size", "8", "--model", "gpt5"], "--model 'gpt5': give one of llama3-8b or hf:<config.json>"),
+    (["--world-size", "8", "--rank", "8"], "--rank 8: give a rank of the world, 0 to 7"),
+])
+def test_the_command_lines_bad_arguments_get_one_line(capsys, args, said):
+    """Issue 55 item 7: each bad argument is one usage line naming it and what is accepted (exit status 2), before
+    anything is built; before, a ZeroDivisionError, transformers' 'Repo id must be in the form' or a traceback."""
+    from spmd_ort.plan.__main__ import main
+
+    with pytest.raises(SystemExit) as info:
+        main(args)
+    assert info.value.code == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert said in err[-1] and err[-1].startswith("python -m spmd_ort.plan: error: "), err
+

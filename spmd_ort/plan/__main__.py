@@ -30,15 +30,14 @@ MODELS = {"llama3-8b": LLAMA3_8B}
 
 
 def build_model(name: str, layers: int | None = None):
-    """A transformers causal LM on the meta device: a known name, or ``hf:<config.json>``."""
+    """A transformers causal LM on the meta device: a known name, or ``hf:<config.json>`` (a file, or a directory
+    holding one)."""
     import transformers
 
     if name.startswith("hf:"):
         config = transformers.AutoConfig.from_pretrained(name[3:])
-    elif name in MODELS:
-        config = transformers.LlamaConfig(**MODELS[name])
     else:
-        raise SystemExit(f"--model {name!r}: give one of {', '.join(MODELS)} or hf:<config.json>")
+        config = transformers.LlamaConfig(**MODELS[name])
     if layers is not None:
         config.num_hidden_layers = layers
     config.use_cache = False
@@ -61,19 +60,64 @@ def llama_tensor_parallel_plan(model) -> dict:
     return plan
 
 
-def parallel_mode(spec: str, model, world: int):
+def parse_parallel(spec: str) -> int | str:
+    """``--parallel``: ``"replicate"``, ``"fully_shard"``, or the tensor-parallel degree of ``tp:<T>``."""
     if spec in ("replicate", "fully_shard"):
-        return spmd_ort.DataParallel(parallel_style=spec)
-    if spec.startswith("tp:"):
-        tp = int(spec[3:])
-        if world % tp:
-            raise SystemExit(f"--parallel {spec}: {tp} does not divide --world-size {world}")
-        plan = llama_tensor_parallel_plan(model)
-        if tp == world:
-            return spmd_ort.TensorParallel(plan, mesh=(tp,))
-        return spmd_ort.TensorParallel(plan, mesh=(world // tp, tp),
-                                       data_parallel=spmd_ort.DataParallel(parallel_style="fully_shard"))
-    raise SystemExit(f"--parallel {spec!r}: give replicate, fully_shard or tp:<ranks>")
+        return spec
+    degree = spec[3:] if spec.startswith("tp:") else ""
+    if not degree.isdigit() or int(degree) < 1:
+        raise ValueError(f"--parallel {spec!r}: give replicate, fully_shard or tp:<T> (T ranks of tensor "
+                         "parallelism, a positive integer dividing --world-size)")
+    return int(degree)
+
+
+def parallel_mode(spec: str, model, world: int):
+    kind = parse_parallel(spec)
+    if isinstance(kind, str):
+        return spmd_ort.DataParallel(parallel_style=kind)
+    plan = llama_tensor_parallel_plan(model)
+    if kind == world:
+        return spmd_ort.TensorParallel(plan, mesh=(kind,))
+    return spmd_ort.TensorParallel(plan, mesh=(world // kind, kind),
+                                   data_parallel=spmd_ort.DataParallel(parallel_style="fully_shard"))
+
+
+def check_arguments(ap: argparse.ArgumentParser, args) -> None:
+    """Every bad argument: one line naming it and what is accepted (argparse's usage error, exit status 2),
+    before anything is built."""
+    from pathlib import Path
+
+    from spmd_ort.plan import DEVICES
+
+    for name in ("world_size", "batch", "seq", "layers"):
+        value = getattr(args, name)
+        if value is not None and value < 1:
+            ap.error(f"--{name.replace('_', '-')} {value}: give a positive integer")
+    if not 0 <= args.rank < args.world_size:
+        ap.error(f"--rank {args.rank}: give a rank of the world, 0 to {args.world_size - 1}")
+    try:
+        kind = parse_parallel(args.parallel)
+    except ValueError as exc:
+        ap.error(str(exc))
+    if isinstance(kind, int) and args.world_size % kind:
+        ap.error(f"--parallel {args.parallel}: {kind} does not divide --world-size {args.world_size}")
+    devices = [*DEVICES, "cpu"]
+    if args.device.lower() not in devices:
+        ap.error(f"--device {args.device!r}: give one of {', '.join(devices)}")
+    if args.model.startswith("hf:"):
+        path = Path(args.model[3:])
+        if not (path.is_file() or (path / "config.json").is_file()):
+            ap.error(f"--model {args.model!r}: {path} is neither a config.json nor a directory holding one")
+    elif args.model not in MODELS:
+        ap.error(f"--model {args.model!r}: give one of {', '.join(MODELS)} or hf:<config.json>")
+
+
+def _count(n: int) -> str:
+    """A parameter count as people write it: 8.03 B, 124.4 M, 52.3 K."""
+    for unit, scale in (("B", 1e9), ("M", 1e6), ("K", 1e3)):
+        if n >= scale:
+            return f"{n / scale:.2f} {unit}" if unit == "B" else f"{n / scale:.1f} {unit}"
+    return str(n)
 
 
 def lm_step(model, opt, tokens, labels):
@@ -95,12 +139,14 @@ def main(argv=None) -> int:
     ap.add_argument("--batch", type=int, default=1, help="sequences per rank (per data-parallel replica)")
     ap.add_argument("--seq", type=int, default=4096)
     ap.add_argument("--device", default="h100", help="h100 | h200 | a100 | cpu (this CPU, measured)")
-    ap.add_argument("--backend", default="ort", help="the executor the plan compiles for (ort | fx | inductor)")
+    ap.add_argument("--backend", default="ort", choices=("ort", "fx", "inductor"),
+                    help="the executor the plan compiles for")
     ap.add_argument("--no-export", action="store_true", help="skip building the executor (the ORT export)")
     ap.add_argument("--rank", type=int, default=0)
     ap.add_argument("--picture", help="write the memory over the step to this PNG")
     ap.add_argument("--json", help="write the plan's figures to this file")
     args = ap.parse_args(argv)
+    check_arguments(ap, args)
 
     t0 = time.perf_counter()
     model = build_model(args.model, args.layers)
@@ -112,16 +158,16 @@ def main(argv=None) -> int:
     plan = step.plan(model, opt, tokens, tokens.clone(), world_size=args.world_size, device=args.device,
                      rank=args.rank, export=not args.no_export)
     n = sum(p.numel() for p in model.parameters())
-    print(f"{args.model}: {n / 1e9:.2f} B parameters, {model.config.num_hidden_layers} layers, vocabulary "
+    print(f"{args.model}: {_count(n)} parameters, {model.config.num_hidden_layers} layers, vocabulary "
           f"{vocab}; batch {args.batch} x {args.seq} tokens per replica")
     print(plan.explain(args.picture))
     wall = time.perf_counter() - t0
     rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
     full_state = 16 * n / args.world_size
     b = plan.per_rank_bytes
-    print(f"\nparams + grads + AdamW state per rank: {(b['params'] + b['optimizer']) / 2**30:.2f} GiB "
-          f"(+ gradients {b['grads'] / 2**30:.2f} GiB held between steps); 16 bytes x N / world = "
-          f"{full_state / 2**30:.2f} GiB")
+    print(f"\nper rank: parameters + AdamW state {(b['params'] + b['optimizer']) / 2**30:.2f} GiB, gradients held "
+          f"between steps {b['grads'] / 2**30:.2f} GiB (the step's own are in the peak); the rule of thumb 16 bytes "
+          f"x N / world (fp32 parameters, gradients and AdamW's two moments) = {full_state / 2**30:.2f} GiB")
     print(f"planned in {wall:.1f} s, peak resident memory {rss / 2**30:.2f} GiB")
     if args.json:
         with open(args.json, "w") as f:
