@@ -10,6 +10,7 @@ as if every rank agreed, and no collective moves a byte.  What the finished grap
 from __future__ import annotations
 
 import contextlib
+import sys
 import copy
 import time
 
@@ -46,11 +47,13 @@ def fake_world(world_size: int, rank: int = 0):
                           "0 <= rank < world_size")
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
+    hook = sys.excepthook  # init_process_group wraps it to prefix "[rank0]:"; a plan leaves the process as it was
     dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world_size)
     try:
         yield
     finally:
         dist.destroy_process_group()
+        sys.excepthook = hook
 
 
 def _meta_copies(args: tuple, kwargs: dict):
