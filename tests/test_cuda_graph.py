@@ -158,6 +158,21 @@ def test_on_the_cpu_the_option_changes_nothing_and_says_why():
     assert all(t.device.type == "cpu" for t in step.compiled.layout.hparam_tensors)
 
 
+@pytest.mark.on_ort
+def test_explain_says_why_on_every_backend():
+    """Issue 55 item 8: the ORT backend is never wrapped (its sessions run outside torch's stream), and explain()
+    said nothing of the option there; it now says, as fx and inductor do, why no graph is used."""
+    torch.manual_seed(0)
+    model = MLP()
+    opt = _adamw(model)
+    step = spmd_ort.compile(backend="ort", cuda_graph=True)(_clipped)
+    for x, y in _batches(2):
+        step(model, opt, x, y)
+    assert "CUDA graphs: not used: the step runs on the CPU: there is nothing to capture" in step.explain()
+    assert spmd_ort.backends.cuda_graph.unwrapped_reason("ort", True).startswith(
+        "the ort backend runs its kernels outside torch's stream")
+
+
 def test_a_replay_sees_each_batch_and_learning_rate_through_its_buffers():
     """After the warm-up runs, one capture, then replays: each step's batch is copied into the graph's buffers
     and its learning rate (StepLR halves it every 2 steps) written into the group's hyper-parameter tensor, and

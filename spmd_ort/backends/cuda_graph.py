@@ -400,6 +400,14 @@ def _written_inputs(sub: fx.GraphModule) -> set[int]:
     return out
 
 
+def unwrapped_reason(backend: str, on_gpu: bool) -> str:
+    """Why a backend :func:`graphed` leaves unwrapped runs without CUDA graphs (``explain()`` says it)."""
+    if not on_gpu:
+        return "the step runs on the CPU: there is nothing to capture"
+    return (f"the {backend} backend runs its kernels outside torch's stream; CUDA graphs capture the fx and inductor "
+            "backends")
+
+
 def graphed(executor, plan, input_slots: list[Slot], backend: str):
     """The executor of a step compiled with ``cuda_graph=True``: on the fx and inductor backends a
     :class:`GraphedExecutor` that captures where ``plan`` (the step's CapturePlan) says graphs hold the step,
@@ -410,14 +418,13 @@ def graphed(executor, plan, input_slots: list[Slot], backend: str):
     on_gpu = plan is not None and plan.cuda
     if backend not in GRAPHED_BACKENDS:
         if on_gpu:
-            logger.warning("CUDA graph: not used: the %s backend runs its kernels outside torch's stream; CUDA "
-                           "graphs capture the fx and inductor backends", backend)
+            logger.warning("CUDA graph: not used: %s", unwrapped_reason(backend, on_gpu))
         return executor
     reason = None
     collective = next((n for n in executor.gm.graph.nodes if n.op == "call_function" and ops.is_collective(n)),
                       None)
     if not on_gpu:
-        reason = "the step runs on the CPU: there is nothing to capture"
+        reason = unwrapped_reason(backend, on_gpu)
     elif collective is not None:
         reason = (f"{collective.name} ({collective.target}) is a collective; capturing collectives across ranks "
                   "is not built yet")

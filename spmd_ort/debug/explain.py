@@ -15,9 +15,9 @@ import operator
 import torch
 from torch import fx
 
-from spmd_ort.backends.cuda_graph import GraphedExecutor
+from spmd_ort.backends.cuda_graph import GraphedExecutor, unwrapped_reason
 from spmd_ort.compat import optimization_hint
-from spmd_ort.passes.analysis import CollectiveCounts
+from spmd_ort.passes.analysis import CapturePlan, CollectiveCounts
 from spmd_ort.graph.flops import node_flops
 from spmd_ort.program import CompiledProgram
 
@@ -140,6 +140,9 @@ def explain(step, memory: dict | None = None) -> str:
         lines.append(f"  {name:24s} {where:14s} {n_ops:5d} op(s)  {share}  {detail}")
     if isinstance(program.executor, GraphedExecutor):
         lines += program.executor.graph_lines()
+    elif step.options.cuda_graph:  # asked for, on a backend that is never wrapped
+        capture = program.results.get(CapturePlan)
+        lines.append(f"CUDA graphs: not used: {unwrapped_reason(step.backend, capture is not None and capture.cuda)}")
     tuner = getattr(step, "tuner", None)
     if tuner is not None:
         decided = tuner.lines(program)
