@@ -107,10 +107,12 @@ def parallelize(model, parallel_mode):
     one with another mode is a :class:`~spmd_ort.errors.ConfigError` naming both.  Then give a meta model values
     (``to_empty`` and your init, or :func:`spmd_ort.load_safetensors`), and build the optimizer after that.
     """
+    from spmd_ort.distributed.parallel_dims import as_mode
     from spmd_ort.distributed.parallel import PARALLELIZED_ATTR, layout_difference
     from spmd_ort.distributed.sharding import keep_layout_through_to_empty
     from spmd_ort.errors import ConfigError
 
+    parallel_mode = as_mode(parallel_mode)  # a Parallel: the modes it lowers to on this world
     done = getattr(model, PARALLELIZED_ATTR, None)
     if done is not None:
         difference = layout_difference(done, parallel_mode)

@@ -35,6 +35,7 @@ from spmd_ort.debug.explain import explain
 from spmd_ort.debug.profile import Profiler
 from spmd_ort.distributed import parallel
 from spmd_ort.distributed.sharding import persistent_bytes
+from spmd_ort.distributed.parallel_dims import as_mode
 from spmd_ort.distributed.parallel import TensorParallel
 from spmd_ort.errors import CollectiveTimeout, CompileError, ConfigError, InputIndexError
 from spmd_ort.options import Options, get_logger
@@ -62,7 +63,7 @@ class CompiledStep:
         self.fn = fn
         self.module_override = list(module_override or [])
         self.gm_transformation = gm_transformation
-        self.parallel_mode = parallel_mode
+        self.layout = parallel_mode  # as the user gave it: a Parallel, a DataParallel or TensorParallel shorthand
         self.options = options
         self.runtime = StepRuntime(options)  # this step's communicator and options, active while it runs
         self.transitions: TransitionManager[CompiledProgram] = TransitionManager(getattr(fn, "__name__", "step"))
@@ -157,7 +158,7 @@ class CompiledStep:
         was laid out with (fully_shard included), once, said at INFO."""
         logger.info("%s: parallel_mode=None: the model was parallelized with %r; the step compiles with it",
                     self.transitions.name, mode)
-        self.parallel_mode = mode
+        self.layout = mode
         self.compiler.mixed_precision = self.mixed_precision
 
     def _settle_backend(self, module: nn.Module) -> None:
@@ -242,6 +243,12 @@ class CompiledStep:
             self.profiler.after_run(t0, t1)
 
     @property
+    def parallel_mode(self):
+        """What the passes consume: the layout lowered for this process's world (:meth:`spmd_ort.Parallel.lower`),
+        or the shorthand mode as given."""
+        return as_mode(self.layout)
+
+    @property
     def _tensor_parallel(self) -> TensorParallel | None:
         return self.parallel_mode if isinstance(self.parallel_mode, TensorParallel) else None
 
@@ -253,7 +260,7 @@ class CompiledStep:
     @property
     def mixed_precision(self) -> amp.MixedPrecisionPolicy | None:
         """The parallel mode's MixedPrecisionPolicy (it applies on one process too)."""
-        return getattr(self.parallel_mode, "mixed_precision", None)
+        return getattr(self.layout, "mixed_precision", None)
 
     @property
     def buckets(self):

@@ -17,6 +17,7 @@ from torch import fx
 
 from spmd_ort.backends.cuda_graph import GraphedExecutor, unwrapped_reason
 from spmd_ort.compat import optimization_hint
+from spmd_ort.distributed.parallel_dims import Parallel
 from spmd_ort.passes.analysis import CapturePlan, CollectiveCounts
 from spmd_ort.graph.flops import node_flops
 from spmd_ort.program import CompiledProgram
@@ -121,6 +122,9 @@ def explain(step, memory: dict | None = None) -> str:
     lines = [f"compiled train step `{step.transitions.name}`: {program.backend} backend "
              f"({getattr(step, 'backend_reason', 'the default')}), {len(program.gm.graph.nodes)} nodes in the "
              "executed graph"]
+    layout = getattr(step, "layout", None)
+    if layout is not None:  # every parallel degree, as one Parallel (a DataParallel or TensorParallel shorthand's)
+        lines.append(f"layout: {Parallel.of(layout).describe()}")
     lines.append(f"variants: {len(step.variants)} kept, {step.transitions.traces} traced")
     for i, v in enumerate(step.variants):
         last = " (used by the last call)" if v is program else ""

@@ -98,7 +98,7 @@ def plan_step(step, args: tuple, kwargs: dict, *, world_size: int, device: str |
     t0 = time.perf_counter()
     spec = device_spec(device)  # this CPU's probe runs before the fake world exists
     bind_arguments(step.fn, args, kwargs, step._signature)
-    mode = step.parallel_mode
+    mode = step.layout  # a Parallel is lowered for the plan's world, inside it
     if isinstance(mode, parallel.TensorParallel) and mode.mesh is not None and not isinstance(mode.mesh, tuple):
         raise ConfigError("plan(): TensorParallel(mesh=<DeviceMesh>) is a mesh of this process's world; give its "
                           "shape instead (mesh=(dp, tp), or (tp,)), built on the world the plan runs in")
@@ -135,7 +135,7 @@ def plan_step(step, args: tuple, kwargs: dict, *, world_size: int, device: str |
                 program.layout.write_back(list(slots), [torch.empty(v.shape, dtype=v.dtype, device="meta")
                                                         for v in vals])
             held = persistent_bytes(call.module, call.opt)
-        mode_name = _describe(mode, call.mode)
+        mode_name = _describe(twin.parallel_mode, call.mode)
     cost = priced["cost"]
     live = [a + c for a, c in zip(priced["live"], cost.inflight)]
     state = held["params"] + priced["grads"] + held["opt_state"] + held["buffers"]

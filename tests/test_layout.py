@@ -1,0 +1,76 @@
+"""``spmd_ort.Parallel``: one layout object for every parallel degree (issue 56 item 1).  Its checks, what it
+lowers to, and on real ranks (tests/dist/layout_parity.py) the same graph and numbers as the shorthands."""
+
+from __future__ import annotations
+
+import pytest
+from torch.distributed.tensor.parallel import ColwiseParallel
+
+import spmd_ort
+from spmd_ort.distributed.parallel_dims import Parallel
+from test_data_parallel import ROOT, torchrun
+
+PLAN = {"blocks.*.fc": ColwiseParallel()}
+
+
+@pytest.mark.parametrize("kwargs,said", [
+    ({"cp": 2}, "Parallel(cp=2): context parallelism is not built in this release yet"),
+    ({"pp": 2}, "Parallel(pp=2): pipeline parallelism is not built"),
+    ({"ep": 2}, "Parallel(ep=2): expert parallelism is not built"),
+    ({"tp": 2}, "Parallel(tp=2): give tp_plan"),
+    ({"tp_plan": PLAN}, "Parallel(tp_plan=...) needs tp > 1"),
+    ({"dp_replicate": 2, "dp_shard": 2}, "replicas of a sharded group (HSDP) are not built yet"),
+    ({"dp_shard": 0}, "Parallel(dp_shard=0): a degree is a positive integer"),
+    ({"dp_shard": -1, "tp": -1, "tp_plan": PLAN}, "at most one degree may be -1"),
+    ({"offload_param": "cpu"}, "it needs dp_shard > 1"),
+    ({"dp_shard": 2, "prefetch": -1}, "prefetch=-1 must be >= 0"),
+])
+def test_bad_layouts_are_config_errors_before_anything_is_traced(kwargs, said):
+    with pytest.raises(spmd_ort.ConfigError) as info:
+        Parallel(**kwargs)
+    assert said in str(info.value), str(info.value)
+
+
+def test_degrees_must_make_the_world():
+    """Their product is the world (one may be -1: the rest); otherwise each degree is named."""
+    assert Parallel(dp_shard=-1, tp=2, tp_plan=PLAN).sizes(8) == {"pp": 1, "dp_replicate": 1, "dp_shard": 4,
+                                                                   "cp": 1, "tp": 2}
+    with pytest.raises(spmd_ort.ConfigError) as info:
+        Parallel(dp_shard=3, tp=2, tp_plan=PLAN).sizes(8)
+    assert "pp 1 x dp_replicate 1 x dp_shard 3 x cp 1 x tp 2 = 6 ranks, but the world has 8" in str(info.value)
+    with pytest.raises(spmd_ort.ConfigError, match="does not divide the world of 8 ranks, so dp_shard=-1"):
+        Parallel(dp_shard=-1, tp=3, tp_plan=PLAN).sizes(8)
+
+
+def test_it_lowers_to_the_shorthands_and_back():
+    """The mesh in torchtitan's order (outermost first, dims above 1); what the passes consume is the shorthand's
+    mode, equal field by field; ``Parallel.of`` gives the layout a shorthand stands for."""
+    shard = spmd_ort.DataParallel(parallel_style="fully_shard", prefetch=0)
+    assert Parallel(dp_shard=-1, prefetch=0).lower(4) == shard
+    assert Parallel(dp_replicate=4).lower(4) == spmd_ort.DataParallel()
+    tp = Parallel(dp_shard=2, tp=4, tp_plan=PLAN, prefetch=0)
+    assert tp.mesh_shape(8) == (("dp_shard", "tp"), (2, 4))
+    lowered = tp.lower(8)
+    assert lowered.mesh == (2, 4) and lowered.data_parallel == shard and lowered.plan == PLAN
+    assert Parallel.of(shard, 4) == Parallel(dp_shard=4, prefetch=0)
+    assert Parallel.of(lowered, 8) == Parallel(dp_shard=2, tp=4, tp_plan=PLAN, prefetch=0)
+    assert repr(Parallel(dp_shard=4, prefetch=0)) == "Parallel(dp_shard=4, prefetch=0)"
+    assert tp.describe(8) == "Parallel(dp_shard=2, tp=4): mesh dp_shard 2 x tp 4"
+
+
+@pytest.mark.multiproc
+@pytest.mark.parametrize("nproc", [2, 4])
+def test_a_layout_trains_as_its_shorthand(tmp_path, nproc):
+    """2 ranks: replicate, fully_shard, tensor parallel; 4: tp 2 x replicate 2, tp 2 x fully_shard 2 (parallelize
+    takes the layout too): the same executed graph code, losses and parameters bit for bit; explain() prints the
+    layout; degrees that do not make the world are a ConfigError on every rank, naming each."""
+    ranks, _ = torchrun(tmp_path, nproc=nproc, script=ROOT / "tests" / "dist" / "layout_parity.py", timeout=600)
+    for r in ranks:
+        cases = {k: v for k, v in r.items() if k not in ("rank", "bad_world")}
+        assert len(cases) == (3 if nproc == 2 else 2)
+        for name, c in cases.items():
+            assert c["same_code"] and c["losses_equal"] and c["state_equal"], (name, c)
+            assert c["describe_equal"] and c["layout_line"] == c["shorthand_line"], (name, c)
+            assert c["layout_line"].startswith("layout: Parallel("), c
+        assert f"dp_shard {nproc + 1} x cp 1 x tp 1 = {nproc + 1} ranks, but the world has {nproc}" in r["bad_world"]
+        assert r["bad_world"].endswith(f"(rank {r['rank']})"), r["bad_world"]
