@@ -74,3 +74,24 @@ def test_a_layout_trains_as_its_shorthand(tmp_path, nproc):
             assert c["layout_line"].startswith("layout: Parallel("), c
         assert f"dp_shard {nproc + 1} x cp 1 x tp 1 = {nproc + 1} ranks, but the world has {nproc}" in r["bad_world"]
         assert r["bad_world"].endswith(f"(rank {r['rank']})"), r["bad_world"]
+
+
+def test_a_plan_takes_a_layout():
+    """plan() lowers the layout for the world it plans (dp_shard=-1: all 64 fake ranks), priced as its shorthand."""
+    import torch
+
+    from examples.gpt import GPT, GPTConfig
+    from helpers import train_step
+
+    cfg = GPTConfig(vocab=256, seq=32, d=64, heads=4, layers=2)
+    plans = []
+    for mode in (Parallel(dp_shard=-1), spmd_ort.DataParallel(parallel_style="fully_shard")):
+        with torch.device("meta"):
+            model = GPT(cfg)
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+        ids = torch.empty(2, cfg.seq, dtype=torch.long, device="meta")
+        step = spmd_ort.compile(parallel_mode=mode, backend="fx")(train_step)
+        plans.append(step.plan(model, opt, ids, ids, world_size=64, export=False))
+    layout, shorthand = plans
+    assert layout.per_rank_bytes == shorthand.per_rank_bytes and layout.comm_bytes == shorthand.comm_bytes
+    assert layout.parallel == shorthand.parallel == "fully_shard" and layout.flops == shorthand.flops
