@@ -12,7 +12,9 @@ and :meth:`Compiler.compile_everywhere` adds the agreement of every rank on the 
 
 from __future__ import annotations
 
+import contextlib
 import time
+from dataclasses import dataclass
 from collections.abc import Callable, Sequence
 
 from torch import fx
@@ -44,6 +46,16 @@ def snapshot(gm: fx.GraphModule) -> fx.GraphModule:
     out = graph.graph_copy(gm.graph, {})
     graph.output(out)
     return _LazyGraphModule(gm, graph)  # its code generated if it ever runs (debug tools), not here
+
+
+@dataclass
+class _Traced:
+    """A compile's traced stage, handed to the passes after the ranks' exchange (outside the compile lock)."""
+
+    layout: StateLayout
+    inputs: StepInputs
+    traced: object  # capture.trace's result
+    snapshot: fx.GraphModule  # the graph as traced, which later passes cannot touch
 
 
 class Compiler:
@@ -102,25 +114,43 @@ class Compiler:
         ``after_passes(gm, ctx)`` sees the finished graph before the executor is built (a plan's cost model);
         ``executor=False`` builds none (a plan that skips the export): the program then only describes the step.
 
-        The lock covers only this local work, not the ranks' agreement after it (compile_everywhere): a
-        rank waiting in that collective holds nothing another thread's compile needs.
+        The lock covers only this local work, not the ranks' exchanges (``exchange`` after the trace, and
+        compile_everywhere's agreement after the whole): a rank waiting in one holds nothing another thread's
+        compile needs.
         """
+        t0 = time.perf_counter()
+        with self._locked(key, dynamic):
+            stage = self._trace(call, key, dynamic=dynamic, previous=previous)
+        # the ranks' exchange waits for every rank: outside the lock, so a rank waiting in it holds nothing another
+        # thread's compile needs
+        signatures = None
+        if exchange is not None:
+            signatures = exchange({"nodes": node_signatures(stage.traced.gm),
+                                   "state": state_checksums(stage.layout, stage.traced.input_slots),
+                                   "batch": batch_checksums(call.leaves)}
+                                  if stage.layout.expands else None)
+        if signatures is not None:  # a program's first call: the ranks of a tensor-parallel group passed one batch
+            parallel.check_same_batch([s["batch"] for s in signatures],
+                                      parallel.tensor_parallel_groups(call.module, call.tensor_parallel),
+                                      stage.inputs.names, rank=call.rank, shown=False)
+        with self._locked(key, dynamic):
+            return self._finish(call, key, stage, signatures, t0=t0, reason=reason, executor=executor,
+                                after_passes=after_passes)
+
+    @contextlib.contextmanager
+    def _locked(self, key: StepKey, dynamic: DynamicDims):
+        """One compile in the process at a time (torch's tracers keep process-wide state), the garbage collector
+        paused, sizes traced size-obliviously where the program is symbolic."""
         t_wait = time.perf_counter()
         with COMPILE_LOCK, gc_paused(), size_oblivious(None if key.shapes else dynamic):
             waited = time.perf_counter() - t_wait
             if waited > 0.1:
                 logger.debug("%s waited %.2fs for another compile in this process", self.name, waited)
-            return self._compile(call, key, dynamic=dynamic, previous=previous, reason=reason, exchange=exchange,
-                                 executor=executor, after_passes=after_passes)
+            yield
 
-    def _compile(self, call: StepCall, key: StepKey, *, dynamic: DynamicDims, previous: CompiledProgram | None,
-                 reason: str, exchange: Callable | None = None, executor: bool = True,
-                 after_passes: Callable | None = None) -> CompiledProgram:
-        """``exchange`` (several ranks): called once after the trace with what the passes must know of every rank's
-        traced graph (expand mode: its node signatures and checksums of its parameters, buffers and batch), returning
-        every rank's (None: not every rank has one).  Ranks of a tensor-parallel group whose batches differ raise
-        here, all of them."""
-        t0 = time.perf_counter()
+    def _trace(self, call: StepCall, key: StepKey, *, dynamic: DynamicDims,
+               previous: CompiledProgram | None) -> _Traced:
+        """The step traced into one stateless graph (its state layout, its inputs, a snapshot of the graph)."""
         # a CUDA-graphed step reads its hyper-parameters on the device
         graphs = self.options.cuda_graph and self.options.backend in GRAPHED_BACKENDS
         layout = StateLayout.capture(call.module, call.opt, call.rule, call.scaler, device_hparams=graphs)
@@ -142,17 +172,14 @@ class Compiler:
                         ", ".join(f"the value of `{names[k]}` at {size}" if d is None else
                                   f"dim {d} of `{names[k]}` at {size}"
                                   for (k, d), size in sorted(traced.symbolic.specialised.items(), key=str)))
-        traced_gm = snapshot(traced.gm)
-        signatures = None
-        if exchange is not None:
-            signatures = exchange({"nodes": node_signatures(traced.gm),
-                                   "state": state_checksums(layout, traced.input_slots),
-                                   "batch": batch_checksums(call.leaves)}
-                                  if layout.expands else None)
-        if signatures is not None:  # a program's first call: the ranks of a tensor-parallel group passed one batch
-            parallel.check_same_batch([s["batch"] for s in signatures],
-                                      parallel.tensor_parallel_groups(call.module, call.tensor_parallel),
-                                      inputs.names, rank=call.rank, shown=False)
+        return _Traced(layout=layout, inputs=inputs, traced=traced, snapshot=snapshot(traced.gm))
+
+    def _finish(self, call: StepCall, key: StepKey, stage: _Traced, signatures, *, t0: float, reason: str,
+                executor: bool, after_passes: Callable | None) -> CompiledProgram:
+        """The traced graph through the passes (``signatures``: every rank's traced graph, from the exchange, for
+        the passes that must know it) and the executor.  Ranks of a tensor-parallel group whose batches differ
+        raised before this, all of them."""
+        layout, traced, traced_gm = stage.layout, stage.traced, stage.snapshot
         world, group = call.world_size, ""
         dp_group = call.tensor_parallel.dp_group() if call.tensor_parallel is not None else None
         if dp_group is not None:  # 2-D: the data-parallel passes reduce over the dp dim

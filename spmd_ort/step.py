@@ -92,7 +92,7 @@ class CompiledStep:
 
     # ------------------------------------------------------------------ the call
     def __call__(self, *args: Any, last_train_step: bool = False, **kwargs: Any) -> Any:
-        call = self._bind(args, kwargs)
+        call = self.bind(args, kwargs)
         overrides = self.module_override if id(call.module) not in self._overridden else ()
         with Preparation(call, overrides=overrides) as prep:
             key = self.shapes.agreed_key(call)
@@ -100,7 +100,7 @@ class CompiledStep:
             if program is not None:
                 out = self._run(program, call)
             else:
-                program, key = self._compile(call, key, prep)
+                program, key = self.build(call, key, prep)
                 out = self._first_run(program, call)
                 prep.undo_prefill(program.skipped)  # eager creates no state for what its first step skips
                 self.transitions.insert(key, program)
@@ -116,7 +116,7 @@ class CompiledStep:
             program.carry_gathers(self.runtime.comm)  # the next step's first gather starts now
         return out
 
-    def _bind(self, args: tuple, kwargs: dict, planning: bool = False) -> StepCall:
+    def bind(self, args: tuple, kwargs: dict, planning: bool = False) -> StepCall:
         """The call's parts (module, optimizer, scaler, mode, rank); ``planning``: a plan's meta copies, which
         are never run (no meta refusal, no process-wide settings)."""
         bind_arguments(self.fn, args, kwargs, self._signature)  # a call that does not match is no trace failure
@@ -181,32 +181,46 @@ class CompiledStep:
             for holder in (self.runtime, self.compiler, self.tuner):
                 holder.options = self.options
 
-    def _compile(self, call: StepCall, key: StepKey, prep: Preparation) -> tuple[CompiledProgram, StepKey]:
-        """A new variant for ``key``: compiled on every rank (retried with static dims where new symbolic ones
-        fail to trace, and without prefilled optimizer state where a parameter gets no gradient)."""
+    def build(self, call: StepCall, key: StepKey, prep: Preparation, *, planning: bool = False,
+              **build) -> tuple[CompiledProgram, StepKey]:
+        """A new variant of ``call`` for ``key``: compiled on every rank and agreed (retried with static dims where
+        new symbolic ones fail to trace, and without prefilled optimizer state where a parameter gets no
+        gradient).  The one build path: a call's (``__call__``) and a plan's (``planning``: a twin on meta copies
+        in a fake world, nothing broadcast; ``build``: :meth:`spmd_ort.compiler.Compiler.compile`'s ``executor``
+        and ``after_passes``)."""
         try:
-            program = self._compile_everywhere(call, key)
+            program = self._compile_everywhere(call, key, **build)
         except Exception as exc:
             key = self.shapes.narrow(call, exc)
             if key is None:
                 raise
-            program = self._compile_everywhere(call, key)
+            program = self._compile_everywhere(call, key, **build)
         if prep.prefilled and not program.updates_state_of(prep.prefilled):
             # a parameter got no gradient, so eager would create no state for it: trace as eager steps
             prep.undo_prefill()
             key = self.shapes.agreed_key(call)
-            program = self._compile_everywhere(call, key)
+            program = self._compile_everywhere(call, key, **build)
         self.tuner.compiled(program)  # the cap its buckets were built with; its inductor candidate or not
-        if call.mode is not None and not call.mode.sharded and id(call.module) not in self._synced:
+        if call.mode is not None and not call.mode.sharded and id(call.module) not in self._synced and not planning:
             tp = self._tensor_parallel
             # rank 0's weights everywhere, as DDP does (2-D: within each data-parallel group)
             parallel.broadcast_state(call.module, group=tp.dp_group() if tp is not None else None)
             self._synced.add(id(call.module))
         return program, key
 
-    def _compile_everywhere(self, call: StepCall, key: StepKey) -> CompiledProgram:
+    def _compile_everywhere(self, call: StepCall, key: StepKey, **build) -> CompiledProgram:
         return self.compiler.compile_everywhere(call, key, dynamic=self.shapes.dynamic, previous=self.compiled,
-                                                reason=self.transitions.reason)
+                                                reason=self.transitions.reason, **build)
+
+    def twin(self) -> CompiledStep:
+        """A new step of the same function and configuration, sharing nothing with this one's variants, shapes,
+        opaque parts or tuner (what a plan compiles)."""
+        return type(self)(self.fn, module_override=self.module_override, gm_transformation=self.gm_transformation,
+                          parallel_mode=self.layout, options=self.options)
+
+    def check_call(self, args: tuple, kwargs: dict) -> None:
+        """A call that does not match the step function's signature is a TypeError, as calling it would be."""
+        bind_arguments(self.fn, args, kwargs, self._signature)
 
     def _first_run(self, program: CompiledProgram, call: StepCall) -> Any:
         """The first run of a new variant; it may still fail (ORT checks, values fake tensors cannot see).

@@ -19,7 +19,7 @@ import torch.distributed as dist
 from torch import fx, nn
 from torch.utils import _pytree as pytree
 
-from spmd_ort.capture.inputs import bind_arguments, find_state_owners
+from spmd_ort.capture.inputs import find_state_owners
 from spmd_ort.capture.prepare import Preparation
 from spmd_ort.distributed import dtensor, parallel
 from spmd_ort.distributed.sharding import persistent_bytes
@@ -97,15 +97,13 @@ def plan_step(step, args: tuple, kwargs: dict, *, world_size: int, device: str |
     """:meth:`spmd_ort.CompiledStep.plan`: ``step``'s program for ``world_size`` ranks, as rank ``rank`` runs it."""
     t0 = time.perf_counter()
     spec = device_spec(device)  # this CPU's probe runs before the fake world exists
-    bind_arguments(step.fn, args, kwargs, step._signature)
+    step.check_call(args, kwargs)
     mode = step.layout  # a Parallel is lowered for the plan's world, inside it
     if isinstance(mode, parallel.TensorParallel) and mode.mesh is not None and not isinstance(mode.mesh, tuple):
         raise ConfigError("plan(): TensorParallel(mesh=<DeviceMesh>) is a mesh of this process's world; give its "
                           "shape instead (mesh=(dp, tp), or (tp,)), built on the world the plan runs in")
     args, kwargs = _meta_copies(args, kwargs)
-    # a twin of the step: the plan's variants, shapes, opaque parts and tuner never touch the step's own
-    twin = type(step)(step.fn, module_override=step.module_override, gm_transformation=step.gm_transformation,
-                        parallel_mode=mode, options=step.options)
+    twin = step.twin()  # the plan's variants, shapes, opaque parts and tuner never touch the step's own
     priced: dict = {}
 
     def price(gm: fx.GraphModule, ctx) -> None:
@@ -119,14 +117,12 @@ def plan_step(step, args: tuple, kwargs: dict, *, world_size: int, device: str |
         priced["held_grads"] = held
 
     with fake_world(world_size, rank):
-        call = twin._bind(args, kwargs, planning=True)
-        with Preparation(call, overrides=twin.module_override):
-            program = None
-            for _ in range(2):
-                key = twin.shapes.agreed_key(call)
-                program = twin.compiler.compile_everywhere(
-                    call, key, dynamic=twin.shapes.dynamic, previous=program, reason="plan",
-                    executor=export and step.backend == "ort", after_passes=price)
+        call = twin.bind(args, kwargs, planning=True)
+        with Preparation(call, overrides=twin.module_override) as prep:
+            for _ in range(2):  # the step's own build path: the same retries and agreement as a call's
+                program, _ = twin.build(call, twin.shapes.agreed_key(call), prep, planning=True,
+                                        executor=export and step.backend == "ort", after_passes=price)
+                twin.compiled = program
                 if not priced["held_grads"] or any(p.grad is not None for p in call.module.parameters()):
                     break
                 # gradients held between steps (zero_grad(set_to_none=False)): the steady step is the second
