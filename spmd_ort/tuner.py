@@ -115,7 +115,7 @@ class Tuner:
         if self.buckets.choice is not None:
             program.results.record(self.buckets.choice)
         executor = program.executor
-        if getattr(executor, "candidate_source", None) is not None and self.inductor_lost is not None:
+        if executor.candidate_source is not None and self.inductor_lost is not None:
             executor.candidate_source = None
             self._decide(Decision("inductor candidate", "not compiled for this variant", self.inductor_lost))
 
@@ -125,7 +125,7 @@ class Tuner:
         entry = self._watches.get(id(program))
         due = entry[1].due if entry is not None and entry[0] is program else None
         if due is not None and program.steps_run >= due \
-                and getattr(program.executor, "candidate_source", None) is not None:
+                and program.executor.candidate_source is not None:
             self._try_candidate(program, entry[1], args, kwargs)
         # timed only while the candidate's step is undecided: on a GPU, now() waits for the queued kernels
         self._t0 = now() if self._timing(program) else None
@@ -145,7 +145,7 @@ class Tuner:
 
     def _timing(self, program: CompiledProgram) -> bool:
         """Whether ``program``'s steps are timed: it has a candidate whose step is not set yet."""
-        if not self.autotune or getattr(program.executor, "candidate_source", None) is None:
+        if not self.autotune or program.executor.candidate_source is None:
             return False
         entry = self._watches.get(id(program))
         return entry is None or entry[0] is not program or entry[1].due is None
@@ -158,7 +158,7 @@ class Tuner:
             return True
         if self.buckets.start_mb is not None and self.buckets.choice is None:
             return False  # bucket_cap_mb="auto" is measuring its steps (its recompile follows)
-        if getattr(program.executor, "candidate_source", None) is None:
+        if program.executor.candidate_source is None:
             return True
         entry = self._watches.get(id(program))
         if entry is None or entry[0] is not program or entry[1].due is None:
@@ -265,9 +265,7 @@ class Tuner:
         if not self.autotune:
             out.append(Decision("autotune", "off", "SPMD_ORT_AUTOTUNE=0: the static choices, no recompiles"))
         if program is not None:
-            decisions = getattr(program.executor, "decisions", None)
-            if callable(decisions):
-                out += decisions()
+            out += program.executor.decisions()
             choice = program.results.get(BucketChoice)
             if choice is not None:
                 out.append(Decision("bucket cap", f"{choice.cap_mb:g} MiB", choice.reason + (

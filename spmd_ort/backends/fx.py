@@ -10,11 +10,12 @@ from __future__ import annotations
 import torch
 from torch import fx
 
+from spmd_ort.backends.interface import ExecutorBase
 from spmd_ort.runtime.step_runtime import active
 from spmd_ort.backends.timed import TimedInterpreter
 
 
-class FxExecutor:
+class FxExecutor(ExecutorBase):
     name = "fx"
     reuses_buffers = False  # every run allocates its outputs
 

@@ -25,6 +25,7 @@ import torch
 from torch import fx, nn
 from torch.fx.passes.operator_support import OperatorSupport
 
+from spmd_ort.backends.interface import ExecutorBase
 from spmd_ort.backends.timed import TimedInterpreter
 from spmd_ort.errors import CompileError, ConfigError
 from spmd_ort.options import Options, get_logger
@@ -152,7 +153,7 @@ class InductorStats:
     first_run_seconds: float = 0.0
 
 
-class InductorExecutor:
+class InductorExecutor(ExecutorBase):
     name = "inductor"
     reuses_buffers = False  # every run allocates its outputs
 

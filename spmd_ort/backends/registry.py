@@ -1,27 +1,15 @@
-"""The executor interface every backend implements, and the table of backends."""
+"""The table of backends (the interface every one implements: :mod:`spmd_ort.backends.interface`)."""
 
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Protocol, runtime_checkable
 
-import torch
 from torch import fx
 
+from spmd_ort.backends.interface import Executor, ExecutorBase
 from spmd_ort.options import Options
 
-
-@runtime_checkable
-class Executor(Protocol):
-    """Runs a finished graph (placeholders in, outputs out); it runs no graph passes of its own."""
-
-    name: str
-    gm: fx.GraphModule  # what runs (for ORT: segments as submodules, host nodes between them)
-    reuses_buffers: bool  # outputs live in buffers the next run overwrites: what escapes a step is copied
-
-    def run(self, inputs: list[torch.Tensor]) -> list[torch.Tensor]: ...
-
-    def describe(self) -> list[str]: ...
+__all__ = ["BUILDERS", "Executor", "ExecutorBase", "build_executor"]
 
 
 def _fx(gm: fx.GraphModule, options: Options) -> Executor:

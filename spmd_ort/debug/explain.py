@@ -70,7 +70,7 @@ def _segments(program: CompiledProgram) -> list[tuple[str, str, int, int, str]]:
     """(name, where it runs, ops, FLOPs, detail) for each segment and host node of the executed graph."""
     rows = []
     gm = program.gm
-    stats = getattr(program.executor, "stats", None)
+    stats = program.executor.stats
     for node in gm.graph.nodes:
         if node.op == "call_module":
             sub = gm.get_submodule(node.target)
@@ -152,7 +152,7 @@ def explain(step, memory: dict | None = None) -> str:
         decided = tuner.lines(program)
         lines.append("decisions made from measurements (spmd_ort.tuner):" + ("" if decided else " none"))
         lines += [f"  {line}" for line in decided]
-    stats = getattr(program.executor, "stats", None)
+    stats = program.executor.stats
     if stats is not None:
         lines.append("host ops and why they stay on the host:")
         lines += [f"  {op}: {why}" for op, why in stats.host_ops.items()]

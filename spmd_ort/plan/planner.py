@@ -139,7 +139,7 @@ def plan_step(step, args: tuple, kwargs: dict, *, world_size: int, device: str |
                 "buffers": held["buffers"], "activations": program.results.get(MemoryPlan).planned_peak_bytes,
                 "comm_buffers": max(cost.inflight, default=0), "peak": state + max(live, default=0)}
     comm_bytes, comm_calls = _by_kind(program.results.get(CollectiveCounts))
-    stats = getattr(program.executor, "stats", None)  # ORT's: segments exported, and any that fell back
+    stats = program.executor.stats if program.executor is not None else None  # ORT's: segments, fallbacks
     export = {"segments": stats.segments, "export_s": stats.export_seconds, "fallbacks": dict(stats.fallback_reasons)
               } if stats is not None else {}
     main = max(cost.flops_by_dtype, key=cost.flops_by_dtype.get) if cost.flops_by_dtype else torch.float32

@@ -26,6 +26,7 @@ import torch
 from torch import fx
 from torch.fx._lazy_graph_module import _LazyGraphModule
 
+from spmd_ort.backends.interface import ExecutorBase
 from spmd_ort.backends.timed import TimedInterpreter
 from spmd_ort.options import Options, get_logger
 from spmd_ort.backends.ort.choice import FirstRun, choose_whole
@@ -44,7 +45,7 @@ progress = get_logger("spmd_ort.progress")  # shown at the default level (option
 PROGRESS_AFTER_S = 2.0  # an export still running after this long gets a progress line
 
 
-class OrtExecutor:
+class OrtExecutor(ExecutorBase):
     name = "ort"
     reuses_buffers = True  # segment outputs live in tensors that the next step overwrites
 
