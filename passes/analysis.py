@@ -2,15 +2,14 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from torch import fx
 
-from spmd_ort.compat import optimization_hint
 from spmd_ort.graph import ops
 from spmd_ort.graph.segments import capture_verdict, tensors_of
-from spmd_ort.runtime.memory import plan_activation_memory
+from spmd_ort.graph.liveness import plan_activation_memory
 
 from .context import PassResult
 from .contracts import Invariant
@@ -27,6 +26,7 @@ class MemoryPlan(PassResult):
 
     planned_peak_bytes: int
     saved_for_backward_bytes: int = 0
+    live: tuple = field(default=(), repr=False, compare=False)  # bytes live while each node runs (the plan's picture)
 
     def lines(self) -> list[str]:
         return [(f"planned peak of values the step creates: {self.planned_peak_bytes / 2**20:.2f} MiB, of which "
@@ -46,7 +46,8 @@ def plan_memory_pass(gm: fx.GraphModule, ctx) -> fx.GraphModule:
     value the step keeps) and before the backend fuses parts of it into segments.
     """
     plan = plan_activation_memory(gm)
-    ctx.results.record(MemoryPlan(planned_peak_bytes=plan.peak, saved_for_backward_bytes=plan.saved_for_backward))
+    ctx.results.record(MemoryPlan(planned_peak_bytes=plan.peak, saved_for_backward_bytes=plan.saved_for_backward,
+                                  live=plan.live))
     return gm
 
 
@@ -88,8 +89,7 @@ def count_collectives_pass(gm: fx.GraphModule, ctx) -> fx.GraphModule:
         if node.target is ops.all_gather:
             kind = f"{kind} ({phase(node)})"
         calls[kind] = calls.get(kind, 0) + 1
-        size = nbytes_of(payload)
-        nbytes[kind] = nbytes.get(kind, 0) + (int(optimization_hint(size)) if isinstance(size, torch.SymInt) else size)
+        nbytes[kind] = nbytes.get(kind, 0) + nbytes_of(payload)
     ctx.results.record(CollectiveCounts(calls=dict(sorted(calls.items())), nbytes=dict(sorted(nbytes.items()))))
     return gm
 

@@ -9,6 +9,8 @@ from torch import fx
 
 from spmd_ort.graph.slots import SlotKind
 from spmd_ort.graph import ops
+from spmd_ort.graph.aliasing import is_view_op  # noqa: F401 - the passes import it from here
+from spmd_ort.graph.liveness import value_bytes
 # the pass files import the node-meta vocabulary (spmd_ort.graph.meta) from here, with the builders below
 from spmd_ort.graph.meta import (ACTIVATION_COLLECTIVE, DEDUP_KEY, EAGER_LAYOUT_UNKNOWN, GRADIENT_OF,  # noqa: F401
                                  PARTIAL_FOUND_INF, PARTIAL_NORM, SHARD_OF, SHARDED_PARAM, fake_mode_of, phase, refake)
@@ -24,12 +26,11 @@ def val(node: fx.Node) -> torch.Tensor:
     return node.meta["val"]
 
 
-def tensor_bytes(v: torch.Tensor) -> int:
-    return v.numel() * v.element_size()
+tensor_bytes = value_bytes  # the one byte count (a symbolic size at the size the program was traced with)
 
 
 def nbytes(node: fx.Node) -> int:
-    return tensor_bytes(val(node))
+    return value_bytes(val(node))
 
 
 def call(graph: fx.Graph, target, args: tuple, value) -> fx.Node:
@@ -76,15 +77,6 @@ def set_phase(node: fx.Node, ph: str) -> fx.Node:
     if ph == "backward":
         node.meta.setdefault("custom", {})["phase"] = "backward"
     return node
-
-
-def is_view_op(target) -> bool:
-    """Whether an op returns a view of its first input (a non-writing alias in its schema)."""
-    schema = getattr(target, "_schema", None)
-    if schema is None or not schema.returns:
-        return False
-    alias = schema.returns[0].alias_info
-    return alias is not None and not alias.is_write
 
 
 def is_dtype_cast(node: fx.Node) -> bool:

@@ -39,8 +39,9 @@ from torch._functorch._activation_checkpointing.knapsack import greedy_knapsack
 
 from spmd_ort.graph.slots import SlotKind
 from spmd_ort.graph import ops
+from spmd_ort.graph.aliasing import aliases_input
 from spmd_ort.graph.flops import hint as _hint, node_flops
-from spmd_ort.runtime.memory import value_bytes
+from spmd_ort.graph.liveness import value_bytes
 
 from .context import PassResult
 from .contracts import FUNCTIONAL_ATEN, VALUES_KNOWN
@@ -58,8 +59,6 @@ READ_COST = 5.0  # per byte read (~10 GB/s)
 WRITE_COST = 25.0  # per byte written: fresh pages faulted in, later unmapped (~0.4 ms/MiB; the arithmetic ~0.04)
 CAST_COST = 75.0  # per element an op widens from a 1-byte dtype or narrows to one (bool -> float: ~1.2 ns more)
 NAMESPACES = ("aten", "prims")
-# ops whose output shares its input's storage at run time although their schema does not say so
-RUNTIME_VIEWS = (torch.ops.aten._unsafe_view.default,)
 
 
 @dataclass(frozen=True)
@@ -126,16 +125,9 @@ def _is_tensor_value(node: fx.Node) -> bool:
 
 
 def _is_view(node: fx.Node) -> bool:
-    """Whether ``node``'s output shares its first input's storage (views; getitem of a list of views)."""
-    if node.op != "call_function" or not node.args or not isinstance(node.args[0], fx.Node):
-        return False
-    if node.target is operator.getitem:
-        return _is_view(node.args[0])
-    if node.target in RUNTIME_VIEWS:
-        return True
-    schema = getattr(node.target, "_schema", None)
-    return bool(schema is not None and schema.returns and schema.returns[0].alias_info is not None
-                and not schema.returns[0].alias_info.is_write)
+    """Whether ``node``'s output shares its first input's storage (views, ``_unsafe_view``; getitem of a list of
+    views): recomputing it costs nothing and frees nothing."""
+    return aliases_input(node)
 
 
 def storage_root(node: fx.Node) -> fx.Node:

@@ -309,7 +309,7 @@ class CompiledStep:
         steps (``params``, ``grads``, ``opt_state``, ``total``; ``buffers``
         apart); ``peak``: persistent total + buffers + the planned peak of the
         values the step creates (``planned_activation_peak``,
-        :func:`spmd_ort.runtime.memory.plan_activation_memory`), of which
+        :func:`spmd_ort.graph.liveness.plan_activation_memory`), of which
         ``planned_saved_for_backward`` are forward values kept for the backward at that peak
         (what ``activation_memory_budget`` trades for recomputation);
         ``max_rss``: the process's peak resident set so far;

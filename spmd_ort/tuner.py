@@ -114,8 +114,8 @@ class Tuner:
         has lost (its compile costs seconds for every new variant)."""
         if self.buckets.choice is not None:
             program.results.record(self.buckets.choice)
-        executor = program.executor
-        if executor.candidate_source is not None and self.inductor_lost is not None:
+        executor = program.executor  # (None: a plan that built none)
+        if executor is not None and executor.candidate_source is not None and self.inductor_lost is not None:
             executor.candidate_source = None
             self._decide(Decision("inductor candidate", "not compiled for this variant", self.inductor_lost))
 

@@ -222,7 +222,7 @@ def test_sharded_graph_on_one_rank_computes_the_unsharded_step(one_rank, reshard
 
 def test_planned_peak_falls_with_resharding_and_sharding():
     """The liveness plan sees what resharding buys: gathered weights die after their last forward use."""
-    from spmd_ort.runtime.memory import planned_peak_bytes
+    from spmd_ort.graph.liveness import planned_peak_bytes
 
     cfg = GPTConfig(layers=4, d=64, vocab=512)
     peaks = {}

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 import torch
 from torch import fx
 
+from spmd_ort.graph.aliasing import is_view_op
 from spmd_ort.runtime.interpreter import RunInterpreter
 
 VERIFY_TOLERANCE = 1e-4  # max |ort - fx| relative to max |fx|, per output (fp32 segments)
@@ -366,8 +367,7 @@ _FLOAT32_EPS = torch.finfo(torch.float32).eps
 
 def _aliases(target) -> bool:
     """Whether an op's result may be (a view of) one of its inputs, or is no aten op at all (getitem)."""
-    schema = getattr(target, "_schema", None)
-    return schema is None or any(r.alias_info is not None for r in schema.returns)
+    return getattr(target, "_schema", None) is None or is_view_op(target, writes=True)
 
 
 def short_error(exc: BaseException, limit: int = 400) -> str:

@@ -17,6 +17,7 @@ from torch.fx.passes.operator_support import OperatorSupport
 from torch.fx.passes.utils.fuser_utils import fuse_by_partitions
 
 from spmd_ort.graph import ops
+from spmd_ort.graph.aliasing import is_view_op
 from spmd_ort.graph.ops import STARTS, draws_random, wait_
 from spmd_ort.graph.symbolic import SizeEmitter, input_symbols
 
@@ -144,12 +145,8 @@ def _stages(gm: fx.GraphModule) -> dict[fx.Node, int]:
 
 
 def _is_compute(node: fx.Node) -> bool:
-    if node.target is operator.getitem:
-        return False
-    schema = getattr(node.target, "_schema", None)
-    if schema is not None and schema.returns and schema.returns[0].alias_info is not None:
-        return False  # a view
-    return True
+    """Not an element of a multi-output op's results, a view or an in-place result: something to place."""
+    return node.target is not operator.getitem and not is_view_op(node.target, writes=True)
 
 
 # Ops whose output's size depends on the values: a CUDA graph replays the sizes it captured.

@@ -18,9 +18,10 @@ import torch
 from torch import fx
 
 from spmd_ort.graph import ops
+from spmd_ort.graph.aliasing import is_view_op
 from spmd_ort.graph.flops import node_flops, unpriced
 from spmd_ort.plan.device import DeviceSpec
-from spmd_ort.runtime.memory import value_bytes
+from spmd_ort.graph.liveness import value_bytes
 
 KIND = {ops.all_reduce_: "all_reduce", ops.reduce_scatter: "reduce_scatter", ops.all_gather: "all_gather",
         ops.broadcast_: "broadcast"}
@@ -48,11 +49,8 @@ class StepCost:
 
 
 def _is_view(node: fx.Node) -> bool:
-    if node.target is operator.getitem:
-        return True
-    schema = getattr(node.target, "_schema", None)
-    return bool(schema is not None and schema.returns and schema.returns[0].alias_info is not None
-                and not schema.returns[0].alias_info.is_write)
+    """A node that computes nothing: an element of a multi-output op's results, or a view."""
+    return node.target is operator.getitem or is_view_op(node.target)
 
 
 def _dtype(node: fx.Node) -> torch.dtype:

@@ -29,7 +29,7 @@ from spmd_ort.passes.analysis import CollectiveCounts, MemoryPlan
 from spmd_ort.plan.cost import step_cost
 from spmd_ort.plan.device import DeviceSpec, device_spec
 from spmd_ort.plan.report import Plan
-from spmd_ort.runtime.memory import plan_activation_memory, value_bytes
+from spmd_ort.graph.liveness import value_bytes
 
 
 @contextlib.contextmanager
@@ -108,7 +108,8 @@ def plan_step(step, args: tuple, kwargs: dict, *, world_size: int, device: str |
 
     def price(gm: fx.GraphModule, ctx) -> None:
         priced["cost"] = step_cost(gm, spec, world_size)
-        priced["live"] = plan_activation_memory(gm).live
+        priced["live"] = ctx.results.get(MemoryPlan).live  # plan_memory_pass's walk, node for node the same graph
+        assert len(priced["live"]) == len(gm.graph.nodes), "the memory plan is of another graph"
         priced["nodes"] = len(gm.graph.nodes)
         out = next(n for n in gm.graph.nodes if n.op == "output").args[0]
         held = [(s, v.meta.get("val")) for v, s in zip(out, ctx.output_slots)

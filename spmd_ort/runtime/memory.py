@@ -1,13 +1,7 @@
-"""Memory accounting of a compiled step: what a rank holds between steps and at its peak.
-
-* persistent bytes: parameters, gradients and optimizer state this rank keeps
-  between steps (:func:`spmd_ort.distributed.sharding.persistent_bytes`); under
-  ``fully_shard`` about 1/N of the unsharded total, plus padding;
-* planned peak: a liveness walk over the compiled graph (every value from the
-  op that makes it to its last use, views sharing their base's storage, as the
-  fx executor frees them) added to the persistent bytes;
-* the process's peak resident set (``ru_maxrss``), which also counts the Python
-  interpreter, torch and ONNX Runtime themselves.
+"""The host memory of a process that runs compiled steps: its peak resident set (``ru_maxrss``, which also counts
+the Python interpreter, torch and ONNX Runtime themselves) and the allocator's settings.  (The planned peak of a
+graph's values is :mod:`spmd_ort.graph.liveness`; the persistent bytes a rank holds,
+:func:`spmd_ort.distributed.sharding.persistent_bytes`.)
 
 Host memory is also where a step's time can go: glibc hands every allocation
 above its mmap threshold (at most 32 MiB by default) to a fresh ``mmap`` and
@@ -25,110 +19,14 @@ from __future__ import annotations
 
 import ctypes
 import ctypes.util
-import operator
 import resource
 import sys
-from dataclasses import dataclass
 from pathlib import Path
 
-import torch
-from torch import fx
 
 from spmd_ort.options import get_logger
 
 logger = get_logger(__name__)
-
-
-def _aliases(node: fx.Node) -> bool:
-    """Whether the node's output shares storage with its first input (views, in-place ops, an element of a list of
-    views); an element of a multi-output op's results (a layer norm's output, mean and rstd) is storage of its
-    own, freed after its own last use."""
-    if node.target is operator.getitem:
-        src = node.args[0]
-        return not (isinstance(src, fx.Node) and src.op == "call_function" and not _aliases(src))
-    schema = getattr(node.target, "_schema", None)
-    return bool(schema is not None and schema.returns and schema.returns[0].alias_info is not None)
-
-
-def value_bytes(val) -> int:
-    """Bytes of a value; a symbolic size counts at the size the program was traced with."""
-    if isinstance(val, torch.Tensor):
-        from spmd_ort.compat import optimization_hint
-
-        return optimization_hint(val.numel()) * val.element_size()
-    if isinstance(val, (list, tuple)):
-        return sum(value_bytes(v) for v in val)
-    return 0
-
-
-@dataclass(frozen=True)
-class ActivationPlan:
-    """The liveness walk's result: the peak bytes of the values the graph creates, and how many of those live
-    at the peak are forward values kept for the backward (read by a node autograd recorded); ``live``: the bytes
-    live while each node runs, in graph order (a picture of memory over the step)."""
-
-    peak: int
-    saved_for_backward: int
-    live: tuple = ()
-
-
-def _is_backward(node: fx.Node) -> bool:
-    return node.meta.get("custom", {}).get("phase") == "backward"  # the trace's tag (spmd_ort.capture.trace)
-
-
-def plan_activation_memory(gm: fx.GraphModule) -> ActivationPlan:
-    """Peak bytes of the values the graph creates (inputs excluded), freed after their last use, and the bytes of
-    forward values the backward reads among those live at the peak (the first such peak).
-
-    With symbolic sizes (dynamic shapes), at the sizes the program was traced with.
-    """
-    nodes = list(gm.graph.nodes)
-    root: dict[fx.Node, fx.Node] = {}
-    for node in nodes:
-        if node.op == "call_function" and _aliases(node) and node.args and isinstance(node.args[0], fx.Node):
-            base = node.args[0]
-            root[node] = root.get(base, base)
-        else:
-            root[node] = node
-    # a multi-output op holds what no getitem takes out; each element taken out is counted at its getitem
-    own = {n: value_bytes(n.meta.get("val")) for n in nodes if n.op == "call_function" and root[n] is n}
-    for node in nodes:
-        if node.target is operator.getitem and root[node] is node and node.args[0] in own:
-            own[node.args[0]] -= value_bytes(node.meta.get("val"))
-    last: dict[fx.Node, int] = {}
-    saved: set[fx.Node] = set()  # roots of forward values a backward node reads
-    for i, node in enumerate(nodes):
-        for arg in node.all_input_nodes:
-            last[root[arg]] = i
-            if _is_backward(node) and not _is_backward(arg):
-                saved.add(root[arg])
-    frees: dict[int, list[fx.Node]] = {}
-    for r, i in last.items():
-        frees.setdefault(i, []).append(r)
-    live: set[fx.Node] = set()
-    size = peak = peak_saved = 0
-    at: list[int] = []
-    for i, node in enumerate(nodes):
-        if node.op == "call_function" and root[node] is node:
-            live.add(node)
-            size += own[node]
-        at.append(size)
-        if size > peak:
-            peak = size
-            peak_saved = sum(own[r] for r in live if r in saved)
-        if node.op == "output":
-            continue  # outputs outlive the step
-        for r in frees.get(i, []):
-            if r.op == "call_function":
-                live.discard(r)
-                size -= own[r]
-    return ActivationPlan(peak=peak, saved_for_backward=peak_saved, live=tuple(at))
-
-
-def planned_peak_bytes(gm: fx.GraphModule) -> int:
-    """Peak bytes of the values the graph creates (inputs excluded), freed after their last use
-    (:func:`plan_activation_memory`)."""
-    return plan_activation_memory(gm).peak
 
 
 def max_rss_bytes() -> int:
