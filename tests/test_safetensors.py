@@ -194,8 +194,8 @@ def test_bf16_file_loads_into_fp32_parameters(tmp_path):
 
 def test_small_shards_write_an_index_and_replace_the_directory(tmp_path):
     """max_shard_bytes 40 kB: model-0000k-of-0000n files (none over the limit unless one tensor is) and an index
-    save_pretrained's way; both loaders read them back bit for bit.  Saving again replaces the directory whole
-    (no stale shard left) and leaves no temporary directory next to it."""
+    save_pretrained's way; both loaders read them back bit for bit.  Saving again replaces the weights (no stale
+    shard or index left), keeps config.json, and leaves no temporary directory next to it."""
     model = _llama(tie=False)
     spmd_ort.save_safetensors(model, tmp_path / "w", max_shard_bytes=40_000)
     files = sorted(f.name for f in (tmp_path / "w").iterdir())
@@ -218,8 +218,8 @@ def test_small_shards_write_an_index_and_replace_the_directory(tmp_path):
     _assert_bitwise(fresh.state_dict(), model.state_dict())
     assert report.files == n
 
-    spmd_ort.save_safetensors(fresh, tmp_path / "w")  # one file now: the shards and config.json go
-    assert os.listdir(tmp_path / "w") == ["model.safetensors"] and os.listdir(tmp_path) == ["w"]
+    spmd_ort.save_safetensors(fresh, tmp_path / "w")  # one file now: the shards and the index go, config.json stays
+    assert sorted(os.listdir(tmp_path / "w")) == ["config.json", "model.safetensors"] and os.listdir(tmp_path) == ["w"]
 
 
 def test_failed_load_lists_every_problem_and_changes_nothing(tmp_path):

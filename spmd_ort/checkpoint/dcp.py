@@ -44,8 +44,8 @@ import torch.distributed as dist
 from torch import Tensor, nn
 
 from spmd_ort.distributed import parallel
-from spmd_ort.checkpoint.problems import (Problem, check_checkpoint, check_state_dict, dcp_quiet,
-                                                       read_checkpoint)
+from spmd_ort.checkpoint.problems import (Problem, agree, check_checkpoint, check_state_dict, checkpoint_error,
+                                          dcp_quiet, read_checkpoint)
 from spmd_ort.errors import CheckpointError, is_timeout
 from spmd_ort.capture.optim import initial_step
 from spmd_ort.distributed.dtensor import is_dtensor
@@ -102,7 +102,7 @@ def load_state_dict(train_step, sd: dict, model: nn.Module, optimizer: torch.opt
     """
     problems = check_state_dict(sd, model, optimizer)
     if problems:
-        raise _error("the state dict", problems[0], problems[1:])
+        raise _error("the state dict", problems)
     train_step.prepare(model, optimizer)
     with torch.no_grad():
         live = model.state_dict(keep_vars=True)
@@ -183,32 +183,20 @@ def _store(dst: Tensor, value, spec: ShardSpec | None) -> None:
 
 
 # ---------------------------------------------------------------------- save / load
-def _error(path: str, problem: Problem, more: list[Problem] = (), *, rank: int | None = None,
-           failed_ranks: list[int] | None = None, loading: bool = True) -> CheckpointError:
-    verb = "load checkpoint" if loading else "save a checkpoint to"
+def _head(path: str, loading: bool = True) -> str:
     where = f"`{path}`" if path != "the state dict" else "from the state dict"
-    lines = [f"cannot {verb} {where}: {problem.what}. Fix: {problem.fix}."
-             + (f" {NOTHING_CHANGED}" if loading else "")]
-    if failed_ranks is not None:
-        lines[0] += f" (failed on rank{'s' if len(failed_ranks) > 1 else ''} {', '.join(map(str, failed_ranks))}" \
-                    f"; this is rank {rank})"
-    if more:
-        lines.append(f"{len(more)} more problem{'s' if len(more) > 1 else ''}:")
-        lines += [f"  {p.what}" for p in more[:8]] + (["  ..."] if len(more) > 8 else [])
-    return CheckpointError("\n".join(lines), path=str(path), key=problem.key, rank=rank)
+    return f"cannot load checkpoint {where}" if loading else f"cannot save a checkpoint to `{path}`"
+
+
+def _error(path: str, problems: list[Problem], *, rank: int | None = None, loading: bool = True) -> CheckpointError:
+    return checkpoint_error(_head(path, loading), problems, path=path, rank=rank,
+                            after=NOTHING_CHANGED if loading else "", shown=8)
 
 
 def _agree(path: str, what: str, problems: list[Problem], *, loading: bool = True) -> None:
     """Every rank raises if any rank has a problem (the first failing rank's, with its rank named)."""
-    rank, world = parallel.world()
-    local = None if not problems else (path, problems[0], problems[1:])
-    failures = parallel.gather_failures(f"{what} `{path}`", local)
-    if not failures:
-        return
-    failed_path, problem, more = failures[min(failures)]  # the path as the failing rank was given it
-    same_everywhere = len(failures) == world and len({f[:2] for f in failures.values()}) == 1
-    raise _error(failed_path, problem, more, rank=rank, failed_ranks=None if same_everywhere else sorted(failures),
-                 loading=loading)
+    agree(what, path, problems, lambda p: _head(p, loading), same_first_only=True,
+          after=NOTHING_CHANGED if loading else "", shown=8)
 
 
 def _cause(exc: BaseException) -> str:
@@ -262,7 +250,7 @@ def save_checkpoint(path: str | Path, train_step, model: nn.Module,
                               f"({_one_line(exc)[:300]})",
                               "relaunch every rank and resume from the newest checkpoint that loads "
                               "(docs/checkpoints.md, \"Resuming after a rank dies\")", None)
-        raise _error(path, problem, rank=parallel.world()[0], loading=False) from exc
+        raise _error(path, [problem], rank=parallel.world()[0], loading=False) from exc
 
 
 def _writer(path: str):

@@ -19,13 +19,16 @@ import contextlib
 import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
 from torch import Tensor, nn
 
+from spmd_ort.distributed import parallel
 from spmd_ort.distributed.dtensor import is_dtensor
 from spmd_ort.distributed.sharding import spec_of
+from spmd_ort.errors import CheckpointError
 
 OPTIMIZER_STATE_KEYS = {"SGD": {"momentum_buffer"}, "Adam": {"step", "exp_avg", "exp_avg_sq", "max_exp_avg_sq"}}
 
@@ -293,3 +296,43 @@ def _numel(shape: tuple[int, ...]) -> int:
     for s in shape:
         n *= s
     return n
+
+
+# ---------------------------------------------------------------------- the ranks agree (DCP and safetensors alike)
+def checkpoint_error(head: str, problems: Sequence[Problem], *, path: str, rank: int | None,
+                     failed_ranks: list[int] | None = None, after: str = "", shown: int | None = None,
+                     fixes: bool = False) -> CheckpointError:
+    """One :class:`CheckpointError` for ``problems``: ``head`` (``cannot load `path```), the first problem and its
+    fix, ``after`` (what was or was not changed), the ranks that failed where not all failed alike, then the others
+    (``shown`` of them at most; ``fixes``: each with its fix where not given already)."""
+    first, more = problems[0], list(problems[1:])
+    line = f"{head}: {first.what}. Fix: {first.fix}." + (f" {after}" if after else "")
+    if failed_ranks is not None:
+        line += (f" (failed on rank{'s' if len(failed_ranks) > 1 else ''} {', '.join(map(str, failed_ranks))}"
+                 f"; this is rank {rank})")
+    lines, seen = [line], {first.fix}
+    if more:
+        lines.append(f"{len(more)} more problem{'s' if len(more) > 1 else ''}:")
+    for p in more if shown is None else more[:shown]:
+        lines.append(f"  {p.what}" + ("" if not fixes or p.fix in seen else f". Fix: {p.fix}."))
+        seen.add(p.fix)
+    if shown is not None and len(more) > shown:
+        lines.append("  ...")
+    return CheckpointError("\n".join(lines), path=str(path), key=first.key, rank=rank)
+
+
+def agree(what: str, path: str, problems: Sequence[Problem], head: Callable[[str], str], *,
+          same_first_only: bool = False, **style) -> None:
+    """Every rank raises one :func:`checkpoint_error` if any rank has a problem: the lowest failing rank's, its
+    path as that rank was given it (``head(path)``), and which ranks failed where not every rank failed alike
+    (``same_first_only``: alike is the same first problem).  ``style``: :func:`checkpoint_error`'s."""
+    rank, world = parallel.world()
+    failures = parallel.gather_failures(f"{what} `{path}`", (path, tuple(problems)) if problems else None)
+    if not failures:
+        return
+    failed_path, listed = failures[min(failures)]
+    key = (lambda f: (f[0], f[1][:1])) if same_first_only else (lambda f: f)
+    same = len(failures) == world and len({key(f) for f in failures.values()}) == 1
+    raise checkpoint_error(head(failed_path), listed, path=failed_path, rank=rank,
+                           failed_ranks=None if same else sorted(failures), **style)
+

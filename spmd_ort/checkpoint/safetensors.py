@@ -45,11 +45,10 @@ from pathlib import Path
 import torch
 from torch import Tensor, nn
 
-from spmd_ort.checkpoint.problems import Problem
+from spmd_ort.checkpoint.problems import Problem, agree
 from spmd_ort.distributed import parallel
 from spmd_ort.distributed.dtensor import is_dtensor
 from spmd_ort.distributed.sharding import SHARD_ATTR, ShardSpec, flat_of, gather_full, spec_of
-from spmd_ort.errors import CheckpointError
 from spmd_ort.runtime.memory import release_free_host_memory
 
 WEIGHTS = "model.safetensors"
@@ -617,35 +616,10 @@ def _agree(path: str, model: nn.Module | None, problems: list[Problem], *, loadi
            partly: bool = False) -> None:
     """Every rank raises one CheckpointError if any rank has a problem (the lowest failing rank's list);
     ``partly``: this rank has already read some tensors in place (its error says so)."""
-    rank, world = parallel.world()
-    what = "loading" if loading else "saving"
-    failures = parallel.gather_failures(f"{what} safetensors `{path}`",
-                                        (path, problems) if problems else None)
-    if not failures:
-        return
-    failed_path, listed = failures[min(failures)]
-    same = len(failures) == world and len({(p, tuple(ps)) for p, ps in failures.values()}) == 1
-    raise _error(failed_path, model, listed, rank=rank, failed_ranks=None if same else sorted(failures),
-                 loading=loading, partly=partly)
-
-
-def _error(path: str, model: nn.Module | None, problems: list[Problem], *, rank: int,
-           failed_ranks: list[int] | None, loading: bool, partly: bool = False) -> CheckpointError:
-    first = problems[0]
     into = f" into {type(model).__name__}" if model is not None else ""
-    head = (f"cannot load `{path}`{into}" if loading else f"cannot save safetensors to `{path}`") \
-        + f": {first.what}. Fix: {first.fix}." + (f" {PARTLY_LOADED if partly else NOTHING_LOADED}" if loading else "")
-    if failed_ranks is not None:
-        head += f" (failed on rank{'s' if len(failed_ranks) > 1 else ''} {', '.join(map(str, failed_ranks))}" \
-                f"; this is rank {rank})"
-    lines, fixes = [head], {first.fix}
-    more = problems[1:]
-    if more:
-        lines.append(f"{len(more)} more problem{'s' if len(more) > 1 else ''}:")
-    for p in more:
-        lines.append(f"  {p.what}" + ("" if p.fix in fixes else f". Fix: {p.fix}."))
-        fixes.add(p.fix)
-    return CheckpointError("\n".join(lines), path=path, key=first.key, rank=rank)
+    head = (lambda p: f"cannot load `{p}`{into}") if loading else (lambda p: f"cannot save safetensors to `{p}`")
+    agree("loading safetensors" if loading else "saving safetensors", path, problems, head, fixes=True,
+          after=(PARTLY_LOADED if partly else NOTHING_LOADED) if loading else "")
 
 
 # ---------------------------------------------------------------------- save
