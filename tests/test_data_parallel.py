@@ -222,6 +222,19 @@ def test_the_users_collectives_never_pair_with_ours(tmp_path):
     assert ranks[0]["logged_losses"] == ranks[1]["logged_losses"]
 
 
+@pytest.mark.skipif(__import__("spmd_ort.backends.inductor", fromlist=["cxx_compiler"]).cxx_compiler() is None,
+                    reason="the inductor backend needs a C++ compiler")
+def test_a_compiled_segment_that_fails_on_one_rank_runs_on_fx_on_every_rank(tmp_path):
+    """Inductor's checked first run agrees across ranks, as ORT's does: a segment whose compiled code fails on rank 1
+    only runs on fx on both ranks (before, rank 0 kept the compiled code and the replicas computed by different
+    kernels); every step equals DDP and the parameters stay identical across ranks (checked in the script)."""
+    ranks, _ = torchrun(tmp_path, "--model", "mlp", "--opt", "adamw", "--backend", "inductor", "--steps", "3",
+                        "--break-compiled-on-rank1")
+    for r in ranks:
+        assert "compile_error" not in r, r.get("compile_error")
+        assert "fell back to fx: fused_0" in r["describe"], r["describe"]
+
+
 def _check_debug_outputs(tmp_path: Path, stderr: str) -> None:
     from spmd_ort.debug import first_divergence, load_run
 

@@ -330,7 +330,8 @@ def test_auto_keeps_the_faster_executor_per_segment(monkeypatch, slow, whole_cos
     (this machine's load swings a real one by more than any injected delay): ``whole_cost`` is the whole
     graph's on fx."""
     monkeypatch.setenv("SPMD_ORT_SEGMENT_EXECUTOR", "auto")
-    from spmd_ort.backends.ort import choice, verify
+    from spmd_ort.backends import checked
+    from spmd_ort.backends.ort import choice
     from spmd_ort.backends.ort import executor as executor_module
     from spmd_ort.backends.ort.session import OrtSegment as Segment
 
@@ -342,7 +343,7 @@ def test_auto_keeps_the_faster_executor_per_segment(monkeypatch, slow, whole_cos
 
     clock = Clock()
     monkeypatch.setattr(choice, "now", clock.perf_counter)  # the fx run and the timing runs (segments, whole graph)
-    monkeypatch.setattr(verify, "now", clock.perf_counter)  # the checked ORT run
+    monkeypatch.setattr(checked, "now", clock.perf_counter)  # the checked ORT run
     cost = {"ort": 0.050 if slow == "ort" else 0.001, "fx": 0.050 if slow == "fx" else 0.001}
 
     def costing(fn, seconds):

@@ -25,12 +25,14 @@ import torch
 from torch import fx, nn
 from torch.fx.passes.operator_support import OperatorSupport
 
+from spmd_ort.backends.checked import CheckStats, agree_segment, checked_run, segment_failure
 from spmd_ort.backends.interface import ExecutorBase
 from spmd_ort.backends.timed import TimedInterpreter
 from spmd_ort.errors import CompileError, ConfigError
 from spmd_ort.options import Options, get_logger
 from spmd_ort.graph.segments import HOST_NAMESPACES, RANDOM_OPS, UNINITIALIZED_OPS, partition_with
-from spmd_ort.graph.checking import op_summary, output_mismatch, short_error, verify_tolerances
+from spmd_ort.graph.checking import op_summary, short_error, unordered_topks, verify_tolerances
+from spmd_ort.runtime.interpreter import RunInterpreter
 from spmd_ort.runtime.step_runtime import active
 from spmd_ort.runtime.devices import rng_kept
 from spmd_ort.graph.ops import OPAQUE_OPS, draws_random, grouped_mm
@@ -99,6 +101,7 @@ class InductorSegment(nn.Module):
         self.use_fallback = False
         self.runs = 0  # steps whose outputs came from the compiled code
         self.tolerance = verify_tolerances(fallback)  # per output
+        self.unordered = unordered_topks(fallback)  # outputs in an unsorted topk's order: verified as sets
         out = fallback.graph.output_node().args[0]
         self.returns_tuple = isinstance(out, (tuple, list))
         examples = [_example(n.meta["val"]) for n in fallback.graph.nodes if n.op == "placeholder"]
@@ -142,14 +145,10 @@ def _example(v) -> torch.Tensor:
 
 
 @dataclass
-class InductorStats:
+class InductorStats(CheckStats):
     segments: int = 0
     host_ops: dict = field(default_factory=dict)  # op -> why it stays on the host
     compile_seconds: float = 0.0
-    fallbacks: list = field(default_factory=list)
-    verified: int = 0
-    mismatches: list = field(default_factory=list)
-    ill_conditioned: list = field(default_factory=list)  # differed from fx, but no more than fx from float64
     first_run_seconds: float = 0.0
 
 
@@ -196,8 +195,10 @@ class InductorExecutor(ExecutorBase):
         return lines
 
 
-class _CheckedRun(fx.Interpreter):
-    """The first run: each compiled segment next to its fx graph, compared; downstream reads the fx result."""
+class _CheckedRun(RunInterpreter):
+    """The first run: each compiled segment next to its fx graph, compared (:func:`spmd_ort.backends.checked.
+    checked_run`), every rank agreeing on the outcome (a segment that failed anywhere runs on fx everywhere);
+    downstream reads the fx result."""
 
     def __init__(self, executor: InductorExecutor):
         super().__init__(executor.gm)
@@ -209,36 +210,30 @@ class _CheckedRun(fx.Interpreter):
             return super().call_module(target, args, kwargs)
         ex = self.executor
         reference = seg.fallback(*args)
-        try:
+
+        def compiled(*a):
             with rng_kept():  # (its first call may still draw: see InductorSegment)
-                got = seg.run_compiled(*args)
-        except Exception as exc:  # noqa: BLE001 - the compiled code wrote nothing: fx runs the segment
-            _fall_back(seg, f"its compiled code failed to run: {short_error(exc)}", ex)
-            return reference
-        if ex.verify:
-            ex.stats.verified += 1
-            # as ORT's first run: a difference no larger than fx's own from float64 (an ill-conditioned
-            # output, e.g. a weight gradient summed over 65536 terms that nearly cancel) is no fault
-            diff, forgiven = output_mismatch(seg.fallback, args, got, reference, seg.tolerance, label="inductor")
-            if forgiven is not None:
-                logger.info("inductor segment %s differs from its fx graph (%s), but no more than the fx graph "
-                            "itself differs from float64: an ill-conditioned computation, not a fault",
-                            seg.name, forgiven)
-                ex.stats.ill_conditioned.append(seg.name)
-            if diff is not None:
-                ex.stats.mismatches.append(f"{seg.name}: {diff}")
-                _fall_back(seg, f"verification failed: {diff}", ex)
+                return seg.run_compiled(*a)
+
+        try:
+            seconds, error = checked_run("inductor", seg.name, compiled, seg.fallback, args, reference,
+                                         tolerance=seg.tolerance, unordered=seg.unordered, stats=ex.stats,
+                                         policy=ex.policy, verify=ex.verify), None
+        except Exception as exc:  # noqa: BLE001 - re-raised after the ranks' agreement (no rank left waiting)
+            seconds, error = None, exc
+        _, failed_elsewhere = agree_segment("inductor", seg.name, {"compiled": seconds}, error)
+        if seconds is None or failed_elsewhere:
+            if seconds is not None:
+                ex.stats.fell_back(seg.name, "it failed on another rank: every rank runs it on fx, so all compute "
+                                             "alike")
+            seg.use_fallback = True
         return reference
 
 
 def _fall_back(seg: InductorSegment, what: str, ex: InductorExecutor) -> None:
-    where = f"inductor segment `{seg.name}` ({op_summary(seg.fallback)})"
-    if ex.policy == "FALLBACK_DISABLE":
-        raise CompileError(f"{where}: {what}. SPMD_ORT_FALLBACK_POLICY=FALLBACK_DISABLE, so this is an error; "
-                           "unset it to run such segments on the fx executor", op=op_summary(seg.fallback))
-    logger.warning("%s: %s; it runs on the fx executor instead (SPMD_ORT_FALLBACK_POLICY=FALLBACK_TO_FX)",
-                   where, what)
-    ex.stats.fallbacks.append(seg.name)
+    """A segment inductor could not compile: fx runs it, or (FALLBACK_DISABLE) an error."""
+    segment_failure("inductor", seg.name, what, ex.policy, op_summary(seg.fallback))
+    ex.stats.fell_back(seg.name, what)
     seg.use_fallback = True
 
 

@@ -87,6 +87,9 @@ def main() -> None:
     ap.add_argument("--user-collectives", action="store_true",
                     help="the user's own collectives on the default group: a thread all-reducing while each step "
                          "runs (a logging or checkpointing thread), a barrier and the loss's all-reduce between steps")
+    ap.add_argument("--break-compiled-on-rank1", action="store_true",
+                    help="inductor: the first compiled segment fails its checked run on rank 1 only; every rank "
+                         "must run it on fx (replicas compute alike)")
     ap.add_argument("--candidate-free", action="store_true",
                     help="the inductor candidate's compile is predicted free: it is compiled, checked and timed "
                          "once 3 steady steps are measured (step 5), not when the steady steps have spent its "
@@ -128,6 +131,17 @@ def run(args, rank: int, world: int) -> dict:
                 return fastest(run, a, first) * 100
 
             choice.fastest = slow_ort
+    if args.break_compiled_on_rank1 and rank == 1:
+        from spmd_ort.backends.inductor import InductorSegment
+
+        run_compiled = InductorSegment.run_compiled
+
+        def broken(self, *a):
+            if self.name == "fused_0":
+                raise RuntimeError("broken on rank 1 by the test")
+            return run_compiled(self, *a)
+
+        InductorSegment.run_compiled = broken
     if args.mixed_executors:
         from spmd_ort.backends.ort import choice
 

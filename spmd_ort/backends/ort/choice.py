@@ -23,9 +23,9 @@ import torch
 import torch.distributed as dist
 from torch import fx
 
-from spmd_ort.errors import CompileError
 from spmd_ort.backends.ort.session import OrtSegment
 from spmd_ort.backends.ort.stats import OrtStats, SegmentChoice, WholeChoice
+from spmd_ort.backends.checked import agree_segment
 from spmd_ort.backends.ort.verify import checked_first_run
 from spmd_ort.runtime.collectives import control_group
 from spmd_ort.runtime.step_runtime import active
@@ -68,7 +68,7 @@ class FirstRun(RunInterpreter):
         times = {"fx": fx_s, "ort": ort_s}
         if ort_s is not None and self.segment_executor == "auto":
             times = {"fx": fx_s, "ort": fastest(seg.run_ort, args, ort_s)}
-        times, failed_elsewhere = _agreed_times(seg.name, times, error)
+        times, failed_elsewhere = agree_segment("ORT", seg.name, times, error, failed="ort")
         if ort_s is None or failed_elsewhere:
             if failed_elsewhere and ort_s is not None:
                 self.stats.fell_back(seg.name, "ONNX Runtime failed or differed on another rank: every rank runs "
@@ -92,26 +92,6 @@ class FirstRun(RunInterpreter):
         self.stats.choices[seg.name] = SegmentChoice(choice, ort_ms=times["ort"] * 1e3, fx_ms=times["fx"] * 1e3)
         if choice == "fx":
             seg.release()
-
-
-def _agreed_times(name: str, times: dict, error: Exception | None) -> tuple[dict, bool]:
-    """The ranks' mean times of one segment, and whether ORT failed on another rank; ``error`` (this rank's) is
-    re-raised after the agreement, and a rank whose peer raised raises too: nobody waits for a failed rank."""
-    world = _world()
-    if world == 1:
-        if error is not None:
-            raise error
-        return times, False
-    failed = times["ort"] is None or error is not None
-    t = torch.tensor([times["fx"], 0.0 if failed else times["ort"], float(failed), float(error is not None)],
-                     dtype=torch.float64)
-    dist.all_reduce(t, group=control_group())
-    if error is not None:
-        raise error
-    if t[3] > 0:
-        raise CompileError(f"ORT segment {name} failed on another rank (see its error); every rank stops",
-                           rank=dist.get_rank())
-    return {"fx": float(t[0]) / world, "ort": float(t[1]) / world}, bool(t[2] > 0)
 
 
 def _wants_more(samples: list[float]) -> bool:

@@ -7,6 +7,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from spmd_ort.backends.checked import CheckStats
+
 
 @dataclass(frozen=True)
 class SegmentChoice:
@@ -43,28 +45,17 @@ class WholeChoice:
 
 
 @dataclass
-class OrtStats:
+class OrtStats(CheckStats):
     segments: int = 0
     host_ops: dict = field(default_factory=dict)  # op -> why it stays on the host
     export_seconds: float = 0.0
     cache_hits: int = 0
-    fallbacks: list = field(default_factory=list)  # segments (or "<segment> at sizes ...") that fell back to fx
-    fallback_reasons: dict = field(default_factory=dict)  # each of them -> what failed
-    verified: int = 0
-    mismatches: list = field(default_factory=list)
-    ill_conditioned: list = field(default_factory=list)  # mismatches within rounding of float64: not faults
     choices: dict = field(default_factory=dict)  # segment -> SegmentChoice
     upgrade: WholeChoice | None = None  # the tuner's inductor candidate: what ran against inductor's compiled graph
     upgrade_seconds: float = 0.0  # inductor's compile, checked run and timing
     upgrade_step: int = 0  # the program's step at which the tuner timed it
     whole: WholeChoice | None = None  # auto: the whole step on the segments as chosen, or on fx unsplit
-    first_run_seconds: float = 0.0  # the checked first run: both executors, comparison, timing
-    verify_seconds: float = 0.0  # of which comparing outputs
-
-    def fell_back(self, segment: str, why: str) -> None:
-        """Record that ``segment`` runs on fx because ``why`` (an export, load, run or verification failure)."""
-        self.fallbacks.append(segment)
-        self.fallback_reasons[segment] = why
+    first_run_seconds: float = 0.0  # the checked first run: both executors, comparison, timing (verify_seconds)
 
     def why_fx(self, segment: str) -> str | None:
         """Why ``segment`` fell back to fx (its own failure, or its failure at some sizes), or None."""
