@@ -195,14 +195,8 @@ def build_runners(model: nn.Module, backends: list[str]) -> dict:
         opt = make_adamw(m.parameters(), fused=None if name == "eager-default" else True)
         if name in ("eager", "eager-default"):
             fn = train_step
-        elif name == "ort-only":
-            previous = os.environ.get("SPMD_ORT_SEGMENT_EXECUTOR")
-            os.environ["SPMD_ORT_SEGMENT_EXECUTOR"] = "ort"  # read once, by compile()
+        elif name == "ort-only":  # backend="ort": every segment ORT supports on ORT
             fn = spmd_ort.compile(backend="ort")(train_step)
-            if previous is None:
-                del os.environ["SPMD_ORT_SEGMENT_EXECUTOR"]
-            else:
-                os.environ["SPMD_ORT_SEGMENT_EXECUTOR"] = previous
         elif name == "spmd-inductor":  # the whole step's graph, segments compiled by inductor
             fn = spmd_ort.compile(backend="inductor")(train_step)
         elif name.endswith("+graph"):  # the whole step as one CUDA graph (fx+graph, spmd-inductor+graph)

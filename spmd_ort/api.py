@@ -46,8 +46,10 @@ def compile(  # noqa: A001 - the reference API's name
         gm_transformation: ``GraphModule -> GraphModule`` applied once per compiled variant.
         parallel_mode: a :class:`spmd_ort.DataParallel`; ``None`` means DataParallel() when
             torch.distributed is initialized with more than one rank, else a single process.
-        backend: ``"ort"`` (ONNX Runtime segments + torch host nodes, the default) or ``"fx"``
-            (PyTorch op by op); default from ``SPMD_ORT_BACKEND``.
+        backend: ``"auto"`` (the default: ONNX Runtime segments + torch host nodes, each segment on the faster of
+            ORT and fx, the whole graph against its segments, inductor's candidate), ``"ort"`` (every segment ORT
+            supports on ORT), ``"fx"`` (PyTorch op by op) or ``"inductor"`` (segments compiled by inductor);
+            default from ``SPMD_ORT_BACKEND``.
         debug: :class:`DebugOptions`.
         dynamic: ``None`` (automatic, the default): the first trace is static and sizes of tensor
             inputs (and int/float arguments) that change later become symbolic, so one program serves

@@ -24,7 +24,10 @@ from spmd_ort.errors import ConfigError
 
 logger = logging.getLogger("spmd_ort")
 
-BACKENDS = ("ort", "fx", "inductor")
+BACKENDS = ("ort", "fx", "inductor")  # what runs a program (Options.backend)
+# what a user chooses (compile(backend=...), SPMD_ORT_BACKEND): "auto" is ORT with every measured choice (each
+# segment on the faster of ORT and fx, the whole graph against its segments, inductor's candidate); "ort" is ORT
+BACKEND_CHOICES = ("auto", *BACKENDS)
 FALLBACK_POLICIES = ("FALLBACK_TO_FX", "FALLBACK_DISABLE")
 SEGMENT_EXECUTORS = ("auto", "ort", "fx")
 DYNAMIC_MODES = ("auto", "1", "0")  # SPMD_ORT_DYNAMIC; compile(dynamic=None/True/False)
@@ -46,27 +49,32 @@ class LogLevel(enum.IntEnum):
 class DebugOptions:
     """What the compiler shows and checks.
 
-    ``log_level`` sets the ``spmd_ort`` logger (``SPMD_ORT_LOG_LEVEL`` wins over it).
+    ``log_level`` sets the ``spmd_ort`` logger.
     ``save_onnx``/``onnx_prefix`` write exported segments (ORT backend).
-    ``verify`` checks every exported segment numerically against the FX graph on the first run
-    (default on; ``SPMD_ORT_VERIFY`` wins over it).
+    ``verify`` checks every exported segment numerically against the FX graph on the first run (on by default).
     ``check_passes`` checks every graph pass's declared contract on the graph (the order is checked always).
+
+    A field left at None is not given: its environment variable (``SPMD_ORT_LOG_LEVEL``, ``SPMD_ORT_VERIFY``,
+    ``SPMD_ORT_CHECK_PASSES``) decides, else the default.  One rule for every setting: what the code passes wins
+    over the environment, which wins over the default.
     """
 
-    log_level: LogLevel = LogLevel.WARNING
+    log_level: LogLevel | None = None
     save_onnx: bool = False
     onnx_prefix: str = "spmd_ort"
-    verify: bool = True
-    check_passes: bool = False
+    verify: bool | None = None
+    check_passes: bool | None = None
 
     def __post_init__(self):
         """Checked here, where they are given: ``log_level`` is a LogLevel or its name (``"INFO"``), the switches are
         booleans, ``onnx_prefix`` a file-name prefix.  A bad value is a ConfigError naming the field."""
-        object.__setattr__(self, "log_level", _debug_log_level(self.log_level))
+        if self.log_level is not None:
+            object.__setattr__(self, "log_level", _debug_log_level(self.log_level))
         for name in ("save_onnx", "verify", "check_passes"):
             value = getattr(self, name)
-            if not isinstance(value, bool):
-                raise ConfigError(f"DebugOptions({name}={value!r}) is not valid: expected True or False")
+            if not isinstance(value, bool) and not (value is None and name != "save_onnx"):
+                raise ConfigError(f"DebugOptions({name}={value!r}) is not valid: expected True or False (or None: "
+                                  "not given)")
         prefix = self.onnx_prefix
         if not isinstance(prefix, str) or not prefix or any(sep in prefix for sep in ("/", "\\", os.sep)):
             raise ConfigError(f"DebugOptions(onnx_prefix={prefix!r}) is not valid: expected a non-empty file-name "
@@ -125,14 +133,13 @@ class Options:
                 dynamic: bool | None = None, activation_memory_budget: float | None = None,
                 autotune: bool | None = None, cuda_graph: bool | None = None,
                 environ: Mapping[str, str] | None = None) -> Options:
-        """Options from ``compile``'s arguments and the environment (which wins over ``DebugOptions``).
+        """Options from ``compile``'s arguments, ``DebugOptions`` and the environment.
 
-        ``backend`` wins over ``SPMD_ORT_BACKEND``, ``dynamic`` (True/False) over ``SPMD_ORT_DYNAMIC`` and
-        ``activation_memory_budget`` over ``SPMD_ORT_ACTIVATION_MEMORY_BUDGET``, ``autotune`` over
-        ``SPMD_ORT_AUTOTUNE`` (off: ``segment_executor`` ``auto`` is ``ort``), ``cuda_graph`` over
-        ``SPMD_ORT_CUDA_GRAPH``; ``check_passes`` is on when either
-        ``DebugOptions`` or the environment turns it on; ``SPMD_ORT_VERIFY``, when set, wins over
-        ``DebugOptions.verify`` (so ``SPMD_ORT_VERIFY=0`` opts out everywhere).
+        One rule: an argument given (a ``compile()`` keyword, a ``DebugOptions`` field not None) wins over its
+        ``SPMD_ORT_*`` variable, which wins over the default.  ``backend``: ``"auto"`` (the default) runs ORT with
+        every choice measured (``segment_executor`` ``auto``, inductor's candidate); ``"ort"`` runs every segment
+        ORT supports on ORT (``segment_executor`` ``ort``); the developer switches ``SPMD_ORT_SEGMENT_EXECUTOR`` and
+        ``SPMD_ORT_AUTO_INDUCTOR`` refine either.  ``autotune`` off: ``segment_executor`` ``auto`` is ``ort``.
         """
         if debug is None:
             debug = DebugOptions()
@@ -140,22 +147,26 @@ class Options:
             raise ConfigError(f"compile(debug={debug!r}) is not valid: expected a spmd_ort.DebugOptions, e.g. "
                               f"DebugOptions(log_level='INFO', save_onnx=True), not a {type(debug).__name__}")
         env = from_environment(os.environ if environ is None else environ)
-        values: dict[str, Any] = {"log_level": debug.log_level, "save_onnx": debug.save_onnx,
-                                  "onnx_prefix": debug.onnx_prefix}
+        values: dict[str, Any] = {"save_onnx": debug.save_onnx, "onnx_prefix": debug.onnx_prefix}
         values.update(env)
-        values["verify"] = env.get("verify", debug.verify)
-        values["check_passes"] = debug.check_passes or env.get("check_passes", False)
+        for name in ("log_level", "verify", "check_passes"):  # given in DebugOptions: over the environment
+            if getattr(debug, name) is not None:
+                values[name] = getattr(debug, name)
         if not values.get("custom_autograd", True) and values.get("opaque_functions"):
             raise ConfigError("SPMD_ORT_OPAQUE_AUTOGRAD_FUNCTIONS lists Functions to run opaquely, but "
                               "SPMD_ORT_DISABLE_CUSTOM_AUTOGRAD_SUPPORT=1 runs none opaquely; set one of them")
         if values.get("opaque_functions"):
             values["opaque_functions"] = frozenset(resolve_function(n) for n in values["opaque_functions"])
-        values["backend_given"] = "backend" in env
         if backend is not None:
-            if backend not in BACKENDS:
-                raise ConfigError(f"backend={backend!r} is not one of {', '.join(BACKENDS)}")
+            if backend not in BACKEND_CHOICES:
+                raise ConfigError(f"backend={backend!r} is not one of {', '.join(BACKEND_CHOICES)}")
             values["backend"] = backend
-            values["backend_given"] = True
+        choice = values.pop("backend", "auto")
+        values["backend"] = "ort" if choice == "auto" else choice
+        values["backend_given"] = choice != "auto"  # a default one may be swapped on a GPU (default_backend_for)
+        if choice == "ort":  # ORT alone (the developer switches, when set, refine it)
+            values.setdefault("segment_executor", "ort")
+            values.setdefault("auto_inductor", False)
         if dynamic is not None:
             if not isinstance(dynamic, bool):
                 raise ConfigError(f"dynamic={dynamic!r} is not one of None (automatic), True, False")
@@ -336,23 +347,27 @@ class EnvVar:
     parse: Callable[[str], Any]
     default: str  # as the README shows it
     doc: str
+    user: bool = False  # a setting users train with (docs/options.md); else a developer or test switch (testing.md)
 
 
 ENV_VARS: tuple[EnvVar, ...] = (
     EnvVar("SPMD_ORT_LOG_LEVEL", "log_level", _log_level, "`WARNING`",
-           "`VERBOSE`, `INFO`, `WARNING`, `ERROR` or `FATAL`; wins over `DebugOptions.log_level`"),
-    EnvVar("SPMD_ORT_BACKEND", "backend", _choice("backend", BACKENDS), "`ort`",
-           "`ort`, `fx` or `inductor`: the backend when `compile(backend=None)`"),
+           "`VERBOSE`, `INFO`, `WARNING`, `ERROR` or `FATAL`, where `DebugOptions(log_level=...)` is not given",
+           user=True),
+    EnvVar("SPMD_ORT_BACKEND", "backend", _choice("backend", BACKEND_CHOICES), "`auto`",
+           "`auto` (ONNX Runtime, each segment on the faster of ORT and fx, the whole graph against its segments, "
+           "inductor's candidate), `ort` (every segment ORT supports on ORT), `fx` or `inductor`: the backend when "
+           "`compile(backend=None)`", user=True),
     EnvVar("SPMD_ORT_DISABLE_PASSES", "disabled_passes", _names, "none",
            "comma-separated graph pass names to skip (e.g. `reinplace_optimizer_pass`); an unknown name is an error"),
     EnvVar("SPMD_ORT_CHECK_PASSES", "check_passes", _bool, "`0`",
            "`1`: check every pass's contract (requires / provides) on the graph (always on in the test suite; "
-           "the pipeline's order is checked always)"),
+           "the pipeline's order is checked always), where `DebugOptions(check_passes=...)` is not given"),
     EnvVar("SPMD_ORT_ONNX_OPSET_VERSION", "onnx_opset", _opset, f"`{DEFAULT_OPSET}`",
            f"ONNX opset of exported segments, {OPSET_RANGE[0]} to {OPSET_RANGE[1]}"),
     EnvVar("SPMD_ORT_VERIFY", "verify", _bool, "`1`",
            "`0`: skip comparing every exported segment with its fx graph on the first run (which runs both "
-           "anyway); wins over `DebugOptions.verify`"),
+           "anyway), where `DebugOptions(verify=...)` is not given", user=True),
     EnvVar("SPMD_ORT_FALLBACK_POLICY", "fallback_policy", _choice("policy", FALLBACK_POLICIES, upper=True),
            "`FALLBACK_TO_FX`", "`FALLBACK_TO_FX` or `FALLBACK_DISABLE` (a segment ORT cannot run is an error)"),
     EnvVar("SPMD_ORT_SEGMENT_EXECUTOR", "segment_executor", _choice("executor", SEGMENT_EXECUTORS), "`auto`",
@@ -360,12 +375,13 @@ ENV_VARS: tuple[EnvVar, ...] = (
            "run), `ort` or `fx`"),
     EnvVar("SPMD_ORT_AUTO_INDUCTOR", "auto_inductor", _bool, "`1`",
            "with `SPMD_ORT_SEGMENT_EXECUTOR=auto`, the whole graph compiled by inductor is a candidate of the "
-           "automatic choice (where a C++ compiler is found); `0`: only ORT and fx are"),
+           "automatic choice (where a C++ compiler is found); `0`: only ORT and fx are (`backend='ort'`: `0`)"),
     EnvVar("SPMD_ORT_AUTOTUNE", "autotune", _bool, "`1`",
            "`0`: the static choices, no measurement decides anything after compile (every segment ORT supports "
            "runs on ORT, no whole-graph choice, no inductor candidate, `bucket_cap_mb='auto'` keeps its starting "
-           "cap, no recompiles; `SPMD_ORT_SEGMENT_EXECUTOR=auto` acts as `ort`); `compile(autotune=...)` wins"),
-    EnvVar("SPMD_ORT_CACHE_DIR", "cache_dir", Path, "`~/.cache/spmd_ort`", "exported-model cache"),
+           "cap, no recompiles; `SPMD_ORT_SEGMENT_EXECUTOR=auto` acts as `ort`); `compile(autotune=...)` wins",
+           user=True),
+    EnvVar("SPMD_ORT_CACHE_DIR", "cache_dir", Path, "`~/.cache/spmd_ort`", "exported-model cache", user=True),
     EnvVar("SPMD_ORT_SAVE_ONNX_PATH", "save_onnx_path", _directory, "working directory",
            "the directory where `DebugOptions(save_onnx=True)` writes `<onnx_prefix>_<segment>.onnx` (open them in "
            "Netron; created if missing, a file there is a `ConfigError`)"),
@@ -374,7 +390,7 @@ ENV_VARS: tuple[EnvVar, ...] = (
     EnvVar("SPMD_ORT_RETAIN_HOST_MEMORY", "retain_host_memory", _bool, "`0`",
            "`1`: the first compiled call makes the whole process keep freed host memory for reuse (glibc's "
            "`mallopt`; fewer page faults on CPU, resident memory stays at its peak; see `memory()`); `0` leaves "
-           "glibc's allocator as it is"),
+           "glibc's allocator as it is", user=True),
     EnvVar("SPMD_ORT_ALLOW_SPINNING", "allow_spinning", _bool, "`1`",
            "`0` stops ORT's worker threads from spinning during a run (they stop when a run returns either way)"),
     EnvVar("SPMD_ORT_DISABLE_CUSTOM_AUTOGRAD_SUPPORT", "custom_autograd", _not(_bool), "`0`",
@@ -382,23 +398,26 @@ ENV_VARS: tuple[EnvVar, ...] = (
     EnvVar("SPMD_ORT_OPAQUE_AUTOGRAD_FUNCTIONS", "opaque_functions", _qualified_names, "none",
            "comma-separated autograd.Functions (`pkg.module.Class`) always run opaquely, as host nodes, untraced; "
            "each is imported at `compile()` (a name that is no Function is a `ConfigError`; one defined in a "
-           "function, `<locals>`, gets a WARNING after the first trace if the step applied none of that name)"),
+           "function, `<locals>`, gets a WARNING after the first trace if the step applied none of that name)",
+           user=True),
     EnvVar("SPMD_ORT_DYNAMIC", "dynamic", _choice("dynamic", DYNAMIC_MODES), "`auto`",
            "`auto`: the first trace is static, sizes of tensor inputs and int/float arguments that change become "
            "symbolic (one program for all of them); `1`: batch and sequence dims symbolic from the start; "
-           "`0`: one program per shape. `compile(dynamic=True/False)` wins"),
+           "`0`: one program per shape. `compile(dynamic=True/False)` wins", user=True),
     EnvVar("SPMD_ORT_ACTIVATION_MEMORY_BUDGET", "activation_memory_budget", _budget, "`1.0`",
            "0.0 to 1.0: the share of the recomputable saved-for-backward bytes the backward keeps; the rest is "
            "recomputed just before its use (`0.0`: all that can be; see `recompute_activations_pass`). "
-           "`compile(activation_memory_budget=...)` wins"),
+           "`compile(activation_memory_budget=...)` wins", user=True),
     EnvVar("SPMD_ORT_CUDA_GRAPH", "cuda_graph", _bool, "`0`",
            "`1`: a step on a GPU is captured as one CUDA graph after its checked first run and one more, then "
            "replayed (fx and inductor backends; what cannot be captured runs as before and `explain()` says why; "
-           "no effect on the CPU). `compile(cuda_graph=...)` wins"),
+           "no effect on the CPU). `compile(cuda_graph=...)` wins", user=True),
     EnvVar("SPMD_ORT_AUTO_OPAQUE", "auto_opaque", _bool, "`1`",
            "`0`: a submodule that cannot be traced is a `CompileError` instead of an opaque host node "
            "(`OpaqueOverride` still applies)"),
 )
+# read by the test suite, not by spmd_ort (no Options field): known, so never warned about
+TEST_ENV = (("SPMD_ORT_TEST_DEVICE", "`cuda`", "the device tests/test_cuda.py runs on (`cpu`: its CPU checks)"),)
 # read by other programs, not by spmd_ort: documented beside ours
 OTHER_ENV = (("TORCH_EXTENSIONS_DIR", "torch's `~/.cache/torch_extensions`",
               "where the native kernel is built and cached"),)
@@ -407,7 +426,7 @@ OTHER_ENV = (("TORCH_EXTENSIONS_DIR", "torch's `~/.cache/torch_extensions`",
 def from_environment(environ: Mapping[str, str]) -> dict[str, Any]:
     """Options fields set by the environment; a bad value raises ConfigError naming the variable."""
     out: dict[str, Any] = {}
-    known = {v.name for v in ENV_VARS}
+    known = {v.name for v in ENV_VARS} | {name for name, _, _ in TEST_ENV}
     for var in ENV_VARS:
         raw = environ.get(var.name)
         if raw is None or raw == "":
@@ -440,11 +459,13 @@ def environment_value(field: str, environ: Mapping[str, str] | None = None) -> A
     return getattr(Options, field)
 
 
-def env_table_markdown() -> str:
-    """The README's table of environment variables."""
+def env_table_markdown(user: bool = True) -> str:
+    """The table of environment variables: users' (docs/options.md), or the developer and test switches
+    (docs/testing.md)."""
     rows = ["| variable | default | meaning |", "| --- | --- | --- |"]
-    rows += [f"| `{v.name}` | {v.default} | {v.doc} |" for v in ENV_VARS]
-    rows += [f"| `{name}` | {default} | {doc} |" for name, default, doc in OTHER_ENV]
+    rows += [f"| `{v.name}` | {v.default} | {v.doc} |" for v in ENV_VARS if v.user == user]
+    extra = OTHER_ENV if user else TEST_ENV
+    rows += [f"| `{name}` | {default} | {doc} |" for name, default, doc in extra]
     return "\n".join(rows)
 
 

@@ -185,7 +185,10 @@ def test_readme_pipeline_is_the_pipeline():
 
 
 def test_readme_environment_table_is_the_options_table():
-    assert _doc_block("docs/options.md", "env") == env_table_markdown()
+    """Users' variables in docs/options.md (at most 10: issue 56), the developer and test switches in testing.md."""
+    assert _doc_block("docs/options.md", "env") == env_table_markdown(user=True)
+    assert _doc_block("docs/testing.md", "dev-env") == env_table_markdown(user=False)
+    assert env_table_markdown(user=True).count("| `SPMD_ORT_") <= 10
 
 
 @pytest.mark.parametrize("step", STAGES, ids=lambda s: s.name)

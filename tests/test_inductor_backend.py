@@ -159,7 +159,7 @@ def test_the_automatic_choice_times_inductor_as_a_candidate(monkeypatch, winner)
         return choose(runners, inputs, stats, field)
 
     monkeypatch.setattr(choice, "choose_whole", rigged)  # the tuner's timing of the candidate
-    compiled, _, _ = train_side_by_side(MLP, _adamw, train_step, _batches((8, 32), 10, 5), backend="ort",
+    compiled, _, _ = train_side_by_side(MLP, _adamw, train_step, _batches((8, 32), 10, 5), backend="auto",
                                         expect_clean_ort=False, dynamic=False)
     ex = compiled.compiled.executor
     up = ex.stats.upgrade

@@ -105,14 +105,35 @@ def test_environment_is_read_once_at_compile(monkeypatch):
     assert step.compiled.backend == "fx" and step.options.backend == "fx"
 
 
-def test_precedence_arguments_environment_debug_options():
-    env = {"SPMD_ORT_BACKEND": "fx", "SPMD_ORT_LOG_LEVEL": "INFO", "SPMD_ORT_ONNX_OPSET_VERSION": "18"}
-    opts = Options.resolve(debug=spmd_ort.DebugOptions(log_level=spmd_ort.LogLevel.ERROR, verify=True),
-                           backend="ort", environ=env)
+def test_precedence_arguments_environment_defaults():
+    """One rule (issue 56): what the code passes (a compile() keyword, a DebugOptions field) wins over its variable,
+    which wins over the default; a DebugOptions field left at None is not given."""
+    env = {"SPMD_ORT_BACKEND": "fx", "SPMD_ORT_LOG_LEVEL": "INFO", "SPMD_ORT_ONNX_OPSET_VERSION": "18",
+           "SPMD_ORT_VERIFY": "1", "SPMD_ORT_CHECK_PASSES": "1"}
+    opts = Options.resolve(debug=spmd_ort.DebugOptions(log_level=spmd_ort.LogLevel.ERROR, verify=False,
+                                                       check_passes=False), backend="ort", environ=env)
     assert opts.backend == "ort"  # the argument wins over SPMD_ORT_BACKEND
-    assert opts.log_level == spmd_ort.LogLevel.INFO  # the environment wins over DebugOptions
-    assert opts.verify and opts.onnx_opset == 18
+    assert opts.log_level == spmd_ort.LogLevel.ERROR and not opts.verify and not opts.check_passes  # DebugOptions'
+    assert opts.onnx_opset == 18  # the environment over the default
+    unset = Options.resolve(debug=spmd_ort.DebugOptions(), environ=env)
+    assert unset.log_level == spmd_ort.LogLevel.INFO and unset.verify and unset.check_passes
     assert Options.resolve(environ={}) == Options()
+
+
+def test_backend_auto_is_the_default_and_ort_pins_onnx_runtime():
+    """``backend``: "auto" (the default) is ORT with every measured choice; "ort" runs every segment ORT supports on
+    ORT, no candidate; the developer switches refine either; a GPU may swap only a backend nobody chose."""
+    auto = Options.resolve(environ={})
+    assert (auto.backend, auto.segment_executor, auto.auto_inductor, auto.backend_given) == ("ort", "auto", True,
+                                                                                              False)
+    assert Options.resolve(backend="auto", environ={}) == auto == Options.resolve(environ={"SPMD_ORT_BACKEND": "auto"})
+    ort = Options.resolve(backend="ort", environ={})
+    assert (ort.backend, ort.segment_executor, ort.auto_inductor, ort.backend_given) == ("ort", "ort", False, True)
+    assert Options.resolve(environ={"SPMD_ORT_BACKEND": "ort"}) == ort
+    refined = Options.resolve(backend="ort", environ={"SPMD_ORT_SEGMENT_EXECUTOR": "auto"})
+    assert refined.segment_executor == "auto" and refined.backend_given
+    with pytest.raises(spmd_ort.ConfigError, match="backend='onnx' is not one of auto, ort, fx, inductor"):
+        Options.resolve(backend="onnx", environ={})
 
 
 def test_unknown_variable_is_warned_about(caplog):
@@ -132,7 +153,8 @@ def test_debug_options_are_checked_where_given():
     raw ValueError; a dict as debug= an AttributeError): a bad one is a ConfigError naming the field and the value."""
     for kwargs, text in ((dict(verify="maybe"), "DebugOptions(verify='maybe') is not valid: expected True or False"),
                          (dict(save_onnx=1), "DebugOptions(save_onnx=1)"),
-                         (dict(check_passes=None), "DebugOptions(check_passes=None)"),
+                         (dict(check_passes="yes"), "DebugOptions(check_passes='yes')"),
+                         (dict(save_onnx=None), "DebugOptions(save_onnx=None)"),
                          (dict(log_level="LOUD"), "DebugOptions(log_level='LOUD') is not valid: expected a "
                                                   "spmd_ort.LogLevel or its name (VERBOSE, INFO, WARNING"),
                          (dict(log_level=True), "DebugOptions(log_level=True)"),

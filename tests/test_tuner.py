@@ -58,7 +58,7 @@ def test_the_default_path_records_each_decision_and_explain_shows_it(monkeypatch
     monkeypatch.delenv("SPMD_ORT_AUTOTUNE", raising=False)
     _fix_times(monkeypatch, ort_s=2e-3, fx_s=1e-3)
     monkeypatch.setattr(tuner.CompileCost, "predict", classmethod(lambda cls, nodes: (1000.0, f"{nodes} nodes")))
-    compiled, _, _ = train_side_by_side(MLP, _adamw, train_step, _batches(5), backend="ort", expect_clean_ort=False)
+    compiled, _, _ = train_side_by_side(MLP, _adamw, train_step, _batches(5), backend="auto", expect_clean_ort=False)
     assert compiled.options.autotune and compiled.options.segment_executor == "auto"
     text = compiled.explain()
     block = text.split("decisions made from measurements (spmd_ort.tuner):")[1]
@@ -141,7 +141,7 @@ def test_the_inductor_candidate_waits_until_the_steady_steps_paid_its_predicted_
     monkeypatch.setattr(tuner, "now", Clock(1.0))
     monkeypatch.setattr(tuner.CompileCost, "predict", classmethod(lambda cls, nodes: (6.0, f"{nodes} nodes")))
     monkeypatch.setattr(tuner.CompileCost, "seconds_per_node", None)  # restored after calibrate() sets it
-    compiled, _, _ = train_side_by_side(MLP, _adamw, train_step, _batches(steps), backend="ort",
+    compiled, _, _ = train_side_by_side(MLP, _adamw, train_step, _batches(steps), backend="auto",
                                         expect_clean_ort=False, dynamic=False)
     ex = compiled.compiled.executor
     decided = [str(d) for d in compiled.tuner.decisions]
