@@ -5,12 +5,11 @@ from __future__ import annotations
 
 import copy
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+
+import launch
 import torch
 import torch.nn.functional as F
 
@@ -245,11 +244,7 @@ def test_disabled_scaler_and_what_retraces():
 def two_ranks(tmp_path_factory) -> list[dict]:
     """One torchrun (2 ranks) for both multi-rank scenarios; each rank checks every step itself."""
     out = tmp_path_factory.mktemp("amp") / "out"
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-           str(ROOT / "tests" / "dist" / "amp_parity.py"), "--suite", "all", "--out", str(out)]
-    proc = subprocess.run(cmd, env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True, text=True,
-                          timeout=600)
-    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-6000:]
+    launch.torchrun("amp_parity.py", "--suite", "all", "--out", str(out), timeout=600)
     return [json.loads((out / f"rank{r}.json").read_text()) for r in range(2)]
 
 

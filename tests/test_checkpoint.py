@@ -3,12 +3,11 @@
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+
+import launch
 import torch
 from torch import nn
 
@@ -217,11 +216,7 @@ def test_failed_loads_on_two_ranks_fail_together_and_change_nothing(tmp_path):
     rank 1 only), missing directory on rank 1 only, a damaged file, saving into a file - every rank raises,
     no rank changes; a fresh model stays unsharded; the sharded checkpoint loads into an unsharded model.
     Sharing the launch: input gradients under fully_shard are each rank's own, as in DDP."""
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-           str(ROOT / "tests" / "dist" / "checkpoint_errors.py"), "--dir", str(tmp_path)]
-    proc = subprocess.run(cmd, env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True, text=True,
-                          timeout=300)
-    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-6000:]
+    launch.torchrun("checkpoint_errors.py", "--dir", str(tmp_path), timeout=300)
     ranks = [json.loads((tmp_path / "out" / f"rank{r}.json").read_text()) for r in range(2)]
     for r, res in enumerate(ranks):
         first = {k: (v or "").splitlines()[0] if isinstance(v, str) else v for k, v in res.items()}

@@ -3,14 +3,12 @@
 from __future__ import annotations
 
 import json
-import os
 import re
-import subprocess
-import sys
-import time
 from pathlib import Path
 
 import pytest
+
+import launch
 
 from helpers import assert_inductor_report_clean, assert_ort_report_clean
 from spmd_ort.graph import ops
@@ -22,17 +20,12 @@ pytestmark = pytest.mark.multiproc
 
 def torchrun(tmp_path: Path, *args: str, nproc: int = 2, timeout: int = 300, env: dict | None = None,
              stderr: list | None = None, script: Path = SCRIPT) -> tuple[list[dict], float]:
-    out = tmp_path / "out"
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
-           str(script), "--out", str(out), *args]
-    env = {**os.environ, "OMP_NUM_THREADS": "1", **(env or {})}
-    t0 = time.perf_counter()
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout)
-    elapsed = time.perf_counter() - t0
-    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-6000:]
+    """``script`` (dp_parity.py by default) on ``nproc`` ranks through the one launcher (tests/launch.py): each
+    rank's result and the seconds the launch took; ``stderr`` gets its output."""
+    run = launch.torchrun(script, *args, nproc=nproc, timeout=timeout, env=env, out=tmp_path / "out")
     if stderr is not None:
-        stderr.append(proc.stderr)
-    return [json.loads((out / f"rank{r}.json").read_text()) for r in range(nproc)], elapsed
+        stderr.append(run.output)
+    return run.ranks, run.seconds
 
 
 CASES = [
@@ -269,11 +262,7 @@ def test_an_empty_batch_on_one_rank_fails_on_every_rank_naming_it(tmp_path):
     says that rank 1's input `x` is empty and what to do, changes nothing, and the next good step runs
     (tests/dist/empty_batch.py: replicate, fully_shard, and replicate with dynamic shapes off)."""
     out = tmp_path / "out"
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-           str(ROOT / "tests" / "dist" / "empty_batch.py"), "--out", str(out)]
-    proc = subprocess.run(cmd, env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True, text=True,
-                          timeout=300)
-    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-6000:]
+    launch.torchrun("empty_batch.py", "--out", str(out), timeout=300)
     for r in range(2):
         res = json.loads((out / f"rank{r}.json").read_text())
         for label in ("replicate", "fully_shard", "static"):
@@ -291,11 +280,7 @@ def test_an_index_out_of_range_on_one_rank_fails_on_every_rank_at_once(tmp_path)
     the process group's timeout), changes nothing, and the next good step runs (replicate and fully_shard,
     fx and ORT; tests/dist/bad_index.py)."""
     out = tmp_path / "out"
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-           str(ROOT / "tests" / "dist" / "bad_index.py"), "--out", str(out)]
-    proc = subprocess.run(cmd, env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True, text=True,
-                          timeout=300)
-    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-6000:]
+    launch.torchrun("bad_index.py", "--out", str(out), timeout=300)
     for r in range(2):
         res = json.loads((out / f"rank{r}.json").read_text())
         for case in ("replicate-fx", "replicate-ort", "fully_shard-fx", "fully_shard-ort"):
@@ -307,11 +292,7 @@ def test_an_index_out_of_range_on_one_rank_fails_on_every_rank_at_once(tmp_path)
 
 def test_a_rank_that_stops_stepping_makes_the_others_raise_within_the_timeout(tmp_path):
     out = tmp_path / "out"
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-           str(ROOT / "tests" / "dist" / "dp_timeout.py"), "--out", str(out)]
-    proc = subprocess.run(cmd, env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True, text=True,
-                          timeout=120)
-    assert proc.returncode == 0, proc.stderr[-4000:]
+    launch.torchrun("dp_timeout.py", "--out", str(out), timeout=120)
     r0 = json.loads((out / "rank0.json").read_text())
     assert r0["error"] is not None, "rank 0 should not complete a step without rank 1"
     assert r0["error_type"] == "CollectiveTimeout", r0

@@ -4,14 +4,11 @@ exactly from the newest checkpoint that loads (tests/dist/dead_rank.py, 2 ranks,
 from __future__ import annotations
 
 import json
-import os
-import signal
-import subprocess
-import sys
-import time
 from pathlib import Path
 
 import pytest
+
+import launch as launcher
 import torch
 
 import spmd_ort
@@ -31,21 +28,13 @@ pytestmark = pytest.mark.multiproc
 def launch(tmp_path: Path, phase: str, mode: str, how: str = "dies", timeout_s: float = TIMEOUT_S,
            deadline_s: float = 180):
     """One torchrun of the script: (exit code, its output, seconds).  Killed with its workers at the deadline."""
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", str(SCRIPT),
-           "--phase", phase, "--mode", mode, "--how", how, "--timeout", str(timeout_s),
-           "--ckpt", str(tmp_path / "ckpt"), "--out", str(tmp_path / "out")]
     log = tmp_path / f"{phase}.log"
-    t0 = time.perf_counter()
-    with log.open("w") as f:  # a file, not a pipe: never blocks the launch
-        proc = subprocess.Popen(cmd, env={**os.environ, "OMP_NUM_THREADS": "1"}, stdout=f, stderr=subprocess.STDOUT,
-                                start_new_session=True)
-        try:
-            code = proc.wait(timeout=deadline_s)
-        except subprocess.TimeoutExpired:  # the agent and its workers: the session this Popen started
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
-            pytest.fail(f"{phase} launch still running after {deadline_s} s:\n{log.read_text()[-4000:]}")
-    return code, log.read_text(), time.perf_counter() - t0
+    run = launcher.torchrun(SCRIPT, "--phase", phase, "--mode", mode, "--how", how, "--timeout", str(timeout_s),
+                          "--ckpt", str(tmp_path / "ckpt"), "--out", str(tmp_path / "out"), timeout=deadline_s,
+                          expect_rc=None, log=log)  # the agent and its workers killed together at the deadline
+    if run.returncode is None:
+        pytest.fail(f"{phase} launch still running after {deadline_s} s:\n{run.output[-4000:]}")
+    return run.returncode, run.output, run.seconds
 
 
 def read(tmp_path: Path, name: str) -> dict:

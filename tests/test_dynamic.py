@@ -5,12 +5,11 @@ from __future__ import annotations
 import copy
 import json
 import logging
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+
+import launch
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -335,11 +334,7 @@ def test_ranks_with_different_sizes_every_step_match_ddp(tmp_path, backend):
     and fully_shard equal DDP (checked in the script at every step); one symbolic program after the first step
     on each rank."""
     out = tmp_path / "out"
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-           str(ROOT / "tests" / "dist" / "dynamic_parity.py"), "--backend", backend, "--out", str(out)]
-    proc = subprocess.run(cmd, env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True, text=True,
-                          timeout=600)
-    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-6000:]
+    launch.torchrun("dynamic_parity.py", "--backend", backend, "--out", str(out), timeout=600)
     ranks = [json.loads((out / f"rank{r}.json").read_text()) for r in range(2)]
     for r in ranks:
         assert r["traces"] == {"replicate": 2, "fully_shard": 2}, r["traces"]
@@ -360,11 +355,7 @@ def test_a_short_last_batch_on_one_rank_trains_as_ddp(tmp_path, style, backend):
     symbolic with size 1 included: one program more than the first step's, and loss, parameters and AdamW state
     equal DDP's at every step (checked in tests/dist/short_batch.py; fx bit for bit)."""
     out = tmp_path / "out"
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-           str(ROOT / "tests" / "dist" / "short_batch.py"), "--style", style, "--backend", backend, "--out", str(out)]
-    proc = subprocess.run(cmd, env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True, text=True,
-                          timeout=300)
-    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-6000:]
+    launch.torchrun("short_batch.py", "--style", style, "--backend", backend, "--out", str(out), timeout=300)
     for r in range(2):
         res = json.loads((out / f"rank{r}.json").read_text())
         assert res["traces"] == 2, res  # the first step's static program, and one more
@@ -381,11 +372,7 @@ def test_tensor_parallel_ranks_with_different_batches_fail_on_every_rank(tmp_pat
     checksums the ranks exchange at a program's first call) or the shapes (their agreement on the step's inputs);
     then the same batch trains (tests/dist/tp_batches.py)."""
     out = tmp_path / "out"
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-           str(ROOT / "tests" / "dist" / "tp_batches.py"), "--out", str(out)]
-    proc = subprocess.run(cmd, env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True, text=True,
-                          timeout=300)
-    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-6000:]
+    launch.torchrun("tp_batches.py", "--out", str(out), timeout=300)
     for r in range(2):
         res = json.loads((out / f"rank{r}.json").read_text())
         for case, what in (("values", "values for `ids`"), ("shapes", "`ids` (shape (4, 8) vs shape (4, 6))")):

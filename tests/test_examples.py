@@ -4,13 +4,12 @@ parallelized, initialised on each rank's part, trained, its memory per rank prin
 from __future__ import annotations
 
 import json
-import os
 import re
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+
+import launch
 
 ROOT = Path(__file__).resolve().parent.parent
 DEMO = ROOT / "examples" / "train_char_gpt.py"
@@ -20,12 +19,8 @@ pytestmark = pytest.mark.multiproc
 
 
 def run(*args: str, nproc: int = 0) -> str:
-    launch = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}"] if nproc \
-        else [sys.executable]
-    proc = subprocess.run([*launch, str(DEMO), *args], env={**os.environ, "OMP_NUM_THREADS": "1"},
-                          capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
-    return proc.stdout
+    """The demo script on ``nproc`` ranks (0: plain python): what it printed."""
+    return launch.torchrun(DEMO, *args, nproc=nproc, timeout=300).output
 
 
 def row(out: str, name: str) -> list[float]:

@@ -12,15 +12,13 @@ are those of docs/data-parallel.md ("Several machines").
 from __future__ import annotations
 
 import json
-import os
-import signal
 import socket
-import subprocess
-import sys
 import time
 from pathlib import Path
 
 import pytest
+
+import launch
 
 ROOT = Path(__file__).resolve().parent.parent
 SCRIPT = ROOT / "tests" / "dist" / "dynamic_parity.py"
@@ -29,8 +27,6 @@ pytestmark = pytest.mark.multiproc
 TIMEOUT_S = 420  # both nodes together; a healthy run takes ~30 s here
 JOIN_TIMEOUT_S = 90  # a node whose peer never comes fails after this, instead of torchrun's 600 s
 PORT_TAKEN = ("EADDRINUSE", "Address already in use", "address already in use")
-# torchrun sets these for its workers; inherited from an outer launch they would mislead ours
-LAUNCH_ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK", "MASTER_ADDR", "MASTER_PORT")
 
 
 def free_port() -> int:
@@ -42,13 +38,13 @@ def free_port() -> int:
 
 def node_command(rendezvous: str, node_rank: int, port: int, out: Path) -> list[str]:
     """The multi-node command of docs/data-parallel.md for one node, with 127.0.0.1 as the host."""
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes=2", "--nproc-per-node=1", "--max-restarts=0"]
     if rendezvous == "c10d":  # ranks are assigned by the rendezvous, in the order the nodes join
-        cmd += ["--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{port}", f"--rdzv-id=spmd-ort-test-{port}",
-                f"--rdzv-conf=join_timeout={JOIN_TIMEOUT_S}", "--local-addr=127.0.0.1"]
+        how = ["--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{port}", f"--rdzv-id=spmd-ort-test-{port}",
+               f"--rdzv-conf=join_timeout={JOIN_TIMEOUT_S}", "--local-addr=127.0.0.1"]
     else:  # static: the node rank is given, node 0 hosts the store at the master address
-        cmd += [f"--node-rank={node_rank}", "--master-addr=127.0.0.1", f"--master-port={port}"]
-    return [*cmd, str(SCRIPT), "--backend", "fx", "--out", str(out)]
+        how = [f"--node-rank={node_rank}", "--master-addr=127.0.0.1", f"--master-port={port}"]
+    return launch.command(SCRIPT, "--backend", "fx", "--out", str(out), nproc=1,
+                          launcher=("--nnodes=2", "--max-restarts=0", *how))
 
 
 def tail(path: Path, lines: int = 40) -> str:
@@ -58,27 +54,12 @@ def tail(path: Path, lines: int = 40) -> str:
 def launch_two_nodes(tmp_path: Path, rendezvous: str) -> tuple[list[int], list[Path], str]:
     """Start both nodes, wait for both (killing both at the deadline); (exit codes, log files, where)."""
     port = free_port()
-    env = {k: v for k, v in os.environ.items() if k not in LAUNCH_ENV and not k.startswith("TORCHELASTIC_")}
-    env["OMP_NUM_THREADS"] = "1"  # one process per core: 2 on this 2-core machine
-    procs, logs = [], []
-    for node in (0, 1):
-        log = tmp_path / f"node{node}.log"
-        with log.open("w") as f:  # the child keeps its own handle; a file, not a pipe, never blocks it
-            procs.append(subprocess.Popen(node_command(rendezvous, node, port, tmp_path / "out"), env=env,
-                                          stdout=f, stderr=subprocess.STDOUT, start_new_session=True))
-        logs.append(log)
+    env = launch.worker_env()  # (one process per core: 2 on this 2-core machine)
+    logs = [tmp_path / f"node{node}.log" for node in (0, 1)]
+    procs = [launch.start(node_command(rendezvous, node, port, tmp_path / "out"), log, env)
+             for node, log in zip((0, 1), logs)]
     deadline = time.monotonic() + TIMEOUT_S
-    codes = []
-    for p in procs:
-        try:
-            codes.append(p.wait(timeout=max(1.0, deadline - time.monotonic())))
-        except subprocess.TimeoutExpired:
-            for q in procs:  # each node's agent and its workers: the sessions these Popen calls started
-                if q.poll() is None:
-                    os.killpg(q.pid, signal.SIGKILL)
-            codes = [q.wait() for q in procs]
-            codes = [None if c < 0 else c for c in codes]
-            break
+    codes = [launch.wait(p, deadline) for p in procs]  # each node's agent and workers killed at the deadline
     return codes, logs, f"{rendezvous} rendezvous on 127.0.0.1:{port}"
 
 

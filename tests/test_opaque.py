@@ -11,12 +11,11 @@ from __future__ import annotations
 import copy
 import json
 import logging
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+
+import launch
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -401,11 +400,7 @@ def test_expert_without_tokens_on_two_ranks_matches_ddp(tmp_path):
     DDP leaves None) and optimizer state; fully_shard equals eager on the global batch and logs one WARNING
     naming the parameters and how FSDP2 differs.  What DDP did is measured, and the compiled steps did the same."""
     out = tmp_path / "out"
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-           str(ROOT / "tests" / "dist" / "unused_params.py"), "--out", str(out)]
-    proc = subprocess.run(cmd, env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True, text=True,
-                          timeout=400)
-    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-6000:]
+    launch.torchrun("unused_params.py", "--out", str(out), timeout=400)
     ranks = [json.loads((out / f"rank{r}.json").read_text()) for r in range(2)]
     everywhere, somewhere = [0, 3], [1, 4]  # steps whose batches give the expert no token on both ranks / one
     for r in ranks:
@@ -547,11 +542,7 @@ def test_opaque_parts_on_two_ranks(tmp_path):
     replicate vs DDP and fully_shard vs single-process eager on the global batch; fully_shard again with its
     traced grouped_mm experts."""
     out = tmp_path / "out"
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-           str(ROOT / "tests" / "dist" / "opaque_parity.py"), "--out", str(out)]
-    proc = subprocess.run(cmd, env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True, text=True,
-                          timeout=400)
-    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-6000:]
+    launch.torchrun("opaque_parity.py", "--out", str(out), timeout=400)
     ranks = [json.loads((out / f"rank{r}.json").read_text()) for r in range(2)]
     for r in ranks:
         for name in ("collectives-fx", "collectives-ort", "mixtral-replicate", "mixtral-shard",

@@ -502,18 +502,10 @@ def test_replicate_on_ort_on_two_ranks_matches_ddp_and_budget_one_at_budget_zero
 
 def _amp_parity(tmp_path, *args: str) -> list[dict]:
     """tests/dist/amp_parity.py on 2 ranks (gloo); each rank's result."""
-    import json
-    import os
-    import subprocess
-    import sys
 
-    out = tmp_path / "out"
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-           "tests/dist/amp_parity.py", "--out", str(out), *args]
-    proc = subprocess.run(cmd, env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True, text=True,
-                          timeout=400, check=False, cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-6000:]
-    return [json.loads((out / f"rank{r}.json").read_text()) for r in range(2)]
+    import launch  # (not at the top: this module also runs as `python -m tests.test_pass_recompute`)
+
+    return launch.torchrun("amp_parity.py", *args, timeout=400, out=tmp_path / "out").ranks
 
 
 @pytest.mark.multiproc
@@ -535,21 +527,14 @@ def test_fully_shard_on_two_ranks_matches_eager_at_budget_zero_with_the_same_gat
     state against eager on the global batch at each step; at budget 0 the communicator counts no more all-gather
     calls than at budget 1 (the recomputed reads can pack the buckets differently); their bytes grow only by the parameters the recomputed forward reads and the backward did not
     (biases of recomputed matmuls and layer norms: under 1% here)."""
-    import json
-    import os
-    import subprocess
-    import sys
 
     runs = {}
     for budget in ("1", "0"):
-        out = tmp_path / budget
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-               "tests/dist/zero_parity.py", "--out", str(out), "--steps", "3", "--reshard", "1"]
-        env = {**os.environ, "OMP_NUM_THREADS": "1", "SPMD_ORT_ACTIVATION_MEMORY_BUDGET": budget}
-        proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=400, check=False,
-                              cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-        assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-6000:]
-        runs[budget] = [json.loads((out / f"rank{r}.json").read_text()) for r in range(2)]
+        import launch  # (see above)
+
+        runs[budget] = launch.torchrun("zero_parity.py", "--steps", "3", "--reshard", "1", timeout=400,
+                                       env={"SPMD_ORT_ACTIVATION_MEMORY_BUDGET": budget},
+                                       out=tmp_path / budget).ranks
     for r in runs["0"]:
         assert "compile_error" not in r, r.get("compile_error")
         assert "activation memory (activation_memory_budget=0): the backward recomputes" in r["describe"]

@@ -6,11 +6,11 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+
+import launch
 import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
@@ -355,11 +355,7 @@ def test_save_errors(tmp_path):
 
 # ---------------------------------------------------------------------- ranks
 def _torchrun(nproc: int, *args: str) -> None:
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
-           str(ROOT / "tests" / "dist" / "safetensors_roundtrip.py"), *args]
-    proc = subprocess.run(cmd, env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True, text=True,
-                          timeout=600)
-    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-6000:]
+    launch.torchrun("safetensors_roundtrip.py", *args, nproc=nproc, timeout=600)
 
 
 @pytest.mark.multiproc

@@ -3,12 +3,11 @@
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+
+import launch
 
 from helpers import assert_inductor_report_clean, assert_ort_report_clean
 from spmd_ort.graph import ops
@@ -18,13 +17,8 @@ DIST = ROOT / "tests" / "dist"
 pytestmark = pytest.mark.multiproc
 
 
-def torchrun(script: str, nproc: int, *args: str, timeout: int = 400) -> subprocess.CompletedProcess:
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
-           str(DIST / script), *args]
-    proc = subprocess.run(cmd, env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True, text=True,
-                          timeout=timeout)
-    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-6000:]
-    return proc
+def torchrun(script: str, nproc: int, *args: str, timeout: int = 400) -> launch.Run:
+    return launch.torchrun(script, *args, nproc=nproc, timeout=timeout)
 
 
 CASES = [
