@@ -136,6 +136,16 @@ def test_no_two_modules_share_a_base_name():
     assert not {k: v for k, v in by_name.items() if len(v) > 1}
 
 
+def test_every_module_is_in_the_architecture_table():
+    """docs/architecture.md's module table names every module of spmd_ort (by file name, or its path below its
+    package where the name is a common one), so that a newcomer finds each one there."""
+    doc = (ROOT / "docs" / "architecture.md").read_text()
+    missing = [str(path.relative_to(ROOT)) for path in sorted((ROOT / "spmd_ort").rglob("*.py"))
+               if path.name != "__init__.py" and f"`{path.name}`" not in doc
+               and f"`{path.parent.name}/{path.name}`" not in doc]
+    assert not missing, f"modules missing from docs/architecture.md: {missing}"
+
+
 def test_the_package_table_in_the_docs_is_the_layers():
     assert _doc_block("docs/architecture.md", "packages") == packages_markdown()
 
