@@ -33,7 +33,7 @@ from spmd_ort.runtime.taps import TapRegistry
 from spmd_ort.distributed import parallel
 from spmd_ort.distributed.dtensor import has_dtensor_state
 from spmd_ort.options import Options, get_logger
-from spmd_ort.backends.cuda_graph import GRAPHED_BACKENDS, graphed
+from spmd_ort.backends.cuda_graph import hparams_on_device
 from spmd_ort.backends.registry import build_executor
 from spmd_ort.program import CompiledProgram
 
@@ -151,9 +151,8 @@ class Compiler:
     def _trace(self, call: StepCall, key: StepKey, *, dynamic: DynamicDims,
                previous: CompiledProgram | None) -> _Traced:
         """The step traced into one stateless graph (its state layout, its inputs, a snapshot of the graph)."""
-        # a CUDA-graphed step reads its hyper-parameters on the device
-        graphs = self.options.cuda_graph and self.options.backend in GRAPHED_BACKENDS
-        layout = StateLayout.capture(call.module, call.opt, call.rule, call.scaler, device_hparams=graphs)
+        layout = StateLayout.capture(call.module, call.opt, call.rule, call.scaler,
+                                     device_hparams=hparams_on_device(self.options))
         # Errors rooted in an input name it, and how it differs from the last call that compiled.
         inputs = StepInputs.of(self.fn, call.args, call.kwargs, previous_key=previous.key if previous else None)
         # spmd_ort.backends.ort.translations translates the fused CPU attention kernel (forward and backward), not the
@@ -195,9 +194,7 @@ class Compiler:
         gm = P.run_passes(traced.gm, ctx, pipeline)
         if after_passes is not None:
             after_passes(gm, ctx)
-        built = build_executor(gm, self.options) if executor else None
-        if built is not None and self.options.cuda_graph:
-            built = graphed(built, ctx.results.get(CapturePlan), ctx.input_slots, self.options.backend)
+        built = build_executor(gm, self.options, ctx.results.get(CapturePlan), ctx.input_slots) if executor else None
         program = CompiledProgram(
             key=key, gm=built.gm if built is not None else gm, traced_gm=traced_gm, layout=layout,
             input_slots=ctx.input_slots,

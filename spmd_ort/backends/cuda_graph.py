@@ -400,6 +400,12 @@ def _written_inputs(sub: fx.GraphModule) -> set[int]:
     return out
 
 
+def hparams_on_device(options) -> bool:
+    """Whether a step compiled with ``options`` reads its hyper-parameters on the device (a CUDA-graphed one:
+    written before each replay, never read back by the host)."""
+    return options.cuda_graph and options.backend in GRAPHED_BACKENDS
+
+
 def unwrapped_reason(backend: str, on_gpu: bool) -> str:
     """Why a backend :func:`graphed` leaves unwrapped runs without CUDA graphs (``explain()`` says it)."""
     if not on_gpu:

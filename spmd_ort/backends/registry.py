@@ -34,5 +34,13 @@ BUILDERS: dict[str, Callable[[fx.GraphModule, Options], Executor]] = {"ort": _or
                                                                       "inductor": _inductor}
 
 
-def build_executor(gm: fx.GraphModule, options: Options) -> Executor:
-    return BUILDERS[options.backend](gm, options)
+def build_executor(gm: fx.GraphModule, options: Options, capture=None, input_slots=()) -> Executor:
+    """The backend's executor of the finished graph ``gm``; with ``compile(cuda_graph=True)``, wrapped to run as CUDA
+    graphs where ``capture`` (the CapturePlan ``plan_graph_capture_pass`` recorded) allows
+    (:func:`spmd_ort.backends.cuda_graph.graphed`)."""
+    built = BUILDERS[options.backend](gm, options)
+    if options.cuda_graph:
+        from spmd_ort.backends.cuda_graph import graphed
+
+        built = graphed(built, capture, list(input_slots), options.backend)
+    return built
