@@ -153,7 +153,7 @@ def test_the_default_path_agrees_across_ranks_and_matches_ddp(tmp_path):
     (checked in the script).  The bucket cap's recompile comes after its 3 measured steps, and the new program's
     candidate is compiled after its own 3 steady steps: its compile is predicted free so that it is bought within 12
     steps rather than after minutes of them; its compile, checked run and timing are real."""
-    ranks, _ = torchrun(tmp_path, "--model", "gpt", "--opt", "adamw", "--backend", "ort", "--steps", "12",
+    ranks, _ = torchrun(tmp_path, "--model", "gpt", "--opt", "adamw", "--backend", "auto", "--steps", "12",
                         "--bucket-mb", "auto", "--candidate-free", timeout=600)
     kinds = ("segment ", "whole graph", "inductor candidate", "bucket cap", "recompile")
     chosen = []
@@ -184,7 +184,6 @@ def test_segment_executor_choices_agree_across_ranks(tmp_path):
     assert choices[0] and choices[0] == choices[1], choices
 
 
-@pytest.mark.on_ort
 @pytest.mark.parametrize("opt", ["adamw", "sgd"])
 def test_segments_on_both_executors_train_as_ddp(tmp_path, opt):
     """Issue 55's intermittent divergence: where timings put the small segments on fx and the rest on ORT (forced
@@ -192,11 +191,13 @@ def test_segments_on_both_executors_train_as_ddp(tmp_path, opt):
     so a weight's gradient reached the optimizer transposed (``clone(t(x))``) and torch's fused kernel read it in
     memory order: blocks' weights 0.2-0.4 off DDP in relative norm from the second step, on both ranks alike.
     Gradients now reach the kernels in their parameter's layout; every step equals DDP (checked in the script)."""
-    ranks, _ = torchrun(tmp_path, "--model", "gpt-96", "--opt", opt, "--backend", "ort", "--steps", "4",
+    ranks, _ = torchrun(tmp_path, "--model", "gpt-96", "--opt", opt, "--backend", "auto", "--steps", "4",
                         "--bucket-mb", "0.0001", "--mixed-executors")
     for r in ranks:
         assert "compile_error" not in r, r.get("compile_error")
         assert {"fx", "ort"} <= set(r["forced"].values()), r["forced"]
+        ran = [line for line in r["describe"].splitlines() if " runs on " in line]
+        assert any("runs on fx" in line for line in ran) and any("runs on ort" in line for line in ran), ran
 
 
 @pytest.mark.on_ort
@@ -207,7 +208,7 @@ def test_the_users_collectives_never_pair_with_ours(tmp_path):
     collectives and agreements on groups of its own, so none pairs with the user's: every step equals DDP and each
     of the user's all-reduces gets its sum (before: gloo's "Received data size doesn't match expected size" and an
     abort)."""
-    ranks, _ = torchrun(tmp_path, "--model", "gpt", "--opt", "adamw", "--backend", "ort", "--steps", "6",
+    ranks, _ = torchrun(tmp_path, "--model", "gpt", "--opt", "adamw", "--backend", "auto", "--steps", "6",
                         "--bucket-mb", "auto", "--user-collectives")
     for r in ranks:
         assert "compile_error" not in r, r.get("compile_error")
