@@ -29,6 +29,10 @@ TEST_WORKERS ?= 2
 test: setup
 	$(PY) -m pytest -q -p no:cacheprovider -n $(TEST_WORKERS) --dist worksteal --durations=25
 
+# The inner loop: the single-process tests (no torchrun), those marked slow left out; `make test` stays the whole suite.
+test-fast: setup
+	$(PY) -m pytest -q -p no:cacheprovider -n $(TEST_WORKERS) --dist worksteal -m "not multiproc and not slow"
+
 # The differential fuzzer with a large budget (tests/test_fuzz.py; `make test` runs a few fixed examples):
 # FUZZ_EXAMPLES random train steps on fx and FUZZ_EXAMPLES/8 on ort, each trained eagerly and compiled.
 FUZZ_EXAMPLES ?= 300
