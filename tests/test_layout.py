@@ -31,6 +31,17 @@ def test_bad_layouts_are_config_errors_before_anything_is_traced(kwargs, said):
     assert said in str(info.value), str(info.value)
 
 
+def test_the_data_parallel_settings_are_data_parallels():
+    """Every DataParallel setting but the style (which the degrees say) is a Parallel field with its default."""
+    import dataclasses
+
+    from spmd_ort.distributed.parallel_dims import DP_SETTINGS
+
+    settings = {f.name: f.default for f in dataclasses.fields(spmd_ort.DataParallel) if f.name != "parallel_style"}
+    assert set(DP_SETTINGS) == set(settings)
+    assert {k: Parallel.__dataclass_fields__[k].default for k in DP_SETTINGS} == settings
+
+
 def test_degrees_must_make_the_world():
     """Their product is the world (one may be -1: the rest); otherwise each degree is named."""
     assert Parallel(dp_shard=-1, tp=2, tp_plan=PLAN).sizes(8) == {"pp": 1, "dp_replicate": 1, "dp_shard": 4,

@@ -34,6 +34,11 @@ DP_SETTINGS = ("bucket_cap_mb", "first_bucket_cap_mb", "broadcast_buffers", "res
                "offload_optimizer", "offload_param", "mixed_precision")
 
 
+def _dp_default(name: str):
+    """DataParallel's default of setting ``name`` (a layout's data-parallel settings are DataParallel's)."""
+    return DataParallel.__dataclass_fields__[name].default
+
+
 @dataclass(frozen=True, kw_only=True)
 class Parallel:
     """Every parallel degree of a training run, and the settings of its data-parallel dimension.
@@ -55,14 +60,15 @@ class Parallel:
     tp_plan: Mapping[str, Any] | None = None
     experts: str | None = None
     pipeline: Any = None
-    bucket_cap_mb: float | str = "auto"
-    first_bucket_cap_mb: float = 1.0
-    broadcast_buffers: bool = True
-    reshard_after_forward: bool = True
-    prefetch: int = 1
-    offload_optimizer: str | None = None
-    offload_param: str | None = None
-    mixed_precision: MixedPrecisionPolicy | None = None
+    # the data-parallel dimension's settings, with DataParallel's defaults (one source: _dp_default)
+    bucket_cap_mb: float | str = _dp_default("bucket_cap_mb")
+    first_bucket_cap_mb: float = _dp_default("first_bucket_cap_mb")
+    broadcast_buffers: bool = _dp_default("broadcast_buffers")
+    reshard_after_forward: bool = _dp_default("reshard_after_forward")
+    prefetch: int = _dp_default("prefetch")
+    offload_optimizer: str | None = _dp_default("offload_optimizer")
+    offload_param: str | None = _dp_default("offload_param")
+    mixed_precision: MixedPrecisionPolicy | None = _dp_default("mixed_precision")
 
     def __post_init__(self):
         degrees = {name: getattr(self, name) for name in (*MESH_ORDER, "ep")}
