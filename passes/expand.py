@@ -234,61 +234,9 @@ def _signature(node: fx.Node) -> int:
 
 def node_signatures(gm: fx.GraphModule) -> dict[str, int]:
     """Each node's :func:`_signature`, by name: what a rank's traced graph computes, for the ranks to compare
-    (``Compiler.compile_everywhere`` exchanges them after the trace, with :func:`state_checksums`, into
-    ``PassContext.rank_signatures``)."""
+    (``Compiler.compile`` exchanges them after the trace, with
+    :func:`spmd_ort.distributed.checksums.state_checksums`, into ``PassContext.rank_signatures``)."""
     return {n.name: _signature(n) for n in gm.graph.nodes}
-
-
-def state_checksums(layout, input_slots) -> list[tuple[float, float] | None]:
-    """Per graph input, for a parameter or buffer: a checksum of what this rank holds (:func:`_checksum`); else
-    None.  The ranks compare them with the node signatures (``rank_signatures``): a parameter outside
-    the plan is alike on the tensor-parallel group only where every rank holds the same values."""
-    from spmd_ort.graph.slots import SlotKind
-    from spmd_ort.distributed.dtensor import local
-
-    out: list[tuple[float, float] | None] = []
-    with torch.no_grad():
-        for slot in input_slots:
-            t = None
-            if slot.kind is SlotKind.PARAM:
-                t = layout.held(slot.index, layout.params[slot.index])
-            elif slot.kind is SlotKind.BUFFER:
-                t = layout.buffers[slot.index]
-            out.append(_checksum(local(t).detach()) if isinstance(t, torch.Tensor) else None)
-    return out
-
-
-def batch_checksums(leaves: list) -> list:
-    """Per leaf of the call: for a plain tensor, its shape, dtype and a checksum of its values (:func:`_checksum`);
-    a Python number's repr; else None.  The ranks of a tensor-parallel group compare them at each program's
-    first call (``parallel.check_same_batch``): they must pass the same batch."""
-    from spmd_ort.distributed.dtensor import is_dtensor
-
-    out: list = []
-    with torch.no_grad():
-        for x in leaves:
-            if isinstance(x, torch.Tensor) and not is_dtensor(x):  # a DTensor batch: its placements say
-                out.append((tuple(x.shape), str(x.dtype), _checksum(x.detach())))
-            else:
-                out.append(repr(x) if isinstance(x, (int, float)) else None)  # (repr: NaN equals NaN)
-    return out
-
-
-def _checksum(t: torch.Tensor) -> tuple[int, int]:
-    """Two integer sums over ``t``'s bytes (read as int32 where they divide into them): exact and independent of the
-    order of the additions, so equal values give equal sums on any device and thread count.  A meta tensor (a
-    plan's: no values) sums to (0, 0): every rank of a plan holds the same nothing."""
-    if t.is_meta:
-        return 0, 0
-    raw = t.contiguous().reshape(-1).view(torch.uint8)
-    words = raw.view(torch.int32) if raw.numel() % 4 == 0 else raw
-    plain = weighted = 0
-    for start in range(0, words.numel(), 1 << 22):  # in pieces: the int64 temporaries stay small
-        ints = words[start:start + (1 << 22)].to(torch.int64)
-        weights = torch.arange(start, start + ints.numel(), device=ints.device) % 65521 + 1  # a permutation differs
-        plain += int(ints.sum())
-        weighted += int((ints * weights).sum())
-    return plain, weighted
 
 
 def _group_ranks(group: str) -> list[int]:
@@ -409,7 +357,8 @@ def split_replicated_matmuls_pass(gm: fx.GraphModule, ctx) -> fx.GraphModule:
     symbolic), and each rank skips at least :data:`SPLIT_MIN_K` multiply-adds per element it gathers (the forward's
     logits, over the model width, stay whole).  Torch's tensor parallelism assumes the batch is the same on every
     rank of the group; a parameter outside the plan counts as alike only where the ranks' checksums of it agree
-    (:func:`state_checksums`; one that differs is each rank's own, as eagerly, with a warning).
+    (:func:`spmd_ort.distributed.checksums.state_checksums`; one that differs is each rank's own, as eagerly,
+    with a warning).
     """
     group = _tensor_parallel_group(gm)
     if group is None:

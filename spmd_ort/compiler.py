@@ -22,7 +22,8 @@ from torch.fx._lazy_graph_module import _LazyGraphModule
 
 from spmd_ort import passes as P
 from spmd_ort.passes.analysis import CapturePlan
-from spmd_ort.passes.expand import batch_checksums, node_signatures, state_checksums
+from spmd_ort.passes.expand import node_signatures
+from spmd_ort.distributed.checksums import batch_checksums, state_checksums
 from spmd_ort.capture.inputs import StepCall, StepInputs
 from spmd_ort.capture.opaque import OpaquePlan
 from spmd_ort.capture.state import StateLayout
