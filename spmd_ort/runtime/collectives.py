@@ -95,9 +95,8 @@ def _make_data_group(name: str):
     world = dist.get_world_size()
     ranks = list(range(world)) if group is None else dist.get_process_group_ranks(group)
     backend = dist.get_backend_config(like)
-    found = dist.distributed_c10d._find_pg_by_ranks_and_tag(DATA_GROUP_TAG, ranks)
-    if found is not None or len(ranks) == world:
-        return found or _group_of_ours(DATA_GROUP_TAG, ranks, backend=backend, like=like, desc="spmd_ort_data")
+    if len(ranks) == world or dist.distributed_c10d._find_pg_by_ranks_and_tag(DATA_GROUP_TAG, ranks) is not None:
+        return _group_of_ours(DATA_GROUP_TAG, ranks, backend=backend, like=like, desc="spmd_ort_data")
     # a group of some ranks: every rank of the world takes part in making each group of ranks (torch's new_group)
     everyone: list = [None] * world
     dist.all_gather_object(everyone, ranks, group=control_group())
