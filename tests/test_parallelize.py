@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import pytest
 
+from helpers import assert_ort_report_clean
 from test_data_parallel import ROOT, torchrun
 
 pytestmark = pytest.mark.multiproc
@@ -66,3 +67,5 @@ def test_frozen_parameters_train_as_eagers_whenever_they_were_frozen(tmp_path, l
         for case, v in cases.items():
             assert not v["problems"], (case, v["problems"])
             assert v["traces"] == (2 if case.endswith("/between") else 1), (case, v)
+            if "/ort/" in case:  # every segment on ORT, and steps trained on its outputs past the checked runs
+                assert_ort_report_clean(v["ort"])

@@ -31,7 +31,7 @@ sys.path.insert(0, str(ROOT))
 
 from dist_common import finish  # noqa: E402
 from examples.gpt import GPT, GPTConfig, tensor_parallel_plan  # noqa: E402
-from helpers import train_step  # noqa: E402
+from helpers import ort_report, train_step  # noqa: E402
 import spmd_ort  # noqa: E402
 
 CFG = GPTConfig(vocab=64, seq=16, d=32, heads=4, layers=2, split_qkv=True)
@@ -140,7 +140,8 @@ def compare(layout: str, backend: str, when: str, rank: int, world: int, init_pa
             elif float((p - ref).norm() / ref.norm()) > 2e-3:
                 problems.append(f"step {i}: {name} {float((p - ref).norm() / ref.norm()):.3g} off eager (relative)")
         previous = params
-    return {"problems": problems, "variants": len(step.variants), "traces": step.transitions.traces}
+    return {"problems": problems, "variants": len(step.variants), "traces": step.transitions.traces,
+            "ort": ort_report(step) if backend == "ort" else None}
 
 
 def main() -> None:
