@@ -104,7 +104,7 @@ class PassContext:
     results: PassResults = field(default_factory=PassResults)
     facts: set | None = None
     taps: TapRegistry | None = None
-    activation_memory_budget: float = 1.0  # share of the recomputable saved bytes the backward keeps
+    activation_memory_budget: float | str = 1.0  # share of the recomputable saved bytes kept, or a policy name
     # expand mode on several ranks, by global rank: what every rank traced, {"nodes": node signatures, "state":
     # checksums of its parameters and buffers} (passes.expand; None: one process, or not every rank traced)
     rank_signatures: list[dict] | None = None

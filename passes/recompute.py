@@ -26,6 +26,19 @@ recomputed, and a
 dropout mask's scaled values, unpacked and widened, come after plain elementwise outputs.  A user's own
 ``torch.utils.checkpoint`` already recomputes in the backward: its recomputation is backward nodes, which this
 pass never touches, and the values it discarded are no saved values here.
+
+Two named settings checkpoint every *block* (a module that is an element of a ``ModuleList``/``Sequential``,
+such as ``model.layers.3``: :func:`block_of`) as torchtitan's activation checkpointing does, so a plan can be made
+of the configuration a published run used, and a run can use it:
+
+* ``"full"``: each block keeps only its input; everything else it saved is recomputed in the backward (torchtitan's
+  ``mode="full"``, ``torch.utils.checkpoint`` around every block);
+* ``"selective"``: torchtitan's op-level policy: inside each block the outputs of attention kernels, of every other
+  matmul (the 1st, 3rd, ... in forward order, counted per block) and of ``max`` are kept, everything else is
+  recomputed from them.
+
+Values outside every block (embeddings, the final norm, the head and the loss) are kept, as there; random outputs
+and what cannot be recomputed are kept, as at any budget.
 """
 
 from __future__ import annotations
@@ -40,14 +53,14 @@ from torch._functorch._activation_checkpointing.knapsack import greedy_knapsack
 from spmd_ort.graph.slots import SlotKind
 from spmd_ort.graph import ops
 from spmd_ort.graph.aliasing import aliases_input
-from spmd_ort.graph.flops import hint as _hint, node_flops
+from spmd_ort.graph.flops import ATTENTION_FORWARD, hint as _hint, node_flops
 from spmd_ort.graph.liveness import value_bytes
 
 from .context import PassResult
 from .contracts import FUNCTIONAL_ATEN, VALUES_KNOWN
 from .helpers import fake_mode_of, is_random, phase, set_phase
 from .runner import graph_pass
-from spmd_ort.options import get_logger
+from spmd_ort.options import CHECKPOINT_POLICIES as POLICIES, get_logger
 
 logger = get_logger(__name__)
 
@@ -65,7 +78,7 @@ NAMESPACES = ("aten", "prims")
 class Recomputation(PassResult):
     """``recompute_activations_pass``: the budget, the saved bytes kept and recomputed, and each decision."""
 
-    budget: float
+    budget: float | str  # a share from 0 to 1, or a policy name (POLICIES)
     kept_bytes: int  # saved-for-backward bytes still kept (spine, random outputs, what the budget keeps)
     recomputed_bytes: int  # saved-for-backward bytes the backward recomputes instead
     copies: int  # nodes the backward recomputes
@@ -74,10 +87,11 @@ class Recomputation(PassResult):
     kept: tuple[str, ...] = ()  # `name` (op, size): why
 
     def lines(self) -> list[str]:
-        if self.budget >= 1.0:
+        if not isinstance(self.budget, str) and self.budget >= 1.0:
             return []
         mib = 2**20
-        out = [(f"activation memory (activation_memory_budget={self.budget:g}): the backward recomputes "
+        setting = repr(self.budget) if isinstance(self.budget, str) else f"{self.budget:g}"
+        out = [(f"activation memory (activation_memory_budget={setting}): the backward recomputes "
                 f"{len(self.recomputed)} saved value(s), {self.recomputed_bytes / mib:.2f} MiB ({self.copies} nodes "
                 f"recomputed), and keeps {self.kept_bytes / mib:.2f} MiB"
                 + (f"; {self.narrowed_masks} dropout mask(s) kept compact (bits packed, or bool)"
@@ -98,7 +112,7 @@ def recompute_activations_pass(gm: fx.GraphModule, ctx) -> fx.GraphModule:
     parameters), and the executor frees the forward's original after its last forward use.
     """
     budget = ctx.activation_memory_budget
-    if budget >= 1.0:
+    if not isinstance(budget, str) and budget >= 1.0:
         return gm
     batch = {n for n, s in zip(gm.graph.find_nodes(op="placeholder"), ctx.input_slots)
              if s.kind in (SlotKind.BATCH, SlotKind.INPUT_GRAD)}
@@ -107,7 +121,7 @@ def recompute_activations_pass(gm: fx.GraphModule, ctx) -> fx.GraphModule:
     copies = _rewrite(gm, plan)
     narrowed = _restore_forward_reads(gm.graph, masks)
     ctx.results.record(plan.result(budget, copies, narrowed))
-    logger.info("activation memory budget %g: %d saved value(s) recomputed (%.2f MiB), %d kept (%.2f MiB)", budget,
+    logger.info("activation memory budget %s: %d saved value(s) recomputed (%.2f MiB), %d kept (%.2f MiB)", budget,
                 len(plan.dropped), plan.dropped_bytes / 2**20, len(plan.kept), plan.kept_bytes / 2**20)
     return gm
 
@@ -346,7 +360,7 @@ def _label(node: fx.Node) -> str:
            f"{value_bytes(v) / 2**20:.2f} MiB)"
 
 
-def _plan(gm: fx.GraphModule, budget: float, batch: set[fx.Node]) -> _Plan:
+def _plan(gm: fx.GraphModule, budget: float | str, batch: set[fx.Node]) -> _Plan:
     """Which storage roots of the saved values are kept and which recomputed, and why."""
     nodes = list(gm.graph.nodes)
     position = {n: i for i, n in enumerate(nodes)}
@@ -355,30 +369,101 @@ def _plan(gm: fx.GraphModule, budget: float, batch: set[fx.Node]) -> _Plan:
         return _Plan({}, {}, set())
     last_backward = position[backward[-1]]
     forward = [n for n in nodes if n.op == "call_function" and not _is_backward(n) and position[n] < last_backward]
+    in_forward = set(forward)
     saved = [n for n in forward if _is_tensor_value(n) and any(_is_backward(u) for u in n.users)]
-    roots = [r for r in dict.fromkeys(storage_root(n) for n in saved) if r in set(forward)]
+    roots = [r for r in dict.fromkeys(storage_root(n) for n in saved) if r in in_forward]
     # a value also read after the backward (an output, the optimizer) stays alive anyway: nothing to gain
     read_after = {storage_root(n) for n in forward
                   if any(not _is_backward(u) and position[u] > last_backward for u in n.users)}
     on_spine = spine(forward, position, batch)
+    policy = budget if isinstance(budget, str) else None
+    blocks = {n: block_of(n) for n in forward} if policy else {}
+    if policy:  # a checkpointed block keeps its input alone: a spine value only its own block reads is recomputed
+        on_spine = {r for r in on_spine if blocks.get(r) is None
+                    or any(blocks.get(u) != blocks[r] for u in r.users if u in in_forward)}
     kept: dict[fx.Node, str] = {}
     candidates = []
     for r in roots:
         if value_bytes(r.meta.get("val")) == 0:
             kept[r] = "empty"
         elif r in on_spine:
-            kept[r] = "the spine: the only forward value live here (recomputation starts from it)"
+            kept[r] = ("a block's input: kept, recomputation of the block starts from it" if policy else
+                       "the spine: the only forward value live here (recomputation starts from it)")
         elif not recomputable(r):
             kept[r] = f"not recomputable ({_why_not(r)})"
         elif r in read_after:
             kept[r] = "read after the backward anyway"
         else:
             candidates.append(r)
-    dropped = _choose(candidates, set(roots) | on_spine, set(forward), budget, kept)
-    plan = _Plan(dropped, kept, set(forward))
+    for r in on_spine:  # recomputation starts from the spine, saved or not: a bf16 block input the backward never
+        root = storage_root(r)  # reads itself (only its float32 copy) would otherwise be recomputed from the start
+        if root in in_forward and root not in kept and value_bytes(root.meta.get("val")):
+            kept[root] = ("a block's input (recomputation of the block starts from it)" if policy else
+                          "the spine: the only forward value live here (recomputation starts from it)")
+    stop = set(roots) | on_spine
+    if policy:
+        dropped = _by_policy(policy, forward, blocks, candidates, stop, in_forward, kept)
+    else:
+        dropped = _choose(candidates, stop, in_forward, budget, kept)
+    plan = _Plan(dropped, kept, in_forward)
     plan.dropped_bytes = sum(value_bytes(r.meta.get("val")) for r in dropped)
     plan.kept_bytes = sum(value_bytes(r.meta.get("val")) for r in kept)
     return plan
+
+
+MATMULS = (aten.mm.default, aten.addmm.default)
+
+
+def _saved_by_selective(node: fx.Node) -> bool:
+    """torchtitan's save list, less ``mm`` (every other one) and ``reduce_scatter`` (a collective: never recomputed
+    here): attention kernels and ``max``."""
+    return node.target is aten.max.default or getattr(node.target, "overloadpacket", None) in ATTENTION_FORWARD
+
+
+def block_of(node: fx.Node) -> str | None:
+    """The block ``node`` was recorded in: its module's FQN up to the first element of a container (``model.layers.3``
+    of ``model.layers.3.mlp.up_proj``), or None (outside every block, or no module recorded)."""
+    fqn = node.meta.get("custom", {}).get("module")
+    if not fqn:
+        return None
+    parts = fqn.split(".")
+    for i, part in enumerate(parts):
+        if part.isdigit():
+            return ".".join(parts[:i + 1])
+    return None
+
+
+def _by_policy(policy: str, forward: list[fx.Node], blocks: dict, candidates: list[fx.Node], stop: set[fx.Node],
+               in_forward: set[fx.Node], kept: dict[fx.Node, str]) -> dict[fx.Node, str]:
+    """``"full"`` / ``"selective"``: the candidates to recompute (-> why); values outside every block and, under
+    ``"selective"``, the outputs of the ops torchtitan's policy saves are added to ``kept`` (they may be read by no
+    backward node themselves: recomputation then starts from them)."""
+    if policy == "selective":
+        count: dict[str, int] = {}
+        for node in forward:
+            block = blocks.get(node)
+            if block is None or not recomputable(node):
+                continue
+            if node.target in MATMULS:
+                count[block] = count.get(block, 0) + 1
+                if count[block] % 2:
+                    kept.setdefault(node, f"'selective': matmul {count[block]} of block `{block}` (odd ones are kept)")
+            elif _saved_by_selective(node):
+                for out in [node, *(u for u in node.users if u.target is operator.getitem)]:
+                    kept.setdefault(out, f"'selective': the output of {node.target} in block `{block}`")
+    dropped: dict[fx.Node, str] = {}
+    for r in candidates:
+        if r in kept:
+            continue
+        block = blocks.get(r)
+        if block is None:
+            kept[r] = f"{policy!r}: outside every checkpointed block (kept, as a per-block checkpoint keeps it)"
+            continue
+        _, extra = _chain(r, stop - {r}, in_forward)
+        dropped[r] = f"{policy!r}: recomputed with block `{block}`"
+        for x in extra:  # what recomputing it starts from
+            kept.setdefault(x, f"not recomputable ({_why_not(x)}); `{r.name}` is recomputed from it")
+    return dropped
 
 
 def _choose(candidates: list[fx.Node], stop: set[fx.Node], forward: set[fx.Node], budget: float,
@@ -469,8 +554,10 @@ def _rewrite(gm: fx.GraphModule, plan: _Plan) -> int:
 
 
 __all__ = [
+    "POLICIES",
     "RECOMPUTED",
     "Recomputation",
+    "block_of",
     "recomputable",
     "recompute_activations_pass",
     "recompute_cost",

@@ -123,14 +123,14 @@ class Options:
     auto_opaque: bool = True  # submodules that cannot be traced run opaquely
     dynamic: str = DYNAMIC_MODES[0]  # "auto": sizes that change become symbolic; "1": from the start; "0": never
     # saved-for-backward bytes kept, as a fraction of those that can be recomputed (passes/recompute.py)
-    activation_memory_budget: float = 1.0
+    activation_memory_budget: float | str = 1.0
     # on a GPU, after the checked first run and one more, the whole step is captured as a CUDA graph and replayed
     # (spmd_ort.backends.cuda_graph); nothing changes on the CPU
     cuda_graph: bool = False
 
     @classmethod
     def resolve(cls, *, debug: DebugOptions | None = None, backend: str | None = None,
-                dynamic: bool | None = None, activation_memory_budget: float | None = None,
+                dynamic: bool | None = None, activation_memory_budget: float | str | None = None,
                 autotune: bool | None = None, cuda_graph: bool | None = None,
                 environ: Mapping[str, str] | None = None) -> Options:
         """Options from ``compile``'s arguments, ``DebugOptions`` and the environment.
@@ -246,24 +246,35 @@ def _opset(value: str) -> int:
     return v
 
 
-def check_budget(value: Any) -> float:
-    """``compile(activation_memory_budget=...)``: a number from 0 to 1, else a ConfigError naming the fix."""
+# Named settings of activation_memory_budget: activation checkpointing as torchtitan runs it (recompute.POLICIES)
+CHECKPOINT_POLICIES = ("full", "selective")
+
+
+def check_budget(value: Any) -> float | str:
+    """``compile(activation_memory_budget=...)``: a number from 0 to 1, or ``"full"`` / ``"selective"``
+    (checkpointing every block, torchtitan's two modes), else a ConfigError naming the fix."""
+    if isinstance(value, str) and value in CHECKPOINT_POLICIES:
+        return value
     ok = isinstance(value, (int, float)) and not isinstance(value, bool) and 0.0 <= value <= 1.0
     if not ok:
         raise ConfigError(f"compile(activation_memory_budget={value!r}) is not valid: expected a number from 0.0 "
                           "(recompute every activation that can be recomputed) to 1.0 (keep what eager keeps, the "
-                          "default), e.g. activation_memory_budget=0.5")
+                          "default), e.g. activation_memory_budget=0.5, or \"full\" / \"selective\" "
+                          "(activation checkpointing of every block as torchtitan runs it)")
     return float(value)
 
 
-def _budget(value: str) -> float:
+def _budget(value: str) -> float | str:
+    if value.strip() in CHECKPOINT_POLICIES:
+        return value.strip()
     try:
         v = float(value)
     except ValueError:
-        raise ValueError("a number from 0.0 (recompute what can be recomputed) to 1.0 (keep what eager keeps)") \
-            from None
+        raise ValueError("a number from 0.0 (recompute what can be recomputed) to 1.0 (keep what eager keeps), or "
+                         "full / selective") from None
     if not 0.0 <= v <= 1.0:  # (nan fails too)
-        raise ValueError("a number from 0.0 (recompute what can be recomputed) to 1.0 (keep what eager keeps)")
+        raise ValueError("a number from 0.0 (recompute what can be recomputed) to 1.0 (keep what eager keeps), or "
+                         "full / selective")
     return v
 
 
@@ -406,7 +417,8 @@ ENV_VARS: tuple[EnvVar, ...] = (
            "`0`: one program per shape. `compile(dynamic=True/False)` wins", user=True),
     EnvVar("SPMD_ORT_ACTIVATION_MEMORY_BUDGET", "activation_memory_budget", _budget, "`1.0`",
            "0.0 to 1.0: the share of the recomputable saved-for-backward bytes the backward keeps; the rest is "
-           "recomputed just before its use (`0.0`: all that can be; see `recompute_activations_pass`). "
+           "recomputed just before its use (`0.0`: all that can be; see `recompute_activations_pass`); `full` or "
+           "`selective`: every block checkpointed as torchtitan does (docs/memory.md). "
            "`compile(activation_memory_budget=...)` wins", user=True),
     EnvVar("SPMD_ORT_CUDA_GRAPH", "cuda_graph", _bool, "`0`",
            "`1`: a step on a GPU is captured as one CUDA graph after its checked first run and one more, then "

@@ -31,6 +31,7 @@ BAD = [
     ("SPMD_ORT_ACTIVATION_MEMORY_BUDGET", "1.5", "a number from 0.0 (recompute what can be recomputed) to 1.0"),
     ("SPMD_ORT_ACTIVATION_MEMORY_BUDGET", "half", "a number from 0.0"),
     ("SPMD_ORT_ACTIVATION_MEMORY_BUDGET", "nan", "a number from 0.0"),
+    ("SPMD_ORT_ACTIVATION_MEMORY_BUDGET", "Full", "or full / selective"),
     ("SPMD_ORT_SAVE_ONNX_PATH", __file__, "a directory, but"),
     ("SPMD_ORT_SAVE_ONNX_PATH", f"{__file__}/onnx", "a directory, but"),
 ]
@@ -196,3 +197,14 @@ def test_a_default_backend_on_a_gpu_never_stops_at_a_missing_onnxruntime_gpu(mon
     step(model, torch.optim.SGD(model.parameters(), lr=0.1), torch.randn(4, 32), torch.randint(0, 10, (4,)))
     assert step.backend == "ort" and step.backend_reason == "the default" and "ort backend (the default)" in \
         step.explain()
+
+
+def test_checkpointing_policies_are_named_settings_of_the_budget():
+    """``"full"`` and ``"selective"`` (torchtitan's activation checkpointing) are accepted by compile() and the
+    environment; any other word is a ConfigError naming them."""
+    assert Options.resolve(activation_memory_budget="selective", environ={}).activation_memory_budget == "selective"
+    env = {"SPMD_ORT_ACTIVATION_MEMORY_BUDGET": "full"}
+    assert Options.resolve(environ=env).activation_memory_budget == "full"
+    assert Options.resolve(activation_memory_budget=0.25, environ=env).activation_memory_budget == 0.25
+    with pytest.raises(spmd_ort.ConfigError, match='"full" / "selective"'):
+        spmd_ort.compile(activation_memory_budget="half")

@@ -169,18 +169,24 @@ def _train(budget, backend="fx", steps=3, cfg=CFG, **kwargs):
     return step, model, opt, losses
 
 
-def test_gpt_with_dropout_is_bitwise_equal_to_eager_at_every_budget_on_fx():
-    """Recomputation replays no random op and runs eager's kernels on the same inputs: the loss and every parameter
-    after three AdamW steps equal eager's bit for bit, at budgets 1.0, 0.5 and 0.0, dropout on."""
+def _eager(steps=3):
+    """The GPT of :func:`_train` trained eagerly on the same batches and seeds: (model, losses)."""
     torch.manual_seed(0)
     eager = GPT(CFG)
     opt = torch.optim.AdamW(eager.parameters(), lr=1e-2, fused=True)
     g = torch.Generator().manual_seed(0)
-    eager_losses = []
-    for i in range(3):
+    losses = []
+    for i in range(steps):
         x, y = gpt_batch(CFG, 4, g)
         torch.manual_seed(100 + i)
-        eager_losses.append(lm_step(eager, opt, x, y).detach())
+        losses.append(lm_step(eager, opt, x, y).detach())
+    return eager, losses
+
+
+def test_gpt_with_dropout_is_bitwise_equal_to_eager_at_every_budget_on_fx():
+    """Recomputation replays no random op and runs eager's kernels on the same inputs: the loss and every parameter
+    after three AdamW steps equal eager's bit for bit, at budgets 1.0, 0.5 and 0.0, dropout on."""
+    eager, eager_losses = _eager()
     planned = {}
     for budget in (1.0, 0.5, 0.0):
         step, model, _, losses = _train(budget)
@@ -631,3 +637,77 @@ if __name__ == "__main__":  # the worker of test_planned_peak_and_saved_bytes_ma
     import sys
 
     print(_measure(float(sys.argv[1])))
+
+
+# ---------------------------------------------------------------------- torchtitan's checkpointing: "full", "selective"
+def test_full_and_selective_checkpointing_are_bitwise_equal_to_eager_on_fx():
+    """Both policies recompute inside each block (``blocks.N``) and replay no random op: loss and parameters equal
+    eager's bit for bit after three AdamW steps, dropout on."""
+    eager, eager_losses = _eager()
+    for policy in ("full", "selective"):
+        step, model, _, losses = _train(policy)
+        assert all(torch.equal(a, b) for a, b in zip(losses, eager_losses)), policy
+        assert all(torch.equal(a, b) for a, b in zip(model.parameters(), eager.parameters())), policy
+        result = step.compiled.results.get(Recomputation)
+        assert result.budget == policy and result.copies > 0
+        assert f"activation_memory_budget={policy!r}" in step.compiled.describe()
+
+
+def test_selective_keeps_every_other_matmul_of_each_block_and_attention_and_full_keeps_block_inputs():
+    """torchtitan's op policy, counted per block: the 1st, 3rd, ... matmul outputs are kept, the others and the
+    elementwise values between them recomputed; "full" keeps only what a block reads from outside it (its input)
+    and values outside every block (the head, the loss) are kept by both, as per-block checkpointing keeps them."""
+    from spmd_ort.passes.recompute import block_of
+
+    results = {}
+    for policy in ("full", "selective"):
+        step, *_ = _train(policy, steps=1, cfg=GPTConfig(vocab=64, seq=32, d=32, heads=4, layers=2))
+        results[policy] = step.compiled.results.get(Recomputation)
+    sel, full = results["selective"], results["full"]
+    kept_matmuls = [k for k in sel.kept if "'selective': matmul" in k]
+    assert kept_matmuls and all("(odd ones are kept)" in k for k in kept_matmuls)
+    counts = {int(k.split("matmul ")[1].split(" ")[0]) for k in kept_matmuls}
+    assert counts >= {1, 3} and all(c % 2 for c in counts), counts
+    assert {k.split("block `")[1].split("`")[0] for k in kept_matmuls} == {"blocks.0", "blocks.1"}
+    assert not any("matmul" in k for k in full.kept)
+    assert full.recomputed_bytes > sel.recomputed_bytes and full.kept_bytes < sel.kept_bytes
+    for result in (sel, full):
+        assert any("a block's input" in k for k in result.kept)
+        assert all("recomputed with block `blocks." in r for r in result.recomputed)
+    assert block_of(type("N", (), {"meta": {"custom": {"module": "model.layers.3.mlp.up_proj"}}})()) == \
+        "model.layers.3"
+
+
+def test_under_mixed_precision_recomputation_starts_from_the_block_inputs():
+    """A bf16 block input is not read by the backward itself (RMSNorm reads its float32 copy), so before, it was
+    no kept value and "full" (or budget 0) recomputed every block from the embedding at the start of the backward,
+    holding all of them: planned on torchtitan's Llama at 4 layers under fully_shard, "full" now plans less than
+    "selective", which plans less than no checkpointing."""
+    from examples.llama3 import Llama3, Llama3Config, train_step as llama_step
+
+    cfg = Llama3Config(dim=256, n_layers=4, n_heads=4, n_kv_heads=2, vocab_size=1000, ffn_dim=512, max_seq_len=512)
+    policy = spmd_ort.MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    planned = {}
+    for budget in ("full", "selective", 1.0):
+        with torch.device("meta"):
+            model = Llama3(cfg)
+        opt = torch.optim.AdamW(model.parameters(), lr=3e-4)
+        step = spmd_ort.compile(parallel_mode=spmd_ort.DataParallel(parallel_style="fully_shard",
+                                                                    mixed_precision=policy),
+                                activation_memory_budget=budget, backend="fx")(llama_step)
+        tokens = torch.empty(2, 512, dtype=torch.long, device="meta")
+        planned[budget] = step.plan(model, opt, tokens, tokens, world_size=8, export=False)
+    activations = {b: p.per_rank_bytes["activations"] for b, p in planned.items()}
+    assert activations["full"] < activations["selective"] < activations[1.0], activations
+    assert planned["full"].recompute_flops > planned["selective"].recompute_flops > 0 == planned[1.0].recompute_flops
+
+
+@pytest.mark.on_ort
+def test_ort_backend_with_selective_checkpointing_matches_eager():
+    torch.manual_seed(0)
+    cfg = GPTConfig(vocab=64, seq=16, d=32, heads=4, layers=2)
+    batches = [gpt_batch(cfg, 4, torch.Generator().manual_seed(i)) for i in range(3)]
+    step, *_ = train_side_by_side(lambda: GPT(cfg), lambda m: torch.optim.AdamW(m.parameters(), lr=1e-2), lm_step,
+                                  batches, backend="ort", activation_memory_budget="selective")
+    assert step.compiled.results.get(Recomputation).copies > 0
+    assert_ran_on_ort(step)
