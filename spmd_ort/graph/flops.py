@@ -74,8 +74,12 @@ def attention_flops(node: fx.Node) -> int | None:
         flops = sdpa_backward_flop_count(g.shape, q.shape, k.shape, v.shape)
     else:
         return None
-    causal = bool(_argument(node, "is_causal", False))
-    return hint(flops) // 2 if causal else hint(flops)
+    return hint(flops) // 2 if is_causal(node) else hint(flops)
+
+
+def is_causal(node: fx.Node) -> bool:
+    """Whether an attention kernel's node computes causal attention (its ``is_causal`` argument)."""
+    return bool(_argument(node, "is_causal", False))
 
 
 def node_flops(node: fx.Node) -> int:

@@ -3,12 +3,16 @@
     python -m spmd_ort.plan --model llama3-8b --world-size 64 --parallel fully_shard --batch 1 --seq 4096 \\
         --device h100
     python -m spmd_ort.plan --model hf:config.json --world-size 64 --parallel tp:8 --device h200 --picture mem.png
+    python -m spmd_ort.plan --world-size 8 --batch 2 --seq 8192 --mixed-precision bf16 --checkpointing selective \\
+        --backend inductor --device h100-96gb
 
 The model is built on the meta device with ``transformers`` from a config (``llama3-8b`` is Llama 3 8B's:
 32 layers, d 4096, 32 heads / 8 KV heads, FFN 14336, vocabulary 128256), trained by a plain step (cross-entropy
 on the next token, ``clip_grad_norm_``, AdamW) compiled with the chosen parallel mode, and planned with
 :meth:`spmd_ort.CompiledStep.plan`.  ``--parallel``: ``replicate``, ``fully_shard``, ``tp:T`` (tensor parallel
-over ``T`` ranks, fully_shard over the rest: 2-D when ``T`` is less than the world).
+over ``T`` ranks, fully_shard over the rest: 2-D when ``T`` is less than the world).  ``--mixed-precision bf16``:
+FSDP2's ``MixedPrecisionPolicy(param_dtype=bfloat16, reduce_dtype=float32)``; ``--checkpointing``: ``full``,
+``selective`` (torchtitan's two modes) or an ``activation_memory_budget`` from 0 to 1.
 """
 
 from __future__ import annotations
@@ -71,15 +75,39 @@ def parse_parallel(spec: str) -> int | str:
     return int(degree)
 
 
-def parallel_mode(spec: str, model, world: int):
+PRECISIONS = {"none": None, "bf16": (torch.bfloat16, torch.float32), "fp16": (torch.float16, torch.float32)}
+
+
+def parallel_mode(spec: str, model, world: int, precision: str = "none"):
     kind = parse_parallel(spec)
+    dtypes = PRECISIONS[precision]
+    policy = spmd_ort.MixedPrecisionPolicy(param_dtype=dtypes[0], reduce_dtype=dtypes[1]) if dtypes else None
     if isinstance(kind, str):
-        return spmd_ort.DataParallel(parallel_style=kind)
+        return spmd_ort.DataParallel(parallel_style=kind, mixed_precision=policy)
     plan = llama_tensor_parallel_plan(model)
     if kind == world:
+        if policy is not None:  # a policy rides on the data-parallel mode: fully_shard over one group
+            return spmd_ort.TensorParallel(plan, mesh=(1, kind), data_parallel=spmd_ort.DataParallel(
+                parallel_style="fully_shard", mixed_precision=policy))
         return spmd_ort.TensorParallel(plan, mesh=(kind,))
     return spmd_ort.TensorParallel(plan, mesh=(world // kind, kind),
-                                   data_parallel=spmd_ort.DataParallel(parallel_style="fully_shard"))
+                                   data_parallel=spmd_ort.DataParallel(parallel_style="fully_shard",
+                                                                       mixed_precision=policy))
+
+
+def parse_checkpointing(value: str) -> float | str:
+    """``--checkpointing``: none, full, selective, or a budget from 0 to 1."""
+    if value in ("full", "selective"):
+        return value
+    if value == "none":
+        return 1.0
+    try:
+        budget = float(value)
+    except ValueError:
+        budget = -1.0
+    if not 0.0 <= budget <= 1.0:
+        raise ValueError(f"--checkpointing {value!r}: give none, full, selective or a budget from 0 to 1")
+    return budget
 
 
 def check_arguments(ap: argparse.ArgumentParser, args) -> None:
@@ -101,6 +129,10 @@ def check_arguments(ap: argparse.ArgumentParser, args) -> None:
         ap.error(str(exc))
     if isinstance(kind, int) and args.world_size % kind:
         ap.error(f"--parallel {args.parallel}: {kind} does not divide --world-size {args.world_size}")
+    try:
+        parse_checkpointing(args.checkpointing)
+    except ValueError as exc:
+        ap.error(str(exc))
     devices = [*DEVICES, "cpu"]
     if args.device.lower() not in devices:
         ap.error(f"--device {args.device!r}: give one of {', '.join(devices)}")
@@ -138,7 +170,11 @@ def main(argv=None) -> int:
     ap.add_argument("--parallel", default="fully_shard", help="replicate | fully_shard | tp:<ranks>")
     ap.add_argument("--batch", type=int, default=1, help="sequences per rank (per data-parallel replica)")
     ap.add_argument("--seq", type=int, default=4096)
-    ap.add_argument("--device", default="h100", help="h100 | h200 | a100 | cpu (this CPU, measured)")
+    ap.add_argument("--device", default="h100", help="h100 | h100-96gb | h200 | a100 | cpu (this CPU, measured)")
+    ap.add_argument("--mixed-precision", default="none", choices=tuple(PRECISIONS),
+                    help="parameters in bf16 (or fp16) for compute, fp32 gradient reductions (FSDP2's policy)")
+    ap.add_argument("--checkpointing", default="none",
+                    help="none | full | selective (torchtitan's) | an activation_memory_budget from 0 to 1")
     ap.add_argument("--backend", default="ort", choices=("ort", "fx", "inductor"),
                     help="the executor the plan compiles for")
     ap.add_argument("--no-export", action="store_true", help="skip building the executor (the ORT export)")
@@ -151,8 +187,9 @@ def main(argv=None) -> int:
     t0 = time.perf_counter()
     model = build_model(args.model, args.layers)
     opt = torch.optim.AdamW(model.parameters(), lr=3e-4, weight_decay=0.1)
-    mode = parallel_mode(args.parallel, model, args.world_size)
-    step = spmd_ort.compile(parallel_mode=mode, backend=args.backend)(lm_step)
+    mode = parallel_mode(args.parallel, model, args.world_size, args.mixed_precision)
+    step = spmd_ort.compile(parallel_mode=mode, backend=args.backend,
+                            activation_memory_budget=parse_checkpointing(args.checkpointing))(lm_step)
     vocab = model.config.vocab_size
     tokens = torch.empty(args.batch, args.seq, dtype=torch.long, device="meta")
     plan = step.plan(model, opt, tokens, tokens.clone(), world_size=args.world_size, device=args.device,
@@ -161,6 +198,9 @@ def main(argv=None) -> int:
     print(f"{args.model}: {_count(n)} parameters, {model.config.num_hidden_layers} layers, vocabulary "
           f"{vocab}; batch {args.batch} x {args.seq} tokens per replica")
     print(plan.explain(args.picture))
+    tp = parse_parallel(args.parallel)
+    per_gpu = args.batch * args.seq / (tp if isinstance(tp, int) else 1) / plan.predicted_step_s
+    print(f"throughput: {per_gpu:,.0f} tokens/s per GPU (tokens of a data-parallel replica over its ranks)")
     wall = time.perf_counter() - t0
     rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
     full_state = 16 * n / args.world_size

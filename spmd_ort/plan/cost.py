@@ -1,12 +1,17 @@
 """A roofline of one compiled step, walked in the order the schedule runs it (:func:`step_cost`).
 
-Each op costs the larger of its FLOPs over the device's FLOP/s (torch's own formulas,
-``torch.utils.flop_counter``) and the bytes it reads over the memory bandwidth plus those it writes over the
-write bandwidth (a CPU's fresh outputs are page-faulted in), plus a fixed
-dispatch cost; views cost nothing.  Collectives run on a stream of their own (ring costs: an all-gather or
-reduce-scatter moves ``(n-1)/n`` of the full payload per rank, an all-reduce twice that), starting where the
-schedule issues them and no earlier than the last one ends; a ``wait_`` holds the compute stream until its
-collective ends.  So the overlap the schedule allows is what the prediction counts, no more.
+Each op costs the larger of its FLOPs over the FLOP/s its kind of kernel achieves (torch's own formulas,
+``torch.utils.flop_counter``; matmuls at the device's achieved matmul rate for their output's shape, attention
+kernels at theirs: :class:`~spmd_ort.plan.device.Achieved`) and the bytes it reads over the achieved memory
+bandwidth plus those it writes over the write bandwidth (a CPU's fresh outputs are page-faulted in), plus a fixed
+dispatch cost; views cost nothing.  With ``fused`` (an executor that fuses elementwise ops: inductor), a chain of
+ops without FLOPs is priced as the kernel it becomes: the bytes it reads from outside the chain and writes for
+readers outside it, and one dispatch.  Collectives run on a stream of their own (ring costs: an all-gather or
+reduce-scatter moves ``(n-1)/n`` of the full payload per rank, an all-reduce twice that, at the bus bandwidth the
+group's ring gets, plus a fixed cost per call and per hop), starting where the schedule issues them and no earlier
+than the last one ends; compute that runs beside a collective is slowed by ``achieved.overlap``; a ``wait_`` holds
+the compute stream until its collective ends.  So the overlap the schedule allows is what the prediction counts,
+no more.
 """
 
 from __future__ import annotations
@@ -19,7 +24,7 @@ from torch import fx
 
 from spmd_ort.graph import ops
 from spmd_ort.graph.aliasing import is_view_op
-from spmd_ort.graph.flops import node_flops, unpriced
+from spmd_ort.graph.flops import ATTENTION_BACKWARD, ATTENTION_FORWARD, hint, is_causal, node_flops, unpriced
 from spmd_ort.plan.device import DeviceSpec
 from spmd_ort.graph.liveness import value_bytes
 
@@ -38,11 +43,13 @@ class StepCost:
     bytes as any op's), by how many nodes."""
 
     flops: int = 0
+    recompute_flops: int = 0  # of them, the backward's recomputation of forward values (not model FLOPs)
     compute_s: float = 0.0
     comm_s: float = 0.0
     exposed_comm_s: float = 0.0
     predicted_s: float = 0.0
     comm_s_by_kind: dict = field(default_factory=dict)
+    compute_s_by_kind: dict = field(default_factory=dict)  # "matmul", "attention", "memory-bound", "dispatch"
     flops_by_dtype: dict = field(default_factory=dict)
     inflight: list = field(default_factory=list)
     unpriced: dict = field(default_factory=dict)  # op -> nodes that compute but no formula prices (counted 0)
@@ -59,15 +66,22 @@ def _dtype(node: fx.Node) -> torch.dtype:
     return val.dtype if isinstance(val, torch.Tensor) else torch.float32
 
 
+GROUP_SIZE = "plan_group_size"  # node.meta: a collective's group size, read once (its group may be gone later)
+
+
 def _group_size(node: fx.Node, world_size: int) -> int:
     if node.target in (ops.all_gather, ops.reduce_scatter):
         return int(node.args[1])
+    if GROUP_SIZE in node.meta:
+        return node.meta[GROUP_SIZE]
     group = node.args[2] if len(node.args) > 2 else node.kwargs.get("group", "")
+    size = world_size
     if group:
         from spmd_ort.runtime.collectives import process_group
 
-        return process_group(group).size()
-    return world_size
+        size = process_group(group).size()
+    node.meta[GROUP_SIZE] = size
+    return size
 
 
 def collective_seconds(node: fx.Node, device: DeviceSpec, world_size: int) -> tuple[str, float, int]:
@@ -81,12 +95,45 @@ def collective_seconds(node: fx.Node, device: DeviceSpec, world_size: int) -> tu
     share = {"all_reduce": 2 * (n - 1) / n, "reduce_scatter": (n - 1) / n, "all_gather": (n - 1) / n,
              "broadcast": 1.0}[kind]
     hops = 2 * (n - 1) if kind == "all_reduce" else n - 1
-    return kind, share * full / device.link_bw(n) + hops * device.link_latency_s, full
+    seconds = share * full / device.link_bw(n) + hops * device.link_latency_s + device.achieved.latency_s
+    return kind, seconds, full
 
 
-def step_cost(gm: fx.GraphModule, device: DeviceSpec, world_size: int) -> StepCost:
-    """Walk ``gm`` in order on two streams (compute, collectives) and price every node on ``device``."""
+def compute_rate(node: fx.Node, device: DeviceSpec, dtype: torch.dtype) -> float:
+    """FLOP/s ``node``'s kernel achieves on ``device``: attention kernels at the attention rate (forward or backward,
+    causal or not), other ops with FLOPs (matmuls, convolutions) at the matmul rate for their output's shape."""
+    packet = getattr(node.target, "overloadpacket", None)
+    if packet in ATTENTION_FORWARD or packet in ATTENTION_BACKWARD:
+        return device.attention_rate(dtype, backward=packet in ATTENTION_BACKWARD, causal=is_causal(node))
+    val = node.meta.get("val")
+    if isinstance(val, torch.Tensor) and val.dim() >= 2:
+        rows = 1
+        for d in val.shape[:-1]:
+            rows *= hint(d)
+        return device.matmul_rate(dtype, rows, hint(val.shape[-1]))
+    return device.matmul_rate(dtype)
+
+
+def _fusible(node: fx.Node) -> bool:
+    """An op a fusing executor folds into its neighbours' kernel: computes without FLOPs, is no collective."""
+    return node.op == "call_function" and node.target not in KIND and node.target is not ops.wait_ \
+        and not _is_view(node) and node_flops(node) == 0
+
+
+def _source(node: fx.Node) -> fx.Node:
+    """The node whose output ``node`` views (itself, unless a view)."""
+    while _is_view(node) and node.args and isinstance(node.args[0], fx.Node):
+        node = node.args[0]
+    return node
+
+
+def step_cost(gm: fx.GraphModule, device: DeviceSpec, world_size: int, fused: bool = False) -> StepCost:
+    """Walk ``gm`` in order on two streams (compute, collectives) and price every node on ``device``; ``fused``:
+    chains of elementwise ops priced as the fused kernels inductor makes of them."""
     cost = StepCost()
+    fusible = {n for n in gm.graph.nodes if _fusible(n)} if fused else set()
+    memory_bw = device.achieved_memory_bw
+    write_bw = device.write_bw * device.achieved.memory if device.write_bw else memory_bw
     t = comm_free = 0.0  # when the compute stream / the collectives' stream is next free
     ends: dict[fx.Node, float] = {}  # a started collective's node -> when it completes
     held: dict[fx.Node, int] = {}  # reductions in flight -> bytes the library holds for them
@@ -118,14 +165,32 @@ def step_cost(gm: fx.GraphModule, device: DeviceSpec, world_size: int) -> StepCo
             missing = unpriced(node)
             if missing is not None:
                 cost.unpriced[missing] = cost.unpriced.get(missing, 0) + 1
-            read = sum(value_bytes(a.meta.get("val")) for a in node.all_input_nodes)
-            written = value_bytes(node.meta.get("val"))
+            inputs = node.all_input_nodes
+            overhead = device.op_overhead_s
+            if node in fusible:  # inside a fused kernel: what it reads from and writes for the rest of the graph
+                inputs = [a for a in inputs if _source(a) not in fusible]
+                ends_chain = any(u not in fusible for u in node.users) or not node.users
+                written = value_bytes(node.meta.get("val")) if ends_chain else 0
+                overhead = overhead if ends_chain else 0.0
+            else:
+                written = value_bytes(node.meta.get("val"))
+            read = sum(value_bytes(a.meta.get("val")) for a in inputs)
             dtype = _dtype(node)
-            memory_s = read / device.memory_bw + written / (device.write_bw or device.memory_bw)
-            seconds = max(flops / device.flops_for(dtype), memory_s) + device.op_overhead_s
+            memory_s = read / memory_bw + written / write_bw
+            seconds = max(flops / compute_rate(node, device, dtype) if flops else 0.0, memory_s) + overhead
+            packet = getattr(node.target, "overloadpacket", None)
+            kind = ("attention" if packet in ATTENTION_FORWARD or packet in ATTENTION_BACKWARD else "matmul") \
+                if flops and flops / compute_rate(node, device, dtype) >= memory_s else "memory-bound"
+            if comm_free > t and device.achieved.overlap:  # a collective's kernels share the SMs meanwhile
+                seconds += min(seconds, comm_free - t) * device.achieved.overlap
+            by = cost.compute_s_by_kind
+            by[kind] = by.get(kind, 0.0) + seconds - overhead
+            by["dispatch"] = by.get("dispatch", 0.0) + overhead
             cost.flops += flops
             if flops:
                 cost.flops_by_dtype[dtype] = cost.flops_by_dtype.get(dtype, 0) + flops
+                if node.meta.get("recomputed"):
+                    cost.recompute_flops += flops
             cost.compute_s += seconds
             t += seconds
         cost.inflight.append(sum(held.values()))

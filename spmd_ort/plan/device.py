@@ -1,12 +1,15 @@
 """What a device can do, for a plan's roofline (:class:`DeviceSpec`).
 
-Figures for the GPUs users rent (H100, H200, A100: their data sheets' dense peaks, HBM bandwidth and NVLink /
-InfiniBand rates per GPU) and for "this CPU", measured by a short probe (:meth:`DeviceSpec.this_cpu`).  Users pass
+Figures for the GPUs users rent (H100, H200, A100, and the 96 GB H100 of torchtitan's published runs) and for "this
+CPU", measured by a short probe (:meth:`DeviceSpec.this_cpu`).  A GPU's entry keeps its data sheet's peaks (dense
+FLOP/s, HBM bandwidth, NVLink and NIC rates) apart from what kernels and NCCL achieve of them (:class:`Achieved`:
+measured fractions, each with its published source), and a plan is priced on the achieved figures.  Users pass
 their own with ``DeviceSpec(...)`` or ``dataclasses.replace(DEVICES["h100"], ...)``.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import os
@@ -26,6 +29,39 @@ GB = 1e9
 
 
 @dataclass(frozen=True)
+class Achieved:
+    """What a device's kernels and collectives achieve, as fractions of its data-sheet peaks (1.0 everywhere: the
+    peaks themselves, as for a CPU whose rates were measured).  ``sources``: where each figure comes from.
+
+    ``matmul``: large matmuls' FLOP/s over the peak (the best a shape search finds); ``matmul_tile`` and
+    ``compute_units``: the output tile one thread block computes and the SMs, for *wave quantization* (a matmul
+    whose tiles leave the last wave of SMs part idle runs at the fraction the waves fill; NVIDIA's "Matrix
+    Multiplication Background" guide); ``attention``: (forward, backward) of fused attention kernels (flash),
+    on torch's FLOP count of them (a causal one half the full count); ``memory``: of the HBM bandwidth, for every op
+    a roofline finds memory-bound; ``busbw``: (within a node, across nodes) NCCL's bus bandwidth over the links'
+    rate for large messages; ``rails``: NICs of a node that a ring across nodes uses at once (one per GPU on
+    rail-optimized clusters: a ring's bus bandwidth across nodes is then all of a node's NICs'); ``latency_s``:
+    each collective call's fixed cost (its launch and handshake), besides the per-hop latency; ``overlap``: how
+    much slower compute runs while a collective runs beside it (NCCL's kernels take SMs and memory bandwidth);
+    ``fragmentation``: the caching allocator's reserved bytes over the allocated peak; ``outside_allocator``:
+    bytes a process holds outside the allocator (CUDA context, NCCL's buffers, cuBLAS workspaces)."""
+
+    matmul: float = 1.0
+    matmul_tile: tuple[int, int] = (0, 0)
+    compute_units: int = 0
+    attention: tuple[float, float] = (1.0, 1.0)
+    attention_causal: tuple[float, float] | None = None  # a causal kernel's (forward, backward); None: attention's
+    memory: float = 1.0
+    busbw: tuple[float, float] = (1.0, 1.0)
+    rails: int = 1
+    latency_s: float = 0.0
+    overlap: float = 0.0
+    fragmentation: float = 0.0
+    outside_allocator: int = 0
+    sources: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True)
 class DeviceSpec:
     """One rank's device, as a roofline sees it.
 
@@ -37,6 +73,8 @@ class DeviceSpec:
     within a node / across nodes (``ranks_per_node`` ranks a node); ``link_latency_s``: per hop of a ring;
     ``op_overhead_s``: fixed cost of each op (a kernel launch, an executor's dispatch); ``copies_collective_inputs``:
     the collective library keeps a copy of each reduction's input until it completes (gloo does; NCCL does not).
+    These are peaks (a data sheet's, or a CPU's measured rates); ``achieved`` says what kernels and collectives get
+    of them, and :meth:`figures` which numbers a prediction uses.
     """
 
     name: str
@@ -50,14 +88,70 @@ class DeviceSpec:
     link_latency_s: float = 5e-6
     op_overhead_s: float = 5e-6
     copies_collective_inputs: bool = False
+    achieved: Achieved = field(default_factory=Achieved)
 
     def flops_for(self, dtype: torch.dtype) -> float:
         """Peak FLOP/s of ``dtype``: its own figure, else fp32's."""
         return self.flops.get(dtype) or self.flops[torch.float32]
 
+    def matmul_rate(self, dtype: torch.dtype, rows: int = 0, cols: int = 0) -> float:
+        """FLOP/s a matmul of ``dtype`` achieves whose output is ``rows`` x ``cols`` (batch folded into rows):
+        the peak times ``achieved.matmul`` times the share of the last wave its tiles fill."""
+        a = self.achieved
+        rate = self.flops_for(dtype) * a.matmul
+        (tm, tn), units = a.matmul_tile, a.compute_units
+        if tm and tn and units and rows > 0 and cols > 0:
+            tiles = -(-rows // tm) * -(-cols // tn)
+            waves = -(-tiles // units)
+            rate *= tiles / (waves * units)
+        return rate
+
+    def attention_rate(self, dtype: torch.dtype, backward: bool, causal: bool = False) -> float:
+        """FLOP/s a fused attention kernel of ``dtype`` achieves (on torch's FLOP count of it)."""
+        a = self.achieved
+        shares = a.attention_causal if causal and a.attention_causal is not None else a.attention
+        return self.flops_for(dtype) * shares[1 if backward else 0]
+
+    @property
+    def achieved_memory_bw(self) -> float:
+        return self.memory_bw * self.achieved.memory
+
     def link_bw(self, group_size: int) -> float:
-        """Bytes/s per rank of a collective over ``group_size`` ranks: within a node, or across nodes."""
-        return self.intra_bw if group_size <= self.ranks_per_node else self.inter_bw
+        """Bytes/s per rank of a collective's ring over ``group_size`` ranks: within a node, the links' rate times
+        NCCL's bus efficiency; across nodes, each ring leaves a node through one NIC and ``achieved.rails`` rings
+        run at once, so the ring moves the NICs' rate times the rails (never more than within a node)."""
+        a = self.achieved
+        intra = self.intra_bw * a.busbw[0]
+        if group_size <= self.ranks_per_node:
+            return intra
+        return min(intra, self.inter_bw * a.busbw[1] * max(1, a.rails))
+
+    def figures(self) -> list[tuple[str, str, str]]:
+        """(what, data sheet, used by a prediction) for each figure the achieved model changes: the numbers a
+        plan's time and memory rest on."""
+        a = self.achieved
+        main = max(self.flops.values())
+        main_dtype = next(d for d, v in self.flops.items() if v == main)
+        dt = str(main_dtype).replace("torch.", "")
+        rows = [(f"matmul {dt} (large)", f"{main / 1e12:.0f} TFLOP/s", f"{main * a.matmul / 1e12:.0f} TFLOP/s")]
+        if a.matmul_tile[0] and a.compute_units:
+            rows.append(("matmul wave quantization", "-", f"{a.matmul_tile[0]}x{a.matmul_tile[1]} tiles over "
+                                                          f"{a.compute_units} SMs"))
+        causal = a.attention_causal or a.attention
+        rows += [(f"attention {dt} forward / backward (causal)", f"{main / 1e12:.0f} TFLOP/s",
+                  f"{main * a.attention[0] / 1e12:.0f} / {main * a.attention[1] / 1e12:.0f} "
+                  f"({main * causal[0] / 1e12:.0f} / {main * causal[1] / 1e12:.0f}) TFLOP/s"),
+                 ("memory bandwidth", f"{self.memory_bw / 1e12:.2f} TB/s", f"{self.achieved_memory_bw / 1e12:.2f} TB/s"),
+                 ("collective bus bandwidth within a node", f"{self.intra_bw / GB:.0f} GB/s",
+                  f"{self.link_bw(1) / GB:.0f} GB/s"),
+                 ("collective bus bandwidth across nodes", f"{self.inter_bw / GB:.0f} GB/s a NIC",
+                  f"{self.link_bw(self.ranks_per_node + 1) / GB:.0f} GB/s ({a.rails} rail{'s' if a.rails > 1 else ''})"),
+                 ("per collective / per hop / per op", "-", f"{a.latency_s * 1e6:.0f} / {self.link_latency_s * 1e6:.1f}"
+                                                           f" / {self.op_overhead_s * 1e6:.1f} us"),
+                 ("compute slowed while a collective runs", "-", f"{100 * a.overlap:.0f}%"),
+                 ("allocator fragmentation / outside the allocator", "-",
+                  f"{100 * a.fragmentation:.0f}% / {a.outside_allocator / 2**30:.1f} GiB")]
+        return rows
 
     @classmethod
     def this_cpu(cls, threads: int | None = None, ranks_per_node: int | None = None) -> DeviceSpec:
@@ -244,16 +338,73 @@ def _loopback_bw(nbytes: int = 32 * 2**20) -> float:
 
 _BF16 = (torch.bfloat16, torch.float16)
 
+# Where the achieved figures come from (each entry's ``achieved.sources`` lists those it uses):
+MAMF = ("stas00/ml-engineering compute/accelerator/README.md, 'Maximum Achievable Matmul FLOPS': bf16 H100 SXM "
+        "794.5 of 989 TFLOP/s (80.3%; H200 the same), A100 SXM 271.2 of 312 (86.9%)")
+FA2_H100 = ("Dao-AILab/flash-attention PR #1791, hopper/benchmark_attn.py on H100, head dim 128, seqlen 8192: "
+            "FlashAttention-2 (torch's sdpa flash kernel) forward 369.9 / backward 290.6 TFLOP/s, causal 284.1 / 287.1 "
+            "(backward counted as 2.5 forward, as torch's flop counter counts it)")
+HBM_H100 = ("Dao-AILab/quack AI/hadamard_roofline_analysis.md: torch.clone on H100 SXM 3003-3029 GB/s, 89.6-90.4% "
+            "of 3.35 TB/s")
+NCCL_NVLINK = ("stas00/ml-engineering network/README.md (nccl-tests, 8 x H200, NVLink 4 as H100's, 16 GiB): "
+               "all-gather 361.4, reduce-scatter 362.9, all-reduce ring 367.2 GB/s busbw of 450 (80-82%)")
+NCCL_NIC = ("NVIDIA/nccl-tests#290 (NVIDIA): 46-48 GB/s per 400 Gb/s NDR NIC; nccl-tests#160: on 3+ nodes rings "
+            "reflect the total NIC bandwidth (8 rails); nccl-tests#283: 248 nodes of 8 x H200, 8 x 400G: all-reduce "
+            "busbw ~350 GB/s")
+NCCL_LATENCY = ("NVIDIA/dgxc-benchmarking nccl/README.md: 8-byte all-reduce over 8 x H100 13.0-13.7 us "
+                "(2 (n-1) = 14 hops: ~1 us a hop)")
+A100_ATTENTION = ("FlashAttention-2 paper (Dao 2023, arXiv 2307.08691): on A100 forward up to 73% of the peak, "
+                  "backward up to 63%")
+LAUNCH = "meta-pytorch/tritonbench PR #1017: a raw cuLaunchKernel 3.0-3.3 us"
+TORCHTITAN_H100 = ("pytorch/torchtitan benchmarks/llama3_h100_202412_torchtitan.md: H100 with 96 GB HBM2e at "
+                   "2.4 TB/s, 500 W power limit, NVLink within a host, 400 Gb/s RDMA per GPU; its bf16 peak is "
+                   "'between SXM and NVL' (835-989 TFLOP/s), MFU there is against 989")
+FITTED = ("fitted to torchtitan Table 1 (8 GPUs, FSDP + torch.compile, 6,667 tokens/s/GPU): the share of the H100's "
+          "kernel rates its 500 W power limit leaves (bench/plan_vs_published.py --fit)")
+FITTED_MEMORY = ("fitted to torchtitan Table 1 (8 GPUs, FSDP + torch.compile, 77.0 GiB peak reserved): torch's caching "
+                 "allocator reserves 21.7% over the planned allocated peak (bench/plan_vs_published.py --fit)")
+FRAGMENTATION = 0.217
+POWER_500W = 0.676
+
+_H100_ACHIEVED = Achieved(
+    matmul=794.5 / 989, matmul_tile=(128, 256), compute_units=132, attention=(369.9 / 989, 290.6 / 989),
+    attention_causal=(284.1 / 989, 287.1 / 989), memory=0.896, busbw=(0.80, 47 / 50), rails=8, latency_s=0.0,
+    overlap=0.0, fragmentation=FRAGMENTATION, outside_allocator=2**30,
+    sources=(MAMF, FA2_H100, HBM_H100, NCCL_NVLINK, NCCL_NIC, NCCL_LATENCY, LAUNCH, FITTED_MEMORY))
+
+
+def _power_capped(achieved: Achieved, share: float, **changes) -> Achieved:
+    """``achieved`` with every compute kernel's rate times ``share`` (a power cap lowers the clocks they run at)."""
+    causal = achieved.attention_causal
+    return dataclasses.replace(achieved, matmul=achieved.matmul * share,
+                               attention=tuple(x * share for x in achieved.attention),
+                               attention_causal=tuple(x * share for x in causal) if causal else None, **changes)
+
+
 # Data-sheet figures per GPU (SXM parts, dense): fp32 without TF32 (torch's default for matmuls), bf16/fp16
 # tensor cores; NVLink per GPU in one direction (H100/H200 900 GB/s both ways, A100 600); across nodes one
-# 400 Gb/s InfiniBand NIC per GPU (50 GB/s).
+# 400 Gb/s InfiniBand NIC per GPU (50 GB/s; A100 nodes 200 Gb/s). What kernels and NCCL achieve of them:
+# ``Achieved`` above, with its sources.
 DEVICES: dict[str, DeviceSpec] = {
-    "h100": DeviceSpec("H100 SXM 80GB", flops={torch.float32: 67e12, **{d: 989e12 for d in _BF16}},
-                       memory_bw=3.35e12, memory_bytes=80 * 2**30, intra_bw=450 * GB, inter_bw=50 * GB),
+    "h100": DeviceSpec("H100 SXM 80GB (700 W)", flops={torch.float32: 67e12, **{d: 989e12 for d in _BF16}},
+                       memory_bw=3.35e12, memory_bytes=80 * 2**30, intra_bw=450 * GB, inter_bw=50 * GB,
+                       link_latency_s=1e-6, op_overhead_s=3e-6, achieved=_H100_ACHIEVED),
+    # torchtitan's published Llama 3.1 runs: the same H100 with 96 GB of HBM2e (2.4 TB/s) at a 500 W power limit
+    "h100-96gb": DeviceSpec("H100 96GB HBM2e (500 W)", flops={torch.float32: 67e12, **{d: 989e12 for d in _BF16}},
+                            memory_bw=2.4e12, memory_bytes=96 * 2**30, intra_bw=450 * GB, inter_bw=50 * GB,
+                            link_latency_s=1e-6, op_overhead_s=3e-6,
+                            achieved=_power_capped(_H100_ACHIEVED, POWER_500W,
+                                                   sources=(*_H100_ACHIEVED.sources, TORCHTITAN_H100, FITTED))),
     "h200": DeviceSpec("H200 SXM 141GB", flops={torch.float32: 67e12, **{d: 989e12 for d in _BF16}},
-                       memory_bw=4.8e12, memory_bytes=141 * 10**9, intra_bw=450 * GB, inter_bw=50 * GB),
+                       memory_bw=4.8e12, memory_bytes=141 * 10**9, intra_bw=450 * GB, inter_bw=50 * GB,
+                       link_latency_s=1e-6, op_overhead_s=3e-6, achieved=_H100_ACHIEVED),
     "a100": DeviceSpec("A100 SXM 80GB", flops={torch.float32: 19.5e12, **{d: 312e12 for d in _BF16}},
-                       memory_bw=2.04e12, memory_bytes=80 * 2**30, intra_bw=300 * GB, inter_bw=25 * GB),
+                       memory_bw=2.04e12, memory_bytes=80 * 2**30, intra_bw=300 * GB, inter_bw=25 * GB,
+                       link_latency_s=1e-6, op_overhead_s=3e-6,
+                       achieved=dataclasses.replace(_H100_ACHIEVED, matmul=271.2 / 312, compute_units=108,
+                                                    attention=(0.73, 0.63), attention_causal=None,
+                                                    sources=(MAMF, A100_ATTENTION, HBM_H100, NCCL_NVLINK, NCCL_NIC,
+                                                             NCCL_LATENCY, LAUNCH, FITTED_MEMORY))),
 }
 
 
@@ -270,4 +421,4 @@ def device_spec(device: str | DeviceSpec) -> DeviceSpec:
     return DEVICES[key]
 
 
-__all__ = ["DEVICES", "DeviceSpec", "device_spec"]
+__all__ = ["Achieved", "DEVICES", "DeviceSpec", "device_spec"]

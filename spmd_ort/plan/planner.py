@@ -107,7 +107,8 @@ def plan_step(step, args: tuple, kwargs: dict, *, world_size: int, device: str |
     priced: dict = {}
 
     def price(gm: fx.GraphModule, ctx) -> None:
-        priced["cost"] = step_cost(gm, spec, world_size)
+        priced["cost"] = step_cost(gm, spec, world_size, fused=step.backend == "inductor")
+        priced["gm"] = gm
         priced["live"] = ctx.results.get(MemoryPlan).live  # plan_memory_pass's walk, node for node the same graph
         assert len(priced["live"]) == len(gm.graph.nodes), "the memory plan is of another graph"
         priced["nodes"] = len(gm.graph.nodes)
@@ -133,24 +134,36 @@ def plan_step(step, args: tuple, kwargs: dict, *, world_size: int, device: str |
                                                         for v in vals])
             held = persistent_bytes(call.module, call.opt)
         mode_name = _describe(twin.parallel_mode, call.mode)
-    cost = priced["cost"]
-    live = [a + c for a, c in zip(priced["live"], cost.inflight)]
-    state = held["params"] + priced["grads"] + held["opt_state"] + held["buffers"]
-    per_rank = {"params": held["params"], "grads": priced["grads"], "optimizer": held["opt_state"],
-                "buffers": held["buffers"], "activations": program.results.get(MemoryPlan).planned_peak_bytes,
-                "comm_buffers": max(cost.inflight, default=0), "peak": state + max(live, default=0)}
     comm_bytes, comm_calls = _by_kind(program.results.get(CollectiveCounts))
     stats = program.executor.stats if program.executor is not None else None  # ORT's: segments, fallbacks
     export = {"segments": stats.segments, "export_s": stats.export_seconds, "fallbacks": dict(stats.fallback_reasons)
               } if stats is not None else {}
-    main = max(cost.flops_by_dtype, key=cost.flops_by_dtype.get) if cost.flops_by_dtype else torch.float32
-    return Plan(world_size=world_size, rank=rank, device=spec, parallel=mode_name, backend=step.backend,
-                per_rank_bytes=per_rank, comm_bytes=dict(sorted(comm_bytes.items())),
-                comm_calls=dict(sorted(comm_calls.items())), flops=cost.flops, predicted_step_s=cost.predicted_s,
-                compute_s=cost.compute_s, comm_s=cost.comm_s, exposed_comm_s=cost.exposed_comm_s,
-                graph_nodes=priced["nodes"], exported=program.executor is not None, planning_s=time.perf_counter() - t0,
-                main_dtype=main, export=export, memory_over_step=tuple(state + v for v in live),
-                unpriced=dict(cost.unpriced))
+    activations = program.results.get(MemoryPlan).planned_peak_bytes
+    planning_s = time.perf_counter() - t0
+
+    def priced_on(spec: DeviceSpec, cost=None) -> Plan:
+        """The plan of this graph on ``spec`` (the graph walked again unless ``cost`` is given)."""
+        cost = cost or step_cost(priced["gm"], spec, world_size, fused=step.backend == "inductor")
+        live = [a + c for a, c in zip(priced["live"], cost.inflight)]
+        state = held["params"] + priced["grads"] + held["opt_state"] + held["buffers"]
+        peak = state + max(live, default=0)
+        per_rank = {"params": held["params"], "grads": priced["grads"], "optimizer": held["opt_state"],
+                    "buffers": held["buffers"], "activations": activations,
+                    "comm_buffers": max(cost.inflight, default=0), "peak": peak,
+                    "reserved": int(peak * (1 + spec.achieved.fragmentation)),
+                    "outside_allocator": spec.achieved.outside_allocator}
+        main = max(cost.flops_by_dtype, key=cost.flops_by_dtype.get) if cost.flops_by_dtype else torch.float32
+        return Plan(world_size=world_size, rank=rank, device=spec, parallel=mode_name, backend=step.backend,
+                    per_rank_bytes=per_rank, comm_bytes=dict(sorted(comm_bytes.items())),
+                    comm_calls=dict(sorted(comm_calls.items())), flops=cost.flops,
+                    recompute_flops=cost.recompute_flops, predicted_step_s=cost.predicted_s,
+                    compute_s_by_kind=dict(cost.compute_s_by_kind), compute_s=cost.compute_s, comm_s=cost.comm_s,
+                    exposed_comm_s=cost.exposed_comm_s, graph_nodes=priced["nodes"],
+                    exported=program.executor is not None, planning_s=planning_s, main_dtype=main, export=export,
+                    memory_over_step=tuple(state + v for v in live), unpriced=dict(cost.unpriced),
+                    repricer=priced_on)
+
+    return priced_on(spec, priced["cost"])
 
 
 def _by_kind(counts: CollectiveCounts) -> tuple[dict, dict]:

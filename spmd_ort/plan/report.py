@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -21,14 +22,18 @@ class Plan:
     ``per_rank_bytes``: ``params``, ``grads`` (held between steps), ``optimizer``, ``buffers``, ``activations``
     (the planned peak of the values the step creates: ``train_step.memory()``'s ``planned_activation_peak``),
     ``comm_buffers`` (reduction inputs a collective library holds while in flight: gloo's copies) and ``peak``
-    (the most live at once: the state, plus the values and held buffers at the step's worst node).
+    (the most live at once: the state, plus the values and held buffers at the step's worst node), ``reserved``
+    (``peak`` with the caching allocator's fragmentation: what ``torch.cuda.max_memory_reserved()`` would read) and
+    ``outside_allocator`` (the CUDA context and NCCL's buffers: the device's ``achieved.outside_allocator``).
     ``comm_bytes`` / ``comm_calls``: per collective kind, counted as ``train_step.comm`` counts them (an
     all-gather's gathered bytes; the others' full input).  ``flops``: of the whole step (forward, backward,
     optimizer), by torch's formulas (attention's by torch's sdpa counts, a causal one as half:
-    :mod:`spmd_ort.graph.flops`); ``unpriced``: ops that compute but that no formula prices, by node count (their
+    :mod:`spmd_ort.graph.flops`), ``recompute_flops`` the part of them the backward spends recomputing forward
+    values (activation checkpointing); ``unpriced``: ops that compute but that no formula prices, by node count (their
     FLOPs are not in ``flops`` nor in the predicted time: the table says so).  ``predicted_step_s``: a roofline on
     ``device`` walked in the schedule's
-    order (:mod:`spmd_ort.plan.cost`).  ``fits``: ``peak`` under the device's memory.
+    order (:mod:`spmd_ort.plan.cost`) on the device's achieved rates (``device.figures()`` lists them against the data
+sheet's).  ``fits``: ``reserved`` and ``outside_allocator`` within the device's memory.
     """
 
     world_size: int
@@ -51,25 +56,53 @@ class Plan:
     export: dict = field(default_factory=dict)  # ORT: segments exported, export seconds, fallbacks {segment: why}
     memory_over_step: tuple = field(default=(), repr=False)  # bytes live at each node of the step, state included
     unpriced: dict = field(default_factory=dict)  # ops that compute but no formula prices -> nodes (0 FLOPs each)
+    recompute_flops: int = 0  # of ``flops``, the backward's recomputation (activation checkpointing)
+    compute_s_by_kind: dict = field(default_factory=dict)  # compute time: matmul, attention, memory-bound, dispatch
+    repricer: Callable | None = field(default=None, repr=False, compare=False)  # DeviceSpec -> Plan, same graph
+
+    def on(self, device) -> Plan:
+        """The same planned step priced on another device (a name of ``DEVICES`` or a :class:`DeviceSpec`), in
+        about a second: the graph is walked again, nothing is traced."""
+        from spmd_ort.plan.device import device_spec
+
+        if self.repricer is None:
+            raise ValueError("this Plan keeps no graph to price again: plan the step with CompiledStep.plan()")
+        return self.repricer(device_spec(device))
+
+    @property
+    def device_bytes(self) -> int:
+        """What the rank needs of the device: the allocator's reserved peak and what lives outside it."""
+        b = self.per_rank_bytes
+        return b.get("reserved", b["peak"]) + b.get("outside_allocator", 0)
 
     @property
     def fits(self) -> bool:
-        return self.per_rank_bytes["peak"] <= self.device.memory_bytes
+        return self.device_bytes <= self.device.memory_bytes
+
+    @property
+    def model_flops(self) -> int:
+        """The step's FLOPs less the backward's recomputation: what MFU counts."""
+        return self.flops - self.recompute_flops
 
     @property
     def mfu(self) -> float:
-        """Model FLOPs over the step's predicted time and the device's peak (of the step's main dtype)."""
+        """Model FLOPs (no recomputation; causal attention as half) over the step's predicted time and the device's
+        data-sheet peak of the step's main dtype."""
         peak = self.device.flops_for(self.main_dtype)
-        return self.flops / self.predicted_step_s / peak if self.predicted_step_s > 0 else 0.0
+        return self.model_flops / self.predicted_step_s / peak if self.predicted_step_s > 0 else 0.0
 
     def table(self) -> str:
         b = self.per_rank_bytes
         rows = [("parameters", _size(b["params"])), ("gradients (between steps)", _size(b["grads"])),
                 ("optimizer state", _size(b["optimizer"])), ("buffers", _size(b["buffers"])),
                 ("activations (planned peak)", _size(b["activations"])),
-                ("collective buffers (peak)", _size(b["comm_buffers"])),
-                ("peak", f"{_size(b['peak'])} of {_size(self.device.memory_bytes)}: "
-                         f"{'fits' if self.fits else 'does NOT fit'}")]
+                ("collective buffers (peak)", _size(b["comm_buffers"])), ("peak (allocated)", _size(b["peak"]))]
+        if "reserved" in b:
+            rows += [(f"reserved (+{100 * self.device.achieved.fragmentation:.0f}% allocator fragmentation)",
+                      _size(b["reserved"])),
+                     ("outside the allocator (CUDA context, NCCL buffers)", _size(b.get("outside_allocator", 0)))]
+        rows.append(("needed of the device", f"{_size(self.device_bytes)} of {_size(self.device.memory_bytes)}: "
+                                             f"{'fits' if self.fits else 'does NOT fit'}"))
         lines = [f"plan: rank {self.rank} of {self.world_size}, {self.parallel}, backend {self.backend}, on "
                  f"{self.device.name} ({self.graph_nodes:,} graph nodes; planned in {self.planning_s:.1f} s"
                  f"{', exported' if self.exported else ''})", "", "| per rank | bytes |", "|---|---|"]
@@ -77,10 +110,18 @@ class Plan:
         lines += ["", "| collective | calls | bytes per step |", "|---|---|---|"]
         lines += [f"| {k} | {self.comm_calls[k]} | {_size(v)} |" for k, v in self.comm_bytes.items()] or [
             "| none | 0 | 0 |"]
-        lines += ["", f"step: {self.flops / 1e12:.2f} TFLOP; predicted {self.predicted_step_s * 1e3:.1f} ms "
+        dtype = str(self.main_dtype).replace("torch.", "")
+        recomputed = (f" ({self.recompute_flops / 1e12:.2f} of them recomputation)" if self.recompute_flops else "")
+        lines += ["", f"step: {self.flops / 1e12:.2f} TFLOP{recomputed}; predicted {self.predicted_step_s * 1e3:.1f} ms "
                       f"(compute {self.compute_s * 1e3:.1f} ms, collectives {self.comm_s * 1e3:.1f} ms of which "
-                      f"{self.exposed_comm_s * 1e3:.1f} ms not hidden); MFU {100 * self.mfu:.1f}% of "
-                      f"{self.device.name}'s peak"]
+                      f"{self.exposed_comm_s * 1e3:.1f} ms not hidden); MFU {100 * self.mfu:.1f}% (model FLOPs, "
+                      f"recomputation not counted, of {self.device.name}'s data-sheet {dtype} peak, "
+                      f"{self.device.flops_for(self.main_dtype) / 1e12:.0f} TFLOP/s)"]
+        if self.compute_s_by_kind:
+            lines.append("compute by kind: " + ", ".join(f"{k} {v * 1e3:.1f} ms" for k, v in
+                                                         sorted(self.compute_s_by_kind.items(), key=lambda kv: -kv[1])))
+        lines += ["", "| device figure | data sheet | used |", "|---|---|---|"]
+        lines += [f"| {a} | {b} | {c} |" for a, b, c in self.device.figures()]
         if self.unpriced:
             lines.append("not priced (no FLOP formula: counted by their bytes alone, so the step's FLOPs and time are "
                          "understated): " + ", ".join(f"{op} x{n}" for op, n in self.unpriced.items()))
@@ -124,4 +165,7 @@ class Plan:
                 "parallel": self.parallel, "backend": self.backend, "per_rank_bytes": dict(self.per_rank_bytes),
                 "comm_bytes": dict(self.comm_bytes), "comm_calls": dict(self.comm_calls), "flops": self.flops,
                 "predicted_step_s": self.predicted_step_s, "fits": self.fits, "graph_nodes": self.graph_nodes,
+                "recompute_flops": self.recompute_flops, "mfu": self.mfu, "device_bytes": self.device_bytes,
+                "compute_s_by_kind": dict(self.compute_s_by_kind), "compute_s": self.compute_s, "comm_s": self.comm_s,
+                "exposed_comm_s": self.exposed_comm_s,
                 "planning_s": self.planning_s, "export": self.export, "unpriced": dict(self.unpriced)}
