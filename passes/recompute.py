@@ -38,7 +38,10 @@ of the configuration a published run used, and a run can use it:
   recomputed from them.
 
 Values outside every block (embeddings, the final norm, the head and the loss) are kept, as there; random outputs
-and what cannot be recomputed are kept, as at any budget.
+and what cannot be recomputed are kept, as at any budget.  Under both, an activation's all-gather (sequence
+parallelism's gathered block input) is recomputed too, gathered again in the backward as torchtitan's checkpoint
+does: every rank runs the same graph, so the copies pair on every rank; the copy is never merged with the forward's
+nor issued early (its ``dedup_key`` and no ``activation_collective`` mark).
 """
 
 from __future__ import annotations
@@ -53,6 +56,7 @@ from torch._functorch._activation_checkpointing.knapsack import greedy_knapsack
 from spmd_ort.graph.slots import SlotKind
 from spmd_ort.graph import ops
 from spmd_ort.graph.aliasing import aliases_input
+from spmd_ort.graph.meta import ACTIVATION_COLLECTIVE, DEDUP_KEY
 from spmd_ort.graph.flops import ATTENTION_FORWARD, hint as _hint, node_flops
 from spmd_ort.graph.liveness import value_bytes
 
@@ -151,13 +155,18 @@ def storage_root(node: fx.Node) -> fx.Node:
     return node
 
 
-def recomputable(node: fx.Node) -> bool:
+def recomputable(node: fx.Node, collectives: bool = False) -> bool:
     """Whether a forward node may run again in the backward and give the same values: a functional aten/prims op
-    that draws no random numbers (or a getitem of one); never a collective, host node, opaque part or tap."""
+    that draws no random numbers (or a getitem of one); never a host node, opaque part or tap, and a collective
+    only with ``collectives`` (the named policies: an activation's all-gather, gathered again in the backward as
+    torchtitan's checkpoint does, every rank at the same point of the same graph)."""
     if node.op != "call_function" or _is_backward(node) or not _is_tensor_value(node) or NARROWED_MASK in node.meta:
         return False
     if node.target is operator.getitem:
-        return isinstance(node.args[0], fx.Node) and recomputable(node.args[0])
+        return isinstance(node.args[0], fx.Node) and recomputable(node.args[0], collectives)
+    if collectives and (node.target is ops.all_gather or (
+            node.target is ops.wait_ and isinstance(node.args[0], fx.Node) and node.args[0].target is ops.all_gather)):
+        return True
     target = node.target
     if not isinstance(target, torch._ops.OpOverload) or target.namespace not in NAMESPACES:
         return False
@@ -327,10 +336,11 @@ class _Plan:
     forward: set[fx.Node]
     dropped_bytes: int = 0
     kept_bytes: int = 0
+    collectives: bool = False  # activations' all-gathers may be recomputed (the named policies)
 
     def available(self, node: fx.Node) -> bool:
         """Whether the backward may read ``node`` itself (not a recomputed copy)."""
-        if node not in self.forward or not _is_tensor_value(node) or not recomputable(node):
+        if node not in self.forward or not _is_tensor_value(node) or not recomputable(node, self.collectives):
             return True  # the backward's own, not a tensor, or kept because it cannot be recomputed
         root = storage_root(node)
         if root in self.dropped:
@@ -389,7 +399,7 @@ def _plan(gm: fx.GraphModule, budget: float | str, batch: set[fx.Node]) -> _Plan
         elif r in on_spine:
             kept[r] = ("a block's input: kept, recomputation of the block starts from it" if policy else
                        "the spine: the only forward value live here (recomputation starts from it)")
-        elif not recomputable(r):
+        elif not recomputable(r, collectives=bool(policy)):
             kept[r] = f"not recomputable ({_why_not(r)})"
         elif r in read_after:
             kept[r] = "read after the backward anyway"
@@ -405,7 +415,7 @@ def _plan(gm: fx.GraphModule, budget: float | str, batch: set[fx.Node]) -> _Plan
         dropped = _by_policy(policy, forward, blocks, candidates, stop, in_forward, kept)
     else:
         dropped = _choose(candidates, stop, in_forward, budget, kept)
-    plan = _Plan(dropped, kept, in_forward)
+    plan = _Plan(dropped, kept, in_forward, collectives=bool(policy))
     plan.dropped_bytes = sum(value_bytes(r.meta.get("val")) for r in dropped)
     plan.kept_bytes = sum(value_bytes(r.meta.get("val")) for r in kept)
     return plan
@@ -442,7 +452,7 @@ def _by_policy(policy: str, forward: list[fx.Node], blocks: dict, candidates: li
         count: dict[str, int] = {}
         for node in forward:
             block = blocks.get(node)
-            if block is None or not recomputable(node):
+            if block is None or not recomputable(node, collectives=True):
                 continue
             if node.target in MATMULS:
                 count[block] = count.get(block, 0) + 1
@@ -459,7 +469,7 @@ def _by_policy(policy: str, forward: list[fx.Node], blocks: dict, candidates: li
         if block is None:
             kept[r] = f"{policy!r}: outside every checkpointed block (kept, as a per-block checkpoint keeps it)"
             continue
-        _, extra = _chain(r, stop - {r}, in_forward)
+        _, extra = _chain(r, stop - {r}, in_forward, collectives=True)
         dropped[r] = f"{policy!r}: recomputed with block `{block}`"
         for x in extra:  # what recomputing it starts from
             kept.setdefault(x, f"not recomputable ({_why_not(x)}); `{r.name}` is recomputed from it")
@@ -496,7 +506,8 @@ def _choose(candidates: list[fx.Node], stop: set[fx.Node], forward: set[fx.Node]
     return dropped
 
 
-def _chain(root: fx.Node, stop: set[fx.Node], forward: set[fx.Node]) -> tuple[list[fx.Node], list[fx.Node]]:
+def _chain(root: fx.Node, stop: set[fx.Node], forward: set[fx.Node],
+           collectives: bool = False) -> tuple[list[fx.Node], list[fx.Node]]:
     """The forward nodes recomputing ``root`` runs (it included), from ``stop`` values, placeholders and values
     that are no tensors; and the nodes on the way that cannot be recomputed (they would have to be kept)."""
     chain, extra, seen, todo = [], [], set(), [root]
@@ -507,7 +518,7 @@ def _chain(root: fx.Node, stop: set[fx.Node], forward: set[fx.Node]) -> tuple[li
         seen.add(node)
         if node not in forward or not _is_tensor_value(node) or (node is not root and storage_root(node) in stop):
             continue
-        if not recomputable(node):
+        if not recomputable(node, collectives):
             extra.append(node)
             continue
         chain.append(node)
@@ -534,10 +545,12 @@ def _rewrite(gm: fx.GraphModule, plan: _Plan) -> int:
             else graph.inserting_before(before)
         with where:
             copy = graph.node_copy(node, lambda a: env[a])
-        copy.meta = {k: v for k, v in node.meta.items() if k != "custom"}
+        copy.meta = {k: v for k, v in node.meta.items() if k not in ("custom", ACTIVATION_COLLECTIVE)}
         copy.meta["custom"] = dict(node.meta.get("custom", {}))
         set_phase(copy, "backward")
         copy.meta[RECOMPUTED] = node.name
+        if node.target is ops.all_gather:  # gathered again where the backward needs it: never merged with the
+            copy.meta[DEDUP_KEY] = ("recomputed", node.meta.get(DEDUP_KEY))  # forward's, never issued early
         copies[node] = copy
         return copy
 
@@ -548,7 +561,7 @@ def _rewrite(gm: fx.GraphModule, plan: _Plan) -> int:
             if not plan.available(arg):
                 node.replace_input_with(arg, materialize(arg, node))
     for node in reversed(list(graph.nodes)):  # forward nodes only the backward read are gone with their reads
-        if node in plan.forward and not node.users and recomputable(node):
+        if node in plan.forward and not node.users and recomputable(node, plan.collectives):
             graph.erase_node(node)
     return len(copies)
 

@@ -447,8 +447,17 @@ def main() -> None:
         "optimizer_params_are_dtensors": sum(isinstance(p, DTensor) for gr in opt_c.param_groups for p in gr["params"]),
         "describe": step.explain() if rank == 0 else "",
         "split_matmuls": _split_matmuls(step.compiled),
+        "recomputed_all_gathers": _recomputed_all_gathers(step.compiled),
         "ort": ort_report(step),
     })
+
+
+def _recomputed_all_gathers(program) -> int:
+    """All-gathers the backward runs again (activation checkpointing under sequence parallelism)."""
+    from spmd_ort.graph import ops
+    from spmd_ort.passes.recompute import RECOMPUTED
+
+    return sum(1 for n in program.gm.graph.nodes if n.target is ops.all_gather and RECOMPUTED in n.meta)
 
 
 def _split_matmuls(program) -> int:
