@@ -39,9 +39,9 @@ of the configuration a published run used, and a run can use it:
 
 Values outside every block (embeddings, the final norm, the head and the loss) are kept, as there; random outputs
 and what cannot be recomputed are kept, as at any budget.  Under both, an activation's all-gather (sequence
-parallelism's gathered block input) is recomputed too, gathered again in the backward as torchtitan's checkpoint
-does: every rank runs the same graph, so the copies pair on every rank; the copy is never merged with the forward's
-nor issued early (its ``dedup_key`` and no ``activation_collective`` mark).
+parallelism's gathered block input), and under ``"full"`` its reduce-scatter too, is recomputed, run again in the
+backward as torchtitan's checkpoint does: every rank runs the same graph, so the copies pair on every rank; a copy
+is never merged with the forward's nor issued early (its ``dedup_key`` and no ``activation_collective`` mark).
 """
 
 from __future__ import annotations
@@ -57,7 +57,7 @@ from spmd_ort.graph.slots import SlotKind
 from spmd_ort.graph import ops
 from spmd_ort.graph.aliasing import aliases_input
 from spmd_ort.graph.meta import ACTIVATION_COLLECTIVE, DEDUP_KEY
-from spmd_ort.graph.flops import ATTENTION_FORWARD, hint as _hint, node_flops
+from spmd_ort.graph.flops import ATTENTION_FORWARD, argument, hint as _hint, node_flops
 from spmd_ort.graph.liveness import value_bytes
 
 from .context import PassResult
@@ -155,18 +155,21 @@ def storage_root(node: fx.Node) -> fx.Node:
     return node
 
 
-def recomputable(node: fx.Node, collectives: bool = False) -> bool:
+def recomputable(node: fx.Node, collectives: tuple = ()) -> bool:
     """Whether a forward node may run again in the backward and give the same values: a functional aten/prims op
     that draws no random numbers (or a getitem of one); never a host node, opaque part or tap, and a collective
-    only with ``collectives`` (the named policies: an activation's all-gather, gathered again in the backward as
-    torchtitan's checkpoint does, every rank at the same point of the same graph)."""
+    only if its op is among ``collectives`` (the named policies: an activation's all-gather, and under ``"full"``
+    its reduce-scatter, run again in the backward as torchtitan's checkpoint does, every rank at the same point of
+    the same graph), as is the ``wait_`` of one."""
     if node.op != "call_function" or _is_backward(node) or not _is_tensor_value(node) or NARROWED_MASK in node.meta:
         return False
     if node.target is operator.getitem:
         return isinstance(node.args[0], fx.Node) and recomputable(node.args[0], collectives)
-    if collectives and (node.target is ops.all_gather or (
-            node.target is ops.wait_ and isinstance(node.args[0], fx.Node) and node.args[0].target is ops.all_gather)):
+    if node.target in collectives or (node.target is ops.wait_ and isinstance(node.args[0], fx.Node)
+                                      and node.args[0].target in collectives):
         return True
+    if getattr(node.target, "overloadpacket", None) in collectives:  # an attention kernel, run again without dropout
+        return not argument(node, "dropout_p", 0.0)
     target = node.target
     if not isinstance(target, torch._ops.OpOverload) or target.namespace not in NAMESPACES:
         return False
@@ -336,7 +339,7 @@ class _Plan:
     forward: set[fx.Node]
     dropped_bytes: int = 0
     kept_bytes: int = 0
-    collectives: bool = False  # activations' all-gathers may be recomputed (the named policies)
+    collectives: tuple = ()  # collectives of activations that may be recomputed (the named policies)
 
     def available(self, node: fx.Node) -> bool:
         """Whether the backward may read ``node`` itself (not a recomputed copy)."""
@@ -399,7 +402,7 @@ def _plan(gm: fx.GraphModule, budget: float | str, batch: set[fx.Node]) -> _Plan
         elif r in on_spine:
             kept[r] = ("a block's input: kept, recomputation of the block starts from it" if policy else
                        "the spine: the only forward value live here (recomputation starts from it)")
-        elif not recomputable(r, collectives=bool(policy)):
+        elif not recomputable(r, RECOMPUTED_COLLECTIVES.get(policy, ())):
             kept[r] = f"not recomputable ({_why_not(r)})"
         elif r in read_after:
             kept[r] = "read after the backward anyway"
@@ -415,13 +418,18 @@ def _plan(gm: fx.GraphModule, budget: float | str, batch: set[fx.Node]) -> _Plan
         dropped = _by_policy(policy, forward, blocks, candidates, stop, in_forward, kept)
     else:
         dropped = _choose(candidates, stop, in_forward, budget, kept)
-    plan = _Plan(dropped, kept, in_forward, collectives=bool(policy))
+    plan = _Plan(dropped, kept, in_forward, collectives=RECOMPUTED_COLLECTIVES.get(policy, ()))
     plan.dropped_bytes = sum(value_bytes(r.meta.get("val")) for r in dropped)
     plan.kept_bytes = sum(value_bytes(r.meta.get("val")) for r in kept)
     return plan
 
 
 MATMULS = (aten.mm.default, aten.addmm.default)
+# collectives of activations each policy runs again in the backward: torchtitan's checkpoint recomputes a whole block
+# under "full", and under "selective" saves reduce-scatter outputs (its save list) but gathers again
+RECOMPUTED_COLLECTIVES = {"full": (ops.all_gather, ops.reduce_scatter, *ATTENTION_FORWARD),
+                          "selective": (ops.all_gather,)}  # (and under "full" attention kernels without dropout:
+# torch tags them nondeterministic_seeded for their dropout, which a numeric budget never replays)
 
 
 def _saved_by_selective(node: fx.Node) -> bool:
@@ -452,7 +460,7 @@ def _by_policy(policy: str, forward: list[fx.Node], blocks: dict, candidates: li
         count: dict[str, int] = {}
         for node in forward:
             block = blocks.get(node)
-            if block is None or not recomputable(node, collectives=True):
+            if block is None or not recomputable(node, RECOMPUTED_COLLECTIVES[policy]):
                 continue
             if node.target in MATMULS:
                 count[block] = count.get(block, 0) + 1
@@ -469,7 +477,7 @@ def _by_policy(policy: str, forward: list[fx.Node], blocks: dict, candidates: li
         if block is None:
             kept[r] = f"{policy!r}: outside every checkpointed block (kept, as a per-block checkpoint keeps it)"
             continue
-        _, extra = _chain(r, stop - {r}, in_forward, collectives=True)
+        _, extra = _chain(r, stop - {r}, in_forward, RECOMPUTED_COLLECTIVES[policy])
         dropped[r] = f"{policy!r}: recomputed with block `{block}`"
         for x in extra:  # what recomputing it starts from
             kept.setdefault(x, f"not recomputable ({_why_not(x)}); `{r.name}` is recomputed from it")
@@ -507,7 +515,7 @@ def _choose(candidates: list[fx.Node], stop: set[fx.Node], forward: set[fx.Node]
 
 
 def _chain(root: fx.Node, stop: set[fx.Node], forward: set[fx.Node],
-           collectives: bool = False) -> tuple[list[fx.Node], list[fx.Node]]:
+           collectives: tuple = ()) -> tuple[list[fx.Node], list[fx.Node]]:
     """The forward nodes recomputing ``root`` runs (it included), from ``stop`` values, placeholders and values
     that are no tensors; and the nodes on the way that cannot be recomputed (they would have to be kept)."""
     chain, extra, seen, todo = [], [], set(), [root]
@@ -549,8 +557,8 @@ def _rewrite(gm: fx.GraphModule, plan: _Plan) -> int:
         copy.meta["custom"] = dict(node.meta.get("custom", {}))
         set_phase(copy, "backward")
         copy.meta[RECOMPUTED] = node.name
-        if node.target is ops.all_gather:  # gathered again where the backward needs it: never merged with the
-            copy.meta[DEDUP_KEY] = ("recomputed", node.meta.get(DEDUP_KEY))  # forward's, never issued early
+        if node.target in (ops.all_gather, ops.reduce_scatter):  # run again where the backward needs it: never
+            copy.meta[DEDUP_KEY] = ("recomputed", node.meta.get(DEDUP_KEY))  # merged with the forward's or issued early
         copies[node] = copy
         return copy
 

@@ -97,8 +97,8 @@ CLAIMS: list[tuple[str, Source]] = [
      Code("spmd_ort/plan/device.py", r"outside_allocator=2\*\*(\d+),", lambda v: 2**int(v) / 2**30)),
     ("the targets are time within {30%} and reserved memory within 25%", Fact("issue 62's targets")),
     ("the targets are time within 30% and reserved memory within {25%}", Fact("issue 62's targets")),
-    ("the planned activations per rank are {33 GiB} with `\"full\"`",
-     Prose("planned activations per rank are 33 GiB with \"full\"")),
+    ("the planned activations per rank are {29 GiB} with `\"full\"`",
+     Prose("planned activations per rank are 29 GiB with \"full\"")),
     ("with `\"full\"`, {52 GiB} with `\"selective\"`", Prose("52 GiB with \"selective\"")),
     ("and {129 GiB} without checkpointing", Prose("129 GiB without checkpointing")),
     # README: headline numbers

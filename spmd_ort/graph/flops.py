@@ -49,7 +49,7 @@ def _value(a):
     return a.meta.get("val") if isinstance(a, fx.Node) else a
 
 
-def _argument(node: fx.Node, name: str, default=None):
+def argument(node: fx.Node, name: str, default=None):
     """``node``'s argument ``name`` (positional or keyword), by the op's schema."""
     if name in node.kwargs:
         return node.kwargs[name]
@@ -79,7 +79,7 @@ def attention_flops(node: fx.Node) -> int | None:
 
 def is_causal(node: fx.Node) -> bool:
     """Whether an attention kernel's node computes causal attention (its ``is_causal`` argument)."""
-    return bool(_argument(node, "is_causal", False))
+    return bool(argument(node, "is_causal", False))
 
 
 def node_flops(node: fx.Node) -> int:
