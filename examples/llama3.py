@@ -169,7 +169,8 @@ def tensor_parallel_plan() -> dict:
     plan |= {"layers.*.attention_norm": seq, "layers.*.ffn_norm": seq,
              "layers.*.attention": PrepareModuleInput(input_layouts=(Shard(1), None, None),
                                                       desired_input_layouts=(Replicate(), None, None)),
-             "layers.*.feed_forward": PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)),
+             "layers.*.feed_forward": PrepareModuleInput(input_layouts=(Shard(1),),
+                                                         desired_input_layouts=(Replicate(),)),
              "layers.*.attention.wo": RowwiseParallel(output_layouts=Shard(1)),
              "layers.*.feed_forward.w2": RowwiseParallel(output_layouts=Shard(1))}
     plan |= {f"layers.*.attention.{p}": col for p in ("wq", "wk", "wv")}

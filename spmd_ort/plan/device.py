@@ -141,11 +141,13 @@ class DeviceSpec:
         rows += [(f"attention {dt} forward / backward (causal)", f"{main / 1e12:.0f} TFLOP/s",
                   f"{main * a.attention[0] / 1e12:.0f} / {main * a.attention[1] / 1e12:.0f} "
                   f"({main * causal[0] / 1e12:.0f} / {main * causal[1] / 1e12:.0f}) TFLOP/s"),
-                 ("memory bandwidth", f"{self.memory_bw / 1e12:.2f} TB/s", f"{self.achieved_memory_bw / 1e12:.2f} TB/s"),
+                 ("memory bandwidth", f"{self.memory_bw / 1e12:.2f} TB/s",
+                  f"{self.achieved_memory_bw / 1e12:.2f} TB/s"),
                  ("collective bus bandwidth within a node", f"{self.intra_bw / GB:.0f} GB/s",
                   f"{self.link_bw(1) / GB:.0f} GB/s"),
                  ("collective bus bandwidth across nodes", f"{self.inter_bw / GB:.0f} GB/s a NIC",
-                  f"{self.link_bw(self.ranks_per_node + 1) / GB:.0f} GB/s ({a.rails} rail{'s' if a.rails > 1 else ''})"),
+                  f"{self.link_bw(self.ranks_per_node + 1) / GB:.0f} GB/s "
+                  f"({a.rails} rail{'s' if a.rails > 1 else ''})"),
                  ("per collective / per hop / per op", "-", f"{a.latency_s * 1e6:.0f} / {self.link_latency_s * 1e6:.1f}"
                                                            f" / {self.op_overhead_s * 1e6:.1f} us"),
                  ("compute slowed while a collective runs", "-", f"{100 * a.overlap:.0f}%"),

@@ -112,7 +112,8 @@ sheet's).  ``fits``: ``reserved`` and ``outside_allocator`` within the device's 
             "| none | 0 | 0 |"]
         dtype = str(self.main_dtype).replace("torch.", "")
         recomputed = (f" ({self.recompute_flops / 1e12:.2f} of them recomputation)" if self.recompute_flops else "")
-        lines += ["", f"step: {self.flops / 1e12:.2f} TFLOP{recomputed}; predicted {self.predicted_step_s * 1e3:.1f} ms "
+        lines += ["", f"step: {self.flops / 1e12:.2f} TFLOP{recomputed}; "
+                      f"predicted {self.predicted_step_s * 1e3:.1f} ms "
                       f"(compute {self.compute_s * 1e3:.1f} ms, collectives {self.comm_s * 1e3:.1f} ms of which "
                       f"{self.exposed_comm_s * 1e3:.1f} ms not hidden); MFU {100 * self.mfu:.1f}% (model FLOPs, "
                       f"recomputation not counted, of {self.device.name}'s data-sheet {dtype} peak, "
