@@ -2,6 +2,7 @@
 ``torch.utils.checkpoint`` on every block: the step's real peak memory and its time.
 
 Run:  .venv/bin/python bench/memory.py [--steps 3] [--runners eager,eager+checkpoint,fx@1.0,fx@0.5,fx@0.0]
+      [--model gpt|llama] [--vocab 256]
 
 An activation-heavy LM: GPT, 6 layers, 4 heads, d 256, seq 512, vocab 256, batch 8, dropout 0.1 (in
 attention and after each MLP), AdamW(lr 1e-3, ``fused=True``) for every runner.  Each runner is its own
@@ -20,7 +21,7 @@ the kernel's high-water mark (``/proc/self/clear_refs``), then runs ``--steps`` 
 
 Runners: ``eager``; ``eager+checkpoint`` (each block in ``torch.utils.checkpoint(use_reentrant=False)``, which
 replays the block's dropout in its recomputation); ``fx@B`` / ``ort@B`` (``spmd_ort.compile(backend=...,
-activation_memory_budget=B)``).
+activation_memory_budget=B)``; ``B`` a number, or ``full`` / ``selective``: torchtitan's checkpointing).
 """
 
 from __future__ import annotations
@@ -58,6 +59,7 @@ def main() -> None:
     ap.add_argument("--layers", type=int, default=6)
     ap.add_argument("--seq", type=int, default=512)
     ap.add_argument("--batch", type=int, default=8)
+    ap.add_argument("--vocab", type=int, default=256)
     ap.add_argument("--worker", help=argparse.SUPPRESS)
     ap.add_argument("--out", help=argparse.SUPPRESS)
     args = ap.parse_args()
@@ -70,7 +72,7 @@ def main() -> None:
             out = Path(tmp) / "out.json"
             out.unlink(missing_ok=True)
             cmd = [sys.executable, __file__, "--worker", name, "--out", str(out), "--steps", str(args.steps),
-                   "--model", args.model, "--layers", str(args.layers), "--seq", str(args.seq), "--batch", str(args.batch)]
+                   "--model", args.model, "--layers", str(args.layers), "--seq", str(args.seq), "--batch", str(args.batch), "--vocab", str(args.vocab)]
             env = {k: v for k, v in os.environ.items() if not k.startswith("MALLOC_")}
             env.update({**ALLOCATOR, "SPMD_ORT_LOG_LEVEL": "WARNING"})
             t0 = time.perf_counter()
@@ -151,7 +153,7 @@ def worker(args) -> None:
         opt.zero_grad(set_to_none=True)
         return loss
 
-    cfg = GPTConfig(vocab=256, seq=args.seq, d=256, heads=4, layers=args.layers, dropout=0.1)
+    cfg = GPTConfig(vocab=args.vocab, seq=args.seq, d=256, heads=4, layers=args.layers, dropout=0.1)
     torch.manual_seed(0)
     if args.model == "gpt":
         model = GPT(cfg)
@@ -175,7 +177,7 @@ def worker(args) -> None:
         step = lambda x, y: step_fn(model, opt, x, y)
     else:
         backend, budget = name.split("@")
-        compiled = spmd_ort.compile(backend=DEFAULT_BACKENDS.get(backend, backend), activation_memory_budget=float(budget))(step_fn)
+        compiled = spmd_ort.compile(backend=DEFAULT_BACKENDS.get(backend, backend), activation_memory_budget=budget if budget in ("full", "selective") else float(budget))(step_fn)
         step = lambda x, y: compiled(model, opt, x, y)
     g = torch.Generator().manual_seed(0)
     times, loss = [], None
