@@ -108,7 +108,8 @@ STAGES: tuple[Step, ...] = (
     Step("fusion", fuse_linear_cross_entropy_pass,
          NOT_EXPAND.note("float32 on CPU, a wide classifier over narrow features; a head whose logits are "
                          "read elsewhere is kept")),
-    Step("expand", adopt_dtensor_collectives_pass, EXPAND.note("before recompute: never recomputed")),
+    Step("expand", adopt_dtensor_collectives_pass,
+         EXPAND.note("before recompute: recomputed only under 'full'/'selective', as torchtitan's checkpoint does")),
     Step("expand", merge_summed_all_reduces_pass, EXPAND),
     Step("expand", split_replicated_matmuls_pass, EXPAND.note("a no-op without tensor-parallel collectives")),
     Step("debug", insert_activation_stats_pass, ALWAYS.note("a no-op unless a debug subscriber taps activations")),

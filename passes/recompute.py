@@ -41,7 +41,8 @@ Values outside every block (embeddings, the final norm, the head and the loss) a
 and what cannot be recomputed are kept, as at any budget.  Under both, an activation's all-gather (sequence
 parallelism's gathered block input), and under ``"full"`` its reduce-scatter too, is recomputed, run again in the
 backward as torchtitan's checkpoint does: every rank runs the same graph, so the copies pair on every rank; a copy
-is never merged with the forward's nor issued early (its ``dedup_key`` and no ``activation_collective`` mark).
+is never merged with the forward's (its own ``dedup_key``), and an all-gather's is not issued early (no
+``activation_collective`` mark; a reduce-scatter moves up to just after its inputs, themselves recomputed).
 """
 
 from __future__ import annotations
@@ -161,15 +162,17 @@ def recomputable(node: fx.Node, collectives: tuple = ()) -> bool:
     only if its op is among ``collectives`` (the named policies: an activation's all-gather, and under ``"full"``
     its reduce-scatter, run again in the backward as torchtitan's checkpoint does, every rank at the same point of
     the same graph), as is the ``wait_`` of one."""
-    if node.op != "call_function" or _is_backward(node) or not _is_tensor_value(node) or NARROWED_MASK in node.meta:
+    if node.op != "call_function" or _is_backward(node) or NARROWED_MASK in node.meta:
         return False
     if node.target is operator.getitem:
-        return isinstance(node.args[0], fx.Node) and recomputable(node.args[0], collectives)
+        return _is_tensor_value(node) and isinstance(node.args[0], fx.Node) and recomputable(node.args[0], collectives)
+    if getattr(node.target, "overloadpacket", None) in collectives:  # an attention kernel (its results may hold
+        return not argument(node, "dropout_p", 0.0)  # sizes and seeds besides tensors, as CUDA's flash's do)
+    if not _is_tensor_value(node):
+        return False
     if node.target in collectives or (node.target is ops.wait_ and isinstance(node.args[0], fx.Node)
                                       and node.args[0].target in collectives):
         return True
-    if getattr(node.target, "overloadpacket", None) in collectives:  # an attention kernel, run again without dropout
-        return not argument(node, "dropout_p", 0.0)
     target = node.target
     if not isinstance(target, torch._ops.OpOverload) or target.namespace not in NAMESPACES:
         return False
@@ -343,8 +346,10 @@ class _Plan:
 
     def available(self, node: fx.Node) -> bool:
         """Whether the backward may read ``node`` itself (not a recomputed copy)."""
-        if node not in self.forward or not _is_tensor_value(node) or not recomputable(node, self.collectives):
+        if node not in self.forward or not recomputable(node, self.collectives):
             return True  # the backward's own, not a tensor, or kept because it cannot be recomputed
+        if not _is_tensor_value(node):  # an attention kernel's results (tensors, sizes, seeds): where one of its
+            return not any(u in self.dropped for u in node.users)  # tensors is recomputed, the kernel runs again
         root = storage_root(node)
         if root in self.dropped:
             return False
@@ -408,19 +413,24 @@ def _plan(gm: fx.GraphModule, budget: float | str, batch: set[fx.Node]) -> _Plan
             kept[r] = "read after the backward anyway"
         else:
             candidates.append(r)
-    for r in on_spine:  # recomputation starts from the spine, saved or not: a bf16 block input the backward never
-        root = storage_root(r)  # reads itself (only its float32 copy) would otherwise be recomputed from the start
+    starts = set(on_spine)
+    if policy:  # what a block reads from outside it, as a checkpoint of the block saves its inputs (a mask or
+        starts |= {a for n in forward if blocks.get(n) is not None  # positions made from the batch included)
+                   for a in n.all_input_nodes if a in in_forward and blocks.get(a) != blocks[n] and _is_tensor_value(a)}
+    for r in starts:  # recomputation starts from these, saved or not: a bf16 block input the backward never reads
+        root = storage_root(r)  # itself (only its float32 copy) would otherwise be recomputed from the embedding
         if root in in_forward and root not in kept and value_bytes(root.meta.get("val")):
             kept[root] = ("a block's input (recomputation of the block starts from it)" if policy else
                           "the spine: the only forward value live here (recomputation starts from it)")
-    stop = set(roots) | on_spine
+    stop = set(roots) | starts
     if policy:
         dropped = _by_policy(policy, forward, blocks, candidates, stop, in_forward, kept)
     else:
         dropped = _choose(candidates, stop, in_forward, budget, kept)
     plan = _Plan(dropped, kept, in_forward, collectives=RECOMPUTED_COLLECTIVES.get(policy, ()))
     plan.dropped_bytes = sum(value_bytes(r.meta.get("val")) for r in dropped)
-    plan.kept_bytes = sum(value_bytes(r.meta.get("val")) for r in kept)
+    saved_roots = set(roots)  # kept_bytes: saved-for-backward bytes still kept (not the starts nothing else reads)
+    plan.kept_bytes = sum(value_bytes(r.meta.get("val")) for r in kept if r in saved_roots)
     return plan
 
 

@@ -29,7 +29,7 @@ def compile(  # noqa: A001 - the reference API's name
     backend: str | None = None,
     debug: DebugOptions | None = None,
     dynamic: bool | None = None,
-    activation_memory_budget: float | None = None,
+    activation_memory_budget: float | str | None = None,
     autotune: bool | None = None,
     cuda_graph: bool | None = None,
 ) -> Callable[[Callable], CompiledStep]:
@@ -59,7 +59,9 @@ def compile(  # noqa: A001 - the reference API's name
         activation_memory_budget: from 0.0 to 1.0 (torch's name for the knob), the share of the
             recomputable saved-for-backward bytes the backward keeps; the rest it recomputes just before
             use (``recompute_activations_pass``).  1.0 (the default) keeps what eager keeps, 0.0 recomputes
-            all that can be.  Default from ``SPMD_ORT_ACTIVATION_MEMORY_BUDGET``.
+            all that can be.  ``"full"`` / ``"selective"``: every block checkpointed as torchtitan does (its
+            input kept; or torchtitan's op policy: every other matmul and attention kept).  Default from
+            ``SPMD_ORT_ACTIVATION_MEMORY_BUDGET``.
         autotune: ``True`` (the default): after compile, measurements choose each segment's executor, the
             whole graph against its segments, inductor's candidate and ``bucket_cap_mb='auto'``'s cap
             (:mod:`spmd_ort.tuner`); ``False``: the static choices, the same every run.  Default from

@@ -711,3 +711,75 @@ def test_ort_backend_with_selective_checkpointing_matches_eager():
                                   batches, backend="ort", activation_memory_budget="selective")
     assert step.compiled.results.get(Recomputation).copies > 0
     assert_ran_on_ort(step)
+
+
+def test_full_recomputes_attention_kernels_whose_results_hold_sizes_and_seeds():
+    """CUDA's flash attention returns sizes and seeds besides its tensors: under "full" the kernel itself is
+    copied into the backward when the outputs the backward reads are recomputed (no dropout: the same values);
+    before, a result that is not all tensors made it unrecomputable and its outputs stayed for every block."""
+    def fn(x, w):
+        h = (x @ w).view(1, 2, 8, 16)
+        out = torch.ops.aten._scaled_dot_product_flash_attention(h, h, h, 0.0, True)
+        y = out[0].sum() + out[1].sum()
+        gy = torch.ones_like(y)  # the backward starts here, reading the attention's output and logsumexp
+        return y, out[0] * gy, out[1] * gy
+
+    gm = _traced(fn, torch.randn(8, 32), torch.randn(32, 32), backward_from="aten.ones_like.default")
+    for node in gm.graph.nodes:
+        if node.op == "call_function" and node.meta.get("custom", {}).get("phase") != "backward":
+            node.meta.setdefault("custom", {})["module"] = "layers.0.attention"
+    out, ctx = _run(gm, "full")
+    flash = [n for n in out.graph.nodes if "flash_attention" in str(n.target)]
+    assert len(flash) == 2 and RECOMPUTED in flash[1].meta and flash[1].meta["custom"]["phase"] == "backward"
+    assert ctx.results.get(Recomputation).copies >= 3  # the kernel and the two outputs read
+
+
+class _MaskedBlock(nn.Module):
+    def __init__(self, d: int):
+        super().__init__()
+        self.fc, self.out = nn.Linear(d, 4 * d), nn.Linear(4 * d, d)
+
+    def forward(self, h, mask):
+        return h + self.out(torch.relu(self.fc(h))) * mask
+
+
+class _MaskedStack(nn.Module):
+    """Blocks that all read a mask made from the batch: no value is alone between blocks (no spine)."""
+
+    def __init__(self, d: int = 16, layers: int = 3):
+        super().__init__()
+        self.embed = nn.Embedding(32, d)
+        self.blocks = nn.ModuleList(_MaskedBlock(d) for _ in range(layers))
+
+    def forward(self, ids):
+        mask = (ids > 0).float().unsqueeze(-1)
+        h = self.embed(ids)
+        for block in self.blocks:
+            h = block(h, mask)
+        return h
+
+
+def test_full_keeps_what_each_block_reads_from_outside_it_even_without_a_spine():
+    """A mask made from the batch, read by every block, leaves no spine: before, "full" kept no block input and
+    recomputed every block from the embedding at the backward's start. A checkpoint of each block saves what it
+    reads from outside: each block's recomputation now sits with its own backward (the last block's first), and
+    the step equals eager's."""
+    def step_fn(model, opt, ids):
+        loss = model(ids).square().mean()
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        return loss
+
+    batches = [(torch.randint(0, 32, (4, 8), generator=torch.Generator().manual_seed(i)),) for i in range(2)]
+    step, *_ = train_side_by_side(lambda: _MaskedStack(), lambda m: torch.optim.SGD(m.parameters(), lr=0.1), step_fn,
+                                  batches, activation_memory_budget="full")
+    nodes = list(step.compiled.gm.graph.nodes)
+    first = {}
+    for i, node in enumerate(nodes):
+        block = node.meta.get("custom", {}).get("module", "")[:8]
+        if RECOMPUTED in node.meta and block.startswith("blocks."):
+            first.setdefault(block, i)
+    assert first["blocks.2"] < first["blocks.1"] < first["blocks.0"], first
+    kept = step.compiled.results.get(Recomputation).kept
+    assert sum("a block's input" in k for k in kept) >= 3, kept

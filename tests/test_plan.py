@@ -272,6 +272,10 @@ def test_on_the_ort_backend_the_plan_exports_every_segment():
     assert "none falls back to fx" in plan.explain()
     skipped = step.plan(model, opt, *_tokens(cfg, 4), world_size=4, export=False)
     assert not skipped.exported and skipped.export == {} and skipped.comm_bytes == plan.comm_bytes
+    # priced again after the export's partition rewrote the finished graph into segments: the same figures
+    again = plan.on(plan.device)
+    assert (again.flops, again.predicted_step_s, again.per_rank_bytes) == (plan.flops, plan.predicted_step_s,
+                                                                           plan.per_rank_bytes)
 
 
 @pytest.mark.parametrize("args,said", [
@@ -358,7 +362,7 @@ def test_inductor_is_priced_with_elementwise_chains_fused():
         plans[backend] = step.plan(model, opt, ids, ids, world_size=1, export=False)
     fx_, ind = plans["fx"].compute_s_by_kind, plans["inductor"].compute_s_by_kind
     assert plans["fx"].flops == plans["inductor"].flops
-    assert ind["memory-bound"] < 0.7 * fx_["memory-bound"] and ind["dispatch"] < fx_["dispatch"]
+    assert ind["memory-bound"] < 0.8 * fx_["memory-bound"] and ind["dispatch"] < fx_["dispatch"]
     assert ind["matmul"] == pytest.approx(fx_["matmul"])
 
 

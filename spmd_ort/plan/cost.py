@@ -4,14 +4,15 @@ Each op costs the larger of its FLOPs over the FLOP/s its kind of kernel achieve
 ``torch.utils.flop_counter``; matmuls at the device's achieved matmul rate for their output's shape, attention
 kernels at theirs: :class:`~spmd_ort.plan.device.Achieved`) and the bytes it reads over the achieved memory
 bandwidth plus those it writes over the write bandwidth (a CPU's fresh outputs are page-faulted in), plus a fixed
-dispatch cost; views cost nothing.  With ``fused`` (an executor that fuses elementwise ops: inductor), a chain of
-ops without FLOPs is priced as the kernel it becomes: the bytes it reads from outside the chain and writes for
-readers outside it, and one dispatch.  Collectives run on a stream of their own (ring costs: an all-gather or
-reduce-scatter moves ``(n-1)/n`` of the full payload per rank, an all-reduce twice that, at the bus bandwidth the
-group's ring gets, plus a fixed cost per call and per hop), starting where the schedule issues them and no earlier
-than the last one ends; compute that runs beside a collective is slowed by ``achieved.overlap``; a ``wait_`` holds
-the compute stream until its collective ends.  So the overlap the schedule allows is what the prediction counts,
-no more.
+dispatch cost; views cost nothing.  With ``fused`` (an executor that fuses: inductor), a chain of ops without
+FLOPs (elementwise ops, reductions, gathers, the optimizer's updates) within one phase is priced as the kernel it
+becomes: the bytes it reads from outside the chain and writes for readers outside it (a forward value the backward
+reads is written, and read back), and one dispatch.  Collectives run on a stream of their own (ring costs: an
+all-gather or reduce-scatter moves ``(n-1)/n`` of the full payload per rank, an all-reduce twice that, at the bus
+bandwidth the group's ring gets, plus a fixed cost per call and per hop), starting where the schedule issues them
+and no earlier than the last one ends; compute that runs beside a collective is slowed by ``achieved.overlap``; a
+``wait_`` holds the compute stream until its collective ends.  So the overlap the schedule allows is what the
+prediction counts, no more.
 """
 
 from __future__ import annotations
@@ -115,9 +116,14 @@ def compute_rate(node: fx.Node, device: DeviceSpec, dtype: torch.dtype) -> float
 
 
 def _fusible(node: fx.Node) -> bool:
-    """An op a fusing executor folds into its neighbours' kernel: computes without FLOPs, is no collective."""
+    """An op a fusing executor folds into its neighbours' kernel: computes without FLOPs (elementwise ops, reductions,
+    gathers and scatters, the optimizer's updates), is no collective."""
     return node.op == "call_function" and node.target not in KIND and node.target is not ops.wait_ \
         and not _is_view(node) and node_flops(node) == 0
+
+
+def _phase(node: fx.Node) -> str:
+    return node.meta.get("custom", {}).get("phase", "forward")
 
 
 def _source(node: fx.Node) -> fx.Node:
@@ -168,8 +174,9 @@ def step_cost(gm: fx.GraphModule, device: DeviceSpec, world_size: int, fused: bo
             inputs = node.all_input_nodes
             overhead = device.op_overhead_s
             if node in fusible:  # inside a fused kernel: what it reads from and writes for the rest of the graph
-                inputs = [a for a in inputs if _source(a) not in fusible]
-                ends_chain = any(u not in fusible for u in node.users) or not node.users
+                here = _phase(node)  # (a forward value the backward reads is written, and read back, whatever reads it)
+                inputs = [a for a in inputs if _source(a) not in fusible or _phase(_source(a)) != here]
+                ends_chain = any(u not in fusible or _phase(u) != here for u in node.users) or not node.users
                 written = value_bytes(node.meta.get("val")) if ends_chain else 0
                 overhead = overhead if ends_chain else 0.0
             else:

@@ -366,7 +366,7 @@ FITTED = ("fitted to torchtitan Table 1 (8 GPUs, FSDP + torch.compile, 6,667 tok
 FITTED_MEMORY = ("fitted to torchtitan Table 1 (8 GPUs, FSDP + torch.compile, 77.0 GiB peak reserved): torch's caching "
                  "allocator reserves 21.7% over the planned allocated peak (bench/plan_vs_published.py --fit)")
 FRAGMENTATION = 0.217
-POWER_500W = 0.676
+POWER_500W = 0.682
 
 _H100_ACHIEVED = Achieved(
     matmul=794.5 / 989, matmul_tile=(128, 256), compute_units=132, attention=(369.9 / 989, 290.6 / 989),

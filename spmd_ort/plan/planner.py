@@ -108,7 +108,7 @@ def plan_step(step, args: tuple, kwargs: dict, *, world_size: int, device: str |
 
     def price(gm: fx.GraphModule, ctx) -> None:
         priced["cost"] = step_cost(gm, spec, world_size, fused=step.backend == "inductor")
-        priced["gm"] = gm
+        priced["graph"] = _snapshot(gm)  # the executor's partition rewrites gm in place after this
         priced["live"] = ctx.results.get(MemoryPlan).live  # plan_memory_pass's walk, node for node the same graph
         assert len(priced["live"]) == len(gm.graph.nodes), "the memory plan is of another graph"
         priced["nodes"] = len(gm.graph.nodes)
@@ -143,7 +143,9 @@ def plan_step(step, args: tuple, kwargs: dict, *, world_size: int, device: str |
 
     def priced_on(spec: DeviceSpec, cost=None) -> Plan:
         """The plan of this graph on ``spec`` (the graph walked again unless ``cost`` is given)."""
-        cost = cost or step_cost(priced["gm"], spec, world_size, fused=step.backend == "inductor")
+        cost = cost or step_cost(priced["graph"], spec, world_size, fused=step.backend == "inductor")
+        if len(cost.inflight) != len(priced["live"]):
+            raise AssertionError("the priced graph is not the graph the memory plan walked")
         live = [a + c for a, c in zip(priced["live"], cost.inflight)]
         state = held["params"] + priced["grads"] + held["opt_state"] + held["buffers"]
         peak = state + max(live, default=0)
@@ -164,6 +166,20 @@ def plan_step(step, args: tuple, kwargs: dict, *, world_size: int, device: str |
                     repricer=priced_on)
 
     return priced_on(spec, priced["cost"])
+
+
+class _Graph:
+    """A copy of a finished graph's nodes (their meta shared, read-only), as :func:`step_cost` walks it."""
+
+    def __init__(self, graph: fx.Graph):
+        self.graph = graph
+
+
+def _snapshot(gm: fx.GraphModule) -> _Graph:
+    graph = fx.Graph()
+    out = graph.graph_copy(gm.graph, {})
+    graph.output(out)
+    return _Graph(graph)
 
 
 def _by_kind(counts: CollectiveCounts) -> tuple[dict, dict]:
