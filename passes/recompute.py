@@ -156,22 +156,22 @@ def storage_root(node: fx.Node) -> fx.Node:
     return node
 
 
-def recomputable(node: fx.Node, collectives: tuple = ()) -> bool:
+def recomputable(node: fx.Node, extra_ops: tuple = ()) -> bool:
     """Whether a forward node may run again in the backward and give the same values: a functional aten/prims op
-    that draws no random numbers (or a getitem of one); never a host node, opaque part or tap, and a collective
-    only if its op is among ``collectives`` (the named policies: an activation's all-gather, and under ``"full"``
-    its reduce-scatter, run again in the backward as torchtitan's checkpoint does, every rank at the same point of
-    the same graph), as is the ``wait_`` of one."""
+    that draws no random numbers (or a getitem of one); never a host node, opaque part or tap; a collective (and the
+    ``wait_`` of one) or an attention kernel without dropout only if its op is among ``extra_ops`` (the named
+    policies' :data:`RECOMPUTED_UNDER`: run again in the backward as torchtitan's checkpoint does, every rank at
+    the same point of the same graph)."""
     if node.op != "call_function" or _is_backward(node) or NARROWED_MASK in node.meta:
         return False
     if node.target is operator.getitem:
-        return _is_tensor_value(node) and isinstance(node.args[0], fx.Node) and recomputable(node.args[0], collectives)
-    if getattr(node.target, "overloadpacket", None) in collectives:  # an attention kernel (its results may hold
+        return _is_tensor_value(node) and isinstance(node.args[0], fx.Node) and recomputable(node.args[0], extra_ops)
+    if getattr(node.target, "overloadpacket", None) in extra_ops:  # an attention kernel (its results may hold
         return not argument(node, "dropout_p", 0.0)  # sizes and seeds besides tensors, as CUDA's flash's do)
     if not _is_tensor_value(node):
         return False
-    if node.target in collectives or (node.target is ops.wait_ and isinstance(node.args[0], fx.Node)
-                                      and node.args[0].target in collectives):
+    if node.target in extra_ops or (node.target is ops.wait_ and isinstance(node.args[0], fx.Node)
+                                    and node.args[0].target in extra_ops):
         return True
     target = node.target
     if not isinstance(target, torch._ops.OpOverload) or target.namespace not in NAMESPACES:
@@ -342,11 +342,11 @@ class _Plan:
     forward: set[fx.Node]
     dropped_bytes: int = 0
     kept_bytes: int = 0
-    collectives: tuple = ()  # collectives of activations that may be recomputed (the named policies)
+    extra_ops: tuple = ()  # what the named policies recompute beyond any budget (RECOMPUTED_UNDER)
 
     def available(self, node: fx.Node) -> bool:
         """Whether the backward may read ``node`` itself (not a recomputed copy)."""
-        if node not in self.forward or not recomputable(node, self.collectives):
+        if node not in self.forward or not recomputable(node, self.extra_ops):
             return True  # the backward's own, not a tensor, or kept because it cannot be recomputed
         if not _is_tensor_value(node):  # an attention kernel's results (tensors, sizes, seeds): where one of its
             return not any(u in self.dropped for u in node.users)  # tensors is recomputed, the kernel runs again
@@ -399,35 +399,35 @@ def _plan(gm: fx.GraphModule, budget: float | str, batch: set[fx.Node]) -> _Plan
     if policy:  # a checkpointed block keeps its input alone: a spine value only its own block reads is recomputed
         on_spine = {r for r in on_spine if blocks.get(r) is None
                     or any(blocks.get(u) != blocks[r] for u in r.users if u in in_forward)}
+    starts = set(on_spine)
+    if policy:  # what a block reads from outside it, as a checkpoint of the block saves its inputs (a mask or
+        starts |= {a for n in forward if blocks.get(n) is not None  # positions made from the batch included)
+                   for a in n.all_input_nodes if a in in_forward and blocks.get(a) != blocks[n] and _is_tensor_value(a)}
+    extra_ops = RECOMPUTED_UNDER.get(policy, ())
     kept: dict[fx.Node, str] = {}
+    for r in starts:  # recomputation starts from these, saved or not: a bf16 block input the backward never reads
+        root = storage_root(r)  # itself (only its float32 copy) would otherwise be recomputed from the embedding
+        if root in in_forward and value_bytes(root.meta.get("val")):
+            kept[root] = ("a block's input: kept, recomputation of the block starts from it" if policy else
+                          "the spine: the only forward value live here (recomputation starts from it)")
     candidates = []
     for r in roots:
+        if r in kept:
+            continue
         if value_bytes(r.meta.get("val")) == 0:
             kept[r] = "empty"
-        elif r in on_spine:
-            kept[r] = ("a block's input: kept, recomputation of the block starts from it" if policy else
-                       "the spine: the only forward value live here (recomputation starts from it)")
-        elif not recomputable(r, RECOMPUTED_COLLECTIVES.get(policy, ())):
+        elif not recomputable(r, extra_ops):
             kept[r] = f"not recomputable ({_why_not(r)})"
         elif r in read_after:
             kept[r] = "read after the backward anyway"
         else:
             candidates.append(r)
-    starts = set(on_spine)
-    if policy:  # what a block reads from outside it, as a checkpoint of the block saves its inputs (a mask or
-        starts |= {a for n in forward if blocks.get(n) is not None  # positions made from the batch included)
-                   for a in n.all_input_nodes if a in in_forward and blocks.get(a) != blocks[n] and _is_tensor_value(a)}
-    for r in starts:  # recomputation starts from these, saved or not: a bf16 block input the backward never reads
-        root = storage_root(r)  # itself (only its float32 copy) would otherwise be recomputed from the embedding
-        if root in in_forward and root not in kept and value_bytes(root.meta.get("val")):
-            kept[root] = ("a block's input (recomputation of the block starts from it)" if policy else
-                          "the spine: the only forward value live here (recomputation starts from it)")
     stop = set(roots) | starts
     if policy:
         dropped = _by_policy(policy, forward, blocks, candidates, stop, in_forward, kept)
     else:
         dropped = _choose(candidates, stop, in_forward, budget, kept)
-    plan = _Plan(dropped, kept, in_forward, collectives=RECOMPUTED_COLLECTIVES.get(policy, ()))
+    plan = _Plan(dropped, kept, in_forward, extra_ops=extra_ops)
     plan.dropped_bytes = sum(value_bytes(r.meta.get("val")) for r in dropped)
     saved_roots = set(roots)  # kept_bytes: saved-for-backward bytes still kept (not the starts nothing else reads)
     plan.kept_bytes = sum(value_bytes(r.meta.get("val")) for r in kept if r in saved_roots)
@@ -435,11 +435,11 @@ def _plan(gm: fx.GraphModule, budget: float | str, batch: set[fx.Node]) -> _Plan
 
 
 MATMULS = (aten.mm.default, aten.addmm.default)
-# collectives of activations each policy runs again in the backward: torchtitan's checkpoint recomputes a whole block
-# under "full", and under "selective" saves reduce-scatter outputs (its save list) but gathers again
-RECOMPUTED_COLLECTIVES = {"full": (ops.all_gather, ops.reduce_scatter, *ATTENTION_FORWARD),
-                          "selective": (ops.all_gather,)}  # (and under "full" attention kernels without dropout:
-# torch tags them nondeterministic_seeded for their dropout, which a numeric budget never replays)
+# what each policy runs again in the backward beyond what any budget may: activations' collectives (torchtitan's
+# checkpoint recomputes a whole block under "full"; under "selective" it saves reduce-scatter outputs, its save list,
+# but gathers again) and, under "full", attention kernels without dropout (torch tags them nondeterministic_seeded
+# for their dropout, which a numeric budget never replays)
+RECOMPUTED_UNDER = {"full": (ops.all_gather, ops.reduce_scatter, *ATTENTION_FORWARD), "selective": (ops.all_gather,)}
 
 
 def _saved_by_selective(node: fx.Node) -> bool:
@@ -470,7 +470,7 @@ def _by_policy(policy: str, forward: list[fx.Node], blocks: dict, candidates: li
         count: dict[str, int] = {}
         for node in forward:
             block = blocks.get(node)
-            if block is None or not recomputable(node, RECOMPUTED_COLLECTIVES[policy]):
+            if block is None or not recomputable(node, RECOMPUTED_UNDER[policy]):
                 continue
             if node.target in MATMULS:
                 count[block] = count.get(block, 0) + 1
@@ -487,7 +487,7 @@ def _by_policy(policy: str, forward: list[fx.Node], blocks: dict, candidates: li
         if block is None:
             kept[r] = f"{policy!r}: outside every checkpointed block (kept, as a per-block checkpoint keeps it)"
             continue
-        _, extra = _chain(r, stop - {r}, in_forward, RECOMPUTED_COLLECTIVES[policy])
+        _, extra = _chain(r, stop - {r}, in_forward, RECOMPUTED_UNDER[policy])
         dropped[r] = f"{policy!r}: recomputed with block `{block}`"
         for x in extra:  # what recomputing it starts from
             kept.setdefault(x, f"not recomputable ({_why_not(x)}); `{r.name}` is recomputed from it")
@@ -525,7 +525,7 @@ def _choose(candidates: list[fx.Node], stop: set[fx.Node], forward: set[fx.Node]
 
 
 def _chain(root: fx.Node, stop: set[fx.Node], forward: set[fx.Node],
-           collectives: tuple = ()) -> tuple[list[fx.Node], list[fx.Node]]:
+           extra_ops: tuple = ()) -> tuple[list[fx.Node], list[fx.Node]]:
     """The forward nodes recomputing ``root`` runs (it included), from ``stop`` values, placeholders and values
     that are no tensors; and the nodes on the way that cannot be recomputed (they would have to be kept)."""
     chain, extra, seen, todo = [], [], set(), [root]
@@ -536,7 +536,7 @@ def _chain(root: fx.Node, stop: set[fx.Node], forward: set[fx.Node],
         seen.add(node)
         if node not in forward or not _is_tensor_value(node) or (node is not root and storage_root(node) in stop):
             continue
-        if not recomputable(node, collectives):
+        if not recomputable(node, extra_ops):
             extra.append(node)
             continue
         chain.append(node)
@@ -579,7 +579,7 @@ def _rewrite(gm: fx.GraphModule, plan: _Plan) -> int:
             if not plan.available(arg):
                 node.replace_input_with(arg, materialize(arg, node))
     for node in reversed(list(graph.nodes)):  # forward nodes only the backward read are gone with their reads
-        if node in plan.forward and not node.users and recomputable(node, plan.collectives):
+        if node in plan.forward and not node.users and recomputable(node, plan.extra_ops):
             graph.erase_node(node)
     return len(copies)
 

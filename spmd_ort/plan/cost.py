@@ -100,12 +100,17 @@ def collective_seconds(node: fx.Node, device: DeviceSpec, world_size: int) -> tu
     return kind, seconds, full
 
 
+def _is_attention(node: fx.Node) -> bool:
+    packet = getattr(node.target, "overloadpacket", None)
+    return packet in ATTENTION_FORWARD or packet in ATTENTION_BACKWARD
+
+
 def compute_rate(node: fx.Node, device: DeviceSpec, dtype: torch.dtype) -> float:
     """FLOP/s ``node``'s kernel achieves on ``device``: attention kernels at the attention rate (forward or backward,
     causal or not), other ops with FLOPs (matmuls, convolutions) at the matmul rate for their output's shape."""
-    packet = getattr(node.target, "overloadpacket", None)
-    if packet in ATTENTION_FORWARD or packet in ATTENTION_BACKWARD:
-        return device.attention_rate(dtype, backward=packet in ATTENTION_BACKWARD, causal=is_causal(node))
+    if _is_attention(node):
+        backward = node.target.overloadpacket in ATTENTION_BACKWARD
+        return device.attention_rate(dtype, backward=backward, causal=is_causal(node))
     val = node.meta.get("val")
     if isinstance(val, torch.Tensor) and val.dim() >= 2:
         rows = 1
@@ -133,17 +138,17 @@ def _source(node: fx.Node) -> fx.Node:
     return node
 
 
-def step_cost(gm: fx.GraphModule, device: DeviceSpec, world_size: int, fused: bool = False) -> StepCost:
-    """Walk ``gm`` in order on two streams (compute, collectives) and price every node on ``device``; ``fused``:
-    chains of elementwise ops priced as the fused kernels inductor makes of them."""
+def step_cost(graph: fx.Graph, device: DeviceSpec, world_size: int, fused: bool = False) -> StepCost:
+    """Walk ``graph`` in order on two streams (compute, collectives) and price every node on ``device``; ``fused``:
+    chains of ops without FLOPs priced as the fused kernels inductor makes of them."""
     cost = StepCost()
-    fusible = {n for n in gm.graph.nodes if _fusible(n)} if fused else set()
+    fusible = {n for n in graph.nodes if _fusible(n)} if fused else set()
     memory_bw = device.achieved_memory_bw
     write_bw = device.write_bw * device.achieved.memory if device.write_bw else memory_bw
     t = comm_free = 0.0  # when the compute stream / the collectives' stream is next free
     ends: dict[fx.Node, float] = {}  # a started collective's node -> when it completes
     held: dict[fx.Node, int] = {}  # reductions in flight -> bytes the library holds for them
-    for node in gm.graph.nodes:
+    for node in graph.nodes:
         if node.op != "call_function":
             cost.inflight.append(sum(held.values()))
             continue
@@ -184,10 +189,10 @@ def step_cost(gm: fx.GraphModule, device: DeviceSpec, world_size: int, fused: bo
             read = sum(value_bytes(a.meta.get("val")) for a in inputs)
             dtype = _dtype(node)
             memory_s = read / memory_bw + written / write_bw
-            seconds = max(flops / compute_rate(node, device, dtype) if flops else 0.0, memory_s) + overhead
-            packet = getattr(node.target, "overloadpacket", None)
-            kind = ("attention" if packet in ATTENTION_FORWARD or packet in ATTENTION_BACKWARD else "matmul") \
-                if flops and flops / compute_rate(node, device, dtype) >= memory_s else "memory-bound"
+            arithmetic_s = flops / compute_rate(node, device, dtype) if flops else 0.0
+            seconds = max(arithmetic_s, memory_s) + overhead
+            kind = ("attention" if _is_attention(node) else "matmul") if flops and arithmetic_s >= memory_s \
+                else "memory-bound"
             if comm_free > t and device.achieved.overlap:  # a collective's kernels share the SMs meanwhile
                 seconds += min(seconds, comm_free - t) * device.achieved.overlap
             by = cost.compute_s_by_kind

@@ -105,10 +105,13 @@ def plan_step(step, args: tuple, kwargs: dict, *, world_size: int, device: str |
     args, kwargs = _meta_copies(args, kwargs)
     twin = step.twin()  # the plan's variants, shapes, opaque parts and tuner never touch the step's own
     priced: dict = {}
+    fused = step.backend == "inductor"
 
     def price(gm: fx.GraphModule, ctx) -> None:
-        priced["cost"] = step_cost(gm, spec, world_size, fused=step.backend == "inductor")
-        priced["graph"] = _snapshot(gm)  # the executor's partition rewrites gm in place after this
+        # a copy of the finished graph: the executor's partition rewrites gm in place after this; walked here,
+        # while the world is up, so that each collective's group size is read (and kept in its node's meta)
+        priced["graph"] = _snapshot(gm)
+        priced["cost"] = step_cost(priced["graph"], spec, world_size, fused=fused)
         priced["live"] = ctx.results.get(MemoryPlan).live  # plan_memory_pass's walk, node for node the same graph
         assert len(priced["live"]) == len(gm.graph.nodes), "the memory plan is of another graph"
         priced["nodes"] = len(gm.graph.nodes)
@@ -143,7 +146,7 @@ def plan_step(step, args: tuple, kwargs: dict, *, world_size: int, device: str |
 
     def priced_on(spec: DeviceSpec, cost=None) -> Plan:
         """The plan of this graph on ``spec`` (the graph walked again unless ``cost`` is given)."""
-        cost = cost or step_cost(priced["graph"], spec, world_size, fused=step.backend == "inductor")
+        cost = cost or step_cost(priced["graph"], spec, world_size, fused=fused)
         if len(cost.inflight) != len(priced["live"]):
             raise AssertionError("the priced graph is not the graph the memory plan walked")
         live = [a + c for a, c in zip(priced["live"], cost.inflight)]
@@ -168,18 +171,11 @@ def plan_step(step, args: tuple, kwargs: dict, *, world_size: int, device: str |
     return priced_on(spec, priced["cost"])
 
 
-class _Graph:
-    """A copy of a finished graph's nodes (their meta shared, read-only), as :func:`step_cost` walks it."""
-
-    def __init__(self, graph: fx.Graph):
-        self.graph = graph
-
-
-def _snapshot(gm: fx.GraphModule) -> _Graph:
+def _snapshot(gm: fx.GraphModule) -> fx.Graph:
+    """A copy of a finished graph's nodes (each with a copy of its meta, the values in it shared)."""
     graph = fx.Graph()
-    out = graph.graph_copy(gm.graph, {})
-    graph.output(out)
-    return _Graph(graph)
+    graph.output(graph.graph_copy(gm.graph, {}))
+    return graph
 
 
 def _by_kind(counts: CollectiveCounts) -> tuple[dict, dict]:

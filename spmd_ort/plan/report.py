@@ -72,8 +72,7 @@ sheet's).  ``fits``: ``reserved`` and ``outside_allocator`` within the device's 
     @property
     def device_bytes(self) -> int:
         """What the rank needs of the device: the allocator's reserved peak and what lives outside it."""
-        b = self.per_rank_bytes
-        return b.get("reserved", b["peak"]) + b.get("outside_allocator", 0)
+        return self.per_rank_bytes["reserved"] + self.per_rank_bytes["outside_allocator"]
 
     @property
     def fits(self) -> bool:
@@ -96,13 +95,12 @@ sheet's).  ``fits``: ``reserved`` and ``outside_allocator`` within the device's 
         rows = [("parameters", _size(b["params"])), ("gradients (between steps)", _size(b["grads"])),
                 ("optimizer state", _size(b["optimizer"])), ("buffers", _size(b["buffers"])),
                 ("activations (planned peak)", _size(b["activations"])),
-                ("collective buffers (peak)", _size(b["comm_buffers"])), ("peak (allocated)", _size(b["peak"]))]
-        if "reserved" in b:
-            rows += [(f"reserved (+{100 * self.device.achieved.fragmentation:.0f}% allocator fragmentation)",
-                      _size(b["reserved"])),
-                     ("outside the allocator (CUDA context, NCCL buffers)", _size(b.get("outside_allocator", 0)))]
-        rows.append(("needed of the device", f"{_size(self.device_bytes)} of {_size(self.device.memory_bytes)}: "
-                                             f"{'fits' if self.fits else 'does NOT fit'}"))
+                ("collective buffers (peak)", _size(b["comm_buffers"])), ("peak (allocated)", _size(b["peak"])),
+                (f"reserved (+{100 * self.device.achieved.fragmentation:.0f}% allocator fragmentation)",
+                 _size(b["reserved"])),
+                ("outside the allocator (CUDA context, NCCL buffers)", _size(b["outside_allocator"])),
+                ("needed of the device", f"{_size(self.device_bytes)} of {_size(self.device.memory_bytes)}: "
+                                         f"{'fits' if self.fits else 'does NOT fit'}")]
         lines = [f"plan: rank {self.rank} of {self.world_size}, {self.parallel}, backend {self.backend}, on "
                  f"{self.device.name} ({self.graph_nodes:,} graph nodes; planned in {self.planning_s:.1f} s"
                  f"{', exported' if self.exported else ''})", "", "| per rank | bytes |", "|---|---|"]
