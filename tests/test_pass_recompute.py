@@ -214,12 +214,13 @@ def test_describe_lists_what_is_recomputed_and_why():
 
 
 @pytest.mark.on_ort
-def test_ort_backend_at_budget_zero_matches_eager():
+@pytest.mark.parametrize("budget", [0.0, "selective"])
+def test_ort_backend_recomputing_matches_eager(budget):
     torch.manual_seed(0)
     cfg = GPTConfig(vocab=64, seq=16, d=32, heads=4, layers=2)
     batches = [gpt_batch(cfg, 4, torch.Generator().manual_seed(i)) for i in range(3)]
     step, *_ = train_side_by_side(lambda: GPT(cfg), lambda m: torch.optim.AdamW(m.parameters(), lr=1e-2), lm_step,
-                                  batches, backend="ort", activation_memory_budget=0.0)
+                                  batches, backend="ort", activation_memory_budget=budget)
     assert step.compiled.results.get(Recomputation).copies > 0
     assert_ran_on_ort(step)
 
@@ -700,17 +701,6 @@ def test_under_mixed_precision_recomputation_starts_from_the_block_inputs():
     activations = {b: p.per_rank_bytes["activations"] for b, p in planned.items()}
     assert activations["full"] < activations["selective"] < activations[1.0], activations
     assert planned["full"].recompute_flops > planned["selective"].recompute_flops > 0 == planned[1.0].recompute_flops
-
-
-@pytest.mark.on_ort
-def test_ort_backend_with_selective_checkpointing_matches_eager():
-    torch.manual_seed(0)
-    cfg = GPTConfig(vocab=64, seq=16, d=32, heads=4, layers=2)
-    batches = [gpt_batch(cfg, 4, torch.Generator().manual_seed(i)) for i in range(3)]
-    step, *_ = train_side_by_side(lambda: GPT(cfg), lambda m: torch.optim.AdamW(m.parameters(), lr=1e-2), lm_step,
-                                  batches, backend="ort", activation_memory_budget="selective")
-    assert step.compiled.results.get(Recomputation).copies > 0
-    assert_ran_on_ort(step)
 
 
 def test_full_recomputes_attention_kernels_whose_results_hold_sizes_and_seeds():
