@@ -46,9 +46,9 @@ def test_checkpointing_policies_gather_the_sequence_again_in_the_backward(tmp_pa
     """torchtitan's checkpointing under sequence parallelism: each block's all-gathered input is not kept for the
     backward but gathered again there, as torchtitan's checkpoint does (the all-gather is recomputed like any op,
     every rank at the same point of the same graph); loss, parameters and optimizer state still match eager tensor
-    parallelism each step, with the logits sharded over the vocabulary (loss parallel)."""
+    parallelism each step, while a thread of the user's all-reduces runs beside each step after the first."""
     results, _ = torchrun(tmp_path, "--backend", "fx", "--apply", "mode", "--plan", "sequence", "--steps", "3",
-                          "--dp", "1", "--loss-parallel", nproc=2, script=SCRIPT,
+                          "--dp", "1", "--user-collectives", nproc=2, script=SCRIPT,
                           env={"SPMD_ORT_ACTIVATION_MEMORY_BUDGET": policy})
     text = results[0]["describe"]
     assert f"activation_memory_budget={policy!r}" in text, text
