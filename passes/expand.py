@@ -24,7 +24,8 @@ from dataclasses import dataclass
 from torch import fx
 
 from spmd_ort.graph.symbolic import SizeEmitter
-from spmd_ort.graph.ops import all_gather, all_reduce_, reduce_scatter, wait_
+from spmd_ort.errors import CompileError
+from spmd_ort.graph.ops import REDUCE_OPS, all_gather, all_reduce_, reduce_op, reduce_scatter, wait_
 from spmd_ort.options import get_logger
 
 from .context import PassResult
@@ -58,7 +59,8 @@ def _group_size(name: str) -> int:
 def adopt_dtensor_collectives_pass(gm: fx.GraphModule, ctx) -> fx.GraphModule:
     """Each ``_c10d_functional`` all-reduce, all-gather and reduce-scatter (sum or mean) becomes the step's own.
 
-    * ``all_reduce(x, op, group)`` -> ``wait_(all_reduce_(clone(x), 1 or 1/size, group))`` (ours is in place);
+    * ``all_reduce(x, op, group)`` -> ``wait_(all_reduce_(clone(x), 1 or 1/size, group))`` (ours is in place;
+      max and min keep their op);
     * ``all_gather_into_tensor(x, size, group)`` -> ``wait_(all_gather(x, size, -1, group))`` viewed as the
       concatenation along dim 0 (ours gathers flat, rank-major: the same elements in the same order);
     * ``reduce_scatter_tensor(x, op, size, group)`` -> ``wait_(reduce_scatter(x, size, group, op == "avg"))``
@@ -74,12 +76,12 @@ def adopt_dtensor_collectives_pass(gm: fx.GraphModule, ctx) -> fx.GraphModule:
         out = val(node)
         if node.target is ALL_REDUCE:
             x, op, group = node.args
-            if op not in REDUCTIONS:
-                continue
-            scale = 1.0 if op == "sum" else 1.0 / _group_size(group)
+            if op not in REDUCTIONS and op not in REDUCE_OPS:
+                continue  # (left to the check below)
+            scale = 1.0 / _group_size(group) if op == "avg" else 1.0
             with graph.inserting_before(node):
                 copy = call(graph, aten.clone.default, (x,), val(x))
-                started = call(graph, all_reduce_, (copy, scale, group), out)
+                started = call(graph, all_reduce_, (copy, scale, group) + (() if op in REDUCTIONS else (op,)), out)
                 done = call(graph, wait_, (started,), out)
         elif node.target is ALL_GATHER:
             x, size, group = node.args
@@ -106,6 +108,16 @@ def adopt_dtensor_collectives_pass(gm: fx.GraphModule, ctx) -> fx.GraphModule:
                 graph.erase_node(user)
         node.replace_all_uses_with(done)
         graph.erase_node(node)
+    left = [n for n in graph.nodes if n.op == "call_function" and getattr(n.target, "namespace", None) ==
+            "_c10d_functional" and n.target is not WAIT]
+    if left:  # it would run on the mesh's own group, which the user's collectives share: refused, never raced
+        n = left[0]
+        raise CompileError(
+            f"the step's DTensor redistribution `{n.target}` ({', '.join(map(str, n.args[1:]))}, node "
+            f"`{n.name}`) has no collective of spmd_ort's own to run as: supported are all-reduce (sum, avg, max, "
+            "min), all-gather and reduce-scatter (sum, avg). Fix: a plan whose redistributions are these (the "
+            "model is unchanged)",
+            op=str(n.target))
     gm.recompile()
     return gm
 
@@ -128,7 +140,8 @@ def _lone_all_reduce(node) -> fx.Node | None:
             and len(node.users) == 1):
         return None
     started = node.args[0]
-    if not (started.target is all_reduce_ and len(started.users) == 1 and GRADIENT_OF not in started.meta):
+    if not (started.target is all_reduce_ and reduce_op(started) == "sum" and len(started.users) == 1
+            and GRADIENT_OF not in started.meta):
         return None
     own = started.args[0]
     if not (own.op == "call_function" and own.target in (aten.clone.default, aten.add.Tensor)

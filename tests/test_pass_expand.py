@@ -6,6 +6,7 @@ eager DTensor tensor parallelism, is tests/test_tensor_parallel.py).
 
 from __future__ import annotations
 
+import pytest
 import torch
 import torch.distributed as dist
 import torch.distributed._functional_collectives as funcol
@@ -14,6 +15,7 @@ from torch.fx.experimental.proxy_tensor import make_fx
 from spmd_ort.passes import PassContext, adopt_dtensor_collectives_pass, count_collectives_pass, merge_summed_all_reduces_pass, schedule_overlap_pass
 from spmd_ort.passes.expand import node_signatures
 from spmd_ort.passes.expand import FUNCOL
+from spmd_ort.errors import CompileError
 from spmd_ort.graph import ops
 from spmd_ort.runtime.step_runtime import StepRuntime
 
@@ -57,11 +59,30 @@ def test_collectives_become_ours_and_keep_numbers(one_rank):
     assert "all-reduce" in ctx.results.lines()[0]
 
 
-def test_other_reductions_stay_as_traced(one_rank):
+def test_max_and_min_become_ours_and_are_never_merged(one_rank):
+    """Loss parallel's max over the vocabulary shards (and a min) run as collectives of ours, keeping their op: left
+    as traced they would run on the mesh's group, which the user's own collectives share (pairing with them). Two
+    maxima added are not merged into one reduction of their sum; a reduction we have no collective for is refused,
+    naming it."""
     group = dist.group.WORLD.group_name
-    gm = _traced(lambda x: funcol.all_reduce(x, "max", group), torch.randn(3))
-    gm = adopt_dtensor_collectives_pass(gm, PassContext(input_slots=[], output_slots=[]))
-    assert FUNCOL.all_reduce.default in _targets(gm) and ops.all_reduce_ not in _targets(gm)
+
+    def step(x):
+        return funcol.all_reduce(x, "max", group) + funcol.all_reduce(x * 2, "max", group), \
+            funcol.all_reduce(x - 1, "min", group)
+
+    x = torch.randn(3)
+    gm = _traced(step, x)
+    expected = gm(x)
+    gm = merge_summed_all_reduces_pass(_adopted(step, x), PassContext(input_slots=[], output_slots=[]))
+    starts = [n for n in gm.graph.nodes if n.target is ops.all_reduce_]
+    assert sorted(ops.reduce_op(n) for n in starts) == ["max", "max", "min"], gm.graph
+    assert not [t for t in _targets(gm) if getattr(t, "namespace", None) == "_c10d_functional"], _targets(gm)
+    out, comm = _run(gm, x)
+    for a, b in zip(out, expected, strict=True):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+    assert comm.all_reduce_calls == 3
+    with pytest.raises(CompileError, match="all_reduce.default` \\(product"):
+        _adopted(lambda x: funcol.all_reduce(x, "product", group), x)
 
 
 def _adopted(step, *inputs):

@@ -72,7 +72,9 @@ def test_matches_eager_tensor_parallel(tmp_path, backend, apply, plan, dp):
     # sequence lengths 16, 12, 10(, 16, 12, 10): one static program, then one symbolic program for every later length (DTensor's
     # sharding propagation runs on the symbolic sizes; sequence parallel's shards of them included)
     extra += ("--vary-seq",) if vary_seq else ()
-    extra += ("--loss-parallel",) if (plan, dp) == ("sequence", 1) else ()
+    # (with a thread of the user's all-reduces beside each step: loss parallel's max over the vocabulary shards is a
+    # collective of ours, never the mesh's group the user shares)
+    extra += ("--loss-parallel", "--user-collectives") if (plan, dp) == ("sequence", 1) else ()
     # the head's replicated matmuls (its weight gradient over the tokens, its input gradient over the vocabulary) are
     # below the default threshold in this small model: split them here, so every case runs them
     extra += ("--split-min-k", "16")

@@ -218,9 +218,17 @@ PURE_OPS = (tag_grad, tap, bernoulli_like, with_layout, grouped_mm)
 
 # ---------------------------------------------------------------------- collectives
 # ``group``: the process group's name ("" is the world; DTensor's mesh dims name theirs, expand mode)
-all_reduce_ = _op('all_reduce_(Tensor(a!) t, float prescale, str group="") -> Tensor(a!)',
-                  lambda t, prescale, group="": active().comm.all_reduce(t, prescale, group),
-                  lambda t, prescale, group="": t)
+# ``op``: "sum" (after the prescale: an average where it is 1/size), "max" or "min" (DTensor's own reductions, e.g.
+# loss parallel's max over the vocabulary shards)
+all_reduce_ = _op('all_reduce_(Tensor(a!) t, float prescale, str group="", str op="sum") -> Tensor(a!)',
+                  lambda t, prescale, group="", op="sum": active().comm.all_reduce(t, prescale, group, op),
+                  lambda t, prescale, group="", op="sum": t)
+REDUCE_OPS = ("sum", "max", "min")
+
+
+def reduce_op(node) -> str:
+    """The reduction of an ``all_reduce_`` node: "sum" unless it names another."""
+    return node.kwargs.get("op", node.args[3] if len(node.args) > 3 else "sum")
 wait_ = _op("wait_(Tensor(a!) t) -> Tensor(a!)", lambda t: active().comm.wait(t), lambda t: t)
 broadcast_ = _op("broadcast_(Tensor(a!) t, int src) -> Tensor(a!)",
                  lambda t, src: active().comm.broadcast(t, src), lambda t, src: t)

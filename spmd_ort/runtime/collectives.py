@@ -6,7 +6,7 @@ is running (:mod:`spmd_ort.runtime.step_runtime`):
 
 * ``all_reduce_(t, prescale)`` scales ``t`` in place and starts an asynchronous
   SUM all-reduce of it (DDP's arithmetic: divide by the world size, then sum;
-  gloo has no AVG);
+  gloo has no AVG); ``op="max"``/``"min"`` reduce so instead (DTensor's own);
 * ``wait_(t)`` waits for the collective on ``t`` to finish;
 * ``broadcast_(t, src)`` broadcasts ``t`` from rank ``src`` (synchronous);
 * ``all_gather(shard, world)`` starts gathering every rank's ``shard`` into a new
@@ -38,6 +38,7 @@ from spmd_ort.errors import CollectiveTimeout, is_timeout
 
 
 SUM_AFTER_DIVIDING = (torch.float16,)  # dtypes whose sum over ranks may overflow: divide first
+REDUCE_OPS = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}  # all_reduce_'s op
 
 
 # Our groups are kept in torch's own registry of groups, under these tags: destroy_process_group forgets them with the
@@ -198,10 +199,10 @@ class Communicator:
             self.finish()
         return self.step
 
-    def all_reduce(self, t: Tensor, prescale: float, group: str = "") -> Tensor:
+    def all_reduce(self, t: Tensor, prescale: float, group: str = "", op: str = "sum") -> Tensor:
         if prescale != 1.0:
             t.mul_(prescale)
-        work = dist.all_reduce(t, op=dist.ReduceOp.SUM, group=data_group(group), async_op=True)
+        work = dist.all_reduce(t, op=REDUCE_OPS[op], group=data_group(group), async_op=True)
         done = self._track(t, time.perf_counter(), work, "all_reduce")
         self.step.reductions.append(("all_reduce", t.numel() * t.element_size(), self.pending[t.data_ptr()][1], done))
         self.step.all_reduce_calls += 1
