@@ -21,7 +21,7 @@ from torch import fx
 from spmd_ort.graph.slots import SlotKind
 from spmd_ort.backends.ort.coverage import HOST_ONLY
 from spmd_ort.graph.segments import RANDOM_OPS
-from spmd_ort.graph.meta import USER_OP
+from spmd_ort.graph.meta import COMPUTED_INDEX, USER_OP
 from spmd_ort.graph.ops import LINEAR_CROSS_ENTROPY, check_index
 
 from .context import PassResult
@@ -188,7 +188,7 @@ def _input_only(gm: fx.GraphModule, ctx) -> dict[fx.Node, str | None]:
     for node in gm.graph.nodes:
         if node.op == "get_attr":
             out[node] = None
-        if node.op != "call_function" or not _pure(node):
+        if node.op != "call_function" or not _pure(node) or node.meta.get(COMPUTED_INDEX):
             continue
         inputs = node.all_input_nodes
         if all(a in out for a in inputs):

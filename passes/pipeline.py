@@ -19,11 +19,12 @@ from pathlib import Path
 from dataclasses import dataclass
 
 from spmd_ort.errors import ConfigError
-from spmd_ort.distributed.parallel import DataParallel
+from spmd_ort.distributed.parallel import ContextParallel, DataParallel
 
 from .activation_stats import insert_activation_stats_pass
 from .analysis import count_collectives_pass, plan_graph_capture_pass, plan_memory_pass
 from .cleanup import remove_identity_views_pass, remove_redundant_copies_pass
+from .context_parallel import split_sequence_pass
 from .fusion import fuse_linear_cross_entropy_pass
 from .expand import adopt_dtensor_collectives_pass, merge_summed_all_reduces_pass, split_replicated_matmuls_pass
 from .data_parallel import (broadcast_buffers_pass, bucket_collectives_pass, dedup_collectives_pass,
@@ -50,7 +51,7 @@ from .views import replace_views_with_reshapes_pass
 class Setting:
     """What a compiled variant is built for: its parallel mode and backend."""
 
-    mode: DataParallel | None
+    mode: DataParallel | ContextParallel | None
     backend: str
     expand: bool = False  # the state holds DTensors (expand mode: spmd_ort.distributed.dtensor)
 
@@ -74,9 +75,11 @@ class When:
 
 
 ALWAYS = When("always", lambda s: True)
-SEVERAL_RANKS = When("several ranks", lambda s: s.mode is not None)
-REPLICATE = When("replicate", lambda s: s.mode is not None and not s.mode.sharded)
-FULLY_SHARD = When("fully_shard", lambda s: s.mode is not None and s.mode.sharded)
+SEVERAL_RANKS = When("several ranks", lambda s: isinstance(s.mode, (DataParallel, ContextParallel)))
+REPLICATE = When("replicate or cp > 1", lambda s: isinstance(s.mode, (DataParallel, ContextParallel))
+                 and not s.mode.sharded)
+FULLY_SHARD = When("fully_shard", lambda s: isinstance(s.mode, DataParallel) and s.mode.sharded)
+CONTEXT_PARALLEL = When("cp > 1", lambda s: isinstance(s.mode, ContextParallel))
 RESHARD = FULLY_SHARD & When("reshard_after_forward", lambda s: s.mode.reshard_after_forward)
 REDUCE_DTYPE = SEVERAL_RANKS & When(
     "MixedPrecisionPolicy with a reduce (or param) dtype",
@@ -86,6 +89,7 @@ OFFLOAD_OPTIMIZER = FULLY_SHARD & When("offload_optimizer", lambda s: s.mode.off
 ORT_BACKEND = When("ort backend", lambda s: s.backend == "ort")
 EXPAND = When("DTensor parameters (expand mode)", lambda s: s.expand)
 NOT_EXPAND = When("no DTensor parameters", lambda s: not s.expand)
+NOT_SPLIT = When("no cp", lambda s: not isinstance(s.mode, ContextParallel))
 COLLECTIVES = When("several ranks or DTensor parameters", lambda s: s.mode is not None or s.expand)
 
 
@@ -105,9 +109,11 @@ STAGES: tuple[Step, ...] = (
     Step("random", pin_random_layouts_pass, ALWAYS.note("a no-op without random ops")),
     Step("cleanup", remove_redundant_copies_pass),
     Step("cleanup", remove_identity_views_pass),
+    Step("context_parallel", split_sequence_pass, CONTEXT_PARALLEL.note(
+        "first: every later pass sees the rank's share of the sequence")),
     Step("fusion", fuse_linear_cross_entropy_pass,
-         NOT_EXPAND.note("float32 on CPU, a wide classifier over narrow features; a head whose logits are "
-                         "read elsewhere is kept")),
+         (NOT_EXPAND & NOT_SPLIT).note("float32 on CPU, a wide classifier over narrow features; a head whose "
+                                       "logits are read elsewhere is kept")),
     Step("expand", adopt_dtensor_collectives_pass,
          EXPAND.note("before recompute: recomputed only under 'full'/'selective', as torchtitan's checkpoint does")),
     Step("expand", merge_summed_all_reduces_pass, EXPAND),
@@ -153,7 +159,8 @@ STAGES: tuple[Step, ...] = (
 )
 
 
-PARALLEL_STAGES = ("expand", "replicate", "fully_shard", "mixed_precision", "parallel", "offload")
+PARALLEL_STAGES = ("context_parallel", "expand", "replicate", "fully_shard", "mixed_precision", "parallel",
+                   "offload")
 
 
 def build_pipeline(mode: DataParallel | None, backend: str, *, overrides: Sequence = (),

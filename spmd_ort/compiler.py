@@ -125,15 +125,17 @@ class Compiler:
         # the ranks' exchange waits for every rank: outside the lock, so a rank waiting in it holds nothing another
         # thread's compile needs
         signatures = None
+        split = isinstance(call.mode, parallel.ContextParallel)
         if exchange is not None:
             signatures = exchange({"nodes": node_signatures(stage.traced.gm),
                                    "state": state_checksums(stage.layout, stage.traced.input_slots),
                                    "batch": batch_checksums(call.leaves)}
-                                  if stage.layout.expands else None)
-        if signatures is not None:  # a program's first call: the ranks of a tensor-parallel group passed one batch
-            parallel.check_same_batch([s["batch"] for s in signatures],
-                                      parallel.tensor_parallel_groups(call.module, call.tensor_parallel),
-                                      stage.inputs.names, rank=call.rank, shown=False)
+                                  if stage.layout.expands or split else None)
+        if signatures is not None:  # a program's first call: the ranks of a tensor- (context-) parallel group
+            groups = [list(range(call.world_size))] if split else \
+                parallel.tensor_parallel_groups(call.module, call.tensor_parallel)  # passed one batch
+            parallel.check_same_batch([s["batch"] for s in signatures], groups, stage.inputs.names, rank=call.rank,
+                                      shown=False)
         with self._locked(key, dynamic):
             return self._finish(call, key, stage, signatures, t0=t0, reason=reason, executor=executor,
                                 after_passes=after_passes)
@@ -161,7 +163,9 @@ class Compiler:
         on_accelerator = any(p.device.type not in ("cpu", "meta") for p in layout.params)  # meta: a plan's
         traced = trace_step(self.fn, call.args, call.kwargs, layout,
                             sdpa_math=self.options.backend == "ort" and on_accelerator,
-                            tag_grads=call.mode is not None, plan=self.opaque_plan, inputs=inputs,
+                            tag_grads=isinstance(call.mode, (parallel.DataParallel, parallel.ContextParallel)),
+                            plan=self.opaque_plan,
+                            inputs=inputs,
                             mixed_precision=self.mixed_precision,
                             dynamic=None if key.shapes else dynamic,  # key.shapes: guards rejected the sizes
                             taps=self.taps, warned=self.warned)

@@ -155,12 +155,15 @@ class CompiledProgram:
     def signature(self) -> str:
         """What every rank must agree on: the final graph and its IO (no values, no object ids).
 
-        In expand mode (DTensor state) each rank's graph is its own: DTensor's expansion bakes the rank's
-        offsets into it (a vocabulary-sharded embedding subtracts its first row) and picks its piece of a split.
+        In expand mode (DTensor state), and under context parallelism, each rank's graph is its own: DTensor's
+        expansion bakes the rank's offsets into it (a vocabulary-sharded embedding subtracts its first row) and
+        picks its piece of a split; context parallelism, its chunks of the sequence.
         What the ranks must share there is the collectives, in order, with their sizes: the agreement is on those.
         """
         io = [f"{s.kind} {s.name}" for s in self.input_slots + self.output_slots]
-        code = self.gm.code if not self.layout.expands else "\n".join(
+        # (context parallel too: each rank's graph computes its own chunks of the sequence)
+        own = self.layout.expands or any(getattr(r, "rank_specific", False) for r in self.results)
+        code = self.gm.code if not own else "\n".join(
             _collective_line(n) for n in self.gm.graph.nodes if ops.is_collective(n))
         return code + "\n" + "\n".join(io)
 

@@ -63,6 +63,20 @@ def _passed(gathered_one) -> list[str]:
             else repr(desc) for desc, shape in zip(descs, shapes)]
 
 
+def check_sequence_splits(call: StepCall, split, names: list[str]) -> None:
+    """Context parallel cuts the sequence into ``2 * cp`` equal chunks: a length that does not divide is refused
+    (the same on every rank: they passed one batch), before anything is traced or run."""
+    chunks = 2 * split.size
+    for name, x in zip(names, call.leaves):
+        if isinstance(x, torch.Tensor) and x.dim() > split.seq_dim and x.shape[split.seq_dim] % chunks:
+            raise CompileError(
+                f"Parallel(cp={split.size}) splits dim {split.seq_dim} of `{name}` into {chunks} equal chunks "
+                f"(each rank holds 2, balancing causal attention), but its length {x.shape[split.seq_dim]} does not "
+                f"divide by {chunks}. Fix: pad the sequence to a multiple of {chunks} (labels -100 where padded), "
+                "or give seq_dim= if the sequence is another dim. The model and optimizer are unchanged",
+                input=name, rank=call.rank)
+
+
 def check_empty_inputs(gathered: list, names: list[str], rank: int) -> None:
     """Raise, on every rank alike, when some rank passes an empty input (a zero-size dim) that another passes
     with data: each rank's step would be another graph, and no size can be symbolic at 0.
@@ -130,8 +144,12 @@ class ShapePolicy:
         """
         self._widened_from = None
         expands = has_dtensor_state(call.module)
+        split = call.mode if isinstance(call.mode, parallel.ContextParallel) else None
         if self.mode == "1" and not self.dynamic:
             self.dynamic = leading_dims(call.leaves)
+        if split is not None:  # the sequence is symbolic from the first trace: the split pass reads it there
+            self.dynamic = self.dynamic.union({pos: {split.seq_dim} for pos, x in enumerate(call.leaves)
+                                               if isinstance(x, torch.Tensor) and x.dim() > split.seq_dim})
         key = self.key(call)
         last = self.transitions.last_key
         if (self.mode == "auto" and key not in self.transitions.variants and last is not None
@@ -148,10 +166,10 @@ class ShapePolicy:
             def reconcile(gathered: list) -> tuple[dict[int, set[int]], bool] | None:  # only when the ranks disagree
                 names = StepInputs.of(self.fn, call.args, call.kwargs).names
                 check_empty_inputs(gathered, names, call.rank)
-                if expands:  # ranks of one tensor-parallel group share a batch: only data-parallel ranks may differ
-                    parallel.check_same_batch([_passed(g) for g in gathered],
-                                              parallel.tensor_parallel_groups(call.module, call.tensor_parallel),
-                                              names, rank=call.rank)
+                if expands or split is not None:  # ranks of one tensor- (context-) parallel group share a batch
+                    groups = [list(range(call.world_size))] if split is not None else \
+                        parallel.tensor_parallel_groups(call.module, call.tensor_parallel)
+                    parallel.check_same_batch([_passed(g) for g in gathered], groups, names, rank=call.rank)
                 return _sizes_differ(gathered) if self.mode != "0" else None
 
             differing = parallel.check_agreement(AGREEMENT, key.portable(), sizes=sizes, reconcile=reconcile)
@@ -160,6 +178,8 @@ class ShapePolicy:
                 self.widen(dims, call, "differ between ranks", ones=ones)
                 key = self.key(call)
                 parallel.check_agreement(AGREEMENT, key.portable())
+        if split is not None:
+            check_sequence_splits(call, split, StepInputs.of(self.fn, call.args, call.kwargs).names)
         return key
 
     def widen(self, dims: dict[int, set[int]], call: StepCall, why: str, *, ones: bool = False) -> None:

@@ -264,6 +264,32 @@ class TensorParallel:
         return dict(self.plan)
 
 
+@dataclass(frozen=True, kw_only=True)
+class ContextParallel:
+    """Context parallelism over every rank (what ``Parallel(cp=N)`` lowers to): each rank passes the same whole
+    batch, and the step computes its share of the sequence (``seq_dim`` of every batch tensor), torchtitan's
+    load-balanced chunks; :mod:`spmd_ort.passes.context_parallel` is how."""
+
+    size: int
+    seq_dim: int = 1
+    # what the other modes carry that a pass or the step reads: nothing is sharded, cast or broadcast
+    sharded = False
+    mixed_precision = None
+    broadcast_buffers = False
+    offload_param = None
+    parallel_style = "context parallel"
+    gradient_prescale = 1.0  # each rank's gradient is its tokens' part of the sum: summed, not averaged
+    first_bucket_cap_mb = DataParallel.first_bucket_cap_mb  # gradient all-reduces bucketed as DDP's
+    cap_bytes = AUTO_START_MB * 2**20
+
+    def rank_in_group(self, rank: int) -> int:
+        return rank
+
+    def group_name(self) -> str:
+        """The cp group's process group name ("": the world)."""
+        return ""
+
+
 def world() -> tuple[int, int]:
     """(rank, world size); (0, 1) without torch.distributed."""
     if dist.is_available() and dist.is_initialized():
@@ -295,6 +321,11 @@ def resolve(mode, module: nn.Module | None = None):
         return DataParallel() if size > 1 else None
     if isinstance(mode, DataParallel) and size == 1:
         return None  # one rank: nothing to reduce
+    if isinstance(mode, ContextParallel):
+        if size != mode.size:
+            raise CompileError(f"Parallel(cp={mode.size}) needs a world of {mode.size} ranks, but it has {size}",
+                               rank=rank)
+        return mode
     if not isinstance(mode, DataParallel):
         raise TypeError(f"parallel_mode={mode!r} is not a spmd_ort.DataParallel or spmd_ort.TensorParallel")
     return mode
@@ -444,7 +475,7 @@ def layout_of(mode) -> dict:
     mixed precision."""
     if mode is None:
         return {"parallel": None}
-    if isinstance(mode, DataParallel):
+    if isinstance(mode, (DataParallel, ContextParallel)):
         return {"parallel_style": mode.parallel_style, "offload_param": mode.offload_param}
     if isinstance(mode, TensorParallel):
         plan = {fqn: (type(style).__name__, tuple(sorted((k, repr(v)) for k, v in vars(style).items()

@@ -22,13 +22,13 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from spmd_ort.distributed.parallel import DataParallel, TensorParallel, world
+from spmd_ort.distributed.parallel import ContextParallel, DataParallel, TensorParallel, world
 from spmd_ort.distributed.precision import MixedPrecisionPolicy
 from spmd_ort.errors import ConfigError
 
 # the mesh's dimensions, outermost first (torchtitan's order); ep borrows ranks from dp_shard x cp
 MESH_ORDER = ("pp", "dp_replicate", "dp_shard", "cp", "tp")
-NOT_BUILT = {"cp": "context parallelism", "pp": "pipeline parallelism", "ep": "expert parallelism"}
+NOT_BUILT = {"pp": "pipeline parallelism", "ep": "expert parallelism"}
 # the data-parallel settings a layout passes to the DataParallel it lowers to
 DP_SETTINGS = ("bucket_cap_mb", "first_bucket_cap_mb", "broadcast_buffers", "reshard_after_forward", "prefetch",
                "offload_optimizer", "offload_param", "mixed_precision")
@@ -58,6 +58,7 @@ class Parallel:
     pp: int = 1
     ep: int = 1
     tp_plan: Mapping[str, Any] | None = None
+    seq_dim: int = 1  # cp: the batch tensors' sequence dim
     experts: str | None = None
     pipeline: Any = None
     # the data-parallel dimension's settings, with DataParallel's defaults (one source: _dp_default)
@@ -87,6 +88,11 @@ class Parallel:
         if self.dp_replicate != 1 and self.dp_shard != 1:
             raise ConfigError(f"Parallel(dp_replicate={self.dp_replicate}, dp_shard={self.dp_shard}): replicas of "
                               "a sharded group (HSDP) are not built yet; give one of them")
+        if self.cp != 1 and any(getattr(self, name) != 1 for name in ("dp_replicate", "dp_shard", "tp")):
+            raise ConfigError(f"Parallel({self.degrees_text()}): context parallelism with other degrees is not built "
+                              "in this release yet; give cp alone (cp=-1 or the world size)")
+        if isinstance(self.seq_dim, bool) or not isinstance(self.seq_dim, int) or self.seq_dim < 0:
+            raise ConfigError(f"Parallel(seq_dim={self.seq_dim!r}): the batch's sequence dim, a non-negative int")
         if self.tp != 1 and not self.tp_plan:
             raise ConfigError(f"Parallel(tp={self.tp}): give tp_plan, {{module FQN or glob: ParallelStyle}} "
                               "(ColwiseParallel(), RowwiseParallel(), ...)")
@@ -148,7 +154,9 @@ class Parallel:
         sizes = self.sizes(world_size)
         dp = sizes["dp_replicate"] * sizes["dp_shard"]
         data = self._data_parallel("fully_shard" if sizes["dp_shard"] > 1 else "replicate")
-        if sizes["tp"] == 1:
+        if sizes["cp"] > 1:
+            mode = ContextParallel(size=sizes["cp"], seq_dim=self.seq_dim)
+        elif sizes["tp"] == 1:
             mode = data
         elif dp == 1:
             mode = TensorParallel(dict(self.tp_plan), mesh=(sizes["tp"],))
@@ -170,6 +178,8 @@ class Parallel:
         if mode is None or isinstance(mode, Parallel):
             return mode
         world_size = world()[1] if world_size is None else world_size
+        if isinstance(mode, ContextParallel):
+            return cls(cp=mode.size, seq_dim=mode.seq_dim)
         if isinstance(mode, DataParallel):
             settings = {k: getattr(mode, k) for k in DP_SETTINGS}
             degree = {"dp_shard" if mode.sharded else "dp_replicate": world_size}

@@ -14,6 +14,7 @@ GRADIENT_OF = "gradient_of"  # a gradient's collective (all-reduce / reduce-scat
 ACTIVATION_COLLECTIVE = "activation_collective"  # expand mode: a collective whose result the step computes on
 PARTIAL_FOUND_INF = "partial_found_inf"  # fully_shard: a GradScaler's inf flag over this rank's gradient shards
 EAGER_LAYOUT_UNKNOWN = "eager_layout_unknown"  # a random op whose inputs' eager layout no probe could find
+COMPUTED_INDEX = "computed_index"  # an index a pass computed from sizes, in range by construction: not bounds-checked
 # node.meta["custom"] key (the trace writes it, the functionalizing re-trace keeps it): the call a user wrote that
 # the trace computed with this node, where the node's own op would name another (F.one_hot's scatter)
 USER_OP = "user_op"
