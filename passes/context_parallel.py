@@ -166,7 +166,8 @@ class _Splitter:
         if odd:
             size = node.meta["val"].shape[odd[0]]
             raise CompileError(
-                f"context parallel: `{node.name}` ({node.target}) meets the model's parameters with dim {odd[0]} of "
+                f"context parallel: `{node.name}` ({node.target}){_at(node)} meets the model's parameters with dim "
+                f"{odd[0]} of "
                 f"size {size}, which is not a whole number of sequences: it cannot be cut to the rank's tokens. "
                 "Fix: shift or pad along the sequence on the batch (labels), not on activations",
                 op=str(node.target))
@@ -378,11 +379,11 @@ class _Splitter:
         if node.target is aten.slice.Tensor and self._whole_slice(node, value):
             return
         raise CompileError(
-            f"context parallel: `{node.name}` ({node.target}) is {what} along the sequence, which mixes the "
+            f"context parallel: `{node.name}` ({node.target}){_at(node)} is {what} along the sequence, which mixes the "
             f"tokens that the ranks hold apart. Supported: attention through F.scaled_dot_product_attention "
             "(causal or with a mask); ops along the sequence on the batch alone (positions, masks, shifted "
             "labels) before it meets the parameters. Fix: write attention with F.scaled_dot_product_attention, or "
-            "train this model without cp", op=str(node.target))
+            "train this model without cp", op=str(node.target), fqn=_module(node))
 
     def _whole_slice(self, node, value) -> bool:
         start = node.args[2] if len(node.args) > 2 else 0
@@ -406,10 +407,11 @@ class _Splitter:
             scale = 1.0 / self.n
         else:
             raise CompileError(
-                f"context parallel: `{node.name}` ({target}) reduces over the sequence in a way that is not a sum "
+                f"context parallel: `{node.name}` ({target}){_at(node)} reduces over the sequence in a way that is "
+                "not a sum "
                 "of each token's part, so the ranks' parts cannot be combined. Supported reductions over tokens: "
                 "sums, means, matmuls, embedding and norm weight gradients, nll_loss / cross_entropy",
-                op=str(target))
+                op=str(target), fqn=_module(node))
         self.partial[node] = scale
 
     def _whole_of(self, node: fx.Node) -> fx.Node:
@@ -495,9 +497,10 @@ class _Splitter:
         causal = node.args[first + 1] if len(node.args) > first + 1 else node.kwargs.get("is_causal", False)
         mask, scale = node.kwargs.get("attn_mask"), node.kwargs.get("scale")
         if dropout:
-            raise CompileError(f"context parallel: attention `{node.name}` has dropout_p={dropout}; dropout inside "
+            raise CompileError(f"context parallel: attention `{node.name}`{_at(node)} has dropout_p={dropout}; dropout "
+                               "inside "
                                "attention cannot be split over the ranks' keys. Fix: attention dropout 0 (as "
-                               "pretraining runs use)", op=str(node.target))
+                               "pretraining runs use)", op=str(node.target), fqn=_module(node))
         return causal, mask, scale
 
     def _block(self, tensor, start_expr, length_expr, dim=2):
@@ -622,6 +625,16 @@ class _Splitter:
 def full_shape(node: fx.Node, splitter: _Splitter):
     """The traced shape of the key (or value) an all-gather of ``node`` was made from."""
     return splitter.kv_shapes[node]
+
+
+def _module(node: fx.Node) -> str | None:
+    """The FQN of the module whose forward (or backward) ran the op, where the trace tagged it."""
+    return node.meta.get("custom", {}).get("module")
+
+
+def _at(node: fx.Node) -> str:
+    fqn = _module(node)
+    return f" in module `{fqn}`" if fqn else ""
 
 
 def _sum(splitter: _Splitter, parts: list[fx.Node]) -> fx.Node:

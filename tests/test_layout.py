@@ -7,6 +7,7 @@ import pytest
 from torch.distributed.tensor.parallel import ColwiseParallel
 
 import spmd_ort
+from spmd_ort.distributed.parallel import ContextParallel
 from spmd_ort.distributed.parallel_dims import Parallel
 from test_data_parallel import ROOT, torchrun
 
@@ -14,7 +15,8 @@ PLAN = {"blocks.*.fc": ColwiseParallel()}
 
 
 @pytest.mark.parametrize("kwargs,said", [
-    ({"cp": 2}, "Parallel(cp=2): context parallelism is not built in this release yet"),
+    ({"cp": 2, "dp_shard": 2}, "Parallel(dp_shard=2, cp=2): context parallelism with other degrees is not built"),
+    ({"cp": 2, "seq_dim": -1}, "Parallel(seq_dim=-1): the batch's sequence dim"),
     ({"pp": 2}, "Parallel(pp=2): pipeline parallelism is not built"),
     ({"ep": 2}, "Parallel(ep=2): expert parallelism is not built"),
     ({"tp": 2}, "Parallel(tp=2): give tp_plan"),
@@ -67,6 +69,8 @@ def test_it_lowers_to_the_shorthands_and_back():
     assert Parallel.of(lowered, 8) == Parallel(dp_shard=2, tp=4, tp_plan=PLAN, prefetch=0)
     assert repr(Parallel(dp_shard=4, prefetch=0)) == "Parallel(dp_shard=4, prefetch=0)"
     assert tp.describe(8) == "Parallel(dp_shard=2, tp=4): mesh dp_shard 2 x tp 4"
+    cp = Parallel(cp=-1, seq_dim=2).lower(4)
+    assert cp == ContextParallel(size=4, seq_dim=2) and Parallel.of(cp, 4) == Parallel(cp=4, seq_dim=2)
 
 
 @pytest.mark.multiproc

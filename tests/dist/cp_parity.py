@@ -65,6 +65,36 @@ def build(name: str, seq: int):
     return LlamaForCausalLM(cfg), hf_step
 
 
+class HandAttention(torch.nn.Module):
+    """Attention written out (matmul + softmax over the keys): what context parallel refuses, naming it."""
+
+    def __init__(self):
+        super().__init__()
+        self.emb, self.qkv, self.head = torch.nn.Embedding(VOCAB, 16), torch.nn.Linear(16, 48), torch.nn.Linear(16, VOCAB)
+
+    def forward(self, x):
+        q, k, v = self.qkv(self.emb(x)).chunk(3, -1)
+        return self.head(torch.softmax(q @ k.transpose(1, 2) / 4, -1) @ v)
+
+
+def refusals(world: int) -> dict:
+    """A length that does not divide by 2 * cp, and attention written by hand: a CompileError on every rank, naming
+    the input or the op, the model and optimizer unchanged."""
+    out = {}
+    for name, model, t in (("length", build("gpt", 32)[0], 30), ("hand_attention", HandAttention(), 32)):
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        before = [p.detach().clone() for p in model.parameters()]
+        step = spmd_ort.compile(parallel_mode=spmd_ort.Parallel(cp=world), backend="fx")(gpt_step)
+        x = torch.randint(0, VOCAB, (2, t), generator=torch.Generator().manual_seed(0))
+        try:
+            step(model, opt, x, x)
+            out[name] = "no error"
+        except spmd_ort.CompileError as exc:
+            out[name] = str(exc)
+        assert all(torch.equal(p, b) for p, b in zip(model.parameters(), before)) and not opt.state, name
+    return out
+
+
 def rel(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a - b).norm() / b.norm().clamp_min(1e-12))
 
@@ -76,9 +106,13 @@ def main() -> None:
     ap.add_argument("--backend", default="fx")
     ap.add_argument("--steps", type=int, default=5)
     ap.add_argument("--vary-seq", action="store_true")
+    ap.add_argument("--refusals", action="store_true")
     args = ap.parse_args()
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
+    if args.refusals:
+        finish(args.out, refusals(world))
+        return
     lengths = [32, 48, 32, 48, 32] if args.vary_seq else [32] * args.steps
     base, step_fn = build(args.model, max(lengths))
     eager, compiled = copy.deepcopy(base), copy.deepcopy(base)

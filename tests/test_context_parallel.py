@@ -1,0 +1,51 @@
+"""Context parallelism (``Parallel(cp=N)``, passes/context_parallel.py) on 2 gloo ranks against one-process eager on
+the whole batch (tests/dist/cp_parity.py checks loss, parameters and AdamW state after every step, gradients clipped,
+labels padded with -100, the user's own all-reduces beside each step); these tests check what it reports."""
+
+from __future__ import annotations
+
+import pytest
+
+from helpers import assert_ort_report_clean
+from test_data_parallel import ROOT, torchrun
+
+SCRIPT = ROOT / "tests" / "dist" / "cp_parity.py"
+pytestmark = pytest.mark.multiproc
+
+CASES = [
+    ("gpt", "fx", False),  # nanoGPT: learned positions wpe(arange(T)), causal sdpa, tied head
+    ("llama", "fx", False),  # HF Llama: rotary tables, GQA, its own label shift, -100 labels
+    ("gpt", "ort", True),  # lengths 32, 48, 32, 48, 32: one program (the sequence symbolic), on ORT
+    ("llama", "ort", False),
+]
+
+
+@pytest.mark.on_ort
+@pytest.mark.parametrize("model,backend,vary", CASES)
+def test_matches_one_process_eager(tmp_path, model, backend, vary):
+    args = ["--model", model, "--backend", backend] + (["--vary-seq"] if vary else [])
+    ranks, _ = torchrun(tmp_path, *args, script=SCRIPT, timeout=600)
+    assert ranks[0]["losses"] == ranks[1]["losses"]  # the global mean loss, on every rank
+    for r in ranks:
+        assert max(r["worst"].values()) < 2e-3, r["worst"]
+        assert r["traces"] == 1, r["explain"]
+        text = r["explain"]
+        assert "layout: Parallel(cp=2): mesh cp 2" in text, text
+        # torchtitan's balanced layout: rank r holds chunks r and 3 - r; causal attention block by block
+        assert "in 4 chunks" in text and "2 attention op(s): 2 causal block by block" in text, text
+        # per step: one all-gather of K and one of V per layer, their gradients reduce-scattered; the
+        # gradients' parts summed in one bucketed all-reduce, and the loss's sum and token count
+        assert "all-gather (forward): 4 call(s)" in text and "reduce-scatter: 4 call(s)" in text, text
+        assert "all-reduce: 3 call(s)" in text, text
+        if backend == "ort":
+            assert_ort_report_clean(r["ort"])
+
+
+def test_what_cannot_be_split_is_refused_on_every_rank(tmp_path):
+    """A length that does not divide by 2 * cp names the input and the fix; attention written by hand (a softmax
+    over the keys) names the op and what is supported; nothing changed in the model or optimizer."""
+    ranks, _ = torchrun(tmp_path, "--refusals", script=SCRIPT)
+    for r in ranks:
+        assert "splits dim 1 of `x` into 4 equal chunks" in r["length"] and "does not divide by 4" in r["length"], r
+        assert "a softmax along the sequence" in r["hand_attention"], r
+        assert "F.scaled_dot_product_attention" in r["hand_attention"], r
