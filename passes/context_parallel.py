@@ -29,6 +29,7 @@ concatenation along it), dropout inside attention, a reduction over tokens that 
 
 from __future__ import annotations
 
+import contextlib
 import operator
 from dataclasses import dataclass
 
@@ -43,7 +44,7 @@ from spmd_ort.graph.symbolic import SizeEmitter
 from spmd_ort.graph.slots import SlotKind
 
 from .context import PassResult
-from .helpers import TAG, aten, placeholders
+from .helpers import ACTIVATION_COLLECTIVE, TAG, aten, placeholders
 from .runner import graph_pass
 
 SDPA = aten._scaled_dot_product_flash_attention_for_cpu.default
@@ -69,8 +70,21 @@ MIXING = {aten._softmax.default: "a softmax", aten._log_softmax.default: "a log-
           aten.amax.default: "a maximum", aten.flip.default: "a flip", aten.roll.default: "a roll",
           aten.select.int: "a selection of one position", aten.index_select.default: "an index_select",
           aten.gather.default: "a gather", aten.split.Tensor: "a split", aten.narrow.default: "a narrowing",
-          aten.slice.Tensor: "a slice"}
-MIXING_DIM_ARG = {aten.split.Tensor: 2, aten.roll.default: 2}
+          aten.slice.Tensor: "a slice", aten.sort.default: "a sort", aten.topk.default: "a top-k",
+          aten.cummax.default: "a cumulative maximum", aten.logcumsumexp.default: "a cumulative log-sum-exp",
+          aten._softmax_backward_data.default: "a softmax's backward", aten.scatter.src: "a scatter",
+          aten.scatter_add.default: "a scatter"}
+# attention kernels other than the CPU one the pass splits: refused (computed on the rank's keys alone they would
+# be wrong)
+OTHER_ATTENTION = {getattr(aten, n).default for n in (
+    "_scaled_dot_product_flash_attention", "_scaled_dot_product_flash_attention_backward",
+    "_scaled_dot_product_efficient_attention", "_scaled_dot_product_efficient_attention_backward",
+    "_scaled_dot_product_cudnn_attention", "_scaled_dot_product_cudnn_attention_backward",
+    "_flash_attention_forward", "_flash_attention_backward", "_efficient_attention_forward",
+    "_efficient_attention_backward") if hasattr(aten, n)}
+CONVOLUTIONS = {aten.convolution.default, aten.convolution_backward.default}
+MIXING_DIM_ARG = {aten.split.Tensor: 2, aten.roll.default: 2, aten.topk.default: 2,
+                  aten._softmax_backward_data.default: 2}
 
 
 @dataclass(frozen=True)
@@ -113,15 +127,14 @@ class _Splitter:
             if isinstance(size, torch.SymInt):
                 self.shape_env = size.node.shape_env
                 symbols.add(self._expr(size))
-        symbols = {s for s in symbols if isinstance(s, sympy.Symbol)}
-        if len(symbols) != 1:
+        symbols = sorted((s for s in symbols if isinstance(s, sympy.Symbol)), key=str)
+        if not symbols:
             raise CompileError(
-                f"context parallel splits dim {self.seq_dim} of the batch, but the traced step has "
-                + (f"{len(symbols)} different lengths there ({', '.join(map(str, sorted(symbols, key=str)))})"
-                   if symbols else "no symbolic length there: the model fixes the sequence length (a size it "
-                   "reads as a number)") + ". Fix: every batch tensor with a sequence dim passes the same length "
-                "there (seq_dim= names the dim), and the model reads it from the batch")
-        self.s = symbols.pop()
+                f"context parallel splits dim {self.seq_dim} of the batch, but the traced step has no symbolic length "
+                "there: the model fixes the sequence length (a size it reads as a number). Fix: a model that reads "
+                "the length from the batch (seq_dim= names the dim)")
+        # every batch tensor's sequence is one length (checked on every call before the step runs): one symbol
+        self.s, self.aliases = symbols[0], {a: symbols[0] for a in symbols[1:]}
         self.derived = self._param_derived(phs)
         self.glob = SizeEmitter.of(gm)
         self.c_expr = _floordiv(self.s, self.chunks)
@@ -139,12 +152,14 @@ class _Splitter:
         self.partial: dict[fx.Node, float] = {}  # a part of a sum over the ranks' tokens -> its all-reduce's scale
         self.wholes: dict[fx.Node, fx.Node] = {}  # a part -> its whole (all-reduced)
         self.kv_shapes: dict = {}  # a gathered key or value -> the traced (whole-sequence) shape
+        self.backward_anchor: fx.Node | None = None  # the last attention backward's end: where the next gathers go
         self.current: fx.Node | None = None  # the node being rewritten: new nodes carry its phase and module
 
     # ------------------------------------------------------------------ sizes and token dims
     def _expr(self, size):
         expr = size.node.expr
-        return self.shape_env.replace(expr) if self.shape_env is not None else expr
+        expr = self.shape_env.replace(expr) if self.shape_env is not None else expr
+        return expr.subs(self.aliases) if getattr(self, "aliases", None) else expr
 
     def token_dims(self, value) -> list[tuple[int, object]]:
         """(dim, factor) of each token dim of a tensor value: its size is ``factor * s``."""
@@ -362,6 +377,21 @@ class _Splitter:
             node.kwargs = fx.map_arg(node.kwargs, swap)
 
     def _refuse_mixing(self, node: fx.Node) -> None:
+        name = getattr(node.target, "__name__", str(node.target))
+        if node.target in OTHER_ATTENTION or "attention" in name:
+            raise CompileError(
+                f"context parallel: `{node.name}` ({node.target}){_at(node)} is an attention kernel that this "
+                "release does not split (supported: the CPU kernel of F.scaled_dot_product_attention, which the "
+                "fx and ORT backends trace on CPU). Fix: train with cp on CPU ranks, or without cp on this device",
+                op=str(node.target), fqn=_module(node))
+        if node.target in CONVOLUTIONS:
+            value = node.args[0].meta["val"]
+            if any(d >= 2 for d, _ in self.token_dims(value)):
+                raise CompileError(
+                    f"context parallel: `{node.name}` ({node.target}){_at(node)} convolves along the sequence, which "
+                    "mixes the tokens that the ranks hold apart. Fix: train this model without cp",
+                    op=str(node.target), fqn=_module(node))
+            return
         what = MIXING.get(node.target)
         if what is None:
             return
@@ -472,15 +502,23 @@ class _Splitter:
         self.stats["partial"] += 2
 
     # ------------------------------------------------------------------ attention
-    def _gathered(self, node: fx.Node) -> fx.Node:
-        """K or V (B, H, 2c, D) of every rank, in the sequence's order (B, H, s, D)."""
-        key = ("kv", node)
+    def _gathered(self, node: fx.Node, phase: str) -> fx.Node:
+        """K or V (B, H, 2c, D) of every rank, in the sequence's order (B, H, s, D): gathered in the forward, and
+        again in the backward (the other ranks' keys and values are not kept between them: 1/cp of the memory)."""
+        key = ("kv", node, phase)
         if key in self.memo:
             return self.memo[key]
         value = node.meta["val"]
         b, h, _, d = (self.size_arg(x, True) for x in value.shape)
-        flat = self._node(aten.clone.default, (node,), {"memory_format": torch.contiguous_format})
-        started = self._node(all_gather, (flat, self.n, -1, self.group))
+        # the backward's gather is issued one layer ahead, after the previous attention's backward (prefetch)
+        anchor = self.backward_anchor if phase == "backward" else None
+        with self.graph.inserting_after(anchor) if anchor is not None else contextlib.nullcontext():
+            flat = self._node(aten.clone.default, (node,), {"memory_format": torch.contiguous_format})
+        with self.graph.inserting_after(flat) if anchor is not None else contextlib.nullcontext():
+            started = self._node(all_gather, (flat, self.n, -1, self.group))
+        started.meta[ACTIVATION_COLLECTIVE] = True  # issued before the compute that does not need it
+        if anchor is not None:
+            self.backward_anchor = started
         rows = self._node(aten.view.default, (self._node(wait_, (started,)), [self.n, b, h, self._tloc(), d]))
         seq = self._node(aten.reshape.default, (self._node(aten.permute.default, (rows, [1, 2, 0, 3, 4])),
                                                 [b, h, self.glob(self.s), d]))
@@ -518,8 +556,7 @@ class _Splitter:
         q, k, v = node.args[:3]
         causal, mask, scale = self._attention_args(node, 3)
         q = q if q in self.local else self.localize(q)
-        kf, vf = self._gathered(k if k in self.local else self.localize(k)), \
-            self._gathered(v if v in self.local else self.localize(v))
+        kf, vf = (self._gathered(t if t in self.local else self.localize(t), "forward") for t in (k, v))
         c = self.c_expr
         outs, lses = [], []
         for slot, chunk in self._chunks_of_rank():
@@ -577,8 +614,7 @@ class _Splitter:
         grad, q, k, v, out, lse = node.args[:6]
         causal, mask, scale = self._attention_args(node, 6)
         grad, q, out, lse = (a if a in self.local else self.localize(a) for a in (grad, q, out, lse))
-        kf, vf = self._gathered(k if k in self.local else self.localize(k)), \
-            self._gathered(v if v in self.local else self.localize(v))
+        kf, vf = (self._gathered(t if t in self.local else self.localize(t), "backward") for t in (k, v))
         c, s = self.c_expr, self.s
         dqs, dks, dvs = [], [], []
 
@@ -607,6 +643,7 @@ class _Splitter:
             dvs.append(dv)
         dq = self._kernel_layout(self._node(aten.cat.default, (dqs, 2)))
         dk, dv = (self._kernel_layout(self._scatter(_sum(self, grads), k)) for grads in (dks, dvs))
+        self.backward_anchor = dv
         self.local.update({dq, dk, dv})
         self.replaced[node] = [dq, dk, dv]
 

@@ -13,17 +13,19 @@ SCRIPT = ROOT / "tests" / "dist" / "cp_parity.py"
 pytestmark = pytest.mark.multiproc
 
 CASES = [
-    ("gpt", "fx", False),  # nanoGPT: learned positions wpe(arange(T)), causal sdpa, tied head
-    ("llama", "fx", False),  # HF Llama: rotary tables, GQA, its own label shift, -100 labels
-    ("gpt", "ort", True),  # lengths 32, 48, 32, 48, 32: one program (the sequence symbolic), on ORT
-    ("llama", "ort", False),
+    ("gpt", "fx", ""),  # nanoGPT: learned positions wpe(arange(T)), causal sdpa, tied head
+    ("llama", "fx", ""),  # HF Llama: rotary tables, GQA, its own label shift, -100 labels
+    # HF Llama with an attention_mask (a padded sequence): HF's explicit (B, 1, T, T) mask, cut to each rank's rows
+    ("llama", "fx", "--mask"),
+    ("gpt", "ort", "--vary-seq"),  # lengths 32, 48, 32, 48, 32: one program (the sequence symbolic), on ORT
+    ("llama", "ort", ""),
 ]
 
 
 @pytest.mark.on_ort
-@pytest.mark.parametrize("model,backend,vary", CASES)
-def test_matches_one_process_eager(tmp_path, model, backend, vary):
-    args = ["--model", model, "--backend", backend] + (["--vary-seq"] if vary else [])
+@pytest.mark.parametrize("model,backend,extra", CASES)
+def test_matches_one_process_eager(tmp_path, model, backend, extra):
+    args = ["--model", model, "--backend", backend] + ([extra] if extra else [])
     ranks, _ = torchrun(tmp_path, *args, script=SCRIPT, timeout=600)
     assert ranks[0]["losses"] == ranks[1]["losses"]  # the global mean loss, on every rank
     for r in ranks:
@@ -32,7 +34,9 @@ def test_matches_one_process_eager(tmp_path, model, backend, vary):
         text = r["explain"]
         assert "layout: Parallel(cp=2): mesh cp 2" in text, text
         # torchtitan's balanced layout: rank r holds chunks r and 3 - r; causal attention block by block
-        assert "in 4 chunks" in text and "2 attention op(s): 2 causal block by block" in text, text
+        split = "0 causal block by block, 2 with their mask's rows" if extra == "--mask" else \
+            "2 causal block by block, 0 with their mask's rows"
+        assert "in 4 chunks" in text and f"2 attention op(s): {split}" in text, text
         # per step: one all-gather of K and one of V per layer, their gradients reduce-scattered; the
         # gradients' parts summed in one bucketed all-reduce, and the loss's sum and token count
         assert "all-gather (forward): 4 call(s)" in text and "reduce-scatter: 4 call(s)" in text, text

@@ -110,3 +110,19 @@ def test_a_plan_takes_a_layout():
     layout, shorthand = plans
     assert layout.per_rank_bytes == shorthand.per_rank_bytes and layout.comm_bytes == shorthand.comm_bytes
     assert layout.parallel == shorthand.parallel == "fully_shard" and layout.flops == shorthand.flops
+
+
+def test_a_cp_layout_is_refused_by_plan_saying_why():
+    """plan() does not price context parallelism yet: a ConfigError that says so, before anything is traced."""
+    import torch
+
+    from examples.gpt import GPT, GPTConfig
+    from helpers import train_step
+
+    model = GPT(GPTConfig())
+    opt = torch.optim.AdamW(model.parameters())
+    step = spmd_ort.compile(parallel_mode=Parallel(cp=2), backend="fx")(train_step)
+    x = torch.randint(0, 64, (2, 16))
+    with pytest.raises(spmd_ort.ConfigError, match="context parallelism .* is not priced in this release"):
+        step.plan(model, opt, x, x, world_size=2)
+    assert not opt.state

@@ -89,7 +89,14 @@ DP_HISTORY = "bench/history/dp.md"
 ZERO3_HISTORY = "bench/history/zero3.md"
 PACKAGE, PASSES = "spmd_ort/**/*.py", "passes/**/*.py"  # constants found wherever their module is
 
+CP_TABLE = "## bench/cp.py — context parallelism on 2 ranks against one rank on the whole sequence (issue 58)"
+
 CLAIMS: list[tuple[str, Source]] = [
+    # context parallelism (issue 58)
+    ("each rank's peak memory is {0.53×} one rank's", Cell(CP_TABLE, "16384", "cp2/eager memory")),
+    ("one rank's and its step time {0.53×}", Cell(CP_TABLE, "16384", "cp2/eager time")),
+    ("at 4,096 tokens the step time is {0.58×}", Cell(CP_TABLE, "4096", "cp2/eager time")),
+    ("too little work for the split to pay: {0.97×}", Cell(CP_TABLE, "1024", "cp2/eager time")),
     # the plan's device model and its published runs (issue 62)
     ("| allocator | - | reserved {21.7%} over allocated |",
      Code("spmd_ort/plan/device.py", r"^FRAGMENTATION = (\d+\.\d+)$", lambda v: 100 * float(v))),

@@ -67,6 +67,14 @@ def check_sequence_splits(call: StepCall, split, names: list[str]) -> None:
     """Context parallel cuts the sequence into ``2 * cp`` equal chunks: a length that does not divide is refused
     (the same on every rank: they passed one batch), before anything is traced or run."""
     chunks = 2 * split.size
+    lengths = {name: x.shape[split.seq_dim] for name, x in zip(names, call.leaves)
+               if isinstance(x, torch.Tensor) and x.dim() > split.seq_dim}
+    if len(set(lengths.values())) > 1:
+        raise CompileError(
+            f"Parallel(cp={split.size}) splits dim {split.seq_dim} of every batch tensor as one sequence, but they "
+            f"differ there ({', '.join(f'`{n}` {t}' for n, t in lengths.items())}). Fix: one length for every batch "
+            "tensor with that dim, or seq_dim= naming the sequence dim. The model and optimizer are unchanged",
+            input=next(iter(lengths)), rank=call.rank)
     for name, x in zip(names, call.leaves):
         if isinstance(x, torch.Tensor) and x.dim() > split.seq_dim and x.shape[split.seq_dim] % chunks:
             raise CompileError(

@@ -102,6 +102,13 @@ def plan_step(step, args: tuple, kwargs: dict, *, world_size: int, device: str |
     if isinstance(mode, parallel.TensorParallel) and mode.mesh is not None and not isinstance(mode.mesh, tuple):
         raise ConfigError("plan(): TensorParallel(mesh=<DeviceMesh>) is a mesh of this process's world; give its "
                           "shape instead (mesh=(dp, tp), or (tp,)), built on the world the plan runs in")
+    if getattr(mode, "cp", 1) != 1 or isinstance(mode, parallel.ContextParallel):
+        # (the trace of a symbolic sequence on the meta device loses nll_loss's gradient in torch 2.13: make_fx on
+        # meta tensors, tracing_mode="symbolic", leaves F.cross_entropy with no autograd kernel)
+        raise ConfigError("plan(): context parallelism (cp > 1) is not priced in this release: its trace makes the "
+                          "sequence symbolic, and torch's trace of a symbolic sequence on the meta device drops "
+                          "cross-entropy's gradient. Fix: plan the layout without cp; measure cp on real ranks "
+                          "(bench/cp.py)")
     args, kwargs = _meta_copies(args, kwargs)
     twin = step.twin()  # the plan's variants, shapes, opaque parts and tuner never touch the step's own
     priced: dict = {}

@@ -44,8 +44,8 @@ def gpt_step(model, opt, x, y):
     return loss
 
 
-def hf_step(model, opt, x, y):
-    loss = model(input_ids=x, labels=y).loss
+def hf_step(model, opt, x, y, mask=None):
+    loss = model(input_ids=x, labels=y, attention_mask=mask).loss
     loss.backward()
     torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
     opt.step()
@@ -107,6 +107,7 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=5)
     ap.add_argument("--vary-seq", action="store_true")
     ap.add_argument("--refusals", action="store_true")
+    ap.add_argument("--mask", action="store_true", help="llama: an attention_mask with padding (HF's explicit mask)")
     args = ap.parse_args()
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
@@ -127,9 +128,14 @@ def main() -> None:
         y = torch.randint(0, VOCAB, (2, t), generator=g)
         y[0, -5:] = -100  # padding: the ranks hold different numbers of counted tokens
         y[1, :3] = -100
-        le = step_fn(eager, opt_e, x, y)
+        extra = ()
+        if args.mask:  # the second sequence left-padded: HF builds an explicit (B, 1, T, T) mask from it
+            mask = torch.ones_like(x)
+            mask[1, :3] = 0
+            extra = (mask,)
+        le = step_fn(eager, opt_e, x, y, *extra)
         with UserTraffic(rank, world) if i > 0 else contextlib.nullcontext():  # the user's all-reduces beside it
-            lc = step(compiled, opt_c, x, y)
+            lc = step(compiled, opt_c, x, y, *extra)
         assert abs(float(lc) - float(le)) < 1e-4, (i, float(lc), float(le))
         losses.append(float(lc))
         for (name, pe), pc in zip(eager.named_parameters(), compiled.parameters(), strict=True):

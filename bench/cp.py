@@ -1,0 +1,126 @@
+"""Context parallelism: each rank's peak memory and step time with ``Parallel(cp=2)`` against one rank on the whole
+sequence, at sequence lengths 1K-16K.
+
+Run:  .venv/bin/python bench/cp.py [--lengths 1024,2048,4096,8192,16384] [--steps 2]
+
+A GPT (examples/gpt.py: 4 layers, d 128, 2 heads, vocabulary 256, batch 1, causal sdpa), AdamW, clipping.  Three
+runners, each under torchrun with one thread per rank (what a rank gets under torchrun, and the same compute per
+rank in every runner): ``eager`` and ``fx`` (spmd_ort.compile, backend fx) on one rank with the whole sequence, and
+``cp2`` (``Parallel(cp=2)``, fx) on two ranks, each passing the whole batch.  After a first step (and a second:
+the compiled step's tuner) the kernel's high-water mark is reset; over ``--steps`` more steps:
+
+* peak MiB: the high-water mark of the resident set minus the resident set before them, per rank (the largest);
+* ms/step: the median step time (the slowest rank's).
+
+Memory and time come from separate launches: for memory, glibc returns freed blocks to the system
+(``MALLOC_MMAP_THRESHOLD_``), so the resident set follows the live tensors; for time, the allocator as users have it
+(returning every block would add page faults to each step).
+The ratios are cp2's against one rank's (eager and fx), in the same run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+ALLOCATOR = {"MALLOC_MMAP_THRESHOLD_": "131072", "MALLOC_TRIM_THRESHOLD_": "131072",
+             "SPMD_ORT_RETAIN_HOST_MEMORY": "0"}
+MIB = 2**20
+RUNNERS = {"eager": 1, "fx": 1, "cp2": 2}
+
+
+def _rss(field: str) -> int:
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith(field + ":"):
+            return int(line.split()[1]) * 1024
+    raise KeyError(field)
+
+
+def worker(runner: str, seq: int, steps: int, out: str) -> None:
+    import torch
+    import torch.distributed as dist
+    import torch.nn.functional as F
+
+    sys.path.insert(0, str(ROOT))
+    import spmd_ort
+    from examples.gpt import GPT, GPTConfig
+
+    dist.init_process_group("gloo")
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(vocab=256, seq=seq, d=128, heads=2, layers=4))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+
+    def step(model, opt, x, y):
+        loss = F.cross_entropy(model(x).flatten(0, 1), y.flatten())
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        return loss
+
+    if runner != "eager":
+        mode = spmd_ort.Parallel(cp=2) if runner == "cp2" else None
+        step = spmd_ort.compile(parallel_mode=mode, backend="fx")(step)
+    g = torch.Generator().manual_seed(0)
+    x, y = (torch.randint(0, 256, (1, seq), generator=g) for _ in range(2))
+    for _ in range(2):
+        step(model, opt, x, y)
+    dist.barrier()
+    Path("/proc/self/clear_refs").write_text("5")
+    base = _rss("VmRSS")
+    times = []
+    for _ in range(steps):
+        dist.barrier()
+        t0 = time.perf_counter()
+        step(model, opt, x, y)
+        times.append(time.perf_counter() - t0)
+    peak = _rss("VmHWM") - base
+    Path(out, f"rank{dist.get_rank()}.json").write_text(json.dumps({"peak": peak, "ms": statistics.median(times) * 1e3}))
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def launch(runner: str, seq: int, steps: int, memory: bool) -> dict:
+    env = {**os.environ, "OMP_NUM_THREADS": "1", **(ALLOCATOR if memory else {})}
+    with tempfile.TemporaryDirectory() as out:
+        nproc = RUNNERS[runner]
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}", __file__,
+               "--worker", runner, "--seq", str(seq), "--steps", str(steps), "--out", out]
+        subprocess.run(cmd, check=True, env=env, capture_output=True, cwd=ROOT)
+        ranks = [json.loads(Path(out, f"rank{r}.json").read_text()) for r in range(nproc)]
+    return {"peak": max(r["peak"] for r in ranks) / MIB, "ms": max(r["ms"] for r in ranks)}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--lengths", default="1024,2048,4096,8192,16384")
+    ap.add_argument("--steps", type=int, default=2)
+    ap.add_argument("--worker")
+    ap.add_argument("--seq", type=int)
+    ap.add_argument("--out")
+    args = ap.parse_args()
+    if args.worker:
+        worker(args.worker, args.seq, args.steps, args.out)
+        return
+    print("| tokens | eager 1 rank: MiB, ms | fx 1 rank: MiB, ms | cp=2 per rank: MiB, ms | cp2/eager memory | "
+          "cp2/fx memory | cp2/eager time | cp2/fx time |")
+    print("|---|---|---|---|---|---|---|---|")
+    for seq in (int(s) for s in args.lengths.split(",")):
+        r = {name: {"peak": launch(name, seq, args.steps, True)["peak"], "ms": launch(name, seq, args.steps, False)["ms"]}
+             for name in RUNNERS}
+        e, f, c = r["eager"], r["fx"], r["cp2"]
+        print(f"| {seq} | {e['peak']:.0f}, {e['ms']:.0f} | {f['peak']:.0f}, {f['ms']:.0f} | {c['peak']:.0f}, "
+              f"{c['ms']:.0f} | {c['peak'] / e['peak']:.2f} | {c['peak'] / f['peak']:.2f} | {c['ms'] / e['ms']:.2f} | "
+              f"{c['ms'] / f['ms']:.2f} |", flush=True)
+
+
+if __name__ == "__main__":
+    main()
