@@ -114,7 +114,7 @@ class ContextParallelSplit(PassResult):
 class _Splitter:
     def __init__(self, gm: fx.GraphModule, ctx, cp):
         self.gm, self.graph, self.ctx = gm, gm.graph, ctx
-        self.n, self.r, self.group, self.seq_dim = cp.size, cp.rank_in_group(ctx.rank), cp.group_name(), cp.seq_dim
+        self.n, self.r, self.group, self.seq_dim = cp.cp, cp.rank_in_group(ctx.rank), cp.group_name(), cp.seq_dim
         self.chunks = 2 * self.n
         phs = placeholders(gm)
         self.shape_env = None
@@ -465,12 +465,15 @@ class _Splitter:
         parts) or takes them as they are (``tag_grad``); else each part it reads is replaced by the whole."""
         parts = [a for a in node.all_input_nodes if a in self.partial]
         if node.op == "call_function" and node.target is TAG:
+            # the data-parallel passes average the tagged gradients over every rank: a part times cp, so that the
+            # average is over dp of the sums over cp (a whole gradient, the same on each rank of a cp group, as is)
             grad = node.args[0]
-            if grad in self.partial and self.partial[grad] == 1.0:
-                return True
-            with self.graph.inserting_before(node):  # a whole gradient: each rank's share of it
-                whole = self._whole_of(grad) if grad in self.partial else grad
-                node.replace_input_with(grad, self._node(aten.div.Tensor, (whole, self.n)))
+            if grad in self.partial:
+                with self.graph.inserting_before(node):
+                    if self.partial[grad] == 1.0:
+                        node.replace_input_with(grad, self._node(aten.mul.Tensor, (grad, float(self.n))))
+                    else:
+                        node.replace_input_with(grad, self._whole_of(grad))
             return True
         if not parts:
             return False

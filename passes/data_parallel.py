@@ -150,15 +150,13 @@ def sum_micro_batch_gradients_pass(gm: fx.GraphModule, ctx) -> fx.GraphModule:
 @graph_pass(requires=[GRADS_TAGGED], provides=[NO_GRAD_TAGS, COLLECTIVES_WAITED, PER_GRADIENT_REDUCTIONS],
             invalidates=[GRADS_TAGGED])
 def expand_data_parallel_pass(gm: fx.GraphModule, ctx) -> fx.GraphModule:
-    """Each ``tag_grad(g)`` becomes ``wait_(all_reduce_(clone(g, contiguous), 1/world))`` (context parallel: 1, a
-    sum of the ranks' parts).
+    """Each ``tag_grad(g)`` becomes ``wait_(all_reduce_(clone(g, contiguous), 1/world))``.
 
     The all-reduce runs on a private copy, so the in-place collective never
     touches a tensor something else reads.
     """
     graph = gm.graph
-    # the ranks' gradients averaged (data parallel), or summed where each is a part of one (context parallel)
-    prescale = getattr(ctx.mode, "gradient_prescale", 1.0 / ctx.world_size)
+    prescale = 1.0 / ctx.world_size
     for node in list(graph.nodes):
         if node.op == "call_function" and node.target is TAG:
             grad, index = node.args

@@ -75,9 +75,8 @@ class When:
 
 
 ALWAYS = When("always", lambda s: True)
-SEVERAL_RANKS = When("several ranks", lambda s: isinstance(s.mode, (DataParallel, ContextParallel)))
-REPLICATE = When("replicate or cp > 1", lambda s: isinstance(s.mode, (DataParallel, ContextParallel))
-                 and not s.mode.sharded)
+SEVERAL_RANKS = When("several ranks", lambda s: isinstance(s.mode, DataParallel))
+REPLICATE = When("replicate", lambda s: isinstance(s.mode, DataParallel) and not s.mode.sharded)
 FULLY_SHARD = When("fully_shard", lambda s: isinstance(s.mode, DataParallel) and s.mode.sharded)
 CONTEXT_PARALLEL = When("cp > 1", lambda s: isinstance(s.mode, ContextParallel))
 RESHARD = FULLY_SHARD & When("reshard_after_forward", lambda s: s.mode.reshard_after_forward)

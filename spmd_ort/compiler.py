@@ -132,7 +132,7 @@ class Compiler:
                                    "batch": batch_checksums(call.leaves)}
                                   if stage.layout.expands or split else None)
         if signatures is not None:  # a program's first call: the ranks of a tensor- (context-) parallel group
-            groups = [list(range(call.world_size))] if split else \
+            groups = call.mode.groups(call.world_size) if split else \
                 parallel.tensor_parallel_groups(call.module, call.tensor_parallel)  # passed one batch
             parallel.check_same_batch([s["batch"] for s in signatures], groups, stage.inputs.names, rank=call.rank,
                                       shown=False)
@@ -163,7 +163,7 @@ class Compiler:
         on_accelerator = any(p.device.type not in ("cpu", "meta") for p in layout.params)  # meta: a plan's
         traced = trace_step(self.fn, call.args, call.kwargs, layout,
                             sdpa_math=self.options.backend == "ort" and on_accelerator,
-                            tag_grads=isinstance(call.mode, (parallel.DataParallel, parallel.ContextParallel)),
+                            tag_grads=isinstance(call.mode, parallel.DataParallel),
                             plan=self.opaque_plan,
                             inputs=inputs,
                             mixed_precision=self.mixed_precision,

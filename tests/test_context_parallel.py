@@ -19,6 +19,10 @@ CASES = [
     ("llama", "fx", "--mask"),
     ("gpt", "ort", "--vary-seq"),  # lengths 32, 48, 32, 48, 32: one program (the sequence symbolic), on ORT
     ("llama", "ort", ""),
+    # 4 ranks: torchtitan's FSDP over dp_shard x cp (parameters sharded over all 4, compared whole), and DDP's
+    # replicas of a cp pair on ORT; each replica passes its own batch, one-process eager on both
+    ("gpt", "fx", "--dp=shard"),
+    ("llama", "ort", "--dp=replicate"),
 ]
 
 
@@ -26,21 +30,26 @@ CASES = [
 @pytest.mark.parametrize("model,backend,extra", CASES)
 def test_matches_one_process_eager(tmp_path, model, backend, extra):
     args = ["--model", model, "--backend", backend] + ([extra] if extra else [])
-    ranks, _ = torchrun(tmp_path, *args, script=SCRIPT, timeout=600)
-    assert ranks[0]["losses"] == ranks[1]["losses"]  # the global mean loss, on every rank
+    nproc = 4 if extra.startswith("--dp") else 2
+    ranks, _ = torchrun(tmp_path, *args, script=SCRIPT, timeout=600, nproc=nproc)
+    assert ranks[0]["losses"] == ranks[1]["losses"]  # the mean loss over the batch's tokens, on both ranks of a pair
     for r in ranks:
         assert max(r["worst"].values()) < 2e-3, r["worst"]
         assert r["traces"] == 1, r["explain"]
         text = r["explain"]
-        assert "layout: Parallel(cp=2): mesh cp 2" in text, text
+        layout = {"": "Parallel(cp=2): mesh cp 2", "--dp=shard": "Parallel(dp_shard=2, cp=2): mesh dp_shard 2 x cp 2",
+                  "--dp=replicate": "Parallel(dp_replicate=2, cp=2): mesh dp_replicate 2 x cp 2"
+                  }.get(extra, "Parallel(cp=2): mesh cp 2")
+        assert f"layout: {layout}" in text, text
         # torchtitan's balanced layout: rank r holds chunks r and 3 - r; causal attention block by block
         split = "0 causal block by block, 2 with their mask's rows" if extra == "--mask" else \
             "2 causal block by block, 0 with their mask's rows"
         assert "in 4 chunks" in text and f"2 attention op(s): {split}" in text, text
         # per step: one all-gather of K and one of V per layer, their gradients reduce-scattered; the
         # gradients' parts summed in one bucketed all-reduce, and the loss's sum and token count
-        assert "all-gather (forward): 4 call(s)" in text and "reduce-scatter: 4 call(s)" in text, text
-        assert "all-reduce: 3 call(s)" in text, text
+        if extra != "--dp=shard":  # (fully_shard adds its parameters' gathers and gradients' reduce-scatters)
+            assert "all-gather (forward): 4 call(s)" in text and "reduce-scatter: 4 call(s)" in text, text
+            assert "all-reduce: 3 call(s)" in text, text
         if backend == "ort":
             assert_ort_report_clean(r["ort"])
 

@@ -15,7 +15,7 @@ PLAN = {"blocks.*.fc": ColwiseParallel()}
 
 
 @pytest.mark.parametrize("kwargs,said", [
-    ({"cp": 2, "dp_shard": 2}, "Parallel(dp_shard=2, cp=2): context parallelism with other degrees is not built"),
+    ({"cp": 2, "tp": 2, "tp_plan": PLAN}, "Parallel(cp=2, tp=2): context parallelism with tensor parallelism is not"),
     ({"cp": 2, "seq_dim": -1}, "Parallel(seq_dim=-1): the batch's sequence dim"),
     ({"pp": 2}, "Parallel(pp=2): pipeline parallelism is not built"),
     ({"ep": 2}, "Parallel(ep=2): expert parallelism is not built"),
@@ -70,7 +70,11 @@ def test_it_lowers_to_the_shorthands_and_back():
     assert repr(Parallel(dp_shard=4, prefetch=0)) == "Parallel(dp_shard=4, prefetch=0)"
     assert tp.describe(8) == "Parallel(dp_shard=2, tp=4): mesh dp_shard 2 x tp 4"
     cp = Parallel(cp=-1, seq_dim=2).lower(4)
-    assert cp == ContextParallel(size=4, seq_dim=2) and Parallel.of(cp, 4) == Parallel(cp=4, seq_dim=2)
+    assert cp == ContextParallel(cp=4, seq_dim=2) and Parallel.of(cp, 4) == Parallel(cp=4, seq_dim=2)
+    # with dp_shard: fully_shard over every rank (torchtitan's FSDP over dp_shard x cp), the sequence over cp
+    both = Parallel(dp_shard=2, cp=2, prefetch=0).lower(4)
+    assert both == ContextParallel(cp=2, parallel_style="fully_shard", prefetch=0)
+    assert Parallel.of(both, 4) == Parallel(dp_shard=2, cp=2, prefetch=0)
 
 
 @pytest.mark.multiproc

@@ -66,19 +66,19 @@ def _passed(gathered_one) -> list[str]:
 def check_sequence_splits(call: StepCall, split, names: list[str]) -> None:
     """Context parallel cuts the sequence into ``2 * cp`` equal chunks: a length that does not divide is refused
     (the same on every rank: they passed one batch), before anything is traced or run."""
-    chunks = 2 * split.size
+    chunks = 2 * split.cp
     lengths = {name: x.shape[split.seq_dim] for name, x in zip(names, call.leaves)
                if isinstance(x, torch.Tensor) and x.dim() > split.seq_dim}
     if len(set(lengths.values())) > 1:
         raise CompileError(
-            f"Parallel(cp={split.size}) splits dim {split.seq_dim} of every batch tensor as one sequence, but they "
+            f"Parallel(cp={split.cp}) splits dim {split.seq_dim} of every batch tensor as one sequence, but they "
             f"differ there ({', '.join(f'`{n}` {t}' for n, t in lengths.items())}). Fix: one length for every batch "
             "tensor with that dim, or seq_dim= naming the sequence dim. The model and optimizer are unchanged",
             input=next(iter(lengths)), rank=call.rank)
     for name, x in zip(names, call.leaves):
         if isinstance(x, torch.Tensor) and x.dim() > split.seq_dim and x.shape[split.seq_dim] % chunks:
             raise CompileError(
-                f"Parallel(cp={split.size}) splits dim {split.seq_dim} of `{name}` into {chunks} equal chunks "
+                f"Parallel(cp={split.cp}) splits dim {split.seq_dim} of `{name}` into {chunks} equal chunks "
                 f"(each rank holds 2, balancing causal attention), but its length {x.shape[split.seq_dim]} does not "
                 f"divide by {chunks}. Fix: pad the sequence to a multiple of {chunks} (labels -100 where padded), "
                 "or give seq_dim= if the sequence is another dim. The model and optimizer are unchanged",
@@ -175,7 +175,7 @@ class ShapePolicy:
                 names = StepInputs.of(self.fn, call.args, call.kwargs).names
                 check_empty_inputs(gathered, names, call.rank)
                 if expands or split is not None:  # ranks of one tensor- (context-) parallel group share a batch
-                    groups = [list(range(call.world_size))] if split is not None else \
+                    groups = split.groups(call.world_size) if split is not None else \
                         parallel.tensor_parallel_groups(call.module, call.tensor_parallel)
                     parallel.check_same_batch([_passed(g) for g in gathered], groups, names, rank=call.rank)
                 return _sizes_differ(gathered) if self.mode != "0" else None

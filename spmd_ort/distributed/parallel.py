@@ -265,29 +265,49 @@ class TensorParallel:
 
 
 @dataclass(frozen=True, kw_only=True)
-class ContextParallel:
-    """Context parallelism over every rank (what ``Parallel(cp=N)`` lowers to): each rank passes the same whole
-    batch, and the step computes its share of the sequence (``seq_dim`` of every batch tensor), torchtitan's
-    load-balanced chunks; :mod:`spmd_ort.passes.context_parallel` is how."""
+class ContextParallel(DataParallel):
+    """Context parallelism (what ``Parallel(cp=N, ...)`` lowers to): data parallelism over every rank whose ranks'
+    gradients are parts of sums, and the sequence split over each cp group.
 
-    size: int
+    The world is a ``(dp, cp)`` mesh (``dp`` = ``dp_replicate`` or ``dp_shard``, 1 for cp alone; cp the inner
+    dim, as torchtitan orders them).  The ranks of one cp group pass the same whole batch and each computes its
+    share of the sequence (``seq_dim`` of every batch tensor; :mod:`spmd_ort.passes.context_parallel`); the data-
+    parallel settings (``parallel_style``, buckets, prefetch, ...) are those of the data parallelism over every
+    rank that reduces the gradients, as torchtitan's FSDP over ``dp_shard x cp``: each rank's part of a gradient is
+    scaled by ``cp`` before it, so the average over every rank is the average over dp of the sums over cp.
+    """
+
+    cp: int = 2
     seq_dim: int = 1
-    # what the other modes carry that a pass or the step reads: nothing is sharded, cast or broadcast
-    sharded = False
-    mixed_precision = None
-    broadcast_buffers = False
-    offload_param = None
-    parallel_style = "context parallel"
-    gradient_prescale = 1.0  # each rank's gradient is its tokens' part of the sum: summed, not averaged
-    first_bucket_cap_mb = DataParallel.first_bucket_cap_mb  # gradient all-reduces bucketed as DDP's
-    cap_bytes = AUTO_START_MB * 2**20
+
+    @property
+    def dp(self) -> int:
+        """How many cp groups (data-parallel replicas or shards of batches) the world holds."""
+        return world()[1] // self.cp
 
     def rank_in_group(self, rank: int) -> int:
-        return rank
+        """``rank``'s position in its cp group (the mesh's inner dim)."""
+        return rank % self.cp
+
+    def groups(self, world_size: int | None = None) -> list[list[int]]:
+        """The global ranks of each cp group: ranks that pass one batch."""
+        n = world()[1] if world_size is None else world_size
+        return [list(range(d * self.cp, (d + 1) * self.cp)) for d in range(n // self.cp)]
 
     def group_name(self) -> str:
-        """The cp group's process group name ("": the world)."""
-        return ""
+        """The cp group's process group name ("": the world, cp alone), built once per world: every rank makes
+        every group of the mesh's cp dim together (the first compile, which every rank reaches alike)."""
+        if self.dp == 1:
+            return ""
+        built = self.__dict__.get("_built")
+        if built is None or built[0] is not dist.group.WORLD:
+            from torch.distributed.device_mesh import init_device_mesh
+
+            device = "cuda" if dist.get_backend() == "nccl" else "cpu"
+            mesh = init_device_mesh(device, (self.dp, self.cp), mesh_dim_names=("dp", "cp"))
+            built = (dist.group.WORLD, mesh["cp"].get_group().group_name)
+            object.__setattr__(self, "_built", built)
+        return built[1]
 
 
 def world() -> tuple[int, int]:
@@ -322,9 +342,9 @@ def resolve(mode, module: nn.Module | None = None):
     if isinstance(mode, DataParallel) and size == 1:
         return None  # one rank: nothing to reduce
     if isinstance(mode, ContextParallel):
-        if size != mode.size:
-            raise CompileError(f"Parallel(cp={mode.size}) needs a world of {mode.size} ranks, but it has {size}",
-                               rank=rank)
+        if size % mode.cp:
+            raise CompileError(f"Parallel(cp={mode.cp}) needs a world of a multiple of {mode.cp} ranks, but it has "
+                               f"{size}", rank=rank)
         return mode
     if not isinstance(mode, DataParallel):
         raise TypeError(f"parallel_mode={mode!r} is not a spmd_ort.DataParallel or spmd_ort.TensorParallel")
@@ -475,7 +495,9 @@ def layout_of(mode) -> dict:
     mixed precision."""
     if mode is None:
         return {"parallel": None}
-    if isinstance(mode, (DataParallel, ContextParallel)):
+    if isinstance(mode, ContextParallel):
+        return {"parallel_style": mode.parallel_style, "offload_param": mode.offload_param, "cp": mode.cp}
+    if isinstance(mode, DataParallel):
         return {"parallel_style": mode.parallel_style, "offload_param": mode.offload_param}
     if isinstance(mode, TensorParallel):
         plan = {fqn: (type(style).__name__, tuple(sorted((k, repr(v)) for k, v in vars(style).items()

@@ -47,8 +47,10 @@ class Parallel:
     ``parallelize_module`` takes them).  ``experts`` (a glob of expert modules) and ``pipeline`` are for ``ep`` and
     ``pp``.  The data-parallel settings are :class:`~spmd_ort.distributed.parallel.DataParallel`'s (bucket caps,
     resharding, prefetch, offload, ``mixed_precision``: FSDP2's policy).  Degrees that this release has not built
-    (``cp``, ``pp``, ``ep`` above 1) and combinations it has not (``dp_replicate`` and ``dp_shard`` both above 1:
-    HSDP) are a :class:`~spmd_ort.errors.ConfigError` that says so.
+    (``pp``, ``ep`` above 1) and combinations it has not (``dp_replicate`` and ``dp_shard`` both above 1: HSDP;
+    ``cp`` with ``tp``) are a :class:`~spmd_ort.errors.ConfigError` that says so.  ``cp`` lowers to a
+    :class:`~spmd_ort.distributed.parallel.ContextParallel`: the data parallelism over every rank, the sequence
+    split over each cp group (``seq_dim``: the batch's sequence dim).
     """
 
     dp_replicate: int = 1
@@ -88,9 +90,9 @@ class Parallel:
         if self.dp_replicate != 1 and self.dp_shard != 1:
             raise ConfigError(f"Parallel(dp_replicate={self.dp_replicate}, dp_shard={self.dp_shard}): replicas of "
                               "a sharded group (HSDP) are not built yet; give one of them")
-        if self.cp != 1 and any(getattr(self, name) != 1 for name in ("dp_replicate", "dp_shard", "tp")):
-            raise ConfigError(f"Parallel({self.degrees_text()}): context parallelism with other degrees is not built "
-                              "in this release yet; give cp alone (cp=-1 or the world size)")
+        if self.cp != 1 and self.tp != 1:
+            raise ConfigError(f"Parallel({self.degrees_text()}): context parallelism with tensor parallelism is not "
+                              "built in this release yet; give cp with dp_shard or dp_replicate")
         if isinstance(self.seq_dim, bool) or not isinstance(self.seq_dim, int) or self.seq_dim < 0:
             raise ConfigError(f"Parallel(seq_dim={self.seq_dim!r}): the batch's sequence dim, a non-negative int")
         if self.tp != 1 and not self.tp_plan:
@@ -154,8 +156,10 @@ class Parallel:
         sizes = self.sizes(world_size)
         dp = sizes["dp_replicate"] * sizes["dp_shard"]
         data = self._data_parallel("fully_shard" if sizes["dp_shard"] > 1 else "replicate")
-        if sizes["cp"] > 1:
-            mode = ContextParallel(size=sizes["cp"], seq_dim=self.seq_dim)
+        if sizes["cp"] > 1:  # data parallelism over every rank, the sequence split over each cp group
+            settings = {k: getattr(self, k) for k in DP_SETTINGS}
+            mode = ContextParallel(cp=sizes["cp"], seq_dim=self.seq_dim, **settings,
+                                   parallel_style="fully_shard" if sizes["dp_shard"] > 1 else "replicate")
         elif sizes["tp"] == 1:
             mode = data
         elif dp == 1:
@@ -179,7 +183,10 @@ class Parallel:
             return mode
         world_size = world()[1] if world_size is None else world_size
         if isinstance(mode, ContextParallel):
-            return cls(cp=mode.size, seq_dim=mode.seq_dim)
+            settings = {k: getattr(mode, k) for k in DP_SETTINGS}
+            dp = world_size // mode.cp
+            degree = {} if dp == 1 else {"dp_shard" if mode.sharded else "dp_replicate": dp}
+            return cls(cp=mode.cp, seq_dim=mode.seq_dim, **degree, **settings)
         if isinstance(mode, DataParallel):
             settings = {k: getattr(mode, k) for k in DP_SETTINGS}
             degree = {"dp_shard" if mode.sharded else "dp_replicate": world_size}

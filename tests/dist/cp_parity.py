@@ -34,35 +34,47 @@ import spmd_ort  # noqa: E402
 VOCAB = 64
 
 
-def gpt_step(model, opt, x, y):
-    logits = model(x)
-    loss = F.cross_entropy(logits.flatten(0, -2), y.flatten())
+def gpt_loss(model, x, y, mask=None):
+    return F.cross_entropy(model(x).flatten(0, -2), y.flatten())
+
+
+def hf_loss(model, x, y, mask=None):
+    return model(input_ids=x, labels=y, attention_mask=mask).loss
+
+
+def update(model, opt, loss):
     loss.backward()
     torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
     opt.step()
     opt.zero_grad(set_to_none=True)
     return loss
+
+
+def gpt_step(model, opt, x, y, mask=None):
+    return update(model, opt, gpt_loss(model, x, y))
 
 
 def hf_step(model, opt, x, y, mask=None):
-    loss = model(input_ids=x, labels=y, attention_mask=mask).loss
-    loss.backward()
-    torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-    opt.step()
-    opt.zero_grad(set_to_none=True)
-    return loss
+    return update(model, opt, hf_loss(model, x, y, mask))
+
+
+def eager_step(loss_fn, model, opt, batches):
+    """One process on every data-parallel replica's batch: the mean of their losses (DDP's gradient)."""
+    losses = [loss_fn(model, *b) for b in batches]
+    update(model, opt, sum(losses) / len(losses))
+    return [float(loss) for loss in losses]
 
 
 def build(name: str, seq: int):
     torch.manual_seed(0)
     if name == "gpt":
-        return GPT(GPTConfig(vocab=VOCAB, seq=seq, d=32, heads=4, layers=2)), gpt_step
+        return GPT(GPTConfig(vocab=VOCAB, seq=seq, d=32, heads=4, layers=2)), gpt_step, gpt_loss
     from transformers import LlamaConfig, LlamaForCausalLM
 
     cfg = LlamaConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
                       num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=seq,
                       attn_implementation="sdpa", tie_word_embeddings=False)
-    return LlamaForCausalLM(cfg), hf_step
+    return LlamaForCausalLM(cfg), hf_step, hf_loss
 
 
 class HandAttention(torch.nn.Module):
@@ -95,6 +107,24 @@ def refusals(world: int) -> dict:
     return out
 
 
+def make_batch(i: int, t: int, replica: int, masked: bool) -> tuple:
+    g = torch.Generator().manual_seed(100 * i + replica)
+    x = torch.randint(0, VOCAB, (2, t), generator=g)
+    y = torch.randint(0, VOCAB, (2, t), generator=g)
+    y[0, -5:] = -100  # padding: the ranks hold different numbers of counted tokens
+    y[1, :3] = -100
+    if not masked:
+        return x, y
+    mask = torch.ones_like(x)  # the second sequence left-padded: HF builds an explicit (B, 1, T, T) mask from it
+    mask[1, :3] = 0
+    return x, y, mask
+
+
+def full(t: torch.Tensor) -> torch.Tensor:
+    """A fully_shard parameter's or state's whole value (a collective: every rank calls it)."""
+    return t.full_tensor() if hasattr(t, "full_tensor") else t
+
+
 def rel(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a - b).norm() / b.norm().clamp_min(1e-12))
 
@@ -108,6 +138,8 @@ def main() -> None:
     ap.add_argument("--vary-seq", action="store_true")
     ap.add_argument("--refusals", action="store_true")
     ap.add_argument("--mask", action="store_true", help="llama: an attention_mask with padding (HF's explicit mask)")
+    ap.add_argument("--dp", default="", choices=["", "replicate", "shard"],
+                    help="2-D on 4 ranks: dp_replicate=2 or dp_shard=2 x cp=2")
     args = ap.parse_args()
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
@@ -115,35 +147,36 @@ def main() -> None:
         finish(args.out, refusals(world))
         return
     lengths = [32, 48, 32, 48, 32] if args.vary_seq else [32] * args.steps
-    base, step_fn = build(args.model, max(lengths))
+    base, step_fn, loss_fn = build(args.model, max(lengths))
     eager, compiled = copy.deepcopy(base), copy.deepcopy(base)
     opt_e = torch.optim.AdamW(eager.parameters(), lr=1e-2, weight_decay=0.1)
     opt_c = torch.optim.AdamW(compiled.parameters(), lr=1e-2, weight_decay=0.1)
-    layout = spmd_ort.Parallel(cp=world)
+    dp = 2 if args.dp else 1
+    # (ORT: a fixed bucket cap, so that no recompile after the measured steps leaves too few steps on ORT's outputs)
+    layout = spmd_ort.Parallel(cp=world // dp, **({"dp_replicate": dp} if args.dp == "replicate" else
+                                                  {"dp_shard": dp, "prefetch": 0} if args.dp == "shard" else {}),
+                               **({"bucket_cap_mb": 25.0} if args.backend == "ort" else {}))
+    replica = rank // (world // dp)  # the mesh (dp, cp): cp the inner dim
     step = spmd_ort.compile(parallel_mode=layout, backend=args.backend)(step_fn)
     losses, worst = [], {}
     for i, t in enumerate(lengths[:args.steps]):
-        g = torch.Generator().manual_seed(i)
-        x = torch.randint(0, VOCAB, (2, t), generator=g)
-        y = torch.randint(0, VOCAB, (2, t), generator=g)
-        y[0, -5:] = -100  # padding: the ranks hold different numbers of counted tokens
-        y[1, :3] = -100
-        extra = ()
-        if args.mask:  # the second sequence left-padded: HF builds an explicit (B, 1, T, T) mask from it
-            mask = torch.ones_like(x)
-            mask[1, :3] = 0
-            extra = (mask,)
-        le = step_fn(eager, opt_e, x, y, *extra)
+        batches = [make_batch(i, t, d, args.mask) for d in range(dp)]  # each replica's own
+        le = eager_step(loss_fn, eager, opt_e, batches)
         with UserTraffic(rank, world) if i > 0 else contextlib.nullcontext():  # the user's all-reduces beside it
-            lc = step(compiled, opt_c, x, y, *extra)
-        assert abs(float(lc) - float(le)) < 1e-4, (i, float(lc), float(le))
+            lc = step(compiled, opt_c, *batches[replica])
+        assert abs(float(lc) - le[replica]) < 1e-4, (i, float(lc), le[replica])  # the replica's loss, as DDP's
         losses.append(float(lc))
         for (name, pe), pc in zip(eager.named_parameters(), compiled.parameters(), strict=True):
-            worst[name] = max(worst.get(name, 0.0), rel(pc.detach(), pe.detach()))
+            worst[name] = max(worst.get(name, 0.0), rel(full(pc.detach()), pe.detach()))
             assert worst[name] < 2e-3, (i, name, worst[name])
             se, sc = opt_e.state[pe], opt_c.state[pc]
             for key in ("exp_avg", "exp_avg_sq"):
-                assert rel(sc[key], se[key]) < 2e-3 or (se[key].norm() < 1e-9), (i, name, key)
+                assert rel(full(sc[key]), se[key]) < 2e-3 or (se[key].norm() < 1e-9), (i, name, key)
+    x = batches[replica][0]
+    if args.dp == "shard":  # (fully_shard: the parameters are shards between steps)
+        finish(args.out, {"losses": losses, "worst": worst, "explain": step.explain(), "traces": len(step.variants),
+                          "ort": ort_report(step) if args.backend == "ort" else None})
+        return
     # an evaluation forward outside the step: the model's own, on the whole sequence
     with torch.no_grad():
         out_e = eager(x) if args.model == "gpt" else eager(input_ids=x).logits
