@@ -6,7 +6,7 @@ STAMP  := $(VENV)/.installed
 TORCH  ?= torch==2.13.0
 NPROC  ?= 2
 
-.PHONY: setup lint test test-fast fuzz demo demo-zero3 demo-tp demo-2d demo-big bench bench-zero3 clean
+.PHONY: setup lint test test-fast fuzz demo demo-zero3 demo-tp demo-2d demo-cp demo-big bench bench-zero3 clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -50,6 +50,10 @@ demo-tp: setup
 
 demo-2d: setup
 	$(VENV)/bin/torchrun --standalone --nproc_per_node=4 examples/train_char_gpt.py --parallel 2d
+
+# Context parallel (docs/context-parallel.md): each 512-character sequence split over the ranks.
+demo-cp: setup
+	$(VENV)/bin/torchrun --standalone --nproc_per_node=$(NPROC) examples/train_char_gpt.py --parallel cp --seq 512 --batch 8
 
 # A model bigger than one rank (docs/big-models.md): a bigger GPT built on the meta device, parallelize, to_empty,
 # its own init on each rank's part; each rank's memory against the full model's, the weights saved to out/demo_big/.

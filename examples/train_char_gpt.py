@@ -135,7 +135,7 @@ def main() -> None:
                     help="fx (default from SPMD_ORT_BACKEND; --big: fx, the first run of ORT's ~100 segments takes "
                          "longer than the training, and their sessions hold more than the model)")
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--parallel", default=None, choices=["replicate", "fully_shard", "tp", "2d"],
+    ap.add_argument("--parallel", default=None, choices=["replicate", "fully_shard", "tp", "2d", "cp"],
                     help="replicate (--big: fully_shard)")
     ap.add_argument("--dp-style", default="replicate", choices=["replicate", "fully_shard"],
                     help="--parallel 2d: what the dp dim does (fully_shard: FSDP2 + TP)")
@@ -197,6 +197,8 @@ def main() -> None:
         dp_rank = mesh.get_local_rank("dp")
     elif tp:  # q, k, v and the MLP's first linear column-wise, the projections back row-wise
         mode = spmd_ort.TensorParallel(tensor_parallel_plan())
+    elif args.parallel == "cp":  # context parallel: each sequence split over the ranks (docs/context-parallel.md)
+        mode = spmd_ort.Parallel(cp=-1)
     else:
         mode = spmd_ort.DataParallel(parallel_style=args.parallel,
                                      bucket_cap_mb="auto" if args.parallel == "replicate" else 1.0,
@@ -250,7 +252,9 @@ def main() -> None:
 
     # data parallel: every rank draws its own batches; tensor parallel: the ranks compute one model, on one batch
     # (2-D: one batch per dp replica)
-    g = torch.Generator().manual_seed(args.seed + (dp_rank if args.parallel == "2d" else 0 if tp else rank))
+    # (context parallel: the ranks split one batch's sequences)
+    g = torch.Generator().manual_seed(args.seed + (dp_rank if args.parallel == "2d" else 0 if tp or
+                                                   args.parallel == "cp" else rank))
 
     def batch(source: torch.Tensor):
         ix = torch.randint(len(source) - args.seq - 1, (args.batch,), generator=g)
@@ -281,6 +285,10 @@ def main() -> None:
             if world > 1 and args.parallel == "fully_shard":
                 extra = (f"  {comm.all_gather_calls} all-gather + {comm.reduce_scatter_calls} reduce-scatter/step, "
                          f"{comm.total_bytes / 2**20:.2f} MiB, {comm.overlap:.0%} overlapped")
+            elif args.parallel == "cp":
+                extra = (f"  {comm.all_gather_calls} all-gather (K, V) + {comm.reduce_scatter_calls} reduce-scatter "
+                         f"(their gradients) + {comm.all_reduce_calls} all-reduce/step, {comm.total_bytes / 2**20:.2f} "
+                         "MiB")
             elif tp:
                 megatron = "Megatron + dp" if args.parallel == "2d" else "Megatron"
                 extra = (f"  {comm.all_reduce_calls} all-reduce/step ({megatron}), "
