@@ -2,6 +2,7 @@
 sequence, at sequence lengths 1K-16K.
 
 Run:  .venv/bin/python bench/cp.py [--lengths 1024,2048,4096,8192,16384] [--steps 2]
+      .venv/bin/python bench/cp.py --plan 131072   (Llama-3-8B planned on 64 H100s: dp_shard=64 against 8 x cp=8)
 
 A GPT (examples/gpt.py: 4 layers, d 128, 2 heads, vocabulary 256, batch 1, causal sdpa), AdamW, clipping.  Three
 runners, each under torchrun with one thread per rank (what a rank gets under torchrun, and the same compute per
@@ -99,8 +100,45 @@ def launch(runner: str, seq: int, steps: int, memory: bool) -> dict:
     return {"peak": max(r["peak"] for r in ranks) / MIB, "ms": max(r["ms"] for r in ranks)}
 
 
+def plan(tokens: int) -> None:
+    """Llama-3-8B (examples/llama3.py, bf16 parameters, fp32 reductions) planned for 64 H100s at ``tokens`` tokens
+    per sequence, activation_memory_budget=0: ``Parallel(dp_shard=64)`` against ``Parallel(dp_shard=8, cp=8)``."""
+    import dataclasses
+
+    import torch
+
+    sys.path.insert(0, str(ROOT))
+    import spmd_ort
+    from examples.llama3 import LLAMA3_8B, Llama3, train_step
+
+    with torch.device("meta"):
+        model = Llama3(dataclasses.replace(LLAMA3_8B, max_seq_len=tokens))
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-4, weight_decay=0.1)
+    policy = spmd_ort.MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    batch = torch.empty(1, tokens, dtype=torch.long, device="meta")
+    print("| layout | activations GiB/rank | reserved GiB/rank | all-gather GiB (calls) | reduce-scatter GiB (calls) | "
+          "predicted step s | tokens/s/GPU |")
+    print("|---|---|---|---|---|---|---|")
+    rows = {}
+    for layout in (spmd_ort.Parallel(dp_shard=64, mixed_precision=policy),
+                   spmd_ort.Parallel(dp_shard=8, cp=8, mixed_precision=policy)):
+        step = spmd_ort.compile(parallel_mode=layout, activation_memory_budget=0.0, backend="fx")(train_step)
+        p = step.plan(model, opt, batch, batch.clone(), world_size=64, export=False)
+        name = "dp_shard=64" if layout.cp == 1 else "dp_shard=8, cp=8"
+        rows[name] = p
+        per_gpu = tokens / layout.cp / p.predicted_step_s
+        print(f"| {name} | {p.per_rank_bytes['activations'] / 2**30:.1f} | {p.per_rank_bytes['reserved'] / 2**30:.1f} | "
+              f"{p.comm_bytes['all_gather'] / 2**30:.1f} ({p.comm_calls['all_gather']}) | "
+              f"{p.comm_bytes['reduce_scatter'] / 2**30:.1f} ({p.comm_calls['reduce_scatter']}) | "
+              f"{p.predicted_step_s:.2f} | {per_gpu:,.0f} |", flush=True)
+    a, b = (rows[k].per_rank_bytes["activations"] for k in ("dp_shard=8, cp=8", "dp_shard=64"))
+    print(f"\nactivations per rank, cp=8 against dp_shard=64: {a / b:.3f}x")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--plan", type=int, default=0, metavar="TOKENS",
+                    help="instead: plan Llama-3-8B on 64 H100s at TOKENS tokens, dp_shard=64 against dp_shard=8 x cp=8")
     ap.add_argument("--lengths", default="1024,2048,4096,8192,16384")
     ap.add_argument("--steps", type=int, default=2)
     ap.add_argument("--worker")
@@ -109,6 +147,9 @@ def main() -> None:
     args = ap.parse_args()
     if args.worker:
         worker(args.worker, args.seq, args.steps, args.out)
+        return
+    if args.plan:
+        plan(args.plan)
         return
     print("| tokens | eager 1 rank: MiB, ms | fx 1 rank: MiB, ms | cp=2 per rank: MiB, ms | cp2/eager memory | "
           "cp2/fx memory | cp2/eager time | cp2/fx time |")

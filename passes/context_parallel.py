@@ -64,7 +64,9 @@ PARTIAL_MEANS = {aten.mean.dim, aten.mean.default}
 LINEAR = {aten.view.default, aten.reshape.default, aten._unsafe_view.default, aten.t.default, aten.transpose.int,
           aten.permute.default, aten.detach.default, aten.clone.default, aten.alias.default, aten.add.Tensor,
           aten.sub.Tensor, aten.neg.default, aten.unsqueeze.default, aten.squeeze.dim, aten.squeeze.default,
-          aten.expand.default, aten.sum.dim_IntList}
+          aten.expand.default, aten.sum.dim_IntList,
+          # a cast of the parts (a MixedPrecisionPolicy's reduce dtype): the parts of the cast, rounded each
+          aten._to_copy.default}
 MIXING = {aten._softmax.default: "a softmax", aten._log_softmax.default: "a log-softmax",
           aten.cumsum.default: "a cumulative sum", aten.cat.default: "a concatenation",
           aten.amax.default: "a maximum", aten.flip.default: "a flip", aten.roll.default: "a roll",

@@ -308,12 +308,12 @@ def _restore_forward_reads(graph: fx.Graph, masks: list[tuple[fx.Node, list[fx.N
 
 def spine(forward: list[fx.Node], position: dict[fx.Node, int], batch: set[fx.Node]) -> set[fx.Node]:
     """Forward values that are the only forward value live at their point (counted by forward uses; values made
-    without the ``batch`` placeholders, from the step's state alone, such as a weight's transpose or a causal mask,
-    are left out)."""
+    without the ``batch`` placeholders' values, from the step's state and sizes alone, such as a weight's transpose,
+    a causal mask or the positions of a rank's tokens (context parallel), are left out)."""
     state_only: dict[fx.Node, bool] = {}
     for node in forward:
-        state_only[node] = all((a.op in ("placeholder", "get_attr") and a not in batch) or state_only.get(a, False)
-                               for a in node.all_input_nodes)
+        state_only[node] = all(not _is_tensor_value(a) or (a.op in ("placeholder", "get_attr") and a not in batch)
+                               or state_only.get(a, False) for a in node.all_input_nodes)
     last: dict[fx.Node, int] = {}
     for node in forward:
         if state_only[node] or not _is_tensor_value(node):

@@ -116,17 +116,28 @@ def test_a_plan_takes_a_layout():
     assert layout.parallel == shorthand.parallel == "fully_shard" and layout.flops == shorthand.flops
 
 
-def test_a_cp_layout_is_refused_by_plan_saying_why():
-    """plan() does not price context parallelism yet: a ConfigError that says so, before anything is traced."""
+def test_a_cp_layout_is_planned_with_its_share_of_the_sequence():
+    """plan() prices context parallelism (issue 58): Llama 3's architecture (examples/llama3.py, small) at 1,024
+    tokens on 8 fake ranks, activation_memory_budget=0: Parallel(dp_shard=2, cp=4) plans at most 0.3x the per-rank
+    activation bytes of Parallel(dp_shard=8) (each rank computes a quarter of the sequence; ideal 0.25), and the
+    attention's gathers of K and V and reduce-scatters of their gradients are in its collectives and explain()."""
     import torch
 
-    from examples.gpt import GPT, GPTConfig
-    from helpers import train_step
+    from examples.llama3 import Llama3, Llama3Config, train_step
 
-    model = GPT(GPTConfig())
+    cfg = Llama3Config(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=512, ffn_dim=128, max_seq_len=1024)
+    with torch.device("meta"):
+        model = Llama3(cfg)
     opt = torch.optim.AdamW(model.parameters())
-    step = spmd_ort.compile(parallel_mode=Parallel(cp=2), backend="fx")(train_step)
-    x = torch.randint(0, 64, (2, 16))
-    with pytest.raises(spmd_ort.ConfigError, match="context parallelism .* is not priced in this release"):
-        step.plan(model, opt, x, x, world_size=2)
+    tokens = torch.empty(1, 1024, dtype=torch.long, device="meta")
+    plans = {}
+    for name, layout in (("dp", Parallel(dp_shard=8)), ("cp", Parallel(dp_shard=2, cp=4))):
+        step = spmd_ort.compile(parallel_mode=layout, activation_memory_budget=0.0, backend="fx")(train_step)
+        plans[name] = step.plan(model, opt, tokens, tokens.clone(), world_size=8, export=False)
+    ratio = plans["cp"].per_rank_bytes["activations"] / plans["dp"].per_rank_bytes["activations"]
+    assert ratio <= 0.3, ratio
+    # per layer: K and V gathered in the forward and again in the backward, their gradients reduce-scattered
+    extra = {k: plans["cp"].comm_calls.get(k, 0) - plans["dp"].comm_calls.get(k, 0) for k in plans["cp"].comm_calls}
+    assert extra["all_gather"] >= 4 * cfg.n_layers and extra["reduce_scatter"] >= 2 * cfg.n_layers, extra
+    assert "context parallel: the sequence (dim 1 of the batch) in 8 chunks" in plans["cp"].explain()
     assert not opt.state

@@ -97,6 +97,8 @@ CLAIMS: list[tuple[str, Source]] = [
     ("one rank's and its step time {0.53×}", Cell(CP_TABLE, "16384", "cp2/eager time")),
     ("at 4,096 tokens the step time is {0.58×}", Cell(CP_TABLE, "4096", "cp2/eager time")),
     ("too little work for the split to pay: {0.97×}", Cell(CP_TABLE, "1024", "cp2/eager time")),
+    ("`Parallel(dp_shard=8, cp=8)` plans {0.128×} the", Prose("cp=8: 0.128× dp_shard=64's")),
+    ("It reserves {46.8 GiB} per rank", Prose("with cp=8 each rank reserves 46.8 GiB")),
     # the plan's device model and its published runs (issue 62)
     ("| allocator | - | reserved {21.7%} over allocated |",
      Code("spmd_ort/plan/device.py", r"^FRAGMENTATION = (\d+\.\d+)$", lambda v: 100 * float(v))),

@@ -220,6 +220,33 @@ def native_batch_norm():
         torch.backends.cudnn.enabled = saved
 
 
+# ops that torch decomposes for autograd (CompositeImplicitAutograd) but that also hold a Python Meta kernel: with the
+# Python dispatcher on (a symbolic trace), meta tensors reach that kernel instead of the decomposition, and the op has
+# no gradient (make_fx on meta tensors, tracing_mode="symbolic": F.cross_entropy's gradient is lost; torch 2.13)
+COMPOSITE_WITH_META_KERNELS = ("nll_loss",)
+
+
+@contextlib.contextmanager
+def composite_meta_kernels_hidden():
+    """While a symbolic trace runs (a plan's, on meta copies), the ops of :data:`COMPOSITE_WITH_META_KERNELS`
+    decompose on meta tensors as on any other, so their gradients are traced; restored after."""
+    from torch._C import DispatchKey
+
+    hidden = []
+    for name in COMPOSITE_WITH_META_KERNELS:
+        op = getattr(torch.ops.aten, name).default
+        kernel = op.py_kernels.pop(DispatchKey.Meta, None)
+        if kernel is not None:
+            hidden.append((op, kernel))
+            op._dispatch_cache.clear()
+    try:
+        yield
+    finally:
+        for op, kernel in hidden:
+            op.py_kernels[DispatchKey.Meta] = kernel
+            op._dispatch_cache.clear()
+
+
 @dataclass
 class TracedStep:
     gm: fx.GraphModule
@@ -401,7 +428,8 @@ def _trace_once(fn, args: tuple, kwargs: dict, layout: StateLayout, *, sdpa_math
         attention = sdpa_kernel([SDPBackend.MATH]) if sdpa_math else _MetaAttention()
         clipping = dtensor.mixed_grad_clipping() if layout.expands else contextlib.nullcontext()
         with (stack.installed(), capture.installed(), torch.enable_grad(), attention, phases, watch, _EagerForms(),
-              quiet_torch_logs(), clipping, native_batch_norm()):
+              quiet_torch_logs(), clipping, native_batch_norm(),
+              composite_meta_kernels_hidden() if tracing_mode == "symbolic" else contextlib.nullcontext()):
             gm1 = make_fx(step, decomposition_table={**FUNCTIONAL_DECOMPS, **EAGER_DECOMPS},
                           tracing_mode=tracing_mode, _allow_non_fake_inputs=True)(*trace_inputs)
         _check_traceable(gm1, captured, stack, plan)

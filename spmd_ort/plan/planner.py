@@ -26,6 +26,7 @@ from spmd_ort.distributed.sharding import persistent_bytes
 from spmd_ort.errors import ConfigError
 from spmd_ort.graph.slots import SlotKind
 from spmd_ort.passes.analysis import CollectiveCounts, MemoryPlan
+from spmd_ort.passes.context_parallel import ContextParallelSplit
 from spmd_ort.plan.cost import step_cost
 from spmd_ort.plan.device import DeviceSpec, device_spec
 from spmd_ort.plan.report import Plan
@@ -102,13 +103,6 @@ def plan_step(step, args: tuple, kwargs: dict, *, world_size: int, device: str |
     if isinstance(mode, parallel.TensorParallel) and mode.mesh is not None and not isinstance(mode.mesh, tuple):
         raise ConfigError("plan(): TensorParallel(mesh=<DeviceMesh>) is a mesh of this process's world; give its "
                           "shape instead (mesh=(dp, tp), or (tp,)), built on the world the plan runs in")
-    if getattr(mode, "cp", 1) != 1 or isinstance(mode, parallel.ContextParallel):
-        # (the trace of a symbolic sequence on the meta device loses nll_loss's gradient in torch 2.13: make_fx on
-        # meta tensors, tracing_mode="symbolic", leaves F.cross_entropy with no autograd kernel)
-        raise ConfigError("plan(): context parallelism (cp > 1) is not priced in this release: its trace makes the "
-                          "sequence symbolic, and torch's trace of a symbolic sequence on the meta device drops "
-                          "cross-entropy's gradient. Fix: plan the layout without cp; measure cp on real ranks "
-                          "(bench/cp.py)")
     args, kwargs = _meta_copies(args, kwargs)
     twin = step.twin()  # the plan's variants, shapes, opaque parts and tuner never touch the step's own
     priced: dict = {}
@@ -145,6 +139,7 @@ def plan_step(step, args: tuple, kwargs: dict, *, world_size: int, device: str |
             held = persistent_bytes(call.module, call.opt)
         mode_name = _describe(twin.parallel_mode, call.mode)
     comm_bytes, comm_calls = _by_kind(program.results.get(CollectiveCounts))
+    split = program.results.get(ContextParallelSplit)  # context parallel: the sequence's split, in explain()
     stats = program.executor.stats if program.executor is not None else None  # ORT's: segments, fallbacks
     export = {"segments": stats.segments, "export_s": stats.export_seconds, "fallbacks": dict(stats.fallback_reasons)
               } if stats is not None else {}
@@ -173,7 +168,7 @@ def plan_step(step, args: tuple, kwargs: dict, *, world_size: int, device: str |
                     exposed_comm_s=cost.exposed_comm_s, graph_nodes=priced["nodes"],
                     exported=program.executor is not None, planning_s=planning_s, main_dtype=main, export=export,
                     memory_over_step=tuple(state + v for v in live), unpriced=dict(cost.unpriced),
-                    repricer=priced_on)
+                    layout_notes=tuple(split.lines()) if split is not None else (), repricer=priced_on)
 
     return priced_on(spec, priced["cost"])
 
@@ -205,4 +200,8 @@ def _describe(mode, resolved) -> str:
                 else f"tensor parallel{f' {shape[0]}' if shape else ''}")
     if resolved is None:
         return "one rank"
+    if isinstance(resolved, parallel.ContextParallel):
+        dp = resolved.dp
+        return f"{resolved.parallel_style} {dp} x context parallel {resolved.cp}" if dp > 1 else \
+            f"context parallel {resolved.cp}"
     return resolved.parallel_style

@@ -58,6 +58,7 @@ sheet's).  ``fits``: ``reserved`` and ``outside_allocator`` within the device's 
     unpriced: dict = field(default_factory=dict)  # ops that compute but no formula prices -> nodes (0 FLOPs each)
     recompute_flops: int = 0  # of ``flops``, the backward's recomputation (activation checkpointing)
     compute_s_by_kind: dict = field(default_factory=dict)  # compute time: matmul, attention, memory-bound, dispatch
+    layout_notes: tuple = ()  # what the layout's passes did to the graph (context parallel: the sequence's split)
     repricer: Callable | None = field(default=None, repr=False, compare=False)  # DeviceSpec -> Plan, same graph
 
     def on(self, device) -> Plan:
@@ -103,7 +104,8 @@ sheet's).  ``fits``: ``reserved`` and ``outside_allocator`` within the device's 
                                          f"{'fits' if self.fits else 'does NOT fit'}")]
         lines = [f"plan: rank {self.rank} of {self.world_size}, {self.parallel}, backend {self.backend}, on "
                  f"{self.device.name} ({self.graph_nodes:,} graph nodes; planned in {self.planning_s:.1f} s"
-                 f"{', exported' if self.exported else ''})", "", "| per rank | bytes |", "|---|---|"]
+                 f"{', exported' if self.exported else ''})", *self.layout_notes, "", "| per rank | bytes |",
+                 "|---|---|"]
         lines += [f"| {k} | {v} |" for k, v in rows]
         lines += ["", "| collective | calls | bytes per step |", "|---|---|---|"]
         lines += [f"| {k} | {self.comm_calls[k]} | {_size(v)} |" for k, v in self.comm_bytes.items()] or [
