@@ -67,6 +67,10 @@ LINEAR = {aten.view.default, aten.reshape.default, aten._unsafe_view.default, at
           aten.expand.default, aten.sum.dim_IntList,
           # a cast of the parts (a MixedPrecisionPolicy's reduce dtype): the parts of the cast, rounded each
           aten._to_copy.default}
+# the ops of grouped-query attention's repeat of K and V (repeat_kv, repeat_interleave) and the views around it
+REPEAT_CHAIN = {aten.unsqueeze.default, aten.expand.default, aten.clone.default, aten.view.default,
+               aten._unsafe_view.default, aten.reshape.default, aten.transpose.int, aten.permute.default,
+               aten.slice.Tensor, aten.alias.default}
 MIXING = {aten._softmax.default: "a softmax", aten._log_softmax.default: "a log-softmax",
           aten.cumsum.default: "a cumulative sum", aten.cat.default: "a concatenation",
           aten.amax.default: "a maximum", aten.flip.default: "a flip", aten.roll.default: "a roll",
@@ -154,6 +158,7 @@ class _Splitter:
         self.partial: dict[fx.Node, float] = {}  # a part of a sum over the ranks' tokens -> its all-reduce's scale
         self.wholes: dict[fx.Node, fx.Node] = {}  # a part -> its whole (all-reduced)
         self.kv_shapes: dict = {}  # a gathered key or value -> the traced (whole-sequence) shape
+        self.traced_args: dict = {}  # a REPEAT_CHAIN op -> its (args, kwargs) as traced (whole-sequence sizes)
         self.backward_anchor: fx.Node | None = None  # the last attention backward's end: where the next gathers go
         self.current: fx.Node | None = None  # the node being rewritten: new nodes carry its phase and module
 
@@ -336,6 +341,8 @@ class _Splitter:
                     self._nll(node)
                     continue
                 self._refuse_mixing(node)
+                if node.target in REPEAT_CHAIN:  # (what a gather before GQA's repeat replays, with these sizes)
+                    self.traced_args[node] = (node.args, node.kwargs)
                 self._localize_inputs(node)
                 self._sizes(node, local=True)
             if isinstance(value, torch.Tensor):
@@ -509,28 +516,62 @@ class _Splitter:
     # ------------------------------------------------------------------ attention
     def _gathered(self, node: fx.Node, phase: str) -> fx.Node:
         """K or V (B, H, 2c, D) of every rank, in the sequence's order (B, H, s, D): gathered in the forward, and
-        again in the backward (the other ranks' keys and values are not kept between them: 1/cp of the memory)."""
+        again in the backward (the other ranks' keys and values are not kept between them: 1/cp of the memory).
+        Grouped-query attention's repeat of K and V (``repeat_kv``: unsqueeze, expand, reshape) is gathered before
+        the repeat and replayed on the whole sequence: the gather moves the KV heads only."""
         key = ("kv", node, phase)
         if key in self.memo:
             return self.memo[key]
-        value = node.meta["val"]
-        b, h, _, d = (self.size_arg(x, True) for x in value.shape)
+        source, chain = self._before_repeat(node)
+        value = source.meta["val"]
+        dim = self.token_dims(value)[0][0]
+        local = [self.size_arg(x, True) for x in value.shape]
         # the backward's gather is issued one layer ahead, after the previous attention's backward (prefetch)
         anchor = self.backward_anchor if phase == "backward" else None
         with self.graph.inserting_after(anchor) if anchor is not None else contextlib.nullcontext():
-            flat = self._node(aten.clone.default, (node,), {"memory_format": torch.contiguous_format})
+            flat = self._node(aten.clone.default, (source,), {"memory_format": torch.contiguous_format})
         with self.graph.inserting_after(flat) if anchor is not None else contextlib.nullcontext():
             started = self._node(all_gather, (flat, self.n, -1, self.group))
         started.meta[ACTIVATION_COLLECTIVE] = True  # issued before the compute that does not need it
         if anchor is not None:
             self.backward_anchor = started
-        rows = self._node(aten.view.default, (self._node(wait_, (started,)), [self.n, b, h, self._tloc(), d]))
-        seq = self._node(aten.reshape.default, (self._node(aten.permute.default, (rows, [1, 2, 0, 3, 4])),
-                                                [b, h, self.glob(self.s), d]))
-        out = self._node(aten.index_select.default, (seq, 2, self.natural_order(value.device)))
+        rows = self._node(aten.view.default, (self._node(wait_, (started,)), [self.n, *local]))
+        order = list(range(1, len(local) + 1))
+        order.insert(dim, 0)  # the ranks' rows next to the sequence dim, rank-major
+        whole = [self.size_arg(x, False) for x in value.shape]
+        seq = self._node(aten.reshape.default, (self._node(aten.permute.default, (rows, order)), whole))
+        out = self._node(aten.index_select.default, (seq, dim, self.natural_order(value.device)))
+        for step in chain:  # the repeat, on the whole sequence (its sizes read as traced)
+            args = fx.map_arg(self.traced_args[step][0], self._whole_size)
+            out = self._node(step.target, (out, *args[1:]), fx.map_arg(self.traced_args[step][1], self._whole_size))
         self.memo[key] = out
-        self.kv_shapes[out] = value.shape
+        self.kv_shapes[out] = node.meta["val"].shape
         return out
+
+    def _whole_size(self, a: fx.Node):
+        v = a.meta.get("val")
+        made = self.size_arg(v, False) if isinstance(v, torch.SymInt) else None
+        return a if made is None else made
+
+    def _before_repeat(self, node: fx.Node) -> tuple[fx.Node, list[fx.Node]]:
+        """The smallest value on the chain of :data:`REPEAT_CHAIN` ops that makes ``node`` (one token dim, whole
+        sequences), and the chain's ops from it to ``node``; ``node`` and no ops where nothing on it is smaller."""
+        import math
+
+        def per_token(n):
+            return math.prod(int(x) if not isinstance(x, torch.SymInt) else 1 for x in n.meta["val"].shape)
+
+        best, chain, cur, seen = node, [], node, []
+        while cur.op == "call_function" and cur.target in REPEAT_CHAIN and cur in self.traced_args:
+            src = cur.args[0]
+            seen.insert(0, cur)
+            if not isinstance(src, fx.Node) or src not in self.local:
+                break
+            dims = self.token_dims(src.meta["val"])
+            if len(dims) == 1 and dims[0][1] == 1 and per_token(src) < per_token(best):
+                best, chain = src, list(seen)
+            cur = src
+        return best, chain
 
     def _tloc(self):
         return self.loc(self.s)
