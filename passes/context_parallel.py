@@ -30,6 +30,7 @@ concatenation along it), dropout inside attention, a reduction over tokens that 
 from __future__ import annotations
 
 import contextlib
+import functools
 import operator
 from dataclasses import dataclass
 
@@ -56,7 +57,7 @@ MEAN, SUM = 1, 2  # nll_loss's reduction codes
 # rank's partial sum, completed by an all-reduce; ``mean``s are the same with 1/cp (every rank holds 2c tokens)
 PARTIAL_SUMS = {aten.mm.default, aten.bmm.default, aten.mv.default, aten.dot.default, aten.sum.dim_IntList,
                 aten.sum.default, aten.embedding_dense_backward.default, aten.native_layer_norm_backward.default,
-                aten._fused_rms_norm_backward.default if hasattr(aten, "_fused_rms_norm_backward") else aten.mm.default}
+                *([aten._fused_rms_norm_backward.default] if hasattr(aten, "_fused_rms_norm_backward") else [])}
 CARRIED_META = ("custom", "stack_trace", "nn_module_stack")
 PARTIAL_MEANS = {aten.mean.dim, aten.mean.default}
 # ops that mix positions along their ``dim`` argument (index 1 unless noted): refused along a token dim
@@ -124,6 +125,7 @@ class _Splitter:
         self.chunks = 2 * self.n
         phs = placeholders(gm)
         self.shape_env = None
+        self.aliases: dict = {}  # other batch tensors' sequence symbols -> the one (their lengths are checked equal)
         symbols = set()
         for node, slot in zip(phs, ctx.input_slots):
             v = node.meta.get("val")
@@ -140,7 +142,8 @@ class _Splitter:
                 "there: the model fixes the sequence length (a size it reads as a number). Fix: a model that reads "
                 "the length from the batch (seq_dim= names the dim)")
         # every batch tensor's sequence is one length (checked on every call before the step runs): one symbol
-        self.s, self.aliases = symbols[0], {a: symbols[0] for a in symbols[1:]}
+        self.s = symbols[0]
+        self.aliases.update({a: self.s for a in symbols[1:]})
         self.derived = self._param_derived(phs)
         self.glob = SizeEmitter.of(gm)
         self.c_expr = _floordiv(self.s, self.chunks)
@@ -166,7 +169,7 @@ class _Splitter:
     def _expr(self, size):
         expr = size.node.expr
         expr = self.shape_env.replace(expr) if self.shape_env is not None else expr
-        return expr.subs(self.aliases) if getattr(self, "aliases", None) else expr
+        return expr.subs(self.aliases) if self.aliases else expr
 
     def token_dims(self, value) -> list[tuple[int, object]]:
         """(dim, factor) of each token dim of a tensor value: its size is ``factor * s``."""
@@ -607,12 +610,9 @@ class _Splitter:
         outs, lses = [], []
         for slot, chunk in self._chunks_of_rank():
             qj = self._block(q, slot * c, c)
-            if mask is not None:
-                res = self._node(SDPA, (qj, kf, vf, 0.0, False), {"attn_mask": self._mask_rows(mask, chunk),
-                                                                   "scale": scale})
-                o, lse = (self._node(operator.getitem, (res, i)) for i in range(2))
-            elif not causal:
-                res = self._node(SDPA, (qj, kf, vf, 0.0, False), {"scale": scale})
+            if mask is not None or not causal:  # every key
+                extra = {"attn_mask": self._mask_rows(mask, chunk)} if mask is not None else {}
+                res = self._node(SDPA, (qj, kf, vf, 0.0, False), {"scale": scale, **extra})
                 o, lse = (self._node(operator.getitem, (res, i)) for i in range(2))
             else:
                 diag = self._node(SDPA, (qj, self._block(kf, chunk * c, c), self._block(vf, chunk * c, c), 0.0, True),
@@ -633,8 +633,11 @@ class _Splitter:
 
     def _zeros(self, like: fx.Node, full: fx.Node, length_expr) -> fx.Node:
         """Zeros shaped as ``full`` (B, H, s, D) but ``length_expr`` long in dim 2, of ``like``'s dtype."""
-        b, h, _, d = (self.size_arg(x, True) for x in full_shape(full, self))
+        b, h, _, d = (self.size_arg(x, True) for x in self.kv_shapes[full])
         return self._node(aten.new_zeros.default, (like, [b, h, self.glob(length_expr), d]))
+
+    def _add(self, a: fx.Node, b: fx.Node) -> fx.Node:
+        return self._node(aten.add.Tensor, (a, b))
 
     def _kernel_layout(self, t: fx.Node) -> fx.Node:
         """(B, H, L, D) laid out as the attention kernels lay theirs out, (B, L, H, D) in memory: the views the
@@ -688,7 +691,7 @@ class _Splitter:
             dks.append(dk)
             dvs.append(dv)
         dq = self._kernel_layout(self._node(aten.cat.default, (dqs, 2)))
-        dk, dv = (self._kernel_layout(self._scatter(_sum(self, grads), k)) for grads in (dks, dvs))
+        dk, dv = (self._kernel_layout(self._scatter(functools.reduce(self._add, grads), k)) for grads in (dks, dvs))
         self.backward_anchor = dv
         self.local.update({dq, dk, dv})
         self.replaced[node] = [dq, dk, dv]
@@ -705,11 +708,6 @@ class _Splitter:
         return self._node(aten.view.default, (self._node(wait_, (started,)), [b, h, self._tloc(), d]))
 
 
-def full_shape(node: fx.Node, splitter: _Splitter):
-    """The traced shape of the key (or value) an all-gather of ``node`` was made from."""
-    return splitter.kv_shapes[node]
-
-
 def _module(node: fx.Node) -> str | None:
     """The FQN of the module whose forward (or backward) ran the op, where the trace tagged it."""
     return node.meta.get("custom", {}).get("module")
@@ -718,13 +716,6 @@ def _module(node: fx.Node) -> str | None:
 def _at(node: fx.Node) -> str:
     fqn = _module(node)
     return f" in module `{fqn}`" if fqn else ""
-
-
-def _sum(splitter: _Splitter, parts: list[fx.Node]) -> fx.Node:
-    out = parts[0]
-    for p in parts[1:]:
-        out = splitter._node(aten.add.Tensor, (out, p))
-    return out
 
 
 def _floordiv(expr, n: int):

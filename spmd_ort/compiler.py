@@ -163,8 +163,7 @@ class Compiler:
         on_accelerator = any(p.device.type not in ("cpu", "meta") for p in layout.params)  # meta: a plan's
         traced = trace_step(self.fn, call.args, call.kwargs, layout,
                             sdpa_math=self.options.backend == "ort" and on_accelerator,
-                            tag_grads=isinstance(call.mode, parallel.DataParallel),
-                            plan=self.opaque_plan,
+                            tag_grads=isinstance(call.mode, parallel.DataParallel), plan=self.opaque_plan,
                             inputs=inputs,
                             mixed_precision=self.mixed_precision,
                             dynamic=None if key.shapes else dynamic,  # key.shapes: guards rejected the sizes

@@ -69,20 +69,21 @@ def check_sequence_splits(call: StepCall, split, names: list[str]) -> None:
     chunks = 2 * split.cp
     lengths = {name: x.shape[split.seq_dim] for name, x in zip(names, call.leaves)
                if isinstance(x, torch.Tensor) and x.dim() > split.seq_dim}
+    if not lengths:
+        return
     if len(set(lengths.values())) > 1:
         raise CompileError(
             f"Parallel(cp={split.cp}) splits dim {split.seq_dim} of every batch tensor as one sequence, but they "
             f"differ there ({', '.join(f'`{n}` {t}' for n, t in lengths.items())}). Fix: one length for every batch "
             "tensor with that dim, or seq_dim= naming the sequence dim. The model and optimizer are unchanged",
             input=next(iter(lengths)), rank=call.rank)
-    for name, x in zip(names, call.leaves):
-        if isinstance(x, torch.Tensor) and x.dim() > split.seq_dim and x.shape[split.seq_dim] % chunks:
-            raise CompileError(
-                f"Parallel(cp={split.cp}) splits dim {split.seq_dim} of `{name}` into {chunks} equal chunks "
-                f"(each rank holds 2, balancing causal attention), but its length {x.shape[split.seq_dim]} does not "
-                f"divide by {chunks}. Fix: pad the sequence to a multiple of {chunks} (labels -100 where padded), "
-                "or give seq_dim= if the sequence is another dim. The model and optimizer are unchanged",
-                input=name, rank=call.rank)
+    name, length = next(iter(lengths.items()))  # (one length: every batch tensor's)
+    if length % chunks:
+        raise CompileError(
+            f"Parallel(cp={split.cp}) splits dim {split.seq_dim} of `{name}` into {chunks} equal chunks (each rank "
+            f"holds 2, balancing causal attention), but its length {length} does not divide by {chunks}. Fix: pad "
+            f"the sequence to a multiple of {chunks} (labels -100 where padded), or give seq_dim= if the sequence "
+            "is another dim. The model and optimizer are unchanged", input=name, rank=call.rank)
 
 
 def check_empty_inputs(gathered: list, names: list[str], rank: int) -> None:
