@@ -110,6 +110,8 @@ class PassContext:
     rank_signatures: list[dict] | None = None
     # WARNINGs the step already gave (its compiler's set, kept across variants: each is given once per step)
     warned: set = field(default_factory=set)
+    # the step's opaque calls (spmd_ort.runtime.opaque_calls.OpaqueCall), by index: what each host node runs
+    opaque: tuple = ()
 
     @property
     def sharded(self) -> bool:

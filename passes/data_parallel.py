@@ -15,6 +15,7 @@ import torch
 from torch import fx
 from torch.fx.passes.tools_common import stable_topological_sort
 
+from spmd_ort.distributed.experts import is_expert_param
 from spmd_ort.graph.slots import SlotKind
 from spmd_ort.graph.ops import all_gather, all_reduce_, broadcast_, grads_present, reduce_scatter, wait_
 
@@ -311,6 +312,8 @@ def reduce_grad_presence_pass(gm: fx.GraphModule, ctx) -> fx.GraphModule:
         for user in users:
             user.replace_input_with(node, done)
     names = tuple(ctx.layout.param_names[i][0] for i in ctx.layout.present_params) if ctx.layout is not None else ()
+    # experts computed by expert get a gradient on every rank, every step (the exchange brings every rank's tokens)
+    names = tuple(n for n in names if not is_expert_param(n, ctx.mode))
     if names and ctx.mode.sharded and ("opaque_only_grads", names) not in ctx.warned:
         ctx.warned.add(("opaque_only_grads", names))  # once per step, not once per variant
         logger.warning(

@@ -19,12 +19,14 @@ from pathlib import Path
 from dataclasses import dataclass
 
 from spmd_ort.errors import ConfigError
+from spmd_ort.distributed.experts import ExpertParallel
 from spmd_ort.distributed.parallel import ContextParallel, DataParallel
 
 from .activation_stats import insert_activation_stats_pass
 from .analysis import count_collectives_pass, plan_graph_capture_pass, plan_memory_pass
 from .cleanup import remove_identity_views_pass, remove_redundant_copies_pass
 from .context_parallel import split_sequence_pass
+from .expert_parallel import localize_experts_pass
 from .fusion import fuse_linear_cross_entropy_pass
 from .expand import adopt_dtensor_collectives_pass, merge_summed_all_reduces_pass, split_replicated_matmuls_pass
 from .data_parallel import (broadcast_buffers_pass, bucket_collectives_pass, dedup_collectives_pass,
@@ -78,6 +80,7 @@ ALWAYS = When("always", lambda s: True)
 SEVERAL_RANKS = When("several ranks", lambda s: isinstance(s.mode, DataParallel))
 REPLICATE = When("replicate", lambda s: isinstance(s.mode, DataParallel) and not s.mode.sharded)
 FULLY_SHARD = When("fully_shard", lambda s: isinstance(s.mode, DataParallel) and s.mode.sharded)
+EXPERT_PARALLEL = When("ep > 1", lambda s: isinstance(s.mode, ExpertParallel))
 CONTEXT_PARALLEL = When("cp > 1", lambda s: isinstance(s.mode, ContextParallel))
 RESHARD = FULLY_SHARD & When("reshard_after_forward", lambda s: s.mode.reshard_after_forward)
 REDUCE_DTYPE = SEVERAL_RANKS & When(
@@ -129,6 +132,7 @@ STAGES: tuple[Step, ...] = (
     Step("fully_shard", rematerialize_param_views_pass, RESHARD),
     Step("fully_shard", propagate_shards_pass, FULLY_SHARD),
     Step("fully_shard", gather_parameters_pass, FULLY_SHARD),
+    Step("expert_parallel", localize_experts_pass, EXPERT_PARALLEL),
     Step("fully_shard", complete_grad_norms_pass, FULLY_SHARD),
     Step("fully_shard", complete_found_inf_pass, FULLY_SHARD),
     Step("parallel", broadcast_buffers_pass, SEVERAL_RANKS.note("a no-op without broadcast_buffers")),
@@ -158,8 +162,8 @@ STAGES: tuple[Step, ...] = (
 )
 
 
-PARALLEL_STAGES = ("context_parallel", "expand", "replicate", "fully_shard", "mixed_precision", "parallel",
-                   "offload")
+PARALLEL_STAGES = ("context_parallel", "expand", "replicate", "fully_shard", "expert_parallel", "mixed_precision",
+                   "parallel", "offload")
 
 
 def build_pipeline(mode: DataParallel | None, backend: str, *, overrides: Sequence = (),

@@ -26,6 +26,7 @@ from spmd_ort.passes.expand import node_signatures
 from spmd_ort.distributed.checksums import batch_checksums, state_checksums
 from spmd_ort.capture.inputs import StepCall, StepInputs
 from spmd_ort.capture.opaque import OpaquePlan
+from spmd_ort.distributed.experts import ExpertParallel, check_experts
 from spmd_ort.capture.state import StateLayout
 from spmd_ort.capture.trace import COMPILE_LOCK, gc_paused, trace_step
 from spmd_ort.capture.transition import StepKey
@@ -161,6 +162,10 @@ class Compiler:
         # spmd_ort.backends.ort.translations translates the fused CPU attention kernel (forward and backward), not the
         # CUDA ones: on an accelerator, the ORT backend traces attention in its math form.
         on_accelerator = any(p.device.type not in ("cpu", "meta") for p in layout.params)  # meta: a plan's
+        experts = call.mode if isinstance(call.mode, ExpertParallel) else None
+        if experts is not None:  # a bad glob or expert count: a ConfigError before anything is traced
+            check_experts(call.module, experts, call.world_size)
+        self.opaque_plan.experts = experts
         traced = trace_step(self.fn, call.args, call.kwargs, layout,
                             sdpa_math=self.options.backend == "ort" and on_accelerator,
                             tag_grads=isinstance(call.mode, parallel.DataParallel), plan=self.opaque_plan,
@@ -192,7 +197,7 @@ class Compiler:
                             shard_specs=layout.shard_specs, layout=layout, disabled=self.options.disabled_passes,
                             check_contracts=self.options.check_passes, taps=self.taps,
                             activation_memory_budget=self.options.activation_memory_budget,
-                            rank_signatures=signatures, warned=self.warned)
+                            rank_signatures=signatures, warned=self.warned, opaque=tuple(traced.opaque))
         pipeline = P.build_pipeline(call.mode, self.options.backend, overrides=self.overrides,
                                     gm_transformation=self.gm_transformation, expand=layout.expands)
         gm = P.run_passes(traced.gm, ctx, pipeline)

@@ -28,6 +28,7 @@ from __future__ import annotations
 import contextlib
 import fnmatch
 import functools
+import inspect
 import logging
 import operator
 import sys
@@ -233,6 +234,8 @@ class OpaquePlan:
     modules: dict[str, str] = field(default_factory=dict)
     met: set[str] = field(default_factory=set)  # qualified names of the Functions applied while tracing
     checked_forced: bool = False
+    # expert parallelism (an ExpertParallel mode): the modules its ``experts`` glob matches run by expert
+    experts: Any = None
 
     def check_forced_met(self) -> None:
         """After the first trace: a WARNING naming the ``forced`` Functions defined in a function (``<locals>``,
@@ -254,7 +257,16 @@ class OpaquePlan:
             return "listed in SPMD_ORT_OPAQUE_AUTOGRAD_FUNCTIONS"
         return self.functions.get(name)
 
+    def expert_reason(self, fqn: str) -> str | None:
+        """Why ``fqn`` runs by expert (its experts spread over ranks), or None."""
+        if self.experts is not None and fnmatch.fnmatchcase(fqn, self.experts.experts):
+            return f"expert parallel over {self.experts.ep} ranks (experts={self.experts.experts!r})"
+        return None
+
     def module_reason(self, fqn: str) -> str | None:
+        expert = self.expert_reason(fqn)
+        if expert is not None:
+            return expert
         if fqn in self.modules:
             return self.modules[fqn]
         pattern = next((p for p in self.patterns if fnmatch.fnmatchcase(fqn, p)), None)
@@ -339,7 +351,8 @@ class OpaqueCapture:
             Function.apply = classmethod(apply)
             for fqn, mod in self._opaque_modules():
                 patched.append((mod, mod.__dict__.get("forward")))
-                mod.forward = functools.partial(self._capture_module, fqn, mod, mod.forward)
+                capture = self._capture_experts if self.plan.expert_reason(fqn) else self._capture_module
+                mod.forward = functools.partial(capture, fqn, mod, mod.forward)
             with opaque_calls.tracing(self.calls), _quiet_fake_tensor_log():
                 yield self
         finally:
@@ -440,6 +453,44 @@ class OpaqueCapture:
             for pos, value in updated:
                 inputs[pos].copy_(value)  # the module's buffer (a traced tensor): a new-state output
         return result
+
+    def _capture_experts(self, fqn: str, mod: nn.Module, forward: Callable, *args, **kwargs):
+        """An experts module under expert parallelism: a host node whose run sends the tokens to the ranks that
+        compute their experts (:func:`spmd_ort.distributed.experts.dispatch`).  Its output has the hidden states'
+        shape; its parameter inputs are traced whole and read as the rank's block of experts after the passes
+        (:mod:`spmd_ort.passes.expert_parallel`)."""
+        from spmd_ort.distributed.experts import EXPECTED, experts_runner
+
+        try:
+            bound = inspect.signature(forward).bind(*args, **kwargs)
+        except TypeError as exc:
+            raise CompileError(f"expert parallel: module `{fqn}` ({type(mod).__name__}) was called with "
+                               f"{len(args)} positional and {sorted(kwargs)} keyword arguments ({exc}); expected "
+                               f"{EXPECTED}", fqn=fqn, op=type(mod).__name__) from exc
+        acts = list(bound.arguments.values())
+        if len(acts) != 3 or not all(isinstance(t, Tensor) for t in acts) or acts[0].dim() != 2 \
+                or acts[1].dim() != 2 or acts[1].is_floating_point() or acts[2].shape != acts[1].shape:
+            got = ", ".join(str(TensorMeta.of(t)) if isinstance(t, Tensor) else type(t).__name__ for t in acts)
+            raise CompileError(f"expert parallel: module `{fqn}` ({type(mod).__name__}) was called with ({got}); "
+                               f"expected {EXPECTED}", fqn=fqn, op=type(mod).__name__)
+        params, _, _ = unique_named(mod.named_parameters(remove_duplicate=False))
+        if any(True for _ in mod.buffers()):
+            raise CompileError(f"expert parallel: module `{fqn}` ({type(mod).__name__}) holds buffers; an experts "
+                               f"module computed by expert holds parameters only ({EXPECTED})", fqn=fqn,
+                               op=type(mod).__name__)
+        inputs = acts + params
+        grad = torch.is_grad_enabled()
+        call = OpaqueCall(index=len(self.calls), kind="module", name=type(mod).__name__, fqn=fqn,
+                          reason=self.plan.expert_reason(fqn),
+                          run=experts_runner(fqn, mod, forward, self.plan.experts, len(params)),
+                          inputs=tuple(TensorMeta.of(t) for t in inputs),
+                          needs_grad=tuple(grad and t.requires_grad and t.is_floating_point() for t in inputs),
+                          outputs=(TensorMeta.of(acts[0]),), differentiable=(grad,),
+                          shapes_from="the hidden states' shape (expert parallel)",
+                          expert_params=tuple(range(3, 3 + len(params))))
+        self.calls.append(call)
+        outs = _OpaqueApply.apply(call, *inputs)
+        return outs[0]
 
     # -------------------------------------------------------------- both
     def _capture(self, kind: str, name: str, fqn: str | None, reason: str, run, inputs: list[Tensor], *,

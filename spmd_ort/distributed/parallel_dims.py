@@ -22,13 +22,14 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from spmd_ort.distributed.experts import ExpertParallel
 from spmd_ort.distributed.parallel import ContextParallel, DataParallel, TensorParallel, world
 from spmd_ort.distributed.precision import MixedPrecisionPolicy
 from spmd_ort.errors import ConfigError
 
 # the mesh's dimensions, outermost first (torchtitan's order); ep borrows ranks from dp_shard x cp
 MESH_ORDER = ("pp", "dp_replicate", "dp_shard", "cp", "tp")
-NOT_BUILT = {"pp": "pipeline parallelism", "ep": "expert parallelism"}
+NOT_BUILT = {"pp": "pipeline parallelism"}
 # the data-parallel settings a layout passes to the DataParallel it lowers to
 DP_SETTINGS = ("bucket_cap_mb", "first_bucket_cap_mb", "broadcast_buffers", "reshard_after_forward", "prefetch",
                "offload_optimizer", "offload_param", "mixed_precision")
@@ -50,7 +51,9 @@ class Parallel:
     (``pp``, ``ep`` above 1) and combinations it has not (``dp_replicate`` and ``dp_shard`` both above 1: HSDP;
     ``cp`` with ``tp``) are a :class:`~spmd_ort.errors.ConfigError` that says so.  ``cp`` lowers to a
     :class:`~spmd_ort.distributed.parallel.ContextParallel`: the data parallelism over every rank, the sequence
-    split over each cp group (``seq_dim``: the batch's sequence dim).
+    split over each cp group (``seq_dim``: the batch's sequence dim).  ``ep`` (with ``experts``, a glob of the
+    expert modules) lowers to an :class:`~spmd_ort.distributed.experts.ExpertParallel`: fully_shard over every
+    rank, each rank computing E/ep experts of every expert module and the tokens sent to them.
     """
 
     dp_replicate: int = 1
@@ -100,16 +103,35 @@ class Parallel:
                               "(ColwiseParallel(), RowwiseParallel(), ...)")
         if self.tp == 1 and self.tp_plan:
             raise ConfigError("Parallel(tp_plan=...) needs tp > 1 (or -1: every rank the data-parallel dims leave)")
-        for name in ("experts", "pipeline"):
-            if getattr(self, name) is not None:
-                raise ConfigError(f"Parallel({name}=...): {NOT_BUILT['ep' if name == 'experts' else 'pp']} is not "
-                                  "built in this release yet")
+        if self.pipeline is not None:
+            raise ConfigError(f"Parallel(pipeline=...): {NOT_BUILT['pp']} is not built in this release yet")
+        self._check_experts()
         for name in ("offload_optimizer", "offload_param"):
             if getattr(self, name) is not None and self.dp_shard == 1:
                 raise ConfigError(f"Parallel({name}={getattr(self, name)!r}) offloads shards: it needs dp_shard > 1 "
                                   "(fully_shard)")
         # the other data-parallel settings are checked as DataParallel checks them
         self._data_parallel("fully_shard" if self.dp_shard != 1 else "replicate")
+
+    def _check_experts(self) -> None:
+        if self.ep == 1:
+            if self.experts is not None:
+                raise ConfigError(f"Parallel(experts={self.experts!r}) needs ep > 1 (how many ranks the experts are "
+                                  "spread over)")
+            return
+        if not isinstance(self.experts, str) or not self.experts:
+            raise ConfigError(f"Parallel(ep={self.ep}): give experts, an FQN glob of the expert modules (whose "
+                              "parameters carry a leading expert dim), e.g. 'model.layers.*.mlp.experts'")
+        if self.dp_shard == 1:
+            raise ConfigError(f"Parallel(ep={self.ep}): ep borrows its ranks from dp_shard; give dp_shard (a "
+                              f"multiple of {self.ep}, or -1)")
+        others = [name for name in ("dp_replicate", "cp", "tp") if getattr(self, name) != 1]
+        if others:
+            raise ConfigError(f"Parallel({self.degrees_text()}): expert parallelism with "
+                              f"{' and '.join(others)} is not built in this release yet; give ep with dp_shard")
+        if self.dp_shard != -1 and self.dp_shard % self.ep:
+            raise ConfigError(f"Parallel(dp_shard={self.dp_shard}, ep={self.ep}): ep borrows its ranks from "
+                              "dp_shard, so it must divide dp_shard")
 
     def __repr__(self) -> str:  # the degrees and the settings given, not every default
         given = [f"{f.name}={getattr(self, f.name)!r}" for f in dataclasses.fields(self)
@@ -156,7 +178,13 @@ class Parallel:
         sizes = self.sizes(world_size)
         dp = sizes["dp_replicate"] * sizes["dp_shard"]
         data = self._data_parallel("fully_shard" if sizes["dp_shard"] > 1 else "replicate")
-        if sizes["cp"] > 1:  # data parallelism over every rank, the sequence split over each cp group
+        if self.ep > 1:  # fully_shard over every rank, the experts computed by expert over ep ranks
+            if sizes["dp_shard"] % self.ep:
+                raise ConfigError(f"Parallel({self.degrees_text()}): dp_shard is {sizes['dp_shard']} on "
+                                  f"{world_size} ranks, which ep={self.ep} does not divide")
+            settings = {k: getattr(self, k) for k in DP_SETTINGS}
+            mode = ExpertParallel(ep=self.ep, experts=self.experts, parallel_style="fully_shard", **settings)
+        elif sizes["cp"] > 1:  # data parallelism over every rank, the sequence split over each cp group
             settings = {k: getattr(self, k) for k in DP_SETTINGS}
             mode = ContextParallel(cp=sizes["cp"], seq_dim=self.seq_dim, **settings,
                                    parallel_style="fully_shard" if sizes["dp_shard"] > 1 else "replicate")
@@ -182,6 +210,9 @@ class Parallel:
         if mode is None or isinstance(mode, Parallel):
             return mode
         world_size = world()[1] if world_size is None else world_size
+        if isinstance(mode, ExpertParallel):
+            settings = {k: getattr(mode, k) for k in DP_SETTINGS}
+            return cls(dp_shard=world_size, ep=mode.ep, experts=mode.experts, **settings)
         if isinstance(mode, ContextParallel):
             settings = {k: getattr(mode, k) for k in DP_SETTINGS}
             dp = world_size // mode.cp

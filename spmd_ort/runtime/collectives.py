@@ -150,6 +150,9 @@ class StepComm:
     all_gather_bytes: int = 0  # gathered (output) bytes
     reduce_scatter_calls: int = 0
     reduce_scatter_bytes: int = 0  # input bytes
+    all_to_all_calls: int = 0  # expert parallelism's token exchanges (spmd_ort.distributed.experts)
+    all_to_all_bytes: int = 0  # rows sent to other ranks: tokens, results, and their gradients in backward
+    expert_tokens: dict = field(default_factory=dict)  # experts module FQN -> [tokens per expert of this rank]
     carried_gathers: int = 0  # all-gathers served by the one the previous step issued (cross-step prefetch)
     comm_s: float = 0.0  # issue -> completion (the collective's own duration), summed
     blocked_s: float = 0.0  # time the host sat in wait_ (or in a synchronous broadcast)
@@ -161,7 +164,8 @@ class StepComm:
 
     @property
     def total_bytes(self) -> int:
-        return self.all_reduce_bytes + self.broadcast_bytes + self.all_gather_bytes + self.reduce_scatter_bytes
+        return (self.all_reduce_bytes + self.broadcast_bytes + self.all_gather_bytes + self.reduce_scatter_bytes
+                + self.all_to_all_bytes)
 
     @property
     def overlap(self) -> float:

@@ -83,6 +83,9 @@ class OpaqueCall:
     updates: tuple[int, ...] = ()
     saves_for_backward: bool = False  # set after tracing: a backward op reads what this call saves
     shapes_from: str = "fake tensors"  # how the sample run got the output shapes
+    # expert parallelism (spmd_ort.distributed.experts): the input positions of the experts' parameters, which
+    # the call receives as this rank's block of experts (spmd_ort.passes.expert_parallel)
+    expert_params: tuple[int, ...] = ()
 
     @property
     def what(self) -> str:

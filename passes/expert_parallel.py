@@ -1,0 +1,222 @@
+"""Expert parallelism: the experts' host nodes read this rank's block of experts, and their gradients stay there.
+
+Runs after the fully_shard passes have gathered every parameter for its uses and reduce-scattered every
+gradient (:mod:`.fully_shard`).  For each experts module that runs by expert (an opaque call whose
+``expert_params`` are set: :mod:`spmd_ort.distributed.experts`), with ``efsdp = world / ep``:
+
+* its parameters: ``all_gather`` over the world (all E experts) becomes the rank's block of E/ep experts: its
+  own shard viewed as ``(E/ep, ...)`` when ``efsdp`` is 1, else an all-gather over its efsdp group;
+* their gradients: the block's gradient already sums what every token of the ep group sent it (the exchange's
+  backward).  ``reduce_scatter`` over the world becomes ``g / world`` (``efsdp`` 1), or a reduce-scatter of
+  ``g / ep`` averaged over the efsdp group: either way the rank's shard of the average over every rank, as
+  fully_shard's (DDP's arithmetic).
+
+The shards, optimizer, clipping (their 2-norms complete over the world as every shard's do) and checkpoints are
+fully_shard's, unchanged.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import operator
+
+import torch
+from torch import fx
+
+from spmd_ort.errors import CompileError
+from spmd_ort.graph.ops import all_gather, opaque_backward, opaque_forward, reduce_scatter, wait_
+
+from .context import PassResult
+from .helpers import GRADIENT_OF, SHARD_OF, SHARDED_PARAM, aten, call, fake_mode_of, refake, set_phase, val
+from .runner import graph_pass
+
+
+@dataclass(frozen=True)
+class ExpertParallelLayout(PassResult):
+    """``localize_experts_pass``: the experts modules computed by expert, and how their blocks are held."""
+
+    modules: tuple[str, ...]
+    ep: int
+    efsdp: int
+    params: int
+    gathered_bytes: int  # per step, what the rank's experts' all-gathers bring (0 with efsdp 1)
+    saved_bytes: int  # what fully_shard's all-gathers of every expert would have brought
+
+    @property
+    def rank_specific(self) -> bool:
+        """With efsdp > 1 each rank's graph names its own efsdp group: ranks agree on the collectives and their
+        group sizes (:meth:`spmd_ort.program.CompiledProgram.signature`)."""
+        return self.efsdp > 1
+
+    def lines(self) -> list[str]:
+        held = "its own shard" if self.efsdp == 1 else f"gathered over {self.efsdp} ranks"
+        return [f"expert parallel: {len(self.modules)} experts modules over ep={self.ep} ranks, each computing "
+                f"1/{self.ep} of the experts ({held}); {self.params} expert parameters not gathered whole "
+                f"({self.saved_bytes / 2**20:.2f} MiB of all-gathers fewer per use)"]
+
+
+def _gather_chain(node: fx.Node) -> tuple[fx.Node, fx.Node] | None:
+    """(the all_gather, the sharded parameter placeholder) that ``node`` (a gathered parameter's view) reads."""
+    seen = node
+    while seen.op == "call_function" and seen.target is not all_gather:
+        if not seen.args or not isinstance(seen.args[0], fx.Node):
+            return None
+        seen = seen.args[0]
+    if seen.op != "call_function":
+        return None
+    shard = seen.args[0]
+    return (seen, shard) if shard.op == "placeholder" and SHARDED_PARAM in shard.meta else None
+
+
+def _dead(graph: fx.Graph, nodes) -> None:
+    for n in nodes:
+        if not n.users:
+            graph.erase_node(n)
+
+
+@graph_pass()
+def localize_experts_pass(gm: fx.GraphModule, ctx) -> fx.GraphModule:
+    """The experts' host nodes read the rank's block of E/ep experts; the block's gradient is averaged into the
+    rank's shard without a reduction over the world (see the module docstring)."""
+    from spmd_ort.distributed.experts import ExpertParallel
+
+    mode = ctx.mode
+    if not isinstance(mode, ExpertParallel):
+        return gm
+    graph = gm.graph
+    fake_mode = fake_mode_of(gm)
+    world, ep = ctx.world_size, mode.ep
+    efsdp = world // ep
+    _, efsdp_group = mode.group_names()
+    calls = {c.index: c for c in ctx.opaque}
+    modules, params, gathered, saved = [], 0, 0, 0
+    for node in list(graph.nodes):
+        if node.op != "call_function" or node.target is not opaque_forward:
+            continue
+        c = calls.get(node.args[1])
+        if c is None or not c.expert_params:
+            continue
+        modules.append(c.fqn)
+        inputs = list(node.args[0])
+        local_index: dict[int, int] = {}  # param index -> the position of its gradient in the backward's outputs
+        for pos in c.expert_params:
+            found = _gather_chain(inputs[pos])
+            if found is None:
+                raise CompileError(f"expert parallel: input {pos} of the experts `{c.fqn}` is not a gathered "
+                                   "parameter shard", fqn=c.fqn, rank=ctx.rank)
+            ag, shard = found
+            index = shard.meta[SHARDED_PARAM]
+            spec = ctx.shard_specs[index]
+            block = (spec.shape[0] // ep, *spec.shape[1:])
+            saved += val(ag).numel() * val(ag).element_size()
+            with graph.inserting_before(node):
+                source = shard
+                if efsdp > 1:
+                    with fake_mode:
+                        v = torch.empty(spec.shard_numel * efsdp, dtype=val(shard).dtype, device=val(shard).device)
+                    g = call(graph, all_gather, (shard, efsdp, -1, efsdp_group), v)
+                    source = call(graph, wait_, (g,), v)
+                    gathered += v.numel() * v.element_size()
+                with fake_mode:
+                    bv = val(source).reshape(block)
+                local = call(graph, aten.view.default, (source, list(block)), bv)
+            # the chain from the gathered full tensor to the host node (views; a mixed-precision cast) now reads
+            # the block: rebuild it on ``local``
+            chain = []
+            cur = inputs[pos]
+            while cur is not ag:
+                chain.append(cur)
+                cur = cur.args[0]
+            chain = chain[::-1]  # wait_, slice, view(full), then casts
+            full_at = next(i for i, n in enumerate(chain) if n.target is aten.view.default)
+            rebuilt = local
+            for n in chain[full_at + 1:]:
+                with graph.inserting_before(node):
+                    rebuilt = graph.call_function(n.target, (rebuilt, *n.args[1:]), dict(n.kwargs))
+                    refake(rebuilt, fake_mode)
+            node.replace_input_with(inputs[pos], rebuilt)
+            _dead(graph, [*reversed(chain), ag])
+            local_index[index] = pos
+            params += 1
+        _local_gradients(gm, ctx, node, c, local_index, efsdp, efsdp_group, fake_mode)
+    if modules:
+        ctx.results.record(ExpertParallelLayout(modules=tuple(modules), ep=ep, efsdp=efsdp, params=params,
+                                                gathered_bytes=gathered, saved_bytes=saved))
+    return gm
+
+
+def _local_gradients(gm, ctx, forward: fx.Node, c, local_index: dict[int, int], efsdp: int, efsdp_group: str,
+                     fake_mode) -> None:
+    """The gradients of the experts' blocks: from the host node's backward (now the block's shape) to the
+    rank's shard, averaged over the world."""
+    graph = gm.graph
+    backwards = [n for n in graph.nodes if n.op == "call_function" and n.target is opaque_backward
+                 and n.args[2] == c.index]
+    out_pos = {}  # input position -> position among the backward's gradients
+    j = 0
+    for i, g in enumerate(c.needs_grad):
+        if g:
+            out_pos[i] = j
+            j += 1
+    world, ep = ctx.world_size, ctx.mode.ep
+    for index, pos in local_index.items():
+        spec = ctx.shard_specs[index]
+        block = (spec.shape[0] // ep, *spec.shape[1:])
+        grads = [u for b in backwards for u in b.users
+                 if u.target is operator.getitem and u.args[1] == out_pos[pos]]
+        for g in grads:
+            with fake_mode:
+                g.meta["val"] = torch.empty(block, dtype=val(g).dtype, device=val(g).device)
+        reductions = [n for n in graph.nodes if n.op == "call_function" and n.target is reduce_scatter
+                      and n.meta.get(GRADIENT_OF) == index]
+        if len(reductions) != 1 or not grads:
+            raise CompileError(f"expert parallel: the gradient of an expert parameter of `{c.fqn}` is not reduced "
+                               "once (gradient accumulation over several backward passes of the experts)",
+                               fqn=c.fqn, rank=ctx.rank)
+        rs = reductions[0]
+        # what computes the reduced value from the block's gradient(s) (sums of micro-batches, a reshape, a cast)
+        between = _between(grads, rs)
+        for n in between:
+            refake(n, fake_mode)
+        flat = rs.args[0]
+        (done,) = list(rs.users)
+        with graph.inserting_before(rs):
+            if efsdp == 1:
+                out = call(graph, aten.div.Tensor, (flat, world), None)
+            else:
+                scaled = call(graph, aten.div.Tensor, (flat, ep), None)
+                refake(scaled, fake_mode)
+                new_rs = call(graph, reduce_scatter, (scaled, efsdp, efsdp_group), None)
+                refake(new_rs, fake_mode)
+                new_rs.meta[GRADIENT_OF] = index
+                out = call(graph, wait_, (new_rs,), None)
+                set_phase(scaled, "backward")
+                set_phase(new_rs, "backward")
+            refake(out, fake_mode)
+            set_phase(out, "backward")
+        out.meta[SHARD_OF] = index
+        done.replace_all_uses_with(out)
+        graph.erase_node(done)
+        graph.erase_node(rs)
+
+
+def _between(sources: list[fx.Node], sink: fx.Node) -> list[fx.Node]:
+    """The nodes on paths from ``sources`` to ``sink`` (exclusive of both), in graph order."""
+    reach = set(sources)
+    order = []
+    for n in sources[0].graph.nodes:
+        if n is sink:
+            break
+        if n not in reach and any(a in reach for a in n.all_input_nodes):
+            reach.add(n)
+            order.append(n)
+    ancestors = set()
+    stack = [sink]
+    while stack:
+        n = stack.pop()
+        for a in n.all_input_nodes:
+            if a not in ancestors:
+                ancestors.add(a)
+                stack.append(a)
+    return [n for n in order if n in ancestors]

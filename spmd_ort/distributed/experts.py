@@ -1,0 +1,256 @@
+"""Expert parallelism: each rank computes E/ep experts of every MoE layer, and tokens travel to them (all-to-all).
+
+``Parallel(dp_shard=N, ep=M, experts="model.layers.*.mlp.experts")`` lowers to :class:`ExpertParallel`, a
+``fully_shard`` data parallelism over the N ranks.  An experts module (transformers' fused experts, whose
+parameters carry a leading expert dim: ``gate_up_proj`` (E, 2F, D), ``down_proj`` (E, D, F)) is held as every
+other parameter is under fully_shard: rank r holds rows ``[r E/N, (r+1) E/N)``, that is experts ``r E/N ..``.
+What changes is where they compute:
+
+* the world is an ``(ep, efsdp)`` mesh (``efsdp = N / ep``, the inner dim).  The ``efsdp`` ranks next to each
+  other hold the shards of one block of E/ep experts, which they all-gather (instead of all E); the ``ep`` ranks
+  that share a position in their efsdp group exchange tokens;
+* the experts module runs as a host node of the graph (:mod:`spmd_ort.capture.opaque`), with the rank's block of
+  experts: :func:`dispatch` sends each (token, chosen expert) pair to the rank that computes the expert
+  (``all_to_all_single``, the sizes exchanged first: dropless), runs the module's own ``forward`` there on its
+  E/ep experts, sends the results back and sums them with the router's weights.  Its backward is autograd's
+  through the same exchanges (``torch.distributed.nn.functional.all_to_all_single``);
+* the block's gradient sums what every token of the ep group sent it; it is averaged over the world (DDP's
+  arithmetic) and, with ``efsdp > 1``, reduce-scattered over the efsdp group back to the rank's shard
+  (:mod:`spmd_ort.passes.expert_parallel`).
+
+Optimizer state, clipping, checkpoints and ``full_state_dict`` are fully_shard's, unchanged: the shards are the
+same.  The router, the shared experts and everything else are fully_shard's too.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import inspect
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch import Tensor, nn
+
+from spmd_ort.distributed.parallel import DataParallel, world
+from spmd_ort.errors import CompileError, ConfigError
+
+# what an experts module's forward takes (transformers' fused experts: ``@use_experts_implementation``)
+EXPECTED = ("forward(hidden_states (tokens, hidden), top_k_index (tokens, k), top_k_weights (tokens, k)) -> "
+            "(tokens, hidden), a `num_experts` attribute and parameters with a leading expert dim "
+            "(transformers' MixtralExperts, Qwen3MoeExperts, DeepseekV3Experts)")
+
+
+@dataclass(frozen=True, kw_only=True)
+class ExpertParallel(DataParallel):
+    """Expert parallelism (what ``Parallel(dp_shard=N, ep=M, experts=...)`` lowers to): fully_shard over every
+    rank, and the modules that ``experts`` (an FQN glob) matches computed by expert, E/ep experts per rank."""
+
+    ep: int = 2
+    experts: str = ""
+
+    def __post_init__(self):
+        super().__post_init__()
+        if self.parallel_style != "fully_shard":
+            raise ValueError("ExpertParallel: expert parallelism borrows its ranks from dp_shard "
+                             "(parallel_style='fully_shard')")
+        if not self.experts:
+            raise ValueError("ExpertParallel: give experts, a glob of the expert modules "
+                             "('model.layers.*.mlp.experts')")
+
+    def efsdp(self, world_size: int | None = None) -> int:
+        """How many ranks share (shard) one block of E/ep experts: the mesh's inner dim."""
+        n = world()[1] if world_size is None else world_size
+        return n // self.ep
+
+    def ep_index(self, rank: int, world_size: int | None = None) -> int:
+        """Which block of E/ep experts ``rank`` computes."""
+        return rank // self.efsdp(world_size)
+
+    def groups(self, world_size: int | None = None) -> dict[str, list[list[int]]]:
+        """The ranks of each group: ``ep`` (ranks that exchange tokens), ``efsdp`` (ranks that shard one block)."""
+        n = world()[1] if world_size is None else world_size
+        inner = n // self.ep
+        return {"ep": [[j * inner + i for j in range(self.ep)] for i in range(inner)],
+                "efsdp": [list(range(j * inner, (j + 1) * inner)) for j in range(self.ep)]}
+
+    def group_names(self) -> tuple[str, str]:
+        """(ep group's name, efsdp group's name; "" where the group is the world), built once per world: every rank
+        makes every group of the mesh together (the first compile, which every rank reaches alike)."""
+        efsdp = self.efsdp()
+        if efsdp == 1:
+            return "", ""
+        built = self.__dict__.get("_built")
+        if built is None or built[0] is not dist.group.WORLD:
+            from torch.distributed.device_mesh import init_device_mesh
+
+            device = "cuda" if dist.get_backend() == "nccl" else "cpu"
+            mesh = init_device_mesh(device, (self.ep, efsdp), mesh_dim_names=("ep", "efsdp"))
+            built = (dist.group.WORLD, mesh["ep"].get_group().group_name, mesh["efsdp"].get_group().group_name)
+            object.__setattr__(self, "_built", built)
+        return built[1], built[2]
+
+
+def expert_modules(module: nn.Module, pattern: str) -> list[tuple[str, nn.Module]]:
+    """The outermost submodules whose FQN matches ``pattern``."""
+    out: list[tuple[str, nn.Module]] = []
+    for fqn, mod in module.named_modules():
+        if fqn and fnmatch.fnmatchcase(fqn, pattern) and not any(fqn.startswith(f"{p}.") for p, _ in out):
+            out.append((fqn, mod))
+    return out
+
+
+def is_expert_param(name: str, mode) -> bool:
+    """Whether parameter ``name`` belongs to a module that ``mode`` (an ExpertParallel) computes by expert."""
+    if not isinstance(mode, ExpertParallel):
+        return False
+    parts = name.split(".")
+    return any(fnmatch.fnmatchcase(".".join(parts[:i]), mode.experts) for i in range(1, len(parts)))
+
+
+def num_experts(fqn: str, mod: nn.Module) -> int:
+    """The module's expert count (its ``num_experts``; else the leading dim its parameters share)."""
+    params = list(mod.named_parameters())
+    n = getattr(mod, "num_experts", None)
+    if not isinstance(n, int) or isinstance(n, bool):
+        leading = {p.shape[0] for _, p in params if p.dim() >= 1}
+        if len(leading) != 1:
+            raise ConfigError(f"Parallel(experts=...): module `{fqn}` ({type(mod).__name__}) has no `num_experts` "
+                              f"and its parameters share no leading dim; expected {EXPECTED}")
+        n = leading.pop()
+    return n
+
+
+def check_experts(module: nn.Module, mode: ExpertParallel, world_size: int) -> list[tuple[str, nn.Module]]:
+    """The expert modules ``mode.experts`` names in ``module``; a ConfigError naming the module and the fix for
+    a glob that matches nothing, a module that is not an experts module, or an expert count the layout cannot
+    split (``ep`` blocks, each held in ``world_size / ep`` shards)."""
+    rank = world()[0] if world_size > 1 else None
+    found = expert_modules(module, mode.experts)
+    if not found:
+        some = [f for f, m in module.named_modules() if "expert" in f.rsplit(".", 1)[-1].lower()][:3]
+        hint = f" (modules named like experts: {', '.join(some)})" if some else ""
+        raise ConfigError(f"Parallel(experts={mode.experts!r}) matches no submodule of {type(module).__name__}"
+                          f"{hint}. Fix: an FQN glob of the expert modules, e.g. 'model.layers.*.mlp.experts'",
+                          rank=rank)
+    if world_size % mode.ep:
+        raise ConfigError(f"Parallel(ep={mode.ep}): ep borrows its ranks from dp_shard, so it must divide "
+                          f"dp_shard ({world_size})", rank=rank)
+    for fqn, mod in found:
+        params = list(mod.named_parameters())
+        if not params:
+            raise ConfigError(f"Parallel(experts={mode.experts!r}): module `{fqn}` ({type(mod).__name__}) has no "
+                              f"parameters; expected {EXPECTED}", fqn=fqn, rank=rank)
+        n = num_experts(fqn, mod)
+        bad = [(name, tuple(p.shape)) for name, p in params if p.dim() < 2 or p.shape[0] != n]
+        if bad:
+            name, shape = bad[0]
+            raise ConfigError(f"Parallel(experts={mode.experts!r}): `{fqn}.{name}` has shape {shape}, without the "
+                              f"leading expert dim of {n} experts; expected {EXPECTED}", fqn=f"{fqn}.{name}",
+                              rank=rank)
+        try:
+            signature = list(inspect.signature(mod.forward).parameters)
+        except (TypeError, ValueError):
+            signature = []
+        if len(signature) < 3:
+            raise ConfigError(f"Parallel(experts={mode.experts!r}): module `{fqn}` ({type(mod).__name__}) takes "
+                              f"({', '.join(signature)}), which is not an experts module's call; expected {EXPECTED}",
+                              fqn=fqn, rank=rank)
+        if n % mode.ep:
+            raise ConfigError(f"Parallel(ep={mode.ep}): module `{fqn}` has {n} experts, which do not split into "
+                              f"{mode.ep} equal blocks. Fix: an ep that divides {n}", fqn=fqn, rank=rank)
+        if n % world_size:
+            raise ConfigError(f"Parallel(ep={mode.ep}, dp_shard={world_size}): module `{fqn}` has {n} experts; each "
+                              f"rank holds E/dp_shard of them, so dp_shard must divide {n}", fqn=fqn, rank=rank)
+    return found
+
+
+# ---------------------------------------------------------------------- run time
+def _all_to_all(x: Tensor, out_splits: list[int], in_splits: list[int], group) -> Tensor:
+    """``x``'s rows sent in ``in_splits`` chunks, one per rank of ``group``; the chunks received (``out_splits``),
+    rank-major.  Differentiable (torch's functional collective): the backward sends the gradients back the same
+    way."""
+    from torch.distributed._functional_collectives import all_to_all_single_autograd, wait_tensor
+
+    return wait_tensor(all_to_all_single_autograd(x.contiguous(), out_splits, in_splits, group))
+
+
+def dispatch(forward, mod: nn.Module, experts: int, ep: int, group, hidden: Tensor, top_k_index: Tensor,
+             top_k_weights: Tensor, *, stats: dict | None = None) -> Tensor:
+    """The experts module's output for ``hidden`` with its experts spread over ``group`` (``ep`` ranks, this rank
+    computing the block of E/ep experts at its position): what ``forward(hidden, top_k_index, top_k_weights)``
+    computes with every expert on one rank, token by token.
+
+    ``forward`` runs with the module's parameters bound to this rank's block (the caller binds them) and
+    ``num_experts`` set to the block's size, on the rows other ranks sent it, each with its one expert and weight
+    1; the results come back and are summed with the router's weights.  ``stats``: filled with the tokens each
+    of this rank's experts received and the bytes sent."""
+    local = experts // ep
+    k = top_k_index.shape[-1]
+    flat = top_k_index.reshape(-1)
+    order = torch.argsort(flat, stable=True)  # (token, choice) pairs by expert: by destination rank
+    counts = torch.bincount(flat, minlength=experts)
+    got = torch.empty_like(counts)
+    dist.all_to_all_single(got, counts, group=group)  # how many rows of each of my experts each rank sends
+    got = got.view(ep, local)
+    send = counts.view(ep, local).sum(1).tolist()
+    recv = got.sum(1).tolist()
+    tokens = order // k
+    rows = _all_to_all(hidden[tokens], recv, send, group)
+    ids = torch.repeat_interleave(torch.arange(local, device=rows.device).repeat(ep), got.reshape(-1))
+    ones = torch.ones((rows.shape[0], 1), dtype=top_k_weights.dtype, device=rows.device)
+    saved = mod.__dict__.get("num_experts", None)
+    mod.num_experts = local
+    try:
+        out_rows = forward(rows, ids[:, None], ones)
+    finally:
+        if saved is None:
+            del mod.num_experts
+        else:
+            mod.num_experts = saved
+    back = _all_to_all(out_rows.to(hidden.dtype), send, recv, group)
+    weights = top_k_weights.reshape(-1)[order].unsqueeze(-1)
+    combined = torch.zeros_like(hidden).index_add(0, tokens, (back * weights).to(hidden.dtype))
+    if stats is not None:
+        me = dist.get_rank(group) if group is not None else dist.get_rank()
+        stats["tokens"] = got.sum(0).tolist()
+        # rows this rank sends to other ranks: its tokens out and the results back, and the backward's same two
+        remote = (sum(send) - send[me]) + (sum(recv) - recv[me])
+        stats["bytes"] = 2 * remote * hidden.shape[-1] * hidden.element_size()
+    return combined
+
+
+def experts_runner(fqn: str, mod: nn.Module, forward, mode: ExpertParallel, n_params: int):
+    """The opaque call's ``run`` for one experts module: its activations (hidden states, top-k index, top-k
+    weights) and this rank's block of each parameter, in ``mod.named_parameters()`` order."""
+    from torch.nn.utils import stateless
+
+    from spmd_ort.capture.state import unique_named
+    from spmd_ort.runtime.collectives import data_group
+    from spmd_ort.runtime.step_runtime import current
+
+    _, names, _ = unique_named(mod.named_parameters(remove_duplicate=False))
+    experts = num_experts(fqn, mod)
+
+    def run(tensors: list[Tensor]):
+        hidden, index, weights = tensors[:3]
+        params = tensors[3:3 + n_params]
+        expected = experts // mode.ep
+        for ns, p in zip(names, params):
+            if p.shape[0] != expected:
+                raise CompileError(f"expert parallel: `{fqn}.{ns[0]}` reached the experts with {p.shape[0]} experts, "
+                                   f"expected this rank's block of {expected}", fqn=fqn)
+        group = data_group(mode.group_names()[0])
+        mapping = {n: t for ns, t in zip(names, params) for n in ns}
+        stats: dict = {}
+        with stateless._reparametrize_module(mod, mapping):
+            out = dispatch(forward, mod, experts, mode.ep, group, hidden, index, weights, stats=stats)
+        runtime = current()
+        if runtime is not None:
+            step = runtime.comm.step
+            step.all_to_all_calls += 5  # sizes, tokens out and back; the backward's two (its gradients)
+            step.all_to_all_bytes += stats["bytes"]
+            step.expert_tokens.setdefault(fqn, []).append(stats["tokens"])
+        return out
+
+    return run
