@@ -8,6 +8,7 @@ import torch
 from torch import fx
 
 from spmd_ort.graph import ops
+from spmd_ort.graph.flops import EXPERT_COST
 from spmd_ort.graph.segments import capture_verdict, tensors_of
 from spmd_ort.graph.liveness import plan_activation_memory
 
@@ -83,6 +84,10 @@ def count_collectives_pass(gm: fx.GraphModule, ctx) -> fx.GraphModule:
     nbytes: dict[str, int] = {}
     for node in gm.graph.nodes:
         kind = COLLECTIVE_KINDS.get(node.target) if node.op == "call_function" else None
+        if EXPERT_COST in node.meta:  # an experts host node's exchanges (spmd_ort.passes.expert_parallel)
+            cost = node.meta[EXPERT_COST]
+            calls["all-to-all"] = calls.get("all-to-all", 0) + cost["all_to_all_calls"]
+            nbytes["all-to-all"] = nbytes.get("all-to-all", 0) + cost["all_to_all_bytes"]
         if kind is None:
             continue
         payload = node if node.target is ops.all_gather else node.args[0]

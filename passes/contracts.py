@@ -32,9 +32,9 @@ from spmd_ort.backends.ort.decompose import DECOMPOSITION
 from spmd_ort.graph import ops
 
 from .context import PassContext
-from .helpers import (DEDUP_KEY, EAGER_LAYOUT_UNKNOWN, GRADIENT_OF, PARTIAL_FOUND_INF, PARTIAL_NORM, SHARD_OF,
-                      SHARDED_PARAM, TAG, aten, calls, compute_device, is_dtype_cast, is_random, is_view_op, phase,
-                      placeholders, val)
+from .helpers import (DEDUP_KEY, EAGER_LAYOUT_UNKNOWN, EXPERT_BLOCK, GRADIENT_OF, PARTIAL_FOUND_INF, PARTIAL_NORM,
+                      SHARD_OF, SHARDED_PARAM, TAG, aten, calls, compute_device, is_dtype_cast, is_random, is_view_op,
+                      phase, placeholders, val)
 
 Check = Callable[[fx.GraphModule, PassContext], "str | None"]
 
@@ -189,6 +189,8 @@ def _params_gathered_before_use(gm, ctx):
             continue
         for user in node.users:
             if user.target is ops.all_gather or user.meta.get(SHARD_OF) is not None:
+                continue
+            if user.meta.get(EXPERT_BLOCK):  # expert parallel: the rank's experts are its own shard
                 continue
             if user.users and all(u.target is ops.all_gather for u in user.users):
                 continue  # a cast (or host copy) of the shard that only feeds gathers

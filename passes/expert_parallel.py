@@ -17,18 +17,21 @@ fully_shard's, unchanged.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
+import math
 import operator
+from dataclasses import dataclass
 
 import torch
 from torch import fx
 
 from spmd_ort.errors import CompileError
+from spmd_ort.graph.flops import EXPERT_COST
+from spmd_ort.graph.liveness import HELD_BYTES
 from spmd_ort.graph.ops import all_gather, opaque_backward, opaque_forward, reduce_scatter, wait_
 
 from .context import PassResult
-from .helpers import GRADIENT_OF, SHARD_OF, SHARDED_PARAM, aten, call, fake_mode_of, refake, set_phase, val
+from .helpers import (EXPERT_BLOCK, GRADIENT_OF, SHARD_OF, SHARDED_PARAM, aten, call, fake_mode_of, refake, set_phase,
+                      val)
 from .runner import graph_pass
 
 
@@ -121,6 +124,7 @@ def localize_experts_pass(gm: fx.GraphModule, ctx) -> fx.GraphModule:
                 with fake_mode:
                     bv = val(source).reshape(block)
                 local = call(graph, aten.view.default, (source, list(block)), bv)
+                local.meta[EXPERT_BLOCK] = index
             # the chain from the gathered full tensor to the host node (views; a mixed-precision cast) now reads
             # the block: rebuild it on ``local``
             chain = []
@@ -140,10 +144,41 @@ def localize_experts_pass(gm: fx.GraphModule, ctx) -> fx.GraphModule:
             local_index[index] = pos
             params += 1
         _local_gradients(gm, ctx, node, c, local_index, efsdp, efsdp_group, fake_mode)
+        _price(gm, node, c, ep)
     if modules:
         ctx.results.record(ExpertParallelLayout(modules=tuple(modules), ep=ep, efsdp=efsdp, params=params,
                                                 gathered_bytes=gathered, saved_bytes=saved))
     return gm
+
+
+def _price(gm: fx.GraphModule, forward: fx.Node, c, ep: int) -> None:
+    """What the plan prices for the experts' host nodes (``meta["expert_parallel"]``), from the routing's expected
+    even split: each rank computes as many (token, expert) rows as it routes (``tokens x top_k``), each row one
+    expert's matmuls (2 FLOPs per expert parameter, twice that in backward), and each exchange sends the
+    ``(ep - 1) / ep`` of the rows that go to other ranks: tokens out and results back in forward, their
+    gradients in backward (what ``train_step.comm.all_to_all_bytes`` counts)."""
+    hidden, index = c.inputs[0], c.inputs[1]
+    rows = index.shape[0] * index.shape[1]
+    experts = c.inputs[c.expert_params[0]].shape[0]
+    per_expert = sum(math.prod(c.inputs[i].shape) for i in c.expert_params) // experts
+    flops = 2 * rows * per_expert
+    moved = 2 * rows * (ep - 1) // ep * hidden.shape[1] * hidden.dtype.itemsize
+    forward.meta[EXPERT_COST] = {"flops": flops, "all_to_all_bytes": moved, "all_to_all_calls": 3, "ep": ep,
+                                 "rows": rows}
+    # what the experts' autograd keeps from forward to backward, outside the graph (held by the host node's
+    # token): per row its input and output (2 x hidden) and its intermediates, about 4/3 of the experts'
+    # parameters per hidden unit (a gated MLP's 2F + F parameters per hidden unit: gate and up, their product)
+    width = hidden.shape[1]
+    inner = sum(math.prod(c.inputs[i].shape) for i in c.expert_params) // (experts * width)
+    held = rows * (2 * width + 4 * inner // 3) * hidden.dtype.itemsize
+    token = len(c.outputs)
+    for user in forward.users:
+        if user.target is operator.getitem and user.args[1] == token:
+            user.meta[HELD_BYTES] = held
+    for n in gm.graph.nodes:
+        if n.op == "call_function" and n.target is opaque_backward and n.args[2] == c.index:
+            n.meta[EXPERT_COST] = {"flops": 2 * flops, "all_to_all_bytes": moved, "all_to_all_calls": 2, "ep": ep,
+                                   "rows": rows}
 
 
 def _local_gradients(gm, ctx, forward: fx.Node, c, local_index: dict[int, int], efsdp: int, efsdp_group: str,

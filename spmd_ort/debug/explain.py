@@ -104,13 +104,27 @@ def _collective_lines(program: CompiledProgram, comm) -> list[str]:
     ref = "padded parameter bytes" if layout.shard_specs else "parameter bytes"
     lines = [f"collectives per step (planned from the graph; {ref}: {param_bytes / MIB:.3f} MiB):"]
     measured = {"all-gather": "all_gather_bytes", "reduce-scatter": "reduce_scatter_bytes",
-                "all-reduce": "all_reduce_bytes", "broadcast": "broadcast_bytes"}
+                "all-reduce": "all_reduce_bytes", "broadcast": "broadcast_bytes", "all-to-all": "all_to_all_bytes"}
     for kind, n in counts.calls.items():
         total = counts.nbytes[kind]
         lines.append(f"  {kind}: {n} call(s), {total} B = {total / MIB:.3f} MiB = {total / param_bytes:.2f} x {ref}")
     if comm is not None:
         got = ", ".join(f"{k} {getattr(comm, v)} B" for k, v in measured.items() if getattr(comm, v))
         lines.append(f"  measured on the last step: {got or 'nothing'}; overlap {comm.overlap:.0%}")
+        lines += _expert_load_lines(comm)
+    return lines
+
+
+def _expert_load_lines(comm) -> list[str]:
+    """Expert parallelism: the tokens each of this rank's experts received on the last step, per experts module."""
+    if not comm.expert_tokens:
+        return []
+    lines = ["  expert load on the last step (tokens per expert this rank computes, from every rank of its ep "
+             "group: min / mean / max):"]
+    for fqn, calls in comm.expert_tokens.items():
+        tokens = [t for call in calls for t in call]
+        lines.append(f"    {fqn}: {min(tokens)} / {sum(tokens) / len(tokens):.1f} / {max(tokens)} over "
+                     f"{len(calls[0])} experts" + (f", {len(calls)} calls" if len(calls) > 1 else ""))
     return lines
 
 

@@ -237,7 +237,11 @@ class Parallel:
         world_size = world()[1] if world_size is None else world_size
         names, shape = self.mesh_shape(world_size)
         mesh = " x ".join(f"{n} {s}" for n, s in zip(names, shape)) or "one rank"
-        return f"Parallel({', '.join(f'{n}={s}' for n, s in zip(names, shape))}): mesh {mesh}"
+        degrees = [f"{n}={s}" for n, s in zip(names, shape)]
+        if self.ep > 1:  # borrowed from dp_shard: no mesh dim of its own in the world's
+            degrees.append(f"ep={self.ep}")
+            mesh += f", experts {self.experts!r} computed by expert over ep {self.ep} (borrowed from dp_shard)"
+        return f"Parallel({', '.join(degrees)}): mesh {mesh}"
 
     def replace(self, **changes) -> Parallel:
         return dataclasses.replace(self, **changes)

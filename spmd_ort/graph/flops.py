@@ -38,6 +38,7 @@ ATTENTION_BACKWARD = {aten._scaled_dot_product_flash_attention_backward,
 _HEAVY_NAMES = ("mm", "matmul", "conv", "attention", "einsum", "linear", "addbmm", "tensordot")
 # ops of ours that run the user's Python: what they compute is unknown
 _OPAQUE = (ops.opaque_forward, ops.opaque_backward)
+EXPERT_COST = "expert_parallel"  # passes.expert_parallel's node meta: an experts host node's FLOPs and exchanges
 
 
 def hint(x) -> int:
@@ -87,6 +88,8 @@ def node_flops(node: fx.Node) -> int:
     0 where there is none (elementwise ops, whose cost is their bytes) or it cannot read these sizes."""
     if node.op != "call_function":
         return 0
+    if EXPERT_COST in node.meta:  # an experts module computed by expert (spmd_ort.passes.expert_parallel)
+        return node.meta[EXPERT_COST]["flops"]
     try:
         flops = attention_flops(node)
         if flops is not None:
@@ -112,7 +115,7 @@ def unpriced(node: fx.Node) -> str | None:
     Python, a matmul-like op without a formula, a formula that failed on these sizes); else None."""
     if node.op != "call_function":
         return None
-    if node.target in _OPAQUE:
+    if node.target in _OPAQUE and EXPERT_COST not in node.meta:
         return f"{node.target} (the user's Python)"
     try:
         if attention_flops(node) is not None:

@@ -42,6 +42,11 @@ def _is_backward(node: fx.Node) -> bool:
     return phase(node) == "backward"  # the trace's tag (spmd_ort.capture.trace)
 
 
+# node meta: bytes a value keeps alive outside the graph while it lives (an experts host node's token: what its
+# autograd saved for the backward; spmd_ort.passes.expert_parallel)
+HELD_BYTES = "held_bytes"
+
+
 def plan_activation_memory(gm: fx.GraphModule) -> ActivationPlan:
     """Peak bytes of the values the graph creates (inputs excluded), freed after their last use, and the bytes of
     forward values the backward reads among those live at the peak (the first such peak).
@@ -59,7 +64,8 @@ def plan_activation_memory(gm: fx.GraphModule) -> ActivationPlan:
         else:
             root[node] = node
     # a multi-output op holds what no getitem takes out; each element taken out is counted at its getitem
-    own = {n: value_bytes(n.meta.get("val")) for n in nodes if n.op == "call_function" and root[n] is n}
+    own = {n: value_bytes(n.meta.get("val")) + n.meta.get(HELD_BYTES, 0) for n in nodes
+           if n.op == "call_function" and root[n] is n}
     for node in nodes:
         if node.target is operator.getitem and root[node] is node and node.args[0] in own:
             own[node.args[0]] -= value_bytes(node.meta.get("val"))

@@ -8,6 +8,7 @@ from torch import fx
 # node.meta keys written by analyses and read by later passes
 SHARD_OF = "shard_of"  # fully_shard: index of the parameter this value is a shard of (grads, state, updates)
 SHARDED_PARAM = "sharded_param"  # fully_shard: a parameter placeholder that holds a shard
+EXPERT_BLOCK = "expert_block"  # expert parallel: the rank's block of experts read from its own shard (no gather)
 PARTIAL_NORM = "partial_norm"  # fully_shard: a 2-norm of a shard (its position among the step's norms)
 DEDUP_KEY = "dedup_key"  # what else two identical collectives must share to be merged (e.g. the phase)
 GRADIENT_OF = "gradient_of"  # a gradient's collective (all-reduce / reduce-scatter): the parameter index

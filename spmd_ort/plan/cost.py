@@ -25,7 +25,8 @@ from torch import fx
 
 from spmd_ort.graph import ops
 from spmd_ort.graph.aliasing import is_view_op
-from spmd_ort.graph.flops import ATTENTION_BACKWARD, ATTENTION_FORWARD, hint, is_causal, node_flops, unpriced
+from spmd_ort.graph.flops import (ATTENTION_BACKWARD, ATTENTION_FORWARD, EXPERT_COST, hint, is_causal, node_flops,
+                                  unpriced)
 from spmd_ort.plan.device import DeviceSpec
 from spmd_ort.graph.liveness import value_bytes
 
@@ -205,6 +206,13 @@ def step_cost(graph: fx.Graph, device: DeviceSpec, world_size: int, fused: bool 
                     cost.recompute_flops += flops
             cost.compute_s += seconds
             t += seconds
+            exchange = node.meta.get(EXPERT_COST)
+            if exchange is not None:  # an experts host node's all-to-alls: synchronous, on the compute stream
+                moved = exchange["all_to_all_bytes"] / device.link_bw(exchange["ep"])
+                cost.comm_s += moved
+                cost.comm_s_by_kind["all_to_all"] = cost.comm_s_by_kind.get("all_to_all", 0.0) + moved
+                cost.exposed_comm_s += moved
+                t += moved
         cost.inflight.append(sum(held.values()))
     cost.predicted_s = max(t, comm_free)
     return cost

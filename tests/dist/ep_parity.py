@@ -10,7 +10,7 @@ expert parameter and of its optimizer state, and the all-to-all bytes the step c
 sent.
 
 * ``mixtral`` / ``mixtral-ort``: ``MixtralForCausalLM`` (E=4, top-2), on fx and on ONNX Runtime;
-* ``qwen3``: ``Qwen3MoeForCausalLM`` (E=8, top-2);
+* ``qwen3``: ``Qwen3MoeForCausalLM`` (E=8, top-2), its router's auxiliary (load-balancing) loss in the loss;
 * ``deepseek``: ``DeepseekV3ForCausalLM`` (a dense first layer, shared experts and 8 routed experts, grouped top-k);
 * ``starved``: Mixtral whose router never picks expert 3: it gets no token from any rank (its gradient zero, as
   DDP's; the rank that computes it reports 0 tokens for it).
@@ -45,7 +45,9 @@ from helpers import ort_report  # noqa: E402
 STEPS = 5
 SEQ = 8
 PER_RANK = 2
-SCENARIOS = ("mixtral", "mixtral-ort", "qwen3", "deepseek", "starved")
+SCENARIOS = ("mixtral", "mixtral-ort", "qwen3", "deepseek", "starved", "mixtral-even", "errors")
+# per scenario (per-rank batch, sequence length): mixtral-even routes enough tokens for the plan's even split
+SHAPES = {"mixtral-even": (4, 64)}
 
 
 def step_fn(model, opt, x):
@@ -62,11 +64,12 @@ def build(name: str):
 
     common = dict(vocab_size=64, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
                   max_position_embeddings=64)
-    if name in ("mixtral", "mixtral-ort", "starved"):
+    if name in ("mixtral", "mixtral-ort", "starved", "mixtral-even", "errors"):
         cfg = T.MixtralConfig(**common, intermediate_size=64, num_local_experts=4, num_experts_per_tok=2)
         return T.MixtralForCausalLM(cfg), "model.layers.*.mlp.experts"
     if name == "qwen3":
-        cfg = T.Qwen3MoeConfig(**common, moe_intermediate_size=32, num_experts=8, num_experts_per_tok=2, head_dim=8)
+        cfg = T.Qwen3MoeConfig(**common, moe_intermediate_size=32, num_experts=8, num_experts_per_tok=2, head_dim=8,
+                               output_router_logits=True, router_aux_loss_coef=0.01)  # the aux loss in the loss
         return T.Qwen3MoeForCausalLM(cfg), "model.layers.*.mlp.experts"
     if name == "deepseek":
         cfg = T.DeepseekV3Config(vocab_size=64, hidden_size=32, intermediate_size=64, moe_intermediate_size=16,
@@ -135,7 +138,8 @@ def scenario(name: str, rank: int, world: int, ep: int) -> dict:
     for i in range(STEPS):
         sent.clear()
         g = torch.Generator().manual_seed(300 + i)
-        x = torch.randint(3, 64, (PER_RANK * world, SEQ), generator=g)[PER_RANK * rank: PER_RANK * (rank + 1)]
+        per_rank, seq = SHAPES.get(name, (PER_RANK, SEQ))
+        x = torch.randint(3, 64, (per_rank * world, seq), generator=g)[per_rank * rank: per_rank * (rank + 1)]
         loss = step(model, opt, x)
         ref = step_fn(ddp, opt_ref, x).detach()
         torch.testing.assert_close(loss.detach(), ref, rtol=1e-4, atol=1e-4, msg=f"{name} rank {rank} step {i} loss")
@@ -171,13 +175,36 @@ def scenario(name: str, rank: int, world: int, ep: int) -> dict:
              "expert_tokens": comm.expert_tokens, "all_gather_bytes": comm.all_gather_bytes,
              "reduce_scatter_bytes": comm.reduce_scatter_bytes}
     out = {"losses": losses, "worst_rel": worst, "held": held, "comm": stats,
-           "explain": step.compiled.describe() if hasattr(step.compiled, "describe") else "",
+           "explain": step.explain(),
            "opaque": [c.describe() for c in step.compiled.opaque]}
     if backend == "ort":
         out["ort"] = ort_report(step)
     del ddp
     gc.collect()
     return out
+
+
+def errors(rank: int, world: int, ep: int) -> dict:
+    """A glob that matches nothing: a ConfigError on every rank, before anything is traced, and the model and
+    optimizer as they were."""
+    torch.manual_seed(0)
+    model, _ = build("errors")
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    layout = spmd_ort.Parallel(dp_shard=world, ep=ep, experts="model.layers.*.moe.experts")
+    step = spmd_ort.compile(parallel_mode=layout)(step_fn)
+    x = torch.randint(3, 64, (PER_RANK, SEQ))
+    try:
+        step(model, opt, x)
+    except spmd_ort.ConfigError as exc:
+        message = str(exc)
+    else:
+        raise AssertionError("a glob that matches no module compiled")
+    for n, p in model.named_parameters():
+        assert torch.equal(spmd_ort.full_state_dict(model, rank0_only=False)[n], before[n]) if hasattr(
+            p, "placements") else torch.equal(p, before[n]), n
+    assert not opt.state
+    return {"error": message}
 
 
 def main() -> None:
@@ -190,7 +217,7 @@ def main() -> None:
     rank, world = dist.get_rank(), dist.get_world_size()
     result: dict = {"rank": rank, "world": world}
     for name in args.scenarios.split(","):
-        result[name] = scenario(name, rank, world, args.ep)
+        result[name] = errors(rank, world, args.ep) if name == "errors" else scenario(name, rank, world, args.ep)
     finish(args.out, result)
 
 
