@@ -1,0 +1,172 @@
+"""Expert parallelism: each rank's peak memory and step time with ``Parallel(dp_shard=2, ep=2)`` against
+``Parallel(dp_shard=2)`` (fully_shard) and torch DDP on the same 2 ranks, and the all-to-all bytes against the plan's.
+
+Run:  .venv/bin/python bench/ep.py [--experts 8,16] [--steps 3] [--repeats 2]
+
+An HF Mixtral (transformers' default grouped_mm experts; random weights): 2 layers, d 256, experts of 1024 (gated),
+top-2, vocabulary 1024, a batch of 8 x 64 tokens per rank; AdamW, clipping.  Runners, each under torchrun on 2
+ranks with one thread per rank: ``ddp`` (eager torch DDP), ``fsdp`` (spmd_ort, ``Parallel(dp_shard=2)``: every
+expert gathered for its layer, its gradient reduce-scattered) and ``ep`` (``Parallel(dp_shard=2, ep=2)``: each rank
+computes E/2 experts on the tokens routed to them).  After two steps (the compiled step's tuner settles) the
+kernel's high-water mark is reset; over ``--steps`` more steps:
+
+* peak MiB: the high-water mark of the resident set minus the resident set before them (the larger rank's);
+* ms/step: the median step time (the slower rank's);
+* all-to-all: the bytes the ep step counted on its last step (both ranks' mean) and what ``plan()`` predicts for
+  the routing's even split, on the meta device over torch's fake process group.
+
+Memory and time come from separate launches (as bench/cp.py: glibc returns freed blocks to the system for the
+memory runs, so the resident set follows the live tensors).  Each launch is repeated ``--repeats`` times,
+interleaved; the table shows the medians.  The ratios are ep's against fully_shard's and DDP's, in the same run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+ALLOCATOR = {"MALLOC_MMAP_THRESHOLD_": "131072", "MALLOC_TRIM_THRESHOLD_": "131072",
+             "SPMD_ORT_RETAIN_HOST_MEMORY": "0"}
+MIB = 2**20
+RUNNERS = ("ddp", "fsdp", "ep")
+BATCH, SEQ, GLOB = 8, 64, "model.layers.*.mlp.experts"
+
+
+def config(experts: int):
+    import transformers as T
+
+    return T.MixtralConfig(vocab_size=1024, hidden_size=256, intermediate_size=1024, num_hidden_layers=2,
+                           num_attention_heads=4, num_key_value_heads=2, num_local_experts=experts,
+                           num_experts_per_tok=2, max_position_embeddings=SEQ)
+
+
+def step_fn(model, opt, x):
+    import torch
+
+    loss = model(input_ids=x, labels=x).loss
+    loss.backward()
+    torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+    opt.step()
+    opt.zero_grad(set_to_none=True)
+    return loss
+
+
+def layout(runner: str):
+    import spmd_ort
+
+    return spmd_ort.Parallel(dp_shard=2, ep=2, experts=GLOB) if runner == "ep" else spmd_ort.Parallel(dp_shard=2)
+
+
+def _rss(field: str) -> int:
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith(field + ":"):
+            return int(line.split()[1]) * 1024
+    raise KeyError(field)
+
+
+def worker(runner: str, experts: int, steps: int, out: str) -> None:
+    import torch
+    import torch.distributed as dist
+    import transformers as T
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    sys.path.insert(0, str(ROOT))
+    import spmd_ort
+
+    dist.init_process_group("gloo")
+    rank = dist.get_rank()
+    torch.manual_seed(0)
+    model = T.MixtralForCausalLM(config(experts))
+    if runner == "ddp":
+        model = DDP(model)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    step = step_fn if runner == "ddp" else spmd_ort.compile(parallel_mode=layout(runner), backend="fx")(step_fn)
+    g = torch.Generator().manual_seed(rank)
+    x = torch.randint(0, 1024, (BATCH, SEQ), generator=g)
+    for _ in range(2):
+        step(model, opt, x)
+    dist.barrier()
+    Path("/proc/self/clear_refs").write_text("5")
+    base = _rss("VmRSS")
+    times = []
+    for _ in range(steps):
+        dist.barrier()
+        t0 = time.perf_counter()
+        step(model, opt, x)
+        times.append(time.perf_counter() - t0)
+    peak = _rss("VmHWM") - base
+    moved = step.comm.all_to_all_bytes if runner == "ep" else 0
+    if runner != "ddp":  # the last step leaves nothing in flight (no gather carried into a next step)
+        step(model, opt, x, last_train_step=True)
+    Path(out, f"rank{rank}.json").write_text(json.dumps({"peak": peak, "ms": statistics.median(times) * 1e3,
+                                                         "a2a": moved}))
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def launch(runner: str, experts: int, steps: int, memory: bool) -> dict:
+    env = {**os.environ, "OMP_NUM_THREADS": "1", **(ALLOCATOR if memory else {})}
+    with tempfile.TemporaryDirectory() as out:
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", __file__,
+               "--worker", runner, "--experts", str(experts), "--steps", str(steps), "--out", out]
+        subprocess.run(cmd, check=True, env=env, capture_output=True, cwd=ROOT)
+        ranks = [json.loads(Path(out, f"rank{r}.json").read_text()) for r in range(2)]
+    return {"peak": max(r["peak"] for r in ranks) / MIB, "ms": max(r["ms"] for r in ranks),
+            "a2a": sum(r["a2a"] for r in ranks) / 2}
+
+
+def planned_all_to_all(experts: int) -> int:
+    import torch
+    import transformers as T
+
+    sys.path.insert(0, str(ROOT))
+    import spmd_ort
+
+    with torch.device("meta"):
+        model = T.MixtralForCausalLM(config(experts))
+    step = spmd_ort.compile(parallel_mode=layout("ep"), backend="fx")(step_fn)
+    x = torch.zeros(BATCH, SEQ, dtype=torch.long, device="meta")
+    return step.plan(model, torch.optim.AdamW(model.parameters()), x, world_size=2, export=False).comm_bytes[
+        "all_to_all"]
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--experts", default="8,16")
+    ap.add_argument("--steps", type=int, default=3)
+    ap.add_argument("--repeats", type=int, default=2)
+    ap.add_argument("--worker")
+    ap.add_argument("--out")
+    args = ap.parse_args()
+    if args.worker:
+        worker(args.worker, int(args.experts), args.steps, args.out)
+        return
+    print("| experts | ddp: MiB, ms | fully_shard: MiB, ms | ep=2: MiB, ms | ep/fully_shard memory | ep/ddp memory | "
+          "ep/fully_shard time | ep/ddp time | all-to-all KiB measured, planned |")
+    print("|---|---|---|---|---|---|---|---|---|")
+    for experts in (int(e) for e in args.experts.split(",")):
+        runs: dict = {name: {"peak": [], "ms": [], "a2a": []} for name in RUNNERS}
+        for _ in range(args.repeats):
+            for name in RUNNERS:
+                runs[name]["peak"].append(launch(name, experts, args.steps, True)["peak"])
+                timed = launch(name, experts, args.steps, False)
+                runs[name]["ms"].append(timed["ms"])
+                runs[name]["a2a"].append(timed["a2a"])
+        r = {name: {k: statistics.median(v) for k, v in got.items()} for name, got in runs.items()}
+        d, f, e = r["ddp"], r["fsdp"], r["ep"]
+        planned = planned_all_to_all(experts)
+        print(f"| {experts} | {d['peak']:.0f}, {d['ms']:.0f} | {f['peak']:.0f}, {f['ms']:.0f} | {e['peak']:.0f}, "
+              f"{e['ms']:.0f} | {e['peak'] / f['peak']:.2f} | {e['peak'] / d['peak']:.2f} | {e['ms'] / f['ms']:.2f} | "
+              f"{e['ms'] / d['ms']:.2f} | {e['a2a'] / 1024:.0f}, {planned / 1024:.0f} |", flush=True)
+
+
+if __name__ == "__main__":
+    main()
