@@ -48,12 +48,12 @@ class Parallel:
     ``parallelize_module`` takes them).  ``experts`` (a glob of expert modules) and ``pipeline`` are for ``ep`` and
     ``pp``.  The data-parallel settings are :class:`~spmd_ort.distributed.parallel.DataParallel`'s (bucket caps,
     resharding, prefetch, offload, ``mixed_precision``: FSDP2's policy).  Degrees that this release has not built
-    (``pp`` above 1) and combinations it has not (``dp_replicate`` and ``dp_shard`` both above 1: HSDP;
-    ``cp`` with ``tp``; ``ep`` with anything but ``dp_shard``) are a :class:`~spmd_ort.errors.ConfigError` that
-    says so.  ``cp`` lowers to a :class:`~spmd_ort.distributed.parallel.ContextParallel`: the data parallelism over every rank, the sequence
-    split over each cp group (``seq_dim``: the batch's sequence dim).  ``ep`` (with ``experts``, a glob of the
-    expert modules) lowers to an :class:`~spmd_ort.distributed.experts.ExpertParallel`: fully_shard over every
-    rank, each rank computing E/ep experts of every expert module and the tokens sent to them.
+    (``pp`` above 1) and combinations it has not (``dp_replicate`` and ``dp_shard`` both above 1: HSDP; ``cp`` with
+    ``tp``; ``ep`` with anything but ``dp_shard``) are a :class:`~spmd_ort.errors.ConfigError` that says so.  ``cp``
+    lowers to a :class:`~spmd_ort.distributed.parallel.ContextParallel`: the data parallelism over every rank, the
+    sequence split over each cp group (``seq_dim``: the batch's sequence dim).  ``ep`` (with ``experts``, a glob of the
+    expert modules) lowers to an :class:`~spmd_ort.distributed.experts.ExpertParallel`: fully_shard over every rank,
+    each rank computing E/ep experts of every expert module and the tokens sent to them.
     """
 
     dp_replicate: int = 1
