@@ -30,10 +30,12 @@ GLOB = "model.layers.*.mlp.experts"
 @pytest.mark.multiproc
 @pytest.mark.on_ort
 def test_two_ranks_match_ddp(tmp_path):
-    """dp_shard=2 x ep=2: every scenario matches DDP after every step (ep_parity asserts it on every rank)."""
+    """dp_shard=2 x ep=2: every scenario matches DDP after every step (ep_parity asserts it on every rank): HF
+    Mixtral on fx and ORT, Qwen3-MoE (with its router's auxiliary loss), DeepSeek-V3, a router that starves an
+    expert, a meta-device model parallelized and loaded from safetensors; a glob that matches nothing."""
     ranks, _ = torchrun(tmp_path, script=SCRIPT, timeout=900)
     for r in ranks:
-        for name in ("mixtral", "mixtral-ort", "qwen3", "deepseek", "starved", "mixtral-even"):
+        for name in ("mixtral", "mixtral-ort", "qwen3", "deepseek", "starved", "mixtral-even", "meta"):
             got = r[name]
             assert len(got["losses"]) == ep_parity.STEPS and got["worst_rel"] < 2e-3, (name, got["worst_rel"])
             # 1/ep of every expert parameter on each rank (its optimizer state too, asserted there)
@@ -42,6 +44,9 @@ def test_two_ranks_match_ddp(tmp_path):
             assert "expert parallel over 2 ranks" in got["opaque"][0], got["opaque"]
             assert "Parallel(dp_shard=2, ep=2)" in got["explain"] and "expert load on the last step" in got["explain"]
         assert_ort_report_clean(r["mixtral-ort"]["ort"])
+        # built on meta, parallelized, loaded: each rank read its half of the file (its experts' rows among it)
+        loaded = r["meta"]["loaded"]
+        assert abs(2 * loaded["bytes_read"] - loaded["bytes_total"]) <= 0.02 * loaded["bytes_total"], loaded
         assert "matches no submodule of MixtralForCausalLM" in r["errors"]["error"]
         assert "model.layers.0.mlp.experts" in r["errors"]["error"]  # names the modules it could have meant
     # the rank that computes expert 3 of the starved model reports no token for it, in every layer

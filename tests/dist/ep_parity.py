@@ -12,6 +12,8 @@ sent.
 * ``mixtral`` / ``mixtral-ort``: ``MixtralForCausalLM`` (E=4, top-2), on fx and on ONNX Runtime;
 * ``qwen3``: ``Qwen3MoeForCausalLM`` (E=8, top-2), its router's auxiliary (load-balancing) loss in the loss;
 * ``deepseek``: ``DeepseekV3ForCausalLM`` (a dense first layer, shared experts and 8 routed experts, grouped top-k);
+* ``meta``: Mixtral built on the meta device, ``spmd_ort.parallelize``d, ``to_empty`` and ``load_safetensors``
+  (each rank reads its own experts' rows), then trained as the others;
 * ``starved``: Mixtral whose router never picks expert 3: it gets no token from any rank (its gradient zero, as
   DDP's; the rank that computes it reports 0 tokens for it).
 
@@ -45,7 +47,7 @@ from helpers import ort_report  # noqa: E402
 STEPS = 5
 SEQ = 8
 PER_RANK = 2
-SCENARIOS = ("mixtral", "mixtral-ort", "qwen3", "deepseek", "starved", "mixtral-even", "errors")
+SCENARIOS = ("mixtral", "mixtral-ort", "qwen3", "deepseek", "starved", "mixtral-even", "meta", "errors")
 # per scenario (per-rank batch, sequence length): mixtral-even routes enough tokens for the plan's even split
 SHAPES = {"mixtral-even": (4, 64)}
 
@@ -64,7 +66,7 @@ def build(name: str):
 
     common = dict(vocab_size=64, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
                   max_position_embeddings=64)
-    if name in ("mixtral", "mixtral-ort", "starved", "mixtral-even", "errors"):
+    if name in ("mixtral", "mixtral-ort", "starved", "mixtral-even", "meta", "errors"):
         cfg = T.MixtralConfig(**common, intermediate_size=64, num_local_experts=4, num_experts_per_tok=2)
         return T.MixtralForCausalLM(cfg), "model.layers.*.mlp.experts"
     if name == "qwen3":
@@ -120,17 +122,35 @@ def rel(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a.double() - b.double()).norm() / b.double().norm().clamp_min(1e-12))
 
 
-def scenario(name: str, rank: int, world: int, ep: int) -> dict:
+def scenario(name: str, rank: int, world: int, ep: int, out_dir: str = "") -> dict:
     torch.manual_seed(0)
     base, pattern = build(name)
     if name == "starved":
         starve(base)
     ddp = DDP(copy.deepcopy(base))
     sent = routed_rows(ddp.module, world, ep, rank)
-    model = copy.deepcopy(base)
+    layout = spmd_ort.Parallel(dp_shard=world, ep=ep, experts=pattern)
+    loaded = None
+    if name == "meta":  # nothing allocated but this rank's part, filled from a file of the base's weights
+        directory = Path(out_dir) / "weights"
+        spmd_ort.save_safetensors(base, directory)
+        with torch.device("meta"):
+            model, _ = build(name)
+        spmd_ort.parallelize(model, layout)
+        model.to_empty(device="cpu")
+        report = spmd_ort.load_safetensors(model, directory)
+        with torch.no_grad():  # non-persistent buffers (the rotary inv_freq) are in no file: computed again
+            for n, b in model.named_buffers():
+                b.copy_(base.get_buffer(n))
+        experts = {n: p for n, p in model.named_parameters() if ".mlp.experts." in n}
+        for n, p in experts.items():  # this rank's rows of every expert parameter, as the file holds them
+            rows = p.shape[0] // world
+            assert torch.equal(p.to_local(), base.get_parameter(n).detach()[rank * rows:(rank + 1) * rows]), n
+        loaded = {"bytes_read": report.bytes_read, "bytes_total": report.bytes_total}
+    else:
+        model = copy.deepcopy(base)
     make = lambda p: torch.optim.AdamW(p, lr=1e-2, weight_decay=0.1)  # noqa: E731
     opt_ref, opt = make(ddp.parameters()), make(model.parameters())
-    layout = spmd_ort.Parallel(dp_shard=world, ep=ep, experts=pattern)
     backend = "ort" if name.endswith("-ort") else "fx"
     step = spmd_ort.compile(parallel_mode=layout, backend=backend)(step_fn)
     losses, worst = [], 0.0
@@ -174,7 +194,7 @@ def scenario(name: str, rank: int, world: int, ep: int) -> dict:
     stats = {"all_to_all_bytes": comm.all_to_all_bytes, "all_to_all_calls": comm.all_to_all_calls,
              "expert_tokens": comm.expert_tokens, "all_gather_bytes": comm.all_gather_bytes,
              "reduce_scatter_bytes": comm.reduce_scatter_bytes}
-    out = {"losses": losses, "worst_rel": worst, "held": held, "comm": stats,
+    out = {"losses": losses, "worst_rel": worst, "held": held, "comm": stats, "loaded": loaded,
            "explain": step.explain(),
            "opaque": [c.describe() for c in step.compiled.opaque]}
     if backend == "ort":
@@ -217,7 +237,8 @@ def main() -> None:
     rank, world = dist.get_rank(), dist.get_world_size()
     result: dict = {"rank": rank, "world": world}
     for name in args.scenarios.split(","):
-        result[name] = errors(rank, world, args.ep) if name == "errors" else scenario(name, rank, world, args.ep)
+        result[name] = errors(rank, world, args.ep) if name == "errors" else scenario(name, rank, world, args.ep,
+                                                                                            args.out)
     finish(args.out, result)
 
 
