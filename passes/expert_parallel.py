@@ -158,7 +158,8 @@ def _price(gm: fx.GraphModule, forward: fx.Node, c, ep: int) -> None:
     ``(ep - 1) / ep`` of the rows that go to other ranks: tokens out and results back in forward, their
     gradients in backward (what ``train_step.comm.all_to_all_bytes`` counts)."""
     hidden, index = c.inputs[0], c.inputs[1]
-    rows = index.shape[0] * index.shape[1]
+    # the router's (tokens, k) choices, or (torchtitan's call) rows already sorted by expert and their counts
+    rows = index.shape[0] * index.shape[1] if len(index.shape) == 2 else hidden.shape[0]
     experts = c.inputs[c.expert_params[0]].shape[0]
     per_expert = sum(math.prod(c.inputs[i].shape) for i in c.expert_params) // experts
     flops = 2 * rows * per_expert

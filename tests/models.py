@@ -223,3 +223,71 @@ def tiny_mixtral_config(layers: int = 1, experts: str | None = None):
                                       num_attention_heads=4, num_key_value_heads=2, num_local_experts=4,
                                       num_experts_per_tok=2, max_position_embeddings=64,
                                       **({"experts_implementation": experts} if experts else {}))
+
+
+class GroupedExperts(nn.Module):
+    """torchtitan's ``GroupedExperts``: E gated experts, their weights fused with a leading expert dim, called on
+    rows already sorted by expert with ``num_tokens_per_expert`` (its for-loop form: one matmul chain per expert)."""
+
+    def __init__(self, dim: int, hidden: int, num_experts: int):
+        super().__init__()
+        self.num_experts = num_experts
+        self.w1 = nn.Parameter(torch.randn(num_experts, hidden, dim) * dim**-0.5)
+        self.w2 = nn.Parameter(torch.randn(num_experts, dim, hidden) * hidden**-0.5)
+        self.w3 = nn.Parameter(torch.randn(num_experts, hidden, dim) * dim**-0.5)
+
+    def forward(self, x: torch.Tensor, num_tokens_per_expert: torch.Tensor) -> torch.Tensor:
+        outs = []
+        for i, rows in enumerate(torch.split(x, num_tokens_per_expert.long().tolist(), dim=0)):
+            h = torch.nn.functional.silu(rows @ self.w1[i].t()) * (rows @ self.w3[i].t())
+            outs.append(h @ self.w2[i].t())
+        return torch.cat(outs, dim=0)
+
+
+class TitanMoE(nn.Module):
+    """torchtitan's ``MoE`` layer: a top-k router (softmax scores), the tokens sorted by expert and scaled by their
+    scores before the experts (``score_before_experts``), :class:`GroupedExperts`, and the rows summed back per
+    token; plus a shared dense expert."""
+
+    def __init__(self, dim: int = 32, hidden: int = 64, num_experts: int = 4, top_k: int = 2):
+        super().__init__()
+        self.top_k, self.num_experts = top_k, num_experts
+        self.gate = nn.Linear(dim, num_experts, bias=False)
+        self.experts = GroupedExperts(dim, hidden, num_experts)
+        self.shared = nn.Linear(dim, dim)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        shape = x.shape
+        x = x.reshape(-1, shape[-1])
+        scores = torch.softmax(self.gate(x), dim=-1)
+        top, chosen = torch.topk(scores, self.top_k, dim=-1)
+        counts = torch.histc(chosen.reshape(-1).float(), bins=self.num_experts, min=0, max=self.num_experts - 1)
+        order = torch.argsort(chosen.reshape(-1), stable=True)
+        tokens = order // self.top_k
+        routed = x[tokens] * top.reshape(-1)[order].unsqueeze(-1)
+        out = self.experts(routed, counts)
+        combined = torch.zeros_like(x).index_add(0, tokens, out)
+        return (combined + self.shared(x)).reshape(shape)
+
+
+class TitanMoELM(nn.Module):
+    """A small LM of :class:`TitanMoE` blocks (``layers.N.moe.experts``): embedding, pre-norm residual blocks of
+    causal attention (no biases: a key bias gets an analytically zero gradient) and an MoE, a head;
+    ``forward(ids, labels)`` returns the mean cross-entropy."""
+
+    def __init__(self, vocab: int = 64, dim: int = 32, layers: int = 2, num_experts: int = 4):
+        super().__init__()
+        self.embed = nn.Embedding(vocab, dim)
+        self.layers = nn.ModuleList(nn.ModuleDict({
+            "norm1": nn.LayerNorm(dim), "attn": nn.MultiheadAttention(dim, 4, bias=False, batch_first=True),
+            "norm2": nn.LayerNorm(dim), "moe": TitanMoE(dim, 2 * dim, num_experts)}) for _ in range(layers))
+        self.head = nn.Linear(dim, vocab)
+
+    def forward(self, ids: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        h = self.embed(ids)
+        mask = torch.triu(torch.full((ids.shape[1], ids.shape[1]), float("-inf")), diagonal=1)
+        for layer in self.layers:
+            a = layer["norm1"](h)
+            h = h + layer["attn"](a, a, a, attn_mask=mask, need_weights=False)[0]
+            h = h + layer["moe"](layer["norm2"](h))
+        return torch.nn.functional.cross_entropy(self.head(h).flatten(0, 1), labels.flatten())

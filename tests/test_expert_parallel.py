@@ -31,12 +31,13 @@ GLOB = "model.layers.*.mlp.experts"
 @pytest.mark.on_ort
 def test_two_ranks_match_ddp(tmp_path):
     """dp_shard=2 x ep=2: every scenario matches DDP after every step (ep_parity asserts it on every rank): HF
-    Mixtral on fx and ORT, Qwen3-MoE (with its router's auxiliary loss), DeepSeek-V3, a router that starves an
+    Mixtral on fx and ORT, Qwen3-MoE (with its router's auxiliary loss), DeepSeek-V3, a torchtitan-style
+    GroupedExperts LM on ORT, a router that starves an
     expert, a meta-device model parallelized and loaded from safetensors; FSDP2's mixed precision policy against
     fully_shard's; a glob that matches nothing."""
     ranks, _ = torchrun(tmp_path, script=SCRIPT, timeout=900)
     for r in ranks:
-        for name in ("mixtral", "mixtral-ort", "qwen3", "deepseek", "starved", "mixtral-even", "meta"):
+        for name in ("mixtral", "mixtral-ort", "qwen3", "deepseek", "titan", "starved", "mixtral-even", "meta"):
             got = r[name]
             assert len(got["losses"]) == ep_parity.STEPS and got["worst_rel"] < 2e-3, (name, got["worst_rel"])
             # 1/ep of every expert parameter on each rank (its optimizer state too, asserted there)
@@ -45,6 +46,8 @@ def test_two_ranks_match_ddp(tmp_path):
             assert "expert parallel over 2 ranks" in got["opaque"][0], got["opaque"]
             assert "Parallel(dp_shard=2, ep=2)" in got["explain"] and "expert load on the last step" in got["explain"]
         assert_ort_report_clean(r["mixtral-ort"]["ort"])
+        assert_ort_report_clean(r["titan"]["ort"])
+        assert "(GroupedExperts)" in r["titan"]["opaque"][0]  # torchtitan's call: rows sorted by expert, counts
         # built on meta, parallelized, loaded: each rank read its half of the file (its experts' rows among it)
         loaded = r["meta"]["loaded"]
         assert abs(2 * loaded["bytes_read"] - loaded["bytes_total"]) <= 0.02 * loaded["bytes_total"], loaded
@@ -101,7 +104,7 @@ def test_layout_errors_name_the_fix():
         check_experts(model, ExpertParallel(ep=3, experts=GLOB, parallel_style="fully_shard"), 6)
     with pytest.raises(spmd_ort.ConfigError, match="dp_shard must divide 4"):
         check_experts(model, ExpertParallel(ep=2, experts=GLOB, parallel_style="fully_shard"), 8)
-    with pytest.raises(spmd_ort.ConfigError, match="share no leading dim; expected forward"):
+    with pytest.raises(spmd_ort.ConfigError, match="share no leading dim; expected parameters with a leading expert dim"):
         check_experts(model, ExpertParallel(ep=2, experts="model.layers.*.self_attn", parallel_style="fully_shard"), 2)
     with pytest.raises(spmd_ort.ConfigError, match=r"takes \(hidden_states\), which is not an experts module"):
         check_experts(model, ExpertParallel(ep=2, experts="model.layers.*.mlp.gate", parallel_style="fully_shard"), 2)

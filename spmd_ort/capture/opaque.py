@@ -456,10 +456,11 @@ class OpaqueCapture:
 
     def _capture_experts(self, fqn: str, mod: nn.Module, forward: Callable, *args, **kwargs):
         """An experts module under expert parallelism: a host node whose run sends the tokens to the ranks that
-        compute their experts (:func:`spmd_ort.distributed.experts.dispatch`).  Its output has the hidden states'
-        shape; its parameter inputs are traced whole and read as the rank's block of experts after the passes
-        (:mod:`spmd_ort.passes.expert_parallel`)."""
-        from spmd_ort.distributed.experts import EXPECTED, experts_runner
+        compute their experts (:func:`spmd_ort.distributed.experts.dispatch`; torchtitan's call on rows sorted by
+        expert: ``dispatch_sorted``).  Its output has the hidden states' (rows') shape; its parameter inputs are
+        traced whole and read as the rank's block of experts after the passes (:mod:`spmd_ort.passes.expert_parallel`).
+        """
+        from spmd_ort.distributed.experts import EXPECTED, call_kind, experts_runner
 
         try:
             bound = inspect.signature(forward).bind(*args, **kwargs)
@@ -468,8 +469,8 @@ class OpaqueCapture:
                                f"{len(args)} positional and {sorted(kwargs)} keyword arguments ({exc}); expected "
                                f"{EXPECTED}", fqn=fqn, op=type(mod).__name__) from exc
         acts = list(bound.arguments.values())
-        if len(acts) != 3 or not all(isinstance(t, Tensor) for t in acts) or acts[0].dim() != 2 \
-                or acts[1].dim() != 2 or acts[1].is_floating_point() or acts[2].shape != acts[1].shape:
+        kind = call_kind(acts) if all(isinstance(t, Tensor) for t in acts) else None
+        if kind is None:
             got = ", ".join(str(TensorMeta.of(t)) if isinstance(t, Tensor) else type(t).__name__ for t in acts)
             raise CompileError(f"expert parallel: module `{fqn}` ({type(mod).__name__}) was called with ({got}); "
                                f"expected {EXPECTED}", fqn=fqn, op=type(mod).__name__)
@@ -482,12 +483,12 @@ class OpaqueCapture:
         grad = torch.is_grad_enabled()
         call = OpaqueCall(index=len(self.calls), kind="module", name=type(mod).__name__, fqn=fqn,
                           reason=self.plan.expert_reason(fqn),
-                          run=experts_runner(fqn, mod, forward, self.plan.experts, len(params)),
+                          run=experts_runner(fqn, mod, forward, self.plan.experts, len(params), kind),
                           inputs=tuple(TensorMeta.of(t) for t in inputs),
                           needs_grad=tuple(grad and t.requires_grad and t.is_floating_point() for t in inputs),
                           outputs=(TensorMeta.of(acts[0]),), differentiable=(grad,),
                           shapes_from="the hidden states' shape (expert parallel)",
-                          expert_params=tuple(range(3, 3 + len(params))))
+                          expert_params=tuple(range(len(acts), len(acts) + len(params))))
         self.calls.append(call)
         outs = _OpaqueApply.apply(call, *inputs)
         return outs[0]

@@ -36,9 +36,26 @@ from spmd_ort.distributed.parallel import DataParallel, world
 from spmd_ort.errors import CompileError, ConfigError
 
 # what an experts module's forward takes (transformers' fused experts: ``@use_experts_implementation``)
-EXPECTED = ("forward(hidden_states (tokens, hidden), top_k_index (tokens, k), top_k_weights (tokens, k)) -> "
-            "(tokens, hidden), a `num_experts` attribute and parameters with a leading expert dim "
-            "(transformers' MixtralExperts, Qwen3MoeExperts, DeepseekV3Experts)")
+EXPECTED = ("parameters with a leading expert dim and a forward of either form: transformers' "
+            "forward(hidden_states (tokens, hidden), top_k_index (tokens, k), top_k_weights (tokens, k)) -> "
+            "(tokens, hidden) (MixtralExperts, Qwen3MoeExperts, DeepseekV3Experts), or torchtitan's "
+            "GroupedExperts.forward(x (rows sorted by expert, hidden), num_tokens_per_expert (experts,)) -> "
+            "(rows, hidden)")
+ROUTED, GROUPED = "routed", "grouped"  # the two calls: the router's choices, or rows already sorted by expert
+
+
+def call_kind(tensors: list) -> str | None:
+    """Which experts call ``tensors`` (the call's tensor arguments) make: ROUTED, GROUPED, or None (neither)."""
+    if len(tensors) == 3:
+        hidden, index, weights = tensors
+        if hidden.dim() == 2 and index.dim() == 2 and not index.is_floating_point() \
+                and weights.shape == index.shape and index.shape[0] == hidden.shape[0]:
+            return ROUTED
+    if len(tensors) == 2:
+        x, counts = tensors
+        if x.dim() == 2 and x.is_floating_point() and counts.dim() == 1:
+            return GROUPED
+    return None
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -152,7 +169,7 @@ def check_experts(module: nn.Module, mode: ExpertParallel, world_size: int) -> l
             signature = list(inspect.signature(mod.forward).parameters)
         except (TypeError, ValueError):
             signature = []
-        if len(signature) < 3:
+        if len(signature) < 2:
             raise ConfigError(f"Parallel(experts={mode.experts!r}): module `{fqn}` ({type(mod).__name__}) takes "
                               f"({', '.join(signature)}), which is not an experts module's call; expected {EXPECTED}",
                               fqn=fqn, rank=rank)
@@ -220,9 +237,45 @@ def dispatch(forward, mod: nn.Module, experts: int, ep: int, group, hidden: Tens
     return combined
 
 
-def experts_runner(fqn: str, mod: nn.Module, forward, mode: ExpertParallel, n_params: int):
-    """The opaque call's ``run`` for one experts module: its activations (hidden states, top-k index, top-k
-    weights) and this rank's block of each parameter, in ``mod.named_parameters()`` order."""
+def dispatch_sorted(forward, mod: nn.Module, experts: int, ep: int, group, x: Tensor, counts: Tensor, *,
+                    stats: dict | None = None) -> Tensor:
+    """torchtitan's call: ``forward(x, num_tokens_per_expert)`` on rows ``x`` already sorted by expert, ``counts``
+    rows per expert, with the experts spread over ``group`` as :func:`dispatch` spreads them: the rows of each
+    rank's experts sent to it, sorted by its experts there (the ranks' rows interleave), computed by the module's
+    own forward on its E/ep experts, unsorted and sent back in ``x``'s order."""
+    local = experts // ep
+    counts = counts.to(torch.long)
+    got = torch.empty_like(counts)
+    dist.all_to_all_single(got, counts, group=group)
+    got = got.view(ep, local)
+    send = counts.view(ep, local).sum(1).tolist()
+    recv = got.sum(1).tolist()
+    rows = _all_to_all(x, recv, send, group)
+    ids = torch.repeat_interleave(torch.arange(local, device=rows.device).repeat(ep), got.reshape(-1))
+    order = torch.argsort(ids, stable=True)  # by local expert (each source's rows in their order)
+    saved = mod.__dict__.get("num_experts", None)
+    mod.num_experts = local
+    try:
+        out = forward(rows[order], got.sum(0))
+    finally:
+        if saved is None:
+            del mod.num_experts
+        else:
+            mod.num_experts = saved
+    unsorted = torch.empty_like(out).index_copy(0, order, out)
+    back = _all_to_all(unsorted.to(x.dtype), send, recv, group)
+    if stats is not None:
+        me = dist.get_rank(group) if group is not None else dist.get_rank()
+        stats["tokens"] = got.sum(0).tolist()
+        remote = (sum(send) - send[me]) + (sum(recv) - recv[me])
+        stats["bytes"] = 2 * remote * x.shape[-1] * x.element_size()
+    return back
+
+
+def experts_runner(fqn: str, mod: nn.Module, forward, mode: ExpertParallel, n_params: int, kind: str = ROUTED):
+    """The opaque call's ``run`` for one experts module: its activations (ROUTED: hidden states, top-k index,
+    top-k weights; GROUPED: rows sorted by expert, rows per expert) and this rank's block of each parameter, in
+    ``mod.named_parameters()`` order."""
     from torch.nn.utils import stateless
 
     from spmd_ort.capture.state import unique_named
@@ -233,8 +286,8 @@ def experts_runner(fqn: str, mod: nn.Module, forward, mode: ExpertParallel, n_pa
     experts = num_experts(fqn, mod)
 
     def run(tensors: list[Tensor]):
-        hidden, index, weights = tensors[:3]
-        params = tensors[3:3 + n_params]
+        n_acts = 3 if kind == ROUTED else 2
+        acts, params = tensors[:n_acts], tensors[n_acts:n_acts + n_params]
         expected = experts // mode.ep
         for ns, p in zip(names, params):
             if p.shape[0] != expected:
@@ -243,8 +296,9 @@ def experts_runner(fqn: str, mod: nn.Module, forward, mode: ExpertParallel, n_pa
         group = data_group(mode.group_names()[0])
         mapping = {n: t for ns, t in zip(names, params) for n in ns}
         stats: dict = {}
+        spread = dispatch if kind == ROUTED else dispatch_sorted
         with stateless._reparametrize_module(mod, mapping):
-            out = dispatch(forward, mod, experts, mode.ep, group, hidden, index, weights, stats=stats)
+            out = spread(forward, mod, experts, mode.ep, group, *acts, stats=stats)
         runtime = current()
         if runtime is not None:
             step = runtime.comm.step

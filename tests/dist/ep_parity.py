@@ -15,6 +15,8 @@ sent.
 * ``meta``: Mixtral built on the meta device, ``spmd_ort.parallelize``d, ``to_empty`` and ``load_safetensors``
   (each rank reads its own experts' rows), then trained as the others;
 * ``bf16``: FSDP2's mixed precision policy under ep against the same under fully_shard alone (one SGD step);
+* ``titan``: a torchtitan-style MoE LM (tests/models.py: ``GroupedExperts`` called on rows sorted by expert with
+  their counts, scores applied before the experts, a shared expert), on ORT;
 * ``starved``: Mixtral whose router never picks expert 3: it gets no token from any rank (its gradient zero, as
   DDP's; the rank that computes it reports 0 tokens for it).
 
@@ -44,17 +46,28 @@ sys.path.insert(0, str(ROOT))
 from dist_common import finish  # noqa: E402
 import spmd_ort  # noqa: E402
 from helpers import ort_report  # noqa: E402
+from models import TitanMoELM  # noqa: E402
 
 STEPS = 5
 SEQ = 8
 PER_RANK = 2
-SCENARIOS = ("mixtral", "mixtral-ort", "qwen3", "deepseek", "starved", "mixtral-even", "meta", "bf16", "errors")
+SCENARIOS = ("mixtral", "mixtral-ort", "qwen3", "deepseek", "titan", "starved", "mixtral-even", "meta", "bf16",
+             "errors")
 # per scenario (per-rank batch, sequence length): mixtral-even routes enough tokens for the plan's even split
 SHAPES = {"mixtral-even": (4, 64)}
 
 
 def step_fn(model, opt, x):
     loss = model(input_ids=x, labels=x).loss
+    loss.backward()
+    torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+    opt.step()
+    opt.zero_grad(set_to_none=True)
+    return loss
+
+
+def titan_step(model, opt, x):
+    loss = model(x, x)
     loss.backward()
     torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
     opt.step()
@@ -82,6 +95,8 @@ def build(name: str):
                                  qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=8, max_position_embeddings=64,
                                  pad_token_id=0, bos_token_id=1, eos_token_id=2)
         return T.DeepseekV3ForCausalLM(cfg), "model.layers.*.mlp.experts"
+    if name == "titan":
+        return TitanMoELM(), "layers.*.moe.experts"
     raise ValueError(name)
 
 
@@ -110,11 +125,16 @@ def routed_rows(model, world: int, ep: int, rank: int) -> list:
 
     def hook(mod, args):
         experts = mod.num_experts
-        owner = args[1].reshape(-1) // (experts // ep)
-        sent.append(int((owner != rank // block).sum()) * args[0].shape[-1] * args[0].element_size())
+        if len(args) == 2:  # torchtitan's call: rows sorted by expert, and their counts
+            per_block = args[1].long().view(ep, experts // ep).sum(1)
+            rows = int(per_block.sum() - per_block[rank // block])
+        else:
+            owner = args[1].reshape(-1) // (experts // ep)
+            rows = int((owner != rank // block).sum())
+        sent.append(rows * args[0].shape[-1] * args[0].element_size())
 
     for fqn, mod in model.named_modules():
-        if fqn.endswith("mlp.experts"):
+        if fqn.endswith(".experts"):
             mod.register_forward_pre_hook(hook)
     return sent
 
@@ -152,8 +172,9 @@ def scenario(name: str, rank: int, world: int, ep: int, out_dir: str = "") -> di
         model = copy.deepcopy(base)
     make = lambda p: torch.optim.AdamW(p, lr=1e-2, weight_decay=0.1)  # noqa: E731
     opt_ref, opt = make(ddp.parameters()), make(model.parameters())
-    backend = "ort" if name.endswith("-ort") else "fx"
-    step = spmd_ort.compile(parallel_mode=layout, backend=backend)(step_fn)
+    backend = "ort" if name.endswith("-ort") or name == "titan" else "fx"
+    fn = titan_step if name == "titan" else step_fn
+    step = spmd_ort.compile(parallel_mode=layout, backend=backend)(fn)
     losses, worst = [], 0.0
     names = [n for n, _ in base.named_parameters()]
     for i in range(STEPS):
@@ -162,7 +183,7 @@ def scenario(name: str, rank: int, world: int, ep: int, out_dir: str = "") -> di
         per_rank, seq = SHAPES.get(name, (PER_RANK, SEQ))
         x = torch.randint(3, 64, (per_rank * world, seq), generator=g)[per_rank * rank: per_rank * (rank + 1)]
         loss = step(model, opt, x)
-        ref = step_fn(ddp, opt_ref, x).detach()
+        ref = fn(ddp, opt_ref, x).detach()
         torch.testing.assert_close(loss.detach(), ref, rtol=1e-4, atol=1e-4, msg=f"{name} rank {rank} step {i} loss")
         full = spmd_ort.full_state_dict(model, opt, rank0_only=False)
         for n, want in ddp.module.state_dict().items():
@@ -176,7 +197,7 @@ def scenario(name: str, rank: int, world: int, ep: int, out_dir: str = "") -> di
                 assert r <= 2e-3, f"{name} rank {rank} step {i}: {names[k]} {key} differs by {r:.2e} relative"
         losses.append(float(loss))
     # each rank holds 1/world of every expert parameter and of its Adam moments
-    expert = {n: p for n, p in model.named_parameters() if ".mlp.experts." in n}
+    expert = {n: p for n, p in model.named_parameters() if ".experts." in n}
     held = {n: tuple(p.to_local().shape) for n, p in expert.items()}
     for n, p in expert.items():
         assert p.to_local().shape[0] * world == p.shape[0], (n, held[n])
