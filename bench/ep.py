@@ -2,6 +2,7 @@
 ``Parallel(dp_shard=2)`` (fully_shard) and torch DDP on the same 2 ranks, and the all-to-all bytes against the plan's.
 
 Run:  .venv/bin/python bench/ep.py [--experts 8,16] [--steps 3] [--repeats 2]
+      .venv/bin/python bench/ep.py --plan 8   (Mixtral-8x7B planned on 8 H100s: dp_shard=8 against ep=8)
 
 An HF Mixtral (transformers' default grouped_mm experts; random weights): 2 layers, d 256, experts of 1024 (gated),
 top-2, vocabulary 1024, a batch of 8 x 64 tokens per rank; AdamW, clipping.  Runners, each under torchrun on 2
@@ -138,16 +139,58 @@ def planned_all_to_all(experts: int) -> int:
         "all_to_all"]
 
 
+# Mixtral-8x7B's published config.json (mistralai/Mixtral-8x7B-v0.1): 46.7 B parameters, 12.9 B active per token
+MIXTRAL_8X7B = dict(vocab_size=32000, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
+                    num_attention_heads=32, num_key_value_heads=8, num_local_experts=8, num_experts_per_tok=2,
+                    max_position_embeddings=32768, rope_theta=1e6, rms_norm_eps=1e-5, tie_word_embeddings=False)
+
+
+def plan(world: int, seq: int = 4096) -> None:
+    """Mixtral-8x7B (bf16 parameters, fp32 reductions, every block checkpointed) planned on ``world`` H100s, one
+    sequence of ``seq`` tokens per rank: ``Parallel(dp_shard=world)`` against ``Parallel(dp_shard=world, ep=world)``."""
+    import torch
+    import transformers as T
+
+    sys.path.insert(0, str(ROOT))
+    import spmd_ort
+
+    cfg = T.MixtralConfig(**MIXTRAL_8X7B)
+    with torch.device("meta"):
+        model = T.MixtralForCausalLM(cfg)
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-4)
+    policy = spmd_ort.MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    batch = torch.zeros(1, seq, dtype=torch.long, device="meta")
+    print("| layout | reserved GiB/rank | all-gather GiB | reduce-scatter GiB | all-to-all GiB | predicted step s | "
+          "exposed comm s | tokens/s/GPU | planned in s |")
+    print("|---|---|---|---|---|---|---|---|---|")
+    for layout in (spmd_ort.Parallel(dp_shard=world, mixed_precision=policy),
+                   spmd_ort.Parallel(dp_shard=world, ep=world, experts=GLOB, mixed_precision=policy)):
+        t0 = time.perf_counter()
+        step = spmd_ort.compile(parallel_mode=layout, activation_memory_budget="full", backend="fx")(step_fn)
+        p = step.plan(model, opt, batch, world_size=world, export=False)
+        gib = {k: v / 2**30 for k, v in p.comm_bytes.items()}
+        name = f"dp_shard={world}" + (f", ep={layout.ep}" if layout.ep > 1 else "")
+        print(f"| {name} | {p.per_rank_bytes['reserved'] / 2**30:.1f} | {gib.get('all_gather', 0):.1f} | "
+              f"{gib.get('reduce_scatter', 0):.1f} | {gib.get('all_to_all', 0):.2f} | {p.predicted_step_s:.2f} | "
+              f"{p.exposed_comm_s:.2f} | {seq / p.predicted_step_s:,.0f} | {time.perf_counter() - t0:.0f} |",
+              flush=True)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--experts", default="8,16")
     ap.add_argument("--steps", type=int, default=3)
     ap.add_argument("--repeats", type=int, default=2)
+    ap.add_argument("--plan", type=int, default=0, metavar="RANKS",
+                    help="instead: plan Mixtral-8x7B on RANKS H100s, fully_shard against ep=RANKS")
     ap.add_argument("--worker")
     ap.add_argument("--out")
     args = ap.parse_args()
     if args.worker:
         worker(args.worker, int(args.experts), args.steps, args.out)
+        return
+    if args.plan:
+        plan(args.plan)
         return
     print("| experts | ddp: MiB, ms | fully_shard: MiB, ms | ep=2: MiB, ms | ep/fully_shard memory | ep/ddp memory | "
           "ep/fully_shard time | ep/ddp time | all-to-all KiB measured, planned |")

@@ -94,15 +94,16 @@ def localize_experts_pass(gm: fx.GraphModule, ctx) -> fx.GraphModule:
     _, efsdp_group = mode.group_names()
     calls = {c.index: c for c in ctx.opaque}
     modules, params, gathered, saved = [], 0, 0, 0
+    readers: dict[int, list] = {}  # param index -> (call, input position) of every host node that reads it
     for node in list(graph.nodes):
         if node.op != "call_function" or node.target is not opaque_forward:
             continue
         c = calls.get(node.args[1])
         if c is None or not c.expert_params:
             continue
-        modules.append(c.fqn)
+        if c.fqn not in modules:
+            modules.append(c.fqn)
         inputs = list(node.args[0])
-        local_index: dict[int, int] = {}  # param index -> the position of its gradient in the backward's outputs
         for pos in c.expert_params:
             found = _gather_chain(inputs[pos])
             if found is None:
@@ -141,10 +142,12 @@ def localize_experts_pass(gm: fx.GraphModule, ctx) -> fx.GraphModule:
                     refake(rebuilt, fake_mode)
             node.replace_input_with(inputs[pos], rebuilt)
             _dead(graph, [*reversed(chain), ag])
-            local_index[index] = pos
-            params += 1
-        _local_gradients(gm, ctx, node, c, local_index, efsdp, efsdp_group, fake_mode)
+            if index not in readers:
+                params += 1
+            readers.setdefault(index, []).append((c, pos))
         _price(gm, node, c, ep)
+    for index, calls_of in readers.items():  # (once per parameter: micro-batches call the experts again)
+        _local_gradients(gm, ctx, index, calls_of, efsdp, efsdp_group, fake_mode)
     if modules:
         ctx.results.record(ExpertParallelLayout(modules=tuple(modules), ep=ep, efsdp=efsdp, params=params,
                                                 gathered_bytes=gathered, saved_bytes=saved))
@@ -182,59 +185,54 @@ def _price(gm: fx.GraphModule, forward: fx.Node, c, ep: int) -> None:
                                    "rows": rows}
 
 
-def _local_gradients(gm, ctx, forward: fx.Node, c, local_index: dict[int, int], efsdp: int, efsdp_group: str,
-                     fake_mode) -> None:
-    """The gradients of the experts' blocks: from the host node's backward (now the block's shape) to the
-    rank's shard, averaged over the world."""
+def _local_gradients(gm, ctx, index: int, calls_of: list, efsdp: int, efsdp_group: str, fake_mode) -> None:
+    """The gradient of parameter ``index``'s blocks, from every host node that reads it (``calls_of``: (call,
+    input position); several with micro-batches): from their backwards (now the block's shape) to the rank's
+    shard, averaged over the world."""
     graph = gm.graph
-    backwards = [n for n in graph.nodes if n.op == "call_function" and n.target is opaque_backward
-                 and n.args[2] == c.index]
-    out_pos = {}  # input position -> position among the backward's gradients
-    j = 0
-    for i, g in enumerate(c.needs_grad):
-        if g:
-            out_pos[i] = j
-            j += 1
     world, ep = ctx.world_size, ctx.mode.ep
-    for index, pos in local_index.items():
-        spec = ctx.shard_specs[index]
-        block = (spec.shape[0] // ep, *spec.shape[1:])
-        grads = [u for b in backwards for u in b.users
-                 if u.target is operator.getitem and u.args[1] == out_pos[pos]]
-        for g in grads:
-            with fake_mode:
-                g.meta["val"] = torch.empty(block, dtype=val(g).dtype, device=val(g).device)
-        reductions = [n for n in graph.nodes if n.op == "call_function" and n.target is reduce_scatter
-                      and n.meta.get(GRADIENT_OF) == index]
-        if len(reductions) != 1 or not grads:
-            raise CompileError(f"expert parallel: the gradient of an expert parameter of `{c.fqn}` is not reduced "
-                               "once (gradient accumulation over several backward passes of the experts)",
-                               fqn=c.fqn, rank=ctx.rank)
-        rs = reductions[0]
-        # what computes the reduced value from the block's gradient(s) (sums of micro-batches, a reshape, a cast)
-        between = _between(grads, rs)
-        for n in between:
-            refake(n, fake_mode)
-        flat = rs.args[0]
-        (done,) = list(rs.users)
-        with graph.inserting_before(rs):
-            if efsdp == 1:
-                out = call(graph, aten.div.Tensor, (flat, world), None)
-            else:
-                scaled = call(graph, aten.div.Tensor, (flat, ep), None)
-                refake(scaled, fake_mode)
-                new_rs = call(graph, reduce_scatter, (scaled, efsdp, efsdp_group), None)
-                refake(new_rs, fake_mode)
-                new_rs.meta[GRADIENT_OF] = index
-                out = call(graph, wait_, (new_rs,), None)
-                set_phase(scaled, "backward")
-                set_phase(new_rs, "backward")
-            refake(out, fake_mode)
-            set_phase(out, "backward")
-        out.meta[SHARD_OF] = index
-        done.replace_all_uses_with(out)
-        graph.erase_node(done)
-        graph.erase_node(rs)
+    spec = ctx.shard_specs[index]
+    block = (spec.shape[0] // ep, *spec.shape[1:])
+    grads = []
+    for c, pos in calls_of:
+        out = sum(1 for g in c.needs_grad[:pos] if g)  # its position among the backward's gradients
+        grads += [u for b in graph.nodes if b.op == "call_function" and b.target is opaque_backward
+                  and b.args[2] == c.index for u in b.users if u.target is operator.getitem and u.args[1] == out]
+    for g in grads:
+        with fake_mode:
+            g.meta["val"] = torch.empty(block, dtype=val(g).dtype, device=val(g).device)
+    reductions = [n for n in graph.nodes if n.op == "call_function" and n.target is reduce_scatter
+                  and n.meta.get(GRADIENT_OF) == index]
+    fqn = calls_of[0][0].fqn
+    if len(reductions) != 1 or not grads:
+        raise CompileError(f"expert parallel: the gradient of an expert parameter of `{fqn}` is reduced "
+                           f"{len(reductions)} times, from {len(grads)} backward passes of the experts; expected one "
+                           "reduction of their sum", fqn=fqn, rank=ctx.rank)
+    rs = reductions[0]
+    # what computes the reduced value from the block's gradient(s) (sums of micro-batches, a reshape, a cast)
+    between = _between(grads, rs)
+    for n in between:
+        refake(n, fake_mode)
+    flat = rs.args[0]
+    (done,) = list(rs.users)
+    with graph.inserting_before(rs):
+        if efsdp == 1:
+            out = call(graph, aten.div.Tensor, (flat, world), None)
+        else:
+            scaled = call(graph, aten.div.Tensor, (flat, ep), None)
+            refake(scaled, fake_mode)
+            new_rs = call(graph, reduce_scatter, (scaled, efsdp, efsdp_group), None)
+            refake(new_rs, fake_mode)
+            new_rs.meta[GRADIENT_OF] = index
+            out = call(graph, wait_, (new_rs,), None)
+            set_phase(scaled, "backward")
+            set_phase(new_rs, "backward")
+        refake(out, fake_mode)
+        set_phase(out, "backward")
+    out.meta[SHARD_OF] = index
+    done.replace_all_uses_with(out)
+    graph.erase_node(done)
+    graph.erase_node(rs)
 
 
 def _between(sources: list[fx.Node], sink: fx.Node) -> list[fx.Node]:

@@ -32,12 +32,13 @@ GLOB = "model.layers.*.mlp.experts"
 def test_two_ranks_match_ddp(tmp_path):
     """dp_shard=2 x ep=2: every scenario matches DDP after every step (ep_parity asserts it on every rank): HF
     Mixtral on fx and ORT, Qwen3-MoE (with its router's auxiliary loss), DeepSeek-V3, a torchtitan-style
-    GroupedExperts LM on ORT, a router that starves an
+    GroupedExperts LM on ORT, gradient accumulation over two micro-batches, a router that starves an
     expert, a meta-device model parallelized and loaded from safetensors; FSDP2's mixed precision policy against
     fully_shard's; a glob that matches nothing."""
     ranks, _ = torchrun(tmp_path, script=SCRIPT, timeout=900)
     for r in ranks:
-        for name in ("mixtral", "mixtral-ort", "qwen3", "deepseek", "titan", "starved", "mixtral-even", "meta"):
+        for name in ("mixtral", "mixtral-ort", "qwen3", "deepseek", "titan", "accum", "starved", "mixtral-even",
+                     "meta"):
             got = r[name]
             assert len(got["losses"]) == ep_parity.STEPS and got["worst_rel"] < 2e-3, (name, got["worst_rel"])
             # 1/ep of every expert parameter on each rank (its optimizer state too, asserted there)
@@ -140,3 +141,27 @@ def test_plan_prices_the_exchange_instead_of_the_gathers():
     assert ep.per_rank_bytes["activations"] == pytest.approx(fsdp.per_rank_bytes["activations"], rel=0.1)
     assert "all_to_all" in ep.compute_s_by_kind or ep.comm_s > 0
     assert not ep.unpriced
+
+
+def test_the_command_line_plans_a_mixture_of_experts_config(tmp_path):
+    """``python -m spmd_ort.plan --model hf:<config.json> --parallel ep:4`` on 8 ranks: a Mixtral config built on
+    the meta device, fully_shard over 8 ranks with its experts computed over 4 of them; the all-to-all in the
+    plan's collectives."""
+    import json
+    import subprocess
+
+    import transformers
+
+    config = transformers.MixtralConfig(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                        num_attention_heads=4, num_key_value_heads=2, num_local_experts=8,
+                                        num_experts_per_tok=2)
+    config.save_pretrained(tmp_path)
+    out = tmp_path / "plan.json"
+    proc = subprocess.run([sys.executable, "-m", "spmd_ort.plan", "--model", f"hf:{tmp_path / 'config.json'}",
+                           "--world-size", "8", "--parallel", "ep:4", "--seq", "32", "--json", str(out)],
+                          capture_output=True, text=True, timeout=300, cwd=ROOT)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "fully_shard x expert parallel 4 (model.layers.*.mlp.experts)" in proc.stdout, proc.stdout
+    got = json.loads(out.read_text())
+    rows = 32 * 2  # tokens x top-k, per layer (batch 1)
+    assert got["comm_bytes"]["all_to_all"] == 2 * 4 * (rows * 3 // 4) * 64 * 4  # layers x (2 forward, 2 backward)

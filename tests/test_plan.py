@@ -279,8 +279,9 @@ def test_on_the_ort_backend_the_plan_exports_every_segment():
 
 
 @pytest.mark.parametrize("args,said", [
-    (["--world-size", "8", "--parallel", "tp:0"], "--parallel 'tp:0': give replicate, fully_shard or tp:<T>"),
+    (["--world-size", "8", "--parallel", "tp:0"], "--parallel 'tp:0': give replicate, fully_shard, tp:<T>"),
     (["--world-size", "8", "--parallel", "tp:3"], "--parallel tp:3: 3 does not divide --world-size 8"),
+    (["--world-size", "8", "--parallel", "ep:3"], "--parallel ep:3: 3 does not divide --world-size 8"),
     (["--world-size", "0"], "--world-size 0: give a positive integer"),
     (["--world-size", "8", "--device", "tpu"], "--device 'tpu': give one of h100, h100-96gb, h200, a100, cpu"),
     (["--world-size", "8", "--checkpointing", "most"], "--checkpointing 'most': give none, full, selective or a budget"),

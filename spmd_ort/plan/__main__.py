@@ -10,9 +10,10 @@ The model is built on the meta device with ``transformers`` from a config (``lla
 32 layers, d 4096, 32 heads / 8 KV heads, FFN 14336, vocabulary 128256), trained by a plain step (cross-entropy
 on the next token, ``clip_grad_norm_``, AdamW) compiled with the chosen parallel mode, and planned with
 :meth:`spmd_ort.CompiledStep.plan`.  ``--parallel``: ``replicate``, ``fully_shard``, ``tp:T`` (tensor parallel
-over ``T`` ranks, fully_shard over the rest: 2-D when ``T`` is less than the world).  ``--mixed-precision bf16``:
-FSDP2's ``MixedPrecisionPolicy(param_dtype=bfloat16, reduce_dtype=float32)``; ``--checkpointing``: ``full``,
-``selective`` (torchtitan's two modes) or an ``activation_memory_budget`` from 0 to 1.
+over ``T`` ranks, fully_shard over the rest: 2-D when ``T`` is less than the world), ``ep:E`` (a mixture-of-
+experts model's ``model.layers.*.mlp.experts`` computed by expert over ``E`` ranks, fully_shard over the world).
+``--mixed-precision bf16``: FSDP2's ``MixedPrecisionPolicy(param_dtype=bfloat16, reduce_dtype=float32)``;
+``--checkpointing``: ``full``, ``selective`` (torchtitan's two modes) or an ``activation_memory_budget`` from 0 to 1.
 """
 
 from __future__ import annotations
@@ -64,15 +65,19 @@ def llama_tensor_parallel_plan(model) -> dict:
     return plan
 
 
-def parse_parallel(spec: str) -> int | str:
-    """``--parallel``: ``"replicate"``, ``"fully_shard"``, or the tensor-parallel degree of ``tp:<T>``."""
+EXPERTS = "model.layers.*.mlp.experts"  # where transformers' MoE models keep their experts
+
+
+def parse_parallel(spec: str) -> int | str | tuple[str, int]:
+    """``--parallel``: ``"replicate"``, ``"fully_shard"``, the tensor-parallel degree of ``tp:<T>``, or
+    ``("ep", E)`` for ``ep:<E>``."""
     if spec in ("replicate", "fully_shard"):
         return spec
-    degree = spec[3:] if spec.startswith("tp:") else ""
-    if not degree.isdigit() or int(degree) < 1:
-        raise ValueError(f"--parallel {spec!r}: give replicate, fully_shard or tp:<T> (T ranks of tensor "
-                         "parallelism, a positive integer dividing --world-size)")
-    return int(degree)
+    kind, _, degree = spec.partition(":")
+    if kind not in ("tp", "ep") or not degree.isdigit() or int(degree) < 1:
+        raise ValueError(f"--parallel {spec!r}: give replicate, fully_shard, tp:<T> (T ranks of tensor "
+                         "parallelism) or ep:<E> (experts over E ranks), a positive integer dividing --world-size")
+    return int(degree) if kind == "tp" else ("ep", int(degree))
 
 
 PRECISIONS = {"none": None, "bf16": (torch.bfloat16, torch.float32), "fp16": (torch.float16, torch.float32)}
@@ -84,6 +89,8 @@ def parallel_mode(spec: str, model, world: int, precision: str = "none"):
     policy = spmd_ort.MixedPrecisionPolicy(param_dtype=dtypes[0], reduce_dtype=dtypes[1]) if dtypes else None
     if isinstance(kind, str):
         return spmd_ort.DataParallel(parallel_style=kind, mixed_precision=policy)
+    if isinstance(kind, tuple):  # expert parallel: fully_shard over the world, the experts over ep of its ranks
+        return spmd_ort.Parallel(dp_shard=world, ep=kind[1], experts=EXPERTS, mixed_precision=policy)
     plan = llama_tensor_parallel_plan(model)
     if kind == world:
         if policy is not None:  # a policy rides on the data-parallel mode: fully_shard over one group
@@ -127,8 +134,9 @@ def check_arguments(ap: argparse.ArgumentParser, args) -> None:
         kind = parse_parallel(args.parallel)
     except ValueError as exc:
         ap.error(str(exc))
-    if isinstance(kind, int) and args.world_size % kind:
-        ap.error(f"--parallel {args.parallel}: {kind} does not divide --world-size {args.world_size}")
+    degree = kind[1] if isinstance(kind, tuple) else kind
+    if isinstance(degree, int) and args.world_size % degree:
+        ap.error(f"--parallel {args.parallel}: {degree} does not divide --world-size {args.world_size}")
     try:
         parse_checkpointing(args.checkpointing)
     except ValueError as exc:

@@ -22,6 +22,7 @@ from torch.utils import _pytree as pytree
 from spmd_ort.capture.inputs import find_state_owners
 from spmd_ort.capture.prepare import Preparation
 from spmd_ort.distributed import dtensor, parallel
+from spmd_ort.distributed.experts import ExpertParallel
 from spmd_ort.distributed.sharding import persistent_bytes
 from spmd_ort.errors import ConfigError
 from spmd_ort.graph.slots import SlotKind
@@ -204,4 +205,6 @@ def _describe(mode, resolved) -> str:
         dp = resolved.dp
         return f"{resolved.parallel_style} {dp} x context parallel {resolved.cp}" if dp > 1 else \
             f"context parallel {resolved.cp}"
+    if isinstance(resolved, ExpertParallel):
+        return f"{resolved.parallel_style} x expert parallel {resolved.ep} ({resolved.experts})"
     return resolved.parallel_style

@@ -17,6 +17,7 @@ sent.
 * ``bf16``: FSDP2's mixed precision policy under ep against the same under fully_shard alone (one SGD step);
 * ``titan``: a torchtitan-style MoE LM (tests/models.py: ``GroupedExperts`` called on rows sorted by expert with
   their counts, scores applied before the experts, a shared expert), on ORT;
+* ``accum``: Mixtral with gradient accumulation (two micro-batches, each a backward, then one step);
 * ``starved``: Mixtral whose router never picks expert 3: it gets no token from any rank (its gradient zero, as
   DDP's; the rank that computes it reports 0 tokens for it).
 
@@ -51,8 +52,8 @@ from models import TitanMoELM  # noqa: E402
 STEPS = 5
 SEQ = 8
 PER_RANK = 2
-SCENARIOS = ("mixtral", "mixtral-ort", "qwen3", "deepseek", "titan", "starved", "mixtral-even", "meta", "bf16",
-             "errors")
+SCENARIOS = ("mixtral", "mixtral-ort", "qwen3", "deepseek", "titan", "accum", "starved", "mixtral-even", "meta",
+             "bf16", "errors")
 # per scenario (per-rank batch, sequence length): mixtral-even routes enough tokens for the plan's even split
 SHAPES = {"mixtral-even": (4, 64)}
 
@@ -75,12 +76,25 @@ def titan_step(model, opt, x):
     return loss
 
 
+def accum_step(model, opt, x):
+    """Gradient accumulation: two micro-batches, each one backward, then one optimizer step."""
+    total = 0.0
+    for chunk in x.chunk(2):
+        loss = model(input_ids=chunk, labels=chunk).loss / 2
+        loss.backward()
+        total = total + loss.detach()
+    torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+    opt.step()
+    opt.zero_grad(set_to_none=True)
+    return total
+
+
 def build(name: str):
     import transformers as T
 
     common = dict(vocab_size=64, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
                   max_position_embeddings=64)
-    if name in ("mixtral", "mixtral-ort", "starved", "mixtral-even", "meta", "bf16", "errors"):
+    if name in ("mixtral", "mixtral-ort", "accum", "starved", "mixtral-even", "meta", "bf16", "errors"):
         cfg = T.MixtralConfig(**common, intermediate_size=64, num_local_experts=4, num_experts_per_tok=2)
         return T.MixtralForCausalLM(cfg), "model.layers.*.mlp.experts"
     if name == "qwen3":
@@ -173,7 +187,7 @@ def scenario(name: str, rank: int, world: int, ep: int, out_dir: str = "") -> di
     make = lambda p: torch.optim.AdamW(p, lr=1e-2, weight_decay=0.1)  # noqa: E731
     opt_ref, opt = make(ddp.parameters()), make(model.parameters())
     backend = "ort" if name.endswith("-ort") or name == "titan" else "fx"
-    fn = titan_step if name == "titan" else step_fn
+    fn = {"titan": titan_step, "accum": accum_step}.get(name, step_fn)
     step = spmd_ort.compile(parallel_mode=layout, backend=backend)(fn)
     losses, worst = [], 0.0
     names = [n for n, _ in base.named_parameters()]
