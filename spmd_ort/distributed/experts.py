@@ -278,11 +278,14 @@ def experts_runner(fqn: str, mod: nn.Module, forward, mode: ExpertParallel, n_pa
     ``mod.named_parameters()`` order."""
     from torch.nn.utils import stateless
 
-    from spmd_ort.capture.state import unique_named
     from spmd_ort.runtime.collectives import data_group
     from spmd_ort.runtime.step_runtime import current
 
-    _, names, _ = unique_named(mod.named_parameters(remove_duplicate=False))
+    # each distinct parameter's names (a tied one has several), in first-seen order: the capture's input order
+    by_id: dict[int, list[str]] = {}
+    for n, p in mod.named_parameters(remove_duplicate=False):
+        by_id.setdefault(id(p), []).append(n)
+    names = list(by_id.values())
     experts = num_experts(fqn, mod)
 
     def run(tensors: list[Tensor]):
