@@ -2,7 +2,8 @@
 ``Parallel(dp_shard=2)`` (fully_shard) and torch DDP on the same 2 ranks, and the all-to-all bytes against the plan's.
 
 Run:  .venv/bin/python bench/ep.py [--experts 8,16] [--steps 3] [--repeats 2]
-      .venv/bin/python bench/ep.py --plan 8   (Mixtral-8x7B planned on 8 H100s: dp_shard=8 against ep=8)
+      .venv/bin/python bench/ep.py --plan qwen3-30b-a3b --world 16   (planned at real size on 16 H100s:
+          dp_shard=16 against dp_shard=16, ep=16; also mixtral-8x7b, --device h200)
 
 An HF Mixtral (transformers' default grouped_mm experts; random weights): 2 layers, d 256, experts of 1024 (gated),
 top-2, vocabulary 1024, a batch of 8 x 64 tokens per rank; AdamW, clipping.  Runners, each under torchrun on 2
@@ -139,41 +140,52 @@ def planned_all_to_all(experts: int) -> int:
         "all_to_all"]
 
 
-# Mixtral-8x7B's published config.json (mistralai/Mixtral-8x7B-v0.1): 46.7 B parameters, 12.9 B active per token
+# published config.json files: Mixtral-8x7B (mistralai/Mixtral-8x7B-v0.1: 46.7 B parameters, 8 experts of
+# 14336, top-2) and Qwen3-30B-A3B (Qwen/Qwen3-30B-A3B: 30.5 B parameters, 128 experts of 768 per layer, top-8)
 MIXTRAL_8X7B = dict(vocab_size=32000, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
                     num_attention_heads=32, num_key_value_heads=8, num_local_experts=8, num_experts_per_tok=2,
                     max_position_embeddings=32768, rope_theta=1e6, rms_norm_eps=1e-5, tie_word_embeddings=False)
+QWEN3_30B_A3B = dict(vocab_size=151936, hidden_size=2048, intermediate_size=6144, moe_intermediate_size=768,
+                     num_hidden_layers=48, num_attention_heads=32, num_key_value_heads=4, head_dim=128,
+                     num_experts=128, num_experts_per_tok=8, norm_topk_prob=True, max_position_embeddings=40960,
+                     rope_theta=1e6, rms_norm_eps=1e-6, tie_word_embeddings=False)
+PLANS = {"mixtral-8x7b": ("MixtralForCausalLM", "MixtralConfig", MIXTRAL_8X7B),
+         "qwen3-30b-a3b": ("Qwen3MoeForCausalLM", "Qwen3MoeConfig", QWEN3_30B_A3B)}
 
 
-def plan(world: int, seq: int = 4096) -> None:
-    """Mixtral-8x7B (bf16 parameters, fp32 reductions, every block checkpointed) planned on ``world`` H100s, one
-    sequence of ``seq`` tokens per rank: ``Parallel(dp_shard=world)`` against ``Parallel(dp_shard=world, ep=world)``."""
+def plan(name: str, world: int, device: str, seq: int = 4096) -> None:
+    """``name`` (bf16 parameters, fp32 reductions, every block checkpointed) planned on ``world`` GPUs of
+    ``device``, one sequence of ``seq`` tokens per rank: ``Parallel(dp_shard=world)`` against
+    ``Parallel(dp_shard=world, ep=world)``."""
     import torch
     import transformers as T
 
     sys.path.insert(0, str(ROOT))
     import spmd_ort
 
-    cfg = T.MixtralConfig(**MIXTRAL_8X7B)
+    model_cls, config_cls, config = PLANS[name]
     with torch.device("meta"):
-        model = T.MixtralForCausalLM(cfg)
+        model = getattr(T, model_cls)(getattr(T, config_cls)(**config))
     opt = torch.optim.AdamW(model.parameters(), lr=3e-4)
     policy = spmd_ort.MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
     batch = torch.zeros(1, seq, dtype=torch.long, device="meta")
-    print("| layout | reserved GiB/rank | all-gather GiB | reduce-scatter GiB | all-to-all GiB | predicted step s | "
-          "exposed comm s | tokens/s/GPU | planned in s |")
-    print("|---|---|---|---|---|---|---|---|---|")
+    print(f"{name} on {world} x {device}, {seq} tokens per rank:\n")
+    print("| layout | state GiB/rank | activations GiB/rank | reserved GiB/rank | all-gather GiB | reduce-scatter GiB | "
+          "all-to-all GiB | predicted step s | exposed comm s | tokens/s/GPU | planned in s |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
     for layout in (spmd_ort.Parallel(dp_shard=world, mixed_precision=policy),
                    spmd_ort.Parallel(dp_shard=world, ep=world, experts=GLOB, mixed_precision=policy)):
         t0 = time.perf_counter()
         step = spmd_ort.compile(parallel_mode=layout, activation_memory_budget="full", backend="fx")(step_fn)
-        p = step.plan(model, opt, batch, world_size=world, export=False)
+        p = step.plan(model, opt, batch, world_size=world, device=device, export=False)
         gib = {k: v / 2**30 for k, v in p.comm_bytes.items()}
-        name = f"dp_shard={world}" + (f", ep={layout.ep}" if layout.ep > 1 else "")
-        print(f"| {name} | {p.per_rank_bytes['reserved'] / 2**30:.1f} | {gib.get('all_gather', 0):.1f} | "
-              f"{gib.get('reduce_scatter', 0):.1f} | {gib.get('all_to_all', 0):.2f} | {p.predicted_step_s:.2f} | "
-              f"{p.exposed_comm_s:.2f} | {seq / p.predicted_step_s:,.0f} | {time.perf_counter() - t0:.0f} |",
-              flush=True)
+        held = p.per_rank_bytes
+        state = (held["params"] + held["optimizer"] + held["grads"]) / 2**30
+        layout_name = f"dp_shard={world}" + (f", ep={layout.ep}" if layout.ep > 1 else "")
+        print(f"| {layout_name} | {state:.1f} | {held['activations'] / 2**30:.1f} | {held['reserved'] / 2**30:.1f} | "
+              f"{gib.get('all_gather', 0):.1f} | {gib.get('reduce_scatter', 0):.1f} | {gib.get('all_to_all', 0):.2f} | "
+              f"{p.predicted_step_s:.2f} | {p.exposed_comm_s:.2f} | {seq / p.predicted_step_s:,.0f} | "
+              f"{time.perf_counter() - t0:.0f} |", flush=True)
 
 
 def main() -> None:
@@ -181,8 +193,10 @@ def main() -> None:
     ap.add_argument("--experts", default="8,16")
     ap.add_argument("--steps", type=int, default=3)
     ap.add_argument("--repeats", type=int, default=2)
-    ap.add_argument("--plan", type=int, default=0, metavar="RANKS",
-                    help="instead: plan Mixtral-8x7B on RANKS H100s, fully_shard against ep=RANKS")
+    ap.add_argument("--plan", choices=sorted(PLANS), help="instead: plan this published MoE at real size, "
+                    "fully_shard against ep over every rank")
+    ap.add_argument("--world", type=int, default=8, help="--plan: the ranks")
+    ap.add_argument("--device", default="h100", help="--plan: the GPU")
     ap.add_argument("--worker")
     ap.add_argument("--out")
     args = ap.parse_args()
@@ -190,7 +204,7 @@ def main() -> None:
         worker(args.worker, int(args.experts), args.steps, args.out)
         return
     if args.plan:
-        plan(args.plan)
+        plan(args.plan, args.world, args.device)
         return
     print("| experts | ddp: MiB, ms | fully_shard: MiB, ms | ep=2: MiB, ms | ep/fully_shard memory | ep/ddp memory | "
           "ep/fully_shard time | ep/ddp time | all-to-all KiB measured, planned |")

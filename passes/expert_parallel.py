@@ -52,11 +52,14 @@ class ExpertParallelLayout(PassResult):
         group sizes (:meth:`spmd_ort.program.CompiledProgram.signature`)."""
         return self.efsdp > 1
 
+    recompute: bool = False  # the experts' backward runs their forward again (activation checkpointing)
+
     def lines(self) -> list[str]:
         held = "its own shard" if self.efsdp == 1 else f"gathered over {self.efsdp} ranks"
         return [f"expert parallel: {len(self.modules)} experts modules over ep={self.ep} ranks, each computing "
                 f"1/{self.ep} of the experts ({held}); {self.params} expert parameters not gathered whole "
-                f"({self.saved_bytes / 2**20:.2f} MiB of all-gathers fewer per use)"]
+                f"({self.saved_bytes / 2**20:.2f} MiB of all-gathers fewer per use)"
+                + ("; their backward runs their forward again (activation checkpointing)" if self.recompute else "")]
 
 
 def _gather_chain(node: fx.Node) -> tuple[fx.Node, fx.Node] | None:
@@ -103,6 +106,9 @@ def localize_experts_pass(gm: fx.GraphModule, ctx) -> fx.GraphModule:
             continue
         if c.fqn not in modules:
             modules.append(c.fqn)
+        # activation checkpointing (a budget below 1): the experts' backward runs their forward again, as a
+        # checkpointed block's does, instead of keeping what their autograd saved
+        c.recompute = ctx.activation_memory_budget != 1.0
         inputs = list(node.args[0])
         for pos in c.expert_params:
             found = _gather_chain(inputs[pos])
@@ -150,7 +156,8 @@ def localize_experts_pass(gm: fx.GraphModule, ctx) -> fx.GraphModule:
         _local_gradients(gm, ctx, index, calls_of, efsdp, efsdp_group, fake_mode)
     if modules:
         ctx.results.record(ExpertParallelLayout(modules=tuple(modules), ep=ep, efsdp=efsdp, params=params,
-                                                gathered_bytes=gathered, saved_bytes=saved))
+                                                gathered_bytes=gathered, saved_bytes=saved,
+                                                recompute=ctx.activation_memory_budget != 1.0))
     return gm
 
 
@@ -172,17 +179,20 @@ def _price(gm: fx.GraphModule, forward: fx.Node, c, ep: int) -> None:
     # what the experts' autograd keeps from forward to backward, outside the graph (held by the host node's
     # token): per row its input and output (2 x hidden) and its intermediates, about 4/3 of the experts'
     # parameters per hidden unit (a gated MLP's 2F + F parameters per hidden unit: gate and up, their product)
+    # (recomputed: the inputs only, and the backward runs the forward, its FLOPs and exchanges, again)
     width = hidden.shape[1]
     inner = sum(math.prod(c.inputs[i].shape) for i in c.expert_params) // (experts * width)
-    held = rows * (2 * width + 4 * inner // 3) * hidden.dtype.itemsize
+    inputs = sum(math.prod(m.shape) * m.dtype.itemsize for m in c.inputs[:c.expert_params[0]])
+    held = inputs if c.recompute else rows * (2 * width + 4 * inner // 3) * hidden.dtype.itemsize
     token = len(c.outputs)
     for user in forward.users:
         if user.target is operator.getitem and user.args[1] == token:
             user.meta[HELD_BYTES] = held
+    again = 1 if c.recompute else 0
     for n in gm.graph.nodes:
         if n.op == "call_function" and n.target is opaque_backward and n.args[2] == c.index:
-            n.meta[EXPERT_COST] = {"flops": 2 * flops, "all_to_all_bytes": moved, "all_to_all_calls": 2, "ep": ep,
-                                   "rows": rows}
+            n.meta[EXPERT_COST] = {"flops": (2 + again) * flops, "all_to_all_bytes": moved * (2 + again) // 2,
+                                   "all_to_all_calls": 2 + 3 * again, "ep": ep, "rows": rows}
 
 
 def _local_gradients(gm, ctx, index: int, calls_of: list, efsdp: int, efsdp_group: str, fake_mode) -> None:

@@ -32,13 +32,14 @@ GLOB = "model.layers.*.mlp.experts"
 def test_two_ranks_match_ddp(tmp_path):
     """dp_shard=2 x ep=2: every scenario matches DDP after every step (ep_parity asserts it on every rank): HF
     Mixtral on fx and ORT, Qwen3-MoE (with its router's auxiliary loss), DeepSeek-V3, a torchtitan-style
-    GroupedExperts LM on ORT, gradient accumulation over two micro-batches, a router that starves an
+    GroupedExperts LM on ORT, gradient accumulation over two micro-batches, every block checkpointed (the
+    experts recomputed in backward, their exchanges too), a router that starves an
     expert, a meta-device model parallelized and loaded from safetensors; FSDP2's mixed precision policy against
     fully_shard's; a glob that matches nothing."""
     ranks, _ = torchrun(tmp_path, script=SCRIPT, timeout=900)
     for r in ranks:
-        for name in ("mixtral", "mixtral-ort", "qwen3", "deepseek", "titan", "accum", "starved", "mixtral-even",
-                     "meta"):
+        for name in ("mixtral", "mixtral-ort", "qwen3", "deepseek", "titan", "accum", "recompute", "starved",
+                     "mixtral-even", "meta"):
             got = r[name]
             assert len(got["losses"]) == ep_parity.STEPS and got["worst_rel"] < 2e-3, (name, got["worst_rel"])
             # 1/ep of every expert parameter on each rank (its optimizer state too, asserted there)
@@ -48,6 +49,7 @@ def test_two_ranks_match_ddp(tmp_path):
             assert "Parallel(dp_shard=2, ep=2)" in got["explain"] and "expert load on the last step" in got["explain"]
         assert_ort_report_clean(r["mixtral-ort"]["ort"])
         assert_ort_report_clean(r["titan"]["ort"])
+        assert "their backward runs their forward again" in r["recompute"]["explain"]
         assert "(GroupedExperts)" in r["titan"]["opaque"][0]  # torchtitan's call: rows sorted by expert, counts
         # built on meta, parallelized, loaded: each rank read its half of the file (its experts' rows among it)
         loaded = r["meta"]["loaded"]

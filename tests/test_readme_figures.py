@@ -90,6 +90,7 @@ ZERO3_HISTORY = "bench/history/zero3.md"
 PACKAGE, PASSES = "spmd_ort/**/*.py", "passes/**/*.py"  # constants found wherever their module is
 
 EP_TABLE = "## bench/ep.py — expert parallelism on 2 ranks against fully_shard and DDP (issue 59)"
+EP_PLAN_TABLE = "Qwen3-30B-A3B (128 experts of 768 per layer, top-8) on 16 H100s:"
 CP_TABLE = "## bench/cp.py — context parallelism on 2 ranks against one rank on the whole sequence (issue 58)"
 
 CLAIMS: list[tuple[str, Source]] = [
@@ -99,6 +100,9 @@ CLAIMS: list[tuple[str, Source]] = [
     ("and {0.61x} DDP's", Cell(EP_TABLE, "16", "ep/ddp time")),
     ("even split was within {3.2%} of the all-to-all bytes", Prose("The plan's even split is within 3.2% of")),
     ("the plan's even split is within {10%} of the bytes measured", Fact("issue 59's target")),
+    ("`fully_shard` all-gathers {112.6 GiB} per rank and step", Cell(EP_PLAN_TABLE, "dp_shard=16", "all-gather GiB")),
+    ("the all-gathers fall to {4.6 GiB}", Cell(EP_PLAN_TABLE, "dp_shard=16, ep=16", "all-gather GiB")),
+    ("the all-to-alls add {28.1 GiB}", Cell(EP_PLAN_TABLE, "dp_shard=16, ep=16", "all-to-all GiB")),
     # context parallelism (issue 58)
     ("each rank's peak memory is {0.53×} one rank's", Cell(CP_TABLE, "16384", "cp2/eager memory")),
     ("one rank's and its step time {0.53×}", Cell(CP_TABLE, "16384", "cp2/eager time")),
@@ -315,13 +319,14 @@ def source_value(source: Source, read: Callable[[str], str]) -> tuple[float | No
 
 
 def unit_fits(source: Source, unit: str) -> bool:
-    """A cell's unit is its own (24%) or its column's: "(s)" seconds, "ms", "MiB", ratios ("x ...", "a/b", "vs")."""
+    """A cell's unit is its own (24%) or its column's: "(s)" seconds, "ms", "MiB", "GiB", ratios ("x ...", "a/b",
+    "vs")."""
     if not isinstance(source, Cell):
         return True
     if unit == "%":
         return True  # checked on the cell's text by the caller
     column = source.column
-    return {"s": "(s)" in column, "ms": "ms" in column, "MiB": "MiB" in column,
+    return {"s": "(s)" in column, "ms": "ms" in column, "MiB": "MiB" in column, "GiB": "GiB" in column,
             "×": "/" in column or column.startswith("x ") or "vs" in column}.get(unit, False)
 
 

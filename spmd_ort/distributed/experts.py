@@ -279,6 +279,7 @@ def experts_runner(fqn: str, mod: nn.Module, forward, mode: ExpertParallel, n_pa
     from torch.nn.utils import stateless
 
     from spmd_ort.runtime.collectives import data_group
+    from spmd_ort.runtime.opaque_calls import RERUN
     from spmd_ort.runtime.step_runtime import current
 
     # each distinct parameter's names (a tied one has several), in first-seen order: the capture's input order
@@ -305,9 +306,13 @@ def experts_runner(fqn: str, mod: nn.Module, forward, mode: ExpertParallel, n_pa
         runtime = current()
         if runtime is not None:
             step = runtime.comm.step
-            step.all_to_all_calls += 5  # sizes, tokens out and back; the backward's two (its gradients)
-            step.all_to_all_bytes += stats["bytes"]
-            step.expert_tokens.setdefault(fqn, []).append(stats["tokens"])
+            if RERUN.get():  # a backward's recomputation: its three exchanges again, its tokens counted already
+                step.all_to_all_calls += 3
+                step.all_to_all_bytes += stats["bytes"] // 2
+            else:
+                step.all_to_all_calls += 5  # sizes, tokens out and back; the backward's two (their gradients)
+                step.all_to_all_bytes += stats["bytes"]
+                step.expert_tokens.setdefault(fqn, []).append(stats["tokens"])
         return out
 
     return run

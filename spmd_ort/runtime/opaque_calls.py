@@ -86,6 +86,9 @@ class OpaqueCall:
     # expert parallelism (spmd_ort.distributed.experts): the input positions of the experts' parameters, which
     # the call receives as this rank's block of experts (spmd_ort.passes.expert_parallel)
     expert_params: tuple[int, ...] = ()
+    # the backward runs the forward again instead of keeping what its autograd saved (activation checkpointing
+    # of an experts module under expert parallelism: spmd_ort.passes.expert_parallel sets it under a budget)
+    recompute: bool = False
 
     @property
     def what(self) -> str:
@@ -158,12 +161,12 @@ class OpaqueFrame:
         leaves = [t.detach().requires_grad_(True) if g else t.detach() for t, g in zip(inputs, call.needs_grad)]
         for i in call.updates:  # the user's code updates these in place: give it copies, return them as new values
             leaves[i] = leaves[i].clone()
-        grad_mode = torch.enable_grad() if call.saves_for_backward else torch.no_grad()
-        with grad_mode:
+        keep = call.saves_for_backward and not call.recompute
+        with torch.enable_grad() if keep else torch.no_grad():
             raw = call.run(leaves)
         outs = call.split_outputs(raw)
-        if call.saves_for_backward:
-            self.saved[index] = (leaves, outs)
+        if call.saves_for_backward:  # (recompute: the inputs only; the backward runs the forward again)
+            self.saved[index] = (leaves, outs if keep else None)
         values = [_clone_if_alias(o.detach(), inputs).contiguous() for o in outs]
         values += [leaves[i].detach() for i in call.updates]
         return values + [torch.tensor(index)]
@@ -173,6 +176,13 @@ class OpaqueFrame:
         if index not in self.saved:
             raise RuntimeError(f"opaque {call.what}: backward ran without its forward in this step")
         leaves, outs = self.saved.pop(index)
+        if outs is None:  # recomputed: the forward again, with autograd recording it
+            token = RERUN.set(True)
+            try:
+                with torch.enable_grad():
+                    outs = call.split_outputs(call.run(leaves))
+            finally:
+                RERUN.reset(token)
         diff = [o for o, d in zip(outs, call.differentiable) if d]
         pairs = [(o, g) for o, g in zip(diff, grads) if o.requires_grad]
         wrt = [leaf for leaf, g in zip(leaves, call.needs_grad) if g]
@@ -185,6 +195,11 @@ class OpaqueFrame:
         # vector: eager would leave its .grad None (spmd_ort.capture.presence)
         present = torch.tensor([float(g is not None) for g in got], device=_device_of(wrt))
         return [torch.zeros_like(w) if g is None else g.contiguous() for w, g in zip(wrt, got)] + [present]
+
+
+# set while a backward runs its call's forward again (``OpaqueCall.recompute``): what the forward counts
+# (tokens per expert) is not counted twice
+RERUN: contextvars.ContextVar[bool] = contextvars.ContextVar("spmd_ort_opaque_rerun", default=False)
 
 
 # ---------------------------------------------------------------------- while tracing

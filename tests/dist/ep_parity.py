@@ -18,6 +18,8 @@ sent.
 * ``titan``: a torchtitan-style MoE LM (tests/models.py: ``GroupedExperts`` called on rows sorted by expert with
   their counts, scores applied before the experts, a shared expert), on ORT;
 * ``accum``: Mixtral with gradient accumulation (two micro-batches, each a backward, then one step);
+* ``recompute``: Mixtral with every block checkpointed (``activation_memory_budget="full"``): the experts'
+  backward runs their forward (and its exchanges) again;
 * ``starved``: Mixtral whose router never picks expert 3: it gets no token from any rank (its gradient zero, as
   DDP's; the rank that computes it reports 0 tokens for it).
 
@@ -52,8 +54,8 @@ from models import TitanMoELM  # noqa: E402
 STEPS = 5
 SEQ = 8
 PER_RANK = 2
-SCENARIOS = ("mixtral", "mixtral-ort", "qwen3", "deepseek", "titan", "accum", "starved", "mixtral-even", "meta",
-             "bf16", "errors")
+SCENARIOS = ("mixtral", "mixtral-ort", "qwen3", "deepseek", "titan", "accum", "recompute", "starved",
+             "mixtral-even", "meta", "bf16", "errors")
 # per scenario (per-rank batch, sequence length): mixtral-even routes enough tokens for the plan's even split
 SHAPES = {"mixtral-even": (4, 64)}
 
@@ -94,7 +96,7 @@ def build(name: str):
 
     common = dict(vocab_size=64, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
                   max_position_embeddings=64)
-    if name in ("mixtral", "mixtral-ort", "accum", "starved", "mixtral-even", "meta", "bf16", "errors"):
+    if name in ("mixtral", "mixtral-ort", "accum", "recompute", "starved", "mixtral-even", "meta", "bf16", "errors"):
         cfg = T.MixtralConfig(**common, intermediate_size=64, num_local_experts=4, num_experts_per_tok=2)
         return T.MixtralForCausalLM(cfg), "model.layers.*.mlp.experts"
     if name == "qwen3":
@@ -188,7 +190,8 @@ def scenario(name: str, rank: int, world: int, ep: int, out_dir: str = "") -> di
     opt_ref, opt = make(ddp.parameters()), make(model.parameters())
     backend = "ort" if name.endswith("-ort") or name == "titan" else "fx"
     fn = {"titan": titan_step, "accum": accum_step}.get(name, step_fn)
-    step = spmd_ort.compile(parallel_mode=layout, backend=backend)(fn)
+    budget = "full" if name == "recompute" else 1.0
+    step = spmd_ort.compile(parallel_mode=layout, backend=backend, activation_memory_budget=budget)(fn)
     losses, worst = [], 0.0
     names = [n for n, _ in base.named_parameters()]
     for i in range(STEPS):
@@ -218,8 +221,10 @@ def scenario(name: str, rank: int, world: int, ep: int, out_dir: str = "") -> di
         st = opt.state[p]
         assert st["exp_avg"].to_local().shape == p.to_local().shape, n
     comm = step.comm
-    # the bytes the step counted, over the world, are what the routing sent (4 times: out, back, and backward)
-    counted = torch.tensor([comm.all_to_all_bytes, 4 * sum(sent)], dtype=torch.float64)
+    # the bytes the step counted, over the world, are what the routing sent (4 times: out, back, and backward;
+    # recomputed, 6: the backward sends the tokens out and back again)
+    counted = torch.tensor([comm.all_to_all_bytes, (6 if name == "recompute" else 4) * sum(sent)],
+                           dtype=torch.float64)
     dist.all_reduce(counted)
     assert counted[0] == counted[1], f"{name}: all-to-all bytes counted {counted[0]:.0f}, routed {counted[1]:.0f}"
     if name == "starved":  # the rank computing expert 3 got no token for it, in every layer
