@@ -3,7 +3,7 @@
 
 Run:  .venv/bin/python bench/ep.py [--experts 8,16] [--steps 3] [--repeats 2]
       .venv/bin/python bench/ep.py --plan qwen3-30b-a3b --world 16   (planned at real size on 16 H100s:
-          dp_shard=16 against dp_shard=16, ep=16; also mixtral-8x7b, --device h200)
+          dp_shard=16 against dp_shard=16, ep=16; also mixtral-8x7b --world 16 --ep 8)
 
 An HF Mixtral (transformers' default grouped_mm experts; random weights): 2 layers, d 256, experts of 1024 (gated),
 top-2, vocabulary 1024, a batch of 8 x 64 tokens per rank; AdamW, clipping.  Runners, each under torchrun on 2
@@ -153,10 +153,10 @@ PLANS = {"mixtral-8x7b": ("MixtralForCausalLM", "MixtralConfig", MIXTRAL_8X7B),
          "qwen3-30b-a3b": ("Qwen3MoeForCausalLM", "Qwen3MoeConfig", QWEN3_30B_A3B)}
 
 
-def plan(name: str, world: int, device: str, seq: int = 4096) -> None:
+def plan(name: str, world: int, device: str, ep: int, seq: int = 4096) -> None:
     """``name`` (bf16 parameters, fp32 reductions, every block checkpointed) planned on ``world`` GPUs of
     ``device``, one sequence of ``seq`` tokens per rank: ``Parallel(dp_shard=world)`` against
-    ``Parallel(dp_shard=world, ep=world)``."""
+    ``Parallel(dp_shard=world, ep=ep)``."""
     import torch
     import transformers as T
 
@@ -174,7 +174,7 @@ def plan(name: str, world: int, device: str, seq: int = 4096) -> None:
           "all-to-all GiB | predicted step s | exposed comm s | tokens/s/GPU | planned in s |")
     print("|---|---|---|---|---|---|---|---|---|---|---|")
     for layout in (spmd_ort.Parallel(dp_shard=world, mixed_precision=policy),
-                   spmd_ort.Parallel(dp_shard=world, ep=world, experts=GLOB, mixed_precision=policy)):
+                   spmd_ort.Parallel(dp_shard=world, ep=ep, experts=GLOB, mixed_precision=policy)):
         t0 = time.perf_counter()
         step = spmd_ort.compile(parallel_mode=layout, activation_memory_budget="full", backend="fx")(step_fn)
         p = step.plan(model, opt, batch, world_size=world, device=device, export=False)
@@ -197,6 +197,7 @@ def main() -> None:
                     "fully_shard against ep over every rank")
     ap.add_argument("--world", type=int, default=8, help="--plan: the ranks")
     ap.add_argument("--device", default="h100", help="--plan: the GPU")
+    ap.add_argument("--ep", type=int, default=0, help="--plan: the ranks the experts are spread over (default: all)")
     ap.add_argument("--worker")
     ap.add_argument("--out")
     args = ap.parse_args()
@@ -204,7 +205,7 @@ def main() -> None:
         worker(args.worker, int(args.experts), args.steps, args.out)
         return
     if args.plan:
-        plan(args.plan, args.world, args.device)
+        plan(args.plan, args.world, args.device, args.ep or args.world)
         return
     print("| experts | ddp: MiB, ms | fully_shard: MiB, ms | ep=2: MiB, ms | ep/fully_shard memory | ep/ddp memory | "
           "ep/fully_shard time | ep/ddp time | all-to-all KiB measured, planned |")

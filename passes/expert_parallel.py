@@ -94,7 +94,6 @@ def localize_experts_pass(gm: fx.GraphModule, ctx) -> fx.GraphModule:
     fake_mode = fake_mode_of(gm)
     world, ep = ctx.world_size, mode.ep
     efsdp = world // ep
-    _, efsdp_group = mode.group_names()
     calls = {c.index: c for c in ctx.opaque}
     modules, params, gathered, saved = [], 0, 0, 0
     readers: dict[int, list] = {}  # param index -> (call, input position) of every host node that reads it
@@ -119,15 +118,19 @@ def localize_experts_pass(gm: fx.GraphModule, ctx) -> fx.GraphModule:
             index = shard.meta[SHARDED_PARAM]
             spec = ctx.shard_specs[index]
             block = (spec.shape[0] // ep, *spec.shape[1:])
+            efsdp_group = mode.group_names(spec.shape[0])[1]
             saved += val(ag).numel() * val(ag).element_size()
             with graph.inserting_before(node):
                 source = shard
-                if efsdp > 1:
+                if efsdp > 1:  # the block's shards (and, with fewer experts than ranks, padding after them)
                     with fake_mode:
                         v = torch.empty(spec.shard_numel * efsdp, dtype=val(shard).dtype, device=val(shard).device)
                     g = call(graph, all_gather, (shard, efsdp, -1, efsdp_group), v)
                     source = call(graph, wait_, (g,), v)
                     gathered += v.numel() * v.element_size()
+                    n = math.prod(block)
+                    if n < v.numel():
+                        source = call(graph, aten.slice.Tensor, (source, 0, 0, n), v[:n])
                 with fake_mode:
                     bv = val(source).reshape(block)
                 local = call(graph, aten.view.default, (source, list(block)), bv)
@@ -153,7 +156,7 @@ def localize_experts_pass(gm: fx.GraphModule, ctx) -> fx.GraphModule:
             readers.setdefault(index, []).append((c, pos))
         _price(gm, node, c, ep)
     for index, calls_of in readers.items():  # (once per parameter: micro-batches call the experts again)
-        _local_gradients(gm, ctx, index, calls_of, efsdp, efsdp_group, fake_mode)
+        _local_gradients(gm, ctx, index, calls_of, efsdp, fake_mode)
     if modules:
         ctx.results.record(ExpertParallelLayout(modules=tuple(modules), ep=ep, efsdp=efsdp, params=params,
                                                 gathered_bytes=gathered, saved_bytes=saved,
@@ -195,7 +198,7 @@ def _price(gm: fx.GraphModule, forward: fx.Node, c, ep: int) -> None:
                                    "all_to_all_calls": 2 + 3 * again, "ep": ep, "rows": rows}
 
 
-def _local_gradients(gm, ctx, index: int, calls_of: list, efsdp: int, efsdp_group: str, fake_mode) -> None:
+def _local_gradients(gm, ctx, index: int, calls_of: list, efsdp: int, fake_mode) -> None:
     """The gradient of parameter ``index``'s blocks, from every host node that reads it (``calls_of``: (call,
     input position); several with micro-batches): from their backwards (now the block's shape) to the rank's
     shard, averaged over the world."""
@@ -223,15 +226,23 @@ def _local_gradients(gm, ctx, index: int, calls_of: list, efsdp: int, efsdp_grou
     between = _between(grads, rs)
     for n in between:
         refake(n, fake_mode)
-    flat = rs.args[0]
+    flat, padded = rs.args[0], None
+    if flat.target is aten.constant_pad_nd.default:  # fully_shard's padding to the world's shards: not this one
+        flat, padded = flat.args[0], flat
     (done,) = list(rs.users)
     with graph.inserting_before(rs):
         if efsdp == 1:
             out = call(graph, aten.div.Tensor, (flat, world), None)
         else:
+            # the block's rows, then zeros for the group's padding shards (fewer experts than ranks)
+            extra = spec.shard_numel * efsdp - math.prod(block)
+            if extra:
+                flat = call(graph, aten.constant_pad_nd.default, (flat, [0, extra]), None)
+                refake(flat, fake_mode)
+                set_phase(flat, "backward")
             scaled = call(graph, aten.div.Tensor, (flat, ep), None)
             refake(scaled, fake_mode)
-            new_rs = call(graph, reduce_scatter, (scaled, efsdp, efsdp_group), None)
+            new_rs = call(graph, reduce_scatter, (scaled, efsdp, ctx.mode.group_names(spec.shape[0])[1]), None)
             refake(new_rs, fake_mode)
             new_rs.meta[GRADIENT_OF] = index
             out = call(graph, wait_, (new_rs,), None)
@@ -243,6 +254,8 @@ def _local_gradients(gm, ctx, index: int, calls_of: list, efsdp: int, efsdp_grou
     done.replace_all_uses_with(out)
     graph.erase_node(done)
     graph.erase_node(rs)
+    if padded is not None and not padded.users:
+        graph.erase_node(padded)
 
 
 def _between(sources: list[fx.Node], sink: fx.Node) -> list[fx.Node]:

@@ -71,12 +71,13 @@ def test_two_ranks_match_ddp(tmp_path):
 @pytest.mark.multiproc
 def test_four_ranks_shard_each_block(tmp_path):
     """dp_shard=4 x ep=2: each block of E/2 experts is sharded over 2 ranks (gathered over them, its gradient
-    reduce-scattered over them), and matches DDP on 4 ranks."""
-    ranks, _ = torchrun(tmp_path, "--scenarios", "mixtral,qwen3", script=SCRIPT, timeout=900, nproc=4)
-    for r in ranks:
-        for name, experts in (("mixtral", 4), ("qwen3", 8)):
+    reduce-scattered over them), and matches DDP on 4 ranks; with 2 experts, fewer than the ranks, too."""
+    ranks, _ = torchrun(tmp_path, "--scenarios", "mixtral,qwen3,few", script=SCRIPT, timeout=900, nproc=4)
+    for rank, r in enumerate(ranks):
+        for name, experts in (("mixtral", 4), ("qwen3", 8), ("few", 2)):
             assert r[name]["worst_rel"] < 2e-3
-            assert all(shape[0] * 4 == experts for shape in r[name]["held"].values()), r[name]["held"]
+            rows = experts // 4 if experts >= 4 else int(rank < experts)  # (few: ranks 2 and 3 hold padding)
+            assert all(shape[0] == rows for shape in r[name]["held"].values()), r[name]["held"]
             assert "gathered over 2 ranks" in r[name]["explain"], r[name]["explain"]
 
 
@@ -99,14 +100,26 @@ def test_layout_errors_name_the_fix():
         spmd_ort.Parallel(dp_shard=2, cp=2, ep=2, experts=GLOB)
     lowered = spmd_ort.Parallel(dp_shard=4, ep=2, experts=GLOB).lower(4)
     assert isinstance(lowered, ExpertParallel) and lowered.sharded and lowered.ep == 2
-    assert lowered.groups(4) == {"ep": [[0, 2], [1, 3]], "efsdp": [[0, 1], [2, 3]]}
+    assert lowered.groups(4, 4) == {"ep": [[0, 2], [1, 3]], "efsdp": [[0, 1], [2, 3]]}
+    # 2 experts on 4 ranks: ranks 0 and 1 hold them (fully_shard's rows), 2 and 3 padding; each block's group has
+    # its holder and a padding rank
+    assert lowered.groups(2, 4) == {"ep": [[0, 1], [2, 3]], "efsdp": [[0, 2], [1, 3]]}
+    # 8 experts on 16 ranks, ep 8: each expert held by one rank, gathered with one padding rank
+    assert ExpertParallel(ep=8, experts=GLOB, parallel_style="fully_shard").groups(8, 16)["efsdp"][3] == [3, 11]
     assert spmd_ort.Parallel.of(lowered, 4) == spmd_ort.Parallel(dp_shard=4, ep=2, experts=GLOB)
 
     model, _ = _meta("mixtral")  # 4 experts
     with pytest.raises(spmd_ort.ConfigError, match="4 experts, which do not split into 3"):
         check_experts(model, ExpertParallel(ep=3, experts=GLOB, parallel_style="fully_shard"), 6)
-    with pytest.raises(spmd_ort.ConfigError, match="dp_shard must divide 4"):
-        check_experts(model, ExpertParallel(ep=2, experts=GLOB, parallel_style="fully_shard"), 8)
+    import transformers as T
+
+    with torch.device("meta"):  # 6 experts on 4 ranks: fully_shard's 2 rows per rank straddle the blocks of 3
+        six = T.MixtralForCausalLM(T.MixtralConfig(vocab_size=64, hidden_size=32, intermediate_size=64,
+                                                   num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=2,
+                                                   num_local_experts=6, num_experts_per_tok=2))
+    with pytest.raises(spmd_ort.ConfigError, match="which do not tile its blocks of 3"):
+        check_experts(six, ExpertParallel(ep=2, experts=GLOB, parallel_style="fully_shard"), 4)
+    check_experts(model, ExpertParallel(ep=2, experts=GLOB, parallel_style="fully_shard"), 8)  # fewer than ranks
     with pytest.raises(spmd_ort.ConfigError, match="share no leading dim; expected parameters with a leading expert dim"):
         check_experts(model, ExpertParallel(ep=2, experts="model.layers.*.self_attn", parallel_style="fully_shard"), 2)
     with pytest.raises(spmd_ort.ConfigError, match=r"takes \(hidden_states\), which is not an experts module"):

@@ -6,9 +6,10 @@ parameters carry a leading expert dim: ``gate_up_proj`` (E, 2F, D), ``down_proj`
 other parameter is under fully_shard: rank r holds rows ``[r E/N, (r+1) E/N)``, that is experts ``r E/N ..``.
 What changes is where they compute:
 
-* the world is an ``(ep, efsdp)`` mesh (``efsdp = N / ep``, the inner dim).  The ``efsdp`` ranks next to each
-  other hold the shards of one block of E/ep experts, which they all-gather (instead of all E); the ``ep`` ranks
-  that share a position in their efsdp group exchange tokens;
+* the ranks form ``ep`` groups of ``efsdp = N / ep`` (:meth:`ExpertParallel.groups`): group j's ranks hold the
+  shards of block j of E/ep experts (next to each other; with fewer experts than ranks, the ranks whose shards are
+  its experts and some holding only fully_shard's padding), which they all-gather (instead of all E); the ``ep``
+  ranks that share a position in their groups exchange tokens;
 * the experts module runs as a host node of the graph (:mod:`spmd_ort.capture.opaque`), with the rank's block of
   experts: :func:`dispatch` sends each (token, chosen expert) pair to the rank that computes the expert
   (``all_to_all_single``, the sizes exchanged first: dropless), runs the module's own ``forward`` there on its
@@ -76,36 +77,43 @@ class ExpertParallel(DataParallel):
                              "('model.layers.*.mlp.experts')")
 
     def efsdp(self, world_size: int | None = None) -> int:
-        """How many ranks share (shard) one block of E/ep experts: the mesh's inner dim."""
+        """How many ranks share (shard) one block of E/ep experts."""
         n = world()[1] if world_size is None else world_size
         return n // self.ep
 
-    def ep_index(self, rank: int, world_size: int | None = None) -> int:
-        """Which block of E/ep experts ``rank`` computes."""
-        return rank // self.efsdp(world_size)
-
-    def groups(self, world_size: int | None = None) -> dict[str, list[list[int]]]:
-        """The ranks of each group: ``ep`` (ranks that exchange tokens), ``efsdp`` (ranks that shard one block)."""
+    def groups(self, experts: int, world_size: int | None = None) -> dict[str, list[list[int]]]:
+        """The ranks of each group for ``experts`` experts per module: ``efsdp`` (block j's ranks, which shard
+        it: first the ranks whose fully_shard rows are its experts, then ranks holding only padding rows when
+        there are fewer experts than ranks) and ``ep`` (the ranks at one position of every block's group, which
+        exchange tokens; the j-th of them computes block j).  Each group is in increasing rank order."""
         n = world()[1] if world_size is None else world_size
         inner = n // self.ep
-        return {"ep": [[j * inner + i for j in range(self.ep)] for i in range(inner)],
-                "efsdp": [list(range(j * inner, (j + 1) * inner)) for j in range(self.ep)]}
+        rows = -(-experts // n)  # fully_shard's rows of each rank (the last ranks' padding, with fewer experts)
+        holders = experts // self.ep // rows  # ranks whose rows are one block's experts
+        holding = experts // rows  # ranks holding experts; the rest hold padding rows only
+        efsdp = [list(range(j * holders, (j + 1) * holders))
+                 + list(range(holding + j * (inner - holders), holding + (j + 1) * (inner - holders)))
+                 for j in range(self.ep)]
+        return {"efsdp": efsdp, "ep": [[group[i] for group in efsdp] for i in range(inner)]}
 
-    def group_names(self) -> tuple[str, str]:
-        """(ep group's name, efsdp group's name; "" where the group is the world), built once per world: every rank
-        makes every group of the mesh together (the first compile, which every rank reaches alike)."""
-        efsdp = self.efsdp()
-        if efsdp == 1:
+    def group_names(self, experts: int) -> tuple[str, str]:
+        """(this rank's ep group's name, its efsdp group's name; "" where a group is the world), made once per world
+        and expert count: every rank makes every group together (the first compile, which every rank reaches
+        alike), in the same order."""
+        if self.efsdp() == 1:
             return "", ""
-        built = self.__dict__.get("_built")
-        if built is None or built[0] is not dist.group.WORLD:
-            from torch.distributed.device_mesh import init_device_mesh
-
-            device = "cuda" if dist.get_backend() == "nccl" else "cpu"
-            mesh = init_device_mesh(device, (self.ep, efsdp), mesh_dim_names=("ep", "efsdp"))
-            built = (dist.group.WORLD, mesh["ep"].get_group().group_name, mesh["efsdp"].get_group().group_name)
-            object.__setattr__(self, "_built", built)
-        return built[1], built[2]
+        built = self.__dict__.setdefault("_built", {})
+        key = (id(dist.group.WORLD), experts)
+        if key not in built:
+            rank = dist.get_rank()
+            mine = {}
+            for kind, groups in self.groups(experts).items():
+                for ranks in groups:
+                    group = dist.new_group(ranks)
+                    if rank in ranks:
+                        mine[kind] = group.group_name
+            built[key] = (mine["ep"], mine["efsdp"])
+        return built[key]
 
 
 def expert_modules(module: nn.Module, pattern: str) -> list[tuple[str, nn.Module]]:
@@ -176,9 +184,15 @@ def check_experts(module: nn.Module, mode: ExpertParallel, world_size: int) -> l
         if n % mode.ep:
             raise ConfigError(f"Parallel(ep={mode.ep}): module `{fqn}` has {n} experts, which do not split into "
                               f"{mode.ep} equal blocks. Fix: an ep that divides {n}", fqn=fqn, rank=rank)
-        if n % world_size:
-            raise ConfigError(f"Parallel(ep={mode.ep}, dp_shard={world_size}): module `{fqn}` has {n} experts; each "
-                              f"rank holds E/dp_shard of them, so dp_shard must divide {n}", fqn=fqn, rank=rank)
+        rows = -(-n // world_size)  # fully_shard's rows per rank
+        if (n // mode.ep) % rows:
+            raise ConfigError(f"Parallel(ep={mode.ep}, dp_shard={world_size}): module `{fqn}` has {n} experts, held "
+                              f"{rows} per rank by fully_shard, which do not tile its blocks of {n // mode.ep}. Fix: "
+                              f"a dp_shard that divides {n} or that {n} divides", fqn=fqn, rank=rank)
+    counts = {num_experts(fqn, mod) for fqn, mod in found}
+    if len(counts) > 1:
+        raise ConfigError(f"Parallel(experts={mode.experts!r}): the modules it matches have {sorted(counts)} experts; "
+                          "expert parallelism spreads modules of one expert count", rank=rank)
     return found
 
 
@@ -297,7 +311,7 @@ def experts_runner(fqn: str, mod: nn.Module, forward, mode: ExpertParallel, n_pa
             if p.shape[0] != expected:
                 raise CompileError(f"expert parallel: `{fqn}.{ns[0]}` reached the experts with {p.shape[0]} experts, "
                                    f"expected this rank's block of {expected}", fqn=fqn)
-        group = data_group(mode.group_names()[0])
+        group = data_group(mode.group_names(experts)[0])
         mapping = {n: t for ns, t in zip(names, params) for n in ns}
         stats: dict = {}
         spread = dispatch if kind == ROUTED else dispatch_sorted

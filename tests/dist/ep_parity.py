@@ -20,6 +20,9 @@ sent.
 * ``accum``: Mixtral with gradient accumulation (two micro-batches, each a backward, then one step);
 * ``recompute``: Mixtral with every block checkpointed (``activation_memory_budget="full"``): the experts'
   backward runs their forward (and its exchanges) again;
+* ``few`` (on 4 ranks): Mixtral with 2 experts (top-2: top-1 of 2 gives the router an analytically zero
+  gradient), fewer than the ranks: ranks 0 and 1 hold the experts'
+  rows, ranks 2 and 3 fully_shard's padding; each block of one expert is gathered over a holder and a padding rank;
 * ``starved``: Mixtral whose router never picks expert 3: it gets no token from any rank (its gradient zero, as
   DDP's; the rank that computes it reports 0 tokens for it).
 
@@ -55,7 +58,7 @@ STEPS = 5
 SEQ = 8
 PER_RANK = 2
 SCENARIOS = ("mixtral", "mixtral-ort", "qwen3", "deepseek", "titan", "accum", "recompute", "starved",
-             "mixtral-even", "meta", "bf16", "errors")
+             "mixtral-even", "meta", "bf16", "errors")  # and "few" (4 ranks)
 # per scenario (per-rank batch, sequence length): mixtral-even routes enough tokens for the plan's even split
 SHAPES = {"mixtral-even": (4, 64)}
 
@@ -98,6 +101,9 @@ def build(name: str):
                   max_position_embeddings=64)
     if name in ("mixtral", "mixtral-ort", "accum", "recompute", "starved", "mixtral-even", "meta", "bf16", "errors"):
         cfg = T.MixtralConfig(**common, intermediate_size=64, num_local_experts=4, num_experts_per_tok=2)
+        return T.MixtralForCausalLM(cfg), "model.layers.*.mlp.experts"
+    if name == "few":  # fewer experts than ranks (4): fully_shard's rows of the last ranks are padding
+        cfg = T.MixtralConfig(**common, intermediate_size=64, num_local_experts=2, num_experts_per_tok=2)
         return T.MixtralForCausalLM(cfg), "model.layers.*.mlp.experts"
     if name == "qwen3":
         cfg = T.Qwen3MoeConfig(**common, moe_intermediate_size=32, num_experts=8, num_experts_per_tok=2, head_dim=8,
@@ -216,8 +222,9 @@ def scenario(name: str, rank: int, world: int, ep: int, out_dir: str = "") -> di
     # each rank holds 1/world of every expert parameter and of its Adam moments
     expert = {n: p for n, p in model.named_parameters() if ".experts." in n}
     held = {n: tuple(p.to_local().shape) for n, p in expert.items()}
-    for n, p in expert.items():
-        assert p.to_local().shape[0] * world == p.shape[0], (n, held[n])
+    for n, p in expert.items():  # (fewer experts than ranks: one row each, the last ranks' padding)
+        assert p.to_local().shape[0] == (p.shape[0] // world if p.shape[0] >= world else int(rank < p.shape[0])), \
+            (n, held[n])
         st = opt.state[p]
         assert st["exp_avg"].to_local().shape == p.to_local().shape, n
     comm = step.comm
