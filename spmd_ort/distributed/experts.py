@@ -25,6 +25,7 @@ same.  The router, the shared experts and everything else are fully_shard's too.
 
 from __future__ import annotations
 
+import contextlib
 import fnmatch
 import inspect
 from dataclasses import dataclass
@@ -161,12 +162,14 @@ def check_experts(module: nn.Module, mode: ExpertParallel, world_size: int) -> l
     if world_size % mode.ep:
         raise ConfigError(f"Parallel(ep={mode.ep}): ep borrows its ranks from dp_shard, so it must divide "
                           f"dp_shard ({world_size})", rank=rank)
+    counts = set()
     for fqn, mod in found:
         params = list(mod.named_parameters())
         if not params:
             raise ConfigError(f"Parallel(experts={mode.experts!r}): module `{fqn}` ({type(mod).__name__}) has no "
                               f"parameters; expected {EXPECTED}", fqn=fqn, rank=rank)
         n = num_experts(fqn, mod)
+        counts.add(n)
         bad = [(name, tuple(p.shape)) for name, p in params if p.dim() < 2 or p.shape[0] != n]
         if bad:
             name, shape = bad[0]
@@ -189,7 +192,6 @@ def check_experts(module: nn.Module, mode: ExpertParallel, world_size: int) -> l
             raise ConfigError(f"Parallel(ep={mode.ep}, dp_shard={world_size}): module `{fqn}` has {n} experts, held "
                               f"{rows} per rank by fully_shard, which do not tile its blocks of {n // mode.ep}. Fix: "
                               f"a dp_shard that divides {n} or that {n} divides", fqn=fqn, rank=rank)
-    counts = {num_experts(fqn, mod) for fqn, mod in found}
     if len(counts) > 1:
         raise ConfigError(f"Parallel(experts={mode.experts!r}): the modules it matches have {sorted(counts)} experts; "
                           "expert parallelism spreads modules of one expert count", rank=rank)
@@ -206,6 +208,52 @@ def _all_to_all(x: Tensor, out_splits: list[int], in_splits: list[int], group) -
     return wait_tensor(all_to_all_single_autograd(x.contiguous(), out_splits, in_splits, group))
 
 
+@contextlib.contextmanager
+def _num_experts(mod: nn.Module, n: int):
+    """``mod.num_experts`` is ``n`` inside (what the module's forward reads for its count of experts)."""
+    saved = mod.__dict__.get("num_experts", None)
+    mod.num_experts = n
+    try:
+        yield
+    finally:
+        if saved is None:
+            del mod.num_experts
+        else:
+            mod.num_experts = saved
+
+
+def _exchange(compute, mod: nn.Module, experts: int, ep: int, group, out: Tensor, counts: Tensor,
+              stats: dict | None) -> Tensor:
+    """Rows ``out``, sorted by expert (``counts`` per expert), sent to the ranks of ``group`` that compute their
+    experts (the j-th rank: block j of E/ep); ``compute(rows, got)`` run there with ``mod.num_experts`` the
+    block's size, on the rows received (rank-major, each rank's by expert; ``got``: (ep, E/ep) rows of each local
+    expert from each rank); its results sent back, in ``out``'s order.  ``stats``: filled with the tokens each of
+    this rank's experts received and the bytes sent."""
+    local = experts // ep
+    got = torch.empty_like(counts)
+    dist.all_to_all_single(got, counts, group=group)  # how many rows of each of my experts each rank sends
+    got = got.view(ep, local)
+    send = counts.view(ep, local).sum(1).tolist()
+    recv = got.sum(1).tolist()
+    rows = _all_to_all(out, recv, send, group)
+    with _num_experts(mod, local):
+        done = compute(rows, got)
+    back = _all_to_all(done.to(out.dtype), send, recv, group)
+    if stats is not None:
+        me = dist.get_rank(group) if group is not None else dist.get_rank()
+        stats["tokens"] = got.sum(0).tolist()
+        # rows this rank sends to other ranks: its tokens out and the results back, and the backward's same two
+        remote = (sum(send) - send[me]) + (sum(recv) - recv[me])
+        stats["bytes"] = 2 * remote * out.shape[-1] * out.element_size()
+    return back
+
+
+def _local_ids(got: Tensor) -> Tensor:
+    """The local expert of each row received: ``got`` (ep, E/ep) rows of each local expert from each rank."""
+    ep, local = got.shape
+    return torch.repeat_interleave(torch.arange(local, device=got.device).repeat(ep), got.reshape(-1))
+
+
 def dispatch(forward, mod: nn.Module, experts: int, ep: int, group, hidden: Tensor, top_k_index: Tensor,
              top_k_weights: Tensor, *, stats: dict | None = None) -> Tensor:
     """The experts module's output for ``hidden`` with its experts spread over ``group`` (``ep`` ranks, this rank
@@ -214,41 +262,20 @@ def dispatch(forward, mod: nn.Module, experts: int, ep: int, group, hidden: Tens
 
     ``forward`` runs with the module's parameters bound to this rank's block (the caller binds them) and
     ``num_experts`` set to the block's size, on the rows other ranks sent it, each with its one expert and weight
-    1; the results come back and are summed with the router's weights.  ``stats``: filled with the tokens each
-    of this rank's experts received and the bytes sent."""
-    local = experts // ep
+    1; the results come back and are summed with the router's weights (:func:`_exchange`)."""
     k = top_k_index.shape[-1]
     flat = top_k_index.reshape(-1)
     order = torch.argsort(flat, stable=True)  # (token, choice) pairs by expert: by destination rank
-    counts = torch.bincount(flat, minlength=experts)
-    got = torch.empty_like(counts)
-    dist.all_to_all_single(got, counts, group=group)  # how many rows of each of my experts each rank sends
-    got = got.view(ep, local)
-    send = counts.view(ep, local).sum(1).tolist()
-    recv = got.sum(1).tolist()
     tokens = order // k
-    rows = _all_to_all(hidden[tokens], recv, send, group)
-    ids = torch.repeat_interleave(torch.arange(local, device=rows.device).repeat(ep), got.reshape(-1))
-    ones = torch.ones((rows.shape[0], 1), dtype=top_k_weights.dtype, device=rows.device)
-    saved = mod.__dict__.get("num_experts", None)
-    mod.num_experts = local
-    try:
-        out_rows = forward(rows, ids[:, None], ones)
-    finally:
-        if saved is None:
-            del mod.num_experts
-        else:
-            mod.num_experts = saved
-    back = _all_to_all(out_rows.to(hidden.dtype), send, recv, group)
+
+    def compute(rows: Tensor, got: Tensor) -> Tensor:
+        ones = torch.ones((rows.shape[0], 1), dtype=top_k_weights.dtype, device=rows.device)
+        return forward(rows, _local_ids(got)[:, None], ones)
+
+    back = _exchange(compute, mod, experts, ep, group, hidden[tokens], torch.bincount(flat, minlength=experts),
+                     stats)
     weights = top_k_weights.reshape(-1)[order].unsqueeze(-1)
-    combined = torch.zeros_like(hidden).index_add(0, tokens, (back * weights).to(hidden.dtype))
-    if stats is not None:
-        me = dist.get_rank(group) if group is not None else dist.get_rank()
-        stats["tokens"] = got.sum(0).tolist()
-        # rows this rank sends to other ranks: its tokens out and the results back, and the backward's same two
-        remote = (sum(send) - send[me]) + (sum(recv) - recv[me])
-        stats["bytes"] = 2 * remote * hidden.shape[-1] * hidden.element_size()
-    return combined
+    return torch.zeros_like(hidden).index_add(0, tokens, (back * weights).to(hidden.dtype))
 
 
 def dispatch_sorted(forward, mod: nn.Module, experts: int, ep: int, group, x: Tensor, counts: Tensor, *,
@@ -257,33 +284,13 @@ def dispatch_sorted(forward, mod: nn.Module, experts: int, ep: int, group, x: Te
     rows per expert, with the experts spread over ``group`` as :func:`dispatch` spreads them: the rows of each
     rank's experts sent to it, sorted by its experts there (the ranks' rows interleave), computed by the module's
     own forward on its E/ep experts, unsorted and sent back in ``x``'s order."""
-    local = experts // ep
-    counts = counts.to(torch.long)
-    got = torch.empty_like(counts)
-    dist.all_to_all_single(got, counts, group=group)
-    got = got.view(ep, local)
-    send = counts.view(ep, local).sum(1).tolist()
-    recv = got.sum(1).tolist()
-    rows = _all_to_all(x, recv, send, group)
-    ids = torch.repeat_interleave(torch.arange(local, device=rows.device).repeat(ep), got.reshape(-1))
-    order = torch.argsort(ids, stable=True)  # by local expert (each source's rows in their order)
-    saved = mod.__dict__.get("num_experts", None)
-    mod.num_experts = local
-    try:
-        out = forward(rows[order], got.sum(0))
-    finally:
-        if saved is None:
-            del mod.num_experts
-        else:
-            mod.num_experts = saved
-    unsorted = torch.empty_like(out).index_copy(0, order, out)
-    back = _all_to_all(unsorted.to(x.dtype), send, recv, group)
-    if stats is not None:
-        me = dist.get_rank(group) if group is not None else dist.get_rank()
-        stats["tokens"] = got.sum(0).tolist()
-        remote = (sum(send) - send[me]) + (sum(recv) - recv[me])
-        stats["bytes"] = 2 * remote * x.shape[-1] * x.element_size()
-    return back
+
+    def compute(rows: Tensor, got: Tensor) -> Tensor:
+        order = torch.argsort(_local_ids(got), stable=True)  # by local expert (each source's rows in their order)
+        done = forward(rows[order], got.sum(0))
+        return torch.empty_like(done).index_copy(0, order, done)
+
+    return _exchange(compute, mod, experts, ep, group, x, counts.to(torch.long), stats)
 
 
 def experts_runner(fqn: str, mod: nn.Module, forward, mode: ExpertParallel, n_params: int, kind: str = ROUTED):
