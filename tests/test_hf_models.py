@@ -10,7 +10,7 @@ from models import tiny_mixtral_config
 from spmd_ort.graph.flops import node_flops
 from spmd_ort.backends.inductor import cxx_compiler
 from spmd_ort.graph import ops
-from zoo import cls_step, deepseek_v3
+from zoo import clipped_lm_step as lm_step, cls_step, deepseek_v3
 
 transformers = pytest.importorskip("transformers")
 STEPS = 6
@@ -20,15 +20,6 @@ def _sgd(m):
     # SGD: GPT-2 and BERT carry a key bias whose gradient is analytically zero;
     # Adam would normalise its rounding noise into +-lr steps (see tests/models.py).
     return torch.optim.SGD(m.parameters(), lr=0.05, momentum=0.9)
-
-
-def lm_step(model, opt, x):
-    loss = model(input_ids=x, labels=x).loss
-    loss.backward()
-    torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-    opt.step()
-    opt.zero_grad(set_to_none=True)
-    return loss
 
 
 @pytest.mark.parametrize("backend", ["ort", "fx"])

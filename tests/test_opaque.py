@@ -27,6 +27,7 @@ from helpers import assert_ort_report_clean, assert_same_state, train_side_by_si
 from models import (FunctionMLP, GlobalCenter, MoENet, NumpyTanh, RoutedMoENet, ScaleByMax, starve,
                     tiny_mixtral_config)
 from spmd_ort.graph.ops import opaque_backward, opaque_forward
+from zoo import clipped_lm_step as lm_step
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -506,15 +507,6 @@ def test_checkpointed_blocks_with_an_opaque_function(reentrant):
 
 
 # ---------------------------------------------------------------------- HF Mixtral
-def lm_step(model, opt, x):
-    loss = model(input_ids=x, labels=x).loss
-    loss.backward()
-    torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-    opt.step()
-    opt.zero_grad(set_to_none=True)
-    return loss
-
-
 @pytest.mark.parametrize("backend", ["fx", "ort"])
 def test_hf_mixtral_tiny(backend):
     """Mixtral's experts as a loop over the experts hit (``experts_implementation="eager"``) branch on tensor

@@ -36,6 +36,25 @@ def lm_step(model, opt, x):
     return loss
 
 
+def clipped_step(loss_of, name: str):
+    """A train step ``(model, opt, x)``: ``loss_of(model, x)``, backward, gradients clipped to norm 1, the
+    optimizer's step, ``zero_grad``."""
+
+    def step(model, opt, x):
+        loss = loss_of(model, x)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        return loss
+
+    step.__name__ = step.__qualname__ = name
+    return step
+
+
+clipped_lm_step = clipped_step(lambda model, x: model(input_ids=x, labels=x).loss, "clipped_lm_step")
+
+
 def seq2seq_step(model, opt, x, y):
     loss = model(input_ids=x, labels=y).loss
     loss.backward()

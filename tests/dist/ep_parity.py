@@ -53,6 +53,7 @@ from dist_common import finish  # noqa: E402
 import spmd_ort  # noqa: E402
 from helpers import ort_report  # noqa: E402
 from models import TitanMoELM  # noqa: E402
+from zoo import clipped_lm_step, clipped_step  # noqa: E402
 
 STEPS = 5
 SEQ = 8
@@ -63,22 +64,8 @@ SCENARIOS = ("mixtral", "mixtral-ort", "qwen3", "deepseek", "titan", "accum", "r
 SHAPES = {"mixtral-even": (4, 64)}
 
 
-def step_fn(model, opt, x):
-    loss = model(input_ids=x, labels=x).loss
-    loss.backward()
-    torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-    opt.step()
-    opt.zero_grad(set_to_none=True)
-    return loss
-
-
-def titan_step(model, opt, x):
-    loss = model(x, x)
-    loss.backward()
-    torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-    opt.step()
-    opt.zero_grad(set_to_none=True)
-    return loss
+step_fn = clipped_lm_step
+titan_step = clipped_step(lambda model, x: model(x, x), "titan_step")
 
 
 def accum_step(model, opt, x):
