@@ -23,26 +23,12 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import statistics
-import subprocess
 import sys
-import tempfile
-import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
-ALLOCATOR = {"MALLOC_MMAP_THRESHOLD_": "131072", "MALLOC_TRIM_THRESHOLD_": "131072",
-             "SPMD_ORT_RETAIN_HOST_MEMORY": "0"}
-MIB = 2**20
+import multirank
+from multirank import MIB, ROOT, measure
 RUNNERS = {"eager": 1, "fx": 1, "cp2": 2}
-
-
-def _rss(field: str) -> int:
-    for line in Path("/proc/self/status").read_text().splitlines():
-        if line.startswith(field + ":"):
-            return int(line.split()[1]) * 1024
-    raise KeyError(field)
 
 
 def worker(runner: str, seq: int, steps: int, out: str) -> None:
@@ -72,31 +58,15 @@ def worker(runner: str, seq: int, steps: int, out: str) -> None:
         step = spmd_ort.compile(parallel_mode=mode, backend="fx")(step)
     g = torch.Generator().manual_seed(0)
     x, y = (torch.randint(0, 256, (1, seq), generator=g) for _ in range(2))
-    for _ in range(2):
-        step(model, opt, x, y)
-    dist.barrier()
-    Path("/proc/self/clear_refs").write_text("5")
-    base = _rss("VmRSS")
-    times = []
-    for _ in range(steps):
-        dist.barrier()
-        t0 = time.perf_counter()
-        step(model, opt, x, y)
-        times.append(time.perf_counter() - t0)
-    peak = _rss("VmHWM") - base
-    Path(out, f"rank{dist.get_rank()}.json").write_text(json.dumps({"peak": peak, "ms": statistics.median(times) * 1e3}))
+    measured = measure(lambda: step(model, opt, x, y), steps)
+    Path(out, f"rank{dist.get_rank()}.json").write_text(json.dumps(measured))
     dist.barrier()
     dist.destroy_process_group()
 
 
 def launch(runner: str, seq: int, steps: int, memory: bool) -> dict:
-    env = {**os.environ, "OMP_NUM_THREADS": "1", **(ALLOCATOR if memory else {})}
-    with tempfile.TemporaryDirectory() as out:
-        nproc = RUNNERS[runner]
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}", __file__,
-               "--worker", runner, "--seq", str(seq), "--steps", str(steps), "--out", out]
-        subprocess.run(cmd, check=True, env=env, capture_output=True, cwd=ROOT)
-        ranks = [json.loads(Path(out, f"rank{r}.json").read_text()) for r in range(nproc)]
+    ranks = multirank.launch(__file__, RUNNERS[runner], ["--worker", runner, "--seq", str(seq), "--steps", str(steps)],
+                             memory)
     return {"peak": max(r["peak"] for r in ranks) / MIB, "ms": max(r["ms"] for r in ranks)}
 
 

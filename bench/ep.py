@@ -26,18 +26,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
-import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
-ALLOCATOR = {"MALLOC_MMAP_THRESHOLD_": "131072", "MALLOC_TRIM_THRESHOLD_": "131072",
-             "SPMD_ORT_RETAIN_HOST_MEMORY": "0"}
-MIB = 2**20
+import multirank
+from multirank import MIB, ROOT, measure
 RUNNERS = ("ddp", "fsdp", "ep")
 BATCH, SEQ, GLOB = 8, 64, "model.layers.*.mlp.experts"
 
@@ -67,13 +62,6 @@ def layout(runner: str):
     return spmd_ort.Parallel(dp_shard=2, ep=2, experts=GLOB) if runner == "ep" else spmd_ort.Parallel(dp_shard=2)
 
 
-def _rss(field: str) -> int:
-    for line in Path("/proc/self/status").read_text().splitlines():
-        if line.startswith(field + ":"):
-            return int(line.split()[1]) * 1024
-    raise KeyError(field)
-
-
 def worker(runner: str, experts: int, steps: int, out: str) -> None:
     import torch
     import torch.distributed as dist
@@ -93,34 +81,18 @@ def worker(runner: str, experts: int, steps: int, out: str) -> None:
     step = step_fn if runner == "ddp" else spmd_ort.compile(parallel_mode=layout(runner), backend="fx")(step_fn)
     g = torch.Generator().manual_seed(rank)
     x = torch.randint(0, 1024, (BATCH, SEQ), generator=g)
-    for _ in range(2):
-        step(model, opt, x)
-    dist.barrier()
-    Path("/proc/self/clear_refs").write_text("5")
-    base = _rss("VmRSS")
-    times = []
-    for _ in range(steps):
-        dist.barrier()
-        t0 = time.perf_counter()
-        step(model, opt, x)
-        times.append(time.perf_counter() - t0)
-    peak = _rss("VmHWM") - base
-    moved = step.comm.all_to_all_bytes if runner == "ep" else 0
+    measured = measure(lambda: step(model, opt, x), steps)
+    measured["a2a"] = step.comm.all_to_all_bytes if runner == "ep" else 0
     if runner != "ddp":  # the last step leaves nothing in flight (no gather carried into a next step)
         step(model, opt, x, last_train_step=True)
-    Path(out, f"rank{rank}.json").write_text(json.dumps({"peak": peak, "ms": statistics.median(times) * 1e3,
-                                                         "a2a": moved}))
+    Path(out, f"rank{rank}.json").write_text(json.dumps(measured))
     dist.barrier()
     dist.destroy_process_group()
 
 
 def launch(runner: str, experts: int, steps: int, memory: bool) -> dict:
-    env = {**os.environ, "OMP_NUM_THREADS": "1", **(ALLOCATOR if memory else {})}
-    with tempfile.TemporaryDirectory() as out:
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", __file__,
-               "--worker", runner, "--experts", str(experts), "--steps", str(steps), "--out", out]
-        subprocess.run(cmd, check=True, env=env, capture_output=True, cwd=ROOT)
-        ranks = [json.loads(Path(out, f"rank{r}.json").read_text()) for r in range(2)]
+    ranks = multirank.launch(__file__, 2, ["--worker", runner, "--experts", str(experts), "--steps", str(steps)],
+                             memory)
     return {"peak": max(r["peak"] for r in ranks) / MIB, "ms": max(r["ms"] for r in ranks),
             "a2a": sum(r["a2a"] for r in ranks) / 2}
 
