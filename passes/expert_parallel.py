@@ -55,24 +55,27 @@ class ExpertParallelLayout(PassResult):
     recompute: bool = False  # the experts' backward runs their forward again (activation checkpointing)
 
     def lines(self) -> list[str]:
-        held = "its own shard" if self.efsdp == 1 else f"gathered over {self.efsdp} ranks"
+        held = "its own shard" if self.efsdp == 1 else \
+            f"gathered over {self.efsdp} ranks, {self.gathered_bytes / 2**20:.2f} MiB per step"
         return [f"expert parallel: {len(self.modules)} experts modules over ep={self.ep} ranks, each computing "
                 f"1/{self.ep} of the experts ({held}); {self.params} expert parameters not gathered whole "
                 f"({self.saved_bytes / 2**20:.2f} MiB of all-gathers fewer per use)"
                 + ("; their backward runs their forward again (activation checkpointing)" if self.recompute else "")]
 
 
-def _gather_chain(node: fx.Node) -> tuple[fx.Node, fx.Node] | None:
-    """(the all_gather, the sharded parameter placeholder) that ``node`` (a gathered parameter's view) reads."""
-    seen = node
+def _gather_chain(node: fx.Node) -> tuple[fx.Node, fx.Node, list[fx.Node]] | None:
+    """(the all_gather, the sharded parameter placeholder, the nodes from the gather to ``node``: wait_, slice, the
+    full view, then casts) that ``node`` (a gathered parameter's view) reads."""
+    seen, chain = node, []
     while seen.op == "call_function" and seen.target is not all_gather:
         if not seen.args or not isinstance(seen.args[0], fx.Node):
             return None
+        chain.append(seen)
         seen = seen.args[0]
     if seen.op != "call_function":
         return None
     shard = seen.args[0]
-    return (seen, shard) if shard.op == "placeholder" and SHARDED_PARAM in shard.meta else None
+    return (seen, shard, chain[::-1]) if shard.op == "placeholder" and SHARDED_PARAM in shard.meta else None
 
 
 def _dead(graph: fx.Graph, nodes) -> None:
@@ -114,7 +117,7 @@ def localize_experts_pass(gm: fx.GraphModule, ctx) -> fx.GraphModule:
             if found is None:
                 raise CompileError(f"expert parallel: input {pos} of the experts `{c.fqn}` is not a gathered "
                                    "parameter shard", fqn=c.fqn, rank=ctx.rank)
-            ag, shard = found
+            ag, shard, chain = found
             index = shard.meta[SHARDED_PARAM]
             spec = ctx.shard_specs[index]
             block = (spec.shape[0] // ep, *spec.shape[1:])
@@ -135,14 +138,8 @@ def localize_experts_pass(gm: fx.GraphModule, ctx) -> fx.GraphModule:
                     bv = val(source).reshape(block)
                 local = call(graph, aten.view.default, (source, list(block)), bv)
                 local.meta[EXPERT_BLOCK] = index
-            # the chain from the gathered full tensor to the host node (views; a mixed-precision cast) now reads
-            # the block: rebuild it on ``local``
-            chain = []
-            cur = inputs[pos]
-            while cur is not ag:
-                chain.append(cur)
-                cur = cur.args[0]
-            chain = chain[::-1]  # wait_, slice, view(full), then casts
+            # the chain from the gathered full tensor to the host node (a mixed-precision cast) now reads the
+            # block: rebuild it on ``local``
             full_at = next(i for i, n in enumerate(chain) if n.target is aten.view.default)
             rebuilt = local
             for n in chain[full_at + 1:]:
