@@ -106,6 +106,7 @@ LAYERS = [
     ("spmd_ort.step", "CompiledStep: one call, top to bottom"),
     ("spmd_ort.api", "compile()"),
     ("spmd_ort", "the public names"),
+    ("spmd_ort.integrations.transformers", "the Hugging Face Trainer, compiled; from_pretrained"),
     ("spmd_ort.plan.__main__", "python -m spmd_ort.plan: a model named on the command line, planned"),
 ]
 UNITS = [name for name, _ in LAYERS]
