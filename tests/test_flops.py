@@ -73,3 +73,15 @@ def test_what_no_formula_prices_is_named():
     assert unpriced(_node(aten.mm.default, (x, x))) is None and node_flops(_node(aten.mm.default, (x, x))) == 1024
     assert unpriced(_node(aten.add.Tensor, (x, x))) is None
     assert unpriced(_node(aten.matmul.default, (x, x))) == "aten.matmul.default"  # no formula (decomposes)
+
+
+def test_torchs_grouped_mm_is_priced_as_ours():
+    """``aten._grouped_mm`` (what a bf16 mixture of experts traces: transformers' ``grouped_mm`` experts) is priced by
+    our grouped matmul's formula: every routed row through one (K, N) matrix. Before, its formula was called with
+    tensors instead of shapes, failed, and the experts' FLOPs were left out of a bf16 plan."""
+    a, b = torch.empty(64, 32, device="meta", dtype=torch.bfloat16), torch.empty(4, 32, 48, device="meta",
+                                                                                dtype=torch.bfloat16)
+    offs = torch.empty(4, device="meta", dtype=torch.int32)
+    node = _node(aten._grouped_mm.default, (a, b, offs))
+    node.meta["val"] = torch.empty(64, 48, device="meta", dtype=torch.bfloat16)
+    assert node_flops(node) == 2 * 64 * 32 * 48 and unpriced(node) is None

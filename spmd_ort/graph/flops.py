@@ -105,8 +105,8 @@ def node_flops(node: fx.Node) -> int:
 
 def _formula(node: fx.Node):
     packet = getattr(node.target, "overloadpacket", None)
-    if packet is aten._grouped_mm:  # torch's registry lacks it; ours stands in for it when tracing
-        return ops.grouped_mm_flops
+    if packet is aten._grouped_mm:  # torch's registry lacks it: ours (registered, shapes in) stands in for it
+        return flop_registry.get(torch.ops.spmd_ort.grouped_mm)
     return flop_registry.get(packet)
 
 
