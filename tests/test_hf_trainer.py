@@ -41,14 +41,16 @@ def assert_same_training(ours, theirs, *, exact: bool):
     assert ours.train_step.compiled is not None and len(ours.train_step.variants) >= 1
 
 
-@pytest.mark.parametrize("ga,backend,bf16", [(2, "fx", False), (1, None, False), (2, "fx", True)],
-                         ids=["accumulate2-fx", "default-backend", "bf16-fx"])
-def test_trainer_matches_transformers_trainer(tmp_path, ga, backend, bf16):
+@pytest.mark.parametrize("ga,backend,precision", [(2, "fx", None), (1, None, None), (2, "fx", "bf16"),
+                                                  (1, "fx", "fp16")],
+                         ids=["accumulate2-fx", "default-backend", "bf16-fx", "fp16-fx"])
+def test_trainer_matches_transformers_trainer(tmp_path, ga, backend, precision):
     """Cosine schedule with warm-up, clipping at 0.5, weight decay, padding and -100 labels (the Trainer's
-    token-weighted loss over the accumulated window: num_items_in_batch), evaluation every 3 steps: the
-    Trainer's numbers, on fx bit for bit."""
+    token-weighted loss over the accumulated window: num_items_in_batch), evaluation every 3 steps, bf16 or fp16
+    autocast (accelerate's; on a CPU fp16 has no loss scaler): the Trainer's numbers, on fx bit for bit."""
     base = case.llama()
-    kw = dict(gradient_accumulation_steps=ga, bf16=bf16, eval_strategy="steps", eval_steps=3)
+    kw = dict(gradient_accumulation_steps=ga, eval_strategy="steps", eval_steps=3,
+              **({precision: True} if precision else {}))
     evals = case.dataset(8, seed=1)
     theirs = train(transformers.Trainer, copy.deepcopy(base), tmp_path / "hf", eval_data=evals, **kw)
     options = {"backend": backend} if backend else {}

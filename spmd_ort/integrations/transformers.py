@@ -17,8 +17,8 @@ How the Trainer's loop is met (``docs/huggingface.md``):
   ``fully_shard`` model whole); under a sharded layout the optimizer is checkpointed with DCP per rank.
 
 Whatever the compiled step cannot do as the Trainer does it is a :class:`~spmd_ort.errors.ConfigError` at
-``__init__``: DeepSpeed or FSDP arguments, ``torch_compile``, an optimizer other than SGD / Adam / AdamW, fp16,
-a callback that sees gradients (``on_pre_optimizer_step``, ``on_substep_end``).
+``__init__``: DeepSpeed or FSDP arguments, ``torch_compile``, fp16 with a loss scaler (a GPU's), an optimizer
+other than SGD / Adam / AdamW, a callback that sees gradients (``on_pre_optimizer_step``, ``on_substep_end``).
 
 :func:`from_pretrained` builds a model from a hub directory (or a config) on the meta device, lays it out
 (:func:`spmd_ort.parallelize`) and loads its safetensors shard by shard, each rank reading its own part.
@@ -26,7 +26,6 @@ a callback that sees gradients (``on_pre_optimizer_step``, ``on_substep_end``).
 
 from __future__ import annotations
 
-import contextlib
 import math
 import os
 from pathlib import Path
@@ -94,9 +93,6 @@ def _check_arguments(args) -> None:
     if args.torch_compile:
         raise ConfigError("Trainer: TrainingArguments(torch_compile=True) with spmd_ort's Trainer: the step is "
                           f"already compiled (compile_options={{'backend': 'inductor'}} runs it through inductor){fix}")
-    if args.fp16:
-        raise ConfigError("Trainer: TrainingArguments(fp16=True) is not supported by spmd_ort's Trainer yet "
-                          "(the Trainer's GradScaler skips are not mirrored); use bf16=True")
 
 
 class StepTaken(torch.optim.Optimizer):
@@ -171,6 +167,10 @@ class Trainer(transformers.Trainer):
     # ---- what the compiled step cannot do as the Trainer does: refused up front ----
     def _check_supported(self):
         args = self.args
+        if self.accelerator.scaler is not None:
+            raise ConfigError("Trainer: TrainingArguments(fp16=True) on a GPU trains with accelerate's loss scaler, "
+                              "whose skipped steps spmd_ort's Trainer does not mirror yet; use bf16=True (fp16 "
+                              "without a scaler, as on a CPU, is supported)")
         if self.optimizer is not None:
             opt_cls = type(self.optimizer)
         elif self.optimizer_cls_and_kwargs is not None:
@@ -190,10 +190,6 @@ class Trainer(transformers.Trainer):
                                       "compute_loss, or train with transformers.Trainer")
 
     # ---- the step: one window of micro-batches ----
-    def _autocast(self):
-        if self.args.bf16:
-            return torch.autocast(device_type=self.args.device.type, dtype=torch.bfloat16)
-        return contextlib.nullcontext()
 
     def _loss_is_scaled(self, num_items_in_batch) -> bool:
         if self.loss_is_scaled_for_ga is not None:
@@ -201,11 +197,13 @@ class Trainer(transformers.Trainer):
         return (self.model_accepts_loss_kwargs and num_items_in_batch is not None) or self.compute_loss_func is not None
 
     def _window(self, model, optimizer, batches, num_items_in_batch):
-        """What the Trainer does from a window's first micro-batch to ``zero_grad``, traced as one step."""
+        """What the Trainer does from a window's first micro-batch to ``zero_grad``, traced as one step: each
+        micro-batch's ``compute_loss`` under accelerate's autocast (``bf16``; ``fp16`` without a loss scaler, as on
+        a CPU), its backward, the gradients clipped, the optimizer's step, ``zero_grad``."""
         scaled = self._loss_is_scaled(num_items_in_batch)
         losses = []
         for inputs in batches:
-            with self._autocast():
+            with self.accelerator.autocast():
                 loss = self.compute_loss(model, inputs, num_items_in_batch=num_items_in_batch)
             if not scaled:
                 loss = loss / len(batches)
