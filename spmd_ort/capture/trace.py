@@ -272,7 +272,7 @@ class _MetaAttention(torch.overrides.TorchFunctionMode):
     a CPU run traces and whose memory is a GPU's flash attention's (the output and a logsumexp, no T x T
     probabilities kept): sdpa's kernel choice on meta tensors is its math form.  Grouped-query attention's keys
     and values are repeated to the query's heads first, and a boolean mask made additive, as sdpa hands them to
-    that kernel."""
+    that kernel; values of another head size than the queries' are padded to it, and the output cut back."""
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
@@ -290,8 +290,16 @@ class _MetaAttention(torch.overrides.TorchFunctionMode):
         mask = a.get("attn_mask")
         if mask is not None and mask.dtype == torch.bool:  # as sdpa hands the kernel a boolean mask: additive
             mask = torch.zeros_like(mask, dtype=q.dtype).masked_fill(mask.logical_not(), float("-inf"))
-        return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
-            q, k, v, a.get("dropout_p", 0.0), a.get("is_causal", False), attn_mask=mask, scale=a.get("scale"))[0]
+        dq, dv = q.size(-1), v.size(-1)
+        scale = a.get("scale")
+        if dq != dv:  # the kernel takes one head size: pad the smaller with zeros (as transformers does for flash
+            # attention: DeepSeek's 192-wide queries and keys, 128-wide values), keep the queries' scale, cut the output
+            scale = scale if scale is not None else dq ** -0.5
+            width = max(dq, dv)
+            q, k, v = (F.pad(t, (0, width - t.size(-1))) if t.size(-1) < width else t for t in (q, k, v))
+        out = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+            q, k, v, a.get("dropout_p", 0.0), a.get("is_causal", False), attn_mask=mask, scale=scale)[0]
+        return out[..., :dv] if out.size(-1) != dv else out
 
 
 class _Phases(torch.overrides.TorchFunctionMode):
