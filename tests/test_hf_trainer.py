@@ -52,10 +52,15 @@ def test_trainer_matches_transformers_trainer(tmp_path, ga, backend, precision):
     kw = dict(gradient_accumulation_steps=ga, eval_strategy="steps", eval_steps=3,
               **({precision: True} if precision else {}))
     evals = case.dataset(8, seed=1)
-    theirs = train(transformers.Trainer, copy.deepcopy(base), tmp_path / "hf", eval_data=evals, **kw)
+    # with 2 micro-batches a step: 10 rows, 5 batches, so each epoch ends on a window of one (6 steps: 2 epochs)
+    data = case.dataset(10 if ga == 2 else 48)
+    theirs = train(transformers.Trainer, copy.deepcopy(base), tmp_path / "hf", data=data, eval_data=evals, **kw)
     options = {"backend": backend} if backend else {}
-    ours = train(Trainer, copy.deepcopy(base), tmp_path / "ours", eval_data=evals, compile_options=options, **kw)
+    ours = train(Trainer, copy.deepcopy(base), tmp_path / "ours", data=data, eval_data=evals, compile_options=options,
+                 **kw)
     assert_same_training(ours, theirs, exact=backend == "fx")
+    if ga == 2:  # the short window is a second program (another number of micro-batches)
+        assert theirs.state.epoch == 2 and len(ours.train_step.variants) == 2
 
 
 def test_save_model_loads_with_from_pretrained(tmp_path):
@@ -131,3 +136,18 @@ def test_two_ranks_against_the_trainers_ddp(tmp_path, mode):
                           out=tmp_path / "out", timeout=600)
     for r in run.ranks:
         assert r["checked"], r
+
+
+def test_the_example_trains_saves_and_reads_back(tmp_path):
+    """examples/hf_trainer.py as users run it (one process, a few steps of a smaller Llama): it trains, saves with
+    save_model and reads the weights back with from_pretrained."""
+    import subprocess
+    import sys
+
+    out = tmp_path / "example"
+    proc = subprocess.run([sys.executable, str(launch.ROOT / "examples" / "hf_trainer.py"), "--steps", "4", "--width",
+                           "32", "--batch", "2", "--backend", "fx", "--out", str(out)], capture_output=True,
+                          text=True, timeout=300, cwd=launch.ROOT)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "trained 4 steps" in proc.stdout and "read back by from_pretrained" in proc.stdout, proc.stdout
+    assert (out / "model.safetensors").is_file() and (out / "config.json").is_file()

@@ -28,10 +28,9 @@ import torch
 
 import spmd_ort
 
-LLAMA3_8B = dict(vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
-                 num_attention_heads=32, num_key_value_heads=8, max_position_embeddings=8192, rms_norm_eps=1e-5,
-                 rope_theta=500000.0, tie_word_embeddings=False, hidden_act="silu")
-MODELS = {"llama3-8b": LLAMA3_8B}
+from spmd_ort.plan.hf_configs import CONFIGS, SOURCES, config as published_config  # noqa: E402
+
+MODELS = CONFIGS  # a published model's name: its architecture from spmd_ort/plan/hf_configs.py
 
 
 def build_model(name: str, layers: int | None = None):
@@ -42,26 +41,55 @@ def build_model(name: str, layers: int | None = None):
     if name.startswith("hf:"):
         config = transformers.AutoConfig.from_pretrained(name[3:])
     else:
-        config = transformers.LlamaConfig(**MODELS[name])
+        config = published_config(name)
     if layers is not None:
         config.num_hidden_layers = layers
     config.use_cache = False
     with torch.device("meta"):
-        return transformers.AutoModelForCausalLM.from_config(config, torch_dtype=torch.float32,
-                                                             attn_implementation="sdpa")
+        try:
+            return transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32,
+                                                                 attn_implementation="sdpa")
+        except ValueError:  # a family without an SDPA path (Gemma 2's soft-capping, gpt-oss's sinks): eager's
+            return transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32,
+                                                                 attn_implementation="eager")
 
 
-def llama_tensor_parallel_plan(model) -> dict:
+ATTENTION = ("q_proj", "k_proj", "v_proj", "o_proj")
+MLP = ("gate_proj", "up_proj", "down_proj")
+
+
+def llama_tensor_parallel_plan(model, tp: int = 1) -> dict:
     """Megatron's plan for a Llama-style decoder: attention's q/k/v and the MLP's gate/up column-wise, their output
     projections row-wise (one all-reduce each in forward and backward); embeddings, norms and the head
-    replicated."""
+    replicated. Each half applies where the model has it whole: attention where the first layer has all of
+    ``q_proj``, ``k_proj``, ``v_proj``, ``o_proj``, transformers' own plan for the family
+    (``config.base_model_tp_plan``) splits them as Megatron does, and ``tp`` divides the query and key/value heads;
+    the MLP where it has ``gate_proj``, ``up_proj`` and ``down_proj`` (a mixture of experts has none). A model with
+    neither (fused projections: GPT-2, GPT-NeoX, Falcon, Phi-3) is a ``ValueError`` naming what was looked for."""
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
 
     col, row = ColwiseParallel(), RowwiseParallel()
     prefix = "model.layers.*"
-    plan = {f"{prefix}.self_attn.{p}": col for p in ("q_proj", "k_proj", "v_proj")}
-    plan |= {f"{prefix}.self_attn.o_proj": row, f"{prefix}.mlp.gate_proj": col, f"{prefix}.mlp.up_proj": col,
-             f"{prefix}.mlp.down_proj": row}
+    names = {name for name, _ in model.named_modules()}
+    cfg = model.config
+    heads = getattr(cfg, "num_attention_heads", 0)
+    kv = getattr(cfg, "num_key_value_heads", None) or heads
+    # attention only where transformers' own plan for the family is Megatron's: its modelling code then reshapes
+    # by the local head count (OLMo 2's norm over the whole projection, StableLM's views by the global head count:
+    # not)
+    theirs = getattr(cfg, "base_model_tp_plan", None) or {}
+    megatron = all(theirs.get(f"layers.*.self_attn.{p}") == "colwise" for p in ATTENTION[:3]) and \
+        theirs.get("layers.*.self_attn.o_proj") == "rowwise"
+    plan = {}
+    if all(f"model.layers.0.self_attn.{p}" in names for p in ATTENTION) and megatron and heads % tp == 0 and \
+            kv % tp == 0:
+        plan |= {f"{prefix}.self_attn.{p}": col for p in ATTENTION[:3]} | {f"{prefix}.self_attn.o_proj": row}
+    if all(f"model.layers.0.mlp.{p}" in names for p in MLP):
+        plan |= {f"{prefix}.mlp.gate_proj": col, f"{prefix}.mlp.up_proj": col, f"{prefix}.mlp.down_proj": row}
+    if not plan:
+        raise ValueError(f"no Megatron tensor-parallel plan fits {type(model).__name__}: it has neither "
+                         f"self_attn.{{{','.join(ATTENTION)}}} split as Megatron does (transformers' plan) with heads "
+                         f"({heads}, key/value {kv}) divisible by {tp} nor mlp.{{{','.join(MLP)}}} in model.layers.0")
     return plan
 
 
@@ -91,7 +119,7 @@ def parallel_mode(spec: str, model, world: int, precision: str = "none"):
         return spmd_ort.DataParallel(parallel_style=kind, mixed_precision=policy)
     if isinstance(kind, tuple):  # expert parallel: fully_shard over the world, the experts over ep of its ranks
         return spmd_ort.Parallel(dp_shard=world, ep=kind[1], experts=EXPERTS, mixed_precision=policy)
-    plan = llama_tensor_parallel_plan(model)
+    plan = llama_tensor_parallel_plan(model, kind)
     if kind == world:
         if policy is not None:  # a policy rides on the data-parallel mode: fully_shard over one group
             return spmd_ort.TensorParallel(plan, mesh=(1, kind), data_parallel=spmd_ort.DataParallel(
@@ -172,7 +200,8 @@ def lm_step(model, opt, tokens, labels):
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="python -m spmd_ort.plan", description=__doc__.split("\n\n")[0])
-    ap.add_argument("--model", default="llama3-8b", help="llama3-8b, or hf:<config.json>")
+    ap.add_argument("--model", default="llama3-8b",
+                    help=f"a published model ({', '.join(MODELS)}), or hf:<config.json>")
     ap.add_argument("--layers", type=int, help="override the config's number of layers")
     ap.add_argument("--world-size", type=int, required=True)
     ap.add_argument("--parallel", default="fully_shard", help="replicate | fully_shard | tp:<ranks>")
@@ -203,7 +232,8 @@ def main(argv=None) -> int:
     plan = step.plan(model, opt, tokens, tokens.clone(), world_size=args.world_size, device=args.device,
                      rank=args.rank, export=not args.no_export)
     n = sum(p.numel() for p in model.parameters())
-    print(f"{args.model}: {_count(n)} parameters, {model.config.num_hidden_layers} layers, vocabulary "
+    source = f" ({SOURCES[args.model]}'s config)" if args.model in SOURCES else ""
+    print(f"{args.model}{source}: {_count(n)} parameters, {model.config.num_hidden_layers} layers, vocabulary "
           f"{vocab}; batch {args.batch} x {args.seq} tokens per replica")
     print(plan.explain(args.picture))
     tp = parse_parallel(args.parallel)

@@ -2,6 +2,8 @@
 
     torchrun --standalone --nproc_per_node=2 tests/dist/hf_trainer.py --mode replicate|fully_shard --dir DIR --out OUT
 
+replicate is the Trainer's default under torchrun (``parallel_mode=None``: ``DataParallel()``).
+
 Both train tests/trainer_case.py's tiny Llama from the same weights on the same sharded data (the Trainer's
 accelerate dataloader), 2 micro-batches per step, a cosine schedule with warm-up, clipping, evaluation every 3
 steps. Each rank checks the logged losses (the mean over ranks), gradient norms and learning rates against the
@@ -66,7 +68,9 @@ def main() -> None:
     theirs = train(transformers.Trainer, copy.deepcopy(base), root / "hf")
     rank, world = dist.get_rank(), dist.get_world_size()
     assert world == 2 and isinstance(theirs.model_wrapped, torch.nn.parallel.DistributedDataParallel)
-    kw = dict(parallel_mode=a.mode, compile_options=FX, save_strategy="steps", save_steps=3)
+    # replicate: the Trainer's default under torchrun (parallel_mode=None: DataParallel())
+    kw = dict(parallel_mode=None if a.mode == "replicate" else a.mode, compile_options=FX, save_strategy="steps",
+              save_steps=3)
     ours = train(Trainer, copy.deepcopy(base), root / "ours", **kw)
     got, want = case.record(ours), case.record(theirs)
     assert got["lr"] == want["lr"] and len(got["loss"]) == 6, (got, want)
