@@ -64,7 +64,8 @@ def train(families: list[str]) -> dict:
 
 def cell(r: dict) -> str:
     if not r["ok"]:
-        return f"failed: {r['error']}"
+        return "no Megatron plan fits (below)" if "no Megatron tensor-parallel plan fits" in r["error"] \
+            else f"failed: {r['error']}"
     return (f"{r['device_gib']:.1f} GiB{'' if r['fits'] else ' (does not fit)'}, {r['tflop']:.0f} TFLOP, "
             f"{r['step_s']:.2f} s, {r['tok_s_gpu']:,.0f} tok/s/GPU; planned in {r['wall_s']:.0f} s")
 
@@ -90,19 +91,26 @@ def main() -> None:
             results[name]["train"] = r
     if a.json:
         Path(a.json).write_text(json.dumps(results, indent=1))
-    print(f"| family | config | parameters | fully_shard over {a.world}: device memory, step FLOPs, predicted step, "
-          f"throughput, plan wall time | tp 2 x fully_shard {a.world // 2}: the same | 2 ranks against DDP, 3 steps |")
-    print("| --- | --- | --- | --- | --- | --- |")
-    for name in families:
-        r = results[name]
+    print(table(results, a.world))
+
+
+def table(results: dict, world: int) -> str:
+    rows = [f"| family | config | parameters | fully_shard over {world}: device memory, step FLOPs, predicted step, "
+            f"throughput, plan wall time | tp 2 x fully_shard {world // 2}: the same | 2 ranks against DDP, 3 steps |",
+            "| --- | --- | --- | --- | --- | --- |"]
+    for name, r in results.items():
         params = next((x["params"] for x in r.values() if x.get("params")), None)
         trained = r.get("train")
         t = "-" if trained is None else (f"ok, worst parameter {trained['worst']:.1e}" if trained["ok"]
                                          else f"failed: {trained.get('error', 'on another rank')}")
-        print(f"| {name} | {SOURCES[name]} | {params / 1e9:.2f} B |" if params else f"| {name} | {SOURCES[name]} | - |",
-              f"{cell(r['fully_shard']) if 'fully_shard' in r else '-'} | {cell(r['tp2']) if 'tp2' in r else '-'} | "
-              f"{t} |")
+        size = f"{params / 1e9:.2f} B" if params else "-"
+        rows.append(f"| {name} | {SOURCES[name]} | {size} | {cell(r['fully_shard']) if 'fully_shard' in r else '-'} | "
+                    f"{cell(r['tp2']) if 'tp2' in r else '-'} | {t} |")
+    return "\n".join(rows)
 
 
 if __name__ == "__main__":
-    main()
+    if sys.argv[1:2] == ["--render"]:  # a saved --json's table again
+        print(table(json.loads(Path(sys.argv[2]).read_text()), int(sys.argv[3]) if len(sys.argv) > 3 else 8))
+    else:
+        main()
