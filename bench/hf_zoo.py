@@ -6,10 +6,11 @@ config trained on 2 real ranks against DDP.
 Plan: each family of ``spmd_ort/plan/hf_configs.py`` (the published config.json's architecture, built on the
 meta device, nothing downloaded) through ``python -m spmd_ort.plan`` (a subprocess each: its wall time is what a
 user waits for) for ``fully_shard`` over 8 fake ranks and for tensor parallel 2 x fully_shard 4 (Megatron's plan
-where it fits the family: ``llama_tensor_parallel_plan``), one sequence of 4096 tokens per replica (the family's
+where one fits the family: ``llama_tensor_parallel_plan``, transformers' own plan in torch's styles), one sequence of 4096 tokens per replica (the family's
 context where shorter), bf16 parameters with fp32 reductions (FSDP2's policy), AdamW, clipping; on the fx
 backend, without the ORT export, priced for an H100. Train: tests/dist/hf_zoo_parity.py on 2 ranks (torchrun):
-the tiny config, 3 AdamW steps with clipping, compiled (DataParallel, fx) against torch DDP.
+the tiny config, 3 AdamW steps with clipping, compiled (DataParallel, fx) against torch DDP, and under the
+family's tensor-parallel plan (tp 2, fx) against eager in one process.
 """
 
 from __future__ import annotations
@@ -54,18 +55,18 @@ def plan(name: str, layout: str, world: int, out: Path) -> dict:
                                                                          + d["per_rank_bytes"]["optimizer"]) / GIB}
 
 
-def train(families: list[str]) -> dict:
+def train(families: list[str], layout: str = "dp") -> dict:
     with tempfile.TemporaryDirectory() as out:
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-               str(ROOT / "tests" / "dist" / "hf_zoo_parity.py"), "--families", ",".join(families), "--out", out]
+               str(ROOT / "tests" / "dist" / "hf_zoo_parity.py"), "--families", ",".join(families), "--layout",
+               layout, "--out", out]
         subprocess.run(cmd, check=True, capture_output=True, cwd=ROOT, env={**os.environ, "OMP_NUM_THREADS": "1"})
         return json.loads((Path(out) / "rank0.json").read_text())
 
 
 def cell(r: dict) -> str:
     if not r["ok"]:
-        return "no Megatron plan fits (below)" if "no Megatron tensor-parallel plan fits" in r["error"] \
-            else f"failed: {r['error']}"
+        return "no plan fits (below)" if "tensor-parallel plan fits" in r["error"] else f"failed: {r['error']}"
     return (f"{r['device_gib']:.1f} GiB{'' if r['fits'] else ' (does not fit)'}, {r['tflop']:.0f} TFLOP, "
             f"{r['step_s']:.2f} s, {r['tok_s_gpu']:,.0f} tok/s/GPU; planned in {r['wall_s']:.0f} s")
 
@@ -76,19 +77,25 @@ def main() -> None:
     ap.add_argument("--world", type=int, default=8)
     ap.add_argument("--skip-train", action="store_true")
     ap.add_argument("--skip-plan", action="store_true")
-    ap.add_argument("--json", help="write every figure here")
+    ap.add_argument("--layouts", default=",".join(LAYOUTS))
+    ap.add_argument("--json", help="write every figure here (or, with --update, update it)")
+    ap.add_argument("--update", action="store_true", help="keep the --json file's other entries")
     a = ap.parse_args()
     families = a.families.split(",")
-    results = {name: {} for name in families}
+    results = json.loads(Path(a.json).read_text()) if a.update else {}
+    for name in families:
+        results.setdefault(name, {})
     if not a.skip_plan:
         with tempfile.TemporaryDirectory() as d:
             for name in families:
-                for layout in LAYOUTS:
+                for layout in a.layouts.split(","):
                     results[name][layout] = plan(name, layout, a.world, Path(d))
                     print(f"{name} {layout}: {cell(results[name][layout])}", file=sys.stderr, flush=True)
     if not a.skip_train:
         for name, r in train(families).items():
             results[name]["train"] = r
+        for name, r in train(families, "tp").items():
+            results[name]["train_tp"] = r
     if a.json:
         Path(a.json).write_text(json.dumps(results, indent=1))
     print(table(results, a.world))
@@ -96,16 +103,23 @@ def main() -> None:
 
 def table(results: dict, world: int) -> str:
     rows = [f"| family | config | parameters | fully_shard over {world}: device memory, step FLOPs, predicted step, "
-            f"throughput, plan wall time | tp 2 x fully_shard {world // 2}: the same | 2 ranks against DDP, 3 steps |",
-            "| --- | --- | --- | --- | --- | --- |"]
+            f"throughput, plan wall time | tp 2 x fully_shard {world // 2}: the same | 2 ranks against DDP, 3 steps | "
+            "tp 2 against eager, 3 steps |", "| --- | --- | --- | --- | --- | --- | --- |"]
+
+    def trained(r):
+        if r is None:
+            return "-"
+        if r["ok"]:
+            return f"ok, worst parameter {r['worst']:.1e}"
+        return "no plan" if "no tensor-parallel plan fits" in r.get("error", "") else \
+            f"failed: {r.get('error', 'on another rank')}"
+
     for name, r in results.items():
         params = next((x["params"] for x in r.values() if x.get("params")), None)
-        trained = r.get("train")
-        t = "-" if trained is None else (f"ok, worst parameter {trained['worst']:.1e}" if trained["ok"]
-                                         else f"failed: {trained.get('error', 'on another rank')}")
         size = f"{params / 1e9:.2f} B" if params else "-"
         rows.append(f"| {name} | {SOURCES[name]} | {size} | {cell(r['fully_shard']) if 'fully_shard' in r else '-'} | "
-                    f"{cell(r['tp2']) if 'tp2' in r else '-'} | {t} |")
+                    f"{cell(r['tp2']) if 'tp2' in r else '-'} | {trained(r.get('train'))} | "
+                    f"{trained(r.get('train_tp'))} |")
     return "\n".join(rows)
 
 

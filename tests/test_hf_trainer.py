@@ -47,7 +47,7 @@ def assert_same_training(ours, theirs, *, exact: bool):
 def test_trainer_matches_transformers_trainer(tmp_path, ga, backend, precision):
     """Cosine schedule with warm-up, clipping at 0.5, weight decay, padding and -100 labels (the Trainer's
     token-weighted loss over the accumulated window: num_items_in_batch), evaluation every 3 steps, bf16 or fp16
-    autocast (accelerate's; on a CPU fp16 has no loss scaler): the Trainer's numbers, on fx bit for bit."""
+    autocast (accelerate's; on a CPU fp16 has no loss scaler): the Trainer's numbers, on fx in fp32 bit for bit."""
     base = case.llama()
     kw = dict(gradient_accumulation_steps=ga, eval_strategy="steps", eval_steps=3,
               **({precision: True} if precision else {}))
@@ -58,7 +58,9 @@ def test_trainer_matches_transformers_trainer(tmp_path, ga, backend, precision):
     options = {"backend": backend} if backend else {}
     ours = train(Trainer, copy.deepcopy(base), tmp_path / "ours", data=data, eval_data=evals, compile_options=options,
                  **kw)
-    assert_same_training(ours, theirs, exact=backend == "fx")
+    # fp32 on fx: bit for bit; under autocast the CPU's bf16 matmuls may round differently from call to call
+    # (their blocking follows the buffers' alignment): the issue's tolerances
+    assert_same_training(ours, theirs, exact=backend == "fx" and precision is None)
     if ga == 2:  # the short window is a second program (another number of micro-batches)
         assert theirs.state.epoch == 2 and len(ours.train_step.variants) == 2
 

@@ -19,6 +19,7 @@ experts model's ``model.layers.*.mlp.experts`` computed by expert over ``E`` ran
 from __future__ import annotations
 
 import argparse
+import fnmatch
 import json
 import resource
 import sys
@@ -54,42 +55,66 @@ def build_model(name: str, layers: int | None = None):
                                                                  attn_implementation="eager")
 
 
-ATTENTION = ("q_proj", "k_proj", "v_proj", "o_proj")
 MLP = ("gate_proj", "up_proj", "down_proj")
+# transformers' tensor-parallel styles (``config.base_model_tp_plan``) that torch's own styles express; the others
+# (its packed and MoE styles) are left out, and a replicated norm's gradient is reduced by the compiled step anyway
+HF_STYLES = {"colwise": ("col", {}), "rowwise": ("row", {}), "colwise_gather_output": ("col", {"output": True}),
+             "rowwise_split_input": ("row", {"input": True}), "embedding_rowwise": ("row", {"input": True})}
+HEAD_SPLIT = ("colwise", "rowwise")  # styles that hand each rank whole heads: tp must divide the heads
+
+
+def _torch_style(hf_style: str):
+    from torch.distributed.tensor import Replicate
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
+
+    kind, how = HF_STYLES[hf_style]
+    if kind == "col":
+        return ColwiseParallel(output_layouts=Replicate()) if how else ColwiseParallel()
+    return RowwiseParallel(input_layouts=Replicate()) if how else RowwiseParallel()
 
 
 def llama_tensor_parallel_plan(model, tp: int = 1) -> dict:
-    """Megatron's plan for a Llama-style decoder: attention's q/k/v and the MLP's gate/up column-wise, their output
-    projections row-wise (one all-reduce each in forward and backward); embeddings, norms and the head
-    replicated. Each half applies where the model has it whole: attention where the first layer has all of
-    ``q_proj``, ``k_proj``, ``v_proj``, ``o_proj``, transformers' own plan for the family
-    (``config.base_model_tp_plan``) splits them as Megatron does, and ``tp`` divides the query and key/value heads;
-    the MLP where it has ``gate_proj``, ``up_proj`` and ``down_proj`` (a mixture of experts has none). A model with
-    neither (fused projections: GPT-2, GPT-NeoX, Falcon, Phi-3) is a ``ValueError`` naming what was looked for."""
+    """The tensor-parallel plan of a Hugging Face model: transformers' own plan for the family
+    (``config.base_model_tp_plan``) in torch's styles -- Megatron's for a Llama-style decoder (attention's q/k/v
+    and the MLP's gate/up column-wise, their output projections row-wise), or the family's own (Phi-3's and
+    OLMo 2's projections split with their outputs gathered, GPT-NeoX's fused per-head projection, an embedding
+    split by rows). Entries whose style torch has no equal for (packed and expert styles) are left out, and so
+    are attention's head-splitting entries where ``tp`` does not divide the query and key/value heads, and all of
+    attention where it normalises each head (Qwen 3's ``q_norm``: its gradient would need summing over the
+    group). A family
+    without a transformers plan gets Megatron's MLP where it has ``gate_proj``, ``up_proj`` and ``down_proj``.
+    A model left with no entry (GPT-2's ``Conv1D``, Falcon) is a ``ValueError`` naming what was looked for."""
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
 
-    col, row = ColwiseParallel(), RowwiseParallel()
-    prefix = "model.layers.*"
-    names = {name for name, _ in model.named_modules()}
+    names = [name for name, _ in model.named_modules()]
     cfg = model.config
     heads = getattr(cfg, "num_attention_heads", 0)
     kv = getattr(cfg, "num_key_value_heads", None) or heads
-    # attention only where transformers' own plan for the family is Megatron's: its modelling code then reshapes
-    # by the local head count (OLMo 2's norm over the whole projection, StableLM's views by the global head count:
-    # not)
+    base = getattr(model, "base_model_prefix", "model")
     theirs = getattr(cfg, "base_model_tp_plan", None) or {}
-    megatron = all(theirs.get(f"layers.*.self_attn.{p}") == "colwise" for p in ATTENTION[:3]) and \
-        theirs.get("layers.*.self_attn.o_proj") == "rowwise"
+    def attention(key: str) -> bool:
+        return "attn" in key or "attention" in key
+
+    # a norm inside attention that transformers marks replicated_with_grad_allreduce (Qwen 3's per-head q_norm and
+    # k_norm) sees only this rank's heads: its gradient must be summed over the tp group, which a plain replicated
+    # parameter's is not here; such attention is left whole
+    per_head_norms = any(attention(k) and v == "replicated_with_grad_allreduce" for k, v in theirs.items())
     plan = {}
-    if all(f"model.layers.0.self_attn.{p}" in names for p in ATTENTION) and megatron and heads % tp == 0 and \
-            kv % tp == 0:
-        plan |= {f"{prefix}.self_attn.{p}": col for p in ATTENTION[:3]} | {f"{prefix}.self_attn.o_proj": row}
-    if all(f"model.layers.0.mlp.{p}" in names for p in MLP):
-        plan |= {f"{prefix}.mlp.gate_proj": col, f"{prefix}.mlp.up_proj": col, f"{prefix}.mlp.down_proj": row}
+    for key, style in theirs.items():
+        fqn = f"{base}.{key}"
+        if style not in HF_STYLES or not any(fnmatch.fnmatchcase(n, fqn) for n in names):
+            continue
+        if attention(key) and (per_head_norms or style in HEAD_SPLIT and (heads % tp or kv % tp)):
+            continue
+        plan[fqn] = _torch_style(style)
+    if not theirs and all(f"{base}.layers.0.mlp.{p}" in names for p in MLP):
+        col, row = ColwiseParallel(), RowwiseParallel()
+        plan = {f"{base}.layers.*.mlp.gate_proj": col, f"{base}.layers.*.mlp.up_proj": col,
+                f"{base}.layers.*.mlp.down_proj": row}
     if not plan:
-        raise ValueError(f"no Megatron tensor-parallel plan fits {type(model).__name__}: it has neither "
-                         f"self_attn.{{{','.join(ATTENTION)}}} split as Megatron does (transformers' plan) with heads "
-                         f"({heads}, key/value {kv}) divisible by {tp} nor mlp.{{{','.join(MLP)}}} in model.layers.0")
+        raise ValueError(f"no tensor-parallel plan fits {type(model).__name__}: transformers has none for it "
+                         f"(config.base_model_tp_plan) in styles torch expresses, and it has no "
+                         f"mlp.{{{','.join(MLP)}}} in {base}.layers.0 for Megatron's")
     return plan
 
 

@@ -6,7 +6,9 @@ by the compiled step (DataParallel, fx) against torch DDP on the same ranks.
 Every rank builds the tiny model from one seed, trains a DDP copy (``find_unused_parameters``: a routed expert
 may get no token) and a compiled copy on its own batches (2 x 16 tokens) with AdamW (weight decay) and clipping
 at 1.0, and compares after every step: its loss within 1e-4, every parameter within 2e-3 relative (the norm of
-the difference over the tensor's), except the tensors whose gradient is analytically zero (``NOISE``: a key bias,
+the difference over the tensor's). ``--layout tp``: the compiled copy under the family's tensor-parallel plan
+(``spmd_ort.plan``'s ``llama_tensor_parallel_plan``, over both ranks, the same batches on each) against the
+model trained eagerly in the process, every parameter gathered. Except the tensors whose gradient is analytically zero (``NOISE``: a key bias,
 which Adam turns rounding noise into ±lr steps of in any two implementations). A family that fails records its
 error and the others go on. Every rank writes OUT/rank<r>.json: ``{family: {"ok", "loss", "worst", "error",
 "seconds"}}``.
@@ -49,37 +51,47 @@ def step(model, opt, x):
     return loss
 
 
-def family(name: str, rank: int) -> dict:
+def family(name: str, rank: int, layout: str) -> dict:
+    """``dp``: the compiled step on this rank's batch against DDP; ``tp``: the family's tensor-parallel plan
+    (spmd_ort.plan's, over both ranks, the same batch on each) against the model trained eagerly in this process."""
     import transformers
+
+    from spmd_ort.plan.__main__ import llama_tensor_parallel_plan
 
     torch.manual_seed(0)
     base = transformers.AutoModelForCausalLM.from_config(config(name, tiny=True))
-    ddp_model = copy.deepcopy(base)
-    ddp = DDP(ddp_model, find_unused_parameters=True)
+    eager_model = copy.deepcopy(base)
+    eager = DDP(eager_model, find_unused_parameters=True) if layout == "dp" else eager_model
     ours = copy.deepcopy(base)
-    opt_e = torch.optim.AdamW(ddp_model.parameters(), lr=3e-3, weight_decay=0.1)
+    opt_e = torch.optim.AdamW(eager_model.parameters(), lr=3e-3, weight_decay=0.1)
     opt_c = torch.optim.AdamW(ours.parameters(), lr=3e-3, weight_decay=0.1)
-    compiled = spmd_ort.compile(backend="fx")(step)
+    mode = None
+    if layout == "tp":
+        mode = spmd_ort.TensorParallel(llama_tensor_parallel_plan(ours, dist.get_world_size()))
+    compiled = spmd_ort.compile(backend="fx", parallel_mode=mode)(step)
     noise = NOISE.get(CONFIGS[name][0], ())
     losses, worst = [], 0.0
     for i in range(STEPS):
-        x = torch.randint(0, 256, (2, 16), generator=torch.Generator().manual_seed(100 * i + rank))
-        want = step(ddp, opt_e, x).item()
+        seed = 100 * i + (rank if layout == "dp" else 0)
+        x = torch.randint(0, 256, (2, 16), generator=torch.Generator().manual_seed(seed))
+        want = step(eager, opt_e, x).item()
         got = compiled(ours, opt_c, x).item()
-        assert abs(got - want) <= 1e-4, f"step {i + 1}: loss {got} against DDP's {want}"
+        assert abs(got - want) <= 1e-4, f"step {i + 1}: loss {got} against eager's {want}"
         losses.append(got)
-        for (pname, p), q in zip(ours.named_parameters(), ddp_model.parameters(), strict=True):
+        for (pname, p), q in zip(ours.named_parameters(), eager_model.parameters(), strict=True):
+            p = p.full_tensor() if hasattr(p, "full_tensor") else p  # (collective: every rank, in order)
             if any(fnmatch.fnmatch(pname, pat) for pat in noise):
                 continue
             rel = ((p.detach() - q.detach()).norm() / q.detach().norm().clamp_min(1e-12)).item()
             worst = max(worst, rel)
-            assert rel <= 2e-3, f"step {i + 1}: {pname} differs from DDP's by {rel:.2e} (relative)"
+            assert rel <= 2e-3, f"step {i + 1}: {pname} differs from eager's by {rel:.2e} (relative)"
     return {"loss": losses, "worst": worst, "skipped": list(noise)}
 
 
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--families", default=",".join(CONFIGS))
+    ap.add_argument("--layout", default="dp", choices=("dp", "tp"))
     ap.add_argument("--out", required=True)
     a = ap.parse_args()
     dist.init_process_group("gloo")
@@ -88,7 +100,7 @@ def main() -> None:
     for name in a.families.split(","):
         t0 = time.perf_counter()
         try:
-            results[name] = {"ok": True, **family(name, rank)}
+            results[name] = {"ok": True, **family(name, rank, a.layout)}
         except Exception as exc:  # noqa: BLE001 - recorded, the other families go on
             results[name] = {"ok": False, "error": f"{type(exc).__name__}: {str(exc)[:400]}",
                              "trace": traceback.format_exc()[-2000:]}
