@@ -90,3 +90,37 @@ class AppliedPlan:
 
     def commit(self) -> None:
         self._saved = None
+
+
+def replicate_with_grad_all_reduce():
+    """transformers' ``"replicated_with_grad_allreduce"`` as a torch ``ParallelStyle``: the module's parameters are
+    replicated over the mesh, and each forward reads them as local tensors whose gradient is this rank's part of
+    the whole, summed over the group. For a module applied to one rank's slice of a split activation as plain
+    local tensors (Qwen 3's per-head ``q_norm`` after a column-wise ``q_proj``): a plain parameter's gradient
+    there would be this rank's heads' alone."""
+    from torch.distributed.tensor import DTensor, Partial, Replicate, distribute_tensor
+    from torch.distributed.tensor.parallel import ParallelStyle
+
+    class ReplicateWithGradAllReduce(ParallelStyle):
+        def _apply(self, module: nn.Module, device_mesh) -> nn.Module:
+            for name, p in list(module.named_parameters(recurse=False)):
+                module.register_parameter(name, nn.Parameter(distribute_tensor(p.detach(), device_mesh, [Replicate()]),
+                                                             requires_grad=p.requires_grad))
+
+            def local_params(mod, args):
+                held = {name: p for name, p in mod._parameters.items() if isinstance(p, DTensor)}
+                for name, p in held.items():
+                    mod._parameters[name] = p.to_local(grad_placements=[Partial()])
+                mod.__dict__["_spmd_ort_held_params"] = held
+
+            def restore(mod, args, out):
+                mod._parameters.update(mod.__dict__.pop("_spmd_ort_held_params", {}))
+
+            module.register_forward_pre_hook(local_params)
+            module.register_forward_hook(restore)
+            return module
+
+        def __repr__(self):
+            return "ReplicateWithGradAllReduce()"
+
+    return ReplicateWithGradAllReduce()

@@ -56,10 +56,11 @@ def build_model(name: str, layers: int | None = None):
 
 
 MLP = ("gate_proj", "up_proj", "down_proj")
-# transformers' tensor-parallel styles (``config.base_model_tp_plan``) that torch's own styles express; the others
-# (its packed and MoE styles) are left out, and a replicated norm's gradient is reduced by the compiled step anyway
+# transformers' tensor-parallel styles (``config.base_model_tp_plan``) that torch's styles (and ours: a per-head
+# norm's replicated weight with its gradient summed over the group) express; the others (packed, MoE) are left out
 HF_STYLES = {"colwise": ("col", {}), "rowwise": ("row", {}), "colwise_gather_output": ("col", {"output": True}),
-             "rowwise_split_input": ("row", {"input": True}), "embedding_rowwise": ("row", {"input": True})}
+             "rowwise_split_input": ("row", {"input": True}), "embedding_rowwise": ("row", {"input": True}),
+             "replicated_with_grad_allreduce": ("replicate", {})}
 HEAD_SPLIT = ("colwise", "rowwise")  # styles that hand each rank whole heads: tp must divide the heads
 
 
@@ -68,6 +69,10 @@ def _torch_style(hf_style: str):
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
 
     kind, how = HF_STYLES[hf_style]
+    if kind == "replicate":
+        from spmd_ort.distributed.tensor_parallel import replicate_with_grad_all_reduce
+
+        return replicate_with_grad_all_reduce()
     if kind == "col":
         return ColwiseParallel(output_layouts=Replicate()) if how else ColwiseParallel()
     return RowwiseParallel(input_layouts=Replicate()) if how else RowwiseParallel()
@@ -79,9 +84,9 @@ def llama_tensor_parallel_plan(model, tp: int = 1) -> dict:
     and the MLP's gate/up column-wise, their output projections row-wise), or the family's own (Phi-3's and
     OLMo 2's projections split with their outputs gathered, GPT-NeoX's fused per-head projection, an embedding
     split by rows). Entries whose style torch has no equal for (packed and expert styles) are left out, and so
-    are attention's head-splitting entries where ``tp`` does not divide the query and key/value heads, and all of
-    attention where it normalises each head (Qwen 3's ``q_norm``: its gradient would need summing over the
-    group). A family
+    are attention's head-splitting entries where ``tp`` does not divide the query and key/value heads. A
+    per-head norm (Qwen 3's ``q_norm``, ``"replicated_with_grad_allreduce"``) stays replicated with its gradient
+    summed over the group (:func:`spmd_ort.distributed.tensor_parallel.replicate_with_grad_all_reduce`). A family
     without a transformers plan gets Megatron's MLP where it has ``gate_proj``, ``up_proj`` and ``down_proj``.
     A model left with no entry (GPT-2's ``Conv1D``, Falcon) is a ``ValueError`` naming what was looked for."""
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
@@ -95,16 +100,13 @@ def llama_tensor_parallel_plan(model, tp: int = 1) -> dict:
     def attention(key: str) -> bool:
         return "attn" in key or "attention" in key
 
-    # a norm inside attention that transformers marks replicated_with_grad_allreduce (Qwen 3's per-head q_norm and
-    # k_norm) sees only this rank's heads: its gradient must be summed over the tp group, which a plain replicated
-    # parameter's is not here; such attention is left whole
-    per_head_norms = any(attention(k) and v == "replicated_with_grad_allreduce" for k, v in theirs.items())
     plan = {}
     for key, style in theirs.items():
         fqn = f"{base}.{key}"
         if style not in HF_STYLES or not any(fnmatch.fnmatchcase(n, fqn) for n in names):
             continue
-        if attention(key) and (per_head_norms or style in HEAD_SPLIT and (heads % tp or kv % tp)):
+        # heads split only where tp divides them; a per-head norm's gradient is summed only where they are split
+        if attention(key) and (heads % tp or kv % tp) and (style in HEAD_SPLIT or HF_STYLES[style][0] == "replicate"):
             continue
         plan[fqn] = _torch_style(style)
     if not theirs and all(f"{base}.layers.0.mlp.{p}" in names for p in MLP):

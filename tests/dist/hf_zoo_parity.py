@@ -6,7 +6,8 @@ by the compiled step (DataParallel, fx) against torch DDP on the same ranks.
 Every rank builds the tiny model from one seed, trains a DDP copy (``find_unused_parameters``: a routed expert
 may get no token) and a compiled copy on its own batches (2 x 16 tokens) with AdamW (weight decay) and clipping
 at 1.0, and compares after every step: its loss within 1e-4, every parameter within 2e-3 relative (the norm of
-the difference over the tensor's). ``--layout tp``: the compiled copy under the family's tensor-parallel plan
+the difference over the tensor's). ``--layout tp``: with SGD (momentum 0.9), whose update follows the gradient's
+scale, the compiled copy under the family's tensor-parallel plan
 (``spmd_ort.plan``'s ``llama_tensor_parallel_plan``, over both ranks, the same batches on each) against the
 model trained eagerly in the process, every parameter gathered. Except the tensors whose gradient is analytically zero (``NOISE``: a key bias,
 which Adam turns rounding noise into ±lr steps of in any two implementations). A family that fails records its
@@ -63,8 +64,10 @@ def family(name: str, rank: int, layout: str) -> dict:
     eager_model = copy.deepcopy(base)
     eager = DDP(eager_model, find_unused_parameters=True) if layout == "dp" else eager_model
     ours = copy.deepcopy(base)
-    opt_e = torch.optim.AdamW(eager_model.parameters(), lr=3e-3, weight_decay=0.1)
-    opt_c = torch.optim.AdamW(ours.parameters(), lr=3e-3, weight_decay=0.1)
+    # tp: SGD with momentum, whose update follows the gradient's scale (Adam's would hide a gradient summed twice)
+    make_opt = (lambda ps: torch.optim.AdamW(ps, lr=3e-3, weight_decay=0.1)) if layout == "dp" else \
+        (lambda ps: torch.optim.SGD(ps, lr=0.05, momentum=0.9))
+    opt_e, opt_c = make_opt(eager_model.parameters()), make_opt(ours.parameters())
     mode = None
     if layout == "tp":
         mode = spmd_ort.TensorParallel(llama_tensor_parallel_plan(ours, dist.get_world_size()))
