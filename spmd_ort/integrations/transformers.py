@@ -73,8 +73,7 @@ def _parallel_mode(parallel_mode):
 def _check_own_batches(mode) -> None:
     """The Trainer's dataloader gives each rank its own batches: a layout whose ranks share one (tensor and
     context parallelism) would train on different data on each rank of its group."""
-    shared = {"tp": getattr(mode, "tp", 1), "cp": getattr(mode, "cp", 1)}
-    if isinstance(mode, spmd_ort.TensorParallel) or any(d != 1 for d in shared.values()):
+    if isinstance(mode, spmd_ort.TensorParallel) or getattr(mode, "tp", 1) != 1 or getattr(mode, "cp", 1) != 1:
         raise ConfigError(f"Trainer(parallel_mode={mode!r}): tensor and context parallelism need the same batch on "
                           "every rank of their group, and the Trainer's dataloader gives each rank its own; use "
                           "'replicate', 'fully_shard' or spmd_ort.Parallel(dp_shard=..., ep=...), or write the loop "
@@ -221,7 +220,8 @@ class Trainer(transformers.Trainer):
         return batches, num_items
 
     def training_step(self, model, inputs, num_items_in_batch=None):
-        if self._batches is None or not any(inputs is b for b in self._batches):
+        i = next((k for k, b in enumerate(self._batches or ()) if b is inputs), None)
+        if i is None:
             raise RuntimeError("spmd_ort Trainer: training_step runs inside trainer.train()'s loop only (it runs the "
                                "compiled step over the window of micro-batches get_batch_samples fetched)")
         if not self._losses:
@@ -230,7 +230,6 @@ class Trainer(transformers.Trainer):
             losses, self._grad_norm = self.train_step(self.model, self._optimizer, batches, self._num_items)
             self._losses = list(losses.unbind(0))
             self._stepped = True
-        i = next(k for k, b in enumerate(self._batches) if b is inputs)
         return self._losses[i]
 
     def _clip_grad_norm(self, model):
@@ -246,7 +245,6 @@ class Trainer(transformers.Trainer):
             self._created_lr_scheduler = False
         opt = self.optimizer.optimizer if isinstance(self.optimizer, StepTaken) else self.optimizer
         if opt is None:
-            self.optimizer = None
             opt = self.create_optimizer()
         self._optimizer = opt
         self.create_scheduler(num_training_steps=max_steps, optimizer=opt)

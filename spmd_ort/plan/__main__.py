@@ -56,26 +56,27 @@ def build_model(name: str, layers: int | None = None):
 
 
 MLP = ("gate_proj", "up_proj", "down_proj")
-# transformers' tensor-parallel styles (``config.base_model_tp_plan``) that torch's styles (and ours: a per-head
-# norm's replicated weight with its gradient summed over the group) express; the others (packed, MoE) are left out
-HF_STYLES = {"colwise": ("col", {}), "rowwise": ("row", {}), "colwise_gather_output": ("col", {"output": True}),
-             "rowwise_split_input": ("row", {"input": True}), "embedding_rowwise": ("row", {"input": True}),
-             "replicated_with_grad_allreduce": ("replicate", {})}
-HEAD_SPLIT = ("colwise", "rowwise")  # styles that hand each rank whole heads: tp must divide the heads
 
 
-def _torch_style(hf_style: str):
+def _hf_styles() -> dict:
+    """transformers' tensor-parallel styles (``config.base_model_tp_plan``) that torch's styles (and ours: a
+    per-head norm's replicated weight with its gradient summed over the group) express, as their makers; the
+    others (packed, MoE) are left out."""
     from torch.distributed.tensor import Replicate
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
 
-    kind, how = HF_STYLES[hf_style]
-    if kind == "replicate":
-        from spmd_ort.distributed.tensor_parallel import replicate_with_grad_all_reduce
+    from spmd_ort.distributed.tensor_parallel import replicate_with_grad_all_reduce
 
-        return replicate_with_grad_all_reduce()
-    if kind == "col":
-        return ColwiseParallel(output_layouts=Replicate()) if how else ColwiseParallel()
-    return RowwiseParallel(input_layouts=Replicate()) if how else RowwiseParallel()
+    return {"colwise": ColwiseParallel, "rowwise": RowwiseParallel,
+            "colwise_gather_output": lambda: ColwiseParallel(output_layouts=Replicate()),
+            "rowwise_split_input": lambda: RowwiseParallel(input_layouts=Replicate()),
+            "embedding_rowwise": lambda: RowwiseParallel(input_layouts=Replicate()),
+            "replicated_with_grad_allreduce": replicate_with_grad_all_reduce}
+
+
+# attention's styles that hold only where each rank gets whole heads: the splits, and a per-head norm's gradient
+# summed over the group (where the heads are not split, that would double it)
+PER_HEAD = ("colwise", "rowwise", "replicated_with_grad_allreduce")
 
 
 def llama_tensor_parallel_plan(model, tp: int = 1) -> dict:
@@ -97,18 +98,15 @@ def llama_tensor_parallel_plan(model, tp: int = 1) -> dict:
     kv = getattr(cfg, "num_key_value_heads", None) or heads
     base = getattr(model, "base_model_prefix", "model")
     theirs = getattr(cfg, "base_model_tp_plan", None) or {}
-    def attention(key: str) -> bool:
-        return "attn" in key or "attention" in key
-
+    styles = _hf_styles()
     plan = {}
     for key, style in theirs.items():
         fqn = f"{base}.{key}"
-        if style not in HF_STYLES or not any(fnmatch.fnmatchcase(n, fqn) for n in names):
+        if style not in styles or not any(fnmatch.fnmatchcase(n, fqn) for n in names):
             continue
-        # heads split only where tp divides them; a per-head norm's gradient is summed only where they are split
-        if attention(key) and (heads % tp or kv % tp) and (style in HEAD_SPLIT or HF_STYLES[style][0] == "replicate"):
+        if ("attn" in key or "attention" in key) and style in PER_HEAD and (heads % tp or kv % tp):
             continue
-        plan[fqn] = _torch_style(style)
+        plan[fqn] = styles[style]()
     if not theirs and all(f"{base}.layers.0.mlp.{p}" in names for p in MLP):
         col, row = ColwiseParallel(), RowwiseParallel()
         plan = {f"{base}.layers.*.mlp.gate_proj": col, f"{base}.layers.*.mlp.up_proj": col,

@@ -142,14 +142,12 @@ def config(name: str, *, tiny: bool = False, **overrides):
     import transformers
 
     model_type, fields = CONFIGS[name]
-    cls = transformers.AutoConfig.for_model(model_type).__class__
     fields = dict(fields)
-    if tiny:
-        reference = cls()
-        shrink = {k: v for k, v in TINY.items() if (k in fields or hasattr(reference, k))
-                  and k not in TINY_DROP.get(model_type, ())}
-        fields |= {k: v for k, v in shrink.items() if fields.get(k, getattr(reference, k, None)) is not None
-                   or k in fields} | TINY_FAMILY.get(model_type, {}) | TINY_TOKENS
+    if tiny:  # the shared shrink of each field the family sets, or has a value for by default
+        reference = transformers.AutoConfig.for_model(model_type)
+        fields |= {k: v for k, v in TINY.items() if k not in TINY_DROP.get(model_type, ())
+                   and (k in fields or getattr(reference, k, None) is not None)}
+        fields |= TINY_FAMILY.get(model_type, {}) | TINY_TOKENS
     cfg = transformers.AutoConfig.for_model(model_type, **(fields | overrides))
     cfg.use_cache = False
     return cfg

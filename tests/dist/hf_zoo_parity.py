@@ -30,10 +30,12 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT / "tests"))
 sys.path.insert(0, str(ROOT / "tests" / "dist"))
 sys.path.insert(0, str(ROOT))
 
 from dist_common import finish  # noqa: E402
+from zoo import clipped_lm_step as step  # noqa: E402
 import spmd_ort  # noqa: E402
 from spmd_ort.plan.hf_configs import CONFIGS, config  # noqa: E402
 
@@ -41,15 +43,6 @@ STEPS = 3
 # parameters whose gradient is (partly) analytically zero: a key bias shifts every score of a query alike
 NOISE = {"qwen2": ("*.k_proj.bias",), "stablelm": ("*.k_proj.bias",), "gpt_oss": ("*.k_proj.bias",),
          "gpt2": ("*.c_attn.bias",), "gpt_neox": ("*.query_key_value.bias",)}
-
-
-def step(model, opt, x):
-    loss = model(input_ids=x, labels=x).loss
-    loss.backward()
-    torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-    opt.step()
-    opt.zero_grad(set_to_none=True)
-    return loss
 
 
 def family(name: str, rank: int, layout: str) -> dict:
