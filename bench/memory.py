@@ -47,15 +47,20 @@ RUNNERS = "eager,eager+checkpoint,fx@1.0,fx@0.5,fx@0.0"
 ALLOCATOR = {"MALLOC_MMAP_THRESHOLD_": "131072", "MALLOC_TRIM_THRESHOLD_": "131072",
              "SPMD_ORT_RETAIN_HOST_MEMORY": "0"}
 MIB = 2**20
+WHAT = {"gpt": "GPT", "llama": "HF Llama (SwiGLU FFN 688, 2 KV heads, no dropout)",
+        "nano": "nanoGPT, attention written out (matmul, causal mask, softmax, dropout), untied head",
+        "torch": "torch's nn.TransformerEncoderLayer (norm first, GELU, FFN 1024, causal mask), untied head"}
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--steps", type=int, default=3)
     ap.add_argument("--runners", default=RUNNERS)
-    ap.add_argument("--model", default="gpt", choices=("gpt", "llama"),
+    ap.add_argument("--model", default="gpt", choices=tuple(WHAT),
                     help="gpt: examples/gpt.py (GELU MLP, dropout); llama: transformers' Llama (RMSNorm, SwiGLU "
-                         "FFN 688, 2 KV heads, no dropout), d 256 and 4 heads both")
+                         "FFN 688, 2 KV heads, no dropout); nano: nanoGPT's attention written out (matmul, mask, "
+                         "softmax, dropout on the probabilities), dropout after the embeddings and each residual "
+                         "branch, untied head; d 256 and 4 heads all")
     ap.add_argument("--layers", type=int, default=6)
     ap.add_argument("--seq", type=int, default=512)
     ap.add_argument("--batch", type=int, default=8)
@@ -89,9 +94,9 @@ def main() -> None:
 def report(results: dict, args) -> None:
     import torch
 
-    what = "GPT" if args.model == "gpt" else "HF Llama (SwiGLU FFN 688, 2 KV heads, no dropout)"
+    what = WHAT[args.model]
     print(f"# bench/memory.py --model {args.model} — {what} {args.layers} layers, d 256, seq {args.seq}, batch "
-          f"{args.batch}{', dropout 0.1' if args.model == 'gpt' else ''}; "
+          f"{args.batch}{'' if args.model == 'llama' else ', dropout 0.1'}; "
           f"torch {torch.__version__}, {os.cpu_count()} cores; glibc returning freed memory; {args.steps} steps "
           "after the first")
     print("| runner | peak MiB | x fx@1.0 | x eager+checkpoint | ms/step | x eager | x eager+checkpoint | "
@@ -120,6 +125,85 @@ def report(results: dict, args) -> None:
 
 
 # ------------------------------------------------------------------ one runner, in its own process
+def nano_gpt(cfg):
+    """nanoGPT (Karpathy's model.py) as it runs without flash attention: the attention written out, dropout on
+    the embeddings, the attention probabilities and both residual branches, biases, an untied head."""
+    import torch
+    import torch.nn.functional as F
+    from torch import nn
+
+    class Attention(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.c_attn, self.c_proj = nn.Linear(cfg.d, 3 * cfg.d), nn.Linear(cfg.d, cfg.d)
+            self.attn_dropout, self.resid_dropout = nn.Dropout(cfg.dropout), nn.Dropout(cfg.dropout)
+            self.register_buffer("bias", torch.tril(torch.ones(cfg.seq, cfg.seq)).view(1, 1, cfg.seq, cfg.seq))
+
+        def forward(self, x):
+            B, T, C = x.shape
+            q, k, v = self.c_attn(x).split(C, dim=2)
+            q, k, v = (t.view(B, T, cfg.heads, C // cfg.heads).transpose(1, 2) for t in (q, k, v))
+            att = (q @ k.transpose(-2, -1)) * (1.0 / (k.size(-1) ** 0.5))
+            att = att.masked_fill(self.bias[:, :, :T, :T] == 0, float("-inf"))
+            att = self.attn_dropout(F.softmax(att, dim=-1))
+            y = (att @ v).transpose(1, 2).contiguous().view(B, T, C)
+            return self.resid_dropout(self.c_proj(y))
+
+    class Block(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.ln_1, self.attn, self.ln_2 = nn.LayerNorm(cfg.d), Attention(), nn.LayerNorm(cfg.d)
+            self.mlp = nn.Sequential(nn.Linear(cfg.d, 4 * cfg.d), nn.GELU(), nn.Linear(4 * cfg.d, cfg.d),
+                                     nn.Dropout(cfg.dropout))
+
+        def forward(self, x):
+            x = x + self.attn(self.ln_1(x))
+            return x + self.mlp(self.ln_2(x))
+
+    class NanoGPT(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.wte, self.wpe = nn.Embedding(cfg.vocab, cfg.d), nn.Embedding(cfg.seq, cfg.d)
+            self.drop = nn.Dropout(cfg.dropout)
+            self.blocks = nn.ModuleList(Block() for _ in range(cfg.layers))
+            self.ln_f, self.lm_head = nn.LayerNorm(cfg.d), nn.Linear(cfg.d, cfg.vocab, bias=False)
+
+        def forward(self, idx):
+            pos = torch.arange(idx.shape[1], device=idx.device)
+            x = self.drop(self.wte(idx) + self.wpe(pos))
+            for block in self.blocks:
+                x = block(x)
+            return self.lm_head(self.ln_f(x))
+
+    return NanoGPT()
+
+
+def torch_lm(cfg):
+    """A causal LM of torch's own ``nn.TransformerEncoderLayer`` blocks (pre-norm, GELU, dropout everywhere
+    torch puts it: the attention probabilities, both residual branches, inside the FFN), an untied head."""
+    import torch
+    from torch import nn
+
+    class TorchLM(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.wte, self.wpe = nn.Embedding(cfg.vocab, cfg.d), nn.Embedding(cfg.seq, cfg.d)
+            self.blocks = nn.ModuleList(
+                nn.TransformerEncoderLayer(cfg.d, cfg.heads, 4 * cfg.d, cfg.dropout, activation="gelu",
+                                           batch_first=True, norm_first=True) for _ in range(cfg.layers))
+            self.ln_f, self.head = nn.LayerNorm(cfg.d), nn.Linear(cfg.d, cfg.vocab, bias=False)
+            self.register_buffer("mask", nn.Transformer.generate_square_subsequent_mask(cfg.seq), persistent=False)
+
+        def forward(self, idx):
+            x = self.wte(idx) + self.wpe(torch.arange(idx.shape[1], device=idx.device))
+            mask = self.mask[:idx.shape[1], :idx.shape[1]]
+            for block in self.blocks:
+                x = block(x, src_mask=mask, is_causal=True)
+            return self.head(self.ln_f(x))
+
+    return TorchLM()
+
+
 def _rss(field: str) -> int:
     for line in Path("/proc/self/status").read_text().splitlines():
         if line.startswith(field + ":"):
@@ -146,7 +230,7 @@ def worker(args) -> None:
             return checkpoint(self.block, *args, use_reentrant=False, **kwargs)
 
     def step_fn(model, opt, x, y):
-        logits = model(x) if isinstance(model, GPT) else model(input_ids=x).logits
+        logits = model(input_ids=x).logits if hasattr(model, "config") else model(x)
         loss = F.cross_entropy(logits.flatten(0, 1), y.flatten())
         loss.backward()
         opt.step()
@@ -157,6 +241,12 @@ def worker(args) -> None:
     torch.manual_seed(0)
     if args.model == "gpt":
         model = GPT(cfg)
+        blocks = model.blocks
+    elif args.model == "nano":
+        model = nano_gpt(cfg)
+        blocks = model.blocks
+    elif args.model == "torch":
+        model = torch_lm(cfg)
         blocks = model.blocks
     else:
         import transformers

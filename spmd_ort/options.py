@@ -112,6 +112,8 @@ class Options:
     # choices made from measurements (spmd_ort.tuner): False is the static ones (segments on ORT, no candidate)
     autotune: bool = True
     cache_dir: Path = Path.home() / ".cache" / "spmd_ort"
+    # the automatic choice's decisions kept in cache_dir/choices for the next run (backends/ort/remembered.py)
+    remember_choices: bool = True
     save_onnx: bool = False
     onnx_prefix: str = "spmd_ort"
     save_onnx_path: Path | None = None  # None: the working directory
@@ -392,7 +394,13 @@ ENV_VARS: tuple[EnvVar, ...] = (
            "runs on ORT, no whole-graph choice, no inductor candidate, `bucket_cap_mb='auto'` keeps its starting "
            "cap, no recompiles; `SPMD_ORT_SEGMENT_EXECUTOR=auto` acts as `ort`); `compile(autotune=...)` wins",
            user=True),
-    EnvVar("SPMD_ORT_CACHE_DIR", "cache_dir", Path, "`~/.cache/spmd_ort`", "exported-model cache", user=True),
+    EnvVar("SPMD_ORT_CACHE_DIR", "cache_dir", Path, "`~/.cache/spmd_ort`",
+           "exported models and the automatic choice's remembered decisions", user=True),
+    EnvVar("SPMD_ORT_REMEMBER_CHOICES", "remember_choices", _bool, "`1`",
+           "the automatic choice's decisions (each segment's executor, the whole graph's, inductor's candidate "
+           "kept or dropped) are kept in `SPMD_ORT_CACHE_DIR/choices`, keyed by the graph, the options, the "
+           "world size and the machine, and a later run of the same program starts on them without measuring "
+           "again; `0`: every run measures afresh"),
     EnvVar("SPMD_ORT_SAVE_ONNX_PATH", "save_onnx_path", _directory, "working directory",
            "the directory where `DebugOptions(save_onnx=True)` writes `<onnx_prefix>_<segment>.onnx` (open them in "
            "Netron; created if missing, a file there is a `ConfigError`)"),

@@ -123,6 +123,8 @@ class Tuner:
     def before_run(self, program: CompiledProgram, args: tuple, kwargs: dict) -> None:
         """Inside the step's runtime, before ``program`` runs on the call: buy inductor's candidate when due."""
         entry = self._watches.get(id(program))
+        if entry is None and program.steps_run >= 1:
+            entry = self._recalled(program)
         due = entry[1].due if entry is not None and entry[0] is program else None
         if due is not None and program.steps_run >= due \
                 and program.executor.candidate_source is not None:
@@ -205,6 +207,28 @@ class Tuner:
                               f"until {(watch.due - 1) * step_s:.1f} s of steady steps at {step_s * 1e3:.1f} "
                               f"ms/step; predicted compile {predicted:.1f} s: {how}"))
 
+    def _recalled(self, program: CompiledProgram):
+        """After the first run: what an earlier run of this program decided about inductor's candidate
+        (:mod:`spmd_ort.backends.ort.remembered`, the same on every rank): compiled now where it was kept, never
+        where it lost; None where no run decided it."""
+        executor = program.executor
+        if not self.autotune or executor.candidate_source is None:
+            return None
+        remembered = executor.remembered  # (a candidate_source: the ORT executor's automatic choice)
+        known = remembered.inductor if remembered is not None else None
+        if known is None:
+            return None
+        if known["outcome"] != "kept":
+            executor.candidate_source = None
+            self.inductor_lost = f"it {known['outcome']} in an earlier run of this program ({known['detail']})"
+            self._decide(Decision("inductor candidate", "not compiled", self.inductor_lost + ", remembered"))
+            return None
+        watch = _Watch(due=program.steps_run)
+        self._watches[id(program)] = (program, watch)
+        self._decide(Decision("inductor candidate", f"compiled at step {watch.due + 1}",
+                              f"it was kept in an earlier run of this program ({known['detail']}), remembered"))
+        return self._watches[id(program)]
+
     def _try_candidate(self, program: CompiledProgram, watch: _Watch, args: tuple, kwargs: dict) -> None:
         """Compile the whole graph with inductor, check its first run and time it against what runs now, on
         copies of the step's inputs; keep the faster (every rank alike)."""
@@ -222,6 +246,7 @@ class Tuner:
         if candidate is None:
             self.inductor_lost = "inductor's candidate failed to compile"
             self._decide(Decision("inductor candidate", "failed to compile", f"at step {step}"))
+            executor.remember_candidate("failed", "it failed to compile")
             return
         CompileCost.calibrate(compile_s, nodes)
         inputs = program.graph_inputs(args, kwargs)
@@ -239,6 +264,7 @@ class Tuner:
             if not everywhere(ok):
                 self.inductor_lost = "inductor's candidate failed its checked run on an earlier variant"
                 self._decide(Decision("inductor candidate", "failed its checked run", f"at step {step}"))
+                executor.remember_candidate("failed", "it failed its checked run")
                 return
             stats = executor.stats
             stats.upgrade = None
@@ -249,6 +275,7 @@ class Tuner:
         kept = "kept" if winner == "inductor" else "dropped"
         self._decide(Decision("inductor candidate", f"compiled at step {step} and {kept}",
                               f"compile {compile_s:.1f} s for {nodes} nodes; {times}"))
+        executor.remember_candidate("kept" if winner == "inductor" else "dropped", times)
         if winner == "inductor":
             executor.adopt("inductor", candidate)
         else:

@@ -15,6 +15,10 @@ import tempfile
 os.environ.setdefault("SPMD_ORT_VERIFY", "1")
 os.environ.setdefault("SPMD_ORT_CHECK_PASSES", "1")
 os.environ.setdefault("SPMD_ORT_CACHE_DIR", tempfile.mkdtemp(prefix="spmd_ort_cache_"))
+# Each test measures its own automatic choices: remembered ones (the default for users) would make a test's
+# decisions depend on which tests ran before it on the same worker.  tests/test_remembered_choices.py turns
+# them on, with a cache of its own.
+os.environ.setdefault("SPMD_ORT_REMEMBER_CHOICES", "0")
 # The suite's process keeps freed host memory for reuse (glibc's mallopt: opt-in, since it acts on the whole
 # process): it compiles hundreds of steps, and until the setting was opt-in every test process had it from its
 # first compiled step on. tests/test_host_memory.py and test_process_effects.py check the default (off).

@@ -31,6 +31,9 @@ class Executor(Protocol):
 
     def adopt(self, name: str, runner) -> None: ...  # run the steps on ``runner`` from now on (the tuner's choice)
 
+    # the tuner's verdict on the candidate (kept, dropped, failed), kept for the next run of the same program
+    def remember_candidate(self, outcome: str, detail: str) -> None: ...
+
 
 class ExecutorBase:
     """The answers of an executor with nothing to report: no statistics, no candidate, no decisions, nothing to
@@ -41,6 +44,9 @@ class ExecutorBase:
 
     def decisions(self) -> list[Decision]:
         return []
+
+    def remember_candidate(self, outcome: str, detail: str) -> None:
+        pass  # no candidate, nothing remembered
 
     def adopt(self, name: str, runner) -> None:
         raise TypeError(f"the {self.name} executor runs its own graph; it adopts no {name}")

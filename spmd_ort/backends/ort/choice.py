@@ -23,6 +23,7 @@ import torch
 import torch.distributed as dist
 from torch import fx
 
+from spmd_ort.backends.ort.remembered import Remembered
 from spmd_ort.backends.ort.session import OrtSegment
 from spmd_ort.backends.ort.stats import OrtStats, SegmentChoice, WholeChoice
 from spmd_ort.backends.checked import agree_segment
@@ -46,17 +47,21 @@ class FirstRun(RunInterpreter):
     ``auto`` (time both, keep the faster), ``ort`` or ``fx``.  What it decides goes into ``stats``.
     """
 
-    def __init__(self, gm: fx.GraphModule, stats: OrtStats, *, policy: str, verify: bool, segment_executor: str):
+    def __init__(self, gm: fx.GraphModule, stats: OrtStats, *, policy: str, verify: bool, segment_executor: str,
+                 remembered: Remembered | None = None):
         super().__init__(gm)
         self.stats, self.policy, self.verify, self.segment_executor = stats, policy, verify, segment_executor
+        self.remembered = remembered  # an earlier run's choices (auto): checked again here, not timed again
 
     def call_module(self, target, args, kwargs):
         seg = self.module.get_submodule(target)
         if not isinstance(seg, OrtSegment) or seg.use_fallback:
             return super().call_module(target, args, kwargs)
+        known = self.remembered.segment(seg.name) if self.remembered is not None else None
+        timing = self.segment_executor == "auto" and known is None
         # with auto, fx's timing runs come before ORT's outputs exist, each dropping the last one's outputs (it
         # computes them again): the host's peak holds one set of fx outputs and one run's intermediates
-        fx_s, reference = timed_fx_runs(seg.fallback, args, repeat=self.segment_executor == "auto")
+        fx_s, reference = timed_fx_runs(seg.fallback, args, repeat=timing)
         try:
             ort_s, error = checked_first_run(seg.name, seg, args, reference, self.stats, self.policy,
                                              self.verify), None
@@ -66,7 +71,7 @@ class FirstRun(RunInterpreter):
         if seg.new_sizes is not None:
             seg.new_sizes.checked.add(seg.sizes.key(args))
         times = {"fx": fx_s, "ort": ort_s}
-        if ort_s is not None and self.segment_executor == "auto":
+        if ort_s is not None and timing:
             times = {"fx": fx_s, "ort": fastest(seg.run_ort, args, ort_s)}
         times, failed_elsewhere = agree_segment("ORT", seg.name, times, error, failed="ort")
         if ort_s is None or failed_elsewhere:
@@ -75,14 +80,20 @@ class FirstRun(RunInterpreter):
                                                "it on fx, so all compute alike")
             seg.release()
             return reference
-        self._choose(seg, times)
+        self._choose(seg, times, known)
         return reference
 
-    def _choose(self, seg: OrtSegment, times: dict[str, float]) -> None:
-        """With ``auto``, keep the faster executor on the ranks' summed times (ties go to ORT); every rank
-        chooses alike, so replicas compute the same numbers (a parameter update on ORT on one rank and on fx
-        on another would let them drift apart by rounding)."""
+    def _choose(self, seg: OrtSegment, times: dict[str, float], known: dict | None = None) -> None:
+        """With ``auto``, keep the faster executor on the ranks' summed times (ties go to ORT), or what an
+        earlier run chose (``known``, the same on every rank); every rank chooses alike, so replicas compute
+        the same numbers (a parameter update on ORT on one rank and on fx on another would let them drift
+        apart by rounding)."""
         mode = self.segment_executor
+        if mode == "auto" and known is not None:
+            self.stats.choices[seg.name] = SegmentChoice(known["executor"], known["ort_ms"], known["fx_ms"], True)
+            if known["executor"] == "fx":
+                seg.release()
+            return
         if mode != "auto":
             self.stats.choices[seg.name] = SegmentChoice(mode)
             if mode == "fx":

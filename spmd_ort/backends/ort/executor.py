@@ -32,9 +32,10 @@ from spmd_ort.options import Options, get_logger
 from spmd_ort.backends.ort.choice import FirstRun, choose_whole
 from spmd_ort.backends.ort.coverage import HOST_ONLY
 from spmd_ort.backends.ort.partition import partition_for_ort, why_host
+from spmd_ort.backends.ort.remembered import Remembered, choices_key, recall
 from spmd_ort.backends.ort.session import OrtSegment, is_symbolic, load_segment, providers_for, segment_device
 from spmd_ort.backends.ort.sizes import SizedSegments, dynamic_segment
-from spmd_ort.backends.ort.stats import OrtStats
+from spmd_ort.backends.ort.stats import OrtStats, WholeChoice
 from spmd_ort.graph.decisions import Decision
 from spmd_ort.runtime.step_runtime import active
 
@@ -51,8 +52,12 @@ class OrtExecutor(ExecutorBase):
 
     def __init__(self, gm: fx.GraphModule, *, verify: bool, policy: str, stats: OrtStats,
                  segment_executor: str = "auto", whole: fx.GraphModule | None = None,
-                 source: fx.GraphModule | None = None, options: Options | None = None):
+                 source: fx.GraphModule | None = None, options: Options | None = None,
+                 choices_key: str | None = None, names: list[str] | None = None):
         self.gm = gm
+        # with auto: the entry an earlier run's choices were written to (recalled on the first run), the partition
+        self.choices_key, self.names = choices_key, names or []
+        self.remembered: Remembered | None = None
         self.whole = whole  # the same graph unpartitioned: with auto, a candidate for every step
         # with auto and Options.auto_inductor: the whole graph for inductor's candidate, which the tuner
         # (spmd_ort.tuner) compiles, times against what runs and hands to adopt() when it wins
@@ -89,7 +94,8 @@ class OrtExecutor(ExecutorBase):
         """What the first run chose from its timings (and what it was made to run: a forced executor, a
         fallback), with the numbers, for the tuner and ``explain()``."""
         out = [Decision(f"segment {name}", choice.executor,
-                        f"ort {choice.ort_ms:.2f} ms vs fx {choice.fx_ms:.2f} ms" if choice.ort_ms is not None
+                        f"ort {choice.ort_ms:.2f} ms vs fx {choice.fx_ms:.2f} ms{choice.since}"
+                        if choice.ort_ms is not None
                         else f"static: SPMD_ORT_SEGMENT_EXECUTOR={choice.executor}")
                for name, choice in self.stats.choices.items()]
         out += [Decision(f"segment {name}", "fx", f"fell back: {why}")
@@ -97,7 +103,8 @@ class OrtExecutor(ExecutorBase):
         whole = self.stats.whole
         if whole is not None:
             out.append(Decision("whole graph", whole.executor,
-                                "; ".join(f"{k} {ms:.2f} ms" for k, ms in whole.times_ms) or "every segment chose fx"))
+                                ("; ".join(f"{k} {ms:.2f} ms" for k, ms in whole.times_ms) or "every segment chose fx")
+                                + (", remembered from an earlier run" if whole.remembered else "")))
         return out
 
     def run(self, inputs: list[torch.Tensor]) -> list[torch.Tensor]:
@@ -115,17 +122,41 @@ class OrtExecutor(ExecutorBase):
         # On copies: host nodes update state in place, and a segment failing after
         # them (FALLBACK_DISABLE) must leave the real state untouched.
         t0 = time.perf_counter()
+        if self.segment_executor == "auto" and self.options is not None:
+            self.remembered = recall(self.choices_key, self.options, self.names)
         first = FirstRun(self.gm, self.stats, policy=self.policy, verify=self.verify,
-                         segment_executor=self.segment_executor)
+                         segment_executor=self.segment_executor, remembered=self.remembered)
         copies = [t.clone() if isinstance(t, torch.Tensor) else t for t in inputs]
         out = first.run(*copies)
         if self.segment_executor == "auto" and self.whole is not None:
-            out = [o.clone() if isinstance(o, torch.Tensor) else o for o in out]  # (timing reuses buffers)
-            self.runs = choose_whole({"segments": self.gm, "fx": self.whole}, copies, self.stats)
+            known = self.remembered.whole if self.remembered is not None else None
+            if known is not None:
+                self.runs = known["executor"]
+                self.stats.whole = WholeChoice(self.runs, tuple(map(tuple, known["times_ms"])), remembered=True)
+            else:
+                out = [o.clone() if isinstance(o, torch.Tensor) else o for o in out]  # (timing reuses buffers)
+                self.runs = choose_whole({"segments": self.gm, "fx": self.whole}, copies, self.stats)
             self._release_losers()
+        if self.remembered is not None:
+            self._remember()
         self.first_run_done = True
         self.stats.first_run_seconds = time.perf_counter() - t0
         return list(out)
+
+    def _remember(self) -> None:
+        """Write what this first run measured and chose (nothing when it all came from an earlier run)."""
+        measured = {name: {"executor": c.executor, "ort_ms": c.ort_ms, "fx_ms": c.fx_ms}
+                    for name, c in self.stats.choices.items() if c.ort_ms is not None}
+        whole = self.stats.whole
+        if whole is None or (self.remembered.recalled and measured == self.remembered.data.get("segments")):
+            return
+        self.remembered.update(segments=measured, whole={"executor": whole.executor,
+                                                         "times_ms": [list(t) for t in whole.times_ms]})
+
+    def remember_candidate(self, outcome: str, detail: str) -> None:
+        """The tuner's verdict on inductor's candidate (``kept``, ``dropped``, ``failed``), for the next run."""
+        if self.remembered is not None and self.remembered.path is not None:
+            self.remembered.update(inductor={"outcome": outcome, "detail": detail})
 
     def _release_losers(self) -> None:
         if self.runs != "segments":  # no segment runs again: free their sessions and buffers
@@ -170,9 +201,11 @@ def build_ort_executor(gm: fx.GraphModule, options: Options) -> OrtExecutor:
     fused, names = partition_for_ort(gm)
     stats.segments = len(names)
     threads = torch.get_num_threads()
+    device = None  # the first segment's: part of the remembered choices' key
     with _Progress(len(names)) as shown:
         for i, name in enumerate(names):
             sub = fused.get_submodule(name)
+            device = device or segment_device(sub)
             providers = providers_for(segment_device(sub))  # a ConfigError, never a fallback
             shown.start(i, name, sum(1 for n in sub.graph.nodes if n.op == "call_function"))
             if is_symbolic(sub):
@@ -186,8 +219,12 @@ def build_ort_executor(gm: fx.GraphModule, options: Options) -> OrtExecutor:
     source = None
     if whole is not None and options.auto_inductor and not is_symbolic(whole):
         source = _LazyGraphModule(whole, copy.deepcopy(whole.graph))  # code generated only if inductor needs it
+    key = None
+    if whole is not None and options.remember_choices:
+        key = choices_key(whole, options, device)
     return OrtExecutor(fused, verify=options.verify, policy=policy, stats=stats,
-                       segment_executor=options.segment_executor, whole=whole, source=source, options=options)
+                       segment_executor=options.segment_executor, whole=whole, source=source, options=options,
+                       choices_key=key, names=list(names))
 
 
 class _Progress:

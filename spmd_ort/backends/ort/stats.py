@@ -17,11 +17,16 @@ class SegmentChoice:
     executor: str
     ort_ms: float | None = None
     fx_ms: float | None = None
+    remembered: bool = False  # chosen in an earlier run of the program (backends/ort/remembered.py)
 
     def __str__(self) -> str:
         if self.ort_ms is None:
             return f"{self.executor} (SPMD_ORT_SEGMENT_EXECUTOR={self.executor})"
-        return f"{self.executor} (ort {self.ort_ms:.2f} ms, fx {self.fx_ms:.2f} ms)"
+        return f"{self.executor} (ort {self.ort_ms:.2f} ms, fx {self.fx_ms:.2f} ms{self.since})"
+
+    @property
+    def since(self) -> str:
+        return ", remembered from an earlier run" if self.remembered else ""
 
 
 @dataclass(frozen=True)
@@ -34,6 +39,7 @@ class WholeChoice:
 
     executor: str
     times_ms: tuple[tuple[str, float], ...] = ()
+    remembered: bool = False  # chosen in an earlier run of the program (backends/ort/remembered.py)
 
     WHERE = {"segments": "the segments as chosen", "fx": "fx, unsplit", "inductor": "inductor's compiled segments"}
 
@@ -41,7 +47,8 @@ class WholeChoice:
         where = self.WHERE[self.executor]
         if not self.times_ms:
             return f"the whole graph runs on {where} (every segment chose fx)"
-        return f"the whole graph runs on {where} ({', '.join(f'{k} {ms:.2f} ms' for k, ms in self.times_ms)})"
+        since = ", remembered from an earlier run" if self.remembered else ""
+        return f"the whole graph runs on {where} ({', '.join(f'{k} {ms:.2f} ms' for k, ms in self.times_ms)}{since})"
 
 
 @dataclass
