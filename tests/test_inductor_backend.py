@@ -11,6 +11,7 @@ from torch import nn
 
 import spmd_ort
 from helpers import train_side_by_side, train_step
+from launch import torchrun
 from models import CNN, MLP
 
 pytestmark = pytest.mark.skipif(
@@ -274,3 +275,16 @@ def test_new_lengths_train_like_eager_on_inductor(monkeypatch):
         stats = p.executor.stats
         assert stats.segments >= 1 and not stats.fallbacks
         assert any(why.startswith("symbolic sizes") for why in stats.host_ops.values()), stats.host_ops
+
+
+def test_the_ranks_of_a_machine_compile_each_graph_once(tmp_path):
+    """4 ranks on this machine, each compiling the same replicated step with inductor (trained against DDP): one
+    compiles every segment (inductor's FX graph cache misses), the other three wait on its lock and load every
+    segment from the cache (hits), none compiles it again."""
+    run = torchrun("inductor_once.py", nproc=4, out=tmp_path / "out", timeout=400,
+                   env={"TORCHINDUCTOR_CACHE_DIR": str(tmp_path / "inductor"),
+                        "SPMD_ORT_CACHE_DIR": str(tmp_path / "cache")})
+    ranks = run.ranks
+    segments = ranks[0]["segments"]
+    assert segments >= 1 and all(r["segments"] == segments and not r["fallbacks"] for r in ranks), ranks
+    assert sorted((r["misses"], r["hits"]) for r in ranks) == [(0, segments)] * 3 + [(segments, 0)], ranks

@@ -20,11 +20,13 @@ import operator
 import shutil
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import torch
 from torch import fx, nn
 from torch.fx.passes.operator_support import OperatorSupport
 
+from spmd_ort.backends.files import exclusive, graph_digest
 from spmd_ort.backends.checked import CheckStats, agree_segment, checked_run, segment_failure
 from spmd_ort.backends.interface import ExecutorBase
 from spmd_ort.backends.timed import TimedInterpreter
@@ -108,13 +110,20 @@ class InductorSegment(nn.Module):
         # the code inductor generates asserts its inputs' strides: an input that arrives in another layout (an
         # opaque part's output, whose layout the trace could not see) is copied into the traced one
         self.strides = [e.stride() if isinstance(e, torch.Tensor) else None for e in examples]
+        from torch._guards import TracingContext, tracing
         from torch._inductor.compile_fx import compile_fx
+        from torch._subclasses.fake_tensor import FakeTensorMode
+        from torch.fx.experimental.symbolic_shapes import ShapeEnv
 
         copy_of = fx.GraphModule(fallback, copy.deepcopy(fallback.graph))  # compile_fx edits the graph it gets
         # inductor draws random inputs while it compiles (benchmarking choices): torch's RNG must stay where the
-        # step's random ops (dropout) will find it, as in eager
-        with torch.no_grad(), rng_kept():
-            self.compiled = compile_fx(copy_of, examples)
+        # step's random ops (dropout) will find it, as in eager.  A tracing context with a shape environment (static
+        # shapes) is what inductor's FX graph cache asks of a graph before it caches it ("No shape env": bypassed):
+        # with it, a process that compiles a segment compiled before (another rank, a later run) loads its code
+        fake = FakeTensorMode(static_shapes=True, shape_env=ShapeEnv())
+        fakes = [fake.from_tensor(e, static_shapes=True) if isinstance(e, torch.Tensor) else e for e in examples]
+        with torch.no_grad(), rng_kept(), tracing(TracingContext(fake)):
+            self.compiled = compile_fx(copy_of, fakes)
 
     def run_compiled(self, *args):
         out = self.compiled(*[_in_layout(a, s) for a, s in zip(args, self.strides)])
@@ -250,20 +259,23 @@ def build_inductor_executor(gm: fx.GraphModule, options: Options) -> InductorExe
     fused, names = partition_with(gm, InductorSupport())
     stats.segments = len(names)
     executor = InductorExecutor(fused, verify=options.verify, policy=options.fallback_policy, stats=stats)
-    for name in names:
-        sub = fused.get_submodule(name)
-        t0 = time.perf_counter()
-        try:
-            segment = InductorSegment(name, sub)
-        except CompileError:
-            raise
-        except Exception as exc:  # noqa: BLE001 - per policy: the segment runs on fx, or the compile fails
-            stub = _Uncompiled(name, sub)
-            _fall_back(stub, f"inductor could not compile it: {short_error(exc)}", executor)
-            continue
-        finally:
-            stats.compile_seconds += time.perf_counter() - t0
-        setattr(fused, name, segment)
+    # one process at a time per graph: the ranks of a machine (and runs sharing a cache directory) compile each
+    # distinct graph once; the others wait, then find every segment in inductor's FX graph cache
+    with exclusive(Path(options.cache_dir) / "inductor" / f"{graph_digest(gm, torch.__version__)}.lock"):
+        for name in names:
+            sub = fused.get_submodule(name)
+            t0 = time.perf_counter()
+            try:
+                segment = InductorSegment(name, sub)
+            except CompileError:
+                raise
+            except Exception as exc:  # noqa: BLE001 - per policy: the segment runs on fx, or the compile fails
+                stub = _Uncompiled(name, sub)
+                _fall_back(stub, f"inductor could not compile it: {short_error(exc)}", executor)
+                continue
+            finally:
+                stats.compile_seconds += time.perf_counter() - t0
+            setattr(fused, name, segment)
     return executor
 
 

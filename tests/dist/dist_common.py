@@ -55,3 +55,31 @@ class UserTraffic(threading.Thread):
         self.join(timeout=120)
         if self.error is not None:
             raise AssertionError(f"rank {self.rank}: the user's thread failed: {self.error}")
+
+
+def mlp_against_ddp(rank: int, steps: int = 3, **compile_kwargs):
+    """An MLP (tests/models.py) trained ``steps`` steps with AdamW by ``spmd_ort.compile(**compile_kwargs)`` (the
+    default layout under torchrun: replicate) next to DDP on this rank's batches: loss, every parameter and
+    optimizer state (per tensor) asserted equal each step.  Returns the compiled step."""
+    import copy
+
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    import spmd_ort
+    from helpers import assert_same_state, train_step
+    from models import MLP
+
+    torch.manual_seed(0)
+    model = MLP()
+    ddp = DDP(copy.deepcopy(model))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    opt_d = torch.optim.AdamW(ddp.parameters(), lr=1e-2)
+    step = spmd_ort.compile(**compile_kwargs)(train_step)
+    g = torch.Generator().manual_seed(10 + rank)
+    for i in range(steps):
+        x, y = torch.randn(8, 32, generator=g), torch.randint(0, 10, (8,), generator=g)
+        loss = step(model, opt, x, y)
+        loss_d = train_step(ddp, opt_d, x, y)
+        torch.testing.assert_close(loss, loss_d.detach(), rtol=1e-5, atol=1e-6)
+        assert_same_state(ddp.module, model, opt_d, opt, where=f"rank {rank} step {i}", normwise=True)
+    return step

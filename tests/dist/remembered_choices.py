@@ -12,39 +12,22 @@ damaged, so that the ranks hold different entries and both measure afresh.  Rank
 from __future__ import annotations
 
 import argparse
-import copy
 import os
 import sys
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
-from torch.nn.parallel import DistributedDataParallel as DDP
 
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "tests"))
 sys.path.insert(0, str(ROOT))
 
-from dist_common import finish  # noqa: E402
-import spmd_ort  # noqa: E402
-from helpers import assert_same_state, train_step  # noqa: E402
-from models import MLP  # noqa: E402
+from dist_common import finish, mlp_against_ddp  # noqa: E402
 
 
 def one_run(rank: int) -> str:
-    torch.manual_seed(0)
-    model = MLP()
-    ddp = DDP(copy.deepcopy(model))
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    opt_d = torch.optim.AdamW(ddp.parameters(), lr=1e-2)
-    step = spmd_ort.compile()(train_step)
-    g = torch.Generator().manual_seed(10 + rank)
-    for i in range(3):
-        x, y = torch.randn(8, 32, generator=g), torch.randint(0, 10, (8,), generator=g)
-        loss = step(model, opt, x, y)
-        loss_d = train_step(ddp, opt_d, x, y)
-        torch.testing.assert_close(loss, loss_d.detach(), rtol=1e-5, atol=1e-6)
-        assert_same_state(ddp.module, model, opt_d, opt, where=f"rank {rank} step {i}", normwise=True)
+    step = mlp_against_ddp(rank)
     return "recalled" if step.compiled.executor.remembered.recalled else "fresh"
 
 

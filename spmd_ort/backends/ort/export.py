@@ -24,10 +24,8 @@ from __future__ import annotations
 
 import contextlib
 import copy
-import hashlib
 import math
 import os
-import tempfile
 import time
 import warnings
 from dataclasses import dataclass
@@ -40,6 +38,7 @@ import onnxruntime
 import torch
 from torch import fx
 
+from spmd_ort.backends.files import exclusive, graph_digest, write_atomic
 from spmd_ort.backends.ort import coverage, decompose
 from spmd_ort.graph.checking import short_error
 from spmd_ort.options import DEFAULT_OPSET, get_logger
@@ -78,30 +77,13 @@ class ExportResult:
 
 
 def segment_key(gm: fx.GraphModule, opset: int) -> str:
-    """Hash of everything the exported model depends on: the segment's ops, in order, with their arguments and
-    the shape, dtype and strides of every value, nodes named by position (the model's inputs are positional,
-    ``spmd_in_<k>``).  Node names are left out: the same layer repeated (a transformer's blocks, under fully_shard
-    split at the same collectives) is one export, and the next block's segments are cache hits."""
-    h = hashlib.sha256()
-    for part in (str(opset), torch.__version__, version("onnx"), onnxruntime.__version__,
-                 version("onnxscript"), str(FORMAT_VERSION), coverage.table_fingerprint()):
-        h.update(part.encode())
-    index = {node: i for i, node in enumerate(gm.graph.nodes)}
-
-    def positional(a):
-        return fx.node.map_arg(a, lambda n: f"%{index[n]}")
-
-    for node in gm.graph.nodes:
-        val = node.meta.get("val")
-        what = (f"{tuple(val.shape)}:{val.dtype}:{val.stride()}" if isinstance(val, torch.Tensor)
-                else type(val).__name__)
-        target = "" if node.op in ("placeholder", "output") else node.target  # a placeholder's is its name
-        h.update(f"{index[node]}={node.op}:{target}:{positional(node.args)}:{positional(node.kwargs)}:"
-                 f"{what};".encode())
-    for name, t in sorted(gm.state_dict(keep_vars=True).items()):
-        h.update(name.encode())
-        h.update(t.detach().cpu().contiguous().numpy().tobytes())
-    return h.hexdigest()[:32]
+    """Hash of everything the exported model depends on: the segment (:func:`~spmd_ort.backends.files.graph_digest`:
+    its ops, in order, with their arguments and the shape, dtype and strides of every value, nodes named by
+    position, the model's inputs positional, ``spmd_in_<k>``; node names left out, so that the same layer repeated
+    (a transformer's blocks, under fully_shard split at the same collectives) is one export, and the next block's
+    segments are cache hits), the opset and the versions of what translates and runs it."""
+    return graph_digest(gm, opset, torch.__version__, version("onnx"), onnxruntime.__version__, version("onnxscript"),
+                        FORMAT_VERSION, coverage.table_fingerprint())
 
 
 @contextlib.contextmanager
@@ -372,38 +354,16 @@ def export_segment(gm: fx.GraphModule, *, name: str, opset: int = DEFAULT_OPSET,
     path = Path(cache_dir) / f"{key}.onnx"
     if not refresh and path.exists():
         return ExportResult(path.read_bytes(), time.perf_counter() - t0, True, key)
-    with _exclusive(path.with_suffix(".lock")):
+    with exclusive(path.with_suffix(".lock")):
         if not refresh and path.exists():  # another process exported it while this one waited
             return ExportResult(path.read_bytes(), time.perf_counter() - t0, True, key)
         data = translate(gm, opset)
         try:
-            path.parent.mkdir(parents=True, exist_ok=True)
-            with tempfile.NamedTemporaryFile(dir=path.parent, delete=False, suffix=".tmp") as f:
-                f.write(data)
-            os.replace(f.name, path)  # atomic: a reader never sees half a file
+            write_atomic(path, data)
         except OSError as exc:
             logger.warning("could not write the ONNX cache %s: %s", path, exc)
     logger.info("exported %s to ONNX (opset %d) in %.2fs", name, opset, time.perf_counter() - t0)
     return ExportResult(data, time.perf_counter() - t0, False, key)
-
-
-@contextlib.contextmanager
-def _exclusive(lock_path: Path):
-    """An exclusive lock on ``lock_path`` (POSIX ``flock``); without one (no fcntl, read-only cache) no lock."""
-    try:
-        import fcntl
-
-        lock_path.parent.mkdir(parents=True, exist_ok=True)
-        handle = open(lock_path, "a+")  # noqa: SIM115 - held until the block ends
-    except (ImportError, OSError):
-        yield
-        return
-    try:
-        fcntl.flock(handle, fcntl.LOCK_EX)
-        yield
-    finally:
-        fcntl.flock(handle, fcntl.LOCK_UN)
-        handle.close()
 
 
 def save_model(data: bytes, name: str, prefix: str, directory: Path | None = None) -> Path:

@@ -29,7 +29,6 @@ import json
 import logging
 import os
 import platform
-import tempfile
 from functools import lru_cache
 from pathlib import Path
 
@@ -37,6 +36,7 @@ import torch
 import torch.distributed as dist
 from torch import fx
 
+from spmd_ort.backends.files import write_atomic
 from spmd_ort.options import Options
 from spmd_ort.runtime.collectives import control_group
 
@@ -104,10 +104,7 @@ class Remembered:
         if self.path is None:
             return
         try:
-            self.path.parent.mkdir(parents=True, exist_ok=True)
-            with tempfile.NamedTemporaryFile("w", dir=self.path.parent, delete=False, suffix=".tmp") as f:
-                json.dump(self.data, f, indent=1, sort_keys=True)
-            os.replace(f.name, self.path)
+            write_atomic(self.path, json.dumps(self.data, indent=1, sort_keys=True).encode())
         except OSError as exc:
             logger.warning("could not write the remembered choices %s: %s", self.path, exc)
 
