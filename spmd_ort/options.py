@@ -109,6 +109,8 @@ class Options:
     fallback_policy: str = FALLBACK_POLICIES[0]
     segment_executor: str = SEGMENT_EXECUTORS[0]
     auto_inductor: bool = True  # with segment_executor auto: the whole graph compiled by inductor is a candidate
+    # the candidate compiled by a forked process while the steps run (CPU; backends/inductor.py BackgroundCompile)
+    background_compile: bool = True
     # choices made from measurements (spmd_ort.tuner): False is the static ones (segments on ORT, no candidate)
     autotune: bool = True
     cache_dir: Path = Path.home() / ".cache" / "spmd_ort"
@@ -389,6 +391,10 @@ ENV_VARS: tuple[EnvVar, ...] = (
     EnvVar("SPMD_ORT_AUTO_INDUCTOR", "auto_inductor", _bool, "`1`",
            "with `SPMD_ORT_SEGMENT_EXECUTOR=auto`, the whole graph compiled by inductor is a candidate of the "
            "automatic choice (where a C++ compiler is found); `0`: only ORT and fx are (`backend='ort'`: `0`)"),
+    EnvVar("SPMD_ORT_BACKGROUND_COMPILE", "background_compile", _bool, "`1`",
+           "inductor's candidate is compiled by a forked process at the lowest priority, one thread, from the "
+           "first steady steps on, while the steps run (CPU graphs; it fills inductor's cache, from which the step "
+           "then loads it); `0`: compiled in the step once the steady steps have spent its predicted compile"),
     EnvVar("SPMD_ORT_AUTOTUNE", "autotune", _bool, "`1`",
            "`0`: the static choices, no measurement decides anything after compile (every segment ORT supports "
            "runs on ORT, no whole-graph choice, no inductor candidate, `bucket_cap_mb='auto'` keeps its starting "

@@ -32,6 +32,7 @@ import torch
 import torch.distributed as dist
 from torch import fx
 
+from spmd_ort.backends.inductor import BackgroundCompile
 from spmd_ort.buckets import BucketChoice, BucketTuner
 from spmd_ort.distributed.parallel import AUTO_START_MB, DataParallel
 from spmd_ort.graph.checking import short_error
@@ -83,6 +84,7 @@ class _Watch:
 
     steady: list[float] = field(default_factory=list)
     due: int | None = None  # compiled before the run that follows this many runs of the program
+    background: BackgroundCompile | None = None  # compiling in a forked process since run ``due``
 
 
 class Tuner:
@@ -128,7 +130,7 @@ class Tuner:
         due = entry[1].due if entry is not None and entry[0] is program else None
         if due is not None and program.steps_run >= due \
                 and program.executor.candidate_source is not None:
-            self._try_candidate(program, entry[1], args, kwargs)
+            self._candidate_due(program, entry[1], args, kwargs)
         # timed only while the candidate's step is undecided: on a GPU, now() waits for the queued kernels
         self._t0 = now() if self._timing(program) else None
 
@@ -165,6 +167,8 @@ class Tuner:
         entry = self._watches.get(id(program))
         if entry is None or entry[0] is not program or entry[1].due is None:
             return False  # its steady steps are still being timed
+        if entry[1].background is not None:
+            return False  # compiling in the background: its adoption (check, timing) lands within any runs
         return entry[1].due > program.steps_run + runs
 
     # ------------------------------------------------------------------ recompiles
@@ -201,11 +205,46 @@ class Tuner:
         step_s = sorted(watch.steady)[len(watch.steady) // 2]
         nodes = graph_nodes(program.executor.candidate_source)
         predicted, how = CompileCost.predict(nodes)
+        if self._in_background(program):  # it costs the steps little: started at once
+            watch.due = _agreed_max(program.steps_run)
+            self._decide(Decision("inductor candidate", f"compiling in the background from step {watch.due + 1}",
+                                  f"a forked process at the lowest priority, one thread, while the steps run at "
+                                  f"{step_s * 1e3:.1f} ms/step; predicted compile {predicted:.1f} s: {how}"))
+            return
         steps = max(math.ceil(predicted / max(step_s, 1e-9)), MEASURED_STEPS)
         watch.due = _agreed_max(1 + steps)  # every rank compiles it before the same run
         self._decide(Decision("inductor candidate", f"deferred until step {watch.due}",
                               f"until {(watch.due - 1) * step_s:.1f} s of steady steps at {step_s * 1e3:.1f} "
                               f"ms/step; predicted compile {predicted:.1f} s: {how}"))
+
+    def _in_background(self, program: CompiledProgram) -> bool:
+        """Whether ``program``'s candidate is compiled by a forked process (every rank alike)."""
+        return _agreed_min(int(self.options.background_compile
+                               and BackgroundCompile.available(program.executor.candidate_source))) == 1
+
+    def _candidate_due(self, program: CompiledProgram, watch: _Watch, args: tuple, kwargs: dict) -> None:
+        """The candidate's run has come: compiled here and now, or (in the background) its compile started, or
+        polled; once every rank's child has exited, built from the cache it filled, checked and timed."""
+        from spmd_ort.backends.ort.choice import everywhere
+
+        if watch.background is None:
+            if not self._in_background(program):
+                self._try_candidate(program, watch, args, kwargs)
+                return
+            watch.background = BackgroundCompile(program.executor.candidate_source, self.options)
+            return
+        exited = watch.background.poll() is not None
+        if not everywhere(exited):
+            return  # still compiling somewhere: the steps go on as they are
+        child, watch.background = watch.background, None
+        if not everywhere(bool(child.ok)):
+            program.executor.candidate_source = None
+            self.inductor_lost = "inductor's candidate failed to compile"
+            self._decide(Decision("inductor candidate", "failed to compile",
+                                  f"in the background, after {child.seconds:.1f} s"))
+            program.executor.remember_candidate("failed", "it failed to compile")
+            return
+        self._try_candidate(program, watch, args, kwargs, background_s=child.seconds)
 
     def _recalled(self, program: CompiledProgram):
         """After the first run: what an earlier run of this program decided about inductor's candidate
@@ -225,13 +264,15 @@ class Tuner:
             return None
         watch = _Watch(due=program.steps_run)
         self._watches[id(program)] = (program, watch)
-        self._decide(Decision("inductor candidate", f"compiled at step {watch.due + 1}",
+        self._decide(Decision("inductor candidate", f"due at step {watch.due + 1}",
                               f"it was kept in an earlier run of this program ({known['detail']}), remembered"))
         return self._watches[id(program)]
 
-    def _try_candidate(self, program: CompiledProgram, watch: _Watch, args: tuple, kwargs: dict) -> None:
-        """Compile the whole graph with inductor, check its first run and time it against what runs now, on
-        copies of the step's inputs; keep the faster (every rank alike)."""
+    def _try_candidate(self, program: CompiledProgram, watch: _Watch, args: tuple, kwargs: dict,
+                       background_s: float | None = None) -> None:
+        """Compile the whole graph with inductor (after a background compile, ``background_s`` seconds: from the
+        cache it filled), check its first run and time it against what runs now, on copies of the step's
+        inputs; keep the faster (every rank alike)."""
         from spmd_ort.backends.ort.choice import choose_whole, everywhere, untouched
         from spmd_ort.runtime.step_runtime import active
 
@@ -248,7 +289,8 @@ class Tuner:
             self._decide(Decision("inductor candidate", "failed to compile", f"at step {step}"))
             executor.remember_candidate("failed", "it failed to compile")
             return
-        CompileCost.calibrate(compile_s, nodes)
+        if background_s is None:  # (a load from the cache says nothing of a compile's cost)
+            CompileCost.calibrate(compile_s, nodes)
         inputs = program.graph_inputs(args, kwargs)
         copies = [t.clone() if isinstance(t, torch.Tensor) else t for t in inputs]
         ok = False
@@ -273,8 +315,10 @@ class Tuner:
         stats.upgrade_seconds, stats.upgrade_step = now() - t0, step
         times = ", ".join(f"{k} {ms:.2f} ms" for k, ms in stats.upgrade.times_ms)
         kept = "kept" if winner == "inductor" else "dropped"
+        where = f"compiled in the background in {background_s:.1f} s, loaded at step {step} in {compile_s:.1f} s" \
+            if background_s is not None else f"compile {compile_s:.1f} s"
         self._decide(Decision("inductor candidate", f"compiled at step {step} and {kept}",
-                              f"compile {compile_s:.1f} s for {nodes} nodes; {times}"))
+                              f"{where} for {nodes} nodes; {times}"))
         executor.remember_candidate("kept" if winner == "inductor" else "dropped", times)
         if winner == "inductor":
             executor.adopt("inductor", candidate)
@@ -329,3 +373,8 @@ def _agreed_max(value: int) -> int:
     t = torch.tensor([value], dtype=torch.int64)
     dist.all_reduce(t, op=dist.ReduceOp.MAX, group=control_group())
     return int(t)
+
+
+def _agreed_min(value: int) -> int:
+    """``value``'s minimum over the ranks (the same on every rank)."""
+    return -_agreed_max(-value)

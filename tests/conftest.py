@@ -19,6 +19,10 @@ os.environ.setdefault("SPMD_ORT_CACHE_DIR", tempfile.mkdtemp(prefix="spmd_ort_ca
 # decisions depend on which tests ran before it on the same worker.  tests/test_remembered_choices.py turns
 # them on, with a cache of its own.
 os.environ.setdefault("SPMD_ORT_REMEMBER_CHOICES", "0")
+# Inductor's candidate is compiled in the step, at the step its ski rental sets (the tests assert that step), not
+# by a forked process whose finishing time depends on the machine's load; tests/test_background_compile.py
+# turns the background on.
+os.environ.setdefault("SPMD_ORT_BACKGROUND_COMPILE", "0")
 # The suite's process keeps freed host memory for reuse (glibc's mallopt: opt-in, since it acts on the whole
 # process): it compiles hundreds of steps, and until the setting was opt-in every test process had it from its
 # first compiled step on. tests/test_host_memory.py and test_process_effects.py check the default (off).

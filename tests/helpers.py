@@ -298,3 +298,12 @@ def assert_inductor_report_clean(report: list[dict], *, trained: int = 2) -> Non
 
 def assert_ran_on_ort(compiled, *, verified: bool = True, trained: int = 2) -> None:
     assert_ort_report_clean(ort_report(compiled), verified=verified, trained=trained)
+
+
+def resync(model: nn.Module, opt, other: nn.Module, other_opt) -> None:
+    """``other`` and ``other_opt`` given ``model``'s parameters and ``opt``'s state: the next step of each starts
+    from the same state (a run of hundreds of steps drifts apart by rounding: each step is then compared alone)."""
+    with torch.no_grad():
+        for mine, theirs in zip(model.parameters(), other.parameters()):
+            theirs.copy_(mine)
+    other_opt.load_state_dict(copy.deepcopy(opt.state_dict()))

@@ -139,7 +139,7 @@ def test_inductor_is_compiled_at_the_first_steady_step_where_it_was_kept(remembe
     compiled = _train(3)
     assert len(tried) == 1
     decided = [str(d) for d in compiled.tuner.decisions]
-    assert decided == ["inductor candidate: compiled at step 2 (it was kept in an earlier run of this program "
+    assert decided == ["inductor candidate: due at step 2 (it was kept in an earlier run of this program "
                        "(segments 3.00 ms, inductor 1.00 ms), remembered)",
                        "inductor candidate: failed to compile (at step 2)"], decided
     assert json.loads(entry.read_text())["inductor"] == {"outcome": "failed", "detail": "it failed to compile"}

@@ -16,9 +16,13 @@ parity with eager is to fp32 rounding, as on ORT.
 from __future__ import annotations
 
 import copy
+import dataclasses
 import operator
+import os
+import signal
 import shutil
 import time
+import weakref
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -96,7 +100,7 @@ class InductorSupport(OperatorSupport):
 class InductorSegment(nn.Module):
     """One segment compiled by inductor, standing in for its fx graph ``fallback`` (same inputs and outputs)."""
 
-    def __init__(self, name: str, fallback: fx.GraphModule):
+    def __init__(self, name: str, fallback: fx.GraphModule, threads: int | None = None):
         super().__init__()
         self.name = name
         self.fallback = fallback
@@ -122,7 +126,13 @@ class InductorSegment(nn.Module):
         # with it, a process that compiles a segment compiled before (another rank, a later run) loads its code
         fake = FakeTensorMode(static_shapes=True, shape_env=ShapeEnv())
         fakes = [fake.from_tensor(e, static_shapes=True) if isinstance(e, torch.Tensor) else e for e in examples]
-        with torch.no_grad(), rng_kept(), tracing(TracingContext(fake)):
+        # the CPU code's thread count (inductor's own default: torch's threads, here and now) named in its config,
+        # so that a compile on another thread count (BackgroundCompile's single-threaded child) writes the same
+        # cache entry as this process's would
+        from torch._inductor import config
+
+        threads = config.cpp.threads if config.cpp.threads >= 1 else threads or torch.get_num_threads()
+        with torch.no_grad(), rng_kept(), tracing(TracingContext(fake)), config.patch({"cpp.threads": threads}):
             self.compiled = compile_fx(copy_of, fakes)
 
     def run_compiled(self, *args):
@@ -246,8 +256,9 @@ def _fall_back(seg: InductorSegment, what: str, ex: InductorExecutor) -> None:
     seg.use_fallback = True
 
 
-def build_inductor_executor(gm: fx.GraphModule, options: Options) -> InductorExecutor:
-    """Partition the finished graph ``gm`` and compile each segment with inductor."""
+def build_inductor_executor(gm: fx.GraphModule, options: Options, threads: int | None = None) -> InductorExecutor:
+    """Partition the finished graph ``gm`` and compile each segment with inductor, for ``threads`` of torch's
+    (default: this process's)."""
     if cxx_compiler() is None:
         raise ConfigError("backend='inductor' compiles C++ on the CPU and no C++ compiler was found (g++); install "
                           "one or compile with backend='fx' or 'ort'")
@@ -266,7 +277,7 @@ def build_inductor_executor(gm: fx.GraphModule, options: Options) -> InductorExe
             sub = fused.get_submodule(name)
             t0 = time.perf_counter()
             try:
-                segment = InductorSegment(name, sub)
+                segment = InductorSegment(name, sub, threads)
             except CompileError:
                 raise
             except Exception as exc:  # noqa: BLE001 - per policy: the segment runs on fx, or the compile fails
@@ -286,3 +297,71 @@ class _Uncompiled:
     name: str
     fallback: fx.GraphModule
     use_fallback: bool = True
+
+
+class BackgroundCompile:
+    """:func:`build_inductor_executor` of ``whole`` in a forked child process while this one trains.
+
+    The child runs at the lowest priority (``nice`` 19) on one thread and compiles in-process (no worker pool),
+    so it takes the CPU time the steps leave and the running steps barely feel it.  What it leaves behind is
+    inductor's FX graph cache filled with every segment (each distinct graph once per machine, under the
+    lock); the step then builds the same executor from that cache in a fraction of the compile.  Nothing
+    crosses back but the exit code.  A child whose compile is no longer wanted (its program dropped, the
+    process exiting) is killed."""
+
+    def __init__(self, whole: fx.GraphModule, options: Options):
+        self.t0 = time.perf_counter()
+        self.seconds: float | None = None  # until the child exited
+        self.ok: bool | None = None
+        threads = torch.get_num_threads()
+        pid = os.fork()
+        if pid == 0:  # the child: compile, then leave without running this process's exit handlers
+            code = 1
+            try:
+                os.nice(19)
+                # one thread: OpenMP's pool does not survive a fork (a parallel op would hang), and the steps
+                # keep the cores; the code is still generated for this process's threads
+                torch.set_num_threads(1)
+                from torch._inductor import config
+
+                config.compile_threads = 1  # in-process: this process's worker pool is not the child's to use
+                build_inductor_executor(whole, dataclasses.replace(options, fallback_policy="FALLBACK_TO_FX"),
+                                        threads)
+                code = 0
+            except BaseException:  # noqa: BLE001 - the exit code says it; this process's parent compiles again
+                pass
+            finally:
+                os._exit(code)
+        self.pid = pid
+        self._finalizer = weakref.finalize(self, _kill, pid)  # dropped or at exit: no orphan compiling on
+
+    @staticmethod
+    def available(whole: fx.GraphModule) -> bool:
+        """Whether ``whole`` may be compiled in a forked child: a POSIX fork and no CUDA in this process (a
+        forked CUDA context is unusable)."""
+        if not hasattr(os, "fork") or torch.cuda.is_initialized():
+            return False
+        return not any(isinstance(v, torch.Tensor) and v.device.type != "cpu"
+                       for n in whole.graph.nodes for v in _values(n))
+
+    def poll(self) -> bool | None:
+        """None while the child compiles; then whether it compiled."""
+        if self.ok is None:
+            pid, status = os.waitpid(self.pid, os.WNOHANG)
+            if pid:
+                self.ok, self.seconds = os.waitstatus_to_exitcode(status) == 0, time.perf_counter() - self.t0
+                self._finalizer.detach()
+        return self.ok
+
+    def kill(self) -> None:
+        if self.ok is None:
+            self._finalizer()
+            self.ok = False
+
+
+def _kill(pid: int) -> None:
+    try:
+        os.kill(pid, signal.SIGKILL)
+        os.waitpid(pid, 0)
+    except (ProcessLookupError, ChildProcessError):
+        pass

@@ -57,16 +57,18 @@ class UserTraffic(threading.Thread):
             raise AssertionError(f"rank {self.rank}: the user's thread failed: {self.error}")
 
 
-def mlp_against_ddp(rank: int, steps: int = 3, **compile_kwargs):
+def mlp_against_ddp(rank: int, steps: int = 3, until=None, **compile_kwargs):
     """An MLP (tests/models.py) trained ``steps`` steps with AdamW by ``spmd_ort.compile(**compile_kwargs)`` (the
     default layout under torchrun: replicate) next to DDP on this rank's batches: loss, every parameter and
-    optimizer state (per tensor) asserted equal each step.  Returns the compiled step."""
+    optimizer state (per tensor) asserted equal each step; ``until(step, i)`` after step ``i`` (from 1) may stop
+    it sooner (the same on every rank), and then DDP starts each step from the compiled step's state (a run of
+    hundreds of steps drifts apart by rounding: each step is compared alone).  Returns the compiled step."""
     import copy
 
     from torch.nn.parallel import DistributedDataParallel as DDP
 
     import spmd_ort
-    from helpers import assert_same_state, train_step
+    from helpers import assert_same_state, resync, train_step
     from models import MLP
 
     torch.manual_seed(0)
@@ -82,4 +84,9 @@ def mlp_against_ddp(rank: int, steps: int = 3, **compile_kwargs):
         loss_d = train_step(ddp, opt_d, x, y)
         torch.testing.assert_close(loss, loss_d.detach(), rtol=1e-5, atol=1e-6)
         assert_same_state(ddp.module, model, opt_d, opt, where=f"rank {rank} step {i}", normwise=True)
+        if until is not None:
+            if until(step, i + 1):
+                break
+            resync(model, opt, ddp.module, opt_d)
     return step
+
