@@ -2,7 +2,7 @@
 ``torch.utils.checkpoint`` on every block: the step's real peak memory and its time.
 
 Run:  .venv/bin/python bench/memory.py [--steps 3] [--runners eager,eager+checkpoint,fx@1.0,fx@0.5,fx@0.0]
-      [--model gpt|llama] [--vocab 256]
+      [--model gpt|llama|nano|torch] [--vocab 256]
 
 An activation-heavy LM: GPT, 6 layers, 4 heads, d 256, seq 512, vocab 256, batch 8, dropout 0.1 (in
 attention and after each MLP), AdamW(lr 1e-3, ``fused=True``) for every runner.  Each runner is its own

@@ -31,6 +31,7 @@ BACKEND_CHOICES = ("auto", *BACKENDS)
 FALLBACK_POLICIES = ("FALLBACK_TO_FX", "FALLBACK_DISABLE")
 SEGMENT_EXECUTORS = ("auto", "ort", "fx")
 DYNAMIC_MODES = ("auto", "1", "0")  # SPMD_ORT_DYNAMIC; compile(dynamic=None/True/False)
+BACKGROUND_MODES = ("auto", "1", "0")  # SPMD_ORT_BACKGROUND_COMPILE
 # torch.onnx's exporter implements opset 18 and later (below it, it silently stays at 18);
 # its version converter and onnxruntime 1.2x-1.3x handle up to 25 (26+ gives invalid models).
 OPSET_RANGE = (18, 25)
@@ -109,8 +110,9 @@ class Options:
     fallback_policy: str = FALLBACK_POLICIES[0]
     segment_executor: str = SEGMENT_EXECUTORS[0]
     auto_inductor: bool = True  # with segment_executor auto: the whole graph compiled by inductor is a candidate
-    # the candidate compiled by a forked process while the steps run (CPU; backends/inductor.py BackgroundCompile)
-    background_compile: bool = True
+    # the candidate compiled by a forked process while the steps run (CPU; backends/inductor.py BackgroundCompile):
+    # "auto" where a core is left idle by the steps' threads, "1" always, "0" never
+    background_compile: str = BACKGROUND_MODES[0]
     # choices made from measurements (spmd_ort.tuner): False is the static ones (segments on ORT, no candidate)
     autotune: bool = True
     cache_dir: Path = Path.home() / ".cache" / "spmd_ort"
@@ -391,10 +393,11 @@ ENV_VARS: tuple[EnvVar, ...] = (
     EnvVar("SPMD_ORT_AUTO_INDUCTOR", "auto_inductor", _bool, "`1`",
            "with `SPMD_ORT_SEGMENT_EXECUTOR=auto`, the whole graph compiled by inductor is a candidate of the "
            "automatic choice (where a C++ compiler is found); `0`: only ORT and fx are (`backend='ort'`: `0`)"),
-    EnvVar("SPMD_ORT_BACKGROUND_COMPILE", "background_compile", _bool, "`1`",
-           "inductor's candidate is compiled by a forked process at the lowest priority, one thread, from the "
+    EnvVar("SPMD_ORT_BACKGROUND_COMPILE", "background_compile", _choice("mode", BACKGROUND_MODES), "`auto`",
+           "`1`: inductor's candidate is compiled by a forked process at the lowest priority, one thread, from the "
            "first steady steps on, while the steps run (CPU graphs; it fills inductor's cache, from which the step "
-           "then loads it); `0`: compiled in the step once the steady steps have spent its predicted compile"),
+           "then loads it); `0`: compiled in the step once the steady steps have spent its predicted compile; "
+           "`auto`: `1` where the machine has a core that no rank's torch threads use, else `0`"),
     EnvVar("SPMD_ORT_AUTOTUNE", "autotune", _bool, "`1`",
            "`0`: the static choices, no measurement decides anything after compile (every segment ORT supports "
            "runs on ORT, no whole-graph choice, no inductor candidate, `bucket_cap_mb='auto'` keeps its starting "

@@ -219,8 +219,8 @@ class Tuner:
 
     def _in_background(self, program: CompiledProgram) -> bool:
         """Whether ``program``'s candidate is compiled by a forked process (every rank alike)."""
-        return _agreed_min(int(self.options.background_compile
-                               and BackgroundCompile.available(program.executor.candidate_source))) == 1
+        return _agreed_min(int(BackgroundCompile.available(program.executor.candidate_source,
+                                                           self.options.background_compile))) == 1
 
     def _candidate_due(self, program: CompiledProgram, watch: _Watch, args: tuple, kwargs: dict) -> None:
         """The candidate's run has come: compiled here and now, or (in the background) its compile started, or

@@ -78,3 +78,20 @@ def test_two_ranks_adopt_at_the_same_step_once_both_children_exited(tmp_path):
         assert adopted and all("compiling in the background" in d for d in candidate[:-1]), r
         outcomes.append(adopted.groups())
     assert outcomes[0] == outcomes[1], outcomes
+
+
+@pytest.mark.parametrize("mode,local_ranks,expected", [("auto", 1, True), ("auto", 2, False), ("1", 2, True),
+                                                       ("0", 1, False)])
+def test_auto_compiles_in_the_background_only_where_a_core_is_idle(monkeypatch, mode, local_ranks, expected):
+    """4 cores, 2 torch threads a rank: one rank leaves 2 cores idle (a child compiles there), two ranks leave
+    none (the candidate is bought in the step, where a child would slow the steps); ``1`` and ``0`` force it."""
+    import os
+
+    from torch import fx
+
+    from spmd_ort.backends.inductor import BackgroundCompile
+
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1, 2, 3}, raising=False)
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 2)
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", str(local_ranks))
+    assert BackgroundCompile.available(fx.symbolic_trace(torch.nn.Linear(2, 2)), mode) is expected

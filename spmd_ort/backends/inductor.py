@@ -336,10 +336,15 @@ class BackgroundCompile:
         self._finalizer = weakref.finalize(self, _kill, pid)  # dropped or at exit: no orphan compiling on
 
     @staticmethod
-    def available(whole: fx.GraphModule) -> bool:
-        """Whether ``whole`` may be compiled in a forked child: a POSIX fork and no CUDA in this process (a
-        forked CUDA context is unusable)."""
-        if not hasattr(os, "fork") or torch.cuda.is_initialized():
+    def available(whole: fx.GraphModule, mode: str) -> bool:
+        """Whether ``whole`` is compiled in a forked child (``mode``: ``Options.background_compile``): a POSIX
+        fork, no CUDA in this process (a forked CUDA context is unusable) and, with ``auto``, a core that the
+        steps leave idle (:func:`idle_cores`).  On a machine whose cores the steps' threads all use, a child
+        even at the lowest priority slows them: a CNN's 20 ms steps on this 2-core host took up to 1.5x while
+        one compiled (OpenMP's threads wait at each op's end for the one the child preempted)."""
+        if mode == "0" or not hasattr(os, "fork") or torch.cuda.is_initialized():
+            return False
+        if mode == "auto" and idle_cores() < 1:
             return False
         return not any(isinstance(v, torch.Tensor) and v.device.type != "cpu"
                        for n in whole.graph.nodes for v in _values(n))
@@ -357,6 +362,13 @@ class BackgroundCompile:
         if self.ok is None:
             self._finalizer()
             self.ok = False
+
+
+def idle_cores() -> int:
+    """The cores this process may run on that no rank of this machine's torch threads use (each rank as many
+    threads as this one; ``LOCAL_WORLD_SIZE`` ranks, torchrun's)."""
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    return cores - torch.get_num_threads() * int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
 
 
 def _kill(pid: int) -> None:
