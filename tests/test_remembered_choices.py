@@ -151,3 +151,27 @@ def test_ranks_with_different_entries_measure_afresh(tmp_path):
     each run trained to DDP's numbers."""
     run = torchrun("remembered_choices.py", out=tmp_path, timeout=240, env={"SPMD_ORT_VERIFY": "1"})
     assert run.ranks[0]["runs"] == ["fresh fresh", "recalled recalled", "fresh fresh"], run.output[-3000:]
+
+
+def test_the_graph_digest_names_a_graph_by_its_ops_and_constants_of_any_dtype():
+    """The key of remembered choices, exported models and inductor's lock: the same graph twice has one digest;
+    a constant's values or dtype (bfloat16 too, which numpy lacks) change it; a planned graph's meta constants
+    have one by shape and dtype."""
+    from torch import fx
+
+    from spmd_ort.backends.files import graph_digest
+
+    class Plus(torch.nn.Module):
+        def __init__(self, c):
+            super().__init__()
+            self.register_buffer("c", c)
+
+        def forward(self, x):
+            return x + self.c
+
+    def digest(c):
+        return graph_digest(fx.symbolic_trace(Plus(c)))
+
+    ones = torch.ones(3)
+    assert digest(ones) == digest(ones.clone())
+    assert len({digest(ones), digest(torch.zeros(3)), digest(ones.bfloat16()), digest(ones.to("meta"))}) == 4

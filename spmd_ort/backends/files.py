@@ -35,7 +35,10 @@ def graph_digest(gm: fx.GraphModule, *parts) -> str:
                  f"{what};".encode())
     for name, t in sorted(gm.state_dict(keep_vars=True).items()):
         h.update(name.encode())
-        h.update(t.detach().cpu().contiguous().numpy().tobytes())
+        if t.device.type == "meta":  # (no values: a planned graph)
+            h.update(f"meta:{tuple(t.shape)}:{t.dtype}".encode())
+        else:  # its bytes, whatever the dtype (numpy has no bfloat16)
+            h.update(t.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes())
     return h.hexdigest()[:32]
 
 

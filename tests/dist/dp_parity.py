@@ -145,11 +145,11 @@ def run(args, rank: int, world: int) -> dict:
     if args.mixed_executors:
         from spmd_ort.backends.ort import choice
 
-        def small_on_fx(self, seg, times):
+        def small_on_fx(self, seg, times, known=None):
             ops = sum(1 for n in seg.fallback.graph.nodes if n.op == "call_function")
             times = {"fx": 0.0, "ort": 1.0} if ops <= 3 else {"fx": 1.0, "ort": 0.0}
             result.setdefault("forced", {})[seg.name] = "fx" if ops <= 3 else "ort"
-            choose(self, seg, times)
+            choose(self, seg, times, known)
 
         choose, choice.FirstRun._choose = choice.FirstRun._choose, small_on_fx
     try:
