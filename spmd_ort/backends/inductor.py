@@ -352,9 +352,13 @@ class BackgroundCompile:
     def poll(self) -> bool | None:
         """None while the child compiles; then whether it compiled."""
         if self.ok is None:
-            pid, status = os.waitpid(self.pid, os.WNOHANG)
+            try:
+                pid, status = os.waitpid(self.pid, os.WNOHANG)
+                ok = os.waitstatus_to_exitcode(status) == 0
+            except ChildProcessError:  # reaped by someone else (a SIGCHLD handler): its outcome is unknown
+                pid, ok = self.pid, False
             if pid:
-                self.ok, self.seconds = os.waitstatus_to_exitcode(status) == 0, time.perf_counter() - self.t0
+                self.ok, self.seconds = ok, time.perf_counter() - self.t0
                 self._finalizer.detach()
         return self.ok
 
