@@ -84,7 +84,8 @@ class _Watch:
 
     steady: list[float] = field(default_factory=list)
     due: int | None = None  # compiled before the run that follows this many runs of the program
-    background: BackgroundCompile | None = None  # compiling in a forked process since run ``due``
+    fork: bool = False  # compiled by a forked process (BackgroundCompile), every rank alike
+    background: BackgroundCompile | None = None  # that process, compiling since run ``due``
 
 
 class Tuner:
@@ -205,7 +206,8 @@ class Tuner:
         step_s = sorted(watch.steady)[len(watch.steady) // 2]
         nodes = graph_nodes(program.executor.candidate_source)
         predicted, how = CompileCost.predict(nodes)
-        if self._in_background(program):  # it costs the steps little: started at once
+        watch.fork = self._in_background(program)
+        if watch.fork:  # it costs the steps little: started at once
             watch.due = _agreed_max(program.steps_run)
             self._decide(Decision("inductor candidate", f"compiling in the background from step {watch.due + 1}",
                                   f"a forked process at the lowest priority, one thread, while the steps run at "
@@ -227,10 +229,10 @@ class Tuner:
         polled; once every rank's child has exited, built from the cache it filled, checked and timed."""
         from spmd_ort.backends.ort.choice import everywhere
 
+        if not watch.fork:
+            self._try_candidate(program, watch, args, kwargs)
+            return
         if watch.background is None:
-            if not self._in_background(program):
-                self._try_candidate(program, watch, args, kwargs)
-                return
             watch.background = BackgroundCompile(program.executor.candidate_source, self.options)
             return
         exited = watch.background.poll() is not None
@@ -239,12 +241,15 @@ class Tuner:
         child, watch.background = watch.background, None
         if not everywhere(bool(child.ok)):
             program.executor.candidate_source = None
-            self.inductor_lost = "inductor's candidate failed to compile"
-            self._decide(Decision("inductor candidate", "failed to compile",
-                                  f"in the background, after {child.seconds:.1f} s"))
-            program.executor.remember_candidate("failed", "it failed to compile")
+            self._failed_to_compile(program.executor, f"in the background, after {child.seconds:.1f} s")
             return
         self._try_candidate(program, watch, args, kwargs, background_s=child.seconds)
+
+    def _failed_to_compile(self, executor, when: str) -> None:
+        """Inductor's candidate did not compile (on some rank): no later variant gets one, nor the next run."""
+        self.inductor_lost = "inductor's candidate failed to compile"
+        self._decide(Decision("inductor candidate", "failed to compile", when))
+        executor.remember_candidate("failed", "it failed to compile")
 
     def _recalled(self, program: CompiledProgram):
         """After the first run: what an earlier run of this program decided about inductor's candidate
@@ -262,11 +267,10 @@ class Tuner:
             self.inductor_lost = f"it {known['outcome']} in an earlier run of this program ({known['detail']})"
             self._decide(Decision("inductor candidate", "not compiled", self.inductor_lost + ", remembered"))
             return None
-        watch = _Watch(due=program.steps_run)
-        self._watches[id(program)] = (program, watch)
-        self._decide(Decision("inductor candidate", f"due at step {watch.due + 1}",
+        entry = self._watches[id(program)] = (program, _Watch(due=program.steps_run, fork=self._in_background(program)))
+        self._decide(Decision("inductor candidate", f"due at step {program.steps_run + 1}",
                               f"it was kept in an earlier run of this program ({known['detail']}), remembered"))
-        return self._watches[id(program)]
+        return entry
 
     def _try_candidate(self, program: CompiledProgram, watch: _Watch, args: tuple, kwargs: dict,
                        background_s: float | None = None) -> None:
@@ -285,9 +289,7 @@ class Tuner:
         candidate = _compile_candidate(source, self.options)
         compile_s = now() - t0
         if candidate is None:
-            self.inductor_lost = "inductor's candidate failed to compile"
-            self._decide(Decision("inductor candidate", "failed to compile", f"at step {step}"))
-            executor.remember_candidate("failed", "it failed to compile")
+            self._failed_to_compile(executor, f"at step {step}")
             return
         if background_s is None:  # (a load from the cache says nothing of a compile's cost)
             CompileCost.calibrate(compile_s, nodes)

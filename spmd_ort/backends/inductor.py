@@ -362,11 +362,6 @@ class BackgroundCompile:
                 self._finalizer.detach()
         return self.ok
 
-    def kill(self) -> None:
-        if self.ok is None:
-            self._finalizer()
-            self.ok = False
-
 
 def idle_cores() -> int:
     """The cores this process may run on that no rank of this machine's torch threads use (each rank as many

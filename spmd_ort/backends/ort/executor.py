@@ -205,8 +205,9 @@ def build_ort_executor(gm: fx.GraphModule, options: Options) -> OrtExecutor:
     with _Progress(len(names)) as shown:
         for i, name in enumerate(names):
             sub = fused.get_submodule(name)
-            device = device or segment_device(sub)
-            providers = providers_for(segment_device(sub))  # a ConfigError, never a fallback
+            where = segment_device(sub)
+            device = device or where
+            providers = providers_for(where)  # a ConfigError, never a fallback
             shown.start(i, name, sum(1 for n in sub.graph.nodes if n.op == "call_function"))
             if is_symbolic(sub):
                 segment = dynamic_segment(name, sub, options, stats, threads=threads, providers=providers)
