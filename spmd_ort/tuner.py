@@ -6,7 +6,9 @@ One :class:`Tuner` per :class:`~spmd_ort.step.CompiledStep`.  It owns
 * **each segment's executor and the whole graph against its segments**: measured by the ORT backend on a
   program's checked first run (:mod:`spmd_ort.backends.ort.choice`, which stays where it measures) and
   reported upward as :class:`~spmd_ort.graph.decisions.Decision` records (``OrtExecutor.decisions()``),
-  which the tuner collects;
+  which the tuner collects; the whole choice is **revisited once**: the executor times the program's first
+  ``MEASURED_STEPS`` steady runs, and where they are slower than another candidate measured on the first run
+  the tuner has the candidates timed again before the next step (then the losers are freed);
 * **inductor's candidate**: the whole graph compiled by inductor, timed against what runs and swapped in
   when faster.  Its compile costs seconds to minutes, so it is bought as in ski rental: the tuner times
   the program's first ``MEASURED_STEPS`` steady steps, predicts the compile's seconds
@@ -102,6 +104,7 @@ class Tuner:
         self.recompiles: dict = {}  # variant key -> tuner recompiles it caused
         self.inductor_lost: str | None = None  # why later variants get no candidate (it lost, or failed)
         self._watches: dict[int, tuple[CompiledProgram, _Watch]] = {}
+        self._revisits: dict[int, CompiledProgram] = {}  # whole choices timed again before the program's next run
         self._t0: float | None = None
 
     # ------------------------------------------------------------------ compile side
@@ -124,7 +127,11 @@ class Tuner:
 
     # ------------------------------------------------------------------ around each run
     def before_run(self, program: CompiledProgram, args: tuple, kwargs: dict) -> None:
-        """Inside the step's runtime, before ``program`` runs on the call: buy inductor's candidate when due."""
+        """Inside the step's runtime, before ``program`` runs on the call: revisit the whole choice, or buy
+        inductor's candidate, when due."""
+        if self._revisits.get(id(program)) is program:
+            del self._revisits[id(program)]
+            self._revisit(program, args, kwargs)
         entry = self._watches.get(id(program))
         if entry is None and program.steps_run >= 1:
             entry = self._recalled(program)
@@ -142,6 +149,8 @@ class Tuner:
         if self._t0 is not None:
             seconds, self._t0 = now() - self._t0, None
             self._watch(program, seconds)
+        if self.autotune and _choice_pending(program):
+            self._watch_choice(program)
         if not self.autotune:
             return
         if mode is not None and self.buckets.observe(mode, program, comm):
@@ -163,6 +172,8 @@ class Tuner:
             return True
         if self.buckets.start_mb is not None and self.buckets.choice is None:
             return False  # bucket_cap_mb="auto" is measuring its steps (its recompile follows)
+        if _choice_pending(program):
+            return False  # the whole choice is watched (a revisit times the candidates again)
         if program.executor.candidate_source is None:
             return True
         entry = self._watches.get(id(program))
@@ -187,6 +198,40 @@ class Tuner:
         self.runtime.comm.drop_carried()  # the next call compiles the chosen schedule
         self.transitions.invalidate(reason)
         return True
+
+    # ------------------------------------------------------------------ the whole choice, revisited once
+    def _watch_choice(self, program: CompiledProgram) -> None:
+        """After ``program``'s first :data:`MEASURED_STEPS` steady steps (their graph runs, timed by the executor as
+        its first run timed the candidates) the whole choice its first run made is final, unless those runs are
+        slower than another candidate measured then by :data:`~spmd_ort.backends.ort.choice.MARGIN`: then the
+        candidates are timed again before the next step (once; every rank alike)."""
+        from spmd_ort.backends.ort.choice import MARGIN
+
+        executor = program.executor
+        steady = executor.steady
+        if len(steady) < MEASURED_STEPS or self._revisits.get(id(program)) is program:
+            return
+        step_ms = sorted(steady)[len(steady) // 2] * 1e3
+        whole = executor.stats.whole
+        others = {name: ms for name, ms in whole.times_ms if name != executor.runs}
+        best = min(others, key=others.get) if others else None
+        why = f"steady steps {step_ms:.2f} ms" + (f" against {best}'s {others[best]:.2f} ms on the first run"
+                                                   if best is not None else "")
+        if _agreed_max(int(best is not None and step_ms > others[best] * (1 + MARGIN))):
+            kept = {id(p) for p in self.transitions.variants.values()}  # (dropped variants' entries go)
+            self._revisits = {k: p for k, p in self._revisits.items() if k in kept}
+            self._revisits[id(program)] = program
+            self._decide(Decision("whole graph", f"{executor.runs} lost to {best} in the steady steps: timed again "
+                                                 f"at step {program.steps_run + 1}", why))
+            return
+        executor.settle()
+        self._decide(Decision("whole graph", f"{executor.runs} final after {len(steady)} steady steps", why))
+
+    def _revisit(self, program: CompiledProgram, args: tuple, kwargs: dict) -> None:
+        """Time the whole-step candidates again on copies of this call's inputs; keep or switch (every rank)."""
+        copies = [t.clone() if isinstance(t, torch.Tensor) else t for t in program.graph_inputs(args, kwargs)]
+        with program.frame():
+            self._decide(program.executor.revisit(copies, program.steps_run + 1))
 
     # ------------------------------------------------------------------ inductor's candidate
     def _watch(self, program: CompiledProgram, seconds: float) -> None:
@@ -366,6 +411,11 @@ def _compile_candidate(whole: fx.GraphModule, options: Options):
             logger.info("the inductor candidate of the automatic choice failed to compile (%s); it is not "
                         "considered", short_error(exc))
     return candidate if everywhere(candidate is not None) else None
+
+
+def _choice_pending(program: CompiledProgram) -> bool:
+    """Whether ``program``'s executor holds a whole choice that is not final (the ORT executor's, with auto)."""
+    return bool(getattr(program.executor, "revisit_pending", False))
 
 
 def _agreed_max(value: int) -> int:

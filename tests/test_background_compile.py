@@ -39,9 +39,16 @@ def test_the_candidate_compiles_in_a_forked_process_while_the_steps_run(monkeypa
     # the first run's timings fixed so that the steps run on fx until the candidate's choice: eager's kernels, so
     # the hundreds of steps a loaded machine may run while the child compiles carry no ORT rounding
     from spmd_ort.backends.ort import choice
+    from spmd_ort.backends.ort import executor as executor_module
+    from spmd_ort.backends.ort.stats import WholeChoice
+
+    def fx_wins(runners, inputs, stats, field="whole", keep=None):  # the whole graph too (ORT only is a candidate)
+        setattr(stats, field, WholeChoice("fx", (("ort", 2.0), ("fx", 1.0))))
+        return "fx"
 
     monkeypatch.setattr(choice, "fastest", lambda run, args, first: 2e-3)
     monkeypatch.setattr(choice, "timed_fx_runs", lambda run, args, repeat: (1e-3, run(*args)))
+    monkeypatch.setattr(executor_module, "choose_whole", fx_wins)
     torch.manual_seed(0)
     model_e = MLP()
     model_c = copy.deepcopy(model_e)
@@ -54,7 +61,7 @@ def test_the_candidate_compiles_in_a_forked_process_while_the_steps_run(monkeypa
         x, y = torch.randn(8, 32, generator=g), torch.randint(0, 10, (8,), generator=g)
         torch.testing.assert_close(step(model_c, opt_c, x, y), train_step(model_e, opt_e, x, y).detach())
         assert_same_state(model_e, model_c, opt_e, opt_c, where=f"step {i}", normwise=True)
-        decided = [str(d) for d in step.tuner.decisions]
+        decided = [str(d) for d in step.tuner.decisions if d.subject == "inductor candidate"]
         adopted = ADOPTED.match(decided[-1]) if decided else None
         if adopted and i >= int(adopted.group(1)) + 2:
             break  # two steps ran on what won

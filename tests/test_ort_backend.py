@@ -322,76 +322,103 @@ def test_verification_is_on_by_default(monkeypatch):
     assert compiled.options.verify and compiled.compiled.executor.stats.verified == 1  # assert_ran_on_ort too
 
 
-@pytest.mark.parametrize("slow,whole_cost", [("ort", 0.050), ("fx", 0.050), ("fx", 0.020)])
-def test_auto_keeps_the_faster_executor_per_segment(monkeypatch, slow, whole_cost):
-    """SPMD_ORT_SEGMENT_EXECUTOR=auto times both executors on the first run and keeps the faster per segment,
-    then times the step as chosen against the whole graph on fx, unsplit, and keeps the faster; the choices
-    and times are in describe(); training matches eager either way.  The costs are set on a virtual clock
-    (this machine's load swings a real one by more than any injected delay): ``whole_cost`` is the whole
-    graph's on fx."""
-    monkeypatch.setenv("SPMD_ORT_SEGMENT_EXECUTOR", "auto")
-    from spmd_ort.backends import checked
-    from spmd_ort.backends.ort import choice
-    from spmd_ort.backends.ort import executor as executor_module
-    from spmd_ort.backends.ort.session import OrtSegment as Segment
+class _VirtualCosts:
+    """Every timing on a virtual clock (this machine's load swings a real one by more than any injected delay):
+    the segment's ORT and fx runs and the whole graph on fx cost ``ort``, ``fx`` and ``whole`` seconds, in the
+    first run's timings and in the steady steps' runs the executor times.  ``then``: costs that replace these
+    once the first run's whole-graph timing is done."""
 
-    class Clock:
-        now = 0.0
+    def __init__(self, monkeypatch, ort: float, fx: float, whole: float, then: dict | None = None):
+        from spmd_ort.backends import checked
+        from spmd_ort.backends.ort import choice
+        from spmd_ort.backends.ort import executor as executor_module
 
-        def perf_counter(self):
-            return self.now
+        self.now = 0.0
+        self.cost = {"ort": ort, "fx": fx, "whole": whole}
+        self.runners: list[set] = []  # the candidates of each whole-graph timing
+        for module in (choice, checked, executor_module):  # first-run timings, the checked ORT run, steady runs
+            monkeypatch.setattr(module, "now", lambda: self.now)
+        run_ort, init, choose = OrtSegment.run_ort, OrtSegment.__init__, choice.choose_whole
 
-    clock = Clock()
-    monkeypatch.setattr(choice, "now", clock.perf_counter)  # the fx run and the timing runs (segments, whole graph)
-    monkeypatch.setattr(checked, "now", clock.perf_counter)  # the checked ORT run
-    cost = {"ort": 0.050 if slow == "ort" else 0.001, "fx": 0.050 if slow == "fx" else 0.001}
+        def patched_init(seg, name, fallback, *args, **kwargs):
+            init(seg, name, fallback, *args, **kwargs)
+            seg.fallback.forward = self._costing(seg.fallback.forward, "fx")
 
-    def costing(fn, seconds):
+        def patched_choose(runners, inputs, stats, field="whole", keep=None):
+            self.runners.append(set(runners))
+            if "fx" in runners and not getattr(runners["fx"], "costed", False):
+                runners["fx"].forward, runners["fx"].costed = self._costing(runners["fx"].forward, "whole"), True
+            chosen = choose(runners, inputs, stats, field, keep)
+            self.cost.update(then or {})
+            return chosen
+
+        monkeypatch.setattr(OrtSegment, "run_ort", self._costing(run_ort, "ort"))
+        monkeypatch.setattr(OrtSegment, "__init__", patched_init)
+        monkeypatch.setattr(executor_module, "choose_whole", patched_choose)
+
+    def _costing(self, fn, what):
         def run(*args, **kwargs):
-            clock.now += seconds
+            self.now += self.cost[what]
             return fn(*args, **kwargs)
         return run
 
-    run_ort, init = Segment.run_ort, Segment.__init__
 
-    def patched_init(self, name, fallback, *args, **kwargs):
-        init(self, name, fallback, *args, **kwargs)
-        self.fallback.forward = costing(self.fallback.forward, cost["fx"])
-
-    def patched_choose(runners, inputs, stats, field="whole"):
-        assert set(runners) == {"segments", "fx"}
-        runners["fx"].forward = costing(runners["fx"].forward, whole_cost)
-        return choose(runners, inputs, stats, field)
-
-    choose = choice.choose_whole
-    monkeypatch.setattr(Segment, "run_ort", costing(run_ort, cost["ort"]))
-    monkeypatch.setattr(Segment, "__init__", patched_init)
-    monkeypatch.setattr(executor_module, "choose_whole", patched_choose)
-    compiled, _, _ = train_side_by_side(MLP, _adamw, train_step, _mlp_batches(3), backend="ort",
+@pytest.mark.parametrize("slow,whole_cost", [("ort", 0.020), ("ort", 0.100), ("fx", 0.050), ("fx", 0.0005)])
+def test_auto_keeps_the_faster_executor_per_segment(monkeypatch, slow, whole_cost):
+    """SPMD_ORT_SEGMENT_EXECUTOR=auto times both executors on the first run and keeps the faster per segment,
+    then times the step as chosen against every segment on ORT (where one chose fx) and the whole graph on fx,
+    unsplit, and keeps the fastest; the losers are kept through 3 steady steps (which do not lose here: the
+    choice is final) and freed then; the choices and times are in describe(); training matches eager either
+    way.  ``whole_cost`` is the whole graph's on fx."""
+    monkeypatch.setenv("SPMD_ORT_SEGMENT_EXECUTOR", "auto")
+    costs = _VirtualCosts(monkeypatch, ort=0.050 if slow == "ort" else 0.001, fx=0.050 if slow == "fx" else 0.001,
+                          whole=whole_cost)
+    compiled, _, _ = train_side_by_side(MLP, _adamw, train_step, _mlp_batches(5), backend="ort",
                                         expect_clean_ort=False)
-    stats = compiled.compiled.executor.stats
+    ex = compiled.compiled.executor
+    stats = ex.stats
     picked = stats.choices["fused_0"]
     fast = "fx" if slow == "ort" else "ort"
     assert picked.executor == fast, picked
-    assert (picked.ort_ms, picked.fx_ms) == pytest.approx((cost["ort"] * 1e3, cost["fx"] * 1e3))
+    assert (picked.ort_ms, picked.fx_ms) == pytest.approx((costs.cost["ort"] * 1e3, costs.cost["fx"] * 1e3))
     described = compiled.compiled.describe()
     assert f"fused_0 runs on {fast} (ort " in described
     assert not stats.fallbacks and stats.verified == 1
-    segment = compiled.compiled.executor.segments[0]
+    segment = ex.segments[0]
     assert segment.checked_runs == 1  # ORT ran the first step, checked: its outputs compared, fx's used
-    if fast == "fx":  # every segment chose fx: the whole graph runs on fx, unsplit, untimed
-        assert str(stats.whole) == "the whole graph runs on fx, unsplit (every segment chose fx)"
-        assert segment.runs == 0
-        assert segment.session is None and not segment.outputs  # what only ORT needed is freed
-    elif whole_cost > cost["ort"]:  # the segments as chosen (ORT) beat the whole graph on fx
-        assert stats.whole.executor == "segments", stats.whole
-        assert dict(stats.whole.times_ms) == pytest.approx({"segments": cost["ort"] * 1e3, "fx": whole_cost * 1e3})
-        assert segment.runs == 2  # the steps after the first (timing runs are no steps)
-        assert segment.session is not None and compiled.compiled.executor.whole is None  # fx candidate freed
-    else:  # ORT beat the segment's fx graph, but the whole graph on fx beats both: it runs from step 2 on
-        assert stats.whole.executor == "fx" and "the whole graph runs on fx, unsplit (segments" in described
-        assert segment.runs == 0
-        assert segment.session is None  # no segment runs again
+    # the segment chose fx: its ORT session is the "ort" candidate (the segments as chosen are fx, split)
+    assert costs.runners == [{"ort", "fx"} if fast == "fx" else {"segments", "fx"}]
+    times = dict(stats.whole.times_ms)
+    winner = min(times, key=times.get)
+    assert stats.whole.executor == winner and times["fx"] == pytest.approx(whole_cost * 1e3)
+    assert not ex.revisit_pending and ex.runs == winner, ex.runs  # final after the steady steps
+    assert f"whole graph: {winner} final after 3 steady steps" in compiled.explain()
+    if winner in ("segments", "ort"):  # ORT runs the segment from step 2 on, even where it chose fx
+        assert segment.runs == 4  # the steps after the first (timing runs are no steps)
+        assert segment.session is not None and ex.whole is None  # the fx candidate freed
+    else:  # the whole graph on fx, unsplit, beats both
+        assert "the whole graph runs on fx, unsplit (" in described
+        assert segment.runs == 0 and segment.session is None  # no segment runs again: its session freed
+
+
+def test_a_whole_choice_that_loses_in_the_steady_steps_is_revisited_once(monkeypatch):
+    """The first run times ORT faster (the segments as chosen, 1 ms, against fx's 5 ms); then ORT slows to 50 ms a
+    run and so do the steady steps, slower than fx measured: before step 5 the candidates are timed again,
+    the step switches to the whole graph on fx, and the segment's session is freed.  Numbers are eager's
+    throughout, and nothing is revisited a second time."""
+    monkeypatch.setenv("SPMD_ORT_SEGMENT_EXECUTOR", "auto")
+    costs = _VirtualCosts(monkeypatch, ort=0.001, fx=0.010, whole=0.005, then={"ort": 0.050})
+    compiled, _, _ = train_side_by_side(MLP, _adamw, train_step, _mlp_batches(8), backend="ort",
+                                        expect_clean_ort=False)
+    ex = compiled.compiled.executor
+    assert costs.runners == [{"segments", "fx"}] * 2
+    decided = [str(d) for d in compiled.tuner.decisions if d.subject == "whole graph"]
+    assert decided[0].startswith("whole graph: segments lost to fx in the steady steps: timed again at step 5 "
+                                 "(steady steps 50.00 ms against fx's 5.00 ms on the first run)"), decided
+    assert decided[1] == "whole graph: revisited at step 5: segments -> fx (segments 50.00 ms; fx 5.00 ms)", decided
+    assert len(decided) == 2  # once
+    assert ex.runs == "fx" and not ex.revisit_pending and ex.segments[0].session is None
+    assert "revisited at step 5: the whole graph runs on fx, unsplit" in compiled.compiled.describe()
 
 
 def test_forced_fx_segment_executor(monkeypatch):

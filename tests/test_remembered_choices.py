@@ -124,7 +124,7 @@ def test_inductor_is_not_compiled_again_where_it_lost(remembering, monkeypatch):
     _first_run_then(remembering, monkeypatch, "dropped", "segments 1.00 ms, inductor 3.00 ms")
     monkeypatch.setattr(tuner, "_compile_candidate", lambda *a: pytest.fail("inductor compiled again"))
     compiled = _train(4)
-    decided = [str(d) for d in compiled.tuner.decisions]
+    decided = [str(d) for d in compiled.tuner.decisions if d.subject == "inductor candidate"]
     assert decided == ["inductor candidate: not compiled (it dropped in an earlier run of this program (segments "
                        "1.00 ms, inductor 3.00 ms), remembered)"], decided
     assert compiled.compiled.executor.candidate_source is None
@@ -138,7 +138,7 @@ def test_inductor_is_compiled_at_the_first_steady_step_where_it_was_kept(remembe
     monkeypatch.setattr(tuner, "_compile_candidate", lambda whole, options: tried.append(whole) and None)
     compiled = _train(3)
     assert len(tried) == 1
-    decided = [str(d) for d in compiled.tuner.decisions]
+    decided = [str(d) for d in compiled.tuner.decisions if d.subject == "inductor candidate"]
     assert decided == ["inductor candidate: due at step 2 (it was kept in an earlier run of this program "
                        "(segments 3.00 ms, inductor 1.00 ms), remembered)",
                        "inductor candidate: failed to compile (at step 2)"], decided

@@ -35,7 +35,7 @@ def main() -> None:
 
     def until_adopted(step, i):
         nonlocal adopted_at
-        decided = [str(d) for d in step.tuner.decisions]
+        decided = [str(d) for d in step.tuner.decisions if d.subject == "inductor candidate"]
         if adopted_at is None and len(decided) > 1 and "compiled at step" in decided[-1]:
             adopted_at = i
         time.sleep(0.1)  # (few steps while the child compiles: a long run drifts from DDP by rounding)

@@ -29,7 +29,7 @@ from torch.fx._lazy_graph_module import _LazyGraphModule
 from spmd_ort.backends.interface import ExecutorBase
 from spmd_ort.backends.timed import TimedInterpreter
 from spmd_ort.options import Options, get_logger
-from spmd_ort.backends.ort.choice import FirstRun, choose_whole
+from spmd_ort.backends.ort.choice import FirstRun, choose_whole, everywhere
 from spmd_ort.backends.ort.coverage import HOST_ONLY
 from spmd_ort.backends.ort.partition import partition_for_ort, why_host
 from spmd_ort.backends.ort.remembered import Remembered, choices_key, recall
@@ -37,6 +37,7 @@ from spmd_ort.backends.ort.session import OrtSegment, is_symbolic, load_segment,
 from spmd_ort.backends.ort.sizes import SizedSegments, dynamic_segment
 from spmd_ort.backends.ort.stats import OrtStats, WholeChoice
 from spmd_ort.graph.decisions import Decision
+from spmd_ort.runtime.devices import now
 from spmd_ort.runtime.step_runtime import active
 
 logger = get_logger(__name__)
@@ -64,7 +65,13 @@ class OrtExecutor(ExecutorBase):
         self.candidate_source = source
         self.options = options
         self.inductor = None  # the whole graph compiled by inductor (an InductorExecutor), when it won
-        self.runs = "segments"  # what runs the steps: "segments", "fx" (whole, unsplit) or "inductor"
+        # what runs the steps: "segments" (as chosen), "ort" (every segment on ORT, those that chose fx too), "fx"
+        # (whole, unsplit) or "inductor"
+        self.runs = "segments"
+        # auto: the first run's losing candidates are kept (sessions of segments that chose fx, the unsplit graph)
+        # until the tuner has seen the steady steps and settled or revisited the whole choice once
+        self.revisit_pending = False
+        self.steady: list[float] = []  # while revisit_pending: each step's run, as choose_whole times a candidate
         self.verify = verify
         self.policy = policy
         self.stats = stats
@@ -79,8 +86,9 @@ class OrtExecutor(ExecutorBase):
         return [m for m in self.gm.modules() if isinstance(m, (OrtSegment, SizedSegments))]
 
     def running(self) -> fx.GraphModule:
-        """What runs the steps now: the segments as chosen, the whole graph on fx, or inductor's."""
-        return {"segments": self.gm, "fx": self.whole,
+        """What runs the steps now: the segments (as chosen, or every one on ORT), the whole graph on fx, or
+        inductor's."""
+        return {"segments": self.gm, "ort": self.gm, "fx": self.whole,
                 "inductor": self.inductor.gm if self.inductor is not None else None}[self.runs]
 
     def adopt(self, name: str, runner) -> None:
@@ -88,7 +96,54 @@ class OrtExecutor(ExecutorBase):
         candidate that won its timing) runs the steps; what no longer runs is freed."""
         self.candidate_source = None
         self.inductor, self.runs = runner, name
+        self.settle()
+
+    def candidates(self) -> dict[str, fx.GraphModule]:
+        """The whole-step candidates still held, each runnable as it would run the steps: ``"segments"`` (as
+        chosen; none when every segment chose fx: that is ``fx`` with splits), ``"ort"`` (when a segment chose fx,
+        its session kept) and ``"fx"`` (unsplit).  The same on every rank (their segment choices agree)."""
+        chose_fx = [seg for seg in self.segments if seg.held and self._chose_fx(seg)]
+        out: dict[str, fx.GraphModule] = {}
+        if any(seg.held and not self._chose_fx(seg) for seg in self.segments):
+            out["segments"] = Parked(self.gm, chose_fx, True)
+        if chose_fx:
+            out["ort"] = Parked(self.gm, chose_fx, False)
+        if self.whole is not None:
+            out["fx"] = self.whole
+        return {name: out[name] for name in ("segments", "ort", "fx") if everywhere(name in out)}
+
+    def _chose_fx(self, seg) -> bool:
+        choice = self.stats.choices.get(seg.name)
+        return choice is not None and choice.executor == "fx"
+
+    def revisit(self, inputs: list, step: int) -> Decision:
+        """Time the candidates still held again, on ``inputs`` (copies), against what runs; switch to one that
+        is faster by :data:`~spmd_ort.backends.ort.choice.MARGIN` (every rank alike), then free the rest."""
+        before = self.runs
+        self.stats.revisit, self.steady = None, []
+        self.runs = choose_whole(self.candidates(), inputs, self.stats, field="revisit", keep=before)
+        self.stats.revisit_step = step
+        self._park_as_chosen()
+        if self.remembered is not None and self.remembered.path is not None:
+            self.remembered.update(whole={"executor": self.runs,
+                                          "times_ms": [list(t) for t in self.stats.revisit.times_ms]})
+        self.settle()
+        times = "; ".join(f"{k} {ms:.2f} ms" for k, ms in self.stats.revisit.times_ms)
+        if self.runs == before:
+            return Decision("whole graph", f"revisited at step {step}: kept {before}", times)
+        return Decision("whole graph", f"revisited at step {step}: {before} -> {self.runs}", times)
+
+    def settle(self) -> None:
+        """The whole choice is final: free the candidates that lost (sessions of parked segments, the unsplit
+        graph)."""
+        self.revisit_pending, self.steady = False, []
         self._release_losers()
+
+    def _park_as_chosen(self) -> None:
+        """Segments that chose fx run on fx, unless every segment runs on ORT (``runs`` = ``"ort"``)."""
+        for seg in self.segments:
+            if self._chose_fx(seg):
+                seg.park(self.runs != "ort")
 
     def decisions(self) -> list[Decision]:
         """What the first run chose from its timings (and what it was made to run: a forced executor, a
@@ -103,7 +158,7 @@ class OrtExecutor(ExecutorBase):
         whole = self.stats.whole
         if whole is not None:
             out.append(Decision("whole graph", whole.executor,
-                                ("; ".join(f"{k} {ms:.2f} ms" for k, ms in whole.times_ms) or "every segment chose fx")
+                                ("; ".join(f"{k} {ms:.2f} ms" for k, ms in whole.times_ms) or "no segment runs on ORT")
                                 + (", remembered from an earlier run" if whole.remembered else "")))
         return out
 
@@ -116,6 +171,12 @@ class OrtExecutor(ExecutorBase):
             recorder = active().recorder
             if recorder is not None:  # a profiled step: node by node (segment by segment), timed
                 return list(TimedInterpreter(gm, recorder).run(*inputs))
+            if self.revisit_pending:  # the tuner compares these runs with the candidates' first-run times
+                t0 = now()
+                out = list(gm(*inputs))
+                active().comm.finish()
+                self.steady.append(now() - t0)
+                return out
             return list(gm(*inputs))
 
     def _first_run(self, inputs: list) -> list:
@@ -130,13 +191,20 @@ class OrtExecutor(ExecutorBase):
         out = first.run(*copies)
         if self.segment_executor == "auto" and self.whole is not None:
             known = self.remembered.whole if self.remembered is not None else None
-            if known is not None:
+            candidates = self.candidates()
+            if known is not None and known["executor"] in candidates:
                 self.runs = known["executor"]
                 self.stats.whole = WholeChoice(self.runs, tuple(map(tuple, known["times_ms"])), remembered=True)
+            elif set(candidates) == {"fx"}:  # no segment runs on ORT: the same ops, without the splits
+                self.runs, self.stats.whole = "fx", WholeChoice("fx")
             else:
                 out = [o.clone() if isinstance(o, torch.Tensor) else o for o in out]  # (timing reuses buffers)
-                self.runs = choose_whole({"segments": self.gm, "fx": self.whole}, copies, self.stats)
-            self._release_losers()
+                self.runs = choose_whole(candidates, copies, self.stats)
+            self._park_as_chosen()
+            # the losers stay until the tuner has seen steady steps (a choice that loses then is revisited once)
+            self.revisit_pending = len(candidates) > 1
+            if not self.revisit_pending:
+                self._release_losers()
         if self.remembered is not None:
             self._remember()
         self.first_run_done = True
@@ -159,9 +227,11 @@ class OrtExecutor(ExecutorBase):
             self.remembered.update(inductor={"outcome": outcome, "detail": detail})
 
     def _release_losers(self) -> None:
-        if self.runs != "segments":  # no segment runs again: free their sessions and buffers
-            for segment in self.segments:
-                segment.release()
+        if self.revisit_pending:
+            return
+        for segment in self.segments:
+            if self.runs not in ("segments", "ort") or segment.parked:  # no segment runs again, or this one
+                segment.release()  # its session and buffers
         if self.runs != "fx":
             self.whole = None  # the losing candidates' graphs and compiled code
         if self.runs != "inductor":
@@ -175,6 +245,8 @@ class OrtExecutor(ExecutorBase):
         lines += [f"  {name} runs on {choice}" for name, choice in stats.choices.items()]
         if stats.whole is not None:
             lines.append(f"  {stats.whole}")
+        if stats.revisit is not None:
+            lines.append(f"  revisited at step {stats.revisit_step}: {stats.revisit}")
         if stats.upgrade is not None:
             lines.append(f"  at step {stats.upgrade_step}: {stats.upgrade} (inductor compiled and timed in "
                          f"{stats.upgrade_seconds:.1f}s)")
@@ -226,6 +298,25 @@ def build_ort_executor(gm: fx.GraphModule, options: Options) -> OrtExecutor:
     return OrtExecutor(fused, verify=options.verify, policy=policy, stats=stats,
                        segment_executor=options.segment_executor, whole=whole, source=source, options=options,
                        choices_key=key, names=list(names))
+
+
+class Parked(torch.nn.Module):
+    """The partitioned graph run with ``segments`` (those that chose fx) parked on fx (``parked``) or on ORT, and
+    left as they were: a whole-step candidate of the automatic choice (``choose_whole``)."""
+
+    def __init__(self, gm: fx.GraphModule, segments: list, parked: bool):
+        super().__init__()
+        self.gm, self.parked, self._segments = gm, parked, segments
+
+    def forward(self, *inputs):
+        before = [seg.parked for seg in self._segments]
+        for seg in self._segments:
+            seg.park(self.parked)
+        try:
+            return self.gm(*inputs)
+        finally:
+            for seg, was in zip(self._segments, before):
+                seg.park(was)
 
 
 class _Progress:

@@ -212,6 +212,20 @@ class OrtSegment(nn.Module):
         self.runs += 1
         return outputs
 
+    def park(self, parked: bool = True) -> None:
+        """Run on fx (``parked``) or on ORT again, keeping the session: the automatic choice times the whole
+        step with every segment on ORT against the segments as chosen, and may take a parked segment back."""
+        self.use_fallback = parked or self.session is None  # (a released segment has no session to go back to)
+
+    @property
+    def held(self) -> bool:
+        """Whether its session is still held (not released)."""
+        return self.session is not None
+
+    @property
+    def parked(self) -> bool:
+        return self.use_fallback and self.held
+
     def release(self) -> None:
         """Run on fx from now on, and free what only ONNX Runtime needed: the session (its arena and
         initializers), the IO binding and the output buffers."""

@@ -90,13 +90,14 @@ class SizedSegments(nn.Module):
         self.runs = 0  # steps whose outputs came from ONNX Runtime (as OrtSegment.runs)
         self.checked_runs = 0  # first runs at each set of sizes: compared, the fx graph's outputs used
         self.released = False
+        self.parked = False  # on fx for now, its sessions kept (OrtSegment.park)
 
     @staticmethod
     def sizes_of(args) -> tuple:
         return tuple((tuple(a.shape), a.dtype) if isinstance(a, torch.Tensor) else (type(a).__name__, a) for a in args)
 
     def forward(self, *args):
-        if self.released:
+        if self.released or self.parked:
             return self.fallback(*args)
         key = self.sizes_of(args)
         if key not in self.sessions:
@@ -116,9 +117,17 @@ class SizedSegments(nn.Module):
         self.runs += 1
         return segment.run_ort(*_tensors(args))
 
+    @property
+    def held(self) -> bool:
+        return not self.released
+
+    def park(self, parked: bool = True) -> None:
+        """Run on fx (``parked``) or on ORT again, keeping the sessions (as :meth:`OrtSegment.park`)."""
+        self.parked = parked and not self.released
+
     def release(self) -> None:
         """Run on fx from now on, at every size, and free the sessions made so far."""
-        self.released = True
+        self.released, self.parked = True, False
         self.sessions.clear()
 
     def _specialise(self, key: tuple, args) -> OrtSegment | None:

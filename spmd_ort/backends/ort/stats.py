@@ -31,22 +31,24 @@ class SegmentChoice:
 
 @dataclass(frozen=True)
 class WholeChoice:
-    """After the segments' choices (``auto``): the whole step as chosen against the whole graph on fx, unsplit,
-    and compiled by inductor (where it is a candidate).
+    """After the segments' choices (``auto``): the whole step as chosen against every segment on ORT, the whole
+    graph on fx, unsplit, and compiled by inductor (where it is a candidate).
 
-    ``executor`` is ``"segments"`` (as chosen), ``"fx"`` or ``"inductor"``; ``times_ms``: each candidate's median
-    over the timed runs (empty: not timed, e.g. every segment already chose fx and inductor was no candidate)."""
+    ``executor`` is ``"segments"`` (as chosen), ``"ort"``, ``"fx"`` or ``"inductor"``; ``times_ms``: each
+    candidate's median over the timed runs (empty: not timed, e.g. no segment runs on ORT and inductor was no
+    candidate)."""
 
     executor: str
     times_ms: tuple[tuple[str, float], ...] = ()
     remembered: bool = False  # chosen in an earlier run of the program (backends/ort/remembered.py)
 
-    WHERE = {"segments": "the segments as chosen", "fx": "fx, unsplit", "inductor": "inductor's compiled segments"}
+    WHERE = {"segments": "the segments as chosen", "ort": "ORT in every segment", "fx": "fx, unsplit",
+             "inductor": "inductor's compiled segments"}
 
     def __str__(self) -> str:
         where = self.WHERE[self.executor]
         if not self.times_ms:
-            return f"the whole graph runs on {where} (every segment chose fx)"
+            return f"the whole graph runs on {where} (no segment runs on ORT)"
         since = ", remembered from an earlier run" if self.remembered else ""
         return f"the whole graph runs on {where} ({', '.join(f'{k} {ms:.2f} ms' for k, ms in self.times_ms)}{since})"
 
@@ -61,7 +63,9 @@ class OrtStats(CheckStats):
     upgrade: WholeChoice | None = None  # the tuner's inductor candidate: what ran against inductor's compiled graph
     upgrade_seconds: float = 0.0  # inductor's compile, checked run and timing
     upgrade_step: int = 0  # the program's step at which the tuner timed it
-    whole: WholeChoice | None = None  # auto: the whole step on the segments as chosen, or on fx unsplit
+    whole: WholeChoice | None = None  # auto: the whole step on the segments as chosen, on ORT only, or on fx unsplit
+    revisit: WholeChoice | None = None  # the tuner's second timing of the same candidates, after steady steps
+    revisit_step: int = 0
     first_run_seconds: float = 0.0  # the checked first run: both executors, comparison, timing (verify_seconds)
 
     def why_fx(self, segment: str) -> str | None:
