@@ -15,8 +15,9 @@ train step: AdamW fused, clipping) in a fresh process, one process after another
 * ``ort-only`` and ``fx``: the single executors the default chooses among (``autotune=False``, whole graph).
 
 Columns: the first step (seconds: trace, compile, checked first run), steps 1-20 (seconds, all of them),
-the median of steps 5-19 and of the last 50 steps (ms) with their ratio to eager's, and the step at which
-inductor's candidate was adopted or dropped.  Processes run one after another: the machine drifts between
+the median of steps 5-19 and of the last 50 steps (ms) with their ratio to eager's, the whole-graph choice
+(the first run's, then final or revisited after the steady steps) and the step at which inductor's candidate
+was adopted or dropped.  Processes run one after another: the machine drifts between
 them by ±10-20% (compare ratios within one run).
 """
 
@@ -53,8 +54,8 @@ def main() -> None:
     print(f"# bench/early.py — torch {torch.__version__}, {os.cpu_count()} cores, {args.steps} steps per process, "
           "AdamW(fused=True), clipping")
     print("| model | runner | first step s | steps 1-20 s | steps 5-19 ms | x eager | last 50 ms | x eager | "
-          "candidate |")
-    print("|---|---|---|---|---|---|---|---|---|")
+          "whole graph | candidate |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
     for model in args.models.split(","):
         results = {}
         with tempfile.TemporaryDirectory() as tmp:
@@ -86,13 +87,14 @@ def report(model: str, results: dict) -> None:
     eager = results.get("eager", {}).get("times")
     for name, r in results.items():
         if "error" in r:
-            print(f"| {model} | {name} | failed: {r['error'][-200:]} | | | | | | |")
+            print(f"| {model} | {name} | failed: {r['error'][-200:]} | | | | | | | |")
             continue
         t = r["times"]
         early, late = _median(t[4:19]), _median(t[-50:])
         ratio = (lambda v, lo, hi: f"{v / _median(eager[lo:hi]):.2f}") if eager else (lambda v, lo, hi: "-")
         print(f"| {model} | {name} | {t[0]:.1f} | {sum(t[:20]):.1f} | {early:.1f} | {ratio(early, 4, 19)} | "
-              f"{late:.1f} | {ratio(late, -50, None)} | {r.get('candidate') or '-'} |", flush=True)
+              f"{late:.1f} | {ratio(late, -50, None)} | {r.get('whole') or '-'} | {r.get('candidate') or '-'} |",
+              flush=True)
 
 
 # ------------------------------------------------------------------ one runner, in its own process
@@ -129,6 +131,9 @@ def worker(args) -> None:
     if compiled is not None:
         decided = [str(d) for d in compiled.tuner.decisions if str(d).startswith("inductor candidate")]
         out["candidate"] = decided[-1].split(" (")[0].removeprefix("inductor candidate: ") if decided else None
+        whole = [d for d in compiled.compiled.executor.decisions() if d.subject == "whole graph"]
+        whole += [d for d in compiled.tuner.decisions if d.subject == "whole graph"]  # final, or revisited
+        out["whole"] = "; ".join(d.choice.split(" in the steady")[0] for d in whole) or None
     Path(args.out).write_text(json.dumps(out))
 
 

@@ -39,7 +39,7 @@ def plan(name: str, layout: str, world: int, out: Path) -> dict:
     target = out / f"{name}-{layout}.json"
     cmd = [sys.executable, "-m", "spmd_ort.plan", "--model", name, "--world-size", str(world), "--parallel",
            LAYOUTS[layout], "--batch", "1", "--seq", str(seq), "--mixed-precision", "bf16", "--backend", "fx",
-           "--no-export", "--device", "h100", "--json", str(target)]
+           "--no-export", "--device", "h100", "--json", str(target), "--no-cache"]
     t0 = time.perf_counter()
     run = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT)
     wall = time.perf_counter() - t0

@@ -30,8 +30,8 @@ sys.path[:0] = [str(ROOT), str(ROOT / "tests"), str(ROOT / "tests" / "dist")]
 def cli(*args: str) -> dict:
     with tempfile.TemporaryDirectory() as d:
         out = Path(d) / "plan.json"
-        proc = subprocess.run([sys.executable, "-m", "spmd_ort.plan", *args, "--json", str(out)], cwd=ROOT,
-                              capture_output=True, text=True)
+        proc = subprocess.run([sys.executable, "-m", "spmd_ort.plan", *args, "--json", str(out), "--no-cache"],
+                              cwd=ROOT, capture_output=True, text=True)
         if proc.returncode:
             raise SystemExit(proc.stderr[-3000:])
         return json.loads(out.read_text())

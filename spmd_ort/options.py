@@ -118,6 +118,7 @@ class Options:
     cache_dir: Path = Path.home() / ".cache" / "spmd_ort"
     # the automatic choice's decisions kept in cache_dir/choices for the next run (backends/ort/remembered.py)
     remember_choices: bool = True
+    plan_cache: bool = True  # plan() reads and keeps plans in cache_dir/plans (spmd_ort/plan/cache.py)
     save_onnx: bool = False
     onnx_prefix: str = "spmd_ort"
     save_onnx_path: Path | None = None  # None: the working directory
@@ -404,12 +405,16 @@ ENV_VARS: tuple[EnvVar, ...] = (
            "cap, no recompiles; `SPMD_ORT_SEGMENT_EXECUTOR=auto` acts as `ort`); `compile(autotune=...)` wins",
            user=True),
     EnvVar("SPMD_ORT_CACHE_DIR", "cache_dir", Path, "`~/.cache/spmd_ort`",
-           "exported models and the automatic choice's remembered decisions", user=True),
+           "exported models, the automatic choice's remembered decisions and kept plans", user=True),
     EnvVar("SPMD_ORT_REMEMBER_CHOICES", "remember_choices", _bool, "`1`",
            "the automatic choice's decisions (each segment's executor, the whole graph's, inductor's candidate "
            "kept or dropped) are kept in `SPMD_ORT_CACHE_DIR/choices`, keyed by the graph, the options, the "
            "world size and the machine, and a later run of the same program starts on them without measuring "
            "again; `0`: every run measures afresh"),
+    EnvVar("SPMD_ORT_PLAN_CACHE", "plan_cache", _bool, "`1`",
+           "`plan()` keeps each plan in `SPMD_ORT_CACHE_DIR/plans`, keyed by the model, optimizer, call, step, "
+           "options and the code (spmd_ort's, the user's, the versions), and the same plan again is read from "
+           "there; `0` (or `plan(cache=False)`) plans afresh"),
     EnvVar("SPMD_ORT_SAVE_ONNX_PATH", "save_onnx_path", _directory, "working directory",
            "the directory where `DebugOptions(save_onnx=True)` writes `<onnx_prefix>_<segment>.onnx` (open them in "
            "Netron; created if missing, a file there is a `ConfigError`)"),

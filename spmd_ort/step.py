@@ -334,7 +334,7 @@ class CompiledStep:
         return explain(self, self.memory() if self._last is not None and self.compiled is not None else None)
 
     def plan(self, *args: Any, world_size: int, device="h100", rank: int = 0, export: bool = True,
-             **kwargs: Any):
+             cache: bool | None = None, **kwargs: Any):
         """Plan this step for ``world_size`` ranks without them: a :class:`spmd_ort.plan.Plan` of what rank
         ``rank`` holds (parameters, gradients, optimizer state, the activations' and collectives' peak), sends
         (bytes per collective kind) and computes (FLOPs), its predicted step time on ``device`` (``"h100"``,
@@ -348,10 +348,15 @@ class CompiledStep:
         on the ORT backend the segments are exported and loaded as a run would (for the CPU provider; the plan's
         tensors are meta), unless ``export=False``; fx and inductor build no executor.  The model, optimizer and
         this step are left as they were (the plan compiles a twin of the step).
+
+        ``cache`` (default: ``SPMD_ORT_PLAN_CACHE``, on): the same plan again (the same model, optimizer, call,
+        step, code and arguments) is read from ``SPMD_ORT_CACHE_DIR/plans``, where its first call kept it
+        (:mod:`spmd_ort.plan.cache`).
         """
         from spmd_ort.plan.planner import plan_step
 
-        return plan_step(self, args, kwargs, world_size=world_size, device=device, rank=rank, export=export)
+        return plan_step(self, args, kwargs, world_size=world_size, device=device, rank=rank, export=export,
+                         cache=cache)
 
     def profile(self, steps: int = 1, path: str | Path = "spmd_ort_profile") -> None:
         """Record the timeline of the next ``steps`` calls, then write ``<path>.json`` and ``<path>.png``.

@@ -19,6 +19,9 @@ os.environ.setdefault("SPMD_ORT_CACHE_DIR", tempfile.mkdtemp(prefix="spmd_ort_ca
 # decisions depend on which tests ran before it on the same worker.  tests/test_remembered_choices.py turns
 # them on, with a cache of its own.
 os.environ.setdefault("SPMD_ORT_REMEMBER_CHOICES", "0")
+# Each plan() plans: a kept plan would answer a test that changed something the key does not see (a monkeypatched
+# cost model).  tests/test_plan_cache.py turns it on.
+os.environ.setdefault("SPMD_ORT_PLAN_CACHE", "0")
 # Inductor's candidate is compiled in the step, at the step its ski rental sets (the tests assert that step), not
 # by a forked process whose finishing time depends on the machine's load; tests/test_background_compile.py
 # turns the background on.

@@ -243,6 +243,8 @@ def main(argv=None) -> int:
     ap.add_argument("--rank", type=int, default=0)
     ap.add_argument("--picture", help="write the memory over the step to this PNG")
     ap.add_argument("--json", help="write the plan's figures to this file")
+    ap.add_argument("--no-cache", action="store_true", help="plan afresh: neither read nor keep the plan in "
+                                                           "SPMD_ORT_CACHE_DIR/plans")
     args = ap.parse_args(argv)
     check_arguments(ap, args)
 
@@ -255,7 +257,7 @@ def main(argv=None) -> int:
     vocab = model.config.vocab_size
     tokens = torch.empty(args.batch, args.seq, dtype=torch.long, device="meta")
     plan = step.plan(model, opt, tokens, tokens.clone(), world_size=args.world_size, device=args.device,
-                     rank=args.rank, export=not args.no_export)
+                     rank=args.rank, export=not args.no_export, cache=False if args.no_cache else None)
     n = sum(p.numel() for p in model.parameters())
     source = f" ({SOURCES[args.model]}'s config)" if args.model in SOURCES else ""
     print(f"{args.model}{source}: {_count(n)} parameters, {model.config.num_hidden_layers} layers, vocabulary "

@@ -10,6 +10,7 @@ as if every rank agreed, and no collective moves a byte.  What the finished grap
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import sys
 import copy
 import time
@@ -95,11 +96,26 @@ def _meta_copies(args: tuple, kwargs: dict):
 
 
 def plan_step(step, args: tuple, kwargs: dict, *, world_size: int, device: str | DeviceSpec = "h100", rank: int = 0,
-              export: bool = True) -> Plan:
-    """:meth:`spmd_ort.CompiledStep.plan`: ``step``'s program for ``world_size`` ranks, as rank ``rank`` runs it."""
+              export: bool = True, cache: bool | None = None) -> Plan:
+    """:meth:`spmd_ort.CompiledStep.plan`: ``step``'s program for ``world_size`` ranks, as rank ``rank`` runs it;
+    with ``cache``, read from and kept in ``<cache_dir>/plans`` (:mod:`spmd_ort.plan.cache`)."""
     t0 = time.perf_counter()
     spec = device_spec(device)  # this CPU's probe runs before the fake world exists
     step.check_call(args, kwargs)
+    kept_at = None
+    if step.options.plan_cache if cache is None else cache:
+        from spmd_ort.plan import cache as plans
+
+        module, opt, _ = find_state_owners(args, kwargs)
+        kept_at = plans.path_for(step.options.cache_dir, plans.plan_key(
+            step, args, kwargs, module, opt, world_size=world_size, device=spec, rank=rank, export=export))
+        kept = plans.load(kept_at)
+        if kept is not None:
+            def again(other: DeviceSpec) -> Plan:  # (no graph kept: planned again for another device)
+                return plan_step(step, args, kwargs, world_size=world_size, device=other, rank=rank, export=export)
+
+            return dataclasses.replace(kept, planning_s=time.perf_counter() - t0, cached_from=str(kept_at),
+                                       first_planning_s=kept.planning_s, repricer=again)
     mode = step.layout  # a Parallel is lowered for the plan's world, inside it
     if isinstance(mode, parallel.TensorParallel) and mode.mesh is not None and not isinstance(mode.mesh, tuple):
         raise ConfigError("plan(): TensorParallel(mesh=<DeviceMesh>) is a mesh of this process's world; give its "
@@ -171,7 +187,10 @@ def plan_step(step, args: tuple, kwargs: dict, *, world_size: int, device: str |
                     memory_over_step=tuple(state + v for v in live), unpriced=dict(cost.unpriced),
                     layout_notes=tuple(split.lines()) if split is not None else (), repricer=priced_on)
 
-    return priced_on(spec, priced["cost"])
+    plan = priced_on(spec, priced["cost"])
+    if kept_at is not None:
+        plans.store(kept_at, plan)
+    return plan
 
 
 def _snapshot(gm: fx.GraphModule) -> fx.Graph:

@@ -60,6 +60,8 @@ sheet's).  ``fits``: ``reserved`` and ``outside_allocator`` within the device's 
     compute_s_by_kind: dict = field(default_factory=dict)  # compute time: matmul, attention, memory-bound, dispatch
     layout_notes: tuple = ()  # what the layout's passes did to the graph (context parallel: the sequence's split)
     repricer: Callable | None = field(default=None, repr=False, compare=False)  # DeviceSpec -> Plan, same graph
+    cached_from: str | None = field(default=None, compare=False)  # the cache entry it was read from (plan/cache.py)
+    first_planning_s: float | None = field(default=None, compare=False)  # from the cache: the planning it saved
 
     def on(self, device) -> Plan:
         """The same planned step priced on another device (a name of ``DEVICES`` or a :class:`DeviceSpec`), in
@@ -104,8 +106,8 @@ sheet's).  ``fits``: ``reserved`` and ``outside_allocator`` within the device's 
                                          f"{'fits' if self.fits else 'does NOT fit'}")]
         lines = [f"plan: rank {self.rank} of {self.world_size}, {self.parallel}, backend {self.backend}, on "
                  f"{self.device.name} ({self.graph_nodes:,} graph nodes; planned in {self.planning_s:.1f} s"
-                 f"{', exported' if self.exported else ''})", *self.layout_notes, "", "| per rank | bytes |",
-                 "|---|---|"]
+                 f"{', exported' if self.exported else ''}{self._cached()})", *self.layout_notes, "",
+                 "| per rank | bytes |", "|---|---|"]
         lines += [f"| {k} | {v} |" for k, v in rows]
         lines += ["", "| collective | calls | bytes per step |", "|---|---|---|"]
         lines += [f"| {k} | {self.comm_calls[k]} | {_size(v)} |" for k, v in self.comm_bytes.items()] or [
@@ -161,6 +163,11 @@ sheet's).  ``fits``: ``reserved`` and ``outside_allocator`` within the device's 
         plt.close(fig)
         return path
 
+    def _cached(self) -> str:
+        if self.cached_from is None:
+            return ""
+        return f"; from the cache, planned in {self.first_planning_s:.1f} s at first: {self.cached_from}"
+
     def as_dict(self) -> dict:
         return {"world_size": self.world_size, "rank": self.rank, "device": self.device.name,
                 "parallel": self.parallel, "backend": self.backend, "per_rank_bytes": dict(self.per_rank_bytes),
@@ -169,4 +176,5 @@ sheet's).  ``fits``: ``reserved`` and ``outside_allocator`` within the device's 
                 "recompute_flops": self.recompute_flops, "mfu": self.mfu, "device_bytes": self.device_bytes,
                 "compute_s_by_kind": dict(self.compute_s_by_kind), "compute_s": self.compute_s, "comm_s": self.comm_s,
                 "exposed_comm_s": self.exposed_comm_s,
-                "planning_s": self.planning_s, "export": self.export, "unpriced": dict(self.unpriced)}
+                "planning_s": self.planning_s, "export": self.export, "unpriced": dict(self.unpriced),
+                "cached_from": self.cached_from, "first_planning_s": self.first_planning_s}
