@@ -198,6 +198,7 @@ def test_segments_on_both_executors_train_as_ddp(tmp_path, opt):
         assert {"fx", "ort"} <= set(r["forced"].values()), r["forced"]
         ran = [line for line in r["describe"].splitlines() if " runs on " in line]
         assert any("runs on fx" in line for line in ran) and any("runs on ort" in line for line in ran), ran
+        assert "the whole graph runs on the segments as chosen" in r["describe"], r["describe"]
 
 
 @pytest.mark.on_ort

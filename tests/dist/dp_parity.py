@@ -152,6 +152,14 @@ def run(args, rank: int, world: int) -> dict:
             choose(self, seg, times, known)
 
         choose, choice.FirstRun._choose = choice.FirstRun._choose, small_on_fx
+        from spmd_ort.backends.ort import executor as executor_module
+        from spmd_ort.backends.ort.stats import WholeChoice
+
+        def as_chosen(runners, inputs, stats, field="whole", keep=None):  # the steps run the mix (never revisited)
+            setattr(stats, field, WholeChoice("segments", tuple((k, 0.0 if k == "segments" else 1e9) for k in runners)))
+            return "segments"
+
+        executor_module.choose_whole = as_chosen
     try:
         base, batch_fn = make(args.model, seed=rank)  # a different init on every rank
         ddp_model = DDP(copy.deepcopy(base))  # broadcasts rank 0's weights
