@@ -27,6 +27,10 @@ within ``TIE_S``: the larger cap, fewer collectives); every rank computes the sa
 from the same agreed measurements.  The step then recompiles once with that cap (logged;
 ``describe()`` shows :class:`BucketChoice`), unless the buckets would be the ones it has.
 
+The chosen cap is remembered (``SPMD_ORT_REMEMBER_CHOICES``, on by default) in ``<cache_dir>/choices``, named by
+the model's structure, the layout, the world size and the machine: a later run of the same configuration starts on
+it, measuring nothing and compiling once (every rank must read the same cap, else every rank measures).
+
 Under ``fully_shard`` the cap also sizes the parameter all-gathers, which this model does
 not time: ``"auto"`` keeps ``AUTO_START_MB`` there and says so.
 """
@@ -34,7 +38,10 @@ not time: ``"auto"`` keeps ``AUTO_START_MB`` there and says so.
 from __future__ import annotations
 
 import dataclasses
+import hashlib
+import json
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -43,6 +50,7 @@ from spmd_ort.distributed.parallel import AUTO_START_MB, DataParallel
 from spmd_ort.passes import PassResult
 from spmd_ort.passes.data_parallel import GradientBuckets
 from spmd_ort.runtime.collectives import control_group, data_group
+from spmd_ort.backends.files import write_atomic
 from spmd_ort.runtime.devices import now
 from spmd_ort.options import get_logger
 
@@ -52,6 +60,7 @@ CANDIDATES_MB = (0.5, 1.0, 2.0, 4.0, 8.0, 16.0, 25.0, 50.0, 100.0)
 MIN_START_MB = 1 / 256  # the smallest starting cap of the measured steps (4 KiB)
 TUNE_STEPS = 3  # measured steps after the first (checked) run of the starting program
 TIE_S = 2e-4  # predictions closer than this are a tie, which the larger cap wins
+REMEMBERED_FORMAT = 1  # of the kept cap's entry (bump when its meaning changes)
 
 
 @dataclass(frozen=True)
@@ -189,27 +198,57 @@ def predict(costs: Costs, sizes: list[int], first_cap: float, cap: float) -> flo
 
 
 class BucketTuner:
-    """The bucket cap of one compiled step with ``bucket_cap_mb="auto"``: measured, chosen once, then kept."""
+    """The bucket cap of one compiled step with ``bucket_cap_mb="auto"``: measured, chosen once, then kept; with
+    ``options.remember_choices``, kept on disk for the next run of the same model, layout, world and machine
+    (:func:`remembered_cap_path`), which then starts on it without measuring or recompiling."""
 
-    def __init__(self):
+    def __init__(self, options=None):
+        self.options = options
         self.choice: BucketChoice | None = None
         self.start_mb: float | None = None  # the cap of the measured steps
         self._steps: list = []
         self._comms: list = []
         self._program = None  # the variant whose steps are being measured
+        self._kept: Path | None = None  # where the choice is remembered
 
-    def mode(self, mode, module):
-        """``mode`` with a number in place of ``"auto"``: the chosen cap, or until then the starting one, a 16th
-        of ``module``'s parameter bytes within [``MIN_START_MB``, ``AUTO_START_MB``] (enough buckets that the
-        measured steps show when backward produces which gradients)."""
+    def mode(self, mode, module, recall: bool = True):
+        """``mode`` with a number in place of ``"auto"``: the chosen cap (an earlier run's, where it is remembered
+        and ``recall``), or until then the starting one, a 16th of ``module``'s parameter bytes within
+        [``MIN_START_MB``, ``AUTO_START_MB``] (enough buckets that the measured steps show when backward produces
+        which gradients).  The first call is collective where it recalls (every rank's first call of the step)."""
         if not (isinstance(mode, DataParallel) and mode.auto_buckets) or mode.sharded:
             return mode
+        if self.choice is None and self.start_mb is None and recall and module is not None:
+            self.choice = self._recall(mode, module)
         if self.choice is not None:
             return dataclasses.replace(mode, bucket_cap_mb=self.choice.cap_mb)
         if self.start_mb is None:
             total = sum(p.numel() * p.element_size() for p in module.parameters()) if module is not None else 0
             self.start_mb = min(max(total / 16 / 2**20, MIN_START_MB), AUTO_START_MB)
         return dataclasses.replace(mode, bucket_cap_mb=self.start_mb)
+
+    def _recall(self, mode, module) -> BucketChoice | None:
+        if self.options is None or not self.options.remember_choices:
+            return None
+        self._kept = remembered_cap_path(self.options.cache_dir, mode, module)
+        cap, reason = _read_cap(self._kept)
+        if _world() > 1:  # the same cap on every rank, or none used anywhere
+            mine = cap if cap is not None else -1.0
+            t = torch.tensor([mine, -mine], dtype=torch.float64)
+            dist.all_reduce(t, op=dist.ReduceOp.MAX, group=control_group())
+            cap = cap if float(t[0]) == -float(t[1]) else None
+        if cap is None:
+            return None
+        logger.info("bucket_cap_mb='auto': %g MiB, remembered from an earlier run (%s)", cap, self._kept)
+        return BucketChoice(cap, f"remembered from an earlier run: {reason}")
+
+    def _remember(self) -> None:
+        if self._kept is not None and self.choice is not None:
+            try:
+                write_atomic(self._kept, json.dumps({"cap_mb": self.choice.cap_mb,
+                                                     "reason": self.choice.reason}).encode())
+            except OSError as exc:
+                logger.info("bucket_cap_mb='auto': the choice is not remembered (%s)", exc)
 
     def observe(self, mode, program, comm) -> bool:
         """Note a step of ``program`` (run under ``mode``); True when a cap was just chosen that needs a recompile.
@@ -256,12 +295,37 @@ class BucketTuner:
                   f"gradients issued over {costs.ready[-1][0] * 1e3:.0f} ms of backward, "
                   f"{costs.stolen * 2**20 * 1e3:.2f} ms of the step lost per MiB reduced during backward")
         self.choice = BucketChoice(cap, reason, tuple((c, p * 1e3) for c, p in zip(CANDIDATES_MB, predicted)))
+        self._remember()
         logger.info("bucket_cap_mb='auto' chose %g MiB (predicted to add %.1f ms to a step; with the %g MiB "
                     "buckets measured: %.1f ms)%s", cap, predicted[best] * 1e3, self.start_mb,
                     predict(costs, sizes, first, self.start_mb * 2**20) * 1e3,
                     "; the same buckets, no recompile" if same else "; recompiling the schedule once")
         program.results.record(self.choice)
         return not same
+
+
+def remembered_cap_path(cache_dir, mode: DataParallel, module) -> Path:
+    """Where a chosen cap is kept: named by the model's structure (:func:`~spmd_ort.backends.files.module_digest`),
+    the layout's other settings, the world size and the machine (what the measured costs depend on)."""
+    from spmd_ort.backends.files import module_digest
+    from spmd_ort.backends.ort.remembered import machine
+
+    device = next((p.device for p in module.parameters()), None)
+    h = hashlib.sha256(f"{REMEMBERED_FORMAT}|{module_digest(module)}|{mode!r}|{_world()}|{machine(device)}".encode())
+    return Path(cache_dir) / "choices" / f"buckets-{h.hexdigest()[:32]}.json"
+
+
+def _read_cap(path: Path) -> tuple[float | None, str]:
+    try:
+        data = json.loads(path.read_text())
+        cap = float(data["cap_mb"])
+        return (cap, str(data.get("reason", ""))) if cap in CANDIDATES_MB else (None, "")
+    except (OSError, ValueError, KeyError, TypeError):
+        return None, ""
+
+
+def _world() -> int:
+    return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
 
 
 def _dtype_and_device(program) -> tuple[torch.dtype, torch.device]:

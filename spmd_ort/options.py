@@ -410,7 +410,8 @@ ENV_VARS: tuple[EnvVar, ...] = (
            "the automatic choice's decisions (each segment's executor, the whole graph's, inductor's candidate "
            "kept or dropped) are kept in `SPMD_ORT_CACHE_DIR/choices`, keyed by the graph, the options, the "
            "world size and the machine, and a later run of the same program starts on them without measuring "
-           "again; `0`: every run measures afresh"),
+           "again; so is `bucket_cap_mb='auto'`'s cap (keyed by the model's structure, the layout, the world "
+           "size and the machine); `0`: every run measures afresh"),
     EnvVar("SPMD_ORT_PLAN_CACHE", "plan_cache", _bool, "`1`",
            "`plan()` keeps each plan in `SPMD_ORT_CACHE_DIR/plans`, keyed by the model, optimizer, call, step, "
            "options and the code (spmd_ort's, the user's, the versions), and the same plan again is read from "

@@ -150,7 +150,8 @@ class CompiledStep:
                 retain_host_memory()  # steady-state steps reuse host memory instead of page-faulting
         return StepCall(args=args, kwargs=kwargs, module=module, opt=opt, scaler=scaler,
                         rule=rule_for(opt) if opt is not None else None,
-                        mode=self.tuner.bucket_mode(parallel.resolve(self.parallel_mode, module), module),
+                        mode=self.tuner.bucket_mode(parallel.resolve(self.parallel_mode, module), module,
+                                                    recall=not planning),
                         rank=rank, world_size=world_size, tensor_parallel=self._tensor_parallel)
 
     def _adopt(self, mode) -> None:

@@ -99,7 +99,7 @@ class Tuner:
         self.name = name
         self.transitions = transitions  # the step's variants: a recompile drops them
         self.runtime = runtime  # the step's runtime: its communicator's carried gathers go with a recompile
-        self.buckets = BucketTuner()  # bucket_cap_mb="auto": measures the first steps, then chooses the cap
+        self.buckets = BucketTuner(options)  # bucket_cap_mb="auto": measures the first steps, then chooses the cap
         self.decisions: list[Decision] = []  # the tuner's own (candidate, bucket cap, recompiles), in order
         self.recompiles: dict = {}  # variant key -> tuner recompiles it caused
         self.inductor_lost: str | None = None  # why later variants get no candidate (it lost, or failed)
@@ -108,12 +108,13 @@ class Tuner:
         self._t0: float | None = None
 
     # ------------------------------------------------------------------ compile side
-    def bucket_mode(self, mode, module):
-        """``mode`` with a number in place of ``bucket_cap_mb="auto"``: the tuned cap (or its starting one), or
-        with autotune off the static default (``AUTO_START_MB``, DDP's)."""
+    def bucket_mode(self, mode, module, recall: bool = True):
+        """``mode`` with a number in place of ``bucket_cap_mb="auto"``: the tuned cap (an earlier run's where it is
+        remembered and ``recall``; or its starting one), or with autotune off the static default
+        (``AUTO_START_MB``, DDP's)."""
         if not self.autotune and isinstance(mode, DataParallel) and mode.auto_buckets:
             return dataclasses.replace(mode, bucket_cap_mb=AUTO_START_MB)
-        return self.buckets.mode(mode, module)
+        return self.buckets.mode(mode, module, recall=recall)
 
     def compiled(self, program: CompiledProgram) -> None:
         """A new variant: it records the cap its buckets were built with; it gets no inductor candidate once one

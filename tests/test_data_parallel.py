@@ -131,6 +131,29 @@ def test_auto_bucket_cap_is_chosen_from_measured_steps(tmp_path, backend):
     assert choices[0] == choices[1]  # the ranks agree
 
 
+def test_the_next_run_starts_on_the_remembered_bucket_cap(tmp_path):
+    """With the choices remembered (the users' default): the first run measures and chooses the cap; a second run
+    of the same model, layout and world starts on it (both ranks agree), measures nothing and compiles once; every
+    step of both still equals DDP (checked in the script)."""
+    env = {"SPMD_ORT_REMEMBER_CHOICES": "1", "SPMD_ORT_CACHE_DIR": str(tmp_path / "cache")}
+    runs = []
+    for run in ("first", "second"):
+        (tmp_path / run).mkdir()
+        ranks, _ = torchrun(tmp_path / run, "--model", "gpt", "--opt", "adamw", "--backend", "fx", "--steps", "6",
+                            "--bucket-mb", "auto", env=env)
+        for r in ranks:
+            assert "compile_error" not in r, r.get("compile_error")
+        runs.append(ranks)
+    first, second = runs
+    assert all("measured over 3 steps" in r["bucket_choice"][0] for r in first), [r["bucket_choice"] for r in first]
+    cap = first[0]["bucket_choice"][0].split(" (")[0]
+    for r in second:
+        assert r["bucket_choice"][0].startswith(f"{cap} (remembered from an earlier run: measured over 3 steps"), (
+            r["bucket_choice"], cap)
+        assert r["traces"] == 1 and r["recompiles"] == [], (r["traces"], r["recompiles"])
+    assert len(list((tmp_path / "cache" / "choices").glob("buckets-*.json"))) == 1
+
+
 def test_a_gradient_read_between_micro_batches_is_reduced_there(tmp_path):
     """The step reads the first parameter's .grad after each micro-batch but the last: it gets the reduced
     partial sum (what DDP, syncing every micro-batch, holds there; compared in the script); only that

@@ -179,16 +179,31 @@ def _fix_times(monkeypatch, ort_s: float, fx_s: float) -> None:
     monkeypatch.setattr(choice, "timed_fx_runs", lambda run, args, repeat: (fx_s, run(*args)))
 
 
-@pytest.mark.parametrize("case", ["faster", "forced", "failed"])
+def _whole_runs_on(monkeypatch, winner: str) -> None:
+    """The whole-step choice fixed: ``winner`` (one of its candidates) is timed fastest."""
+    from spmd_ort.backends.ort import executor as executor_module
+    from spmd_ort.backends.ort.stats import WholeChoice
+
+    def fixed(runners, inputs, stats, field="whole", keep=None):
+        setattr(stats, field, WholeChoice(winner, tuple((k, 1.0 if k == winner else 2.0) for k in runners)))
+        return winner
+
+    monkeypatch.setattr(executor_module, "choose_whole", fixed)
+
+
+@pytest.mark.parametrize("case", ["faster", "forced", "failed", "whole on ort"])
 def test_explain_says_why_a_segment_runs_on_fx(case, monkeypatch):
     """A segment on fx is there because it was faster (both times shown), because SPMD_ORT_SEGMENT_EXECUTOR
-    asked for fx, or because ORT failed (the failure shown): explain() says which, not "fallback" for all."""
+    asked for fx, or because ORT failed (the failure shown): explain() says which, not "fallback" for all.  One
+    timed faster on fx that runs on ORT all the same (the whole step was faster with every segment on ORT) says
+    so."""
     from spmd_ort.backends.ort.session import OrtSegment
 
-    if case == "faster":
+    if case in ("faster", "whole on ort"):
         monkeypatch.setenv("SPMD_ORT_SEGMENT_EXECUTOR", "auto")
         # the timings decide; fixed here so that fx is the faster, whatever the machine's load
         _fix_times(monkeypatch, ort_s=2e-3, fx_s=1e-3)
+        _whole_runs_on(monkeypatch, "fx" if case == "faster" else "ort")
     elif case == "forced":
         monkeypatch.setenv("SPMD_ORT_SEGMENT_EXECUTOR", "fx")
     else:
@@ -205,7 +220,9 @@ def test_explain_says_why_a_segment_runs_on_fx(case, monkeypatch):
     assert "fallback)" not in row
     expected = {"faster": r"fx .*chosen: faster on fx \(ort 2\.00 ms, fx 1\.00 ms; SPMD_ORT_SEGMENT_EXECUTOR=auto\)",
                 "forced": r"fx .*forced: SPMD_ORT_SEGMENT_EXECUTOR=fx",
-                "failed": r"fx .*fell back: ONNX Runtime failed to run it: injected ORT failure"}[case]
+                "failed": r"fx .*fell back: ONNX Runtime failed to run it: injected ORT failure",
+                "whole on ort": r"ort .*chosen: faster on fx \(ort 2\.00 ms, fx 1\.00 ms; SPMD_ORT_SEGMENT_EXECUTOR=auto\); "
+                                r"runs on ort: the whole step was faster with every segment on ORT"}[case]
     assert re.search(r"fused_0\s+" + expected, row), row
 
 

@@ -62,8 +62,11 @@ def segment_executor(name: str, sub, stats) -> tuple[str, str]:
         return executor, ""
     if choice.ort_ms is None:
         return executor, f"forced: SPMD_ORT_SEGMENT_EXECUTOR={choice.executor}"
-    return executor, (f"chosen: faster on {choice.executor} (ort {choice.ort_ms:.2f} ms, fx {choice.fx_ms:.2f} ms"
-                      f"{choice.since}; SPMD_ORT_SEGMENT_EXECUTOR=auto)")
+    why = (f"chosen: faster on {choice.executor} (ort {choice.ort_ms:.2f} ms, fx {choice.fx_ms:.2f} ms"
+           f"{choice.since}; SPMD_ORT_SEGMENT_EXECUTOR=auto)")
+    if executor != choice.executor and executor == "ort":
+        why += "; runs on ort: the whole step was faster with every segment on ORT"
+    return executor, why
 
 
 def _segments(program: CompiledProgram) -> list[tuple[str, str, int, int, str]]:

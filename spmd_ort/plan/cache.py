@@ -29,81 +29,20 @@ import logging
 import pickle
 import sys
 import sysconfig
-import types
 from functools import lru_cache
 from pathlib import Path
 
 import torch
 from torch import nn
 
+from spmd_ort.backends.files import code_digest as _code
+from spmd_ort.backends.files import module_digest as _model
+from spmd_ort.backends.files import stable_repr as _plain
 from spmd_ort.backends.files import write_atomic
 
 logger = logging.getLogger(__name__)
 
 FORMAT = 1  # bump when the Plan's fields change: older entries are then planned again
-_PLAIN = (int, float, str, bool, type(None), torch.dtype, torch.device)
-
-
-def _plain(value, depth: int = 0):
-    """``value`` as a stable string where it has one (numbers, strings, dtypes, their tuples, lists and dicts),
-    else its ``repr`` (an address in it makes a key that never matches again)."""
-    if isinstance(value, _PLAIN):
-        return repr(value)
-    if isinstance(value, torch.Tensor):
-        return f"tensor{tuple(value.shape)}:{value.dtype}:{value.requires_grad}"
-    if depth < 4 and isinstance(value, (tuple, list)):
-        return "(" + ",".join(_plain(v, depth + 1) for v in value) + ")"
-    if depth < 4 and isinstance(value, dict):
-        return "{" + ",".join(f"{_plain(k, depth + 1)}:{_plain(v, depth + 1)}" for k, v in sorted(
-            value.items(), key=lambda kv: repr(kv[0]))) + "}"
-    if isinstance(value, (types.FunctionType, types.MethodType)):
-        return _code(value)
-    return repr(value)
-
-
-def _code(fn) -> str:
-    """A function's code: its bytecode, constants (code objects within it, recursively), names, defaults and
-    closure values."""
-    fn = getattr(fn, "__func__", fn)
-    code = getattr(fn, "__code__", None)
-    if code is None:
-        return repr(fn)
-    h = hashlib.sha256()
-
-    def walk(c: types.CodeType) -> None:
-        h.update(c.co_code)
-        h.update(repr(c.co_names).encode())
-        for const in c.co_consts:
-            if isinstance(const, types.CodeType):
-                walk(const)
-            else:
-                h.update(repr(const).encode())
-
-    walk(code)
-    h.update(_plain(fn.__defaults__).encode())
-    for cell in fn.__closure__ or ():
-        try:
-            value = cell.cell_contents
-        except ValueError:  # an empty cell
-            continue
-        h.update((value.__qualname__ if isinstance(value, type) else _plain(value)).encode())
-    return f"{fn.__module__}.{fn.__qualname__}:{h.hexdigest()[:16]}"
-
-
-def _model(module: nn.Module) -> str:
-    h = hashlib.sha256()
-    for name, m in module.named_modules(remove_duplicate=False):
-        # every public attribute (an object printed with its address makes the key miss, never match wrongly)
-        plain = sorted((k, _plain(v)) for k, v in vars(m).items() if not k.startswith("_"))
-        h.update(f"{name}:{type(m).__module__}.{type(m).__qualname__}:{plain};".encode())
-    for name, t in [*module.named_parameters(remove_duplicate=False), *module.named_buffers(remove_duplicate=False)]:
-        h.update(f"{name}:{tuple(t.shape)}:{t.dtype}:{t.requires_grad};".encode())
-    config = getattr(module, "config", None)
-    if hasattr(config, "to_json_string"):
-        h.update(config.to_json_string().encode())
-    return h.hexdigest()
-
-
 def _optimizer(opt: torch.optim.Optimizer | None, module: nn.Module | None) -> str:
     if opt is None:
         return "none"
