@@ -46,10 +46,10 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from spmd_ort.distributed.parallel import AUTO_START_MB, DataParallel
+from spmd_ort.distributed.parallel import AUTO_START_MB, DataParallel, world
 from spmd_ort.passes import PassResult
 from spmd_ort.passes.data_parallel import GradientBuckets
-from spmd_ort.runtime.collectives import control_group, data_group
+from spmd_ort.runtime.collectives import control_group, data_group, same_on_every_rank
 from spmd_ort.backends.files import write_atomic
 from spmd_ort.runtime.devices import now
 from spmd_ort.options import get_logger
@@ -232,11 +232,8 @@ class BucketTuner:
             return None
         self._kept = remembered_cap_path(self.options.cache_dir, mode, module)
         cap, reason = _read_cap(self._kept)
-        if _world() > 1:  # the same cap on every rank, or none used anywhere
-            mine = cap if cap is not None else -1.0
-            t = torch.tensor([mine, -mine], dtype=torch.float64)
-            dist.all_reduce(t, op=dist.ReduceOp.MAX, group=control_group())
-            cap = cap if float(t[0]) == -float(t[1]) else None
+        if not same_on_every_rank(cap if cap is not None else -1.0):  # the same cap everywhere, or none used
+            cap = None
         if cap is None:
             return None
         logger.info("bucket_cap_mb='auto': %g MiB, remembered from an earlier run (%s)", cap, self._kept)
@@ -311,7 +308,7 @@ def remembered_cap_path(cache_dir, mode: DataParallel, module) -> Path:
     from spmd_ort.backends.ort.remembered import machine
 
     device = next((p.device for p in module.parameters()), None)
-    h = hashlib.sha256(f"{REMEMBERED_FORMAT}|{module_digest(module)}|{mode!r}|{_world()}|{machine(device)}".encode())
+    h = hashlib.sha256(f"{REMEMBERED_FORMAT}|{module_digest(module)}|{mode!r}|{world()[1]}|{machine(device)}".encode())
     return Path(cache_dir) / "choices" / f"buckets-{h.hexdigest()[:32]}.json"
 
 
@@ -322,10 +319,6 @@ def _read_cap(path: Path) -> tuple[float | None, str]:
         return (cap, str(data.get("reason", ""))) if cap in CANDIDATES_MB else (None, "")
     except (OSError, ValueError, KeyError, TypeError):
         return None, ""
-
-
-def _world() -> int:
-    return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
 
 
 def _dtype_and_device(program) -> tuple[torch.dtype, torch.device]:

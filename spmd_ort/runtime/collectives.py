@@ -62,6 +62,16 @@ def control_group():
         desc="spmd_ort_control"))
 
 
+def same_on_every_rank(value: int | float) -> bool:
+    """Whether every rank holds ``value`` (an int within 63 bits, or a float): one all-reduce over
+    :func:`control_group`, so every rank must call it alike; True without a process group."""
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        return True
+    t = torch.tensor([value, -value], dtype=torch.int64 if isinstance(value, int) else torch.float64)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX, group=control_group())
+    return t[0].item() == -t[1].item()
+
+
 def process_group(name: str):
     """The process group a collective op names: None (the world) for "", else the group registered under the
     name (a DTensor mesh dimension's, as its ``_c10d_functional`` ops name it).  What the name means (its ranks,

@@ -38,7 +38,7 @@ from torch import fx
 
 from spmd_ort.backends.files import write_atomic
 from spmd_ort.options import Options
-from spmd_ort.runtime.collectives import control_group
+from spmd_ort.runtime.collectives import same_on_every_rank
 
 logger = logging.getLogger(__name__)
 
@@ -139,12 +139,8 @@ def recall(key: str | None, options: Options, names: list[str]) -> Remembered:
         return Remembered(None)
     path = Path(options.cache_dir) / "choices" / f"{key}.json"
     data = _read(path, names)
-    mine = _digest(data)
-    if _world() > 1:  # the same entry on every rank, or none used anywhere
-        t = torch.tensor([mine, -mine], dtype=torch.int64)
-        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=control_group())
-        if int(t[0]) != -int(t[1]):
-            if data is not None:
-                logger.info("remembered choices %s differ between the ranks: measuring again", path)
-            data = None
+    if not same_on_every_rank(_digest(data)):  # the same entry on every rank, or none used anywhere
+        if data is not None:
+            logger.info("remembered choices %s differ between the ranks: measuring again", path)
+        data = None
     return Remembered(path, {"names": names}, recalled=False) if data is None else Remembered(path, data, True)
