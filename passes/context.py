@@ -112,6 +112,9 @@ class PassContext:
     warned: set = field(default_factory=set)
     # the step's opaque calls (spmd_ort.runtime.opaque_calls.OpaqueCall), by index: what each host node runs
     opaque: tuple = ()
+    # pipeline parallelism: the rows of one micro-batch, and the batch inputs (their slot indices) cut into them
+    micro_rows: int = 0
+    micro_batched: frozenset = frozenset()
 
     @property
     def sharded(self) -> bool:

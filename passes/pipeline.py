@@ -21,11 +21,13 @@ from dataclasses import dataclass
 from spmd_ort.errors import ConfigError
 from spmd_ort.distributed.experts import ExpertParallel
 from spmd_ort.distributed.parallel import ContextParallel, DataParallel
+from spmd_ort.distributed.stages import PipelineParallel
 
 from .activation_stats import insert_activation_stats_pass
 from .analysis import count_collectives_pass, plan_graph_capture_pass, plan_memory_pass
 from .cleanup import remove_identity_views_pass, remove_redundant_copies_pass
 from .context_parallel import split_sequence_pass
+from .pipeline_parallel import split_pipeline_stages_pass
 from .expert_parallel import localize_experts_pass
 from .fusion import fuse_linear_cross_entropy_pass
 from .expand import adopt_dtensor_collectives_pass, merge_summed_all_reduces_pass, split_replicated_matmuls_pass
@@ -53,7 +55,7 @@ from .views import replace_views_with_reshapes_pass
 class Setting:
     """What a compiled variant is built for: its parallel mode and backend."""
 
-    mode: DataParallel | ContextParallel | None
+    mode: DataParallel | ContextParallel | PipelineParallel | None
     backend: str
     expand: bool = False  # the state holds DTensors (expand mode: spmd_ort.distributed.dtensor)
 
@@ -82,6 +84,7 @@ REPLICATE = When("replicate", lambda s: isinstance(s.mode, DataParallel) and not
 FULLY_SHARD = When("fully_shard", lambda s: isinstance(s.mode, DataParallel) and s.mode.sharded)
 EXPERT_PARALLEL = When("ep > 1", lambda s: isinstance(s.mode, ExpertParallel))
 CONTEXT_PARALLEL = When("cp > 1", lambda s: isinstance(s.mode, ContextParallel))
+PIPELINE_PARALLEL = When("pp > 1", lambda s: isinstance(s.mode, PipelineParallel))
 RESHARD = FULLY_SHARD & When("reshard_after_forward", lambda s: s.mode.reshard_after_forward)
 REDUCE_DTYPE = SEVERAL_RANKS & When(
     "MixedPrecisionPolicy with a reduce (or param) dtype",
@@ -113,6 +116,8 @@ STAGES: tuple[Step, ...] = (
     Step("cleanup", remove_identity_views_pass),
     Step("context_parallel", split_sequence_pass, CONTEXT_PARALLEL.note(
         "first: every later pass sees the rank's share of the sequence")),
+    Step("pipeline_parallel", split_pipeline_stages_pass, PIPELINE_PARALLEL.note(
+        "early: every later pass sees this rank's stages of every micro-batch, in the schedule's order")),
     Step("fusion", fuse_linear_cross_entropy_pass,
          (NOT_EXPAND & NOT_SPLIT).note("float32 on CPU, a wide classifier over narrow features; a head whose "
                                        "logits are read elsewhere is kept")),

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 from torch import fx
 from torch.fx._lazy_graph_module import _LazyGraphModule
 
-from spmd_ort.errors import CompileError
+from spmd_ort.errors import ConfigError, CompileError
 
 from .context import PassContext, PassRecord
 from .contracts import ALWAYS, Invariant, traced_facts
@@ -173,6 +173,8 @@ def run_passes(gm: fx.GraphModule, ctx: PassContext, passes: Sequence[GraphPass]
             out.graph.lint()
             out = _LazyGraphModule.from_graphmodule(out)  # a pass that built a new module: lazy again
             out.recompile()
+        except ConfigError:
+            raise  # the user's configuration, which the pass found wrong: its own words name the fix
         except Exception as exc:
             ran = ", ".join(done) or "none"
             where = {k: getattr(exc, k, None) for k in ("fqn", "op", "rank")}

@@ -14,6 +14,7 @@ from spmd_ort.distributed.precision import MixedPrecisionPolicy
 from spmd_ort.checkpoint.dcp import load_checkpoint, load_state_dict, save_checkpoint, state_dict
 from spmd_ort.checkpoint.safetensors import load_safetensors, save_safetensors
 from spmd_ort.distributed.parallel_dims import Parallel
+from spmd_ort.distributed.stages import Pipeline
 from spmd_ort.distributed.parallel import DataParallel, TensorParallel
 from spmd_ort.distributed.sharding import full_state_dict, gathered_parameters
 from spmd_ort.errors import CheckpointError, CollectiveTimeout, CompileError, ConfigError, InputIndexError
@@ -26,6 +27,7 @@ __version__ = "0.1.0"
 
 __all__ = ["CheckpointError", "CollectiveTimeout", "CompileError", "CompiledProgram", "CompiledStep", "ConfigError",
            "DataParallel", "DebugOptions", "DeepSpeedPlan", "DynamicLossScaler", "InputIndexError", "LogLevel",
-           "MixedPrecisionPolicy", "OpaqueOverride", "Options", "Override", "Parallel", "TensorParallel", "compile",
+           "MixedPrecisionPolicy", "OpaqueOverride", "Options", "Override", "Parallel", "Pipeline", "TensorParallel",
+           "compile",
            "from_deepspeed_config", "full_state_dict", "gathered_parameters", "load_checkpoint", "load_safetensors",
            "load_state_dict", "parallelize", "save_checkpoint", "save_safetensors", "state_dict"]

@@ -34,6 +34,7 @@ from spmd_ort.graph.symbolic import DynamicDims, size_oblivious
 from spmd_ort.runtime.taps import TapRegistry
 from spmd_ort.distributed import parallel
 from spmd_ort.distributed.dtensor import has_dtensor_state
+from spmd_ort.distributed.stages import PipelineParallel, micro_batch
 from spmd_ort.options import Options, get_logger
 from spmd_ort.backends.cuda_graph import hparams_on_device
 from spmd_ort.backends.registry import build_executor
@@ -58,6 +59,8 @@ class _Traced:
     inputs: StepInputs
     traced: object  # capture.trace's result
     snapshot: fx.GraphModule  # the graph as traced, which later passes cannot touch
+    micro_rows: int = 0  # pipeline parallelism: the rows of the micro-batch the step was traced on
+    micro_batched: frozenset = frozenset()  # ... and the batch inputs (slot indices) cut into micro-batches
 
 
 class Compiler:
@@ -166,9 +169,12 @@ class Compiler:
         if experts is not None:  # a bad glob or expert count: a ConfigError before anything is traced
             check_experts(call.module, experts, call.world_size)
         self.opaque_plan.experts = experts
-        traced = trace_step(self.fn, call.args, call.kwargs, layout,
+        pipelined = isinstance(call.mode, PipelineParallel)
+        args, kwargs, micro_rows, cut = micro_batch(call, inputs) if pipelined else (call.args, call.kwargs, 0, ())
+        traced = trace_step(self.fn, args, kwargs, layout,
                             sdpa_math=self.options.backend == "ort" and on_accelerator,
-                            tag_grads=isinstance(call.mode, parallel.DataParallel), plan=self.opaque_plan,
+                            tag_grads=isinstance(call.mode, (parallel.DataParallel, PipelineParallel)),
+                            plan=self.opaque_plan,
                             inputs=inputs,
                             mixed_precision=self.mixed_precision,
                             dynamic=None if key.shapes else dynamic,  # key.shapes: guards rejected the sizes
@@ -180,7 +186,8 @@ class Compiler:
                         ", ".join(f"the value of `{names[k]}` at {size}" if d is None else
                                   f"dim {d} of `{names[k]}` at {size}"
                                   for (k, d), size in sorted(traced.symbolic.specialised.items(), key=str)))
-        return _Traced(layout=layout, inputs=inputs, traced=traced, snapshot=snapshot(traced.gm))
+        return _Traced(layout=layout, inputs=inputs, traced=traced, snapshot=snapshot(traced.gm), micro_rows=micro_rows,
+                       micro_batched=frozenset(k for k, pos in enumerate(traced.batch_positions) if pos in cut))
 
     def _finish(self, call: StepCall, key: StepKey, stage: _Traced, signatures, *, t0: float, reason: str,
                 executor: bool, after_passes: Callable | None) -> CompiledProgram:
@@ -197,7 +204,8 @@ class Compiler:
                             shard_specs=layout.shard_specs, layout=layout, disabled=self.options.disabled_passes,
                             check_contracts=self.options.check_passes, taps=self.taps,
                             activation_memory_budget=self.options.activation_memory_budget,
-                            rank_signatures=signatures, warned=self.warned, opaque=tuple(traced.opaque))
+                            rank_signatures=signatures, warned=self.warned, opaque=tuple(traced.opaque),
+                            micro_rows=stage.micro_rows, micro_batched=stage.micro_batched)
         pipeline = P.build_pipeline(call.mode, self.options.backend, overrides=self.overrides,
                                     gm_transformation=self.gm_transformation, expand=layout.expands)
         gm = P.run_passes(traced.gm, ctx, pipeline)

@@ -17,7 +17,7 @@ PLAN = {"blocks.*.fc": ColwiseParallel()}
 @pytest.mark.parametrize("kwargs,said", [
     ({"cp": 2, "tp": 2, "tp_plan": PLAN}, "Parallel(cp=2, tp=2): context parallelism with tensor parallelism is not"),
     ({"cp": 2, "seq_dim": -1}, "Parallel(seq_dim=-1): the batch's sequence dim"),
-    ({"pp": 2}, "Parallel(pp=2): pipeline parallelism is not built"),
+    ({"pp": 2, "dp_shard": 2}, "Parallel(pp=2, dp_shard=2): pipeline parallelism with dp_shard is not built"),
     ({"ep": 2}, "Parallel(ep=2): give experts, an FQN glob of the expert modules"),
     ({"dp_shard": 4, "tp": 2, "tp_plan": PLAN, "ep": 2, "experts": "layers.*.experts"},
      "expert parallelism with tp is not built in this release yet"),

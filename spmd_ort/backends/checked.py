@@ -92,13 +92,14 @@ def checked_run(kind: str, name: str, run, fallback, inputs, reference, *, toler
 
 
 def agree_segment(kind: str, name: str, times: dict[str, float | None], error: Exception | None,
-                  failed: str = "compiled") -> tuple[dict[str, float], bool]:
+                  failed: str = "compiled", local: bool = False) -> tuple[dict[str, float], bool]:
     """Every rank's outcome for segment ``name``: (the ranks' mean ``times``, whether its compiled run (the
     ``failed`` entry of ``times``: None where it failed) failed on another rank).  ``error`` (this rank's, e.g. a
     FALLBACK_DISABLE error) is re-raised after the agreement, and a rank whose peer raised raises too: nobody waits
-    for a failed rank."""
+    for a failed rank.  ``local``: the ranks' graphs differ (pipeline stages: no segment is another rank's), so
+    each rank decides alone, and its caller agrees on the errors once the run is over."""
     world = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
-    if world == 1:
+    if world == 1 or local:
         if error is not None:
             raise error
         return {k: v for k, v in times.items() if v is not None}, False

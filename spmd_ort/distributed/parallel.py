@@ -29,6 +29,7 @@ import torch.distributed as dist
 from torch import nn
 
 from spmd_ort.distributed.precision import MixedPrecisionPolicy
+from spmd_ort.distributed.stages import PipelineParallel
 from spmd_ort.distributed import dtensor
 from spmd_ort.distributed.deepspeed_config import data_parallel_settings
 from spmd_ort.errors import CollectiveTimeout, CompileError, is_timeout
@@ -345,6 +346,11 @@ def resolve(mode, module: nn.Module | None = None):
         if size % mode.cp:
             raise CompileError(f"Parallel(cp={mode.cp}) needs a world of a multiple of {mode.cp} ranks, but it has "
                                f"{size}", rank=rank)
+        return mode
+    if isinstance(mode, PipelineParallel):
+        if size != mode.pp:
+            raise CompileError(f"Parallel(pp={mode.pp}) needs a world of {mode.pp} ranks, but it has {size}",
+                               rank=rank)
         return mode
     if not isinstance(mode, DataParallel):
         raise TypeError(f"parallel_mode={mode!r} is not a spmd_ort.DataParallel or spmd_ort.TensorParallel")

@@ -25,11 +25,12 @@ from typing import Any
 from spmd_ort.distributed.experts import ExpertParallel
 from spmd_ort.distributed.parallel import ContextParallel, DataParallel, TensorParallel, world
 from spmd_ort.distributed.precision import MixedPrecisionPolicy
+from spmd_ort.distributed.stages import Pipeline, PipelineParallel
 from spmd_ort.errors import ConfigError
 
 # the mesh's dimensions, outermost first (torchtitan's order); ep borrows ranks from dp_shard x cp
 MESH_ORDER = ("pp", "dp_replicate", "dp_shard", "cp", "tp")
-NOT_BUILT = {"pp": "pipeline parallelism"}
+NOT_BUILT: dict[str, str] = {}  # degrees this release has not built: {name: what it is}
 # the data-parallel settings a layout passes to the DataParallel it lowers to
 DP_SETTINGS = ("bucket_cap_mb", "first_bucket_cap_mb", "broadcast_buffers", "reshard_after_forward", "prefetch",
                "offload_optimizer", "offload_param", "mixed_precision")
@@ -103,8 +104,7 @@ class Parallel:
                               "(ColwiseParallel(), RowwiseParallel(), ...)")
         if self.tp == 1 and self.tp_plan:
             raise ConfigError("Parallel(tp_plan=...) needs tp > 1 (or -1: every rank the data-parallel dims leave)")
-        if self.pipeline is not None:
-            raise ConfigError(f"Parallel(pipeline=...): {NOT_BUILT['pp']} is not built in this release yet")
+        self._check_pipeline()
         self._check_experts()
         for name in ("offload_optimizer", "offload_param"):
             if getattr(self, name) is not None and self.dp_shard == 1:
@@ -112,6 +112,21 @@ class Parallel:
                                   "(fully_shard)")
         # the other data-parallel settings are checked as DataParallel checks them
         self._data_parallel("fully_shard" if self.dp_shard != 1 else "replicate")
+
+    def _check_pipeline(self) -> None:
+        if self.pp == 1:
+            if self.pipeline is not None:
+                raise ConfigError("Parallel(pipeline=...) needs pp > 1 (how many ranks the stages are spread over)")
+            return
+        if self.pipeline is None:
+            object.__setattr__(self, "pipeline", Pipeline())
+        elif not isinstance(self.pipeline, Pipeline):
+            raise ConfigError(f"Parallel(pipeline={self.pipeline!r}): a spmd_ort.Pipeline(microbatches=..., "
+                              "schedule=..., stages_per_rank=..., split=...)")
+        others = [name for name in ("dp_replicate", "dp_shard", "cp", "tp", "ep") if getattr(self, name) != 1]
+        if others:
+            raise ConfigError(f"Parallel({self.degrees_text()}): pipeline parallelism with "
+                              f"{' and '.join(others)} is not built in this release yet; give pp alone")
 
     def _check_experts(self) -> None:
         if self.ep == 1:
@@ -178,7 +193,9 @@ class Parallel:
         sizes = self.sizes(world_size)
         dp = sizes["dp_replicate"] * sizes["dp_shard"]
         data = self._data_parallel("fully_shard" if sizes["dp_shard"] > 1 else "replicate")
-        if self.ep > 1:  # fully_shard over every rank, the experts computed by expert over ep ranks
+        if sizes["pp"] > 1:  # the stages over the pp ranks
+            mode = PipelineParallel(pp=sizes["pp"], pipeline=self.pipeline)
+        elif self.ep > 1:  # fully_shard over every rank, the experts computed by expert over ep ranks
             if sizes["dp_shard"] % self.ep:
                 raise ConfigError(f"Parallel({self.degrees_text()}): dp_shard is {sizes['dp_shard']} on "
                                   f"{world_size} ranks, which ep={self.ep} does not divide")
@@ -210,6 +227,8 @@ class Parallel:
         if mode is None or isinstance(mode, Parallel):
             return mode
         world_size = world()[1] if world_size is None else world_size
+        if isinstance(mode, PipelineParallel):
+            return cls(pp=mode.pp, pipeline=mode.pipeline)
         if isinstance(mode, ExpertParallel):
             settings = {k: getattr(mode, k) for k in DP_SETTINGS}
             return cls(dp_shard=world_size, ep=mode.ep, experts=mode.experts, **settings)

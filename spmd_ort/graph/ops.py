@@ -240,6 +240,24 @@ all_gather = _op('all_gather(Tensor shard, int world, int carried=-1, str group=
 reduce_scatter = _op('reduce_scatter(Tensor t, int world, str group="", bool mean=True) -> Tensor',
                      lambda t, world, group="", mean=True: active().comm.reduce_scatter(t, world, group, mean),
                      lambda t, world, group="", mean=True: t.new_empty(t.numel() // world))
+# pipeline parallelism's point-to-point transfers (passes/pipeline_parallel.py), on ``group`` ("": the world) with the
+# peer's global rank and a tag both ends compute from the graph.  ``after``: the rank's previous transfer (a token,
+# or the tensor it received): each transfer reads it, so no pass can reorder a rank's transfers (their order is the
+# schedule's, which never waits in a cycle).  A send starts (it is waited at ``p2p_wait``, before the step returns)
+# and gives a token; a receive waits for its tensor.
+p2p_send = _op('p2p_send(Tensor t, Tensor after, int peer, int tag, str group="") -> Tensor',
+               lambda t, after, peer, tag, group="": active().comm.send(t, peer, tag, group),
+               lambda t, after, peer, tag, group="": t.new_empty(0))
+p2p_recv = _op('p2p_recv(Tensor after, SymInt[] size, ScalarType dtype, int peer, int tag, str group="") -> Tensor',
+               lambda after, size, dtype, peer, tag, group="": active().comm.recv(size, dtype, after.device, peer,
+                                                                                   tag, group),
+               lambda after, size, dtype, peer, tag, group="": after.new_empty(size, dtype=dtype))
+p2p_wait = _op("p2p_wait(Tensor after) -> Tensor", lambda after: active().comm.finish_sends(after),
+               lambda after: after.new_empty(0))
+P2P = (p2p_send, p2p_recv, p2p_wait)
+for _target in P2P:
+    fx.node.has_side_effect(_target)
+
 # ops that start a collective whose result ``wait_`` completes
 STARTS = (all_reduce_, all_gather, reduce_scatter)
 COLLECTIVES = (*STARTS, wait_, broadcast_)

@@ -120,8 +120,8 @@ def _propose_by_stage(gm: fx.GraphModule, support: OperatorSupport) -> list:
 
 
 def _stages(gm: fx.GraphModule) -> dict[fx.Node, int]:
-    """Each node's stage: the number of collective issue or wait points and random draws before it in graph
-    order (a getitem: its tuple's).
+    """Each node's stage: the number of collective issue or wait points, pipeline transfers and random draws
+    before it in graph order (a getitem: its tuple's).
 
     No segment spans a collective's issue or wait point, so compute overlaps the collective; and none spans
     a random draw, so the draws keep their order.
@@ -130,14 +130,17 @@ def _stages(gm: fx.GraphModule) -> dict[fx.Node, int]:
     start after it (and a parameter all-gather's wait would hold back compute
     that does not need the parameter).  Without the second, a segment fusing independent regions between
     draws (two micro-batches' dropouts: the first's second mask and the second's first) makes the host run
-    the draws in another order than eager, which changes every mask.  Parts are contiguous in graph order, so
+    the draws in another order than eager, which changes every mask.  A pipeline's transfers keep the
+    schedule's order (a segment spanning one could hold a send back behind a receive its peer waits on).  Parts
+    are contiguous in graph order, so
     splitting keeps the partitions acyclic.  A getitem stays with the op whose tuple it reads (its only input),
     wherever it stands: a segment returns tensors, never a multi-output op's tuple
     (``native_layer_norm_backward``'s bias gradient read after a collective began, under sequence parallelism).
     """
     stage, stages = 0, {}
     for node in gm.graph.nodes:
-        if node.op == "call_function" and (node.target in STARTS or node.target is wait_ or draws_random(node)):
+        if node.op == "call_function" and (node.target in STARTS or node.target is wait_ or node.target in ops.P2P
+                                           or draws_random(node)):
             stage += 1
         source = node.args[0] if node.target is operator.getitem and node.args else None
         stages[node] = stages[source] if isinstance(source, fx.Node) and source in stages else stage

@@ -162,6 +162,8 @@ class StepComm:
     reduce_scatter_bytes: int = 0  # input bytes
     all_to_all_calls: int = 0  # expert parallelism's token exchanges (spmd_ort.distributed.experts)
     all_to_all_bytes: int = 0  # rows sent to other ranks: tokens, results, and their gradients in backward
+    p2p_sends: int = 0  # pipeline parallelism: activations, their gradients, a stage's partial sums
+    p2p_bytes: int = 0  # sent bytes
     expert_tokens: dict = field(default_factory=dict)  # experts module FQN -> [tokens per expert of this rank]
     carried_gathers: int = 0  # all-gathers served by the one the previous step issued (cross-step prefetch)
     comm_s: float = 0.0  # issue -> completion (the collective's own duration), summed
@@ -175,7 +177,7 @@ class StepComm:
     @property
     def total_bytes(self) -> int:
         return (self.all_reduce_bytes + self.broadcast_bytes + self.all_gather_bytes + self.reduce_scatter_bytes
-                + self.all_to_all_bytes)
+                + self.all_to_all_bytes + self.p2p_bytes)
 
     @property
     def overlap(self) -> float:
@@ -204,6 +206,7 @@ class Communicator:
     recorder: object | None = None  # a spmd_ort.runtime.recorder.Recorder while steps are profiled
     carried: dict = field(default_factory=dict)  # slot -> Carried, issued after the last step for the next
     owner: object | None = None  # the program running now (whose carried gathers it may take)
+    sends: list = field(default_factory=list)  # pipeline sends in flight: (work, tensor kept alive, issued at)
 
     def start_step(self) -> None:
         self.step = StepComm()
@@ -349,3 +352,40 @@ class Communicator:
         """Wait for everything still in flight (end of a step, ``last_train_step``)."""
         for ptr in list(self.pending):
             self._wait(*self.pending.pop(ptr))
+        self.finish_sends()
+
+    # ---------------------------------------------------------------- pipeline parallelism: point to point
+    def send(self, t: Tensor, peer: int, tag: int, group: str = "") -> Tensor:
+        """Start sending ``t`` to global rank ``peer`` (kept alive until :meth:`finish_sends`); a token."""
+        t = t.detach().contiguous()
+        issued = time.perf_counter()
+        work = dist.isend(t, dst=peer, group=data_group(group), tag=tag)
+        self.sends.append((work, t, issued))
+        self.step.p2p_sends += 1
+        self.step.p2p_bytes += t.numel() * t.element_size()
+        return t.new_empty(0)
+
+    def recv(self, size, dtype: torch.dtype, device, peer: int, tag: int, group: str = "") -> Tensor:
+        """The tensor global rank ``peer`` sends with ``tag`` (waited for here)."""
+        out = torch.empty([int(s) for s in size], dtype=dtype, device=device)
+        t0 = time.perf_counter()
+        try:
+            dist.irecv(out, src=peer, group=data_group(group), tag=tag).wait()
+        except RuntimeError as exc:
+            if is_timeout(exc):
+                raise CollectiveTimeout(f"a pipeline receive from rank {peer} of the compiled step",
+                                        rank=dist.get_rank(), cause=exc) from exc
+            raise
+        t1 = time.perf_counter()
+        self.step.blocked_s += t1 - t0
+        self.step.comm_s += t1 - t0
+        if self.recorder is not None:
+            self.recorder.add(f"recv {out.numel() * out.element_size() / 2**20:.2f} MiB from {peer}", "comm", t0, t1)
+        return out
+
+    def finish_sends(self, after: Tensor | None = None) -> Tensor:
+        """Wait for the sends in flight (the step's end: nothing of ours is in flight when it returns)."""
+        while self.sends:
+            work, t, issued = self.sends.pop(0)
+            self._wait(work, issued, [], f"send {t.numel() * t.element_size() / 2**20:.2f} MiB")
+        return torch.empty(0) if after is None else after.new_empty(0)

@@ -28,6 +28,7 @@ from spmd_ort.backends.ort.session import OrtSegment
 from spmd_ort.backends.ort.stats import OrtStats, SegmentChoice, WholeChoice
 from spmd_ort.backends.checked import agree_segment
 from spmd_ort.backends.ort.verify import checked_first_run
+from spmd_ort.graph import ops
 from spmd_ort.runtime.collectives import control_group
 from spmd_ort.runtime.step_runtime import active
 from spmd_ort.runtime.devices import now, rng_kept
@@ -52,6 +53,10 @@ class FirstRun(RunInterpreter):
         super().__init__(gm)
         self.stats, self.policy, self.verify, self.segment_executor = stats, policy, verify, segment_executor
         self.remembered = remembered  # an earlier run's choices (auto): checked again here, not timed again
+        # a graph of this rank's own (pipeline stages: its transfers pair with other graphs' transfers): each
+        # segment is decided here alone, and a failure is raised after the run, once every rank has finished it
+        self.local = any(n.op == "call_function" and n.target in ops.P2P for n in gm.graph.nodes)
+        self.error: Exception | None = None
 
     def call_module(self, target, args, kwargs):
         seg = self.module.get_submodule(target)
@@ -67,13 +72,15 @@ class FirstRun(RunInterpreter):
                                              self.verify), None
         except Exception as exc:  # noqa: BLE001 - re-raised after the ranks' agreement (no rank left waiting)
             ort_s, error = None, exc
+        if error is not None and self.local:  # raised once the run is over (its peers wait on its transfers)
+            self.error, error = self.error or error, None
         seg.checked_runs += 1  # ORT's outputs compared, the fx graph's used
         if seg.new_sizes is not None:
             seg.new_sizes.checked.add(seg.sizes.key(args))
         times = {"fx": fx_s, "ort": ort_s}
         if ort_s is not None and timing:
             times = {"fx": fx_s, "ort": fastest(seg.run_ort, args, ort_s)}
-        times, failed_elsewhere = agree_segment("ORT", seg.name, times, error, failed="ort")
+        times, failed_elsewhere = agree_segment("ORT", seg.name, times, error, failed="ort", local=self.local)
         if ort_s is None or failed_elsewhere:
             if failed_elsewhere and ort_s is not None:
                 self.stats.fell_back(seg.name, "ONNX Runtime failed or differed on another rank: every rank runs "

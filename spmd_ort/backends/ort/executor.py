@@ -23,6 +23,7 @@ import threading
 import time
 
 import torch
+import torch.distributed as dist
 from torch import fx
 from torch.fx._lazy_graph_module import _LazyGraphModule
 
@@ -36,6 +37,7 @@ from spmd_ort.backends.ort.remembered import Remembered, choices_key, recall
 from spmd_ort.backends.ort.session import OrtSegment, is_symbolic, load_segment, providers_for, segment_device
 from spmd_ort.backends.ort.sizes import SizedSegments, dynamic_segment
 from spmd_ort.backends.ort.stats import OrtStats, WholeChoice
+from spmd_ort.errors import CompileError
 from spmd_ort.graph.decisions import Decision
 from spmd_ort.runtime.devices import now
 from spmd_ort.runtime.step_runtime import active
@@ -189,6 +191,9 @@ class OrtExecutor(ExecutorBase):
                          segment_executor=self.segment_executor, remembered=self.remembered)
         copies = [t.clone() if isinstance(t, torch.Tensor) else t for t in inputs]
         out = first.run(*copies)
+        if first.local and not everywhere(first.error is None):  # (every rank has run its graph to the end)
+            raise first.error or CompileError("an ORT segment failed on another rank (see its error); every "
+                                              "rank stops", rank=dist.get_rank())
         if self.segment_executor == "auto" and self.whole is not None:
             known = self.remembered.whole if self.remembered is not None else None
             candidates = self.candidates()

@@ -1,0 +1,104 @@
+"""Pipeline parallelism (``Parallel(pp=N, pipeline=Pipeline(...))``, passes/pipeline_parallel.py).
+
+On 2 gloo ranks, tests/dist/pp_parity.py trains one copy of a model per schedule against one-process eager on the
+whole batch: the loss every step, and every parameter and AdamW state tensor each rank steps after 6 steps with
+clipping (the user's own all-reduces beside each step).  The schedules' tables and bubbles are checked here
+against the closed forms.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from helpers import assert_ort_report_clean
+from test_data_parallel import ROOT, torchrun
+
+import spmd_ort
+from spmd_ort.distributed.stages import PipelineParallel, simulate
+
+SCRIPT = ROOT / "tests" / "dist" / "pp_parity.py"
+SCHEDULES = ("gpipe", "1f1b", "zero_bubble", "interleaved_1f1b")
+
+
+@pytest.mark.multiproc
+def test_every_schedule_trains_as_one_process_eager(tmp_path):
+    """A 4-block GPT with a tied head, pp=2, 4 micro-batches of 2: each schedule (interleaved: 2 stages per rank)
+    trains as eager on the batch of 8; both ranks together step every parameter, each once; then the refusals:
+    a batch the micro-batches do not divide, a split naming no module (a ConfigError on both ranks, the model
+    and optimizer untouched)."""
+    ranks, _ = torchrun(tmp_path, "--schedules", ",".join(SCHEDULES), "--refusals", script=SCRIPT, timeout=600)
+    stepped = [set(r[s]["stepped"]) for r in ranks for s in ("1f1b",)]
+    assert not stepped[0] & stepped[1] and len(stepped[0] | stepped[1]) == 48, stepped  # every parameter, once
+    for r in ranks:
+        for schedule in SCHEDULES:
+            case = r[schedule]
+            assert case["losses"] == ranks[0][schedule]["losses"]  # the batch's mean loss, on every rank
+            assert max(case["worst"].values()) < 2e-3, case["worst"]
+            assert case["traces"] == 1, case["explain"]
+            assert case["bubble"] == simulate(schedule, 2, 4, 2 if schedule == "interleaved_1f1b" else 1).bubble
+            assert "layout: Parallel(pp=2): mesh pp 2" in case["explain"], case["explain"]
+            assert f"schedule {schedule}: bubble" in case["explain"], case["explain"]
+            assert "rank 0: F0" in case["explain"] and "rank 1: ." in case["explain"], case["explain"]
+        # stage 1 begins at blocks.2; the tied head's weight is stepped where the embedding reads it (stage 0)
+        assert "stage 1 from blocks.2" in r["1f1b"]["lines"][0]
+        assert ("wte.weight" in r["1f1b"]["stepped"]) == (r is ranks[0])
+        refused = r["refusals"]
+        assert "`x` has 4 rows (dim 0), which 3 micro-batches do not divide" in refused["indivisible"], refused
+        assert "names no module of GPT" in refused["no_module"], refused
+
+
+@pytest.mark.multiproc
+@pytest.mark.on_ort
+def test_hf_llama_with_a_balanced_split_trains_on_ort(tmp_path):
+    """HF LlamaForCausalLM (untied head, rotary tables, GQA, its own label shift) with split=None: the stages
+    balanced by the forward's FLOPs, zero bubble, its segments on ONNX Runtime; 6 steps as eager."""
+    ranks, _ = torchrun(tmp_path, "--model", "llama", "--split", "none", "--backend", "ort",
+                        "--schedules", "zero_bubble", script=SCRIPT, timeout=900)
+    for r in ranks:
+        case = r["zero_bubble"]
+        assert max(case["worst"].values()) < 2e-3, case["worst"]
+        assert "stage 1 from model.layers.2" in case["lines"][0], case["lines"]
+        assert_ort_report_clean(case["ort"])
+
+
+@pytest.mark.parametrize("pp,m", [(2, 4), (2, 8), (4, 8)])
+def test_bubbles_are_the_closed_forms(pp, m):
+    """On unit costs (a backward twice a forward): GPipe's and 1F1B's bubble is (pp-1)/(m+pp-1); zero bubble,
+    whose W's fill it, is smaller; every rank runs each micro-batch's F and B once per stage, and W's only with
+    zero bubble."""
+    for name in ("gpipe", "1f1b"):
+        assert simulate(name, pp, m).bubble == pytest.approx((pp - 1) / (m + pp - 1))
+    assert simulate("zero_bubble", pp, m).bubble < simulate("1f1b", pp, m).bubble
+    for name, v in (("gpipe", 1), ("1f1b", 1), ("zero_bubble", 1), ("interleaved_1f1b", 2)):
+        schedule = simulate(name, pp, m, v)
+        for r, actions in enumerate(schedule.actions):
+            kinds = "FBW" if name == "zero_bubble" else "FB"
+            assert sorted((a.kind, a.stage, a.micro) for a in actions) == sorted(
+                (k, s, mb) for k in kinds for s in range(r, pp * v, pp) for mb in range(m))
+    # 1F1B holds at most pp - r micro-batches' activations on rank r; GPipe all of them
+    for r, actions in enumerate(simulate("1f1b", pp, m).actions):
+        held = peak = 0
+        for a in actions:
+            held += {"F": 1, "B": -1}[a.kind]
+            peak = max(peak, held)
+        assert peak == min(pp - r, m)
+
+
+def test_the_table_of_1f1b_on_two_ranks():
+    assert simulate("1f1b", 2, 4).table() == [
+        "rank 0: F0 F1 .  .  B0 B0 F2 B1 B1 F3 B2 B2 .  B3 B3",
+        "rank 1: .  F0 B0 B0 F1 B1 B1 F2 B2 B2 F3 B3 B3 .  . "]
+
+
+def test_layouts_are_checked_before_anything_is_traced():
+    with pytest.raises(spmd_ort.ConfigError, match="interleaving needs stages_per_rank >= 2"):
+        spmd_ort.Pipeline(schedule="interleaved_1f1b")
+    with pytest.raises(spmd_ort.ConfigError, match="one of gpipe, 1f1b"):
+        spmd_ort.Pipeline(schedule="dualpipe")
+    with pytest.raises(spmd_ort.ConfigError, match=r"pipeline=\.\.\.\) needs pp > 1"):
+        spmd_ort.Parallel(pipeline=spmd_ort.Pipeline())
+    with pytest.raises(spmd_ort.ConfigError, match="pipeline parallelism with dp_shard is not built"):
+        spmd_ort.Parallel(pp=2, dp_shard=2)
+    mode = spmd_ort.Parallel(pp=2, pipeline=spmd_ort.Pipeline(microbatches=8, split=["blocks.2"])).lower(2)
+    assert isinstance(mode, PipelineParallel) and mode.stages == 2 and mode.pipeline.split == ("blocks.2",)
+    assert spmd_ort.Parallel.of(mode, 2) == spmd_ort.Parallel(pp=2, pipeline=mode.pipeline)
