@@ -26,12 +26,25 @@ CASES = [
 ]
 
 
+def case_args(model: str, backend: str, extra: str) -> str:
+    """The case's options of tests/dist/cp_parity.py, as one --case string."""
+    return " ".join(["--model", model, "--backend", backend] + ([extra] if extra else []))
+
+
 @pytest.mark.on_ort
-@pytest.mark.parametrize("model,backend,extra", CASES)
-def test_matches_one_process_eager(tmp_path, model, backend, extra):
-    args = ["--model", model, "--backend", backend] + ([extra] if extra else [])
-    nproc = 4 if extra.startswith("--dp") else 2
-    ranks, _ = torchrun(tmp_path, *args, script=SCRIPT, timeout=600, nproc=nproc)
+@pytest.mark.parametrize("nproc", [2, 4])
+def test_matches_one_process_eager(tmp_path, nproc):
+    """Every case of CASES on its ranks (4: the 2-D ones), all in one launch (each its own models and step)."""
+    cases = [c for c in CASES if (nproc == 4) == c[2].startswith("--dp")]
+    launched = [f"--case={case_args(*c)}" for c in cases]
+    ranks, _ = torchrun(tmp_path, *launched, script=SCRIPT, timeout=900, nproc=nproc)
+    for r in ranks:
+        assert set(r) == {case_args(*c) for c in cases}, set(r)
+    for model, backend, extra in cases:
+        check_case([r[case_args(model, backend, extra)] for r in ranks], backend, extra)
+
+
+def check_case(ranks: list, backend: str, extra: str) -> None:
     assert ranks[0]["losses"] == ranks[1]["losses"]  # the mean loss over the batch's tokens, on both ranks of a pair
     for r in ranks:
         assert max(r["worst"].values()) < 2e-3, r["worst"]

@@ -39,24 +39,44 @@ CASES = [
 ]
 
 
+DEBUG_CASE = ("mlp", "sgd", "fx")  # launched alone: its debug outputs and the log it is checked in
+
+
+def case_args(model: str, opt: str, backend: str) -> list[str]:
+    return ["--model", model, "--opt", opt, "--backend", backend, "--steps", "10", "--bucket-mb", "0.05"]
+
+
 @pytest.mark.on_ort
-@pytest.mark.parametrize("model,opt,backend", CASES)
-def test_matches_ddp_every_step(tmp_path, model, opt, backend):
+@pytest.mark.parametrize("group", ["mlp-sgd-fx", "the-others"])
+def test_matches_ddp_every_step(tmp_path, group):
     """Loss, parameters, gradients and optimizer state equal DDP's at every step (checked inside
     the script); ranks start from different seeds; parameters end identical across ranks.  The MLP
     fx run also writes activation statistics of both runs (per rank) and a 2-rank profile, and its
-    batch requires grad (its .grad accumulates per rank, never all-reduced, as with DDP)."""
-    extra, logs = [], []
-    debug = (model, opt, backend) == ("mlp", "sgd", "fx")
-    if debug:
+    batch requires grad (its .grad accumulates per rank, never all-reduced, as with DDP).  The other cases of
+    CASES run in one launch, one after the other (each its own models and step)."""
+    if group == "mlp-sgd-fx":
+        logs: list = []
         extra = ["--stats", str(tmp_path / "stats"), "--profile", str(tmp_path / "timeline"), "--input-grads"]
-    ranks, _ = torchrun(tmp_path, "--model", model, "--opt", opt, "--backend", backend, "--steps", "10",
-                        "--bucket-mb", "0.05", *extra, env={"SPMD_ORT_LOG_LEVEL": "INFO"} if debug else None,
-                        stderr=logs)
-    if debug:
+        ranks, _ = torchrun(tmp_path, *case_args(*DEBUG_CASE), *extra, env={"SPMD_ORT_LOG_LEVEL": "INFO"},
+                            stderr=logs)
         _check_debug_outputs(tmp_path, logs[0])
+        check_matches_ddp(ranks, *DEBUG_CASE)
+        # the batch's .grad (accumulated, checked against DDP's each step) is local to each rank: the all-reduces
+        # above carried exactly the parameter gradients
+        assert len(ranks[0]["input_grad_sums"]) == 10
+        assert ranks[0]["input_grad_sums"] != ranks[1]["input_grad_sums"]
+        return
+    cases = [c for c in CASES if c != DEBUG_CASE]
+    ranks, _ = torchrun(tmp_path, *[f"--case={' '.join(case_args(*c))}" for c in cases], timeout=600)
     for r in ranks:
-        assert "compile_error" not in r, r.get("compile_error")
+        assert set(r) == {" ".join(case_args(*c)) for c in cases}, set(r)
+    for c in cases:
+        check_matches_ddp([r[" ".join(case_args(*c))] for r in ranks], *c)
+
+
+def check_matches_ddp(ranks: list, model: str, opt: str, backend: str) -> None:
+    for r in ranks:
+        assert "compile_error" not in r, (model, opt, backend, r.get("compile_error"))
         assert len(r["losses"]) == 10
         # SGD's first step (momentum buffer = gradient) is a variant of its own; Adam's state is made first
         assert r["traces"] == (2 if opt == "sgd" else 1)
@@ -70,10 +90,6 @@ def test_matches_ddp_every_step(tmp_path, model, opt, backend):
         if backend == "inductor":
             assert_inductor_report_clean(r["ort"])  # every segment compiled by inductor, steps trained on it
     assert ranks[0]["losses"] != ranks[1]["losses"]  # each rank saw its own shard
-    if debug:  # the batch's .grad (accumulated, checked against DDP's each step) is local to each rank:
-        # the all-reduces above carried exactly the parameter gradients
-        assert len(ranks[0]["input_grad_sums"]) == 10
-        assert ranks[0]["input_grad_sums"] != ranks[1]["input_grad_sums"]
     if model == "gpt":
         assert ranks[0]["buckets"] >= 2  # 109 KiB of gradients in 50 KiB buckets
     if model == "cnn":

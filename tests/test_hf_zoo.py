@@ -57,25 +57,23 @@ def test_the_tensor_parallel_plan_is_transformers_own_in_torchs_styles(name, par
 
 
 @pytest.mark.multiproc
-def test_every_family_trains_on_two_ranks_as_ddp(tmp_path):
-    """Each family's tiny config, 3 AdamW steps with clipping, compiled (DataParallel, fx) against torch DDP on
-    2 ranks: loss within 1e-4 and every parameter within 2e-3 relative after every step."""
-    run = launch.torchrun("hf_zoo_parity.py", nproc=2, out=tmp_path, timeout=600)
-    for r in run.ranks:
-        failed = {name: v.get("error", "on another rank") for name, v in r.items() if not v["ok"]}
-        assert not failed and set(r) == set(CONFIGS), failed
+def test_every_family_trains_on_two_ranks_as_ddp_and_under_its_tensor_parallel_plan_as_eager(tmp_path):
+    """One launch (tests/dist/hf_zoo_parity.py --layout dp,tp), each family's tiny config:
 
-
-@pytest.mark.multiproc
-def test_every_familys_tensor_parallel_plan_trains_as_eager(tmp_path):
-    """Each family's tiny config under its tensor-parallel plan over 2 ranks (the same batches on each), 3 AdamW
-    steps with clipping, against the model trained eagerly in one process: loss within 1e-4, every gathered
-    parameter within 2e-3 relative (Qwen 3's per-head q_norm / k_norm included: their gradient summed over the
-    group). GPT-2 and Falcon have no plan (the error says so)."""
-    run = launch.torchrun("hf_zoo_parity.py", "--layout", "tp", nproc=2, out=tmp_path, timeout=600)
+    * dp: 3 AdamW steps with clipping, compiled (DataParallel, fx) against torch DDP on 2 ranks: loss within 1e-4
+      and every parameter within 2e-3 relative after every step;
+    * tp: under its tensor-parallel plan over 2 ranks (the same batches on each), 3 SGD steps with clipping (whose
+      update follows the gradient's scale; Qwen 3 with momentum, its buffers DTensors too), against the model
+      trained eagerly in one process: loss within 1e-4, every gathered parameter within 2e-3 relative (Qwen 3's
+      per-head q_norm / k_norm included: their gradient summed over the group). GPT-2 and Falcon have no plan (the
+      error says so)."""
+    run = launch.torchrun("hf_zoo_parity.py", "--layout", "dp,tp", nproc=2, out=tmp_path, timeout=900)
     for r in run.ranks:
-        failed = {name: v.get("error", "on another rank") for name, v in r.items() if not v["ok"]}
-        assert set(failed) == {"gpt2-xl", "falcon-7b"}, failed
+        assert set(r) == {"dp", "tp"}, set(r)
+        failed = {name: v.get("error", "on another rank") for name, v in r["dp"].items() if not v["ok"]}
+        assert not failed and set(r["dp"]) == set(CONFIGS), failed
+        failed = {name: v.get("error", "on another rank") for name, v in r["tp"].items() if not v["ok"]}
+        assert set(r["tp"]) == set(CONFIGS) and set(failed) == {"gpt2-xl", "falcon-7b"}, failed
         assert all("no tensor-parallel plan fits" in e for e in failed.values()), failed
 
 

@@ -11,6 +11,8 @@ with a bf16 ``MixedPrecisionPolicy`` against FSDP2 + TP under the same policy.
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
 from helpers import assert_ort_report_clean
@@ -58,15 +60,16 @@ def test_checkpointing_policies_gather_the_sequence_again_in_the_backward(tmp_pa
 VARY_SEQ = {("ort", "user", "megatron", 1), ("ort", "mode", "sequence", 1), ("fx", "mode", "megatron", "2-fully-shard")}
 
 
-@pytest.mark.on_ort
-@pytest.mark.parametrize("backend,apply,plan,dp", CASES)
-def test_matches_eager_tensor_parallel(tmp_path, backend, apply, plan, dp):
-    vary_seq = (backend, apply, plan, dp) in VARY_SEQ
+def case_options(case: tuple, dcp: Path) -> tuple[list[str], int, str]:
+    """A case's options of the script (``dcp``: where it checkpoints, if it does), its ranks and its activation
+    memory budget (the launch's environment)."""
+    backend, apply, plan, dp = case
+    vary_seq = case in VARY_SEQ
     mp, ds = dp in ("2-mp", "2-mp-fully-shard"), dp == "2-deepspeed3"
     fsdp = dp in ("2-fully-shard", "2-deepspeed3", "2-mp-fully-shard")
     dp = int(str(dp).split("-")[0])
-    extra = ("--vary-batch", "--checkpoint", str(tmp_path / "dcp")) if (backend, plan, dp) == ("fx", "megatron", 1) \
-        else ("--checkpoint", str(tmp_path / "dcp"), "--fully-shard") if fsdp and not (ds or mp) and plan == "megatron" \
+    extra = ("--vary-batch", "--checkpoint", str(dcp)) if (backend, plan, dp) == ("fx", "megatron", 1) \
+        else ("--checkpoint", str(dcp), "--fully-shard") if fsdp and not (ds or mp) and plan == "megatron" \
         else ("--deepspeed", "3") if ds else ("--fully-shard",) if fsdp else ()
     extra += ("--mp",) if mp else ()
     # sequence lengths 16, 12, 10(, 16, 12, 10): one static program, then one symbolic program for every later length (DTensor's
@@ -82,9 +85,44 @@ def test_matches_eager_tensor_parallel(tmp_path, backend, apply, plan, dp):
     # dynamic shapes on ORT: lengths 16, 12, 10, 16, 12, 10, so that steps 5 and 6 train on ORT's outputs (the
     # symbolic program's first runs at its first 3 lengths are checked runs, whose outputs are fx's)
     steps = "6" if vary_seq and backend == "ort" else "3"
-    results, _ = torchrun(tmp_path, "--backend", backend, "--apply", apply, "--plan", plan, "--steps", steps,
-                          "--dp", str(dp), *extra, nproc=2 * dp, script=SCRIPT,
-                          env={"SPMD_ORT_ACTIVATION_MEMORY_BUDGET": budget})
+    return ["--backend", backend, "--apply", apply, "--plan", plan, "--steps", steps, "--dp", str(dp), *extra], \
+        2 * dp, budget
+
+
+def launch_groups(cases: list, size: int = 3) -> list[list]:
+    """CASES by launch: those on as many ranks with the same activation budget, at most ``size`` a launch (one
+    after the other in it, each its own meshes, models and step)."""
+    by_key: dict = {}
+    for case in cases:
+        _, nproc, budget = case_options(case, Path())
+        by_key.setdefault((nproc, budget), []).append(case)
+    return [group[i:i + size] for group in by_key.values() for i in range(0, len(group), size)]
+
+
+GROUPS = launch_groups(CASES)
+
+
+@pytest.mark.on_ort
+@pytest.mark.parametrize("group", GROUPS, ids=["-".join(map(str, g[0])) + (f"-and-{len(g) - 1}" if len(g) > 1 else "")
+                                               for g in GROUPS])
+def test_matches_eager_tensor_parallel(tmp_path, group):
+    options = [case_options(case, tmp_path / f"dcp{i}") for i, case in enumerate(group)]
+    launched = [" ".join(args) for args, _, _ in options]
+    (_, nproc, budget), = {(0, n, b) for _, n, b in options}  # (one launch: the same ranks and budget)
+    results, _ = torchrun(tmp_path, *[f"--case={case}" for case in launched], nproc=nproc, script=SCRIPT,
+                          env={"SPMD_ORT_ACTIVATION_MEMORY_BUDGET": budget}, timeout=900)
+    for r in results:
+        assert set(r) == set(launched), set(r)
+    for case, (args, _, _), key in zip(group, options, launched, strict=True):
+        check_case(case, args, budget, [r[key] for r in results])
+
+
+def check_case(case: tuple, extra: list, budget: str, results: list) -> None:
+    backend, apply, plan, dp = case
+    vary_seq = case in VARY_SEQ
+    mp = dp in ("2-mp", "2-mp-fully-shard")
+    fsdp = dp in ("2-fully-shard", "2-deepspeed3", "2-mp-fully-shard")
+    dp = int(str(dp).split("-")[0])
     recomputed = "the backward recomputes" in results[0]["describe"]
     assert recomputed == (budget == "0"), results[0]["describe"]
     # batch sizes 4, 3, 2 (every step checked against eager inside the script): a static program for 4, then the

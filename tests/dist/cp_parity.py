@@ -1,6 +1,7 @@
 """Context parallelism (``Parallel(cp=N)``) against one-process eager on the whole batch, under torchrun (gloo).
 
     torchrun --standalone --nproc_per_node=2 tests/dist/cp_parity.py --out DIR [--model gpt|llama] [--backend ort]
+    torchrun --standalone --nproc_per_node=2 tests/dist/cp_parity.py --out DIR --case="--model gpt" --case=...
 
 Every rank passes the same whole batch; the compiled step computes its share of the sequence.  After every
 step: the loss equals one-process eager's (1e-4) on every rank, and every parameter and AdamW state tensor is
@@ -15,6 +16,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import copy
+import shlex
 import sys
 from pathlib import Path
 
@@ -129,7 +131,7 @@ def rel(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a - b).norm() / b.norm().clamp_min(1e-12))
 
 
-def main() -> None:
+def parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", required=True)
     ap.add_argument("--model", default="gpt", choices=["gpt", "llama"])
@@ -140,12 +142,15 @@ def main() -> None:
     ap.add_argument("--mask", action="store_true", help="llama: an attention_mask with padding (HF's explicit mask)")
     ap.add_argument("--dp", default="", choices=["", "replicate", "shard"],
                     help="2-D on 4 ranks: dp_replicate=2 or dp_shard=2 x cp=2")
-    args = ap.parse_args()
-    dist.init_process_group("gloo")
-    rank, world = dist.get_rank(), dist.get_world_size()
-    if args.refusals:
-        finish(args.out, refusals(world))
-        return
+    ap.add_argument("--case", action="append", default=[],
+                    help="several cases in one launch, one after the other (each with its own models, optimizers "
+                         "and compiled step): each --case=\"--model llama --backend ort\" this script's options; "
+                         "OUT/rank<r>.json maps each case's string to its result")
+    return ap
+
+
+def run(args, rank: int, world: int) -> dict:
+    """One case: the compiled step against one-process eager (asserted at every step); the result to write."""
     lengths = [32, 48, 32, 48, 32] if args.vary_seq else [32] * args.steps
     base, step_fn, loss_fn = build(args.model, max(lengths))
     eager, compiled = copy.deepcopy(base), copy.deepcopy(base)
@@ -174,17 +179,29 @@ def main() -> None:
                 assert rel(full(sc[key]), se[key]) < 2e-3 or (se[key].norm() < 1e-9), (i, name, key)
     x = batches[replica][0]
     if args.dp == "shard":  # (fully_shard: the parameters are shards between steps)
-        finish(args.out, {"losses": losses, "worst": worst, "explain": step.explain(), "traces": len(step.variants),
-                          "ort": ort_report(step) if args.backend == "ort" else None})
-        return
+        return {"losses": losses, "worst": worst, "explain": step.explain(), "traces": len(step.variants),
+                "ort": ort_report(step) if args.backend == "ort" else None}
     # an evaluation forward outside the step: the model's own, on the whole sequence
     with torch.no_grad():
         out_e = eager(x) if args.model == "gpt" else eager(input_ids=x).logits
         out_c = compiled(x) if args.model == "gpt" else compiled(input_ids=x).logits
     torch.testing.assert_close(out_c, out_e, rtol=1e-3, atol=1e-3)
-    finish(args.out, {"losses": losses, "worst": worst, "explain": step.explain(),
-                      "describe": step.compiled.describe(), "traces": len(step.variants),
-                      "ort": ort_report(step) if args.backend == "ort" else None})
+    return {"losses": losses, "worst": worst, "explain": step.explain(), "describe": step.compiled.describe(),
+            "traces": len(step.variants), "ort": ort_report(step) if args.backend == "ort" else None}
+
+
+def main() -> None:
+    ap = parser()
+    args = ap.parse_args()
+    dist.init_process_group("gloo")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    if args.refusals:
+        finish(args.out, refusals(world))
+    elif args.case:
+        finish(args.out, {case: run(ap.parse_args([*shlex.split(case), "--out", args.out]), rank, world)
+                          for case in args.case})
+    else:
+        finish(args.out, run(args, rank, world))
 
 
 if __name__ == "__main__":

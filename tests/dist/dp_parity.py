@@ -1,12 +1,14 @@
 """Run under torchrun: compiled data parallel vs torch DDP, step by step, on every rank.
 
     torchrun --standalone --nproc_per_node=2 tests/dist/dp_parity.py --model mlp --opt sgd --backend fx --out DIR
+    torchrun --standalone --nproc_per_node=2 tests/dist/dp_parity.py --out DIR --case="--model gpt --opt adamw" --case=...
 
 Each rank builds its model from a different seed (both DDP and the compiled step
 must broadcast rank 0's weights), trains a DDP copy and a compiled copy on its own
 shard of the same global batches, checks loss, parameters and optimizer state
 after every step and that the compiled parameters are identical on all ranks,
-and writes DIR/rank<r>.json.  Any mismatch raises (non-zero exit).
+and writes DIR/rank<r>.json.  Any mismatch raises (non-zero exit).  ``--case`` (repeated): each case's options
+one after the other in one launch, each with its own models and step; DIR/rank<r>.json maps each to its result.
 
 ``--budget B`` compiles with ``activation_memory_budget=B`` and trains a second compiled copy at 1.0
 beside it: on fx the two agree bit for bit (recomputation replays eager's kernels on the same
@@ -18,6 +20,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import copy
+import shlex
 import sys
 import time
 from pathlib import Path
@@ -96,11 +99,21 @@ def main() -> None:
                          "predicted minutes; the compile and the timing are real")
     ap.add_argument("--budget", type=float, help="compile(activation_memory_budget=...); below 1.0 a copy "
                     "compiled at 1.0 trains beside it and must agree (fx: bit for bit)")
+    ap.add_argument("--case", action="append", default=[],
+                    help="several cases in one launch, one after the other: each --case=\"--model gpt --opt adamw\" "
+                         "this script's options (none that patches the library for the process)")
     ap.add_argument("--out", required=True)
     args = ap.parse_args()
+    cases = [ap.parse_args([*shlex.split(case), "--out", args.out]) for case in args.case]
+    patching = ("candidate_free", "skew_timing", "break_compiled_on_rank1", "mixed_executors")
+    if any(getattr(c, flag) for c in cases for flag in patching):
+        ap.error(f"--case: {', '.join(patching)} patch the library for the whole process: launch them alone")
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
-    result = run(args, rank, world)
+    if cases:
+        result = {case: run(c, rank, world) for case, c in zip(args.case, cases, strict=True)}
+    else:
+        result = run(args, rank, world)
     finish(args.out, result)
 
 

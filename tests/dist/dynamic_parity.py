@@ -1,6 +1,7 @@
 """Run under torchrun: ranks with different sequence lengths and batch sizes every step, vs torch DDP.
 
     torchrun --standalone --nproc_per_node=2 tests/dist/dynamic_parity.py --backend fx --out DIR
+    torchrun --standalone --nproc_per_node=2 tests/dist/dynamic_parity.py --backend fx,ort --out DIR
 
 Every step each rank draws its own batch size and sequence length (as a dynamic-padding
 loader does), so ranks differ from each other and from step to step.  A DDP model, a
@@ -10,7 +11,8 @@ compiled styles).  The loss is multiplied by a Python float that changes every s
 differs between ranks (lifted to a graph input, like the sizes).  After every step the loss
 and the full parameters, gradients and AdamW state are compared with DDP's (tolerances at
 :func:`check`).  Writes DIR/rank<r>.json with the traces, the dims that went symbolic and
-where torchrun placed the process (tests/test_multinode.py launches it on two "nodes").
+where torchrun placed the process (tests/test_multinode.py launches it on two "nodes"); with several backends
+(``--backend fx,ort``: one after the other in one launch, each with its own models), ``{backend: that}``.
 """
 
 from __future__ import annotations
@@ -79,7 +81,7 @@ def check(backend: str, got: torch.Tensor, want: torch.Tensor, msg: str) -> None
         assert_close_relmax(got, want, rtol=RTOL, msg=msg)
 
 
-def run(args, rank: int) -> dict:
+def run(backend: str, rank: int) -> dict:
     torch.manual_seed(0)
     base = GPT(CFG)
     ddp = DDP(copy.deepcopy(base))
@@ -89,7 +91,7 @@ def run(args, rank: int) -> dict:
         model = copy.deepcopy(base)
         mode = spmd_ort.DataParallel(parallel_style=style, bucket_cap_mb=0.05)
         runs[style] = (model, make_opt(model.parameters()),
-                       spmd_ort.compile(parallel_mode=mode, backend=args.backend)(step_fn))
+                       spmd_ort.compile(parallel_mode=mode, backend=backend)(step_fn))
     g = torch.Generator().manual_seed(100 + rank)
     placed = ("RANK", "LOCAL_RANK", "GROUP_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR")
     out: dict = {"rank": rank, "losses": [], "torchrun": {k: os.environ.get(k) for k in placed}}
@@ -102,11 +104,11 @@ def run(args, rank: int) -> dict:
         losses = {}
         for style, (model, opt, step) in runs.items():
             loss = step(model, opt, x, y, scale)
-            check(args.backend, loss, ref, f"rank {rank} {style} step {i} loss")
+            check(backend, loss, ref, f"rank {rank} {style} step {i} loss")
             got = full_values(model, opt)
             assert got.keys() == want.keys(), (style, i, sorted(got.keys() ^ want.keys()))
             for name, w in want.items():
-                check(args.backend, got[name], w, f"rank {rank} {style} step {i} {name}")
+                check(backend, got[name], w, f"rank {rank} {style} step {i} {name}")
             losses[style] = float(loss)
         out["losses"].append(losses)
     out["traces"] = {style: r[2].transitions.traces for style, r in runs.items()}
@@ -118,13 +120,14 @@ def run(args, rank: int) -> dict:
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--backend", default="fx")
+    ap.add_argument("--backend", default="fx", help="fx, ort, or several (fx,ort): one after the other")
     ap.add_argument("--out", required=True)
     args = ap.parse_args()
     dist.init_process_group("gloo")
     rank = dist.get_rank()
-    result = run(args, rank)
-    finish(args.out, result)
+    backends = args.backend.split(",")
+    results = {backend: run(backend, rank) for backend in backends}
+    finish(args.out, results if len(backends) > 1 else results[backends[0]])
 
 
 if __name__ == "__main__":

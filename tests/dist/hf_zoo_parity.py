@@ -6,13 +6,18 @@ by the compiled step (DataParallel, fx) against torch DDP on the same ranks.
 Every rank builds the tiny model from one seed, trains a DDP copy (``find_unused_parameters``: a routed expert
 may get no token) and a compiled copy on its own batches (2 x 16 tokens) with AdamW (weight decay) and clipping
 at 1.0, and compares after every step: its loss within 1e-4, every parameter within 2e-3 relative (the norm of
-the difference over the tensor's). ``--layout tp``: with SGD (momentum 0.9), whose update follows the gradient's
-scale, the compiled copy under the family's tensor-parallel plan
+the difference over the tensor's). ``--layout tp``: with SGD, whose update follows the gradient's scale, the
+compiled copy under the family's tensor-parallel plan
 (``spmd_ort.plan``'s ``llama_tensor_parallel_plan``, over both ranks, the same batches on each) against the
-model trained eagerly in the process, every parameter gathered. Except the tensors whose gradient is analytically zero (``NOISE``: a key bias,
-which Adam turns rounding noise into ±lr steps of in any two implementations). A family that fails records its
-error and the others go on. Every rank writes OUT/rank<r>.json: ``{family: {"ok", "loss", "worst", "error",
-"seconds"}}``.
+model trained eagerly in the process, every parameter gathered. SGD without momentum at lr 0.1 (over the 3
+steps a unit of gradient moves the parameters 0.3, 0.28 with momentum 0.9 at lr 0.05) is stateless: each family
+compiles one variant; ``MOMENTUM`` (Qwen 3: Megatron's attention and MLP, and per-head norms whose gradient is
+summed over the group) keeps momentum 0.9 at lr 0.05, whose first step (no buffers yet) is a variant of its own:
+the momentum buffers of DTensor parameters. Except the tensors whose gradient is analytically zero (``NOISE``: a
+key bias, which Adam turns rounding noise into ±lr steps of in any two implementations). A family that fails
+records its error and the others go on. Every rank writes OUT/rank<r>.json: ``{family: {"ok", "loss", "worst",
+"error", "seconds"}}``; with several layouts (``--layout dp,tp``: both in one launch),
+``{layout: {family: ...}}``.
 """
 
 from __future__ import annotations
@@ -40,6 +45,8 @@ import spmd_ort  # noqa: E402
 from spmd_ort.plan.hf_configs import CONFIGS, config  # noqa: E402
 
 STEPS = 3
+# tp: the families whose SGD keeps momentum (the others' is stateless: one variant each)
+MOMENTUM = ("qwen3-8b",)
 # parameters whose gradient is (partly) analytically zero: a key bias shifts every score of a query alike
 NOISE = {"qwen2": ("*.k_proj.bias",), "stablelm": ("*.k_proj.bias",), "gpt_oss": ("*.k_proj.bias",),
          "gpt2": ("*.c_attn.bias",), "gpt_neox": ("*.query_key_value.bias",)}
@@ -57,9 +64,11 @@ def family(name: str, rank: int, layout: str) -> dict:
     eager_model = copy.deepcopy(base)
     eager = DDP(eager_model, find_unused_parameters=True) if layout == "dp" else eager_model
     ours = copy.deepcopy(base)
-    # tp: SGD with momentum, whose update follows the gradient's scale (Adam's would hide a gradient summed twice)
+    # tp: SGD, whose update follows the gradient's scale (Adam's would hide a gradient summed twice); with momentum
+    # on MOMENTUM's families only (its first step, without buffers, is a variant of its own: a second compile)
     make_opt = (lambda ps: torch.optim.AdamW(ps, lr=3e-3, weight_decay=0.1)) if layout == "dp" else \
-        (lambda ps: torch.optim.SGD(ps, lr=0.05, momentum=0.9))
+        (lambda ps: torch.optim.SGD(ps, lr=0.05, momentum=0.9)) if name in MOMENTUM else \
+        (lambda ps: torch.optim.SGD(ps, lr=0.1))
     opt_e, opt_c = make_opt(eager_model.parameters()), make_opt(ours.parameters())
     mode = None
     if layout == "tp":
@@ -87,27 +96,32 @@ def family(name: str, rank: int, layout: str) -> dict:
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--families", default=",".join(CONFIGS))
-    ap.add_argument("--layout", default="dp", choices=("dp", "tp"))
+    ap.add_argument("--layout", default="dp", help="dp, tp, or both (dp,tp): one launch")
     ap.add_argument("--out", required=True)
     a = ap.parse_args()
+    layouts = a.layout.split(",")
+    if not set(layouts) <= {"dp", "tp"}:
+        ap.error(f"--layout: dp, tp or dp,tp, not {a.layout}")
     dist.init_process_group("gloo")
     rank = dist.get_rank()
-    results = {}
-    for name in a.families.split(","):
-        t0 = time.perf_counter()
-        try:
-            results[name] = {"ok": True, **family(name, rank, a.layout)}
-        except Exception as exc:  # noqa: BLE001 - recorded, the other families go on
-            results[name] = {"ok": False, "error": f"{type(exc).__name__}: {str(exc)[:400]}",
-                             "trace": traceback.format_exc()[-2000:]}
-        results[name]["seconds"] = time.perf_counter() - t0
-        ok = torch.tensor([int(results[name]["ok"])])
-        dist.all_reduce(ok, op=dist.ReduceOp.MIN)  # a family failed on one rank is failed on every rank
-        results[name]["ok"] = bool(ok.item())
-        if rank == 0:
-            print(f"{name}: {'ok' if results[name]['ok'] else results[name].get('error', 'failed on another rank')}"
-                  f" ({results[name]['seconds']:.1f} s)", flush=True)
-    finish(a.out, results)
+    results: dict = {layout: {} for layout in layouts}
+    for layout in layouts:
+        for name in a.families.split(","):
+            t0 = time.perf_counter()
+            try:
+                got = {"ok": True, **family(name, rank, layout)}
+            except Exception as exc:  # noqa: BLE001 - recorded, the other families go on
+                got = {"ok": False, "error": f"{type(exc).__name__}: {str(exc)[:400]}",
+                       "trace": traceback.format_exc()[-2000:]}
+            got["seconds"] = time.perf_counter() - t0
+            ok = torch.tensor([int(got["ok"])])
+            dist.all_reduce(ok, op=dist.ReduceOp.MIN)  # a family failed on one rank is failed on every rank
+            got["ok"] = bool(ok.item())
+            results[layout][name] = got
+            if rank == 0:
+                print(f"{layout} {name}: {'ok' if got['ok'] else got.get('error', 'failed on another rank')}"
+                      f" ({got['seconds']:.1f} s)", flush=True)
+    finish(a.out, results if len(layouts) > 1 else results[layouts[0]])
 
 
 if __name__ == "__main__":

@@ -1,6 +1,7 @@
 """Run under torchrun: compiled tensor parallelism vs eager DTensor tensor parallelism, step by step.
 
     torchrun --standalone --nproc_per_node=2 tests/dist/tp_parity.py --backend fx --apply mode --out DIR
+    torchrun --standalone --nproc_per_node=4 tests/dist/tp_parity.py --out DIR --case="--dp 2 --mp" --case=...
 
 A small transformer LM (embedding, pre-norm blocks of attention and MLP, LM head) is parallelized Megatron-style
 with torch's own plan (``ColwiseParallel`` for q/k/v and the MLP's first linear, ``RowwiseParallel`` for the
@@ -13,6 +14,8 @@ run on the same batch bounds the distance.  Writes DIR/rank<r>.json (collectives
 ``fully_shard`` of every block and the root on the dp dim), each dp replica on its share of the batch.
 ``--loss-parallel`` (sequence plan): the head's logits stay sharded over the vocabulary and the cross-entropy runs
 under torch's ``loss_parallel()`` (torchtitan's default), eagerly and compiled.
+``--case`` (repeated): each case's options one after the other in one launch, each with its own meshes, models and
+step; DIR/rank<r>.json maps each case's string to its result.
 """
 
 from __future__ import annotations
@@ -22,6 +25,7 @@ import contextlib
 import copy
 import dataclasses
 import fnmatch
+import shlex
 import sys
 from pathlib import Path
 
@@ -44,6 +48,7 @@ sys.path.insert(0, str(ROOT))
 from dist_common import UserTraffic, finish  # noqa: E402
 import spmd_ort  # noqa: E402
 from helpers import _close, ort_report  # noqa: E402
+from spmd_ort.passes import expand  # noqa: E402
 
 VOCAB, DIM, HEADS, SEQ, LAYERS = 64, 32, 4, 16, 2
 
@@ -112,6 +117,7 @@ COLWISE_INPUTS = 2 * LAYERS
 # under loss_parallel() (on the one-process model's plain logits it changes nothing)
 LP_HEAD = ColwiseParallel(input_layouts=Shard(1), output_layouts=Shard(-1), use_local_output=False)
 LOSS_PARALLEL = False
+DEFAULT_SPLIT_MIN_K = expand.SPLIT_MIN_K
 
 
 def step_fn(model, opt, ids, labels, clip=torch.nn.utils.clip_grad_norm_):
@@ -216,7 +222,7 @@ def compare_full(eager, compiled, eager_opt, compiled_opt, where):
                 _close(full(sb[k][key]), full(va), "state", True, f"{where} opt state {names[k]}.{key}")
 
 
-def main() -> None:
+def parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser()
     ap.add_argument("--backend", default="fx")
     ap.add_argument("--apply", choices=("mode", "user"), default="mode")
@@ -237,18 +243,40 @@ def main() -> None:
                     help="split_replicated_matmuls_pass's threshold (the test model's head is below the default)")
     ap.add_argument("--user-collectives", action="store_true",
                     help="a thread of the user's all-reducing on the default group while each compiled step runs (from the second)")
+    ap.add_argument("--case", action="append", default=[],
+                    help="several cases in one launch, one after the other: each --case=\"--plan sequence --dp 2\" "
+                         "this script's options")
     ap.add_argument("--out", required=True)
-    args = ap.parse_args()
-    if args.split_min_k is not None:
-        from spmd_ort.passes import expand
+    return ap
 
-        expand.SPLIT_MIN_K = args.split_min_k
-    fsdp = args.mp or args.fully_shard or args.deepspeed is not None  # eager is FSDP2 + TP
-    sharded = args.fully_shard or (args.deepspeed or 0) > 0  # the compiled side: fully_shard on dp
-    if fsdp and args.dp < 2:
+
+def parse(ap: argparse.ArgumentParser, argv: list[str] | None = None) -> argparse.Namespace:
+    args = ap.parse_args(argv)
+    if (args.mp or args.fully_shard or args.deepspeed is not None) and args.dp < 2:
         ap.error("--mp / --fully-shard compare against FSDP2 + TP: give --dp 2")
+    if args.loss_parallel and args.plan != "sequence":
+        ap.error("--loss-parallel goes with --plan sequence (its head is column-wise)")
+    return args
+
+
+def main() -> None:
+    ap = parser()
+    args = parse(ap)
+    cases = [parse(ap, [*shlex.split(case), "--out", args.out]) for case in args.case]
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
+    if cases:
+        finish(args.out, {case: run(c, rank, world) for case, c in zip(args.case, cases, strict=True)})
+    else:
+        finish(args.out, run(args, rank, world))
+
+
+def run(args, rank: int, world: int) -> dict:
+    """One case: the compiled step against eager tensor parallelism (asserted at every step); the result to write."""
+    global LOSS_PARALLEL
+    expand.SPLIT_MIN_K = DEFAULT_SPLIT_MIN_K if args.split_min_k is None else args.split_min_k
+    fsdp = args.mp or args.fully_shard or args.deepspeed is not None  # eager is FSDP2 + TP
+    sharded = args.fully_shard or (args.deepspeed or 0) > 0  # the compiled side: fully_shard on dp
     mesh2d = init_device_mesh("cpu", (args.dp, world // args.dp), mesh_dim_names=("dp", "tp")) if args.dp > 1 else None
     mesh = mesh2d["tp"] if mesh2d is not None else init_device_mesh("cpu", (world,))
     dp_rank = mesh2d["dp"].get_local_rank() if mesh2d is not None else 0
@@ -256,11 +284,9 @@ def main() -> None:
     base = LM()
     single = copy.deepcopy(base)
     plan = PLAN if args.plan == "megatron" else SP_PLAN
+    LOSS_PARALLEL = args.loss_parallel
     if args.loss_parallel:
-        if args.plan != "sequence":
-            ap.error("--loss-parallel goes with --plan sequence (its head is column-wise)")
-        global LOSS_PARALLEL
-        LOSS_PARALLEL, plan = True, {**SP_PLAN, "head": LP_HEAD}
+        plan = {**SP_PLAN, "head": LP_HEAD}
     eager = parallelize_module(copy.deepcopy(base), mesh, plan)
     dp_mode = spmd_ort.DataParallel(parallel_style="fully_shard" if args.fully_shard else "replicate")
     if fsdp:  # FSDP2 + TP (with the policy), as torchtitan builds it
@@ -435,7 +461,7 @@ def main() -> None:
         assert torch.equal(step(compiled, opt_c, ids, labels), want)
         for (name, a), (_, b) in zip(compiled.named_parameters(), resumed.named_parameters(), strict=True):
             assert type(a) is type(b) and torch.equal(local(a), local(b)), f"resumed {name}"
-    finish(args.out, {
+    return {
         "traces": step.transitions.traces,
         "losses": losses, "placements": placements, "local_param_bytes": local_bytes,
         "full_param_bytes": full_bytes, "eager_local_param_bytes": eager_local_bytes, "sharded_param_bytes": sharded_full, "world": world, "tp": world // args.dp,
@@ -449,7 +475,7 @@ def main() -> None:
         "split_matmuls": _split_matmuls(step.compiled),
         "recomputed_all_gathers": _recomputed_all_gathers(step.compiled),
         "ort": ort_report(step),
-    })
+    }
 
 
 def _recomputed_all_gathers(program) -> int:

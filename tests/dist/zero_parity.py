@@ -9,7 +9,8 @@ trains an eager copy of rank 0's model on the whole global batch.  After every
 step: the global loss (mean of the ranks' losses), every full parameter and the
 optimizer state (gathered from the shards) match eager (rtol 1e-5; the loss
 elementwise, parameters and state normwise per tensor); persistent
-bytes per rank stay within total / N plus padding.  Writes DIR/rank<r>.json.
+bytes per rank stay within total / N plus padding.  Writes DIR/rank<r>.json.  ``--case`` (repeated): each case's
+options one after the other in one launch (each its own models and step); DIR/rank<r>.json maps each to its result.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import dataclasses
+import shlex
 import sys
 import time
 from pathlib import Path
@@ -80,17 +82,29 @@ def main() -> None:
     ap.add_argument("--user-collectives", action="store_true",
                     help="a thread of the user's all-reducing on the default group while each step runs (besides the "
                          "loss's all-reduce between steps, while the next step's first gather is in flight)")
+    ap.add_argument("--case", action="append", default=[],
+                    help="several cases in one launch, one after the other: each --case=\"--reshard 0 --backend ort\" "
+                         "this script's options")
     ap.add_argument("--out", required=True)
     args = ap.parse_args()
+    cases = [ap.parse_args([*shlex.split(case), "--out", args.out]) for case in args.case]
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
+    if cases:
+        result = {case: attempt(c, rank, world) for case, c in zip(args.case, cases, strict=True)}
+    else:
+        result = attempt(args, rank, world)
+    finish(args.out, result)
+
+
+def attempt(args, rank: int, world: int) -> dict:
+    """``run``'s result, or the compile error it raised."""
     try:
-        result = run(args, rank, world)
+        return run(args, rank, world)
     except spmd_ort.CompileError as exc:
         import traceback
 
-        result = {"compile_error": str(exc), "traceback": traceback.format_exception(exc)}
-    finish(args.out, result)
+        return {"compile_error": str(exc), "traceback": traceback.format_exception(exc)}
 
 
 def run(args, rank: int, world: int) -> dict:
