@@ -68,7 +68,7 @@ class CollectiveCounts(PassResult):
 
 
 COLLECTIVE_KINDS = {ops.all_reduce_: "all-reduce", ops.reduce_scatter: "reduce-scatter", ops.broadcast_: "broadcast",
-                    ops.all_gather: "all-gather"}
+                    ops.all_gather: "all-gather", ops.p2p_send: "send (pipeline)"}
 
 
 @graph_pass()

@@ -13,8 +13,8 @@ from spmd_ort.graph.aliasing import is_view_op  # noqa: F401 - the passes import
 from spmd_ort.graph.liveness import value_bytes
 # the pass files import the node-meta vocabulary (spmd_ort.graph.meta) from here, with the builders below
 from spmd_ort.graph.meta import (ACTIVATION_COLLECTIVE, DEDUP_KEY, EAGER_LAYOUT_UNKNOWN,  # noqa: F401
-                                 EXPERT_BLOCK, GRADIENT_OF, PARTIAL_FOUND_INF, PARTIAL_NORM, SHARD_OF, SHARDED_PARAM,
-                                 fake_mode_of, phase, refake)
+                                 EXPERT_BLOCK, GRADIENT_OF, PARTIAL_FOUND_INF, PARTIAL_NORM, PP_ACTION, PP_SCHEDULE,
+                                 SHARD_OF, SHARDED_PARAM, fake_mode_of, phase, refake)
 
 aten = torch.ops.aten
 TAG = ops.tag_grad
@@ -136,7 +136,8 @@ def move_after_inputs(node: fx.Node) -> None:
 
 __all__ = ["ACTIVATION_COLLECTIVE", "AMP_CHECK", "DEDUP_KEY", "EAGER_LAYOUT_UNKNOWN", "EXPERT_BLOCK",
            "GRADIENT_OF", "PACK_OPS",
-           "PARTIAL_FOUND_INF", "PARTIAL_NORM", "SHARDED_PARAM", "SHARD_OF", "TAG", "UNPACK_OPS", "aten", "call",
+           "PARTIAL_FOUND_INF", "PARTIAL_NORM", "PP_ACTION", "PP_SCHEDULE", "SHARDED_PARAM", "SHARD_OF", "TAG",
+           "UNPACK_OPS", "aten", "call",
            "calls", "fake_mode_of",
            "is_dtype_cast", "is_random", "is_view_op", "move_after_inputs", "nbytes", "phase", "placeholders",
            "producers", "refake", "set_phase", "tensor_bytes", "unpack_chain", "val"]

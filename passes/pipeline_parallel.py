@@ -41,7 +41,7 @@ from spmd_ort.graph.slots import SlotKind
 
 from .context import PassResult
 from .contracts import GRADS_TAGGED, NO_GRAD_TAGS
-from .helpers import TAG, aten, fake_mode_of, nbytes, phase, placeholders
+from .helpers import PP_ACTION, PP_SCHEDULE, TAG, aten, fake_mode_of, nbytes, phase, placeholders
 from .runner import graph_pass
 
 # what a node of the traced graph is to the pipeline
@@ -405,13 +405,20 @@ class _Writer:
             self.step_env[ph] = new
             self.ph_new[ph] = new
         self._step_level()
-        for actions in [self.schedule.actions[self.rank]]:
-            for action in actions:
-                self._action(action)
+        for action in self.schedule.actions[self.rank]:
+            before = list(self.g.nodes)[-1]
+            self._action(action)
+            node = before.next
+            while node.op != "root":  # what the action added (the graph only grows at its end)
+                node.meta[PP_ACTION] = (action.kind, action.stage, action.micro)
+                node = node.next
         self._gradients()
         outputs = self._post()
         if self.token is not None:
-            _call(self.g, ops.p2p_wait, (self.token,), self.fake_empty())
+            done = _call(self.g, ops.p2p_wait, (self.token,), self.fake_empty())
+            p = self.mode.pipeline
+            done.meta[PP_SCHEDULE] = {"schedule": p.schedule, "pp": self.mode.pp, "microbatches": p.microbatches,
+                                      "stages_per_rank": p.stages_per_rank}
         self.g.output(outputs)
         return self.g
 

@@ -75,6 +75,12 @@ class PipelineParallel:
     sharded = False  # (what the data-parallel passes ask of a mode: nothing of the state is sharded)
     mixed_precision = None
 
+    def __post_init__(self):
+        p = self.pipeline
+        if p.schedule == "interleaved_1f1b" and p.microbatches % self.pp:
+            raise ConfigError(f"Pipeline(schedule='interleaved_1f1b', microbatches={p.microbatches}) on pp={self.pp}: "
+                              f"interleaving runs micro-batches in groups of pp; give a multiple of {self.pp}")
+
     @property
     def stages(self) -> int:
         return self.pipeline.stages(self.pp)
@@ -95,8 +101,8 @@ class Action:
     kind: str  # "F", "B" (input gradient, or the whole backward where W is not split) or "W"
     stage: int
     micro: int
-    start: int = 0  # unit time slot of the simulated time line
-    length: int = 1
+    start: float = 0  # on the simulated time line (unit slots, or seconds)
+    length: float = 1
 
     def __str__(self) -> str:
         return f"{self.kind}{self.micro}" + (f"s{self.stage}" if self.stage else "")
@@ -114,7 +120,7 @@ class Schedule:
     actions: tuple[tuple[Action, ...], ...]  # per rank, in the order that rank runs them
 
     @property
-    def makespan(self) -> int:
+    def makespan(self) -> float:
         return max(a.start + a.length for acts in self.actions for a in acts)
 
     @property
@@ -140,7 +146,8 @@ class Schedule:
         return f"{a.kind}{a.micro}" + (f"s{a.stage}" if self.stages > self.pp else "")
 
 
-def simulate(schedule: str, pp: int, microbatches: int, stages_per_rank: int = 1) -> Schedule:
+def simulate(schedule: str, pp: int, microbatches: int, stages_per_rank: int = 1,
+             costs: dict[str, float] | None = None, link_s: float = 0.0) -> Schedule:
     """Every rank's actions under ``schedule``, greedily on a unit-cost time line.
 
     A rank, when free, runs the first of its actions that is ready (what it needs has finished), in its
@@ -148,10 +155,15 @@ def simulate(schedule: str, pp: int, microbatches: int, stages_per_rank: int = 1
     micro-batches in flight on rank ``r`` (the warm-up); interleaved as 1F1B over its stages, deeper stages
     first; zero bubble as 1F1B with the weights' gradients (W) run only when nothing else is ready, and all
     that are left at the end.
+
+    ``costs`` (``{"F": s, "B": s, "W": s}``, B with W where it is not split) and ``link_s`` (one transfer between
+    ranks) lay the same rules on a time line in seconds (a plan's prediction); the order may then differ from the
+    unit-cost one, which is what the ranks run.
     """
     n_stages = pp * stages_per_rank
     split_w = schedule == "zero_bubble"
-    b_len = 1 if split_w else 2
+    unit = {"F": 1, "B": 1 if split_w else 2, "W": 1}
+    length_of = costs or unit
     done: dict[tuple[str, int, int], int] = {}  # (kind, stage, micro) -> finish time
     todo: list[list[tuple[str, int, int]]] = []
     for r in range(pp):
@@ -160,20 +172,25 @@ def simulate(schedule: str, pp: int, microbatches: int, stages_per_rank: int = 1
                     + ([("W", s, m) for m in range(microbatches) for s in mine] if split_w else []))
     free = [0] * pp
     out: list[list[Action]] = [[] for _ in range(pp)]
-    in_flight = [0] * pp  # micro-batch-stages forwarded whose backward has not run yet
+    in_flight = [0] * pp  # micro-batches through the rank's first stage whose backward there has not run yet
     pending_w = [0] * pp  # zero bubble: B's whose W has not run yet
-    # 1F1B's warm-up: rank r holds at most pp - r micro-batches' activations; interleaved, Megatron's
-    # (pp - r - 1) * 2 + (V - 1) * pp forwards before its first backward
-    limit = [10 ** 9 if schedule == "gpipe" else
-             pp - r if stages_per_rank == 1 else (pp - r - 1) * 2 + (stages_per_rank - 1) * pp + 1
-             for r in range(pp)]
+    # 1F1B's warm-up: rank r admits at most pp - r micro-batches (its first stage forwarded, its backward not
+    # yet run); interleaved, V - 1 more (the micro-batches its later stages hold meanwhile)
+    limit = [10 ** 9 if schedule == "gpipe" else pp - r + stages_per_rank - 1 for r in range(pp)]
 
-    def ready_at(action) -> int | None:
+    def after(key, here: int):
+        """When ``key``'s result is on stage ``here``'s rank (None: not done)."""
+        t = done.get(key)
+        if t is None:
+            return None
+        return t + link_s if link_s and key[1] % pp != here % pp else t
+
+    def ready_at(action):
         kind, s, m = action
         if kind == "F":
-            return 0 if s == 0 else done.get(("F", s - 1, m))
+            return 0 if s == 0 else after(("F", s - 1, m), s)
         if kind == "B":
-            return done.get(("F", s, m)) if s == n_stages - 1 else done.get(("B", s + 1, m))
+            return after(("F", s, m), s) if s == n_stages - 1 else after(("B", s + 1, m), s)
         return done.get(("B", s, m))
 
     def priority(action, r):
@@ -183,6 +200,9 @@ def simulate(schedule: str, pp: int, microbatches: int, stages_per_rank: int = 1
         order = {"B": 0, "F": 1, "W": 2}[kind]
         return (order, m, -s if kind == "B" else s)
 
+    if schedule == "interleaved_1f1b":  # Megatron's order, laid on the time line as it is
+        return _in_order(schedule, pp, n_stages, microbatches, _interleaved(pp, microbatches, stages_per_rank),
+                         ready_at, length_of, done)
     while any(todo):
         # the rank that can start something earliest goes next (ties: lower rank)
         best = None
@@ -194,7 +214,8 @@ def simulate(schedule: str, pp: int, microbatches: int, stages_per_rank: int = 1
                 t = ready_at(action)
                 if t is None:
                     continue
-                if action[0] == "F" and (in_flight[r] >= limit[r] or (split_w and pending_w[r] >= pp)):
+                if action[0] == "F" and action[1] == r and (in_flight[r] >= limit[r]
+                                                            or (split_w and pending_w[r] >= pp)):
                     continue  # (zero bubble: W's wait at most pp deep)
                 candidates.append((max(t, free[r]), action))
             if not candidates:
@@ -212,19 +233,62 @@ def simulate(schedule: str, pp: int, microbatches: int, stages_per_rank: int = 1
         if best is None:
             raise RuntimeError(f"schedule {schedule!r} cannot proceed (pp={pp}, microbatches={microbatches})")
         start, r, (kind, s, m) = best
-        length = b_len if kind == "B" else 1
+        length = length_of[kind]
         todo[r].remove((kind, s, m))
         done[(kind, s, m)] = start + length
         free[r] = start + length
-        if kind == "F":
+        if kind == "F" and s == r:
             in_flight[r] += 1
         elif kind == "B":
-            in_flight[r] -= 1
+            in_flight[r] -= s == r
             pending_w[r] += split_w
         else:
             pending_w[r] -= 1
         out[r].append(Action(kind, s, m, start, length))
     return Schedule(schedule, pp, n_stages, microbatches, split_w, tuple(tuple(a) for a in out))
+
+
+def _interleaved(pp: int, microbatches: int, v: int) -> list[list[tuple[str, int, int]]]:
+    """Megatron's interleaved 1F1B order for each rank: micro-batches in groups of ``pp``, each group through the
+    rank's stages in turn (its backward through them in reverse); ``(pp - r - 1) * 2 + (v - 1) * pp`` forwards
+    of warm-up, then one forward and one backward, then the backwards left."""
+    orders = []
+    groups = [range(g, min(g + pp, microbatches)) for g in range(0, microbatches, pp)]
+    for r in range(pp):
+        fwd = [("F", c * pp + r, m) for group in groups for c in range(v) for m in group]
+        bwd = [("B", c * pp + r, m) for group in groups for c in reversed(range(v)) for m in group]
+        warm = min((pp - r - 1) * 2 + (v - 1) * pp, len(fwd))
+        order = fwd[:warm]
+        for k in range(len(fwd) - warm):
+            order += [fwd[warm + k], bwd[k]]
+        order += bwd[len(fwd) - warm:]
+        orders.append(order)
+    return orders
+
+
+def _in_order(name: str, pp: int, n_stages: int, microbatches: int, orders, ready_at, length_of, done) -> Schedule:
+    """Each rank's ``orders`` laid on the time line: an action starts when its rank is free and what it needs is
+    done."""
+    free = [0] * pp
+    nxt = [0] * pp
+    out: list[list[Action]] = [[] for _ in range(pp)]
+    while any(nxt[r] < len(orders[r]) for r in range(pp)):
+        best = None
+        for r in range(pp):
+            if nxt[r] >= len(orders[r]):
+                continue
+            t = ready_at(orders[r][nxt[r]])
+            if t is not None and (best is None or max(t, free[r]) < best[0]):
+                best = (max(t, free[r]), r)
+        if best is None:
+            raise RuntimeError(f"schedule {name!r} waits in a cycle (pp={pp}, microbatches={microbatches})")
+        start, r = best
+        kind, s, m = orders[r][nxt[r]]
+        nxt[r] += 1
+        done[(kind, s, m)] = start + length_of[kind]
+        free[r] = start + length_of[kind]
+        out[r].append(Action(kind, s, m, start, length_of[kind]))
+    return Schedule(name, pp, n_stages, microbatches, False, tuple(tuple(a) for a in out))
 
 
 def micro_batch(call, inputs) -> tuple[tuple, dict, int, frozenset]:

@@ -19,6 +19,10 @@ COMPUTED_INDEX = "computed_index"  # an index a pass computed from sizes, in ran
 # node.meta["custom"] key (the trace writes it, the functionalizing re-trace keeps it): the call a user wrote that
 # the trace computed with this node, where the node's own op would name another (F.one_hot's scatter)
 USER_OP = "user_op"
+# pipeline parallelism (passes/pipeline_parallel.py): the schedule's action a node belongs to, ("F"|"B"|"W", stage,
+# micro-batch), and on the rank's last transfer the schedule itself (what a plan simulates with the nodes' costs)
+PP_ACTION = "pp_action"
+PP_SCHEDULE = "pp_schedule"
 
 
 def phase(node: fx.Node) -> str:

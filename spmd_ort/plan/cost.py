@@ -29,6 +29,7 @@ from spmd_ort.graph.flops import (ATTENTION_BACKWARD, ATTENTION_FORWARD, EXPERT_
                                   unpriced)
 from spmd_ort.plan.device import DeviceSpec
 from spmd_ort.graph.liveness import value_bytes
+from spmd_ort.graph.meta import PP_ACTION, PP_SCHEDULE
 
 KIND = {ops.all_reduce_: "all_reduce", ops.reduce_scatter: "reduce_scatter", ops.all_gather: "all_gather",
         ops.broadcast_: "broadcast"}
@@ -55,6 +56,9 @@ class StepCost:
     flops_by_dtype: dict = field(default_factory=dict)
     inflight: list = field(default_factory=list)
     unpriced: dict = field(default_factory=dict)  # op -> nodes that compute but no formula prices (counted 0)
+    # pipeline parallelism: the schedule simulated with this rank's actions' costs (``{"F": s, "B": s, "W": s}``,
+    # the transfer's ``link_s``, ``bubble``, ``makespan_s``)
+    pipeline: dict | None = None
 
 
 def _is_view(node: fx.Node) -> bool:
@@ -149,11 +153,22 @@ def step_cost(graph: fx.Graph, device: DeviceSpec, world_size: int, fused: bool 
     t = comm_free = 0.0  # when the compute stream / the collectives' stream is next free
     ends: dict[fx.Node, float] = {}  # a started collective's node -> when it completes
     held: dict[fx.Node, int] = {}  # reductions in flight -> bytes the library holds for them
+    actions: dict[tuple, float] = {}  # pipeline: each action's compute time
+    sends: list[float] = []
+    schedule = None
     for node in graph.nodes:
         if node.op != "call_function":
             cost.inflight.append(sum(held.values()))
             continue
-        if node.target in KIND:
+        t_before = t
+        if node.target is ops.p2p_send:  # a stage's output to the next: priced by the schedule's simulation
+            sends.append(value_bytes(node.args[0].meta.get("val")) / device.link_bw(2) + device.link_latency_s
+                         + device.achieved.latency_s)
+            t += device.op_overhead_s
+        elif node.target in (ops.p2p_recv, ops.p2p_wait):
+            schedule = node.meta.get(PP_SCHEDULE, schedule)
+            t += device.op_overhead_s
+        elif node.target in KIND:
             kind, seconds, full = collective_seconds(node, device, world_size)
             start = max(t, comm_free)
             comm_free = ends[node] = start + seconds
@@ -213,6 +228,34 @@ def step_cost(graph: fx.Graph, device: DeviceSpec, world_size: int, fused: bool 
                 cost.comm_s_by_kind["all_to_all"] = cost.comm_s_by_kind.get("all_to_all", 0.0) + moved
                 cost.exposed_comm_s += moved
                 t += moved
+        action = node.meta.get(PP_ACTION)
+        if action is not None:
+            actions[action] = actions.get(action, 0.0) + t - t_before
         cost.inflight.append(sum(held.values()))
     cost.predicted_s = max(t, comm_free)
+    if schedule is not None and actions:
+        _pipelined(cost, schedule, actions, sends)
     return cost
+
+
+def _pipelined(cost: StepCost, schedule: dict, actions: dict, sends: list[float]) -> None:
+    """A pipeline rank's step: what runs once (the step's start and end) plus the schedule simulated with this
+    rank's actions' mean cost per kind (every stage taken as costly as this rank's: a balanced split) and one
+    transfer's time between ranks."""
+    from spmd_ort.distributed.stages import simulate
+
+    kinds: dict[str, list[float]] = {}
+    for (kind, _, _), seconds in actions.items():
+        kinds.setdefault(kind, []).append(seconds)
+    costs = {k: sum(v) / len(v) for k, v in kinds.items()}
+    for kind in "FBW":
+        costs.setdefault(kind, 0.0)
+    if schedule["schedule"] == "zero_bubble":  # (the first stage sends nothing back: its B is empty, its W all)
+        costs["B"] = costs["W"] = (costs["B"] + costs["W"]) / 2
+    link_s = sum(sends) / len(sends) if sends else 0.0
+    simulated = simulate(schedule["schedule"], schedule["pp"], schedule["microbatches"],
+                         schedule["stages_per_rank"], costs=costs, link_s=link_s)
+    once = cost.predicted_s - sum(actions.values())
+    cost.pipeline = {**{f"{k}_s": v for k, v in costs.items()}, "link_s": link_s, "bubble": simulated.bubble,
+                     "makespan_s": simulated.makespan}
+    cost.predicted_s = once + simulated.makespan

@@ -24,11 +24,13 @@ from spmd_ort.capture.inputs import find_state_owners
 from spmd_ort.capture.prepare import Preparation
 from spmd_ort.distributed import dtensor, parallel
 from spmd_ort.distributed.experts import ExpertParallel
+from spmd_ort.distributed.stages import PipelineParallel
 from spmd_ort.distributed.sharding import persistent_bytes
 from spmd_ort.errors import ConfigError
 from spmd_ort.graph.slots import SlotKind
 from spmd_ort.passes.analysis import CollectiveCounts, MemoryPlan
 from spmd_ort.passes.context_parallel import ContextParallelSplit
+from spmd_ort.passes.pipeline_parallel import PipelineStages
 from spmd_ort.plan.cost import step_cost
 from spmd_ort.plan.device import DeviceSpec, device_spec
 from spmd_ort.plan.report import Plan
@@ -157,6 +159,7 @@ def plan_step(step, args: tuple, kwargs: dict, *, world_size: int, device: str |
         mode_name = _describe(twin.parallel_mode, call.mode)
     comm_bytes, comm_calls = _by_kind(program.results.get(CollectiveCounts))
     split = program.results.get(ContextParallelSplit)  # context parallel: the sequence's split, in explain()
+    stages = program.results.get(PipelineStages)  # pipeline parallel: the stages and the schedule's table
     stats = program.executor.stats if program.executor is not None else None  # ORT's: segments, fallbacks
     export = {"segments": stats.segments, "export_s": stats.export_seconds, "fallbacks": dict(stats.fallback_reasons)
               } if stats is not None else {}
@@ -185,12 +188,24 @@ def plan_step(step, args: tuple, kwargs: dict, *, world_size: int, device: str |
                     exposed_comm_s=cost.exposed_comm_s, graph_nodes=priced["nodes"],
                     exported=program.executor is not None, planning_s=planning_s, main_dtype=main, export=export,
                     memory_over_step=tuple(state + v for v in live), unpriced=dict(cost.unpriced),
-                    layout_notes=tuple(split.lines()) if split is not None else (), repricer=priced_on)
+                    layout_notes=(tuple(split.lines()) if split is not None else ())
+                    + (tuple(stages.lines()) + _pipeline_note(cost) if stages is not None else ()),
+                    repricer=priced_on)
 
     plan = priced_on(spec, priced["cost"])
     if kept_at is not None:
         plans.store(kept_at, plan)
     return plan
+
+
+def _pipeline_note(cost) -> tuple[str, ...]:
+    """The schedule as the plan priced it: each action's time on this rank, a transfer's, the bubble."""
+    p = cost.pipeline
+    if p is None:
+        return ()
+    return (f"pipeline priced: F {p['F_s'] * 1e3:.3f} ms, B {p['B_s'] * 1e3:.3f} ms, W {p['W_s'] * 1e3:.3f} ms per "
+            f"micro-batch and stage, a transfer {p['link_s'] * 1e3:.3f} ms: the schedule's time line "
+            f"{p['makespan_s'] * 1e3:.2f} ms with a bubble of {p['bubble']:.1%}",)
 
 
 def _snapshot(gm: fx.GraphModule) -> fx.Graph:
@@ -226,4 +241,7 @@ def _describe(mode, resolved) -> str:
             f"context parallel {resolved.cp}"
     if isinstance(resolved, ExpertParallel):
         return f"{resolved.parallel_style} x expert parallel {resolved.ep} ({resolved.experts})"
+    if isinstance(resolved, PipelineParallel):
+        p = resolved.pipeline
+        return f"pipeline parallel {resolved.pp} ({p.schedule}, {p.microbatches} micro-batches)"
     return resolved.parallel_style
