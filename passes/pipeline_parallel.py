@@ -280,11 +280,51 @@ class _Cut:
                         "blocks the forward runs one after another", op=str(n.target), fqn=_module(n))
 
 
-def _scalar_mean(graph: fx.Graph, values: list[fx.Node], like: fx.Node) -> fx.Node:
-    total = values[0]
-    for v in values[1:]:
-        total = _call(graph, aten.add.Tensor, (total, v), like.meta["val"])
-    return _call(graph, aten.div.Tensor, (total, len(values)), like.meta["val"]) if len(values) > 1 else total
+NLL_FORWARD = aten.nll_loss_forward.default
+PASS_THROUGH = (aten.clone.default, aten.alias.default, aten.detach.default, aten._to_copy.default,
+                aten.view.default, aten.reshape.default, aten.squeeze.default)
+SCALED = (aten.div.Tensor, aten.mul.Tensor, aten.div.Scalar, aten.mul.Scalar)
+
+
+def _weighting(cut: _Cut) -> tuple[str, fx.Node | None]:
+    """How the micro-batches' losses make the batch's: ``"mean"`` (a mean over examples or elements: each
+    micro-batch 1/M), ``"sum"``, or ``"tokens"`` (a cross-entropy's mean over the targets it counts, ``-100``
+    ignored: each micro-batch its counted targets over the batch's), read off the op the backward starts from;
+    anything else is refused, naming it."""
+    seeds = [n for n in cut.graph.nodes if n.op == "call_function" and phase(n) == "backward"
+             and n.target in (aten.ones_like.default, aten.full_like.default)
+             and n.args and cut.kind.get(n.args[0]) == MB and phase(n.args[0]) == "forward"]
+    if len(seeds) != 1:
+        return "mean", None
+    n = seeds[0].args[0]
+    while True:
+        if n.target is operator.getitem and n.args[0].target is NLL_FORWARD and n.args[1] == 0:
+            nll = n.args[0]
+            reduction = nll.args[3]
+            if reduction == 2:
+                return "sum", None
+            if nll.args[2] is not None:
+                raise CompileError("pipeline parallelism: the loss is a cross-entropy with class weights, whose "
+                                   "mean over micro-batches is not the batch's. Fix: reduction='sum' divided by "
+                                   "the batch's weight, computed outside the step", op=str(nll.target))
+            if cut.kind.get(nll.args[1]) not in (ANY, "batch"):
+                raise CompileError("pipeline parallelism: the cross-entropy's targets are computed from the "
+                                   "model's activations; the batch's counted targets must come from the batch",
+                                   op=str(nll.target))
+            return "tokens", nll
+        if n.target in (aten.sum.default, aten.sum.dim_IntList):
+            return "sum", None
+        if n.target in (aten.mean.default, aten.mean.dim):
+            return "mean", None
+        if n.target in PASS_THROUGH or (n.target in SCALED and not (
+                isinstance(n.args[1], fx.Node) and cut.kind.get(n.args[1]) == MB)):
+            n = n.args[0]
+            continue
+        raise CompileError(
+            f"pipeline parallelism: the loss is made by `{n.name}` ({n.target}), and the batch's loss must be "
+            "built from the micro-batches': a mean (torch.mean, F.cross_entropy / nll_loss with "
+            "reduction='mean', its ignored targets counted as eager counts them) or a sum (reduction='sum', "
+            ".sum(), or a sum divided by a number). Fix: return such a loss", op=str(n.target))
 
 
 def _call(graph: fx.Graph, target, args: tuple, value, kwargs: dict | None = None) -> fx.Node:
@@ -312,6 +352,8 @@ class _Writer:
         self.tags = {n.args[1]: n for n in cut.graph.nodes if n.op == "call_function" and n.target is TAG}
         self._parts()
         self._consumers()
+        self.weighting, self.nll = _weighting(cut)
+        self.weights: dict[int, fx.Node] = {}  # micro-batch -> its share of the step's loss ("tokens")
 
     # ------------------------------------------------------------------ what reads what
     def _parts(self) -> None:
@@ -502,12 +544,14 @@ class _Writer:
             if key in self._tags and self.cut.kind.get(n) in (MB, PRE, POST, "state"):
                 self.send(new, t, self._tags[key])
         for index in self.part_of.get(n, []):
-            self._accumulate(index, stage, new)
+            self._accumulate(index, stage, new, m)
         return new
 
-    def _accumulate(self, index: int, stage: int, value: fx.Node) -> None:
+    def _accumulate(self, index: int, stage: int, value: fx.Node, m: int) -> None:
         key = (index, stage)
         prev = self.acc.get(key)
+        if self.weighting == "tokens":  # this micro-batch's share of the batch's counted tokens
+            value = _call(self.g, aten.mul.Tensor, (value, self.weight(m)), value.meta["val"])
         self.acc[key] = value if prev is None else _call(self.g, aten.add.Tensor, (prev, value), value.meta["val"])
 
     # step-level values (parameters another stage reads, PRE) -----------------------------------------
@@ -563,6 +607,44 @@ class _Writer:
             if sends_down or any(u in self.b_part[s] for u in n.users):
                 self.b_part[s].add(n)
 
+    # the micro-batches' losses, combined as the batch's ----------------------------------------------------
+    def weight(self, m: int) -> fx.Node:
+        """Micro-batch ``m``'s share of the batch's loss where it is a mean over counted tokens (targets other
+        than ``ignore_index``): its count over the batch's, computed from the batch on every rank."""
+        if m not in self.weights:
+            nll = self.nll
+            ignore = nll.args[4] if len(nll.args) > 4 else -100
+            with self.fake:
+                scalar = torch.empty((), dtype=nll.meta["val"][0].dtype)
+            counts = []
+            for k in range(self.cut.micro):
+                target = self.lookup(nll.args[1], k)
+                with self.fake:
+                    mask = torch.empty(target.meta["val"].shape, dtype=torch.bool)
+                    count = torch.empty((), dtype=torch.int64)
+                kept = _call(self.g, aten.ne.Scalar, (target, ignore), mask)
+                n = _call(self.g, aten.sum.default, (kept,), count)
+                counts.append(_call(self.g, aten._to_copy.default, (n,), scalar, {"dtype": scalar.dtype}))
+            total = counts[0]
+            for c in counts[1:]:
+                total = _call(self.g, aten.add.Tensor, (total, c), scalar)
+            for k, c in enumerate(counts):
+                self.weights[k] = _call(self.g, aten.div.Tensor, (c, total), scalar)
+        return self.weights[m]
+
+    def _combine(self, values: list[fx.Node], like: fx.Node) -> fx.Node:
+        """The batch's loss from the micro-batches': their mean (a mean over examples), sum, or sum weighted by
+        their counted tokens."""
+        if self.weighting == "tokens":
+            values = [_call(self.g, aten.mul.Tensor, (v, self.weight(m)), like.meta["val"])
+                      for m, v in enumerate(values)]
+        total = values[0]
+        for v in values[1:]:
+            total = _call(self.g, aten.add.Tensor, (total, v), like.meta["val"])
+        if self.weighting == "mean" and len(values) > 1:
+            total = _call(self.g, aten.div.Tensor, (total, len(values)), like.meta["val"])
+        return total
+
     # the step's end --------------------------------------------------------------------------------------
     def _gradients(self) -> None:
         """Each parameter this rank steps: its parts summed over the micro-batches (and received from the
@@ -589,7 +671,7 @@ class _Writer:
             total = pieces[0]
             for p in pieces[1:]:
                 total = _call(self.g, aten.add.Tensor, (total, p), p.meta["val"])
-            if cut.micro > 1:
+            if cut.micro > 1 and self.weighting == "mean":
                 total = _call(self.g, aten.div.Tensor, (total, cut.micro), total.meta["val"])
             self.grads[index] = total
 
@@ -614,7 +696,7 @@ class _Writer:
                                    "compute other outputs in a forward of its own")
             s = self.stage_of(a) if kind == MB else last
             if s in self.mine:
-                mean = _scalar_mean(self.g, [self.lookup(a, m) for m in range(cut.micro)], a)
+                mean = self._combine([self.lookup(a, m) for m in range(cut.micro)], a)
                 for t in range(self.mode.pp):
                     if t != self.rank:
                         self._reading_stage = s
