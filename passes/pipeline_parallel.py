@@ -422,10 +422,10 @@ class _Writer:
 
     def recv(self, like: fx.Node, from_stage: int, tag: int) -> fx.Node:
         v = like.meta["val"]
-        out = _call(self.g, ops.p2p_recv, (self._chain(), list(v.shape), v.dtype, self.mode.rank_of(from_stage), tag),
-                    self._fake_like(v))
-        self.token = out
-        return out
+        posted = _call(self.g, ops.p2p_recv, (self._chain(), list(v.shape), v.dtype, self.mode.rank_of(from_stage),
+                                              tag), self._fake_like(v))
+        self.token = posted
+        return _call(self.g, ops.p2p_wait_recv, (posted,), self._fake_like(v))
 
     def _fake_like(self, v):
         with self.fake:
@@ -462,6 +462,9 @@ class _Writer:
             done.meta[PP_SCHEDULE] = {"schedule": p.schedule, "pp": self.mode.pp, "microbatches": p.microbatches,
                                       "stages_per_rank": p.stages_per_rank}
         self.g.output(outputs)
+        for node in list(self.g.nodes):  # each receive posted right after the transfer before it
+            if node.op == "call_function" and node.target is ops.p2p_recv:
+                node.args[0].append(node)
         return self.g
 
     def _batched(self, ph: fx.Node) -> bool:

@@ -242,9 +242,11 @@ reduce_scatter = _op('reduce_scatter(Tensor t, int world, str group="", bool mea
                      lambda t, world, group="", mean=True: t.new_empty(t.numel() // world))
 # pipeline parallelism's point-to-point transfers (passes/pipeline_parallel.py), on ``group`` ("": the world) with the
 # peer's global rank and a tag both ends compute from the graph.  ``after``: the rank's previous transfer (a token,
-# or the tensor it received): each transfer reads it, so no pass can reorder a rank's transfers (their order is the
-# schedule's, which never waits in a cycle).  A send starts (it is waited at ``p2p_wait``, before the step returns)
-# and gives a token; a receive waits for its tensor.
+# or the buffer of a receive): each transfer reads it, so no pass can reorder a rank's transfers (their order is the
+# schedule's, which never waits in a cycle).  A send starts (it is waited for at ``p2p_wait``, before the step
+# returns) and gives a token; a receive is posted (``p2p_recv``: its buffer, right after the transfer before it)
+# and waited for where its tensor is first read (``p2p_wait_recv``), so the transfer runs beside the compute
+# between them.
 p2p_send = _op('p2p_send(Tensor t, Tensor after, int peer, int tag, str group="") -> Tensor',
                lambda t, after, peer, tag, group="": active().comm.send(t, peer, tag, group),
                lambda t, after, peer, tag, group="": t.new_empty(0))
@@ -252,9 +254,11 @@ p2p_recv = _op('p2p_recv(Tensor after, SymInt[] size, ScalarType dtype, int peer
                lambda after, size, dtype, peer, tag, group="": active().comm.recv(size, dtype, after.device, peer,
                                                                                    tag, group),
                lambda after, size, dtype, peer, tag, group="": after.new_empty(size, dtype=dtype))
+p2p_wait_recv = _op("p2p_wait_recv(Tensor buffer) -> Tensor", lambda buffer: active().comm.wait(buffer),
+                    lambda buffer: torch.empty_like(buffer))
 p2p_wait = _op("p2p_wait(Tensor after) -> Tensor", lambda after: active().comm.finish_sends(after),
                lambda after: after.new_empty(0))
-P2P = (p2p_send, p2p_recv, p2p_wait)
+P2P = (p2p_send, p2p_recv, p2p_wait_recv, p2p_wait)
 for _target in P2P:
     fx.node.has_side_effect(_target)
 

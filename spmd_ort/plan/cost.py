@@ -165,7 +165,7 @@ def step_cost(graph: fx.Graph, device: DeviceSpec, world_size: int, fused: bool 
             sends.append(value_bytes(node.args[0].meta.get("val")) / device.link_bw(2) + device.link_latency_s
                          + device.achieved.latency_s)
             t += device.op_overhead_s
-        elif node.target in (ops.p2p_recv, ops.p2p_wait):
+        elif node.target in (ops.p2p_recv, ops.p2p_wait_recv, ops.p2p_wait):
             schedule = node.meta.get(PP_SCHEDULE, schedule)
             t += device.op_overhead_s
         elif node.target in KIND:

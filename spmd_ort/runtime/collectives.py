@@ -366,21 +366,12 @@ class Communicator:
         return t.new_empty(0)
 
     def recv(self, size, dtype: torch.dtype, device, peer: int, tag: int, group: str = "") -> Tensor:
-        """The tensor global rank ``peer`` sends with ``tag`` (waited for here)."""
+        """Post the receive of the tensor global rank ``peer`` sends with ``tag``: its buffer, complete once
+        :meth:`wait` returns it."""
         out = torch.empty([int(s) for s in size], dtype=dtype, device=device)
-        t0 = time.perf_counter()
-        try:
-            dist.irecv(out, src=peer, group=data_group(group), tag=tag).wait()
-        except RuntimeError as exc:
-            if is_timeout(exc):
-                raise CollectiveTimeout(f"a pipeline receive from rank {peer} of the compiled step",
-                                        rank=dist.get_rank(), cause=exc) from exc
-            raise
-        t1 = time.perf_counter()
-        self.step.blocked_s += t1 - t0
-        self.step.comm_s += t1 - t0
-        if self.recorder is not None:
-            self.recorder.add(f"recv {out.numel() * out.element_size() / 2**20:.2f} MiB from {peer}", "comm", t0, t1)
+        issued = time.perf_counter()
+        work = dist.irecv(out, src=peer, group=data_group(group), tag=tag)
+        self._track(out, issued, work, f"recv from {peer}")
         return out
 
     def finish_sends(self, after: Tensor | None = None) -> Tensor:
