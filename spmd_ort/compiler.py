@@ -129,7 +129,8 @@ class Compiler:
         # the ranks' exchange waits for every rank: outside the lock, so a rank waiting in it holds nothing another
         # thread's compile needs
         signatures = None
-        split = isinstance(call.mode, parallel.ContextParallel)
+        # context and pipeline parallelism: the ranks of a group pass one batch, each computing its part of it
+        split = isinstance(call.mode, (parallel.ContextParallel, PipelineParallel))
         if exchange is not None:
             signatures = exchange({"nodes": node_signatures(stage.traced.gm),
                                    "state": state_checksums(stage.layout, stage.traced.input_slots),
@@ -139,7 +140,8 @@ class Compiler:
             groups = call.mode.groups(call.world_size) if split else \
                 parallel.tensor_parallel_groups(call.module, call.tensor_parallel)  # passed one batch
             parallel.check_same_batch([s["batch"] for s in signatures], groups, stage.inputs.names, rank=call.rank,
-                                      shown=False)
+                                      shown=False, kind="pipeline" if isinstance(call.mode, PipelineParallel)
+                                      else "context-parallel" if split else "tensor-parallel")
         with self._locked(key, dynamic):
             return self._finish(call, key, stage, signatures, t0=t0, reason=reason, executor=executor,
                                 after_passes=after_passes)

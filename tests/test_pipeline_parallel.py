@@ -26,7 +26,7 @@ def test_every_schedule_trains_as_one_process_eager(tmp_path):
     trains as eager on the batch of 8, whose labels are padded unevenly (the mean over counted targets weighs each
     micro-batch by its count), and 1F1B on a summed loss; both ranks together step every parameter, each once;
     then the refusals: a batch the micro-batches do not divide, a split naming no module (a ConfigError on both
-    ranks, the model and optimizer untouched)."""
+    ranks), rank 1 passing another batch (a DifferentBatchError on both), the model and optimizer untouched."""
     ranks, _ = torchrun(tmp_path, "--schedules", ",".join(SCHEDULES + ("1f1b+sum",)), "--refusals", script=SCRIPT,
                         timeout=600)
     stepped = [set(r[s]["stepped"]) for r in ranks for s in ("1f1b",)]
@@ -47,7 +47,10 @@ def test_every_schedule_trains_as_one_process_eager(tmp_path):
         assert ("wte.weight" in r["1f1b"]["stepped"]) == (r is ranks[0])
         refused = r["refusals"]
         assert "`x` has 4 rows (dim 0), which 3 micro-batches do not divide" in refused["indivisible"], refused
-        assert "names no module of GPT" in refused["no_module"], refused
+        assert "ConfigError: Pipeline(split=[..., 'blocks.9', ...]) names no module of GPT" in refused["no_module"]
+        assert "ConfigError" in refused["indivisible"], refused
+        assert refused["different_batch"].startswith("DifferentBatchError: rank 0 and rank 1 of one pipeline group "
+                                                     "pass different values for `x`"), refused
 
 
 @pytest.mark.multiproc

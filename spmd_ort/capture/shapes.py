@@ -153,10 +153,12 @@ class ShapePolicy:
         """
         self._widened_from = None
         expands = has_dtensor_state(call.module)
-        split = call.mode if isinstance(call.mode, parallel.ContextParallel) else None
+        # context and pipeline parallelism: the ranks of a group pass one batch
+        split = call.mode if isinstance(call.mode, (parallel.ContextParallel, parallel.PipelineParallel)) else None
         if self.mode == "1" and not self.dynamic:
             self.dynamic = leading_dims(call.leaves)
-        if split is not None:  # the sequence is symbolic from the first trace: the split pass reads it there
+        if isinstance(split, parallel.ContextParallel):  # the sequence is symbolic from the first trace: the split
+            # pass reads it there
             self.dynamic = self.dynamic.union({pos: {split.seq_dim} for pos, x in enumerate(call.leaves)
                                                if isinstance(x, torch.Tensor) and x.dim() > split.seq_dim})
         key = self.key(call)
@@ -178,7 +180,10 @@ class ShapePolicy:
                 if expands or split is not None:  # ranks of one tensor- (context-) parallel group share a batch
                     groups = split.groups(call.world_size) if split is not None else \
                         parallel.tensor_parallel_groups(call.module, call.tensor_parallel)
-                    parallel.check_same_batch([_passed(g) for g in gathered], groups, names, rank=call.rank)
+                    kind = "pipeline" if isinstance(split, parallel.PipelineParallel) else \
+                        "context-parallel" if split is not None else "tensor-parallel"
+                    parallel.check_same_batch([_passed(g) for g in gathered], groups, names, rank=call.rank,
+                                              kind=kind)
                 return _sizes_differ(gathered) if self.mode != "0" else None
 
             differing = parallel.check_agreement(AGREEMENT, key.portable(), sizes=sizes, reconcile=reconcile)
@@ -187,7 +192,7 @@ class ShapePolicy:
                 self.widen(dims, call, "differ between ranks", ones=ones)
                 key = self.key(call)
                 parallel.check_agreement(AGREEMENT, key.portable())
-        if split is not None:
+        if isinstance(split, parallel.ContextParallel):
             check_sequence_splits(call, split, StepInputs.of(self.fn, call.args, call.kwargs).names)
         return key
 

@@ -463,7 +463,7 @@ def tensor_parallel_groups(module: nn.Module, mode: TensorParallel | None) -> li
 
 
 def check_same_batch(everyone: list[list], groups: list[list[int]], names: list[str], *, rank: int,
-                     shown: bool = True) -> None:
+                     shown: bool = True, kind: str = "tensor-parallel") -> None:
     """Raise :class:`DifferentBatchError` on every rank alike where the ranks of a tensor-parallel group (``groups``)
     passed different values for one input.
 
@@ -484,10 +484,10 @@ def check_same_batch(everyone: list[list], groups: list[list[int]], names: list[
             what = f"`{name}` ({a} vs {b})" if shown else f"values for `{name}`"
             who = " and ".join(f"rank {rs[0]}" if len(rs) == 1 else f"ranks {rs}" for rs in (ranks_a, ranks_b))
             raise DifferentBatchError(
-                f"{who} of one tensor-parallel group pass different {what}: every "
-                "rank of a tensor-parallel group must pass the same batch (the group computes one model on one "
+                f"{who} of one {kind} group pass different {what}: every "
+                f"rank of a {kind} group must pass the same batch (the group computes one model on one "
                 "batch; eager tensor parallelism would train on the mix silently). Fix: "
-                "shard the data over the data-parallel ranks only, never over a tensor-parallel group (2-D: "
+                f"shard the data over the data-parallel ranks only, never over a {kind} group (2-D: "
                 "DistributedSampler(num_replicas=mesh['dp'].size(), rank=mesh['dp'].get_local_rank()); 1-D: the "
                 "same batch on every rank). The model and optimizer are unchanged", rank=rank, input=name)
 

@@ -95,6 +95,10 @@ class PipelineParallel:
         """The pp group's process group name: the world (pp alone)."""
         return ""
 
+    def groups(self, world_size: int) -> list[list[int]]:
+        """The global ranks of each pipeline: ranks that pass one batch."""
+        return [list(range(world_size))]
+
 
 @dataclass(frozen=True)
 class Action:
