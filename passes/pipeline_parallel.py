@@ -460,7 +460,7 @@ class _Writer:
             done = _call(self.g, ops.p2p_wait, (self.token,), self.fake_empty())
             p = self.mode.pipeline
             done.meta[PP_SCHEDULE] = {"schedule": p.schedule, "pp": self.mode.pp, "microbatches": p.microbatches,
-                                      "stages_per_rank": p.stages_per_rank}
+                                      "stages_per_rank": p.stages_per_rank, "flops": self.stage_flops()}
         self.g.output(outputs)
         for node in list(self.g.nodes):  # each receive posted right after the transfer before it
             if node.op == "call_function" and node.target is ops.p2p_recv:
@@ -597,6 +597,19 @@ class _Writer:
                 if (n in self.b_part[s]) != (action.kind == "B"):
                     continue
             self._emit(n, m, s)
+
+    def stage_flops(self) -> dict:
+        """FLOPs of one micro-batch's F, B and W on each stage (a plan prices the other ranks' stages by them)."""
+        cut = self.cut
+        out: dict = {}
+        for n in cut.graph.nodes:
+            if cut.kind.get(n) != MB or n in self.skipped:
+                continue
+            s = self.stage_of(n)
+            kind = "F" if phase(n) == "forward" else (
+                "B" if not self.schedule.split_w or n in self.b_part[s] else "W")
+            out[(kind, s)] = out.get((kind, s), 0) + node_flops(n)
+        return out
 
     def split_backward(self) -> None:
         """Zero bubble: each stage's backward nodes that the gradients it sends to earlier stages need (B)."""

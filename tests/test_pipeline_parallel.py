@@ -90,6 +90,31 @@ def test_bubbles_are_the_closed_forms(pp, m):
         assert peak == min(pp - r, m)
 
 
+def test_the_plan_names_the_fastest_schedule(tmp_path, capsys):
+    """``python -m spmd_ort.plan --parallel pp:2 --schedule best``: a tiny Llama (the meta device, a fake world of
+    2 ranks) planned with every schedule, each priced by its graph's F, B and W on the schedule's time line; the
+    one named is the fastest predicted, and the interleaved one runs 4 stages."""
+    import re
+
+    import transformers
+
+    from spmd_ort.plan.__main__ import main
+
+    config = transformers.LlamaConfig(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=4,
+                                      num_attention_heads=4, num_key_value_heads=2)
+    config.save_pretrained(tmp_path)
+    assert main(["--model", f"hf:{tmp_path / 'config.json'}", "--world-size", "2", "--parallel", "pp:2",
+                 "--schedule", "best", "--microbatches", "4", "--batch", "4", "--seq", "32", "--no-export",
+                 "--no-cache"]) == 0
+    out = capsys.readouterr().out
+    predicted = {name: float(ms) for name, ms in re.findall(r"^(\w+): predicted step ([\d.]+) ms", out, re.M)}
+    assert set(predicted) == set(SCHEDULES), out
+    chosen = re.search(r"^chosen: (\w+) \(4 micro-batches\)", out, re.M).group(1)
+    assert predicted[chosen] == min(predicted.values()), out
+    assert f"pipeline parallel 2 ({chosen}, 4 micro-batches)" in out, out
+    assert "4 stages over 2 ranks" in out or chosen != "interleaved_1f1b", out
+
+
 def test_the_table_of_1f1b_on_two_ranks():
     assert simulate("1f1b", 2, 4).table() == [
         "rank 0: F0 F1 .  .  B0 B0 F2 B1 B1 F3 B2 B2 .  B3 B3",

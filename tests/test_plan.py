@@ -288,6 +288,8 @@ def test_on_the_ort_backend_the_plan_exports_every_segment():
     (["--world-size", "8", "--model", "hf:/missing/config.json"], "/missing/config.json is neither a config.json"),
     (["--world-size", "8", "--model", "gpt5"], "--model 'gpt5': give one of llama3-8b, mistral-7b, "),
     (["--world-size", "8", "--rank", "8"], "--rank 8: give a rank of the world, 0 to 7"),
+    (["--world-size", "8", "--parallel", "pp:2"], "--parallel pp:2: pipeline parallelism is built alone: give pp:8"),
+    (["--world-size", "8", "--parallel", "pp:8", "--schedule", "dualpipe"], "--schedule 'dualpipe': give one of gpipe"),
 ])
 def test_the_command_lines_bad_arguments_get_one_line(capsys, args, said):
     """Issue 55 item 7: each bad argument is one usage line naming it and what is accepted (exit status 2), before

@@ -160,14 +160,20 @@ def simulate(schedule: str, pp: int, microbatches: int, stages_per_rank: int = 1
     first; zero bubble as 1F1B with the weights' gradients (W) run only when nothing else is ready, and all
     that are left at the end.
 
-    ``costs`` (``{"F": s, "B": s, "W": s}``, B with W where it is not split) and ``link_s`` (one transfer between
-    ranks) lay the same rules on a time line in seconds (a plan's prediction); the order may then differ from the
-    unit-cost one, which is what the ranks run.
+    ``costs`` (``{"F": s, "B": s, "W": s}``, B with W where it is not split, or ``{("F", stage): s, ...}`` per
+    stage) and ``link_s`` (one transfer between ranks) lay the same rules on a time line in seconds (a plan's
+    prediction); the order may then differ from the unit-cost one, which is what the ranks run.
     """
     n_stages = pp * stages_per_rank
     split_w = schedule == "zero_bubble"
     unit = {"F": 1, "B": 1 if split_w else 2, "W": 1}
-    length_of = costs or unit
+    given = costs or unit
+
+    class _Lengths(dict):  # length_of[kind] (one cost a kind) or length_of[kind, stage] (each stage its own)
+        def __missing__(self, key):
+            return given[key] if key in given else given[key[0]]
+
+    length_of = _Lengths()
     done: dict[tuple[str, int, int], int] = {}  # (kind, stage, micro) -> finish time
     todo: list[list[tuple[str, int, int]]] = []
     for r in range(pp):
@@ -237,7 +243,7 @@ def simulate(schedule: str, pp: int, microbatches: int, stages_per_rank: int = 1
         if best is None:
             raise RuntimeError(f"schedule {schedule!r} cannot proceed (pp={pp}, microbatches={microbatches})")
         start, r, (kind, s, m) = best
-        length = length_of[kind]
+        length = length_of[kind, s]
         todo[r].remove((kind, s, m))
         done[(kind, s, m)] = start + length
         free[r] = start + length
@@ -289,9 +295,10 @@ def _in_order(name: str, pp: int, n_stages: int, microbatches: int, orders, read
         start, r = best
         kind, s, m = orders[r][nxt[r]]
         nxt[r] += 1
-        done[(kind, s, m)] = start + length_of[kind]
-        free[r] = start + length_of[kind]
-        out[r].append(Action(kind, s, m, start, length_of[kind]))
+        length = length_of[kind, s]
+        done[(kind, s, m)] = start + length
+        free[r] = start + length
+        out[r].append(Action(kind, s, m, start, length))
     return Schedule(name, pp, n_stages, microbatches, False, tuple(tuple(a) for a in out))
 
 

@@ -11,7 +11,9 @@ The model is built on the meta device with ``transformers`` from a config (``lla
 on the next token, ``clip_grad_norm_``, AdamW) compiled with the chosen parallel mode, and planned with
 :meth:`spmd_ort.CompiledStep.plan`.  ``--parallel``: ``replicate``, ``fully_shard``, ``tp:T`` (tensor parallel
 over ``T`` ranks, fully_shard over the rest: 2-D when ``T`` is less than the world), ``ep:E`` (a mixture-of-
-experts model's ``model.layers.*.mlp.experts`` computed by expert over ``E`` ranks, fully_shard over the world).
+experts model's ``model.layers.*.mlp.experts`` computed by expert over ``E`` ranks, fully_shard over the world),
+``pp:P`` (pipeline stages over ``P`` ranks, the world: ``--schedule`` and ``--microbatches``; ``--schedule best``
+plans every schedule and names the fastest).
 ``--mixed-precision bf16``: FSDP2's ``MixedPrecisionPolicy(param_dtype=bfloat16, reduce_dtype=float32)``;
 ``--checkpointing``: ``full``, ``selective`` (torchtitan's two modes) or an ``activation_memory_budget`` from 0 to 1.
 """
@@ -28,6 +30,7 @@ import time
 import torch
 
 import spmd_ort
+from spmd_ort.distributed.stages import SCHEDULES
 
 from spmd_ort.plan.hf_configs import CONFIGS, SOURCES, config as published_config  # noqa: E402
 
@@ -123,25 +126,28 @@ EXPERTS = "model.layers.*.mlp.experts"  # where transformers' MoE models keep th
 
 def parse_parallel(spec: str) -> int | str | tuple[str, int]:
     """``--parallel``: ``"replicate"``, ``"fully_shard"``, the tensor-parallel degree of ``tp:<T>``, or
-    ``("ep", E)`` for ``ep:<E>``."""
+    ``("ep", E)`` for ``ep:<E>``, ``("pp", P)`` for ``pp:<P>``."""
     if spec in ("replicate", "fully_shard"):
         return spec
     kind, _, degree = spec.partition(":")
-    if kind not in ("tp", "ep") or not degree.isdigit() or int(degree) < 1:
+    if kind not in ("tp", "ep", "pp") or not degree.isdigit() or int(degree) < 1:
         raise ValueError(f"--parallel {spec!r}: give replicate, fully_shard, tp:<T> (T ranks of tensor "
-                         "parallelism) or ep:<E> (experts over E ranks), a positive integer dividing --world-size")
-    return int(degree) if kind == "tp" else ("ep", int(degree))
+                         "parallelism), ep:<E> (experts over E ranks) or pp:<P> (pipeline stages over P ranks), a "
+                         "positive integer dividing --world-size")
+    return int(degree) if kind == "tp" else (kind, int(degree))
 
 
 PRECISIONS = {"none": None, "bf16": (torch.bfloat16, torch.float32), "fp16": (torch.float16, torch.float32)}
 
 
-def parallel_mode(spec: str, model, world: int, precision: str = "none"):
+def parallel_mode(spec: str, model, world: int, precision: str = "none", pipeline=None):
     kind = parse_parallel(spec)
     dtypes = PRECISIONS[precision]
     policy = spmd_ort.MixedPrecisionPolicy(param_dtype=dtypes[0], reduce_dtype=dtypes[1]) if dtypes else None
     if isinstance(kind, str):
         return spmd_ort.DataParallel(parallel_style=kind, mixed_precision=policy)
+    if isinstance(kind, tuple) and kind[0] == "pp":  # the stages over every rank of the world
+        return spmd_ort.Parallel(pp=kind[1], pipeline=pipeline or spmd_ort.Pipeline())
     if isinstance(kind, tuple):  # expert parallel: fully_shard over the world, the experts over ep of its ranks
         return spmd_ort.Parallel(dp_shard=world, ep=kind[1], experts=EXPERTS, mixed_precision=policy)
     plan = llama_tensor_parallel_plan(model, kind)
@@ -190,6 +196,10 @@ def check_arguments(ap: argparse.ArgumentParser, args) -> None:
     degree = kind[1] if isinstance(kind, tuple) else kind
     if isinstance(degree, int) and args.world_size % degree:
         ap.error(f"--parallel {args.parallel}: {degree} does not divide --world-size {args.world_size}")
+    if isinstance(kind, tuple) and kind[0] == "pp" and degree != args.world_size:
+        ap.error(f"--parallel {args.parallel}: pipeline parallelism is built alone: give pp:{args.world_size}")
+    if args.schedule not in (*SCHEDULES, "best"):
+        ap.error(f"--schedule {args.schedule!r}: give one of {', '.join(SCHEDULES)} or best")
     try:
         parse_checkpointing(args.checkpointing)
     except ValueError as exc:
@@ -203,6 +213,26 @@ def check_arguments(ap: argparse.ArgumentParser, args) -> None:
             ap.error(f"--model {args.model!r}: {path} is neither a config.json nor a directory holding one")
     elif args.model not in MODELS:
         ap.error(f"--model {args.model!r}: give one of {', '.join(MODELS)} or hf:<config.json>")
+
+
+def best_pipeline(planned, args, pp: int, layers: int):
+    """``--schedule``'s plan; with ``best``, every schedule planned (interleaved with 2 stages a rank, where the
+    micro-batches and layers allow), a line each, and the fastest predicted step's plan."""
+    names = SCHEDULES if args.schedule == "best" else (args.schedule,)
+    plans = []
+    for name in names:
+        v = 2 if name == "interleaved_1f1b" else 1
+        if v > 1 and (args.microbatches % pp or layers < pp * v):
+            continue
+        pipeline = spmd_ort.Pipeline(microbatches=args.microbatches, schedule=name, stages_per_rank=v)
+        plans.append((name, planned(pipeline)))
+    if args.schedule == "best":
+        for name, plan in plans:
+            print(f"{name}: predicted step {plan.predicted_step_s * 1e3:.1f} ms, peak "
+                  f"{plan.per_rank_bytes['peak'] / 2**30:.2f} GiB a rank ({plan.layout_notes[-1]})")
+        name, plan = min(plans, key=lambda p: p[1].predicted_step_s)
+        print(f"chosen: {name} ({args.microbatches} micro-batches), the fastest predicted step\n")
+    return plans[0][1] if args.schedule != "best" else plan
 
 
 def _count(n: int) -> str:
@@ -245,26 +275,37 @@ def main(argv=None) -> int:
     ap.add_argument("--json", help="write the plan's figures to this file")
     ap.add_argument("--no-cache", action="store_true", help="plan afresh: neither read nor keep the plan in "
                                                            "SPMD_ORT_CACHE_DIR/plans")
+    ap.add_argument("--schedule", default="1f1b", help=f"pp: {' | '.join(SCHEDULES)} | best (plan each, name the "
+                                                       "fastest)")
+    ap.add_argument("--microbatches", type=int, default=8, help="pp: micro-batches a step (the batch's dim 0 cut)")
     args = ap.parse_args(argv)
     check_arguments(ap, args)
 
     t0 = time.perf_counter()
     model = build_model(args.model, args.layers)
     opt = torch.optim.AdamW(model.parameters(), lr=3e-4, weight_decay=0.1)
-    mode = parallel_mode(args.parallel, model, args.world_size, args.mixed_precision)
-    step = spmd_ort.compile(parallel_mode=mode, backend=args.backend,
-                            activation_memory_budget=parse_checkpointing(args.checkpointing))(lm_step)
     vocab = model.config.vocab_size
     tokens = torch.empty(args.batch, args.seq, dtype=torch.long, device="meta")
-    plan = step.plan(model, opt, tokens, tokens.clone(), world_size=args.world_size, device=args.device,
-                     rank=args.rank, export=not args.no_export, cache=False if args.no_cache else None)
+
+    def planned(pipeline=None):
+        mode = parallel_mode(args.parallel, model, args.world_size, args.mixed_precision, pipeline)
+        step = spmd_ort.compile(parallel_mode=mode, backend=args.backend,
+                                activation_memory_budget=parse_checkpointing(args.checkpointing))(lm_step)
+        return step.plan(model, opt, tokens, tokens.clone(), world_size=args.world_size, device=args.device,
+                         rank=args.rank, export=not args.no_export, cache=False if args.no_cache else None)
+
+    kind = parse_parallel(args.parallel)
+    if isinstance(kind, tuple) and kind[0] == "pp":
+        plan = best_pipeline(planned, args, kind[1], model.config.num_hidden_layers)
+    else:
+        plan = planned()
     n = sum(p.numel() for p in model.parameters())
     source = f" ({SOURCES[args.model]}'s config)" if args.model in SOURCES else ""
     print(f"{args.model}{source}: {_count(n)} parameters, {model.config.num_hidden_layers} layers, vocabulary "
           f"{vocab}; batch {args.batch} x {args.seq} tokens per replica")
     print(plan.explain(args.picture))
-    tp = parse_parallel(args.parallel)
-    per_gpu = args.batch * args.seq / (tp if isinstance(tp, int) else 1) / plan.predicted_step_s
+    ranks = kind if isinstance(kind, int) else kind[1] if isinstance(kind, tuple) and kind[0] == "pp" else 1
+    per_gpu = args.batch * args.seq / ranks / plan.predicted_step_s  # (the ranks that share one replica's batch)
     print(f"throughput: {per_gpu:,.0f} tokens/s per GPU (tokens of a data-parallel replica over its ranks)")
     wall = time.perf_counter() - t0
     rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024

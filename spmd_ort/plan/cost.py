@@ -239,23 +239,30 @@ def step_cost(graph: fx.Graph, device: DeviceSpec, world_size: int, fused: bool 
 
 
 def _pipelined(cost: StepCost, schedule: dict, actions: dict, sends: list[float]) -> None:
-    """A pipeline rank's step: what runs once (the step's start and end) plus the schedule simulated with this
-    rank's actions' mean cost per kind (every stage taken as costly as this rank's: a balanced split) and one
-    transfer's time between ranks."""
+    """A pipeline rank's step: what runs once (the step's start and end) plus the schedule simulated with each
+    stage's actions: this rank's as priced, the other ranks' stages at this rank's seconds per FLOP of the same
+    kind (each stage's FLOPs are counted by the pipeline pass), and one transfer's time between ranks."""
     from spmd_ort.distributed.stages import simulate
 
-    kinds: dict[str, list[float]] = {}
-    for (kind, _, _), seconds in actions.items():
-        kinds.setdefault(kind, []).append(seconds)
-    costs = {k: sum(v) / len(v) for k, v in kinds.items()}
+    mine: dict[tuple[str, int], list[float]] = {}
+    for (kind, stage, _), seconds in actions.items():
+        mine.setdefault((kind, stage), []).append(seconds)
+    priced = {key: sum(v) / len(v) for key, v in mine.items()}
+    flops = schedule.get("flops", {})
+    costs: dict = {}
     for kind in "FBW":
-        costs.setdefault(kind, 0.0)
-    if schedule["schedule"] == "zero_bubble":  # (the first stage sends nothing back: its B is empty, its W all)
-        costs["B"] = costs["W"] = (costs["B"] + costs["W"]) / 2
+        here = [key for key in priced if key[0] == kind]
+        rate = sum(priced[k] for k in here) / max(1, sum(flops.get(k, 0) for k in here))  # seconds per FLOP
+        mean = sum(priced[k] for k in here) / len(here) if here else 0.0
+        costs[kind] = mean
+        for (k, stage), f in flops.items():
+            if k == kind and (k, stage) not in priced:
+                costs[(k, stage)] = f * rate if f and rate else mean
+    costs.update(priced)
     link_s = sum(sends) / len(sends) if sends else 0.0
     simulated = simulate(schedule["schedule"], schedule["pp"], schedule["microbatches"],
                          schedule["stages_per_rank"], costs=costs, link_s=link_s)
     once = cost.predicted_s - sum(actions.values())
-    cost.pipeline = {**{f"{k}_s": v for k, v in costs.items()}, "link_s": link_s, "bubble": simulated.bubble,
+    cost.pipeline = {**{f"{k}_s": costs[k] for k in "FBW"}, "link_s": link_s, "bubble": simulated.bubble,
                      "makespan_s": simulated.makespan}
     cost.predicted_s = once + simulated.makespan
