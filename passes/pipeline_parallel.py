@@ -38,10 +38,11 @@ from spmd_ort.errors import CompileError, ConfigError
 from spmd_ort.graph import ops
 from spmd_ort.graph.flops import node_flops
 from spmd_ort.graph.slots import SlotKind
+from spmd_ort.runtime.collectives import data_group
 
 from .context import PassResult
 from .contracts import GRADS_TAGGED, NO_GRAD_TAGS
-from .helpers import PP_ACTION, PP_SCHEDULE, TAG, aten, fake_mode_of, nbytes, phase, placeholders
+from .helpers import GRADIENT_OF, PP_ACTION, PP_SCHEDULE, TAG, aten, fake_mode_of, nbytes, phase, placeholders
 from .runner import graph_pass
 
 # what a node of the traced graph is to the pipeline
@@ -337,8 +338,9 @@ class _Writer:
     """This rank's graph: its stages' nodes for every micro-batch in the schedule's order, the transfers, its
     optimizer."""
 
-    def __init__(self, cut: _Cut, rank: int, schedule: Schedule):
+    def __init__(self, cut: _Cut, rank: int, schedule: Schedule, global_rank: int):
         self.cut, self.rank, self.schedule = cut, rank, schedule
+        self.global_rank = global_rank
         self.mode = cut.mode
         self.mine = set(self.mode.stages_of(rank))
         self.g = fx.Graph()
@@ -415,15 +417,15 @@ class _Writer:
             return torch.empty(0, device=self.device)
 
     def send(self, value: fx.Node, to_stage: int, tag: int) -> None:
-        peer = self.mode.rank_of(to_stage)
+        peer = self.mode.peer(to_stage, self.global_rank)
         self.token = _call(self.g, ops.p2p_send, (value, self._chain(), peer, tag), self.fake_empty())
         self.sends += 1
         self.send_bytes += nbytes(value)
 
     def recv(self, like: fx.Node, from_stage: int, tag: int) -> fx.Node:
         v = like.meta["val"]
-        posted = _call(self.g, ops.p2p_recv, (self._chain(), list(v.shape), v.dtype, self.mode.rank_of(from_stage),
-                                              tag), self._fake_like(v))
+        posted = _call(self.g, ops.p2p_recv, (self._chain(), list(v.shape), v.dtype,
+                                              self.mode.peer(from_stage, self.global_rank), tag), self._fake_like(v))
         self.token = posted
         return _call(self.g, ops.p2p_wait_recv, (posted,), self._fake_like(v))
 
@@ -690,6 +692,15 @@ class _Writer:
             if cut.micro > 1 and self.weighting == "mean":
                 total = _call(self.g, aten.div.Tensor, (total, cut.micro), total.meta["val"])
             self.grads[index] = total
+        if self.mode.dp > 1:  # the pipelines' gradients averaged (DDP's arithmetic), every reduction started first
+            group, started = self.mode.dp_group_name(), {}
+            for index, g in self.grads.items():
+                copy = _call(self.g, aten.clone.default, (g,), g.meta["val"],
+                             {"memory_format": torch.contiguous_format})
+                started[index] = _call(self.g, ops.all_reduce_, (copy, 1.0 / self.mode.dp, group), g.meta["val"])
+                started[index].meta[GRADIENT_OF] = index
+            for index, reduced in started.items():
+                self.grads[index] = _call(self.g, ops.wait_, (reduced,), reduced.meta["val"])
 
     def _post(self) -> list:
         cut = self.cut
@@ -716,8 +727,10 @@ class _Writer:
                 for t in range(self.mode.pp):
                     if t != self.rank:
                         self._reading_stage = s
-                        self.token = _call(self.g, ops.p2p_send, (mean, self._chain(), t, self._tags[("loss",)]
-                                                                  + 1 + len(user)), self.fake_empty())
+                        peer = self.mode.peer(t, self.global_rank)
+                        self.token = _call(self.g, ops.p2p_send, (mean, self._chain(), peer,
+                                                                  self._tags[("loss",)] + 1 + len(user)),
+                                           self.fake_empty())
                         self.sends += 1
                         self.send_bytes += nbytes(a)
             else:
@@ -907,9 +920,13 @@ def split_pipeline_stages_pass(gm: fx.GraphModule, ctx) -> fx.GraphModule:
             raise CompileError(f"pipeline parallelism: the step updates buffer `{slot.name}` (a BatchNorm's running "
                                "statistics): per micro-batch they would not be the batch's. Fix: a model without "
                                "buffers updated in training (LayerNorm, RMSNorm), or without pp")
-    rank = ctx.rank % mode.pp
+    rank = mode.pp_rank(ctx.rank)
+    if mode.dp > 1:  # our groups of the (pp, dp) mesh made now, every rank together (made at their first
+        # collective, a rank waiting in a receive could not join the others making one)
+        data_group(mode.group_name())
+        data_group(mode.dp_group_name())
     schedule = simulate(mode.pipeline.schedule, mode.pp, mode.pipeline.microbatches, mode.pipeline.stages_per_rank)
-    writer = _Writer(cut, rank, schedule)
+    writer = _Writer(cut, rank, schedule, ctx.rank)
     writer.opt_nodes, writer.completed = {}, set()
     writer.split_backward()
     graph = writer.write()

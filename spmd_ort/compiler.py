@@ -109,6 +109,9 @@ class Compiler:
         parallel.check_agreement("the compiled train step", description)
         if error is not None:
             raise error
+        staged = program.stage_signature()
+        if staged is not None:  # (every rank compiled, or every rank raised above)
+            parallel.check_agreement_by_place("the compiled stages", *staged)
         return program
 
     def compile(self, call: StepCall, key: StepKey, *, dynamic: DynamicDims, previous: CompiledProgram | None,

@@ -11,6 +11,7 @@ import torch.utils._pytree as pytree
 from torch import fx
 
 from spmd_ort.passes import PassRecord, PassResults, op_counts
+from spmd_ort.passes.pipeline_parallel import PipelineStages
 from spmd_ort.passes.shard_schedule import CarriedGather
 
 from spmd_ort.runtime.taps import TapRegistry
@@ -20,6 +21,7 @@ from spmd_ort.runtime.opaque_calls import OpaqueCall
 from spmd_ort.options import Options
 from spmd_ort.graph import ops
 from spmd_ort.runtime.step_runtime import active
+from spmd_ort.graph.meta import GRADIENT_OF
 from spmd_ort.graph.slots import Slot, SlotKind
 from spmd_ort.capture.state import StateLayout
 from spmd_ort.capture.trace import TENSOR
@@ -163,9 +165,21 @@ class CompiledProgram:
         io = [f"{s.kind} {s.name}" for s in self.input_slots + self.output_slots]
         # (context parallel too: each rank's graph computes its own chunks of the sequence)
         own = self.layout.expands or any(getattr(r, "rank_specific", False) for r in self.results)
+        # (a pipeline's stages average their own gradients, each over its data-parallel group: those all-reduces are
+        # agreed within the group, stage_signature)
+        staged = self.stage_signature() is not None
         code = self.gm.code if not own else "\n".join(
-            _collective_line(n) for n in self.gm.graph.nodes if ops.is_collective(n))
+            _collective_line(n) for n in self.gm.graph.nodes
+            if ops.is_collective(n) and not (staged and _reduces_a_gradient(n)))
         return code + "\n" + "\n".join(io)
+
+    def stage_signature(self) -> tuple[int, str] | None:
+        """A pipeline's (this rank's place in its pipeline, the collectives of its stages): what the ranks holding
+        the same stages must agree on (their gradients' all-reduces); None for other programs."""
+        stages = self.results.get(PipelineStages)
+        if stages is None:
+            return None
+        return stages.rank, "\n".join(_collective_line(n) for n in self.gm.graph.nodes if ops.is_collective(n))
 
     def describe(self) -> str:
         """A human-readable summary: IO map, op counts, passes."""
@@ -217,6 +231,12 @@ def _write_grad(t: torch.Tensor, g: torch.Tensor | None, owned: bool) -> None:
                 t.grad.copy_(g)
         else:
             t.grad = g if owned else g.clone()
+
+
+def _reduces_a_gradient(node: fx.Node) -> bool:
+    """A gradient's all-reduce, or its wait."""
+    start = node.args[0] if node.target is ops.wait_ and node.args and isinstance(node.args[0], fx.Node) else node
+    return GRADIENT_OF in start.meta
 
 
 def _collective_line(node: fx.Node) -> str:

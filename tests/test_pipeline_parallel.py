@@ -54,6 +54,21 @@ def test_every_schedule_trains_as_one_process_eager(tmp_path):
 
 
 @pytest.mark.multiproc
+def test_two_pipelines_of_two_stages_train_as_eager_on_both_batches(tmp_path):
+    """``Parallel(pp=2, dp_replicate=2)`` on 4 ranks, the mesh (pp, dp): each pipeline passes its own batch, the
+    ranks holding one stage average its gradients (one all-reduce each), clipping over each pipeline's stages;
+    against one process stepping on the mean of the two batches' losses (DDP's gradient), 1F1B and zero bubble."""
+    ranks, _ = torchrun(tmp_path, "--dp", "2", "--schedules", "1f1b,zero_bubble", script=SCRIPT, timeout=600, nproc=4)
+    for r, result in enumerate(ranks):
+        for schedule in ("1f1b", "zero_bubble"):
+            case = result[schedule]
+            assert case["losses"] == ranks[r % 2][schedule]["losses"], r  # a pipeline's loss, on its ranks
+            assert max(case["worst"].values()) < 2e-3, case["worst"]
+            assert "layout: Parallel(pp=2, dp_replicate=2): mesh pp 2 x dp_replicate 2" in case["explain"]
+    assert ranks[0]["1f1b"]["losses"] != ranks[1]["1f1b"]["losses"]  # (two batches)
+
+
+@pytest.mark.multiproc
 @pytest.mark.on_ort
 def test_hf_llama_with_a_balanced_split_trains_on_ort(tmp_path):
     """HF LlamaForCausalLM (untied head, rotary tables, GQA, its own label shift) with split=None: the stages
@@ -130,6 +145,9 @@ def test_layouts_are_checked_before_anything_is_traced():
         spmd_ort.Parallel(pipeline=spmd_ort.Pipeline())
     with pytest.raises(spmd_ort.ConfigError, match="pipeline parallelism with dp_shard is not built"):
         spmd_ort.Parallel(pp=2, dp_shard=2)
+    mode = spmd_ort.Parallel(pp=2, dp_replicate=-1).lower(8)
+    assert isinstance(mode, PipelineParallel) and (mode.pp, mode.dp) == (2, 4)
+    assert mode.groups(8) == [[0, 4], [1, 5], [2, 6], [3, 7]] and mode.peer(1, 6) == 6 and mode.peer(0, 6) == 2
     mode = spmd_ort.Parallel(pp=2, pipeline=spmd_ort.Pipeline(microbatches=8, split=["blocks.2"])).lower(2)
     assert isinstance(mode, PipelineParallel) and mode.stages == 2 and mode.pipeline.split == ("blocks.2",)
     assert spmd_ort.Parallel.of(mode, 2) == spmd_ort.Parallel(pp=2, pipeline=mode.pipeline)

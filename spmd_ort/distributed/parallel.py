@@ -348,13 +348,33 @@ def resolve(mode, module: nn.Module | None = None):
                                f"{size}", rank=rank)
         return mode
     if isinstance(mode, PipelineParallel):
-        if size != mode.pp:
-            raise CompileError(f"Parallel(pp={mode.pp}) needs a world of {mode.pp} ranks, but it has {size}",
-                               rank=rank)
+        if size != mode.pp * mode.dp:
+            raise CompileError(f"Parallel(pp={mode.pp}{f', dp_replicate={mode.dp}' if mode.dp > 1 else ''}) needs "
+                               f"a world of {mode.pp * mode.dp} ranks, but it has {size}", rank=rank)
         return mode
     if not isinstance(mode, DataParallel):
         raise TypeError(f"parallel_mode={mode!r} is not a spmd_ort.DataParallel or spmd_ort.TensorParallel")
     return mode
+
+
+def check_agreement_by_place(what: str, place: int, description: str) -> None:
+    """The ranks at one ``place`` (a pipeline rank: the ranks holding the same stages in every pipeline) must hold
+    the same ``description``; otherwise every rank raises, naming the ranks that differ.  One all-gather."""
+    rank, size = world()
+    if size == 1:
+        return
+    everyone: list = [None] * size
+    dist.all_gather_object(everyone, (place, digest(description), description), group=control_group())
+    seen: dict = {}
+    for r, (p, d, desc) in enumerate(everyone):
+        seen.setdefault(p, {}).setdefault(d, (desc, []))[1].append(r)
+    for p, by_digest in sorted(seen.items()):
+        if len(by_digest) > 1:
+            (first, ranks_a), (second, ranks_b) = list(by_digest.values())[:2]
+            raise CompileError(
+                f"ranks disagree on {what}: ranks {ranks_a} vs ranks {ranks_b} (place {p} of their pipelines): "
+                f"{_first_diff(first, second)}. Every rank must compile the same step (same shapes, code path "
+                f"and world); this rank is {rank}", rank=rank)
 
 
 def digest(text: str) -> int:

@@ -123,10 +123,11 @@ class Parallel:
         elif not isinstance(self.pipeline, Pipeline):
             raise ConfigError(f"Parallel(pipeline={self.pipeline!r}): a spmd_ort.Pipeline(microbatches=..., "
                               "schedule=..., stages_per_rank=..., split=...)")
-        others = [name for name in ("dp_replicate", "dp_shard", "cp", "tp", "ep") if getattr(self, name) != 1]
+        others = [name for name in ("dp_shard", "cp", "tp", "ep") if getattr(self, name) != 1]
         if others:
             raise ConfigError(f"Parallel({self.degrees_text()}): pipeline parallelism with "
-                              f"{' and '.join(others)} is not built in this release yet; give pp alone")
+                              f"{' and '.join(others)} is not built in this release yet; give pp alone or with "
+                              "dp_replicate")
 
     def _check_experts(self) -> None:
         if self.ep == 1:
@@ -194,7 +195,7 @@ class Parallel:
         dp = sizes["dp_replicate"] * sizes["dp_shard"]
         data = self._data_parallel("fully_shard" if sizes["dp_shard"] > 1 else "replicate")
         if sizes["pp"] > 1:  # the stages over the pp ranks
-            mode = PipelineParallel(pp=sizes["pp"], pipeline=self.pipeline)
+            mode = PipelineParallel(pp=sizes["pp"], pipeline=self.pipeline, dp=sizes["dp_replicate"])
         elif self.ep > 1:  # fully_shard over every rank, the experts computed by expert over ep ranks
             if sizes["dp_shard"] % self.ep:
                 raise ConfigError(f"Parallel({self.degrees_text()}): dp_shard is {sizes['dp_shard']} on "
@@ -228,7 +229,7 @@ class Parallel:
             return mode
         world_size = world()[1] if world_size is None else world_size
         if isinstance(mode, PipelineParallel):
-            return cls(pp=mode.pp, pipeline=mode.pipeline)
+            return cls(pp=mode.pp, pipeline=mode.pipeline, **({"dp_replicate": mode.dp} if mode.dp > 1 else {}))
         if isinstance(mode, ExpertParallel):
             settings = {k: getattr(mode, k) for k in DP_SETTINGS}
             return cls(dp_shard=world_size, ep=mode.ep, experts=mode.experts, **settings)

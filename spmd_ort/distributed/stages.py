@@ -68,10 +68,13 @@ class Pipeline:
 @dataclass(frozen=True)
 class PipelineParallel:
     """``Parallel(pp=N, pipeline=Pipeline(...))`` lowered: N ranks, each running its stages of every
-    micro-batch in the schedule's order, their activations and gradients sent point to point."""
+    micro-batch in the schedule's order, their activations and gradients sent point to point.  With
+    ``dp_replicate`` (``dp`` > 1) the mesh is ``(pp, dp)``: ``dp`` pipelines, each passing its own batch, whose
+    ranks holding one stage average its gradients (one all-reduce each, DDP's arithmetic)."""
 
     pp: int
     pipeline: Pipeline = field(default_factory=Pipeline)
+    dp: int = 1
     sharded = False  # (what the data-parallel passes ask of a mode: nothing of the state is sharded)
     mixed_precision = None
 
@@ -86,18 +89,46 @@ class PipelineParallel:
         return self.pipeline.stages(self.pp)
 
     def rank_of(self, stage: int) -> int:
+        """The pipeline rank (0 to pp - 1) running ``stage``."""
         return stage % self.pp
 
-    def stages_of(self, rank: int) -> list[int]:
-        return [s for s in range(self.stages) if s % self.pp == rank % self.pp]
+    def pp_rank(self, rank: int) -> int:
+        """A global rank's place in its pipeline (the mesh is (pp, dp): pp outermost)."""
+        return rank // self.dp
 
-    def group_name(self) -> str:
-        """The pp group's process group name: the world (pp alone)."""
-        return ""
+    def peer(self, stage: int, rank: int) -> int:
+        """The global rank running ``stage`` in the pipeline of global rank ``rank``."""
+        return self.rank_of(stage) * self.dp + rank % self.dp
+
+    def stages_of(self, pp_rank: int) -> list[int]:
+        return [s for s in range(self.stages) if s % self.pp == pp_rank % self.pp]
 
     def groups(self, world_size: int) -> list[list[int]]:
         """The global ranks of each pipeline: ranks that pass one batch."""
-        return [list(range(world_size))]
+        return [[p * self.dp + d for p in range(self.pp)] for d in range(self.dp)]
+
+    def group_name(self) -> str:
+        """The process group of this rank's pipeline ("": the world, pp alone)."""
+        return self._names()[0]
+
+    def dp_group_name(self) -> str:
+        """The process group of the ranks holding this rank's stages in every pipeline (dp > 1)."""
+        return self._names()[1]
+
+    def _names(self) -> tuple[str, str]:
+        if self.dp == 1:
+            return "", ""
+        import torch.distributed as dist
+
+        built = self.__dict__.get("_built")
+        if built is None or built[0] is not dist.group.WORLD:  # every rank makes the mesh's groups together
+            from torch.distributed.device_mesh import init_device_mesh
+
+            device = "cuda" if dist.get_backend() == "nccl" else "cpu"
+            mesh = init_device_mesh(device, (self.pp, self.dp), mesh_dim_names=("pp", "dp"))
+            built = (dist.group.WORLD, (mesh["pp"].get_group().group_name, mesh["dp"].get_group().group_name))
+            object.__setattr__(self, "_built", built)
+        return built[1]
 
 
 @dataclass(frozen=True)

@@ -39,8 +39,19 @@ from spmd_ort.passes.pipeline_parallel import PipelineStages  # noqa: E402
 VOCAB = 64
 
 
-def gpt_step(model, opt, x, y):
-    loss = F.cross_entropy(model(x).flatten(0, -2), y.flatten())  # a mean over the targets other than -100
+def gpt_loss(model, x, y):
+    return F.cross_entropy(model(x).flatten(0, -2), y.flatten())  # a mean over the targets other than -100
+
+
+def gpt_sum_loss(model, x, y):
+    return F.cross_entropy(model(x).flatten(0, -2), y.flatten(), reduction="sum") / 100  # a sum, scaled
+
+
+def hf_loss(model, x, y):
+    return model(input_ids=x, labels=y).loss
+
+
+def update(model, opt, loss):
     loss.backward()
     torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
     opt.step()
@@ -48,34 +59,23 @@ def gpt_step(model, opt, x, y):
     return loss
 
 
-def gpt_sum_step(model, opt, x, y):
-    loss = F.cross_entropy(model(x).flatten(0, -2), y.flatten(), reduction="sum") / 100  # a sum, scaled
-    loss.backward()
-    torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-    opt.step()
-    opt.zero_grad(set_to_none=True)
-    return loss
-
-
-def hf_step(model, opt, x, y):
-    loss = model(input_ids=x, labels=y).loss
-    loss.backward()
-    torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-    opt.step()
-    opt.zero_grad(set_to_none=True)
-    return loss
+def stepper(loss_fn):
+    """The user's train step on ``loss_fn``'s loss."""
+    def train_step(model, opt, x, y):
+        return update(model, opt, loss_fn(model, x, y))
+    return train_step
 
 
 def build(name: str):
     torch.manual_seed(0)
     if name.startswith("gpt"):
-        return GPT(GPTConfig(vocab=VOCAB, seq=16, d=32, heads=4, layers=4, tie_head=name == "gpt")), gpt_step
+        return GPT(GPTConfig(vocab=VOCAB, seq=16, d=32, heads=4, layers=4, tie_head=name == "gpt")), gpt_loss
     from transformers import LlamaConfig, LlamaForCausalLM
 
     cfg = LlamaConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=4,
                       num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=16,
                       attn_implementation="sdpa", tie_word_embeddings=False)
-    return LlamaForCausalLM(cfg), hf_step
+    return LlamaForCausalLM(cfg), hf_loss
 
 
 def rel(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -90,10 +90,11 @@ def refusals(world: int) -> dict:
              ("no_module", spmd_ort.Pipeline(microbatches=2, split=["blocks.9"]), 4, 0),
              ("different_batch", spmd_ort.Pipeline(microbatches=2, split=["blocks.2"]), 4, dist.get_rank()))
     for name, pipeline, rows, seed in cases:
-        model, step_fn = build("gpt")
+        model, loss_fn = build("gpt")
         opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
         before = [p.detach().clone() for p in model.parameters()]
-        step = spmd_ort.compile(parallel_mode=spmd_ort.Parallel(pp=world, pipeline=pipeline), backend="fx")(step_fn)
+        step = spmd_ort.compile(parallel_mode=spmd_ort.Parallel(pp=world, pipeline=pipeline),
+                                backend="fx")(stepper(loss_fn))
         x = torch.randint(0, VOCAB, (rows, 16), generator=torch.Generator().manual_seed(seed))
         try:
             step(model, opt, x, x)
@@ -114,16 +115,18 @@ def main() -> None:
     ap.add_argument("--microbatches", type=int, default=4)
     ap.add_argument("--split", default="", help="module FQNs where stages begin (comma-separated), or 'none'")
     ap.add_argument("--refusals", action="store_true")
+    ap.add_argument("--dp", type=int, default=1, help="dp_replicate: pipelines, each on its own batch")
     args = ap.parse_args()
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
-    base, step_fn = build(args.model)
+    pp, replica = world // args.dp, rank % args.dp  # the mesh (pp, dp): pp outermost
+    base, base_loss = build(args.model)
     result = {}
     for case in filter(None, args.schedules.split(",")):
         schedule, _, loss = case.partition("+")  # "1f1b+sum": the GPT's loss a sum
-        fn = gpt_sum_step if loss == "sum" else step_fn
+        loss_fn = gpt_sum_loss if loss == "sum" else base_loss
         v = 2 if schedule == "interleaved_1f1b" else 1
-        stages = world * v
+        stages = pp * v
         blocks = "model.layers" if args.model == "llama" else "blocks"
         split = None if args.split == "none" else (args.split.split(",") if args.split else
                                                    [f"{blocks}.{k * 4 // stages}" for k in range(1, stages)])
@@ -132,18 +135,23 @@ def main() -> None:
         eager, compiled = copy.deepcopy(base), copy.deepcopy(base)
         opt_e = torch.optim.AdamW(eager.parameters(), lr=1e-2, weight_decay=0.1)
         opt_c = torch.optim.AdamW(compiled.parameters(), lr=1e-2, weight_decay=0.1)
-        step = spmd_ort.compile(parallel_mode=spmd_ort.Parallel(pp=world, pipeline=pipeline),
-                                backend=args.backend)(fn)
+        layout = spmd_ort.Parallel(pp=pp, pipeline=pipeline, **({"dp_replicate": args.dp} if args.dp > 1 else {}))
+        step = spmd_ort.compile(parallel_mode=layout, backend=args.backend)(stepper(loss_fn))
         losses, worst = [], {}
         for i in range(args.steps):
-            g = torch.Generator().manual_seed(100 + i)
-            x = torch.randint(0, VOCAB, (8, 16), generator=g)
-            y = torch.randint(0, VOCAB, (8, 16), generator=g)
-            y[0, -5:] = -100  # padding: the micro-batches count different numbers of targets
-            y[5, :3 + i] = -100
-            le = float(fn(eager, opt_e, x, y))
+            batches = []
+            for d in range(args.dp):  # each pipeline's own batch
+                g = torch.Generator().manual_seed(100 * d + i)
+                x = torch.randint(0, VOCAB, (8, 16), generator=g)
+                y = torch.randint(0, VOCAB, (8, 16), generator=g)
+                y[0, -5:] = -100  # padding: the micro-batches count different numbers of targets
+                y[5, :3 + i] = -100
+                batches.append((x, y))
+            eager_losses = [loss_fn(eager, *b) for b in batches]  # one process, DDP's gradient: their mean
+            update(eager, opt_e, sum(eager_losses) / args.dp)
+            le = float(eager_losses[replica])
             with UserTraffic(rank, world) if i > 0 else contextlib.nullcontext():
-                lc = float(step(compiled, opt_c, x, y))
+                lc = float(step(compiled, opt_c, *batches[replica]))
             assert abs(lc - le) < 1e-4 * max(1.0, abs(le)), (case, i, lc, le)
             losses.append(lc)
         stages_result = step.compiled.results.get(PipelineStages)
