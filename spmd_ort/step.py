@@ -45,6 +45,8 @@ from spmd_ort.runtime.collectives import StepComm
 from spmd_ort.runtime.step_runtime import StepRuntime
 from spmd_ort.runtime.memory import host_memory_retained, max_rss_bytes, retain_host_memory
 from spmd_ort.program import CompiledProgram
+from spmd_ort.distributed.stages import mark_stages
+from spmd_ort.passes.pipeline_parallel import PipelineStages
 from spmd_ort.tuner import Tuner
 
 logger = get_logger(__name__)
@@ -202,6 +204,9 @@ class CompiledStep:
             key = self.shapes.agreed_key(call)
             program = self._compile_everywhere(call, key, **build)
         self.tuner.compiled(program)  # the cap its buckets were built with; its inductor candidate or not
+        stages = program.results.get(PipelineStages)
+        if stages is not None and not planning:  # what a checkpoint of the model reads from each stage
+            mark_stages(call.module, call.mode, stages.stepped)
         if call.mode is not None and not call.mode.sharded and id(call.module) not in self._synced and not planning:
             tp = self._tensor_parallel
             # rank 0's weights everywhere, as DDP does (2-D: within each data-parallel group)

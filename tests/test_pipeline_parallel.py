@@ -25,10 +25,11 @@ def test_every_schedule_trains_as_one_process_eager(tmp_path):
     """A 4-block GPT with a tied head, pp=2, 4 micro-batches of 2: each schedule (interleaved: 2 stages per rank)
     trains as eager on the batch of 8, whose labels are padded unevenly (the mean over counted targets weighs each
     micro-batch by its count), and 1F1B on a summed loss; both ranks together step every parameter, each once;
-    then the refusals: a batch the micro-batches do not divide, a split naming no module (a ConfigError on both
+    after the first, the whole model as eager's on every rank (full_state_dict) and a DCP checkpoint loaded into a
+    fresh model whose next step is eager's; then the refusals: a batch the micro-batches do not divide, a split naming no module (a ConfigError on both
     ranks), rank 1 passing another batch (a DifferentBatchError on both), the model and optimizer untouched."""
-    ranks, _ = torchrun(tmp_path, "--schedules", ",".join(SCHEDULES + ("1f1b+sum",)), "--refusals", script=SCRIPT,
-                        timeout=600)
+    ranks, _ = torchrun(tmp_path, "--schedules", ",".join(SCHEDULES + ("1f1b+sum",)), "--refusals", "--checkpoint",
+                        script=SCRIPT, timeout=600)
     stepped = [set(r[s]["stepped"]) for r in ranks for s in ("1f1b",)]
     assert not stepped[0] & stepped[1] and len(stepped[0] | stepped[1]) == 48, stepped  # every parameter, once
     for r in ranks:
@@ -42,6 +43,9 @@ def test_every_schedule_trains_as_one_process_eager(tmp_path):
             assert f"schedule {schedule}: bubble" in case["explain"], case["explain"]
             assert "rank 0: F0" in case["explain"] and "rank 1: ." in case["explain"], case["explain"]
         assert max(r["1f1b+sum"]["worst"].values()) < 2e-3, r["1f1b+sum"]["worst"]
+        ckpt = r["checkpoint"]  # every stage's parameters, though each rank steps only its own
+        assert ckpt["full_state_dict"] < 2e-3 and ckpt["loaded"] < 2e-3, ckpt
+        assert abs(ckpt["resumed_loss"][0] - ckpt["resumed_loss"][1]) < 1e-4, ckpt
         # stage 1 begins at blocks.2; the tied head's weight is stepped where the embedding reads it (stage 0)
         assert "stage 1 from blocks.2" in r["1f1b"]["lines"][0]
         assert ("wte.weight" in r["1f1b"]["stepped"]) == (r is ranks[0])

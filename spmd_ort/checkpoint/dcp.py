@@ -50,6 +50,7 @@ from spmd_ort.errors import CheckpointError, is_timeout
 from spmd_ort.capture.optim import initial_step
 from spmd_ort.distributed.dtensor import is_dtensor
 from spmd_ort.distributed.sharding import ShardSpec, is_sharded_state, place_full, spec_of
+from spmd_ort.distributed.stages import sync_stages
 
 NOTHING_CHANGED = "Nothing was loaded: the model, optimizer and step are unchanged."
 
@@ -69,8 +70,10 @@ def _names(model: nn.Module) -> dict[int, str]:
 
 
 def state_dict(train_step, model: nn.Module, optimizer: torch.optim.Optimizer | None = None) -> dict:
-    """``{"model": ..., "optim": ...}`` for DCP: sharded tensors as DTensors over the live shards."""
+    """``{"model": ..., "optim": ...}`` for DCP: sharded tensors as DTensors over the live shards (a pipeline's:
+    each stage's parameters and state as the rank stepping them holds them, on every rank)."""
     train_step.prepare(model, optimizer)
+    sync_stages(model, optimizer)
     model_sd = {}
     for name, t in model.state_dict(keep_vars=True).items():
         spec = spec_of(t)  # (a sharded parameter is a DTensor already, but a 0-d one: its flat shard)

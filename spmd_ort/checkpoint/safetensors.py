@@ -49,6 +49,7 @@ from spmd_ort.checkpoint.problems import Problem, agree
 from spmd_ort.distributed import parallel
 from spmd_ort.distributed.dtensor import is_dtensor
 from spmd_ort.distributed.sharding import SHARD_ATTR, ShardSpec, flat_of, gather_full, spec_of
+from spmd_ort.distributed.stages import sync_stages
 from spmd_ort.runtime.memory import release_free_host_memory
 
 WEIGHTS = "model.safetensors"
@@ -744,6 +745,7 @@ def save_safetensors(model: nn.Module, directory: str | Path, *, max_shard_bytes
     """
     target = Path(directory)
     rank, _ = parallel.world()
+    sync_stages(model)  # (a pipeline: each stage's weights from the rank stepping them)
     tensors = _tensors(model)
     meta = [names[0] for names, t in tensors if (t._local_tensor if is_dtensor(t) else t).is_meta]
     problems = [Problem(f"`{meta[0]}`" + (f" and {len(meta) - 1} more tensors are" if len(meta) > 1 else " is")

@@ -49,6 +49,7 @@ import torch.distributed as dist
 from torch import Tensor, nn
 
 from spmd_ort.runtime.collectives import data_group, ours
+from spmd_ort.distributed.stages import sync_stages
 
 SHARD_ATTR = "_spmd_ort_shard"
 TO_EMPTY_ATTR = "_spmd_ort_to_empty"  # on a meta model laid out up front: (shard specs by FQN, tied holders)
@@ -431,6 +432,7 @@ def full_state_dict(module: nn.Module, optimizer: torch.optim.Optimizer | None =
     """
     rank = dist.get_rank() if dist.is_initialized() else 0
     keep = not rank0_only or rank == 0
+    sync_stages(module, optimizer)  # (a pipeline: each stage's values from the rank stepping them)
     full = {id(p): _whole(gather_full(p)) for p in module.parameters()}
     model_sd = {}
     for name, t in module.state_dict(keep_vars=True).items():

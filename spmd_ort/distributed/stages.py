@@ -333,6 +333,45 @@ def _in_order(name: str, pp: int, n_stages: int, microbatches: int, orders, read
     return Schedule(name, pp, n_stages, microbatches, False, tuple(tuple(a) for a in out))
 
 
+STAGES_ATTR = "_spmd_ort_pipeline_stages"  # on a module a pipelined step trains: (mode, the FQNs this rank steps)
+
+
+def mark_stages(module, mode: PipelineParallel, stepped: tuple[str, ...]) -> None:
+    """Record on ``module`` which of its parameters this rank steps (a pipelined step compiled for it)."""
+    setattr(module, STAGES_ATTR, (mode, tuple(stepped)))
+
+
+def sync_stages(module, optimizer=None) -> None:
+    """Every parameter of ``module`` (and its optimizer state) as the rank stepping it holds it, on every rank of
+    its pipeline (collective: every rank calls it).  A pipeline rank steps only its stages' parameters; the others'
+    values on it are where they were when it compiled, so what reads the whole model (a checkpoint, the full state
+    dict, safetensors) takes each from its stage.  Nothing happens for a module no pipelined step trains."""
+    import torch.distributed as dist
+
+    from spmd_ort.runtime.collectives import control_group, data_group
+
+    marked = getattr(module, STAGES_ATTR, None)
+    if marked is None or not (dist.is_available() and dist.is_initialized()):
+        return
+    mode, stepped = marked
+    rank = dist.get_rank()
+    everyone: list = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, stepped, group=control_group())
+    mine = mode.groups(dist.get_world_size())[rank % mode.dp]  # this rank's pipeline, by global rank
+    owner = {name: r for r in mine for name in everyone[r]}
+    group = data_group(mode.group_name())
+    with torch.no_grad():
+        for name, p in module.named_parameters():
+            src = owner.get(name)
+            if src is None:  # (a parameter no stage steps: it has no gradient, as eager leaves it)
+                continue
+            dist.broadcast(p.data, src=src, group=group)
+            state = optimizer.state.get(p, {}) if optimizer is not None else {}
+            for key in sorted(state):
+                if isinstance(state[key], torch.Tensor):
+                    dist.broadcast(state[key], src=src, group=group)
+
+
 def micro_batch(call, inputs) -> tuple[tuple, dict, int, frozenset]:
     """The call with its batch cut to the first micro-batch (what the step is traced on), the micro-batch's rows,
     and the positions of the leaves cut: every tensor whose dim 0 is the batch's (the first tensor's dim 0).

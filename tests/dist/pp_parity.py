@@ -105,6 +105,25 @@ def refusals(world: int) -> dict:
     return out
 
 
+def checkpoint(path: Path, step, compiled, opt_c, eager, opt_e, loss_fn, batch, layout, backend) -> dict:
+    """Each rank steps only its stages, yet the whole model reads as eager's: ``full_state_dict`` on every rank,
+    and a DCP checkpoint loaded into a fresh model and optimizer, whose next step equals eager's next step."""
+    full = spmd_ort.full_state_dict(compiled, opt_c, rank0_only=False)
+    worst = max(rel(full["model"][name], t.detach()) for name, t in eager.state_dict().items())
+    spmd_ort.save_checkpoint(path, step, compiled, opt_c)
+    fresh = copy.deepcopy(eager)
+    with torch.no_grad():
+        for p in fresh.parameters():
+            p.zero_()
+    opt_f = torch.optim.AdamW(fresh.parameters(), lr=1e-2, weight_decay=0.1)
+    resumed = spmd_ort.compile(parallel_mode=layout, backend=backend)(stepper(loss_fn))
+    spmd_ort.load_checkpoint(path, resumed, fresh, opt_f)
+    loaded = max(rel(a.detach(), b.detach()) for a, b in zip(fresh.parameters(), eager.parameters()))
+    le = float(update(eager, opt_e, loss_fn(eager, *batch)))  # (one pipeline: its batch is the whole batch)
+    lf = float(resumed(fresh, opt_f, *batch))
+    return {"full_state_dict": worst, "loaded": loaded, "resumed_loss": [lf, le]}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", required=True)
@@ -116,6 +135,8 @@ def main() -> None:
     ap.add_argument("--split", default="", help="module FQNs where stages begin (comma-separated), or 'none'")
     ap.add_argument("--refusals", action="store_true")
     ap.add_argument("--dp", type=int, default=1, help="dp_replicate: pipelines, each on its own batch")
+    ap.add_argument("--checkpoint", action="store_true", help="after the first case: full_state_dict, a DCP "
+                                                              "checkpoint saved and loaded into a fresh model, a step")
     args = ap.parse_args()
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
@@ -165,6 +186,9 @@ def main() -> None:
             se, sc = opt_e.state[pe], opt_c.state[pc]
             for key in ("exp_avg", "exp_avg_sq"):
                 assert rel(sc[key], se[key]) < 2e-3 or se[key].norm() < 1e-9, (case, name, key)
+        if args.checkpoint and not result:  # the first case: the whole model as eager's, saved, loaded, resumed
+            result["checkpoint"] = checkpoint(Path(args.out) / "ckpt", step, compiled, opt_c, eager, opt_e,
+                                              loss_fn, batches[replica], layout, args.backend)
         result[case] = {"losses": losses, "worst": worst, "stepped": sorted(stepped),
                             "explain": step.explain(), "lines": stages_result.lines(),
                             "bubble": stages_result.schedule.bubble, "traces": len(step.variants),
