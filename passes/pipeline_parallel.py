@@ -498,7 +498,6 @@ class _Writer:
                 self._tags[("grad", index, s)] = k
         k += 1
         self._tags[("loss",)] = k
-        self._tag_base = k
 
     # values ------------------------------------------------------------
     def lookup(self, a: fx.Node, m: int | None) -> fx.Node:

@@ -170,9 +170,9 @@ class Schedule:
         width = micro_width or max(len(self._cell(a)) for acts in self.actions for a in acts)
         rows = []
         for r, acts in enumerate(self.actions):
-            cells = ["." * 1] * self.makespan
+            cells = ["."] * int(self.makespan)
             for a in acts:
-                for t in range(a.start, a.start + a.length):
+                for t in range(int(a.start), int(a.start + a.length)):
                     cells[t] = self._cell(a)
             rows.append(f"rank {r}: " + " ".join(c.ljust(width) for c in cells))
         return rows
