@@ -456,6 +456,10 @@ class _Writer:
             while node.op != "root":  # what the action added (the graph only grows at its end)
                 node.meta[PP_ACTION] = (action.kind, action.stage, action.micro)
                 node = node.next
+        # every rank here, its micro-batches done (every transfer of theirs matched): the index checks of the stages
+        # agree, before any update; a link of the transfers' chain, so no later receive is posted before it (a
+        # rank that raises here leaves nothing of ours in flight)
+        self.token = _call(self.g, ops.agree_checks, (self._chain(),), self.fake_empty())
         self._gradients()
         outputs = self._post()
         if self.token is not None:

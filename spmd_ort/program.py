@@ -95,6 +95,8 @@ class CompiledProgram:
         batch = self.batch_inputs(args, kwargs)
         inputs = self.layout.gather() + batch
         inputs += [batch[k].grad for k in self._grads_in]
+        # a pipeline rank's index checks are its stages' own: they agree at one point every rank reaches
+        active().deferred_checks = [] if self.results.get(PipelineStages) is not None else None
         if self.opaque:
             with active().running(self.opaque) as frame:  # what opaque forwards save for their backwards, this step
                 outs = self.executor.run(inputs)

@@ -27,7 +27,9 @@ def test_every_schedule_trains_as_one_process_eager(tmp_path):
     micro-batch by its count), and 1F1B on a summed loss; both ranks together step every parameter, each once;
     after the first, the whole model as eager's on every rank (full_state_dict) and a DCP checkpoint loaded into a
     fresh model whose next step is eager's; then the refusals: a batch the micro-batches do not divide, a split naming no module (a ConfigError on both
-    ranks), rank 1 passing another batch (a DifferentBatchError on both), the model and optimizer untouched."""
+    ranks), rank 1 passing another batch (a DifferentBatchError on both), a token past the vocabulary that only
+    stage 0 embeds (an InputIndexError on both: the stages' checks agree after the micro-batches, before any
+    update), the model and optimizer untouched."""
     ranks, _ = torchrun(tmp_path, "--schedules", ",".join(SCHEDULES + ("1f1b+sum",)), "--refusals", "--checkpoint",
                         script=SCRIPT, timeout=600)
     stepped = [set(r[s]["stepped"]) for r in ranks for s in ("1f1b",)]
@@ -53,6 +55,7 @@ def test_every_schedule_trains_as_one_process_eager(tmp_path):
         assert "`x` has 4 rows (dim 0), which 3 micro-batches do not divide" in refused["indivisible"], refused
         assert "ConfigError: Pipeline(split=[..., 'blocks.9', ...]) names no module of GPT" in refused["no_module"]
         assert "ConfigError" in refused["indivisible"], refused
+        assert refused["bad_index"].startswith("InputIndexError: ") and "71" in refused["bad_index"], refused
         assert refused["different_batch"].startswith("DifferentBatchError: rank 0 and rank 1 of one pipeline group "
                                                      "pass different values for `x`"), refused
 

@@ -73,6 +73,9 @@ torch.library.register_autograd("spmd_ort::tap", lambda ctx, grad: (grad, None),
 check_index = _op("check_index(Tensor(a) index, SymInt high, bool wraps, int? ignore, str op, str input, str fqn, "
                   "str message) -> Tensor(a)", checks.check_index, lambda index, *rest: index)
 fx.node.has_side_effect(check_index)
+# a pipeline's index checks agreed on by every rank, at one point they all reach (after the micro-batches)
+agree_checks = _op("agree_checks(Tensor after) -> Tensor", checks.agree_checks, lambda after: after.new_empty(0))
+fx.node.has_side_effect(agree_checks)
 
 # ---------------------------------------------------------------------- random
 # ``t.bernoulli_(p)`` as a functional op: the mask in ``t``'s own layout, filled in its memory order as the

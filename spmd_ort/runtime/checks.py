@@ -14,6 +14,7 @@ from torch import Tensor
 
 from spmd_ort.errors import InputIndexError
 from spmd_ort.runtime.collectives import control_group
+from spmd_ort.runtime.step_runtime import current
 
 
 def check_index(index: Tensor, high: int, wraps: bool, ignore: int | None, op: str, input: str,  # noqa: A002
@@ -30,6 +31,13 @@ def check_index(index: Tensor, high: int, wraps: bool, ignore: int | None, op: s
         _assert_in_range_async(index, high, wraps, ignore, message)
         return index
     failure = _first_bad(index, high, wraps, ignore)
+    rt = current()
+    if rt is not None and rt.deferred_checks is not None:  # a pipeline rank: agreed at agree_checks
+        if failure is None:
+            return index
+        rt.deferred_checks.append((failure, high, ignore, op, input, fqn, message))
+        # what reads it runs on in range (eager's kernel would raise here, alone); every rank raises at agree_checks
+        return index.clamp(-high if wraps else 0, high - 1)
     world = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
     if world > 1:
         # Every rank runs this check at the same point of the same graph: they agree on whether any of them
@@ -51,6 +59,36 @@ def check_index(index: Tensor, high: int, wraps: bool, ignore: int | None, op: s
     if bad_rank is not None and bad_rank != dist.get_rank():
         text = f"rank {bad_rank}'s batch: {text} (this rank, {dist.get_rank()}, raises with it)"
     raise InputIndexError(text, input=input, op=op, fqn=fqn or None, value=value, position=position, low=low,
+                          high=high, ignore=ignore, rank=bad_rank)
+
+
+def agree_checks(after: Tensor) -> Tensor:
+    """A pipeline's index checks agreed on by every rank at one point all of them reach (each rank's graph holds
+    its own stages' checks, so a check cannot agree where it runs): every rank raises the first failure any of
+    them found, before any optimizer update; a token otherwise."""
+    rt = current()
+    found = list(rt.deferred_checks or []) if rt is not None else []
+    if rt is not None and rt.deferred_checks is not None:
+        rt.deferred_checks.clear()  # (the next run of the graph: a timing run, the next step)
+    mine = found[0] if found else None
+    world = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+    bad_rank = None
+    if world > 1:
+        flag = torch.tensor([0 if mine is None else 1], dtype=torch.int32)
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=control_group())
+        if int(flag) == 0:
+            return after.new_empty(0)
+        everyone: list = [None] * world
+        dist.all_gather_object(everyone, mine, group=control_group())
+        bad_rank = next(r for r, f in enumerate(everyone) if f is not None)
+        mine = everyone[bad_rank]
+    elif mine is None:
+        return after.new_empty(0)
+    (low, value, position), high, ignore, op, input_, fqn, message = mine
+    text = message.replace("{value}", str(value)).replace("{position}", str(list(position)))
+    if bad_rank is not None and bad_rank != dist.get_rank():
+        text = f"rank {bad_rank}'s batch: {text} (this rank, {dist.get_rank()}, raises with it)"
+    raise InputIndexError(text, input=input_, op=op, fqn=fqn or None, value=value, position=position, low=low,
                           high=high, ignore=ignore, rank=bad_rank)
 
 

@@ -32,6 +32,9 @@ class StepRuntime:
     # hyper-parameters kept on the device (a CUDA-graphed step): the address of each group's tensor -> its values
     # as the host wrote them this step, which the optimizer kernels take as numbers without reading the device
     hparam_values: dict[int, tuple[float, ...]] = field(default_factory=dict)
+    # a pipeline's graph (each rank its own checks): the index checks that failed this run, agreed on by every rank
+    # at one point all reach (spmd_ort::agree_checks, after the micro-batches); None: each check agrees itself
+    deferred_checks: list | None = None
 
     @contextlib.contextmanager
     def active(self) -> Iterator[StepRuntime]:

@@ -83,23 +83,27 @@ def rel(a: torch.Tensor, b: torch.Tensor) -> float:
 
 
 def refusals(world: int) -> dict:
-    """A batch the micro-batches do not divide, a split naming no module, and rank 1 passing another batch than
-    rank 0: an error on every rank, the model and optimizer untouched."""
+    """A batch the micro-batches do not divide, a split naming no module, rank 1 passing another batch than rank 0,
+    and a token past the vocabulary (only stage 0 embeds it): an error on every rank, the model and optimizer
+    untouched."""
     out = {}
     cases = (("indivisible", spmd_ort.Pipeline(microbatches=3, split=["blocks.2"]), 4, 0),
              ("no_module", spmd_ort.Pipeline(microbatches=2, split=["blocks.9"]), 4, 0),
-             ("different_batch", spmd_ort.Pipeline(microbatches=2, split=["blocks.2"]), 4, dist.get_rank()))
+             ("different_batch", spmd_ort.Pipeline(microbatches=2, split=["blocks.2"]), 4, dist.get_rank()),
+             ("bad_index", spmd_ort.Pipeline(microbatches=2, split=["blocks.2"]), 4, -1))
     for name, pipeline, rows, seed in cases:
         model, loss_fn = build("gpt")
         opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
         before = [p.detach().clone() for p in model.parameters()]
         step = spmd_ort.compile(parallel_mode=spmd_ort.Parallel(pp=world, pipeline=pipeline),
                                 backend="fx")(stepper(loss_fn))
-        x = torch.randint(0, VOCAB, (rows, 16), generator=torch.Generator().manual_seed(seed))
+        x = torch.randint(0, VOCAB, (rows, 16), generator=torch.Generator().manual_seed(max(seed, 0)))
+        if seed < 0:  # a token past the vocabulary in the last micro-batch: stage 0's embedding check fails
+            x[3, 5] = VOCAB + 7
         try:
             step(model, opt, x, x)
             out[name] = "no error"
-        except spmd_ort.CompileError as exc:
+        except (spmd_ort.CompileError, spmd_ort.InputIndexError) as exc:
             out[name] = f"{type(exc).__name__}: {exc}"
         assert all(torch.equal(p, b) for p, b in zip(model.parameters(), before)) and not opt.state, name
     return out
