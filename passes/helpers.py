@@ -34,9 +34,9 @@ def nbytes(node: fx.Node) -> int:
     return value_bytes(val(node))
 
 
-def call(graph: fx.Graph, target, args: tuple, value) -> fx.Node:
+def call(graph: fx.Graph, target, args: tuple, value, kwargs: dict | None = None) -> fx.Node:
     """A ``call_function`` node with its ``meta["val"]`` set."""
-    node = graph.call_function(target, args)
+    node = graph.call_function(target, args, kwargs or {})
     node.meta["val"] = value
     return node
 

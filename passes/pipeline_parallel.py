@@ -42,7 +42,8 @@ from spmd_ort.runtime.collectives import data_group
 
 from .context import PassResult
 from .contracts import GRADS_TAGGED, NO_GRAD_TAGS
-from .helpers import GRADIENT_OF, PP_ACTION, PP_SCHEDULE, TAG, aten, fake_mode_of, nbytes, phase, placeholders
+from .helpers import (GRADIENT_OF, PP_ACTION, PP_SCHEDULE, TAG, aten, call, fake_mode_of, nbytes, phase,
+                      placeholders)
 from .runner import graph_pass
 
 # what a node of the traced graph is to the pipeline
@@ -126,7 +127,7 @@ class _Cut:
                 self.kind[n] = TAGGED
             elif TAGGED in ins or POST in ins:
                 self.kind[n] = POST
-            elif MB in ins or (phase(n) == "backward" and MB in ins):
+            elif MB in ins:
                 self.kind[n] = MB
             elif "state" in ins or PRE in ins:
                 self.kind[n] = MB if "batch" in ins or ANY in ins else PRE
@@ -328,12 +329,6 @@ def _weighting(cut: _Cut) -> tuple[str, fx.Node | None]:
             ".sum(), or a sum divided by a number). Fix: return such a loss", op=str(n.target))
 
 
-def _call(graph: fx.Graph, target, args: tuple, value, kwargs: dict | None = None) -> fx.Node:
-    node = graph.call_function(target, args, kwargs or {})
-    node.meta["val"] = value
-    return node
-
-
 class _Writer:
     """This rank's graph: its stages' nodes for every micro-batch in the schedule's order, the transfers, its
     optimizer."""
@@ -356,6 +351,8 @@ class _Writer:
         self._consumers()
         self.weighting, self.nll = _weighting(cut)
         self.weights: dict[int, fx.Node] = {}  # micro-batch -> its share of the step's loss ("tokens")
+        self.opt_nodes: dict = {}  # the traced optimizer node -> (this rank's, its outputs' new positions), or None
+        self.completed: set[fx.Node] = set()  # the whole model's gradient norm (completed across the ranks)
 
     # ------------------------------------------------------------------ what reads what
     def _parts(self) -> None:
@@ -408,7 +405,7 @@ class _Writer:
     # ------------------------------------------------------------------ transfers
     def _chain(self) -> fx.Node:
         if self.token is None:
-            self.token = _call(self.g, aten.empty.memory_format, ([0],), self.fake_empty(),
+            self.token = call(self.g, aten.empty.memory_format, ([0],), self.fake_empty(),
                                {"device": self.device})
         return self.token
 
@@ -418,16 +415,16 @@ class _Writer:
 
     def send(self, value: fx.Node, to_stage: int, tag: int) -> None:
         peer = self.mode.peer(to_stage, self.global_rank)
-        self.token = _call(self.g, ops.p2p_send, (value, self._chain(), peer, tag), self.fake_empty())
+        self.token = call(self.g, ops.p2p_send, (value, self._chain(), peer, tag), self.fake_empty())
         self.sends += 1
         self.send_bytes += nbytes(value)
 
     def recv(self, like: fx.Node, from_stage: int, tag: int) -> fx.Node:
         v = like.meta["val"]
-        posted = _call(self.g, ops.p2p_recv, (self._chain(), list(v.shape), v.dtype,
+        posted = call(self.g, ops.p2p_recv, (self._chain(), list(v.shape), v.dtype,
                                               self.mode.peer(from_stage, self.global_rank), tag), self._fake_like(v))
         self.token = posted
-        return _call(self.g, ops.p2p_wait_recv, (posted,), self._fake_like(v))
+        return call(self.g, ops.p2p_wait_recv, (posted,), self._fake_like(v))
 
     def _fake_like(self, v):
         with self.fake:
@@ -459,11 +456,11 @@ class _Writer:
         # every rank here, its micro-batches done (every transfer of theirs matched): the index checks of the stages
         # agree, before any update; a link of the transfers' chain, so no later receive is posted before it (a
         # rank that raises here leaves nothing of ours in flight)
-        self.token = _call(self.g, ops.agree_checks, (self._chain(),), self.fake_empty())
+        self.token = call(self.g, ops.agree_checks, (self._chain(),), self.fake_empty())
         self._gradients()
         outputs = self._post()
         if self.token is not None:
-            done = _call(self.g, ops.p2p_wait, (self.token,), self.fake_empty())
+            done = call(self.g, ops.p2p_wait, (self.token,), self.fake_empty())
             p = self.mode.pipeline
             done.meta[PP_SCHEDULE] = {"schedule": p.schedule, "pp": self.mode.pp, "microbatches": p.microbatches,
                                       "stages_per_rank": p.stages_per_rank, "flops": self.stage_flops()}
@@ -514,7 +511,7 @@ class _Writer:
             key = ("slice", a)
             if key not in self.mb_env[m]:
                 rows = cut.rows
-                self.mb_env[m][key] = _call(self.g, aten.slice.Tensor, (ph, 0, m * rows, (m + 1) * rows),
+                self.mb_env[m][key] = call(self.g, aten.slice.Tensor, (ph, 0, m * rows, (m + 1) * rows),
                                             a.meta["val"])
             return self.mb_env[m][key]
         if kind == FREE:
@@ -559,8 +556,8 @@ class _Writer:
         key = (index, stage)
         prev = self.acc.get(key)
         if self.weighting == "tokens":  # this micro-batch's share of the batch's counted tokens
-            value = _call(self.g, aten.mul.Tensor, (value, self.weight(m)), value.meta["val"])
-        self.acc[key] = value if prev is None else _call(self.g, aten.add.Tensor, (prev, value), value.meta["val"])
+            value = call(self.g, aten.mul.Tensor, (value, self.weight(m)), value.meta["val"])
+        self.acc[key] = value if prev is None else call(self.g, aten.add.Tensor, (prev, value), value.meta["val"])
 
     # step-level values (parameters another stage reads, PRE) -----------------------------------------
     def _step_level(self) -> None:
@@ -643,27 +640,27 @@ class _Writer:
                 with self.fake:
                     mask = torch.empty(target.meta["val"].shape, dtype=torch.bool)
                     count = torch.empty((), dtype=torch.int64)
-                kept = _call(self.g, aten.ne.Scalar, (target, ignore), mask)
-                n = _call(self.g, aten.sum.default, (kept,), count)
-                counts.append(_call(self.g, aten._to_copy.default, (n,), scalar, {"dtype": scalar.dtype}))
+                kept = call(self.g, aten.ne.Scalar, (target, ignore), mask)
+                n = call(self.g, aten.sum.default, (kept,), count)
+                counts.append(call(self.g, aten._to_copy.default, (n,), scalar, {"dtype": scalar.dtype}))
             total = counts[0]
             for c in counts[1:]:
-                total = _call(self.g, aten.add.Tensor, (total, c), scalar)
+                total = call(self.g, aten.add.Tensor, (total, c), scalar)
             for k, c in enumerate(counts):
-                self.weights[k] = _call(self.g, aten.div.Tensor, (c, total), scalar)
+                self.weights[k] = call(self.g, aten.div.Tensor, (c, total), scalar)
         return self.weights[m]
 
     def _combine(self, values: list[fx.Node], like: fx.Node) -> fx.Node:
         """The batch's loss from the micro-batches': their mean (a mean over examples), sum, or sum weighted by
         their counted tokens."""
         if self.weighting == "tokens":
-            values = [_call(self.g, aten.mul.Tensor, (v, self.weight(m)), like.meta["val"])
+            values = [call(self.g, aten.mul.Tensor, (v, self.weight(m)), like.meta["val"])
                       for m, v in enumerate(values)]
         total = values[0]
         for v in values[1:]:
-            total = _call(self.g, aten.add.Tensor, (total, v), like.meta["val"])
+            total = call(self.g, aten.add.Tensor, (total, v), like.meta["val"])
         if self.weighting == "mean" and len(values) > 1:
-            total = _call(self.g, aten.div.Tensor, (total, len(values)), like.meta["val"])
+            total = call(self.g, aten.div.Tensor, (total, len(values)), like.meta["val"])
         return total
 
     # the step's end --------------------------------------------------------------------------------------
@@ -691,19 +688,19 @@ class _Writer:
                     pieces.append(self.recv(self.tags[index].args[0], s, self._tags[("grad", index, s)]))
             total = pieces[0]
             for p in pieces[1:]:
-                total = _call(self.g, aten.add.Tensor, (total, p), p.meta["val"])
+                total = call(self.g, aten.add.Tensor, (total, p), p.meta["val"])
             if cut.micro > 1 and self.weighting == "mean":
-                total = _call(self.g, aten.div.Tensor, (total, cut.micro), total.meta["val"])
+                total = call(self.g, aten.div.Tensor, (total, cut.micro), total.meta["val"])
             self.grads[index] = total
         if self.mode.dp > 1:  # the pipelines' gradients averaged (DDP's arithmetic), every reduction started first
             group, started = self.mode.dp_group_name(), {}
             for index, g in self.grads.items():
-                copy = _call(self.g, aten.clone.default, (g,), g.meta["val"],
+                copy = call(self.g, aten.clone.default, (g,), g.meta["val"],
                              {"memory_format": torch.contiguous_format})
-                started[index] = _call(self.g, ops.all_reduce_, (copy, 1.0 / self.mode.dp, group), g.meta["val"])
+                started[index] = call(self.g, ops.all_reduce_, (copy, 1.0 / self.mode.dp, group), g.meta["val"])
                 started[index].meta[GRADIENT_OF] = index
             for index, reduced in started.items():
-                self.grads[index] = _call(self.g, ops.wait_, (reduced,), reduced.meta["val"])
+                self.grads[index] = call(self.g, ops.wait_, (reduced,), reduced.meta["val"])
 
     def _post(self) -> list:
         cut = self.cut
@@ -727,15 +724,9 @@ class _Writer:
             s = self.stage_of(a) if kind == MB else last
             if s in self.mine:
                 mean = self._combine([self.lookup(a, m) for m in range(cut.micro)], a)
-                for t in range(self.mode.pp):
+                for t in range(self.mode.pp):  # (pipeline rank t runs stage t)
                     if t != self.rank:
-                        self._reading_stage = s
-                        peer = self.mode.peer(t, self.global_rank)
-                        self.token = _call(self.g, ops.p2p_send, (mean, self._chain(), peer,
-                                                                  self._tags[("loss",)] + 1 + len(user)),
-                                           self.fake_empty())
-                        self.sends += 1
-                        self.send_bytes += nbytes(a)
+                        self.send(mean, t, self._tags[("loss",)] + 1 + len(user))
             else:
                 mean = self.recv(a, s, self._tags[("loss",)] + 1 + len(user))
             user[a] = mean
@@ -806,8 +797,6 @@ class _Writer:
         return values
 
     # the gradient norm across stages ---------------------------------------------------------------------
-    completed: set = set()
-
     def _norms(self, stack: fx.Node, post: list[fx.Node]) -> None:
         """``vector_norm(stack([norm(g) for g in grads]))`` across stages: this rank's norms' squares summed,
         all-reduced over the pipeline's ranks, square-rooted: every rank gets the whole model's norm."""
@@ -826,16 +815,16 @@ class _Writer:
         with self.fake:
             scalar = torch.empty((), dtype=v.dtype, device=v.device)
         if mine:
-            squares = [_call(self.g, aten.mul.Tensor, (x, x), scalar) for x in mine]
+            squares = [call(self.g, aten.mul.Tensor, (x, x), scalar) for x in mine]
             part = squares[0]
             for sq in squares[1:]:
-                part = _call(self.g, aten.add.Tensor, (part, sq), scalar)
-            part = _call(self.g, aten.clone.default, (part,), scalar)
+                part = call(self.g, aten.add.Tensor, (part, sq), scalar)
+            part = call(self.g, aten.clone.default, (part,), scalar)
         else:
-            part = _call(self.g, aten.zeros.default, ([],), scalar, {"dtype": v.dtype, "device": v.device})
-        reduced = _call(self.g, ops.all_reduce_, (part, 1.0, self.mode.group_name()), scalar)
-        done = _call(self.g, ops.wait_, (reduced,), scalar)
-        self.step_env[total] = _call(self.g, aten.sqrt.default, (done,), scalar)
+            part = call(self.g, aten.zeros.default, ([],), scalar, {"dtype": v.dtype, "device": v.device})
+        reduced = call(self.g, ops.all_reduce_, (part, 1.0, self.mode.group_name()), scalar)
+        done = call(self.g, ops.wait_, (reduced,), scalar)
+        self.step_env[total] = call(self.g, aten.sqrt.default, (done,), scalar)
         self.completed = {total}
 
     def _post_stage(self, a: fx.Node) -> int | None:
@@ -853,8 +842,6 @@ class _Writer:
         return None
 
     # the optimizer, this rank's parameters --------------------------------------------------------------
-    opt_nodes: dict = {}
-
     def _optimizer(self, n: fx.Node) -> int | None:
         schema = n.target._schema
         names = [a.name for a in schema.arguments]
@@ -900,7 +887,7 @@ class _Writer:
         if k not in index:
             return None
         position, stage = index[k]
-        item = _call(self.g, operator.getitem, (new, position), n.meta["val"])
+        item = call(self.g, operator.getitem, (new, position), n.meta["val"])
         item.meta = dict(n.meta)
         self.step_env[n] = item
         return stage
@@ -930,7 +917,6 @@ def split_pipeline_stages_pass(gm: fx.GraphModule, ctx) -> fx.GraphModule:
         data_group(mode.dp_group_name())
     schedule = simulate(mode.pipeline.schedule, mode.pp, mode.pipeline.microbatches, mode.pipeline.stages_per_rank)
     writer = _Writer(cut, rank, schedule, ctx.rank)
-    writer.opt_nodes, writer.completed = {}, set()
     writer.split_backward()
     graph = writer.write()
     new = fx.GraphModule(gm, graph)
